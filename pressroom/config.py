@@ -1,0 +1,143 @@
+"""Engine configuration: one flat `EngineArgs` (vLLM's names) resolved into validated sub-configs."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 halves the weight bytes each decode step streams; CPUs with AVX512-BF16/AMX run it natively.
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+    max_model_len: int | None = None
+    seed: int = 0
+    hf_config: object = None  # transformers.PretrainedConfig, filled by the loader
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int = 2 << 30
+    num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_blocks}.")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    policy: str = "fcfs"
+    max_model_len: int = 0  # copied from the model config once known
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every knob a user may set, flat, with vLLM's names."""
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        unknown = set(kwargs) - cls.names()
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.device != "cpu":
+            raise ValueError(f"device must be 'cpu' for now, got {self.device!r}.")
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        memory = self.kv_cache_memory_gib
+        if memory is None:
+            memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
+        return EngineConfig(
+            model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
+                              dtype=resolve_dtype(self.dtype, self.device), max_model_len=self.max_model_len,
+                              seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_memory_bytes=int(memory * (1 << 30)), num_blocks=self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, policy=self.scheduling_policy),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=self.device,
+        )

@@ -1,0 +1,62 @@
+"""The plain messages that cross the scheduler / model-runner boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pressroom.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the model runner has not seen (or has forgotten, after preemption)."""
+    req_id: str
+    token_ids: list[int]  # prompt, then any tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose runner-side state is stale: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# Top-N logprobs of one position: (token ids, logprobs), the chosen token first, then by rank.
+TopLogprobs = tuple[list[int], list[float], list[int]]  # ids, logprobs, ranks
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]]  # empty list for a prefill chunk that did not reach the end
+    logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
+    # Per request, logprobs of prompt positions computed this step (None for position 0).
+    prompt_logprobs: dict[str, list[TopLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    num_cached_tokens: int = 0

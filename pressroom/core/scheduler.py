@@ -1,0 +1,215 @@
+"""One token budget per step, shared by every request; no prefill or decode phases.
+
+Each step, running requests get their next tokens first (1 for a decode, a chunk for a long
+prompt), then waiting requests are admitted in priority order while budget and blocks last.
+When blocks run out, the worst running request is preempted and later recomputed.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+
+from pressroom.config import SchedulerConfig
+from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                    SchedulerOutput)
+from pressroom.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple, int, Request]] = []  # heap
+        self.running: list[Request] = []
+        self._tiebreak = itertools.count()
+        self._seen_by_runner: set[str] = set()
+        self._stale: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request table ----
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting = [e for e in self.waiting if e[2] is not req]
+                heapq.heapify(self.waiting)
+            self._finish(req, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
+                              self.kv.stats.queries, self.kv.stats.hits)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        # Best first, so a victim (the worst) is never one already scheduled this step.
+        self.running.sort(key=self._key)
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                continue
+            old_len = len(self.kv.req_blocks.get(req.request_id, ()))
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled[req.request_id] = n
+            budget -= n
+            new_blocks = self.kv.block_ids(req.request_id)[old_len:]
+            cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+
+        # Admitting new work in a step that had to preempt would just thrash.
+        if not preempted_now:
+            self._admit_waiting(budget, scheduled, new_reqs)
+
+        stale, self._stale = self._stale, set()
+        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale)
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        results = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            new_ids = out.sampled_token_ids.get(rid, [])
+            kept = self._append_tokens(req, new_ids)
+            prompt_lps = out.prompt_logprobs.get(rid)
+            if not kept and prompt_lps is None:
+                continue
+            lps = out.logprobs.get(rid)
+            results.append(EngineCoreOutput(
+                rid, kept, req.status.finish_reason, req.stop_reason,
+                lps[:len(kept)] if lps is not None else None, prompt_lps, max(req.num_cached_tokens, 0)))
+            if req.status.finished:
+                self._free(req)
+        return results
+
+    # ---- internals ----
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            entry = heapq.heappop(self.waiting)
+            req = entry[2]
+            if not req.is_ready():
+                skipped.append(entry)
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = 0
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                skipped.append(entry)
+                break
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = n
+            budget -= n
+            new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
+                                           req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
+                                           req.eos_token_id))
+            self._seen_by_runner.add(req.request_id)
+        for entry in skipped:
+            heapq.heappush(self.waiting, entry)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
+
+    def _append_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
+        kept = []
+        for token in new_ids:
+            req.output_token_ids.append(token)
+            kept.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.status = status
+                break
+        return kept
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_in_runner(req)
+        self._enqueue(req)
+
+    def _key(self, req: Request) -> tuple[int, float]:
+        return req.sort_key() if self.config.policy == "priority" else (0, req.arrival_time)
+
+    def _enqueue(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (self._key(req), next(self._tiebreak), req))
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        self._forget_in_runner(req)
+        self.requests.pop(req.request_id, None)
+
+    def _forget_in_runner(self, req: Request) -> None:
+        if req.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(req.request_id)
+            self._stale.add(req.request_id)

@@ -1,0 +1,261 @@
+"""The synchronous engine: request table, scheduling, one model step, detokenization, outputs.
+
+`add_request` validates before touching any state, so a bad request never disturbs the others.
+Each `step` schedules, runs the model once, and returns a cumulative RequestOutput for every
+request that moved.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pressroom.config import EngineArgs, EngineConfig
+from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
+from pressroom.core.request import Request, RequestStatus
+from pressroom.core.scheduler import Scheduler, SchedulerStats
+from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from pressroom.model.loader import load_model
+from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pressroom.sampling_params import SamplingParams
+from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger("pressroom")
+
+MAX_LOGPROBS = 20
+PromptType = str | list[int] | dict
+
+
+@dataclass(slots=True)
+class _Child:
+    """Output-side state of one sample of a request."""
+    index: int
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        loaded = load_model(config.model, config.device)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        self.model_path = loaded.source
+        self.decode = fast_decoder(self.tokenizer)
+        self.eos_token_id = self._eos_token_id()
+        num_blocks = self._num_blocks()
+        self.max_model_len = self._max_model_len(num_blocks)
+        config.scheduler.max_model_len = self.max_model_len
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.model.dtype,
+                                  config.model.seed, config.device)
+        self.vocab_size = self.hf_config.vocab_size
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    time.perf_counter() - start, self.model_path, num_blocks, config.cache.block_size,
+                    self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # ---- set-up ----
+
+    def _eos_token_id(self) -> int | None:
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks + 1  # block 0 is the padding block
+        per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.config.model.dtype)
+        return max(2, cache.kv_cache_memory_bytes // per_block)
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens.")
+        length = asked or limit
+        capacity = (num_blocks - 1) * self.config.cache.block_size
+        if length > capacity:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more", length, capacity)
+            length = capacity
+        return length
+
+    # ---- requests ----
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize_prompt(prompt)
+        self._validate(request_id, token_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [_Child(i, self._detokenizer(token_ids, params),
+                           logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+                    for i in range(params.n)]
+        parent = _Parent(request_id, text, token_ids, params, children, RequestMetrics(arrival),
+                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        self.parents[request_id] = parent
+        lead = None
+        for child in children:
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + child.index)
+            child_id = request_id if params.n == 1 else f"{child.index}_{request_id}"
+            req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival, priority, follows=lead)
+            lead = lead or req
+            self.child_to_parent[child_id] = (parent, child)
+            self.scheduler.add_request(req)
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=self._add_bos()) if prompt else []
+        return None, list(prompt)
+
+    def _add_bos(self) -> bool:
+        return bool(getattr(self.hf_config, "add_bos_token", True))
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if not token_ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten the prompt.")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"Prompt token ids must lie in [0, {self.vocab_size}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
+        if params.logit_bias and any(not 0 <= int(t) < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, params.stop_strings,
+                                      params.include_stop_str_in_output)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            child_ids = [rid] if parent.params.n == 1 else [f"{c.index}_{rid}" for c in parent.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self.child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched)
+        core_outputs = self.scheduler.update_from_output(sched, runner_out)
+        now = time.monotonic()
+        moved: dict[str, _Parent] = {}
+        for out in core_outputs:
+            entry = self.child_to_parent.get(out.req_id)
+            if entry is not None:
+                self._absorb(entry[0], entry[1], out, now)
+                moved[entry[0].request_id] = entry[0]
+        return [self._finish_or_report(p, now) for p in moved.values()]
+
+    def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
+        if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
+            parent.prompt_logprobs.extend(self._position_logprobs(lp) for lp in out.prompt_logprobs)
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_token_ids and parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = now
+        for k, token in enumerate(out.new_token_ids):
+            child.token_ids.append(token)
+            if out.logprobs is not None:
+                position = self._position_logprobs(out.logprobs[k])
+                child.logprobs.append(position)
+                child.cumulative_logprob += position[token].logprob
+            if child.detok is not None and child.detok.add(token) is not None:
+                self._stop_on_string(parent, child)
+                break
+        if out.new_token_ids:
+            parent.metrics.last_token_time = now
+        if out.finish_reason is not None and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+
+    def _stop_on_string(self, parent: _Parent, child: _Child) -> None:
+        child.finish_reason, child.stop_reason = "stop", child.detok.stopped_by
+        child_id = parent.request_id if parent.params.n == 1 else f"{child.index}_{parent.request_id}"
+        self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
+
+    def _position_logprobs(self, top: TopLogprobs | None) -> PositionLogprobs | None:
+        if top is None:
+            return None
+        ids, lps, ranks = top
+        return {t: Logprob(lp, rank, self.decode([t], False)) for t, lp, rank in zip(ids, lps, ranks)}
+
+    def _finish_or_report(self, parent: _Parent, now: float) -> RequestOutput:
+        finished = parent.finished()
+        if finished:
+            parent.metrics.finished_time = now
+            self.parents.pop(parent.request_id, None)
+            for child in parent.children:
+                cid = parent.request_id if parent.params.n == 1 else f"{child.index}_{parent.request_id}"
+                self.child_to_parent.pop(cid, None)
+        return self._request_output(parent, finished)
+
+    def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        outputs = [CompletionOutput(c.index, c.detok.visible_text(c.finish_reason is not None) if c.detok else "",
+                                    list(c.token_ids), c.cumulative_logprob,
+                                    list(c.logprobs) if c.logprobs is not None else None,
+                                    c.finish_reason, c.stop_reason)
+                   for c in parent.children]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics)

@@ -1,0 +1,42 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        if shard.shape[1] != param.shape[1] or shard.shape[0] > param.shape[0]:
+            raise ValueError(f"embedding has shape {tuple(loaded.shape)}; the model expects "
+                             f"({self.vocab_size}, {param.shape[1]}).")
+        param.data[:shard.shape[0]].copy_(shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return tp_all_reduce(y.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits)
+        return logits[..., :self.vocab_size]

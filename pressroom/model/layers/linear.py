@@ -1,0 +1,112 @@
+"""Column- and row-parallel linear layers whose parameters load shard by shard.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies the slice this
+rank owns; stacked layers (qkv, gate_up) take their parts one checkpoint tensor at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by the tensor-parallel size {b}.")
+    return a // b
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy(param.data, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication in forward unless gathered."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(in_features, _divide(out_features, self.tp_size), bias)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return tp_all_gather(y) if self.gather_output else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one matrix (gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = _divide(self.output_sizes[shard_id], self.tp_size)
+        offset = sum(_divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one matrix; KV heads replicate when ranks outnumber them."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp)
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(_divide(in_features, self.tp_size), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Bias is added once, after the reduction.
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: not sharded
+            _copy(param.data, loaded)
+            return
+        size = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp_rank * size, size))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)} where the model expects {tuple(dst.shape)}.")
+    dst.copy_(src)

@@ -1,0 +1,59 @@
+"""Rotary position embedding (NeoX / HF "rotate_half" layout) with Llama-3 and linear scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "llama3":
+        inv = _llama3_inv_freq(inv, scaling)
+    elif kind not in ("default", "linear"):
+        raise ValueError(f"rope scaling type {kind!r} is not supported yet.")
+    return inv
+
+
+def _llama3_inv_freq(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        inv = _inv_freq(rotary_dim, base, scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":
+            positions = positions / scaling["factor"]
+        freqs = torch.outer(positions, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot = x[..., :self.rotary_dim]
+        half = self.rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim < self.head_dim:
+            out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
+        return out

@@ -1,0 +1,31 @@
+"""Architecture name -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def resolve_architecture(hf_config) -> type[nn.Module]:
+    names = list(getattr(hf_config, "architectures", None) or [])
+    names.append(_MODEL_TYPES.get(getattr(hf_config, "model_type", ""), ""))
+    for name in names:
+        if name in _ARCHITECTURES:
+            if name == "Qwen2ForCausalLM":
+                hf_config.attention_bias = True  # Qwen2 always biases q, k and v
+            return _ARCHITECTURES[name]
+    raise ValueError(f"Model architecture {names[0] or hf_config.model_type!r} is not supported; "
+                     f"supported: {', '.join(_ARCHITECTURES)}.")
+
+
+def supported_architectures() -> list[str]:
+    return list(_ARCHITECTURES)

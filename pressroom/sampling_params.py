@@ -1,0 +1,75 @@
+"""Sampling parameters, with vLLM's names so users' scripts carry over."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}."),
+            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}."),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}."),
+            (self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}."),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}."),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
+            (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}."),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}."),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}."),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}."),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}."),
+            (all(s for s in self.stop_strings), "stop strings must not be empty."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stop_strings"}
+        values.update(changes)
+        return SamplingParams(**values)

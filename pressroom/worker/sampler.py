@@ -1,0 +1,160 @@
+"""Turn a batch of logits into tokens, honouring each request's SamplingParams.
+
+Logprobs are reported from the raw model distribution (before penalties, temperature and
+truncation), as vLLM does by default. A seeded request draws its noise from a generator keyed
+by (seed, output position), so its tokens do not depend on batch composition or preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pressroom.core.outputs import TopLogprobs
+from pressroom.sampling_params import SamplingParams
+
+_MASK = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
+           ) -> tuple[list[int], list[TopLogprobs | None]]:
+    """logits: [rows, vocab] float32. Returns one token per row and, where asked, its logprobs."""
+    raw_logprobs = _raw_logprobs(logits, rows)
+    logits = _apply_processors(logits, rows)
+    tokens = _choose(logits, rows, generator)
+    lps = [None if lp is None else top_logprobs(lp, tokens[i], rows[i].params.logprobs)
+           for i, lp in enumerate(raw_logprobs)]
+    return tokens, lps
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: int, n: int) -> TopLogprobs:
+    """The chosen token with its rank, then the top n tokens with theirs."""
+    chosen_lp = logprobs[chosen]
+    rank = int((logprobs > chosen_lp).sum()) + 1
+    ids, lps, ranks = [chosen], [float(chosen_lp)], [rank]
+    if n:
+        values, indices = logprobs.topk(n)
+        ids += indices.tolist()
+        lps += values.tolist()
+        ranks += list(range(1, n + 1))
+    return ids, lps, ranks
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> list[torch.Tensor | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    if wanted:
+        lp = torch.log_softmax(logits[wanted], dim=-1)
+        for j, i in enumerate(wanted):
+            out[i] = lp[j]
+    return out
+
+
+def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    cloned = False
+    for i, row in enumerate(rows):
+        p = row.params
+        banned = _banned_tokens(row)
+        if not (p.logit_bias or p.needs_penalties or banned):
+            continue
+        if not cloned:
+            logits, cloned = logits.clone(), True
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.needs_penalties:
+            _apply_penalties(logits[i], row)
+        if banned:
+            logits[i, banned] = _MASK
+    return logits
+
+
+def _banned_tokens(row: SamplingRow) -> list[int]:
+    """Stop tokens are masked until min_tokens outputs exist."""
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return []
+    banned = list(p.stop_token_ids)
+    if row.eos_token_id is not None and not p.ignore_eos:
+        banned.append(row.eos_token_id)
+    return banned
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    p, vocab = row.params, logits.shape[-1]
+    out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
+        seen[out_ids] = True
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if (p.frequency_penalty or p.presence_penalty) and len(out_ids):
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> list[int]:
+    greedy = [r.params.greedy for r in rows]
+    tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(rows)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    if random_rows:
+        probs = probabilities([rows[i].params for i in random_rows], logits[random_rows])
+        for j, i in enumerate(random_rows):
+            tokens[i] = _draw(probs[j], rows[i], generator)
+    return tokens
+
+
+def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p truncation, then softmax."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    if any(p.top_k for p in params):
+        logits = _top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.tensor([min(k, vocab) if k else vocab for k in ks]).unsqueeze(1)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, k - 1)
+    return logits.masked_fill(logits < kth, _MASK)
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, _MASK)
+
+
+def _draw(probs: torch.Tensor, row: SamplingRow, generator: torch.Generator | None) -> int:
+    """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p."""
+    seed = row.params.seed
+    if seed is not None:
+        generator = torch.Generator().manual_seed(_mix(seed, len(row.output_token_ids)))
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def _mix(seed: int, step: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,83 @@
+"""Shared fixtures: the embedded model, tiny random-weight HF models on disk, and an HF greedy oracle."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pressroom.model.gguf_file import embedded_model_path, load_gguf_tokenizer
+
+TINY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.2, tie_word_embeddings=False)
+
+
+def tiny_config(arch: str):
+    import transformers
+    if arch == "llama":
+        return transformers.LlamaConfig(**TINY_SHAPE)
+    if arch == "mistral":
+        return transformers.MistralConfig(**TINY_SHAPE, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**TINY_SHAPE)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**TINY_SHAPE, head_dim=32)
+    raise KeyError(arch)
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> str:
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(embedded_path):
+    return load_gguf_tokenizer(embedded_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
+    """Returns a function arch -> directory holding a tiny random-weight HF checkpoint and a tokenizer."""
+    import transformers
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            torch.manual_seed(1234)
+            model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            model.save_pretrained(path)
+            smollm_tokenizer.save_pretrained(path)
+            made[arch] = path
+        return made[arch]
+
+    return make
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation with HF's own KV cache, one token per forward (EOS not masked)."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        next_id = out.logits[0, -1].argmax()
+        tokens.append(int(next_id))
+        out = model(input_ids=next_id.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
+    logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def random_prompts(n: int, low: int = 4, high: int = 40, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=gen).tolist()
+    return [torch.randint(100, vocab - 100, (k,), generator=gen).tolist() for k in lengths]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
