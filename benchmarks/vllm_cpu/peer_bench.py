@@ -125,6 +125,26 @@ class CpuShare:
         }
 
 
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.10, window_s: float = 2.0) -> float:
+    """Block until the host's CPUs are < threshold busy over window_s (our engine is idle
+    then, so that is other people's work), or max_wait_s passes. Returns seconds waited."""
+    if max_wait_s <= 0:
+        return 0.0
+    share = CpuShare()
+    t0 = time.perf_counter()
+    while True:
+        b0 = share._host_busy_s()
+        time.sleep(window_s)
+        busy = (share._host_busy_s() - b0) / (share.ncpu * window_s)
+        waited = time.perf_counter() - t0
+        if busy < threshold:
+            log(f"host quiet ({busy:.0%} busy) after {waited:.0f} s")
+            return waited
+        if waited >= max_wait_s:
+            log(f"host still {busy:.0%} busy after {waited:.0f} s; measuring anyway")
+            return waited
+
+
 def load_workload(path: Path) -> dict:
     w = json.loads(path.read_text())
     mode = w.get("mode")
@@ -227,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(max(1, w["num_iters_warmup"])):
             generate(prompts[: min(n, 8)], warm_params)
         runs = []
+        engine_info["waited_for_quiet_s"] = round(wait_for_quiet(args.wait_quiet), 1)
         with CpuShare() as share:
             for i in range(w["num_iters"]):
                 elapsed, out_tokens = generate(prompts, sp)
@@ -251,6 +272,7 @@ def run(args: argparse.Namespace) -> dict:
             elapsed, _ = generate(prompts, sp)
             log(f"latency warmup {i + 1}/{w['num_iters_warmup']}: {elapsed:.3f} s")
         latencies, out_counts = [], []
+        engine_info["waited_for_quiet_s"] = round(wait_for_quiet(args.wait_quiet), 1)
         with CpuShare() as share:
             for i in range(w["num_iters"]):
                 elapsed, out_tokens = generate(prompts, sp)
@@ -301,6 +323,14 @@ def main() -> None:
         "--compile",
         action="store_true",
         help="let vLLM torch.compile the model (inductor) instead of running eagerly",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="MAX_S",
+        help="after warmup, wait up to MAX_S seconds for other processes to leave the CPUs "
+        "(< 10%% busy over 2 s) before timing; 0 = don't wait",
     )
     args = ap.parse_args()
     if not (args.model / "config.json").is_file():

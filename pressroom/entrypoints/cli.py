@@ -1,0 +1,115 @@
+"""`pressroom generate | chat | bench` — every engine argument is a flag with vLLM's spelling."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import MISSING, fields
+
+from pressroom.config import EngineArgs
+
+_BOOL_FLAGS = {"enable_prefix_caching"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        if f.name in _BOOL_FLAGS:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name == "model":
+            group.add_argument(flag, default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            if f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+                kind = int
+            if f.name == "kv_cache_memory_gib":
+                kind = float
+            group.add_argument(flag, type=kind, default=default)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    return {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pressroom", description="An LLM inference and serving engine.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+")
+    _sampling_args(gen)
+    add_engine_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
+    chat.add_argument("--system", default=None, help="system message")
+    _sampling_args(chat)
+    chat.set_defaults(max_tokens=512, temperature=0.7)
+    add_engine_args(chat)
+
+    bench = sub.add_parser("bench", help="benchmarks with vLLM's bench semantics")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name in ("throughput", "latency"):
+        b = bench_sub.add_parser(name)
+        b.add_argument("--backend", default="pressroom", help="comma-separated: pressroom,hf,vllm (run back to back)")
+        b.add_argument("--input-len", type=int, default=128 if name == "throughput" else 32)
+        b.add_argument("--output-len", type=int, default=128)
+        b.add_argument("--num-prompts", type=int, default=32)
+        b.add_argument("--batch-size", type=int, default=1)
+        b.add_argument("--dataset-path", default=None, help="JSONL ({\"prompt\": ...}) or text file, one per line")
+        b.add_argument("--ignore-eos", action="store_true")
+        b.add_argument("--num-iters-warmup", type=int, default=1)
+        b.add_argument("--num-iters", type=int, default=3)
+        b.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+        b.add_argument("--peer-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+        b.add_argument("--output-json", default=None)
+        add_engine_args(b)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            from pressroom.entrypoints.chat import run_chat
+            return run_chat(args, engine_kwargs(args))
+        if args.command == "bench":
+            from pressroom.benchmarks import bench
+            args.command = args.bench_command
+            bench.run(args, engine_kwargs(args))
+            return 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _params(args):
+    from pressroom import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _generate(args) -> int:
+    from pressroom import LLM
+    llm = LLM(**engine_kwargs(args))
+    for out in llm.generate(args.prompts, _params(args)):
+        print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
