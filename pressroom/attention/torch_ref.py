@@ -45,9 +45,10 @@ class TorchAttentionBackend:
         tables = meta.block_tables[:n, :-(-max_len // block_size)]
         k = kv_cache[0, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
         v = kv_cache[1, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
-        mask = torch.arange(max_len) < meta.seq_lens[:n, None]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
+        mask = None
+        if min(meta.seq_lens_host[:n]) < max_len:  # ragged contexts: hide each one's padding
+            mask = (torch.arange(max_len) < meta.seq_lens[:n, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:

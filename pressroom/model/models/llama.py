@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,6 +13,21 @@ from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class RopeTables:
+    rotary: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _rotary(config) -> RotaryEmbedding:
+    rope = getattr(config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
+    head_dim = _head_dim(config)
+    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base, scaling)
 
 
 def _head_dim(config) -> int:
@@ -27,23 +43,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, n_kv, bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
-        rope = getattr(config, "rope_parameters", None) or {}
-        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = getattr(config, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
-        self.rotary = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings, base, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, rope: "RopeTables", x: torch.Tensor) -> torch.Tensor:
+        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
+        return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v))
 
 
 class LlamaMLP(nn.Module):
@@ -65,12 +76,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, rope, x, residual):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -81,11 +92,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = _rotary(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions, x.dtype))
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

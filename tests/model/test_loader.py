@@ -1,0 +1,62 @@
+"""HF-directory loading: sharded safetensors, dummy weights, and errors."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from pressroom import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir, tmp_path):
+    import transformers
+    single = tiny_model_dir("qwen2")
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="2MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{single}/{name}", sharded / name)
+    assert (sharded / "model.safetensors.index.json").exists()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, seed=4)]
+    a = LLM(single, dtype="float32", kv_cache_memory_gib=0.05).generate(prompts, GREEDY, use_tqdm=False)
+    b = LLM(str(sharded), dtype="float32", kv_cache_memory_gib=0.05).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory_gib=0.05)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16
+    assert llm.engine.model.model.layers[0].mlp.down_proj.weight.abs().max() > 0
+
+
+def test_bfloat16_is_the_cpu_default(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), kv_cache_memory_gib=0.05)
+    assert llm.engine.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = tiny_model_dir("llama")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    tensors = load_file(f"{src}/model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks"):
+        LLM(str(tmp_path), kv_cache_memory_gib=0.05)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(tmp_path), load_format="dummy")
