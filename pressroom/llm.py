@@ -25,7 +25,13 @@ class LLM:
         prompts = _as_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
-        ids = [self._add(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
+        ids: list[str] = []
+        try:
+            for p, sp, pr in zip(prompts, params, priorities):
+                ids.append(self._add(p, sp, pr))
+        except ValueError:
+            self.engine.abort_request(ids)  # a rejected batch leaves nothing queued
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,

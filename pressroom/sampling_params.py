@@ -1,6 +1,7 @@
 """Sampling parameters, with vLLM's names so users' scripts carry over."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -35,12 +36,13 @@ class SamplingParams:
             self.top_k = 0
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}."),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}."),
+            (0 <= self.temperature < math.inf, f"temperature must be non-negative, got {self.temperature} (and finite)."),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}."),
             (self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}."),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}."),
@@ -54,7 +56,8 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}."),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}."),
-            (all(s for s in self.stop_strings), "stop strings must not be empty."),
+            (all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must not be empty, and must be strings."),
+            (all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers."),
         ]
         for ok, message in checks:
             if not ok:
@@ -73,3 +76,19 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stop_strings"}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _normalise_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """JSON clients send token ids as strings; accept them, reject what is not a finite number."""
+    if not bias:
+        return None
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id, value = int(token), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias maps token ids to numbers; got {token!r}: {value!r}.") from None
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite, got {value} for token {token_id}.")
+        out[token_id] = value
+    return out

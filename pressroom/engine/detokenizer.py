@@ -14,7 +14,7 @@ def fast_decoder(tokenizer):
 
 class IncrementalDetokenizer:
     def __init__(self, decode, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop_strings: list[str] | None = None, include_stop_str: bool = False) -> None:
+                 stop_strings: list[str] | None = None, include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.decode = decode
         self.skip = skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -24,10 +24,13 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self.stopped_by: str | None = None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if one now ends the text."""
         self.ids.append(token_id)
+        self.num_tokens += 1
         prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -38,6 +41,8 @@ class IncrementalDetokenizer:
         return self._check_stop(before)
 
     def _check_stop(self, before: int) -> str | None:
+        if self.num_tokens <= self.min_tokens:
+            return None  # stop strings wait for min_tokens, as stop tokens do
         for stop in self.stop_strings:
             at = self.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0:

@@ -33,6 +33,7 @@ class _Child:
     """Output-side state of one sample of a request."""
     index: int
     detok: IncrementalDetokenizer | None
+    request_id: str = ""  # the engine-internal id the scheduler knows it by
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -123,7 +124,7 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(token_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        children = [_Child(i, self._detokenizer(token_ids, params),
+        children = [_Child(i, self._detokenizer(token_ids, params), f"{next(self._ids)}",
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                     for i in range(params.n)]
@@ -134,10 +135,9 @@ class LLMEngine:
         for child in children:
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + child.index)
-            child_id = request_id if params.n == 1 else f"{child.index}_{request_id}"
-            req = Request(child_id, token_ids, child_params, self.eos_token_id, arrival, priority, follows=lead)
+            req = Request(child.request_id, token_ids, child_params, self.eos_token_id, arrival, priority, follows=lead)
             lead = lead or req
-            self.child_to_parent[child_id] = (parent, child)
+            self.child_to_parent[child.request_id] = (parent, child)
             self.scheduler.add_request(req)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -147,7 +147,9 @@ class LLMEngine:
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=self._add_bos()) if prompt else []
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"A prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}.")
 
     def _add_bos(self) -> bool:
         return bool(getattr(self.hf_config, "add_bos_token", True))
@@ -160,20 +162,22 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
                              f"max_model_len={self.max_model_len}; shorten the prompt.")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"Prompt token ids must lie in [0, {self.vocab_size}).")
+        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"Prompt token ids must lie in [0, {self.vocab_size}) and be integers.")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}).")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
-        if params.logit_bias and any(not 0 <= int(t) < self.vocab_size for t in params.logit_bias):
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
         return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, params.stop_strings,
-                                      params.include_stop_str_in_output)
+                                      params.include_stop_str_in_output, params.min_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -181,7 +185,7 @@ class LLMEngine:
             parent = self.parents.pop(rid, None)
             if parent is None:
                 continue
-            child_ids = [rid] if parent.params.n == 1 else [f"{c.index}_{rid}" for c in parent.children]
+            child_ids = [c.request_id for c in parent.children]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
                 self.child_to_parent.pop(cid, None)
@@ -216,13 +220,15 @@ class LLMEngine:
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
+        last = len(out.new_token_ids) - 1
         for k, token in enumerate(out.new_token_ids):
             child.token_ids.append(token)
             if out.logprobs is not None:
                 position = self._position_logprobs(out.logprobs[k])
                 child.logprobs.append(position)
                 child.cumulative_logprob += position[token].logprob
-            if child.detok is not None and child.detok.add(token) is not None:
+            stop_token = k == last and out.finish_reason == "stop" and not parent.params.include_stop_str_in_output
+            if child.detok is not None and not stop_token and child.detok.add(token) is not None:
                 self._stop_on_string(parent, child)
                 break
         if out.new_token_ids:
@@ -232,8 +238,7 @@ class LLMEngine:
 
     def _stop_on_string(self, parent: _Parent, child: _Child) -> None:
         child.finish_reason, child.stop_reason = "stop", child.detok.stopped_by
-        child_id = parent.request_id if parent.params.n == 1 else f"{child.index}_{parent.request_id}"
-        self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _position_logprobs(self, top: TopLogprobs | None) -> PositionLogprobs | None:
         if top is None:
@@ -247,8 +252,7 @@ class LLMEngine:
             parent.metrics.finished_time = now
             self.parents.pop(parent.request_id, None)
             for child in parent.children:
-                cid = parent.request_id if parent.params.n == 1 else f"{child.index}_{parent.request_id}"
-                self.child_to_parent.pop(cid, None)
+                self.child_to_parent.pop(child.request_id, None)
         return self._request_output(parent, finished)
 
     def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput:

@@ -123,7 +123,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     else:
         weights = gguf_file.iter_gguf_weights(path) if _is_gguf(path) else iter_safetensors(path)
         loaded = model.load_weights(weights)
-        missing = sorted(set(dict(model.named_parameters())) - loaded)
+        missing = sorted(model.expected_weights() - loaded)
         if missing:
             raise ValueError(f"Checkpoint at {path!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
     model.eval()

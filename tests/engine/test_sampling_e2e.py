@@ -172,9 +172,6 @@ def test_stop_token_ids(llm, greedy16):
     assert out.token_ids == greedy16.token_ids[:i + 1]
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM leaves the text of a stop token (stop_token_ids, or EOS with "
-                   "skip_special_tokens=False) out of CompletionOutput.text unless include_stop_str_in_output; "
-                   "LLMEngine._absorb feeds it to the detokenizer")
 def test_stop_token_text_is_not_in_output_text(llm, greedy16, eos):
     tok = llm.get_tokenizer()
     st, i = _fresh_token(greedy16)
@@ -221,8 +218,6 @@ def test_min_tokens_delays_stop_token_ids(llm, greedy16):
     assert out.finish_reason == "stop" and out.stop_reason == st
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM does not check stop strings until min_tokens tokens are out; "
-                   "pressroom's detokenizer knows nothing of min_tokens and stops early")
 def test_min_tokens_delays_stop_strings(llm, greedy16):
     tok = llm.get_tokenizer()
     early = tok.decode(greedy16.token_ids[:2])

@@ -95,12 +95,12 @@ def assert_fits(counts: list[int], expected: list[float]) -> None:
     for t, (c, p) in enumerate(zip(counts, expected)):
         if p == 0.0:
             assert c == 0, f"token {t} has probability 0 but was drawn {c} times"
-    support = [t for t, p in enumerate(expected) if p > 0]
-    if len(support) == 1:
-        assert counts[support[0]] == n
+    kept = [t for t, p in enumerate(expected) if p > 0]
+    if len(kept) == 1:
+        assert counts[kept[0]] == n
         return
-    obs = [counts[t] for t in support]
-    exp = [expected[t] * n for t in support]
+    obs = [counts[t] for t in kept]
+    exp = [expected[t] * n for t in kept]
     scale = sum(obs) / sum(exp)  # exp sums to n up to float error; chisquare wants equal sums
     result = chisquare(obs, [e * scale for e in exp])
     assert result.pvalue > P_MIN, f"observed {counts}, expected {[round(e) for e in exp]} (p={result.pvalue:.2e})"

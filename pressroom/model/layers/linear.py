@@ -49,6 +49,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
+        _check_full(loaded, (size * self.tp_size, *param.shape[1:]))
         _copy(param.data, loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -62,6 +63,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = _divide(self.output_sizes[shard_id], self.tp_size)
         offset = sum(_divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
+        _check_full(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -81,6 +83,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
+        _check_full(loaded, (heads * self.head_dim, *param.shape[1:]))
         _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
 
 
@@ -103,7 +107,15 @@ class RowParallelLinear(LinearBase):
             _copy(param.data, loaded)
             return
         size = param.shape[1]
+        _check_full(loaded, (param.shape[0], size * self.tp_size))
         _copy(param.data, loaded.narrow(1, self.tp_rank * size, size))
+
+
+def _check_full(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """The whole checkpoint tensor must match the config before this rank takes its slice."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
+                         f"{tuple(expected)}; the checkpoint and config.json disagree.")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (as HF does), with the residual add fused in when one is given."""
+    """RMSNorm (accumulated in fp32 by the fused kernel), with the residual add fused in when one is given."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -14,8 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        y = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
-        return y if residual is None else (y, residual)
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual

@@ -128,8 +128,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def expected_weights(self) -> set[str]:
+        """Every checkpoint tensor name this model needs (stacked parameters need each part)."""
+        expected = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            parts = [name.replace(stacked, part) for part, (stacked, _) in _STACKED.items() if stacked in name]
+            expected.update(parts or [name])
+        return expected
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters one by one; returns the parameter names filled."""
+        """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, tensor in weights:
@@ -144,11 +152,14 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}.")
             loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                _plain_load(param, tensor, name)
-            else:
-                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-            loaded.add(target)
+            try:
+                if loader is None:
+                    _plain_load(param, tensor, name)
+                else:
+                    loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            loaded.add(name)
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
