@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pressroom.attention import cpu_kernels
 from pressroom.attention.backend import AttentionMetadata
 
 
@@ -23,6 +24,8 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
 
 
 class TorchAttentionBackend:
+    """Decodes batched over padded, masked contexts; prefill chunks one request at a time."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -65,3 +68,16 @@ class TorchAttentionBackend:
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        n = meta.num_decodes
+        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], meta.block_tables[:n], meta.seq_lens[:n], scale)
+        return out.to(q.dtype)
+
+
+def make_cpu_backend(cache_dtype: torch.dtype) -> TorchAttentionBackend:
+    return CpuAttentionBackend() if cpu_kernels.supports(cache_dtype) else TorchAttentionBackend()

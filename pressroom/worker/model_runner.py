@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pressroom.attention.backend import AttentionMetadata, forward_context
-from pressroom.attention.torch_ref import TorchAttentionBackend
+from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, device
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.backend = TorchAttentionBackend()
+        self.backend = make_cpu_backend(dtype)
         self.kv_caches = self._bind_kv_caches(num_blocks, dtype)
 
     def _bind_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:
