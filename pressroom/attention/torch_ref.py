@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pressroom.attention import cpu_kernels
 from pressroom.attention.backend import AttentionMetadata
+from pressroom.kernels import cpu as cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -80,4 +80,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def make_cpu_backend(cache_dtype: torch.dtype) -> TorchAttentionBackend:
-    return CpuAttentionBackend() if cpu_kernels.supports(cache_dtype) else TorchAttentionBackend()
+    usable = cache_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+    return CpuAttentionBackend() if usable else TorchAttentionBackend()

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from pressroom.kernels import cpu
+
 
 def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
@@ -42,12 +44,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token tables, looked up once per step and shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token fp32 tables [tokens, rotary_dim / 2], looked up once per step for every layer."""
+        return self.cos[positions], self.sin[positions]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; q and k heads may come stacked in one call."""
+        """x: [tokens, heads, head_dim], q and k heads may come stacked; rotated in place where a kernel can."""
+        if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu.supports(x):
+            return cpu.rotary_(x, cos, sin, self.rotary_dim)
+        return self.rotate_reference(x, cos, sin)
+
+    def rotate_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
         rot = x[..., :self.rotary_dim]
         half = self.rotary_dim // 2
         x1, x2 = rot[..., :half], rot[..., half:]

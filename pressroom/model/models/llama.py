@@ -96,7 +96,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions, x.dtype))
+        rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)

@@ -77,3 +77,82 @@ void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,       
 
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, f32_to_f32)
+
+/* ---- elementwise kernels: one pass over each row instead of a chain of torch ops ---- */
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_round(float x) { return x; }
+static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
+static inline float store_f32(float x) { return x; }
+
+/* residual (if not NULL) = x + residual; out = rmsnorm(residual or x) * weight, rounded as torch
+ * rounds: the sum, the normalised value and the weighted value each to the storage type. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
+void NAME(T *out, const T *x, T *residual, const T *weight, int64_t rows, int64_t hidden,         \
+          float eps, int threads) {                                                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *xr = x + r * hidden;                                                             \
+        T *rr = residual ? residual + r * hidden : NULL;                                          \
+        T *o = out + r * hidden;                                                                  \
+        float sq = 0.f;                                                                           \
+        for (int64_t i = 0; i < hidden; i++) {                                                    \
+            float v = LOAD(xr[i]);                                                                \
+            if (rr) { v = ROUND(v + LOAD(rr[i])); rr[i] = STORE(v); }                            \
+            sq += v * v;                                                                          \
+        }                                                                                         \
+        const float inv = 1.f / sqrtf(sq / (float)hidden + eps);                                  \
+        const T *src = rr ? rr : xr;                                                              \
+        for (int64_t i = 0; i < hidden; i++)                                                      \
+            o[i] = STORE(ROUND(LOAD(src[i]) * inv) * LOAD(weight[i]));                            \
+    }                                                                                             \
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, inter + i] */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                          \
+void NAME(T *out, const T *x, int64_t rows, int64_t inter, int threads) {                        \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *g = x + r * 2 * inter, *u = g + inter;                                           \
+        T *o = out + r * inter;                                                                   \
+        for (int64_t i = 0; i < inter; i++) {                                                     \
+            float a = LOAD(g[i]);                                                                 \
+            o[i] = STORE(ROUND(a / (1.f + expf(-a))) * LOAD(u[i]));                               \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+/* In place on x: [tokens, heads, head_dim] with row stride `token_stride` (elements);
+ * NeoX layout: the first half of the rotary dims pairs with the second half. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                       \
+void NAME(T *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,                \
+          int64_t head_dim, int64_t rot_dim, int64_t token_stride, int threads) {                 \
+    const int64_t half = rot_dim / 2;                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(tokens > 4)")              \
+    for (int64_t t = 0; t < tokens; t++) {                                                        \
+        const float *c = cos + t * half, *s = sin + t * half;                                     \
+        for (int64_t h = 0; h < heads; h++) {                                                     \
+            T *v = x + t * token_stride + h * head_dim;                                           \
+            for (int64_t i = 0; i < half; i++) {                                                  \
+                float x1 = LOAD(v[i]), x2 = LOAD(v[i + half]);                                    \
+                float cc = LOAD(STORE(c[i])), ss = LOAD(STORE(s[i]));                             \
+                v[i] = STORE(LOAD(STORE(x1 * cc)) - LOAD(STORE(x2 * ss)));                        \
+                v[i + half] = STORE(LOAD(STORE(x2 * cc)) + LOAD(STORE(x1 * ss)));                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_to_f32, store_f32, f32_round)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_f32, store_f32, f32_round)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, store_bf16)
+DEFINE_ROTARY(rotary_f32, float, f32_to_f32, store_f32)

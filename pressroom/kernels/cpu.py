@@ -1,0 +1,133 @@
+"""CPU kernels written in C, compiled with the system compiler at first use and called through ctypes.
+
+Plain C (no torch headers) keeps the build to about a second and the library is cached per
+source and CPU. Where no compiler is found, `available()` is false and callers use their torch
+reference path, which computes the same thing (tests compare the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pressroom")
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+# Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _T],
+    "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
+    "silu_and_mul": [_P, _P, _I, _I, _T],
+    "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PRESSROOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pressroom")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(source: Path) -> Path | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + platform.machine().encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(partial), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("CPU kernel build failed, using the torch path: %s", result.stderr[-500:])
+            return None
+        os.replace(partial, target)  # atomic: a concurrent builder never loads half a file
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PRESSROOM_DISABLE_C_KERNELS"):
+        return None
+    path = _build(_SOURCE)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for base, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{base}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the C kernels can take these tensors (CPU, bf16 or fp32) and were built."""
+    return all(t.device.type == "cpu" and t.dtype in _SUFFIX for t in tensors) and available()
+
+
+def _fn(base: str, dtype: torch.dtype):
+    return getattr(_library(), f"{base}_{_SUFFIX[dtype]}")
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim], contiguous. Returns fp32."""
+    seqs, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    q32 = q.float().contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty(seqs, heads, dim, dtype=torch.float32)
+    _fn("paged_decode", k_cache.dtype)(
+        out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        seqs, heads, kv_heads, dim, block_size, tables.shape[1], scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """x, residual: [rows, hidden] contiguous; residual is updated in place to x + residual."""
+    out = torch.empty_like(x)
+    _fn("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+                             weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    rows, width = x.shape
+    out = torch.empty(rows, width // 2, dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """In place on x: [tokens, heads, head_dim] (dims 1, 2 dense; dim 0 may be strided); cos, sin fp32."""
+    tokens, heads, head_dim = x.shape
+    _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
+                           x.stride(0), torch.get_num_threads())
+    return x
