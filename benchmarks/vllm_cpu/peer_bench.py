@@ -17,6 +17,10 @@ num_iters_warmup times untimed, then num_iters times timed.
 
 Sampling is greedy (temperature=0) with max_tokens=output_len, so pressroom and vLLM do
 the same amount of work. Prompts are passed as token ids; no tokenization is timed.
+
+Besides the fields pressroom reads, the result carries "engine" (the engine options
+and startup time) and "host" (how much of the CPUs other processes took while timing:
+on a shared 2-core box that is what decides the numbers; see --wait-quiet).
 """
 
 from __future__ import annotations
@@ -45,12 +49,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # Keep everything vLLM and torch write inside the repo's ignored .cache/ rather than
-# ~/.cache, ~/.config and /tmp: the torch.compile cache (reused across runs: it makes
-# later --compile starts fast), vLLM's config dir, and the per-run ZMQ sockets/temp files.
+# ~/.cache, ~/.config and /tmp: the torch.compile/inductor caches, vLLM's config dir,
+# and the per-run ZMQ sockets and temp files (removed at exit).
 _CACHE = Path(os.environ.get("PEER_BENCH_CACHE", Path(__file__).resolve().parents[2] / ".cache" / "vllm_cpu"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_CACHE / "vllm"))
 os.environ.setdefault("VLLM_CONFIG_ROOT", str(_CACHE / "vllm-config"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "torchinductor"))
+# Note: vLLM 0.32's AOT compile cache (its default on torch >= 2.10) never loads back
+# on this CPU build (warning "Compiling model again due to a load failure ...
+# 'finalize_loading'"), so every start recompiles (~40-50 s on 2 idle cores).
+# VLLM_USE_AOT_COMPILE=0 avoids that (engine init ~15 s from cache) but measured ~10%
+# slower steps (56 vs 64 tok/s batch-1), so vLLM's default is left alone.
 _CACHE.mkdir(parents=True, exist_ok=True)
 # vLLM spawns its engine and worker processes, which re-run this module top-level:
 # they inherit PEER_BENCH_RUN_TMP and reuse it; only the parent makes and removes it.
@@ -125,23 +134,23 @@ class CpuShare:
         }
 
 
-def wait_for_quiet(max_wait_s: float, threshold: float = 0.10, window_s: float = 2.0) -> float:
-    """Block until the host's CPUs are < threshold busy over window_s (our engine is idle
-    then, so that is other people's work), or max_wait_s passes. Returns seconds waited."""
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.05, window_s: float = 3.0) -> float:
+    """Block until other processes use < threshold of the CPUs over window_s, or
+    max_wait_s passes. Returns seconds waited. (Our own idle engine is not counted:
+    vLLM's processes keep polling for a while after a request.)"""
     if max_wait_s <= 0:
         return 0.0
-    share = CpuShare()
     t0 = time.perf_counter()
     while True:
-        b0 = share._host_busy_s()
-        time.sleep(window_s)
-        busy = (share._host_busy_s() - b0) / (share.ncpu * window_s)
+        with CpuShare() as share:
+            time.sleep(window_s)
+        others = max(0.0, share.host_busy_frac - share.own_frac)
         waited = time.perf_counter() - t0
-        if busy < threshold:
-            log(f"host quiet ({busy:.0%} busy) after {waited:.0f} s")
+        if others < threshold:
+            log(f"host quiet (others {others:.0%}, own {share.own_frac:.0%}) after {waited:.0f} s")
             return waited
         if waited >= max_wait_s:
-            log(f"host still {busy:.0%} busy after {waited:.0f} s; measuring anyway")
+            log(f"others still use {others:.0%} of the CPUs after {waited:.0f} s; measuring anyway")
             return waited
 
 
@@ -178,9 +187,11 @@ def build_llm(args: argparse.Namespace, max_len_needed: int):
         tokenizer=str(args.model),  # tokenizer files sit beside the weights
         dtype=args.dtype,  # bfloat16: vLLM-CPU's fast path (AVX512-BF16 here)
         max_model_len=max_model_len,  # 2048 covers the workloads; bounds KV per sequence
-        # enforce_eager=True: no torch.compile/inductor (on this 2-core box compiling
-        # costs minutes at every start and failed/was no faster in testing, see README).
-        enforce_eager=not args.compile,
+        # enforce_eager=False (vLLM's default): vLLM-CPU traces the model once with
+        # torch.compile/inductor. Measured on the 2-core dev box, idle: ~700 vs ~590
+        # output tok/s (32 prompts x 128 in, 128 out). Every start compiles (~1 min on 2 cores, see the
+        # AOT note at the top). --enforce-eager skips it (plain PyTorch ops; smoke runs).
+        enforce_eager=args.enforce_eager,
         # Random prompts share no prefix, but warmup reuses the timed prompts: with prefix
         # caching on, the timed run would skip prefill. `vllm bench latency` turns it off
         # too; pressroom's bench must be compared with its prefix cache cold/off.
@@ -193,8 +204,6 @@ def build_llm(args: argparse.Namespace, max_len_needed: int):
         seed=args.seed,
         trust_remote_code=False,
         load_format="safetensors",
-        # Throughput runs report tokens, not text, but detokenization stays on as in the
-        # `vllm bench` defaults (it runs in the front-end process).
         skip_tokenizer_init=False,
     )
     log(f"engine args: {engine_kwargs}")
@@ -207,6 +216,7 @@ def build_llm(args: argparse.Namespace, max_len_needed: int):
         for k in ("max_model_len", "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
     }
     engine_info["startup_s"] = round(startup_s, 3)
+    engine_info["detokenize"] = not args.disable_detokenize
     engine_info["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
     engine_info["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     return llm, engine_info
@@ -229,6 +239,9 @@ def run(args: argparse.Namespace) -> dict:
         temperature=0.0,  # greedy: deterministic, same work as pressroom's greedy path
         max_tokens=output_len,
         ignore_eos=w["ignore_eos"],
+        # Detokenize as `vllm bench` does by default (incrementally, in the front-end
+        # process, which shares the 2 cores); --disable-detokenize as in `vllm bench`.
+        detokenize=not args.disable_detokenize,
     )
 
     def generate(batch, params):
@@ -240,12 +253,16 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"backend": BACKEND, "vllm_version": vllm.__version__, "dtype": args.dtype}
 
     if w["mode"] == "throughput":
-        # Small warmup: a few prompts, a few steps each. It runs the prefill and decode
-        # paths once (kernel dispatch, allocator, thread pool) without paying for the
-        # whole workload again.
-        warm_params = SamplingParams(n=1, temperature=0.0, max_tokens=min(output_len, 16), ignore_eos=True)
-        for _ in range(max(1, w["num_iters_warmup"])):
-            generate(prompts[: min(n, 8)], warm_params)
+        # Small warmup: the whole batch, but only a few decode steps. It runs prefill and
+        # decode at the timed batch shapes once (oneDNN primitive creation, allocator,
+        # thread pool) without paying for the whole workload again. Prefix caching is
+        # off, so the timed run still does every prefill.
+        warm_params = SamplingParams(
+            n=1, temperature=0.0, max_tokens=min(output_len, 4), ignore_eos=True, detokenize=not args.disable_detokenize
+        )
+        for i in range(max(1, w["num_iters_warmup"])):
+            elapsed, _ = generate(prompts, warm_params)
+            log(f"throughput warmup {i + 1}: {elapsed:.3f} s")
         runs = []
         engine_info["waited_for_quiet_s"] = round(wait_for_quiet(args.wait_quiet), 1)
         with CpuShare() as share:
@@ -314,15 +331,16 @@ def main() -> None:
     ap.add_argument("--model", required=True, type=Path, help="HF model directory (setup.sh exports one)")
     ap.add_argument("--workload", required=True, type=Path)
     ap.add_argument("--output", required=True, type=Path)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "auto"])
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disable-detokenize", action="store_true", help="as in `vllm bench`: no text output")
     ap.add_argument(
-        "--compile",
+        "--enforce-eager",
         action="store_true",
-        help="let vLLM torch.compile the model (inductor) instead of running eagerly",
+        help="skip vLLM's torch.compile (inductor) step: faster start, slower steps",
     )
     ap.add_argument(
         "--wait-quiet",
@@ -330,7 +348,8 @@ def main() -> None:
         default=0.0,
         metavar="MAX_S",
         help="after warmup, wait up to MAX_S seconds for other processes to leave the CPUs "
-        "(< 10%% busy over 2 s) before timing; 0 = don't wait",
+        "(< 5%% of the CPUs over 3 s) before timing; 0 = don't wait. The result's "
+        "'host' block shows the contention either way",
     )
     args = ap.parse_args()
     if not (args.model / "config.json").is_file():

