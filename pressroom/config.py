@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -12,6 +12,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -34,11 +35,14 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     max_model_len: int | None = None
     seed: int = 0
-    hf_config: object = None  # transformers.PretrainedConfig, filled by the loader
+    # auto: 4-bit GGUF matrices stay 4-bit (as shipped) when the dtype is bf16; none: dequantize all.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
 
@@ -98,6 +102,7 @@ class EngineArgs:
     tokenizer: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     block_size: int = 16
@@ -133,7 +138,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                               dtype=resolve_dtype(self.dtype, self.device), max_model_len=self.max_model_len,
-                              seed=self.seed),
+                              seed=self.seed, quantization=self.quantization),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=int(memory * (1 << 30)), num_blocks=self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,

@@ -29,7 +29,6 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _T],
     "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
-    "silu_and_mul": [_P, _P, _I, _I, _T],
     "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
 }
 
@@ -115,13 +114,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     _fn("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
                              weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    rows, width = x.shape
-    out = torch.empty(rows, width // 2, dtype=x.dtype)
-    _fn("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
 
 

@@ -19,6 +19,8 @@ import gguf
 import numpy as np
 import torch
 
+from pressroom.model.layers.quant import Q4Weight
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -136,23 +138,50 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return _build_config(_open(path))
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, float32 tensor in HF layout), one tensor at a time."""
+def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
+    """Yield (HF parameter name, float32 tensor in HF layout), one tensor at a time.
+
+    With keep_4bit, Q4_0 / Q4_1 projection matrices come as exact `Q4Weight`s instead.
+    """
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
     # Name every tensor up front: an unmappable one should fail before any weight is consumed.
     named = [(_hf_name(info.name, file.path), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
-    return _iter_weights(file, _build_config(file), named)
+    return _iter_weights(file, _build_config(file), named, keep_4bit)
 
 
 def _iter_weights(
-    file: _GgufFile, config: dict[str, Any], named: list[tuple[str, _TensorInfo]]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    file: _GgufFile, config: dict[str, Any], named: list[tuple[str, _TensorInfo]], keep_4bit: bool
+) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
     for hf_name, info in named:
-        weight = _dequantize(file, info)
-        if file.spec.permuted_qk:
-            weight = _unpermute_qk(weight, hf_name, config)
+        if keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
+            weight = _read_q4(file, info)
+            if file.spec.permuted_qk:
+                weight = weight.map_rows(lambda t: _unpermute_qk(t, hf_name, config))
+        else:
+            weight = _dequantize(file, info)
+            if file.spec.permuted_qk:
+                weight = _unpermute_qk(weight, hf_name, config)
         yield hf_name, weight
+
+
+_Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def _read_q4(file: _GgufFile, info: _TensorInfo) -> Q4Weight:
+    """Unpack Q4_0 / Q4_1 blocks (f16 d, [f16 m,] 16 bytes of nibbles: low halves first) without rounding."""
+    with_min = info.ggml_type == gguf.GGMLQuantizationType.Q4_1
+    rows, cols = info.shape
+    block_bytes = 20 if with_min else 18
+    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else np.zeros_like(d)
+    nibbles = blocks[..., block_bytes - 16:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    # torch's int4 layout is (q - 8) * scale + zero: Q4_1's q * d + m needs zero = m + 8 d; Q4_0's zero is 0.
+    zero = m + 8 * d if with_min else np.zeros_like(d)
+    return Q4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:

@@ -7,6 +7,7 @@ straight into the model's parameters through per-parameter loaders, never via a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,11 @@ from torch import nn
 
 from pressroom.config import ModelConfig
 from pressroom.model import gguf_file
+from pressroom.model.layers.linear import LinearBase
+from pressroom.model.layers.quant import int4_kernel_available
 from pressroom.model.registry import resolve_architecture
+
+logger = logging.getLogger("pressroom")
 
 
 @dataclass(slots=True)
@@ -104,6 +109,16 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
             param.data.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=gen))
 
 
+def _keep_4bit(config: ModelConfig, device: str) -> bool:
+    return (config.quantization == "auto" and config.dtype == torch.bfloat16 and device == "cpu"
+            and int4_kernel_available())
+
+
+def _pack_int4(model: nn.Module) -> None:
+    packed = sum(m.pack_int4() for m in model.modules() if isinstance(m, LinearBase))
+    logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them", packed)
+
+
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     path = resolve_model_path(config.model)
     fmt = config.load_format
@@ -121,11 +136,14 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     if fmt == "dummy":
         _fill_dummy(model, config.seed)
     else:
-        weights = gguf_file.iter_gguf_weights(path) if _is_gguf(path) else iter_safetensors(path)
+        keep_4bit = _keep_4bit(config, device)
+        weights = gguf_file.iter_gguf_weights(path, keep_4bit) if _is_gguf(path) else iter_safetensors(path)
         loaded = model.load_weights(weights)
         missing = sorted(model.expected_weights() - loaded)
         if missing:
             raise ValueError(f"Checkpoint at {path!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
+        if keep_4bit:
+            _pack_int4(model)
     model.eval()
     tokenizer = load_tokenizer(config.tokenizer or path)
     return LoadedModel(model, hf_config, tokenizer, path)

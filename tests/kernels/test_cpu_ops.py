@@ -31,13 +31,6 @@ def test_rms_norm_with_and_without_residual(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_silu_and_mul(dtype, tol):
-    x = torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(1)).to(dtype)
-    gate, up = x.chunk(2, dim=-1)
-    assert _close(cpu.silu_and_mul(x), F.silu(gate) * up, tol)
-
-
-@pytest.mark.parametrize("dtype, tol", DTYPES)
 def test_rotary_in_place_on_a_strided_view(dtype, tol):
     rope = RotaryEmbedding(32, 32, 64, 10000.0)
     gen = torch.Generator().manual_seed(2)

@@ -15,8 +15,30 @@ static inline float bf16_to_f32(uint16_t x) {
 
 static inline float f32_to_f32(float x) { return x; }
 
+/* exp(x) as 2^(x log2 e): a degree-6 polynomial for the fraction, the integer part in the
+ * exponent bits. Relative error ~1e-7, and unlike libm's expf the compiler vectorises it. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float fi = floorf(t), f = t - fi;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (uint32_t)(int32_t)fi << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
 /* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
- * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64. */
+ * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64.
+ * One task per sequence walks its tokens in order, reading each token's keys (then values) for
+ * all kv heads as one contiguous row: the access pattern hardware prefetchers follow best. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD)                                                        \
 void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                         \
           const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
@@ -24,54 +46,43 @@ void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,       
           int threads) {                                                                          \
     const int64_t group = heads / kv_heads;                                                       \
     const int64_t row = kv_heads * dim; /* elements between consecutive tokens of a block */      \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)")             \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
     for (int64_t s = 0; s < seqs; s++) {                                                          \
-        for (int64_t kh = 0; kh < kv_heads; kh++) {                                               \
-            const int64_t len = seq_lens[s];                                                      \
-            const int64_t *table = block_tables + s * max_blocks;                                 \
-            float *scores = (float *)malloc(sizeof(float) * group * (len > 0 ? len : 1));         \
-            float acc[group * dim];                                                               \
-            float maxs[group], sums[group];                                                       \
-            const float *qh = q + (s * heads + kh * group) * dim;                                 \
-            for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                              \
-            for (int64_t t = 0; t < len; t++) {                                                   \
-                const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row \
-                             + kh * dim;                                                          \
-                for (int64_t g = 0; g < group; g++) {                                             \
-                    const float *qg = qh + g * dim;                                               \
-                    float dot = 0.f;                                                              \
-                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * LOAD(k[d]);                  \
-                    dot *= scale;                                                                 \
-                    scores[g * len + t] = dot;                                                    \
-                    if (dot > maxs[g]) maxs[g] = dot;                                             \
-                }                                                                                 \
+        const int64_t len = seq_lens[s];                                                          \
+        const int64_t *table = block_tables + s * max_blocks;                                     \
+        const float *qs = q + s * heads * dim;                                                    \
+        float *scores = (float *)malloc(sizeof(float) * heads * (len > 0 ? len : 1));             \
+        float *acc = (float *)calloc(heads * dim, sizeof(float));                                 \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            for (int64_t h = 0; h < heads; h++) {                                                 \
+                const T *kh = k + (h / group) * dim;                                              \
+                const float *qh = qs + h * dim;                                                   \
+                float dot = 0.f;                                                                  \
+                for (int64_t d = 0; d < dim; d++) dot += qh[d] * LOAD(kh[d]);                     \
+                scores[h * len + t] = dot * scale;                                                \
             }                                                                                     \
-            for (int64_t g = 0; g < group; g++) {                                                 \
-                float sum = 0.f;                                                                  \
-                for (int64_t t = 0; t < len; t++) {                                               \
-                    float e = expf(scores[g * len + t] - maxs[g]);                                \
-                    scores[g * len + t] = e;                                                      \
-                    sum += e;                                                                     \
-                }                                                                                 \
-                sums[g] = sum;                                                                    \
-            }                                                                                     \
-            memset(acc, 0, sizeof acc);                                                           \
-            for (int64_t t = 0; t < len; t++) {                                                   \
-                const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row \
-                             + kh * dim;                                                          \
-                for (int64_t g = 0; g < group; g++) {                                             \
-                    const float p = scores[g * len + t];                                          \
-                    float *a = acc + g * dim;                                                     \
-                    for (int64_t d = 0; d < dim; d++) a[d] += p * LOAD(v[d]);                     \
-                }                                                                                 \
-            }                                                                                     \
-            for (int64_t g = 0; g < group; g++) {                                                 \
-                float *o = out + (s * heads + kh * group + g) * dim;                              \
-                const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;                            \
-                for (int64_t d = 0; d < dim; d++) o[d] = acc[g * dim + d] * inv;                  \
-            }                                                                                     \
-            free(scores);                                                                         \
         }                                                                                         \
+        for (int64_t h = 0; h < heads; h++) {                                                     \
+            float *sc = scores + h * len, m = -INFINITY, sum = 0.f;                               \
+            for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                          \
+            _Pragma("omp simd reduction(+:sum)")                                                  \
+            for (int64_t t = 0; t < len; t++) { sc[t] = fast_expf(sc[t] - m); sum += sc[t]; }     \
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;                                        \
+            for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                       \
+        }                                                                                         \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            for (int64_t h = 0; h < heads; h++) {                                                 \
+                const T *vh = v + (h / group) * dim;                                              \
+                const float p = scores[h * len + t];                                              \
+                float *a = acc + h * dim;                                                         \
+                for (int64_t d = 0; d < dim; d++) a[d] += p * LOAD(vh[d]);                        \
+            }                                                                                     \
+        }                                                                                         \
+        memcpy(out + s * heads * dim, acc, sizeof(float) * heads * dim);                          \
+        free(scores);                                                                             \
+        free(acc);                                                                                \
     }                                                                                             \
 }
 
@@ -115,20 +126,6 @@ void NAME(T *out, const T *x, T *residual, const T *weight, int64_t rows, int64_
     }                                                                                             \
 }
 
-/* out[r, i] = silu(x[r, i]) * x[r, inter + i] */
-#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                          \
-void NAME(T *out, const T *x, int64_t rows, int64_t inter, int threads) {                        \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
-    for (int64_t r = 0; r < rows; r++) {                                                          \
-        const T *g = x + r * 2 * inter, *u = g + inter;                                           \
-        T *o = out + r * inter;                                                                   \
-        for (int64_t i = 0; i < inter; i++) {                                                     \
-            float a = LOAD(g[i]);                                                                 \
-            o[i] = STORE(ROUND(a / (1.f + expf(-a))) * LOAD(u[i]));                               \
-        }                                                                                         \
-    }                                                                                             \
-}
-
 /* In place on x: [tokens, heads, head_dim] with row stride `token_stride` (elements);
  * NeoX layout: the first half of the rotary dims pairs with the second half. */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                       \
@@ -152,7 +149,5 @@ void NAME(T *x, const float *cos, const float *sin, int64_t tokens, int64_t head
 
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
 DEFINE_RMS_NORM(rms_norm_f32, float, f32_to_f32, store_f32, f32_round)
-DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
-DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_f32, store_f32, f32_round)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, store_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_to_f32, store_f32)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pressroom.model.layers.quant import INT4_MAX_ROWS, PackedInt4, Q4Weight, pack_rows
 
 
 def _divide(a: int, b: int) -> int:
@@ -27,12 +28,38 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.q4_parts: list[tuple[int, Q4Weight]] = []
+        self.int4: PackedInt4 | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_int4(x):
+            y = self.int4.matmul(x)
+            return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
 
+    def _use_int4(self, x: torch.Tensor) -> bool:
+        # The int4 kernel streams 4x fewer bytes but computes slower: it wins only for few rows.
+        return self.int4 is not None and x.numel() <= INT4_MAX_ROWS * x.shape[-1]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param.data, loaded)
+        self._store_rows(param, 0, loaded)
+
+    def _store_rows(self, param: nn.Parameter, row: int, loaded) -> None:
+        """Copy `loaded` into rows [row, row + n) of param; 4-bit parts are also kept for packing."""
+        if isinstance(loaded, Q4Weight):
+            if param is not self.weight:
+                raise ValueError("only weight matrices may come in 4 bits.")
+            self.q4_parts.append((row, loaded))
+            loaded = loaded.dequantize()
+        _copy(param.data.narrow(0, row, loaded.shape[0]), loaded)
+
+    def pack_int4(self) -> bool:
+        """After loading: also keep the 4-bit form, if every row came in 4 bits (decode-sized batches use it)."""
+        parts, self.q4_parts = self.q4_parts, []
+        if not parts or self.weight.device.type != "cpu":
+            return False
+        self.int4 = pack_rows(parts, self.weight.shape[0], self.weight.dtype)
+        return self.int4 is not None
 
 
 class ColumnParallelLinear(LinearBase):
@@ -50,7 +77,7 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
         _check_full(loaded, (size * self.tp_size, *param.shape[1:]))
-        _copy(param.data, loaded.narrow(0, self.tp_rank * size, size))
+        self._store_rows(param, 0, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -64,7 +91,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = _divide(self.output_sizes[shard_id], self.tp_size)
         offset = sum(_divide(s, self.tp_size) for s in self.output_sizes[:shard_id])
         _check_full(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        self._store_rows(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -85,7 +112,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
         _check_full(loaded, (heads * self.head_dim, *param.shape[1:]))
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        self._store_rows(param, offset, loaded.narrow(0, rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -97,7 +124,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction.
-        y = F.linear(x, self.weight)
+        y = self.int4.matmul(x) if self._use_int4(x) else F.linear(x, self.weight)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -108,10 +135,10 @@ class RowParallelLinear(LinearBase):
             return
         size = param.shape[1]
         _check_full(loaded, (param.shape[0], size * self.tp_size))
-        _copy(param.data, loaded.narrow(1, self.tp_rank * size, size))
+        self._store_rows(param, 0, loaded.narrow(1, self.tp_rank * size, size))
 
 
-def _check_full(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def _check_full(loaded, expected: tuple[int, ...]) -> None:
     """The whole checkpoint tensor must match the config before this rank takes its slice."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
