@@ -1,7 +1,7 @@
 """What the engine hands back to callers (vLLM's RequestOutput / CompletionOutput)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 
@@ -49,4 +49,3 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    extra: dict = field(default_factory=dict)

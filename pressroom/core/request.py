@@ -64,14 +64,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def max_tokens(self) -> int:
-        return self.sampling_params.max_tokens
-
-    def token_id(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

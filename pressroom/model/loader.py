@@ -17,6 +17,7 @@ from torch import nn
 
 from pressroom.config import ModelConfig
 from pressroom.model import gguf_file
+from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.layers.quant import int4_kernel_available
 from pressroom.model.registry import resolve_architecture
@@ -114,6 +115,12 @@ def _keep_4bit(config: ModelConfig, device: str) -> bool:
             and int4_kernel_available())
 
 
+def _prepack(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            module.prepack_onednn()
+
+
 def _pack_int4(model: nn.Module) -> None:
     packed = sum(m.pack_int4() for m in model.modules() if isinstance(m, LinearBase))
     logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them", packed)
@@ -144,6 +151,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             raise ValueError(f"Checkpoint at {path!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
         if keep_4bit:
             _pack_int4(model)
+    _prepack(model)
     model.eval()
     tokenizer = load_tokenizer(config.tokenizer or path)
     return LoadedModel(model, hf_config, tokenizer, path)

@@ -26,6 +26,3 @@ def resolve_architecture(hf_config) -> type[nn.Module]:
     raise ValueError(f"Model architecture {names[0] or hf_config.model_type!r} is not supported; "
                      f"supported: {', '.join(_ARCHITECTURES)}.")
 
-
-def supported_architectures() -> list[str]:
-    return list(_ARCHITECTURES)

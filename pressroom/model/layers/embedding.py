@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pressroom.model.layers.linear import onednn_prepack_available
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,8 +36,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    onednn: torch.Tensor | None = None
+
+    def prepack_onednn(self) -> None:
+        """A oneDNN-blocked copy for the bf16 CPU matmul (the embedding may share the plain weight)."""
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_prepack_available():
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.onednn is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., :self.vocab_size]

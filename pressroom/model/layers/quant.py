@@ -4,7 +4,8 @@ A Q4 block of 32 inputs is w = q * d + m (Q4_1) or (q - 8) * d (Q4_0); both map 
 torch's layout w = (q - 8) * scale + zero, so nothing is re-quantized. Linear layers always hold
 the dequantized weight; when every row of a matrix arrived in 4 bits they also keep the packed
 form and use it for steps of at most INT4_MAX_ROWS tokens, where streaming 4x fewer weight bytes
-wins (measured here: 2.4x faster at batch 1, even at 16, slower beyond; see docs/BENCHMARKS.md).
+wins over the prepacked bf16 matmul (measured here on the embedded model: 1.35x faster per step
+at batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 GROUP = 32
-INT4_MAX_ROWS = 16
+INT4_MAX_ROWS = 8
 
 
 @dataclass(slots=True)
