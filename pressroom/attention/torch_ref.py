@@ -23,8 +23,18 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
+def _fresh_run_end(loc: list[int], lens: list[int], i: int) -> int:
+    """End of the run of requests from i that are whole, uncached chunks of one common length."""
+    n = loc[i + 1] - loc[i]
+    j = i
+    while j < len(loc) - 1 and loc[j + 1] - loc[j] == n and lens[j] == n:
+        j += 1
+    return max(j, i + 1)
+
+
 class TorchAttentionBackend:
-    """Decodes batched over padded, masked contexts; prefill chunks one request at a time."""
+    """Decodes batched over padded, masked contexts; prefill chunks one request at a time, except
+    runs of uncached equal-length prompts, which share one call."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -33,12 +43,25 @@ class TorchAttentionBackend:
         nd = meta.num_decode_tokens
         if meta.num_decodes:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
-        loc = meta.query_start_loc
-        for i in range(meta.num_decodes, len(loc) - 1):
-            start, end = loc[i], loc[i + 1]
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta.block_tables[i], meta.seq_lens_host[i], scale)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        i = meta.num_decodes
+        while i < len(loc) - 1:
+            j = _fresh_run_end(loc, lens, i)
+            start, end = loc[i], loc[j]
+            if j - i > 1:  # equal-length prompts with nothing cached: one batched call
+                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], j - i, scale)
+            else:
+                out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+                                               meta.block_tables[i], lens[i], scale)
+            i = j
         return out
+
+    def _fresh_batch(self, q, k, v, count: int, scale: float) -> torch.Tensor:
+        def heads_first(x):
+            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).flatten(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """All single-token queries at once over their padded, masked contexts."""

@@ -119,3 +119,11 @@ def test_priority_admits_better_priority_first(tiny_llama):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["c", "a", "b"]
+
+
+def test_equal_length_prompts_batched_in_one_attention_call_match_alone(tiny_llama):
+    prompts = random_prompts(6, low=37, high=38, seed=21)  # all 37 tokens: the batched prefill path
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory_gib=0.05, enable_prefix_caching=False)
+    together = _tokens(llm.generate(_token_prompts(prompts), GREEDY, use_tqdm=False))
+    alone = [_tokens(llm.generate(_token_prompts([p]), GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert together == alone

@@ -38,7 +38,8 @@ static inline float fast_expf(float x) {
 /* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
  * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64.
  * One task per sequence walks its tokens in order, reading each token's keys (then values) for
- * all kv heads as one contiguous row: the access pattern hardware prefetchers follow best. */
+ * all kv heads as one contiguous row (what hardware prefetchers follow best), converted to fp32
+ * once and shared by the query heads of each group. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD)                                                        \
 void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                         \
           const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
@@ -53,13 +54,17 @@ void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,       
         const float *qs = q + s * heads * dim;                                                    \
         float *scores = (float *)malloc(sizeof(float) * heads * (len > 0 ? len : 1));             \
         float *acc = (float *)calloc(heads * dim, sizeof(float));                                 \
+        float *krow = (float *)malloc(sizeof(float) * row); /* one token's keys or values, fp32 */ \
         for (int64_t t = 0; t < len; t++) {                                                       \
             const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            if (t % block_size == 0 && t + block_size < len) /* the next block lives elsewhere */  \
+                __builtin_prefetch(k_cache + table[t / block_size + 1] * block_size * row);        \
+            for (int64_t e = 0; e < row; e++) krow[e] = LOAD(k[e]);                               \
             for (int64_t h = 0; h < heads; h++) {                                                 \
-                const T *kh = k + (h / group) * dim;                                              \
+                const float *kh = krow + (h / group) * dim;                                       \
                 const float *qh = qs + h * dim;                                                   \
                 float dot = 0.f;                                                                  \
-                for (int64_t d = 0; d < dim; d++) dot += qh[d] * LOAD(kh[d]);                     \
+                for (int64_t d = 0; d < dim; d++) dot += qh[d] * kh[d];                           \
                 scores[h * len + t] = dot * scale;                                                \
             }                                                                                     \
         }                                                                                         \
@@ -73,16 +78,18 @@ void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,       
         }                                                                                         \
         for (int64_t t = 0; t < len; t++) {                                                       \
             const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            for (int64_t e = 0; e < row; e++) krow[e] = LOAD(v[e]);                               \
             for (int64_t h = 0; h < heads; h++) {                                                 \
-                const T *vh = v + (h / group) * dim;                                              \
+                const float *vh = krow + (h / group) * dim;                                       \
                 const float p = scores[h * len + t];                                              \
                 float *a = acc + h * dim;                                                         \
-                for (int64_t d = 0; d < dim; d++) a[d] += p * LOAD(vh[d]);                        \
+                for (int64_t d = 0; d < dim; d++) a[d] += p * vh[d];                              \
             }                                                                                     \
         }                                                                                         \
         memcpy(out + s * heads * dim, acc, sizeof(float) * heads * dim);                          \
         free(scores);                                                                             \
         free(acc);                                                                                \
+        free(krow);                                                                               \
     }                                                                                             \
 }
 
