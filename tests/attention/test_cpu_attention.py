@@ -29,9 +29,10 @@ def _decode_batch(dtype: torch.dtype, seqs=7, heads=8, kv_heads=2, dim=32, block
     return q, k, v, cache, meta
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])  # 64 and 128 take the specialised kernels
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_decode_matches_reference(dtype, tol):
-    q, k, v, cache, meta = _decode_batch(dtype)
+def test_paged_decode_matches_reference(dtype, tol, dim):
+    q, k, v, cache, meta = _decode_batch(dtype, dim=dim)
     ref = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.2)
     got = CpuAttentionBackend().forward(q, k, v, cache, meta, 0.2)
     assert got.dtype == dtype

@@ -40,11 +40,12 @@ static inline float fast_expf(float x) {
  * One task per sequence walks its tokens in order, reading each token's keys (then values) for
  * all kv heads as one contiguous row (what hardware prefetchers follow best), converted to fp32
  * once and shared by the query heads of each group. */
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD)                                                        \
-void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                         \
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, DIM)                                                   \
+static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                  \
           const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
-          int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, float scale,     \
+          int64_t kv_heads, int64_t dim_, int64_t block_size, int64_t max_blocks, float scale,    \
           int threads) {                                                                          \
+    const int64_t dim = DIM ? DIM : dim_; /* a constant head size lets loops unroll fully */     \
     const int64_t group = heads / kv_heads;                                                       \
     const int64_t row = kv_heads * dim; /* elements between consecutive tokens of a block */      \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
@@ -93,8 +94,26 @@ void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,       
     }                                                                                             \
 }
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, f32_to_f32)
+DEFINE_PAGED_DECODE(decode_bf16_any, uint16_t, bf16_to_f32, 0)
+DEFINE_PAGED_DECODE(decode_bf16_64, uint16_t, bf16_to_f32, 64)
+DEFINE_PAGED_DECODE(decode_bf16_128, uint16_t, bf16_to_f32, 128)
+DEFINE_PAGED_DECODE(decode_f32_any, float, f32_to_f32, 0)
+DEFINE_PAGED_DECODE(decode_f32_64, float, f32_to_f32, 64)
+DEFINE_PAGED_DECODE(decode_f32_128, float, f32_to_f32, 128)
+
+#define DEFINE_DECODE_DISPATCH(NAME, T, PREFIX)                                                   \
+void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
+          const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
+          int64_t block_size, int64_t max_blocks, float scale, int threads) {                     \
+    void (*fn)(float *, const float *, const T *, const T *, const int64_t *, const int64_t *,    \
+               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                \
+        dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : PREFIX##_any;                       \
+    fn(out, q, k, v, tables, lens, seqs, heads, kv_heads, dim, block_size, max_blocks, scale,     \
+       threads);                                                                                  \
+}
+
+DEFINE_DECODE_DISPATCH(paged_decode_bf16, uint16_t, decode_bf16)
+DEFINE_DECODE_DISPATCH(paged_decode_f32, float, decode_f32)
 
 /* ---- elementwise kernels: one pass over each row instead of a chain of torch ops ---- */
 
