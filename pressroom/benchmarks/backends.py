@@ -22,10 +22,13 @@ PEER_SCRIPT = REPO / "benchmarks" / "vllm_cpu" / "peer_bench.py"
 PEER_MODEL = REPO / ".cache" / "smollm2-135m-instruct-hf"
 
 
-def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int) -> list[float]:
-    """Wall time of each timed pass; `batches` lists the prompt indices generated together per pass."""
+def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int
+                  ) -> tuple[list[float], str]:
+    """Wall time of each timed pass (`batches`: prompt indices generated together per pass) and the
+    weight precision actually used."""
     from pressroom import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
+    precision = _precision(llm)
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos)
 
     def one(indices):
@@ -40,7 +43,14 @@ def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[in
         one(indices)
         times.append(time.perf_counter() - start)
         llm.engine.kv_cache.reset_prefix_cache()
-    return times
+    return times, precision
+
+
+def _precision(llm) -> str:
+    from pressroom.model.layers.linear import LinearBase
+    dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
+    int4 = any(m.int4 is not None for m in llm.engine.model.modules() if isinstance(m, LinearBase))
+    return f"{dtype} + GGUF 4-bit matrices for <= 8-token steps" if int4 else dtype
 
 
 def run_hf(model_path: str, dtype: str, workload: Workload, batches: list[list[int]], warmup: int) -> list[float]:

@@ -75,8 +75,8 @@ def _run_backend(name: str, args, engine_kwargs: dict, path: str, workload: Work
     else:
         batches = [list(range(n))]
     if name == "pressroom":
-        times = backends.run_pressroom(engine_kwargs, workload, batches, args.num_iters_warmup)
-        extra = {"dtype": engine_kwargs.get("dtype", "auto")}
+        times, precision = backends.run_pressroom(engine_kwargs, workload, batches, args.num_iters_warmup)
+        extra = {"dtype": precision}
     else:
         times = backends.run_hf(path, args.hf_dtype, workload, batches, args.num_iters_warmup)
         extra = {"dtype": args.hf_dtype}
