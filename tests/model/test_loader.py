@@ -60,3 +60,21 @@ def test_unsupported_architecture_is_named(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not supported"):
         LLM(str(tmp_path), load_format="dummy")
+
+
+def test_onednn_prepacked_linear_matches_plain_with_bias():
+    from pressroom.model.layers.linear import QKVParallelLinear
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen))
+    layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    plain = layer(x)
+    if not layer.prepack_onednn():
+        pytest.skip("this torch build has no oneDNN prepacking")
+    assert layer.weight.numel() == 0  # the plain copy is dropped
+    assert torch.allclose(layer(x).float(), plain.float(), atol=0.05, rtol=0.02)
