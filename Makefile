@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 install: $(VENV)/.installed
 
 run: install
-	$(VENV)/bin/pressroom chat
+	$(VENV)/bin/pressroom serve
 
 test: install
 	$(PY) -m pytest -q -m "not gpu" tests

@@ -46,7 +46,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

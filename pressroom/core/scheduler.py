@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass
 
 from pressroom.config import SchedulerConfig
@@ -142,8 +141,6 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = n

@@ -119,7 +119,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
-        text, token_ids = self._tokenize_prompt(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         self._validate(request_id, token_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(token_ids))
@@ -140,7 +140,8 @@ class LLMEngine:
             self.child_to_parent[child.request_id] = (parent, child)
             self.scheduler.add_request(req)
 
-    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) exactly as add_request would see them (BOS per the model)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -203,6 +204,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self._mark_scheduled(sched.new_requests)
         runner_out = self.runner.execute_model(sched)
         core_outputs = self.scheduler.update_from_output(sched, runner_out)
         now = time.monotonic()
@@ -213,6 +215,13 @@ class LLMEngine:
                 self._absorb(entry[0], entry[1], out, now)
                 moved[entry[0].request_id] = entry[0]
         return [self._finish_or_report(p, now) for p in moved.values()]
+
+    def _mark_scheduled(self, new_requests) -> None:
+        now = time.monotonic()
+        for new in new_requests:
+            entry = self.child_to_parent.get(new.req_id)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
 
     def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
         if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):

@@ -57,6 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(max_tokens=512, temperature=0.7)
     add_engine_args(chat)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds to let in-flight requests finish on SIGTERM before aborting them")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ routes")
+    serve.add_argument("--max-concurrent-requests", type=int, default=None,
+                       help="generation requests in flight beyond this get a 429 with Retry-After")
+    serve.add_argument("--metrics-prefix", default="pressroom:", help="e.g. vllm: for existing vLLM dashboards")
+    serve.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between stats log lines at INFO level (0: off)")
+    serve.add_argument("--uvicorn-log-level", default="warning")
+    add_engine_args(serve)
+
     bench = sub.add_parser("bench", help="benchmarks with vLLM's bench semantics")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name in ("throughput", "latency"):
@@ -86,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             from pressroom.entrypoints.chat import run_chat
             return run_chat(args, engine_kwargs(args))
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "bench":
             from pressroom.benchmarks import bench
             args.command = args.bench_command
@@ -109,6 +128,14 @@ def _generate(args) -> int:
     for out in llm.generate(args.prompts, _params(args)):
         print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
     return 0
+
+
+def _serve(args) -> int:
+    from pressroom.entrypoints.openai.server import run_server
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
+    args.model = args.model_tag or args.model
+    return run_server(args, engine_kwargs(args))
 
 
 if __name__ == "__main__":
