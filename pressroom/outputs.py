@@ -49,3 +49,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    session_id: str | None = None  # the caller's session (e.g. the server's X-Session-Id), as given

@@ -29,6 +29,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # Reasoning models: once this many tokens were generated inside the thinking span without its end
+    # marker, the sampler forces `think_end_token_ids` next, then generation goes on with the answer.
+    # The span opens after `think_start_token_ids` (in the prompt, as a chat template that opens `<think>`
+    # puts it, or in the output); with no start ids the output starts inside the span. LLMEngine fills
+    # both from the tokenizer's `<think>` / `</think>` when the budget is set and they are left out.
+    thinking_token_budget: int | None = None
+    think_start_token_ids: list[int] | None = None
+    think_end_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -37,6 +45,10 @@ class SamplingParams:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.think_start_token_ids is not None:
+            self.think_start_token_ids = list(self.think_start_token_ids)
+        if self.think_end_token_ids is not None:
+            self.think_end_token_ids = list(self.think_end_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -58,6 +70,14 @@ class SamplingParams:
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}."),
             (all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must not be empty, and must be strings."),
             (all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers."),
+            (self.thinking_token_budget is None or (type(self.thinking_token_budget) is int
+                                                    and self.thinking_token_budget >= 0),
+             f"thinking_token_budget must be a non-negative integer, got {self.thinking_token_budget}."),
+            (self.think_end_token_ids is None or (len(self.think_end_token_ids) > 0 and all(
+                type(t) is int for t in self.think_end_token_ids)),
+             "think_end_token_ids must be a non-empty list of integers."),
+            (all(type(t) is int for t in self.think_start_token_ids or []),
+             "think_start_token_ids must be integers."),
         ]
         for ok, message in checks:
             if not ok:

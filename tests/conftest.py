@@ -55,6 +55,27 @@ def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
     return make
 
 
+THINK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def think_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny llama with `<think>` and `</think>` as added special tokens (embeddings grown to hold them)
+    and a chat template that opens `<think>` in the generation prompt, as reasoning models' templates do."""
+    import transformers
+    path = str(tmp_path_factory.mktemp("tiny-think"))
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.chat_template = THINK_CHAT_TEMPLATE
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with HF's own KV cache, one token per forward (EOS not masked)."""

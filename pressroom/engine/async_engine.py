@@ -62,19 +62,19 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self._error is None and not self._closed
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; ValueError if the engine rejects it (nothing else changes)."""
-        outputs = await self.add_request(request_id, prompt, params, priority)
+        outputs = await self.add_request(request_id, prompt, params, priority, session_id)
         async for out in outputs:
             yield out
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
         iterate or close: leaving the stream before the request finishes aborts it."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         try:
-            await self.call(lambda: self._add(request_id, prompt, params, priority, stream))
+            await self.call(lambda: self._add(request_id, prompt, params, priority, session_id, stream))
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still run; this abort is queued after it
             raise
@@ -135,8 +135,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("The engine is shut down.")
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None, priority: int,
-             stream: _Stream) -> None:
-        self.engine.add_request(request_id, prompt, params, priority=priority)
+             session_id: str | None, stream: _Stream) -> None:
+        self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:

@@ -51,6 +51,7 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    session_id: str | None = None
 
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
@@ -117,9 +118,12 @@ class LLMEngine:
     # ---- requests ----
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, session_id: str | None = None) -> None:
+        """`session_id` (optional) groups requests of one conversation or user; it comes back on every
+        RequestOutput of this request. It does not change scheduling."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
+        params = self._with_think_markers(params)
         self._validate(request_id, token_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(token_ids))
@@ -129,7 +133,8 @@ class LLMEngine:
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                     for i in range(params.n)]
         parent = _Parent(request_id, text, token_ids, params, children, RequestMetrics(arrival),
-                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+                         prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+                         session_id=session_id)
         self.parents[request_id] = parent
         lead = None
         for child in children:
@@ -152,6 +157,25 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"A prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}.")
 
+    def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
+        """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (start, end)]
+        unk = self.tokenizer.unk_token_id
+        if any(i is None or i == unk or i < 0 for i in ids):
+            return None
+        return [ids[0]], [ids[1]]
+
+    def _with_think_markers(self, params: SamplingParams) -> SamplingParams:
+        """A thinking budget without marker ids gets the tokenizer's `<think>` / `</think>`."""
+        if params.thinking_token_budget is None or params.think_end_token_ids:
+            return params
+        markers = self.think_marker_ids()
+        if markers is None:
+            raise ValueError("thinking_token_budget needs think_end_token_ids: this tokenizer has no "
+                             "`<think>` / `</think>` tokens.")
+        start = markers[0] if params.think_start_token_ids is None else params.think_start_token_ids
+        return params.clone(think_start_token_ids=start, think_end_token_ids=markers[1])
+
     def _add_bos(self) -> bool:
         return bool(getattr(self.hf_config, "add_bos_token", True))
 
@@ -173,6 +197,9 @@ class LLMEngine:
                 raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
+        for name in ("think_start_token_ids", "think_end_token_ids"):
+            if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or []):
+                raise ValueError(f"{name} must lie in [0, {self.vocab_size}).")
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
@@ -271,4 +298,4 @@ class LLMEngine:
                                     c.finish_reason, c.stop_reason)
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics)
+                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)

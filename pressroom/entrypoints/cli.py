@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats log lines at INFO level (0: off)")
     serve.add_argument("--uvicorn-log-level", default="warning")
+    serve.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                       help="split <think>...</think> into reasoning_content (auto: when the model's chat "
+                            "template or vocabulary has the markers)")
+    serve.add_argument("--reasoning-start-str", default="<think>", help="the reasoning span's start marker")
+    serve.add_argument("--reasoning-end-str", default="</think>", help="the reasoning span's end marker")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks with vLLM's bench semantics")
@@ -91,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--peer-dtype", default="bfloat16", choices=["float32", "bfloat16"])
         b.add_argument("--output-json", default=None)
         add_engine_args(b)
+    from pressroom.benchmarks.serve import add_cli_args as add_serve_bench_args
+    add_serve_bench_args(bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP "
+                                                            "(vLLM's bench serve)"))
     return parser
 
 
@@ -105,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(args, engine_kwargs(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench" and args.bench_command == "serve":
+            from pressroom.benchmarks import serve
+            return 0 if serve.run(args)["completed"] else 1
         if args.command == "bench":
             from pressroom.benchmarks import bench
             args.command = args.bench_command

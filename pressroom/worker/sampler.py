@@ -3,6 +3,10 @@
 Logprobs are reported from the raw model distribution (before penalties, temperature and
 truncation), as vLLM does by default. A seeded request draws its noise from a generator keyed
 by (seed, output position), so its tokens do not depend on batch composition or preemption.
+
+A request with a `thinking_token_budget` that has spent it inside its thinking span gets the
+end-of-thinking token(s) forced: every other logit is masked, so the forced token is sampled like
+any other (it enters the KV cache through the normal path, and its logprob is the model's own).
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     for i, row in enumerate(rows):
         p = row.params
         banned = _banned_tokens(row)
-        if not (p.logit_bias or p.needs_penalties or banned):
+        forced = forced_token(row)
+        if not (p.logit_bias or p.needs_penalties or banned or forced is not None):
             continue
         if not cloned:
             logits, cloned = logits.clone(), True
@@ -74,7 +79,49 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             _apply_penalties(logits[i], row)
         if banned:
             logits[i, banned] = _MASK
+        if forced is not None:
+            logits[i] = _MASK
+            logits[i, forced] = 0.0
     return logits
+
+
+def forced_token(row: SamplingRow) -> int | None:
+    """The end-of-thinking token this row must emit next because its thinking budget is spent, or None.
+
+    Stateless: derived from the prompt and output ids each step, so preemption and recompute agree."""
+    p = row.params
+    budget, end = p.thinking_token_budget, p.think_end_token_ids
+    if budget is None or not end:
+        return None
+    out, start = row.output_token_ids, p.think_start_token_ids
+    opened = 0  # output index where the thinking span's tokens begin
+    if start:
+        opened = _end_of_last(out, start)
+        if opened < 0:  # not opened in the output: only in the prompt, if it ends inside an open span
+            prompt = row.prompt_token_ids
+            in_prompt = _end_of_last(prompt, start)
+            if in_prompt < 0 or _end_of_last(prompt, end) > in_prompt:
+                return None
+            opened = 0
+    if _closes(out, end, opened):
+        return None
+    j = len(out) - (opened + budget)
+    return end[j] if 0 <= j < len(end) else None
+
+
+def _end_of_last(ids: list[int], seq: list[int]) -> int:
+    """Index just past the last occurrence of `seq` in `ids`, or -1."""
+    n = len(seq)
+    first = seq[0]
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == first and ids[i:i + n] == seq:
+            return i + n
+    return -1
+
+
+def _closes(ids: list[int], seq: list[int], start: int) -> bool:
+    n, first = len(seq), seq[0]
+    return any(ids[i] == first and ids[i:i + n] == seq for i in range(start, len(ids) - n + 1))
 
 
 def _banned_tokens(row: SamplingRow) -> list[int]:

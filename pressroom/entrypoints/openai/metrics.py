@@ -30,6 +30,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.stats = SchedulerStats()
         self.total_prompt_tokens = self.total_generation_tokens = 0  # for the log line
+        # Only model_name (and finished_reason) label series. A request's session id goes to its log line,
+        # never to a label: session ids are unbounded, and one time series per session would grow the
+        # registry (and every scrape) without limit.
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -74,6 +77,11 @@ class ServerMetrics:
                 yield out
 
     def _finished(self, out: RequestOutput, now: float) -> None:
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        e2e = ((out.metrics.finished_time or now) - out.metrics.arrival_time) if out.metrics is not None else 0.0
+        logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, %.3fs",
+                    out.request_id, out.session_id or "-", len(out.prompt_token_ids), generated,
+                    ",".join(c.finish_reason or "abort" for c in out.outputs), e2e)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.total_prompt_tokens += len(out.prompt_token_ids)
         if out.metrics is not None:

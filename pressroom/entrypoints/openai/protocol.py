@@ -67,6 +67,7 @@ class _SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None
+    session_id: str | None = Field(None, max_length=256)  # or the X-Session-Id header
 
     def _params(self, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
         return SamplingParams(
@@ -120,10 +121,11 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, thinking_token_budget=self.thinking_token_budget, **extra)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -145,10 +147,15 @@ class DetokenizeRequest(OpenAIModel):
 
 # ---- responses ----
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -192,6 +199,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -214,6 +222,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -29,14 +29,16 @@ from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT
 from pressroom.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatMessage, ChatResponseMessage, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, DeltaMessage, DetokenizeRequest, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenLogprob, TopLogprob, UsageInfo, random_id,
+    CompletionResponse, CompletionTokensDetails, DeltaMessage, DetokenizeRequest, ErrorInfo, ErrorResponse,
+    ModelCard, ModelList, TokenizeRequest, TokenLogprob, TopLogprob, UsageInfo, random_id,
 )
+from pressroom.entrypoints.openai.reasoning import ReasoningParser, make_parser
 
 logger = logging.getLogger("pressroom")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 MAX_SEQUENCES = 1024  # prompts x n in one request
+MAX_SESSION_ID_CHARS = 256
 
 
 class APIError(Exception):
@@ -109,9 +111,12 @@ class _Guard:
 def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_root: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
               api_key: str | None = None, max_concurrent_requests: int | None = None,
-              log_stats_interval: float = 10.0) -> FastAPI:
+              log_stats_interval: float = 10.0, reasoning_parser: str | None = None,
+              reasoning_start: str = "<think>", reasoning_end: str = "</think>") -> FastAPI:
+    """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    api = _API(engine, names, model_root, max_request_bytes, metrics_prefix)
+    api = _API(engine, names, model_root, max_request_bytes, metrics_prefix,
+               make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end))
 
     @asynccontextmanager
     async def lifespan(_):
@@ -157,10 +162,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_
 
 class _API:
     def __init__(self, engine: AsyncLLMEngine, names: list[str], model_root: str | None,
-                 max_request_bytes: int, metrics_prefix: str) -> None:
+                 max_request_bytes: int, metrics_prefix: str, reasoning: ReasoningParser | None = None) -> None:
         self.engine, self.names, self.model_root = engine, names, model_root
         self.max_request_bytes = max_request_bytes
         self.stats = ServerMetrics(metrics_prefix, names[0])
+        self.reasoning = reasoning
+        if reasoning is not None:
+            logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
 
     # ---- small endpoints ----
 
@@ -213,6 +221,7 @@ class _API:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported; use n.", param="best_of")
         priority = _priority(request, req.priority)
+        session_id = _session_id(request, req.session_id)
         try:
             given = _prompt_list(req.prompt)
         except ValueError as e:
@@ -224,7 +233,7 @@ class _API:
         params = [self._sampling_params(req, req.max_tokens, ids) for _, ids in prompts]
         rid = random_id("cmpl")
         streams = await self._add_all(rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
-                                            for (text, ids), sp in zip(prompts, params)], priority)
+                                            for (text, ids), sp in zip(prompts, params)], priority, session_id)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))
@@ -305,21 +314,39 @@ class _API:
         req = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
         priority = _priority(request, req.priority)
+        session_id = _session_id(request, req.session_id)
         ids = await self._run(lambda: self._chat_ids(req.messages, req.add_generation_prompt,
                                                      req.continue_final_message, req.chat_template_kwargs))
         params = self._sampling_params(req, req.requested_max_tokens, ids)
+        parser = self.reasoning
+        opens = parser is not None and parser.prompt_opens(ids)
+        if parser is not None:
+            if parser.markers_are_special:
+                params = params.clone(skip_special_tokens=False)  # else the markers vanish from the text
+            if params.thinking_token_budget is not None and params.think_end_token_ids is None:
+                params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(rid, [({"prompt_token_ids": ids}, params)], priority)
+        streams = await self._add_all(rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
         model = req.model or self.names[0]
         if req.stream:
-            return self._sse(self._chat_chunks(rid, model, req, streams[0]))
+            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens))
         out = (await _with_disconnect(request, _collect(streams)))[0]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            reasoning, content = parser.split(c.text, opens) if parser is not None else (None, c.text)
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+                logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=rid, model=model, choices=choices,
-                                                   usage=_usage([out])).model_dump())
+                                                   usage=self._chat_usage(out, opens)).model_dump())
+
+    def _chat_usage(self, out: RequestOutput, opens: bool) -> UsageInfo:
+        usage = _usage([out])
+        if self.reasoning is not None:
+            reasoning = sum(self.reasoning.count_reasoning_tokens(c.token_ids, opens) for c in out.outputs)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning)
+        return usage
 
     def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
                        req: ChatCompletionRequest) -> ChatLogprobs:
@@ -334,7 +361,7 @@ class _API:
         return ChatLogprobs(content=content)
 
     async def _chat_chunks(self, rid: str, model: str, req: ChatCompletionRequest,
-                           stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                           stream: AsyncIterator[RequestOutput], opens: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
@@ -343,6 +370,7 @@ class _API:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         sent_text, sent_lp, done = [0] * req.n, [0] * req.n, [False] * req.n
+        splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
         final = None
         async for _, out in _merge([stream]):
             for c in out.outputs:
@@ -358,12 +386,27 @@ class _API:
                     continue
                 sent_text[c.index] = len(c.text)
                 done[c.index] = c.finish_reason is not None
-                yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                if splitters is None:
+                    deltas = [DeltaMessage(content=delta)]
+                else:  # reasoning first, then content; a marker split across chunks is held back until whole
+                    reasoning, content = splitters[c.index].feed(delta)
+                    if done[c.index]:
+                        r_rest, c_rest = splitters[c.index].finish()
+                        reasoning, content = reasoning + r_rest, content + c_rest
+                    if not (reasoning or content or done[c.index] or (logprobs and logprobs.content)):
+                        continue  # all held back (a possible marker): nothing to send yet
+                    deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+                    if content or not deltas:
+                        deltas.append(DeltaMessage(content=content))
+                for k, d in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
+                                                 finish_reason=c.finish_reason if last else None,
+                                                 stop_reason=c.stop_reason if last else None)])
             if out.finished:
                 final = out
         if req.stream_options and req.stream_options.include_usage and final is not None:
-            yield chunk([], _usage([final]))
+            yield chunk([], self._chat_usage(final, opens))
 
     # ---- shared ----
 
@@ -438,13 +481,14 @@ class _API:
             raise APIError(400, str(e)) from None
 
     async def _add_all(self, rid: str, requests: list[tuple[dict, Any]],
-                       priority: int) -> list[AsyncIterator[RequestOutput]]:
+                       priority: int, session_id: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it."""
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(requests):
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
-                streams.append(self.stats.observe(await self.engine.add_request(req_id, prompt, params, priority)))
+                added = await self.engine.add_request(req_id, prompt, params, priority, session_id)
+                streams.append(self.stats.observe(added))
         except BaseException as e:
             for s in streams:
                 await s.aclose()
@@ -524,6 +568,16 @@ def _priority(request: Request, field: int | None) -> int:
         return int(header)
     except ValueError:
         raise APIError(400, f"X-Priority must be an integer, got {header!r}.", param="X-Priority") from None
+
+
+def _session_id(request: Request, field: str | None) -> str | None:
+    """The `session_id` field, else the X-Session-Id header (None without either)."""
+    if field is not None:
+        return field
+    header = request.headers.get("x-session-id")
+    if header is not None and len(header) > MAX_SESSION_ID_CHARS:
+        raise APIError(400, f"X-Session-Id is longer than {MAX_SESSION_ID_CHARS} characters.", param="X-Session-Id")
+    return header or None
 
 
 def _usage(outputs: list[RequestOutput]) -> UsageInfo:
@@ -611,7 +665,10 @@ def run_server(args, engine_kwargs: dict) -> int:
     app = build_app(engine, names, model_root=source, max_request_bytes=args.max_request_bytes,
                     metrics_prefix=args.metrics_prefix, api_key=args.api_key,
                     max_concurrent_requests=args.max_concurrent_requests,
-                    log_stats_interval=args.log_stats_interval)
+                    log_stats_interval=args.log_stats_interval,
+                    reasoning_parser=getattr(args, "reasoning_parser", None),
+                    reasoning_start=getattr(args, "reasoning_start_str", None) or "<think>",
+                    reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>")
     app_lifespan = app.router.lifespan_context
 
     @asynccontextmanager
