@@ -5,62 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-import httpx
 import pytest
-from fastapi import Request  # resolved at module level: FastAPI reads the handler's annotation by name
+from fastapi import (
+    Request,  # resolved at module level: FastAPI reads the handler's annotation by name
+)
+from serving import free_port, serve
 
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
-
-
 @contextlib.contextmanager
 def _serve(model_dir: str, log_path):
-    port = _free_port()
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", "serve", model_dir, "--port", str(port),
-                             "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited: {_tail(log)}"
-            assert time.monotonic() < deadline, f"server did not come up: {_tail(log)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    args = ["serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
+    with serve(args, log_path, shutdown_s=20) as (url, _):
         yield url
-        assert proc.poll() is None, f"server died: {_tail(log)}"
-        assert "Traceback" not in _tail(log), _tail(log)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +120,7 @@ def test_bench_serve_against_a_minimal_peer_server(tmp_path):
             yield "data: [DONE]\n\n"
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,52 +18,16 @@ import time
 import httpx
 import openai
 import pytest
+from serving import serve
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
 
 
 @contextlib.contextmanager
 def _serve(log_path):
     """`pressroom serve` with no model argument: the embedded SmolLM2."""
-    port = _free_port()
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", "serve", "--port", str(port),
-                             "--kv-cache-memory-gib", "0.25"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited: {_tail(log)}"
-            assert time.monotonic() < deadline, f"server did not come up: {_tail(log)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    with serve(["serve", "--kv-cache-memory-gib", "0.25"], log_path) as (url, _):
         yield url
-        assert proc.poll() is None, f"server died: {_tail(log)}"
-        assert "Traceback" not in _tail(log), _tail(log)
-        proc.terminate()
-        assert proc.wait(30) in (0, -signal.SIGTERM), f"unclean shutdown: {_tail(log)}"
-        assert "Traceback" not in _tail(log), _tail(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,22 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from serving import serve, tail
 
 from pressroom.entrypoints.openai.reasoning import ReasoningParser
 
 MODEL = "tiny-think"
 
 
+@contextlib.contextmanager
+def _serve(model_dir: str, log_path, *extra: str):
+    """A `pressroom serve` subprocess logging at INFO; yields (base URL, log file)."""
+    args = ["--log-level", "INFO", "serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32",
+            "--kv-cache-memory-gib", "0.05", *extra]
+    with serve(args, log_path, shutdown_s=20) as served:
+        yield served
+
+
 # ---- the parser alone ----
+
 
 class _Tok:
     """The few tokenizer calls the parser makes, for markers that are single tokens 5 and 6."""
@@ -77,50 +84,6 @@ def test_parser_counts_reasoning_tokens():
 
 
 # ---- the server ----
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-20000:]
-
-
-@contextlib.contextmanager
-def _serve(model_dir: str, log_path, *extra: str):
-    """A `pressroom serve` subprocess logging at INFO; yields (base URL, log file)."""
-    port = _free_port()
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", "--log-level", "INFO", "serve",
-                             model_dir, "--port", str(port), "--served-model-name", MODEL, "--dtype", "float32",
-                             "--kv-cache-memory-gib", "0.05", *extra],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited: {_tail(log)}"
-            assert time.monotonic() < deadline, f"server did not come up: {_tail(log)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield url, log
-        assert proc.poll() is None, f"server died: {_tail(log)}"
-        assert "Traceback" not in _tail(log), _tail(log)
-        proc.terminate()
-        assert proc.wait(20) in (0, -signal.SIGTERM), f"unclean shutdown: {_tail(log)}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +192,7 @@ def test_session_id_reaches_the_log(served, client):
                       headers={"X-Session-Id": "s" * 300}).status_code == 400
     deadline = time.monotonic() + 5
     while True:
-        text = _tail(log)
+        text = tail(log)
         lines = [line for line in text.splitlines() if "Finished request" in line]
         if all(any(f"(session {s})" in line for line in lines)
                for s in ("conv-header-1", "conv-field-2", "conv-stream-3")):
@@ -242,6 +205,7 @@ def test_session_id_reaches_the_log(served, client):
 
 def test_make_parser_choices(think_model_dir, tiny_model_dir):
     import transformers
+
     from pressroom.entrypoints.openai.reasoning import make_parser
     think = transformers.AutoTokenizer.from_pretrained(think_model_dir)
     plain = transformers.AutoTokenizer.from_pretrained(tiny_model_dir("llama"))

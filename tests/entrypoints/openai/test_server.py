@@ -3,57 +3,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from serving import serve
 
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _serve(model_dir: str, log_path, *extra: str):
-    """A real `pressroom serve` subprocess on a free loopback port; yields its base URL, stops it with SIGTERM."""
-    port = _free_port()
-    log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", "serve", model_dir,
-                             "--port", str(port), "--served-model-name", MODEL, "--dtype", "float32",
-                             "--kv-cache-memory-gib", "0.05", *extra],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited: {_tail(log)}"
-            assert time.monotonic() < deadline, f"server did not come up: {_tail(log)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    """A real `pressroom serve` on the tiny model; yields its base URL."""
+    args = ["serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05",
+            *extra]
+    with serve(args, log_path, shutdown_s=20) as (url, _):
         yield url
-        assert proc.poll() is None, f"server died: {_tail(log)}"
-        assert "Traceback" not in _tail(log), _tail(log)
-        proc.terminate()
-        assert proc.wait(20) in (0, -signal.SIGTERM), f"unclean shutdown: {_tail(log)}"  # uvicorn re-raises it
-        assert "Traceback" not in _tail(log), _tail(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +27,6 @@ def server(tiny_model_dir, tmp_path_factory):
     with _serve(tiny_model_dir("llama"), tmp_path_factory.mktemp("serve") / "server.log",
                 "--max-request-bytes", str(1 << 20)) as url:
         yield url
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
 
 
 @pytest.fixture
