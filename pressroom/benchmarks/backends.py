@@ -55,7 +55,6 @@ def _precision(llm) -> str:
 
 def run_hf(model_path: str, dtype: str, workload: Workload, batches: list[list[int]], warmup: int) -> list[float]:
     """HF transformers `generate`, left-padded batches, greedy, EOS disabled rather than masked."""
-    from transformers import AutoModelForCausalLM
     model = _load_hf(model_path, dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pressroom.benchmarks.workload import read_prompt_texts
+
 _WORDS = ("time year people way day man thing woman life child world school state family student group country "
           "problem hand part place case week company system program question work government number night point "
           "home water room mother area money story fact month lot right study book eye job word business issue "
@@ -228,14 +230,7 @@ async def build_prompts(args, client, base: str, model: str, num: int,
     if args.dataset_name == "jsonl":
         if not args.dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path.")
-        texts = []
-        with open(args.dataset_path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    texts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
-        if not texts:
-            raise ValueError(f"No prompts found in {args.dataset_path!r}.")
+        texts = read_prompt_texts(args.dataset_path)
         out_len = args.output_len or args.random_output_len
         return [(texts[i % len(texts)], -1, out_len) for i in range(num)], "jsonl"
     vocab = await _vocab_size(client, base, model)

@@ -29,7 +29,7 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> 
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
 
 
-def file_prompts(path: str, tokenizer, num: int, input_len: int | None) -> list[list[int]]:
+def read_prompt_texts(path: str) -> list[str]:
     """Prompts from a JSONL ({"prompt": ...} per line) or plain text file (one per line)."""
     texts = []
     with open(path) as f:
@@ -39,7 +39,11 @@ def file_prompts(path: str, tokenizer, num: int, input_len: int | None) -> list[
                 texts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
     if not texts:
         raise ValueError(f"No prompts found in {path!r}.")
-    ids = [tokenizer.encode(t) for t in texts]
+    return texts
+
+
+def file_prompts(path: str, tokenizer, num: int, input_len: int | None) -> list[list[int]]:
+    ids = [tokenizer.encode(t) for t in read_prompt_texts(path)]
     if input_len:
         ids = [p[:input_len] for p in ids]
     return [ids[i % len(ids)] for i in range(num)]
