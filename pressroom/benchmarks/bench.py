@@ -6,12 +6,7 @@ import statistics
 import time
 
 from pressroom.benchmarks import backends
-from pressroom.benchmarks.workload import (
-    Workload,
-    file_prompts,
-    machine,
-    random_prompts,
-)
+from pressroom.benchmarks.workload import Workload, file_prompts, machine, random_prompts
 
 BACKENDS = ("pressroom", "hf", "vllm")
 
@@ -48,11 +43,7 @@ def run(args, engine_kwargs: dict) -> dict:
     bad = [b for b in names if b not in BACKENDS]
     if bad:
         raise ValueError(f"Unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}.")
-    from pressroom.model.loader import (
-        load_hf_config,
-        load_tokenizer,
-        resolve_model_path,
-    )
+    from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
     path = resolve_model_path(engine_kwargs.get("model"))
     tokenizer = load_tokenizer(engine_kwargs.get("tokenizer") or path)
     vocab = load_hf_config(path).vocab_size
