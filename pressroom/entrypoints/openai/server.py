@@ -658,8 +658,7 @@ async def _with_disconnect(request: Request, work) -> Any:
 def run_server(args, engine_kwargs: dict) -> int:
     import uvicorn
     from pressroom.config import EngineArgs
-    from pressroom.engine.llm_engine import LLMEngine
-    engine = AsyncLLMEngine(LLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs)))
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
     source = str(engine.engine.model_path)
     names = args.served_model_name or [engine_kwargs.get("model") or Path(source).stem]
     app = build_app(engine, names, model_root=source, max_request_bytes=args.max_request_bytes,

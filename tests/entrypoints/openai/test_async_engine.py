@@ -5,14 +5,14 @@ import asyncio
 
 import pytest
 
-from pressroom import EngineArgs, LLMEngine, SamplingParams
+from pressroom import EngineArgs, SamplingParams
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05)
-    eng = AsyncLLMEngine(LLMEngine.from_engine_args(args))
+    eng = AsyncLLMEngine.from_engine_args(args)
     yield eng
     eng.shutdown()
 
@@ -82,7 +82,7 @@ async def _drain(stream) -> None:
 
 def test_shutdown_ends_streams_and_refuses_new_requests(tiny_model_dir):
     args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05)
-    eng = AsyncLLMEngine(LLMEngine.from_engine_args(args))
+    eng = AsyncLLMEngine.from_engine_args(args)
 
     async def main():
         stream = await eng.add_request("x", "Hello", _greedy(1000))
@@ -95,3 +95,8 @@ def test_shutdown_ends_streams_and_refuses_new_requests(tiny_model_dir):
 
     asyncio.run(main())
     assert not eng.is_running
+
+
+def test_build_error_reaches_the_caller():
+    with pytest.raises(ValueError, match="does not exist|not found|No such"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(model="/nonexistent/model/dir"))
