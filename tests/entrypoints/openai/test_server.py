@@ -181,13 +181,20 @@ async def _bad_requests_while_a_stream_completes(server, aclient):
                                                    max_tokens=40, stream=True, extra_body={"ignore_eos": True},
                                                    stream_options={"include_usage": True})
     async with httpx.AsyncClient(base_url=server, timeout=30) as http:
-        huge = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+        huge = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'  # 10 MB
         long_prompt = {"model": MODEL, "prompt": "hello " * 5000, "max_tokens": 1}
         for body, status in BAD + [(huge, 413)]:
             r = await http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
             assert r.status_code == status, (body[:80], r.text)
             error = r.json()["error"]
             assert error["message"] and error["type"]
+
+
+        async def chunked():  # no content-length: the limit is enforced while reading
+            for i in range(0, len(huge), 1 << 20):
+                yield huge[i:i + (1 << 20)]
+        r = await http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = await http.post("/v1/completions", json=long_prompt)
         assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
         r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
