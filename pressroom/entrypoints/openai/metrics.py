@@ -78,10 +78,14 @@ class ServerMetrics:
 
     def _finished(self, out: RequestOutput, now: float) -> None:
         generated = sum(len(c.token_ids) for c in out.outputs)
-        e2e = ((out.metrics.finished_time or now) - out.metrics.arrival_time) if out.metrics is not None else 0.0
-        logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, %.3fs",
-                    out.request_id, out.session_id or "-", len(out.prompt_token_ids), generated,
-                    ",".join(c.finish_reason or "abort" for c in out.outputs), e2e)
+        m = out.metrics
+        e2e = ((m.finished_time or now) - m.arrival_time) if m is not None else 0.0
+        queued = (m.first_scheduled_time - m.arrival_time) if m is not None and m.first_scheduled_time else 0.0
+        ttft = (m.first_token_time - m.arrival_time) if m is not None and m.first_token_time else 0.0
+        logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, "
+                    "queued %.3fs, TTFT %.3fs, e2e %.3fs", out.request_id, out.session_id or "-",
+                    len(out.prompt_token_ids), generated, ",".join(c.finish_reason or "abort" for c in out.outputs),
+                    queued, ttft, e2e)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.total_prompt_tokens += len(out.prompt_token_ids)
         if out.metrics is not None:

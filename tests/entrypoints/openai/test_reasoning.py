@@ -194,7 +194,7 @@ def test_session_id_reaches_the_log(served, client):
     while True:
         text = tail(log)
         lines = [line for line in text.splitlines() if "Finished request" in line]
-        if all(any(f"(session {s})" in line for line in lines)
+        if all(any(f"(session {s})" in line and "2 generated" in line and "TTFT" in line for line in lines)
                for s in ("conv-header-1", "conv-field-2", "conv-stream-3")):
             break
         assert time.monotonic() < deadline, text
