@@ -14,6 +14,18 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}.")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -37,6 +49,7 @@ class ModelConfig:
     seed: int = 0
     # auto: 4-bit GGUF matrices stay 4-bit (as shipped) when the dtype is bf16; none: dequantize all.
     quantization: str = "auto"
+    skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks of dummy-weight shapes)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -51,14 +64,37 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int = 2 << 30
+    # CPU: the KV cache's size. CUDA: None = what a memory profile leaves of gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = 2 << 30
     num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
+    gpu_memory_utilization: float = 0.92
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_blocks}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}.")
+
+
+@dataclass(slots=True)
+class CompilationConfig:
+    """CUDA graphs: decode steps of up to `max_cudagraph_capture_size` requests replay a captured graph."""
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_cudagraph_capture_size <= MAX_CUDAGRAPH_CAPTURE_SIZE:
+            raise ValueError(f"max_cudagraph_capture_size must lie in [1, {MAX_CUDAGRAPH_CAPTURE_SIZE}], "
+                             f"got {self.max_cudagraph_capture_size}.")
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """Padded batch sizes to capture: 1, 2, 4, 8, then every 8 (vLLM's ladder), up to the limit."""
+        limit = min(self.max_cudagraph_capture_size, max_num_seqs)
+        ladder = [1, 2, 4] + list(range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8))
+        sizes = [s for s in ladder if s < limit]
+        return sizes + [limit]
 
 
 @dataclass(slots=True)
@@ -92,6 +128,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    compilation: CompilationConfig
     device: str = "cpu"
 
 
@@ -113,8 +150,12 @@ class EngineArgs:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
-    device: str = "cpu"
+    device: str = "auto"
     num_threads: int | None = None
+    gpu_memory_utilization: float = 0.92
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def names(cls) -> set[str]:
@@ -128,21 +169,25 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        if self.device != "cpu":
-            raise ValueError(f"device must be 'cpu' for now, got {self.device!r}.")
+        device = resolve_device(self.device)
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         memory = self.kv_cache_memory_gib
-        if memory is None:
+        if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
         return EngineConfig(
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
-                              dtype=resolve_dtype(self.dtype, self.device), max_model_len=self.max_model_len,
-                              seed=self.seed, quantization=self.quantization),
+                              dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
+                              seed=self.seed, quantization=self.quantization,
+                              skip_tokenizer_init=self.skip_tokenizer_init),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_memory_bytes=int(memory * (1 << 30)), num_blocks=self.num_gpu_blocks_override),
+                              kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
+                              num_blocks=self.num_gpu_blocks_override,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            device=self.device,
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager,
+                                          max_cudagraph_capture_size=self.max_cudagraph_capture_size),
+            device=device,
         )

@@ -23,6 +23,10 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1], host copy: prefill loops slice by it
     seq_lens_host: list[int]
     max_decode_seq_len: int
+    # Read by the GPU backend, which never looks at host lists (a CUDA graph replays without them).
+    query_start_loc_device: torch.Tensor | None = None  # int32 [num_reqs + 1]
+    max_query_len: int = 0
+    num_kv_splits: int = 1  # split-KV partitions per decode (flash-decoding), chosen by the runner
 
 
 class AttentionBackend(Protocol):

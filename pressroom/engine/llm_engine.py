@@ -11,6 +11,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
@@ -25,6 +27,7 @@ from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 logger = logging.getLogger("pressroom")
 
 MAX_LOGPROBS = 20
+_CUDA_GRAPH_RESERVE = 1 << 30  # graphs' memory pool is allocated after the KV cache; measured and logged at capture
 PromptType = str | list[int] | dict
 
 
@@ -64,22 +67,26 @@ class LLMEngine:
         loaded = load_model(config.model, config.device)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.model_path = loaded.source
-        self.decode = fast_decoder(self.tokenizer)
+        self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_id = self._eos_token_id()
+        self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
+                                  config.device)
         num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len(num_blocks)
         config.scheduler.max_model_len = self.max_model_len
+        self.runner.initialize_kv_cache(num_blocks, self.max_model_len)
+        self._log_capacity(num_blocks)
+        if config.device == "cuda" and not config.compilation.enforce_eager:
+            self.runner.capture_cudagraphs(config.compilation.capture_sizes(config.scheduler.max_num_seqs))
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.model.dtype,
-                                  config.model.seed, config.device)
         self.vocab_size = self.hf_config.vocab_size
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
-        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    time.perf_counter() - start, self.model_path, num_blocks, config.cache.block_size,
-                    self.max_model_len)
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
+                    config.device, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -88,7 +95,7 @@ class LLMEngine:
     # ---- set-up ----
 
     def _eos_token_id(self) -> int | None:
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None:
             eos = getattr(self.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, list) else eos
@@ -98,7 +105,36 @@ class LLMEngine:
         if cache.num_blocks is not None:
             return cache.num_blocks + 1  # block 0 is the padding block
         per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.config.model.dtype)
-        return max(2, cache.kv_cache_memory_bytes // per_block)
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._profiled_kv_budget()
+        if budget < 2 * per_block:
+            raise ValueError(f"Only {budget / (1 << 30):.2f} GiB is left for the KV cache, less than two blocks; "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens.")
+        return budget // per_block
+
+    def _profiled_kv_budget(self) -> int:
+        """vLLM's rule: gpu_memory_utilization of the card, minus the weights and the activation peak of
+        a max_num_batched_tokens forward pass (both in the profiled peak), memory outside torch's
+        allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs."""
+        sched, cache = self.config.scheduler, self.config.cache
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        peak = self.runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_num_seqs, limit)
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = (total - free) - torch.cuda.memory_reserved()
+        graphs = 0 if self.config.compilation.enforce_eager else _CUDA_GRAPH_RESERVE
+        budget = int(total * cache.gpu_memory_utilization) - peak - outside_torch - graphs
+        logger.info("memory profile: %.2f GiB of %.2f GiB usable; weights + activation peak %.2f GiB, outside "
+                    "torch %.2f GiB, CUDA graph reserve %.2f GiB -> KV cache %.2f GiB",
+                    total * cache.gpu_memory_utilization / (1 << 30), total / (1 << 30), peak / (1 << 30),
+                    outside_torch / (1 << 30), graphs / (1 << 30), budget / (1 << 30))
+        return budget
+
+    def _log_capacity(self, num_blocks: int) -> None:
+        tokens = (num_blocks - 1) * self.config.cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at max_model_len %d",
+                    num_blocks, self.config.cache.block_size, tokens, tokens / self.max_model_len,
+                    self.max_model_len)
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -151,6 +187,8 @@ class LLMEngine:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("This engine was started with skip_tokenizer_init: give prompts as token ids.")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=self._add_bos()) if prompt else []
         if isinstance(prompt, (list, tuple)):
@@ -159,6 +197,8 @@ class LLMEngine:
 
     def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
         """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""
+        if self.tokenizer is None:
+            return None
         ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (start, end)]
         unk = self.tokenizer.unk_token_id
         if any(i is None or i == unk or i < 0 for i in ids):
@@ -189,6 +229,8 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; shorten the prompt.")
         if any(type(t) is not int or not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"Prompt token ids must lie in [0, {self.vocab_size}) and be integers.")
+        if params.stop_strings and self.decode is None:
+            raise ValueError("Stop strings need a tokenizer; this engine was started with skip_tokenizer_init.")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}).")
         for name in ("logprobs", "prompt_logprobs"):
@@ -202,7 +244,7 @@ class LLMEngine:
                 raise ValueError(f"{name} must lie in [0, {self.vocab_size}).")
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if not params.detokenize:
+        if not params.detokenize or self.decode is None:
             return None
         return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, params.stop_strings,
                                       params.include_stop_str_in_output, params.min_tokens)
@@ -280,7 +322,8 @@ class LLMEngine:
         if top is None:
             return None
         ids, lps, ranks = top
-        return {t: Logprob(lp, rank, self.decode([t], False)) for t, lp, rank in zip(ids, lps, ranks)}
+        decode = self.decode or (lambda ids, skip: None)
+        return {t: Logprob(lp, rank, decode([t], False)) for t, lp, rank in zip(ids, lps, ranks)}
 
     def _finish_or_report(self, parent: _Parent, now: float) -> RequestOutput:
         finished = parent.finished()

@@ -102,12 +102,14 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    """Uniform random weights drawn in place on the model's device (an 8B model fills in a second on a GPU)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:
-            param.data.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=gen))
+            continue
+        gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.data.uniform_(-0.05, 0.05, generator=gen)
 
 
 def _keep_4bit(config: ModelConfig, device: str) -> bool:
@@ -153,5 +155,5 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             _pack_int4(model)
     _prepack(model)
     model.eval()
-    tokenizer = load_tokenizer(config.tokenizer or path)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or path)
     return LoadedModel(model, hf_config, tokenizer, path)

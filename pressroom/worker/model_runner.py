@@ -2,7 +2,7 @@
 
 Each step flattens the scheduled requests into one varlen batch (decodes first), runs the
 model under a forward context carrying the attention metadata, and samples where a request's
-known tokens are all computed.
+known tokens are all computed. On CUDA, decode-only steps replay a captured graph when one fits.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pressroom.attention.backend import AttentionMetadata, forward_context
+from pressroom.attention.backend import AttentionBackend, AttentionMetadata, forward_context
 from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
@@ -43,6 +43,10 @@ class StepBatch:
     order: list[CachedRequestState]
     query_ends: list[int]  # exclusive end of each request's tokens in the flat batch
 
+    @property
+    def decode_only(self) -> bool:
+        return self.meta.num_decodes == len(self.order)
+
 
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -50,24 +54,91 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
+    if device == "cuda":
+        from pressroom.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    return make_cpu_backend(dtype)
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 seed: int = 0, device: str = "cpu") -> None:
-        self.model, self.block_size, self.device = model, block_size, device
+    def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
+                 device: str = "cpu") -> None:
+        self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.backend = make_cpu_backend(dtype)
-        self.kv_caches = self._bind_kv_caches(num_blocks, dtype)
+        self.backend = make_backend(device, dtype)
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_caches: list[torch.Tensor] = []
+        self.max_blocks_per_seq = 0
+        self.graphs = None  # CudaGraphs once captured
 
-    def _bind_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    # ---- set-up ----
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.kv_caches = self._bind_kv_caches(num_blocks)
+
+    def _bind_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         caches = []
-        for layer in (m for m in self.model.modules() if isinstance(m, Attention)):
+        for layer in self.attention_layers:
             # Zeroed: padded attention positions read block 0 and must not hold NaN garbage.
             layer.kv_cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                         dtype=dtype, device=self.device)
+                                         dtype=self.dtype, device=self.device)
             layer.backend = self.backend
             caches.append(layer.kv_cache)
         return caches
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_seqs: int, max_position: int) -> int:
+        """Peak bytes allocated by a forward pass of `num_tokens` prompt tokens plus sampling `num_seqs`
+        rows: what the activations need on top of the weights. Runs before the KV cache exists, on a
+        one-block cache (every position maps to block 0 and nothing is written)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.initialize_kv_cache(1, self.block_size)
+        chunk = min(num_tokens, max_position)
+        lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        loc = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        meta = AttentionMetadata(
+            num_decodes=0, num_decode_tokens=0,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(len(lengths), -(-chunk // self.block_size), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            query_start_loc=loc, seq_lens_host=lengths, max_decode_seq_len=0,
+            query_start_loc_device=torch.tensor(loc, dtype=torch.int32, device=self.device),
+            max_query_len=chunk)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        with forward_context(meta):
+            hidden = self.model(ids, positions)
+        rows = hidden[torch.arange(num_seqs, device=self.device) % num_tokens]
+        logits = self.model.compute_logits(rows).float()
+        torch.softmax(logits, dim=-1).sort(dim=-1)  # what top-p sampling of a full batch allocates
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del hidden, rows, logits
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_cudagraphs(self, sizes: list[int]) -> None:
+        from pressroom.worker.cuda_graphs import CudaGraphs
+        self.graphs = CudaGraphs(self.model, sizes, self.max_blocks_per_seq, self._num_kv_splits, self.device)
+        self.graphs.capture()
+
+    def _num_kv_splits(self, num_decodes: int) -> int:
+        if self.device != "cuda":
+            return 1
+        from pressroom.attention.triton_backend import num_kv_splits
+        if self.graphs is not None and num_decodes and self.graphs.fits(num_decodes):
+            num_decodes = self.graphs.padded_size(num_decodes)  # split as the graph of that size does
+        return num_kv_splits(num_decodes, self.attention_layers[0].num_kv_heads, self.max_blocks_per_seq)
+
+    # ---- one step ----
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -75,8 +146,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         batch = self._prepare(sched)
-        with forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if self.graphs is not None and batch.decode_only and self.graphs.fits(len(batch.order)):
+            hidden = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
+        else:
+            with forward_context(batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions)
         return self._sample(batch, sched, hidden)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -98,7 +172,9 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots, seq_lens, loc = [], [], [], [], [0]
         max_blocks = max(len(s.block_ids) for s in reqs)
-        tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        # int32 tables for the GPU kernels; the CPU paths index with int64.
+        index_dtype = np.int32 if self.device == "cuda" else np.int64
+        tables = np.zeros((len(reqs), max_blocks), dtype=index_dtype)
         for i, s in enumerate(reqs):
             start, n = s.num_computed_tokens, counts[s.req_id]
             pos = np.arange(start, start + n)
@@ -109,15 +185,19 @@ class ModelRunner:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             loc.append(loc[-1] + n)
+        dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            block_tables=torch.from_numpy(tables),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32 if dev == "cuda" else torch.int64, device=dev),
             query_start_loc=loc, seq_lens_host=seq_lens,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0))
-        return StepBatch(torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),
-                         meta, reqs, loc[1:])
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            query_start_loc_device=torch.tensor(loc, dtype=torch.int32, device=dev) if dev == "cuda" else None,
+            max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))),
+            num_kv_splits=self._num_kv_splits(num_decodes))
+        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
+                         torch.from_numpy(np.concatenate(positions)).to(dev), meta, reqs, loc[1:])
 
     def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})

@@ -73,8 +73,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         if not cloned:
             logits, cloned = logits.clone(), True
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if p.needs_penalties:
             _apply_penalties(logits[i], row)
         if banned:
@@ -136,11 +136,11 @@ def _banned_tokens(row: SamplingRow) -> list[int]:
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    p, vocab = row.params, logits.shape[-1]
-    out_ids = torch.tensor(row.output_token_ids, dtype=torch.long)
+    p, vocab, device = row.params, logits.shape[-1], logits.device
+    out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
     if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=device)] = True
         seen[out_ids] = True
         penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits.copy_(torch.where(seen, penalised, logits))
@@ -150,27 +150,34 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
 
 
 def _choose(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> list[int]:
-    greedy = [r.params.greedy for r in rows]
-    tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(rows)
-    random_rows = [i for i, g in enumerate(greedy) if not g]
+    """Greedy rows take the argmax; random rows race exponential noise: argmax(p / E), E ~ Exp(1),
+    samples from p. Unseeded rows share one noise draw, so a step costs one device-to-host copy."""
+    choice = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         probs = probabilities([rows[i].params for i in random_rows], logits[random_rows])
+        noise = torch.empty_like(probs).exponential_(generator=generator)
         for j, i in enumerate(random_rows):
-            tokens[i] = _draw(probs[j], rows[i], generator)
-    return tokens
+            seed = rows[i].params.seed
+            if seed is not None:  # keyed by (seed, output position): independent of batch and preemption
+                g = torch.Generator().manual_seed(_mix(seed, len(rows[i].output_token_ids)))
+                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=g).to(noise.device)
+        index = torch.tensor(random_rows, device=logits.device)
+        choice = choice.index_copy(0, index, (probs / noise).argmax(dim=-1))
+    return choice.tolist()
 
 
 def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p truncation, then softmax."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
     logits = logits / temps
     if any(p.top_k for p in params):
         logits = _top_k(logits, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
-        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype))
+        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device))
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -178,7 +185,7 @@ def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.T
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    k = torch.tensor([min(k, vocab) if k else vocab for k in ks]).unsqueeze(1)
+    k = torch.tensor([min(k, vocab) if k else vocab for k in ks], device=logits.device).unsqueeze(1)
     sorted_desc = logits.sort(dim=-1, descending=True).values
     kth = sorted_desc.gather(1, k - 1)
     return logits.masked_fill(logits < kth, _MASK)
@@ -192,15 +199,6 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted = mass_before >= top_p.unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, _MASK)
-
-
-def _draw(probs: torch.Tensor, row: SamplingRow, generator: torch.Generator | None) -> int:
-    """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p."""
-    seed = row.params.seed
-    if seed is not None:
-        generator = torch.Generator().manual_seed(_mix(seed, len(row.output_token_ids)))
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def _mix(seed: int, step: int) -> int:

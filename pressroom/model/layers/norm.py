@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2 and x.is_contiguous():
+            return self._forward_triton(x, residual)
         if x.dim() == 2 and x.is_contiguous() and cpu.supports(x, self.weight):
             return self._forward_c(x, residual)
         if residual is None:
@@ -28,3 +30,9 @@ class RMSNorm(nn.Module):
             return cpu.rms_norm(x, self.weight, self.eps, None)
         residual = residual.contiguous()
         return cpu.rms_norm(x, self.weight, self.eps, residual), residual
+
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
+        from pressroom.kernels.triton import norm
+        if residual is None:
+            return norm.rms_norm(x, self.weight, self.eps)
+        return norm.fused_add_rms_norm(x, residual.contiguous(), self.weight, self.eps)

@@ -50,8 +50,12 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim], q and k heads may come stacked; rotated in place where a kernel can."""
-        if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu.supports(x):
-            return cpu.rotary_(x, cos, sin, self.rotary_dim)
+        if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            if x.is_cuda:
+                from pressroom.kernels.triton.rotary import rotary_
+                return rotary_(x, cos, sin, self.rotary_dim)
+            if cpu.supports(x):
+                return cpu.rotary_(x, cos, sin, self.rotary_dim)
         return self.rotate_reference(x, cos, sin)
 
     def rotate_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
