@@ -1,0 +1,350 @@
+"""What the OpenAI handlers share: the `OpenAIServing` base (body parsing under a size limit, the model
+check, tokenizer work on the engine thread, sampling params, adding requests, SSE), the helpers for
+streams of outputs, and `OpenAIServingUtility` with the small endpoints (health, version, metrics,
+models, tokenize, detokenize). Completions and chat live in serving_completion.py and serving_chat.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+import pressroom
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    UsageInfo,
+)
+from pressroom.outputs import PositionLogprobs, RequestOutput
+from pressroom.sampling_params import SamplingParams
+
+MAX_SESSION_ID_CHARS = 256
+
+Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that stops (cancelling its body, hence aborting the request) on disconnect,
+    whichever ASGI version the server speaks."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                group.cancel_scope.cancel()
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+class OpenAIServing:
+    """The base of the handlers: the engine, the served model names and the server's metrics (one
+    ServerMetrics shared by every handler, so that all requests count in it)."""
+
+    def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics,
+                 max_request_bytes: int) -> None:
+        self.engine, self.names, self.stats = engine, names, stats
+        self.max_request_bytes = max_request_bytes
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.", code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.max_request_bytes:
+                raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.",
+                               code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"The body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "The body must be a JSON object.")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else str(e),
+                           param=param) from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Runs tokenizer work on the engine thread; a ValueError (or template error) is the client's."""
+        try:
+            return await self.engine.call(fn)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2"):
+                raise APIError(400, f"The chat template failed: {e}") from None
+            raise
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
+                  kwargs: dict | None) -> list[int]:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; use /v1/completions.")
+        conversation = [_message_dict(m) for m in messages]
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final,
+                                      continue_final_message=continue_final, tokenize=True, **(kwargs or {}))
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                         prompt_ids: list[int], prompt_param: str) -> SamplingParams:
+        """`prompt_param`: the request field that an over-long prompt came from, for the error."""
+        limit = self.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                                f"{len(prompt_ids)}; shorten the prompt.", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > 0 and len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                                f"{max_tokens} for the completion); reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        try:
+            return req.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def _add_all(self, rid: str, requests: list[tuple[dict, SamplingParams]],
+                       priority: int, session_id: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Adds every prompt of a request, or none: a rejected one aborts those added before it."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, (prompt, params) in enumerate(requests):
+                req_id = rid if len(requests) == 1 else f"{rid}-{i}"
+                added = await self.engine.add_request(req_id, prompt, params, priority, session_id)
+                streams.append(self.stats.observe(added))
+        except BaseException as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), "service_unavailable") from None
+            raise
+        return streams
+
+    def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
+            except EngineDeadError as e:
+                yield sse_data(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable")))
+            yield "data: [DONE]\n\n"
+        return _EventStream(body(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _token_text(self, token: int, position: PositionLogprobs | None) -> str:
+        entry = position.get(token) if position else None
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.engine.tokenizer.decode([token])
+
+
+class OpenAIServingUtility(OpenAIServing):
+    """The small endpoints: health, version, metrics, the model list, tokenize and detokenize."""
+
+    def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
+                 model_root: str | None) -> None:
+        super().__init__(engine, names, stats, max_request_bytes)
+        self.model_root = model_root
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.engine.is_running else 503)
+
+    async def version(self) -> dict:
+        return {"version": pressroom.__version__}
+
+    async def metrics(self) -> Response:
+        try:
+            stats = await self.engine.stats()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        return Response(self.stats.render(stats), media_type=METRICS_CONTENT_TYPE)
+
+    async def models(self) -> dict:
+        cards = [ModelCard(id=name, root=self.model_root, max_model_len=self.engine.max_model_len)
+                 for name in self.names]
+        return ModelList(data=cards).model_dump()
+
+    async def tokenize(self, request: Request) -> dict:
+        req = await self._parse(request, TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
+        if req.messages is not None:
+            ids = await self._run(lambda: self._chat_ids(req.messages, req.add_generation_prompt, False, None))
+        else:
+            tok = self.engine.tokenizer
+            ids = await self._run(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        req = await self._parse(request, DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.engine.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="tokens")
+        tok = self.engine.tokenizer
+        return {"prompt": await self._run(lambda: tok.decode(req.tokens))}
+
+
+# ---- helpers of the handlers ----
+
+def sse_data(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def finite_logprob(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+def top_logprobs(position: PositionLogprobs, n: int) -> list:
+    ranked = sorted((item for item in position.items() if item[1].rank is not None), key=lambda it: it[1].rank)
+    return [item for item in ranked if item[1].rank <= n][:n] if n else []
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"Only text content parts are supported; got type {part.get('type')!r}.")
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data
+
+
+def request_priority(request: Request, field: int | None) -> int:
+    """The `priority` field, else the X-Priority header (0 without either)."""
+    if field is not None:
+        return field
+    header = request.headers.get("x-priority")
+    if header is None:
+        return 0
+    try:
+        return int(header)
+    except ValueError:
+        raise APIError(400, f"X-Priority must be an integer, got {header!r}.", param="X-Priority") from None
+
+
+def request_session_id(request: Request, field: str | None) -> str | None:
+    """The `session_id` field, else the X-Session-Id header (None without either)."""
+    if field is not None:
+        return field
+    header = request.headers.get("x-session-id")
+    if header is not None and len(header) > MAX_SESSION_ID_CHARS:
+        raise APIError(400, f"X-Session-Id is longer than {MAX_SESSION_ID_CHARS} characters.", param="X-Session-Id")
+    return header or None
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as they come; leaving early closes (aborts) them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:
+            queue.put_nowait((i, e))
+            raise
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final output of each stream, in order; a 503 if any stream ended without one (aborted)."""
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            finals[i] = out
+    if len(finals) != len(streams):
+        raise APIError(503, "The request was aborted.", "service_unavailable")
+    return [finals[i] for i in range(len(streams))]
+
+
+async def with_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (and so aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # lets its streams abort their requests
+    if task.cancelled():
+        raise APIError(499, "The client closed the request.")
+    return task.result()
