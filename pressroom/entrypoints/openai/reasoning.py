@@ -69,7 +69,7 @@ class ReasoningParser:
 
     # ---- text ----
 
-    def stream(self, prompt_opens: bool) -> "ReasoningStream":
+    def stream(self, prompt_opens: bool) -> ReasoningStream:
         return ReasoningStream(self, prompt_opens)
 
     def split(self, text: str, prompt_opens: bool) -> tuple[str | None, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_
 
 # ---- running it ----
 
-def run_server(args, engine_kwargs: dict) -> int:
+def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
+    """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
+    started = time.monotonic() if started is None else started
     import uvicorn
 
     from pressroom.config import EngineArgs
@@ -141,6 +144,9 @@ def run_server(args, engine_kwargs: dict) -> int:
     @asynccontextmanager
     async def lifespan(a):
         async with app_lifespan(a):
+            logger.warning("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
+                           engine.engine.startup_seconds,
+                           ", profile, CUDA graphs" if engine.engine.runner.graphs is not None else "")
             yield
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were cancelled
 
