@@ -8,6 +8,10 @@ import torch
 
 from pressroom.model.gguf_file import embedded_model_path, load_gguf_tokenizer
 
+# Without CUDA, Triton kernels run on Triton's CPU interpreter; triton.jit reads this when they are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   initializer_range=0.2, tie_word_embeddings=False)

@@ -1,0 +1,159 @@
+"""The Triton kernels against their torch references at real model shapes (Llama-3.1-8B, SmolLM2) on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton kernels at real shapes")]
+
+if torch.cuda.is_available():
+    from pressroom.attention import torch_ref
+    from pressroom.kernels.triton import activation, attention, cache, norm, rotary
+    from pressroom.model.layers.rotary import RotaryEmbedding
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+SENTINEL = 123.0
+LLAMA_8B = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+SMOLLM2 = {"heads": 9, "kv_heads": 3, "head_dim": 64}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _serving_mix(seed: int = 0) -> list[tuple[int, int]]:
+    """(context length, query tokens): 64 decodes with contexts up to 4k, two 512-token chunks behind 1k cached."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = [(int(n), 1) for n in torch.randint(1, 4097, (64,), generator=gen)]
+    return decodes + [(1536, 512), (1536, 512)]
+
+
+class Batch:
+    """A paged batch on the GPU: blocks scattered through the cache, q a strided view of a fused qkv."""
+
+    def __init__(self, specs, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16,
+                 seed: int = 0) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        needed = [-(-ctx // block_size) for ctx, _ in specs]
+        num_blocks = sum(needed) + 8
+        order = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+        self.block_tables = torch.zeros(len(specs), max(needed) + 1, dtype=torch.int32, device="cuda")
+        used = 0
+        for b, n in enumerate(needed):
+            self.block_tables[b, :n] = order[used:used + n]
+            used += n
+        self.seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32)
+        self.query_start_loc = lens.cumsum(0).int().cuda()
+        self.max_query_len = int(lens.max())
+        tokens = int(lens.sum())
+        self.kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device="cuda", generator=gen,
+                                    dtype=dtype)
+        self.qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device="cuda", generator=gen, dtype=dtype)
+        self.q = self.qkv[:, :heads]
+        self.scale = head_dim ** -0.5
+
+    def run(self, num_kv_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.full_like(self.q, SENTINEL) if out is None else out
+        return attention.paged_attention(self.q, self.kv_cache, self.block_tables, self.seq_lens,
+                                         self.query_start_loc, self.max_query_len, self.scale, out, num_kv_splits)
+
+    def reference(self) -> torch.Tensor:
+        out = torch.full(self.q.shape, SENTINEL, dtype=torch.float32, device="cuda")
+        return attention.paged_attention_reference(self.q, self.kv_cache, self.block_tables, self.seq_lens,
+                                                   self.query_start_loc, self.scale, out)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_paged_attention_llama_8b_serving_mix(splits):
+    batch = Batch(_serving_mix(), **LLAMA_8B, dtype=torch.bfloat16)
+    _close(batch.run(splits), batch.reference(), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_paged_attention_llama_8b_decodes(splits):
+    batch = Batch([(ctx, 1) for ctx, _ in _serving_mix(1)[:64]], **LLAMA_8B, dtype=torch.bfloat16)
+    _close(batch.run(splits), batch.reference(), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_smollm2_shapes(dtype, splits):
+    # token 3 is a padding decode (no context): its row must keep what `out` held
+    specs = [(700, 1), (1, 1), (2049, 1), (0, 1), (300, 200), (129, 129), (0, 0)]
+    batch = Batch(specs, **SMOLLM2, dtype=dtype)
+    out = batch.run(splits)
+    _close(out, batch.reference(), TOL[dtype])
+    assert bool((out[3] == SENTINEL).all())
+
+
+def test_paged_attention_replays_in_a_cuda_graph_for_other_lengths():
+    """The launch reads lengths only on the device: a graph captured for one batch serves another of its size."""
+    batch = Batch([(100, 1), (3000, 1), (40, 40), (17, 1)], **LLAMA_8B, dtype=torch.bfloat16, seed=1)
+    batch.max_query_len = 64  # the bound captured; later batches stay within it
+    out = torch.zeros_like(batch.q)
+    batch.run(4, out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch.run(4, out)
+    # The same tensors with new values: other lengths, blocks and query split over the same 43 tokens.
+    batch.seq_lens.copy_(torch.tensor([2500, 7, 4, 1000]))
+    batch.query_start_loc.copy_(torch.tensor([0, 1, 2, 3, 43]))
+    batch.block_tables.random_(0, batch.kv_cache.shape[1])
+    batch.qkv.normal_()
+    graph.replay()
+    _close(out, batch.reference(), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_llama_8b(slot_dtype):
+    kv_cache = torch.randn(2, 512, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(1088, 48, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = qkv[:, 32:40], qkv[:, 40:]
+    slots = torch.randperm(512 * 16, device="cuda")[:1088].to(slot_dtype)
+    slots[::7] = -1
+    expected = kv_cache.clone()
+    real = slots >= 0
+    torch_ref.write_kv(expected, k[real], v[real], slots[real].long())
+    cache.write_kv(kv_cache, k, v, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_hidden_4096(dtype):
+    x = torch.randn(1088, 4096, device="cuda", dtype=dtype)
+    w = torch.rand(4096, device="cuda", dtype=dtype)
+    _close(norm.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (4096,), w.float(), 1e-5).to(dtype), TOL[dtype])
+
+
+def test_fused_add_rms_norm_hidden_4096():
+    x = torch.randn(1088, 4096, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    summed = x + res
+    expected = F.rms_norm(summed.float(), (4096,), w.float(), 1e-5).to(torch.bfloat16)
+    norm.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(res, summed)
+    _close(x, expected, TOL[torch.bfloat16])
+
+
+def test_rotary_llama_8b_q_and_k_of_a_fused_qkv():
+    rope = RotaryEmbedding(128, 128, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192}).cuda()
+    qkv = torch.randn(1088, 48, 128, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rope.cos_sin(torch.randint(0, 8192, (1088,), device="cuda"))
+    expected = rope.rotate_reference(qkv[:, :40].float(), cos, sin)
+    untouched = qkv[:, 40:].clone()
+    rotary.rotary_(qkv[:, :40], cos, sin, 128)
+    _close(qkv[:, :40], expected, TOL[torch.bfloat16])
+    assert torch.equal(qkv[:, 40:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_intermediate_14336(dtype):
+    x = torch.randn(1088, 2 * 14336, device="cuda", dtype=dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    _close(activation.silu_and_mul(x), (F.silu(gate) * up).to(dtype), TOL[dtype])

@@ -1,0 +1,204 @@
+"""Each Triton kernel equals its torch reference, run on the CPU by Triton's interpreter with tiny shapes.
+
+tests/conftest.py sets TRITON_INTERPRET=1 where CUDA is absent, before these modules define their kernels.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
+
+from pressroom.attention import torch_ref
+from pressroom.attention.backend import AttentionMetadata
+from pressroom.kernels import triton as triton_kernels
+from pressroom.kernels.triton import activation, attention, cache, norm, rotary
+from pressroom.model.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not triton_kernels.available(),
+                                reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SENTINEL = 123.0
+
+# (context length after this step, query tokens) per request: decodes with contexts of one to three 64-token
+# tiles, a padding decode (no context), a prefill chunk behind a 62-token cached prefix (its first query sees
+# part of the first tile: the masked / unmasked boundary), a fresh prompt long enough for
+# several query blocks, and a padding request with nothing at all.
+MIXED = [(37, 1), (150, 1), (1, 1), (0, 1), (74, 12), (34, 34), (0, 0)]
+DECODES = [(150, 1), (5, 1), (64, 1), (65, 1), (0, 1), (200, 1)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+class Batch:
+    """A paged batch: requests' blocks scattered through a random cache, q a strided view of a fused qkv."""
+
+    def __init__(self, specs, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 pad_tokens: int = 2, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        needed = [-(-ctx // block_size) for ctx, _ in specs]
+        num_blocks = sum(needed) + 3
+        order = torch.randperm(num_blocks, generator=gen)
+        self.block_tables = torch.zeros(len(specs), max(needed) + 1, dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(needed):
+            self.block_tables[b, :n] = order[used:used + n]
+            used += n
+        self.seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
+        self.query_start_loc = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0).int()
+        self.max_query_len = max(q for _, q in specs)
+        tokens = int(self.query_start_loc[-1]) + pad_tokens
+        self.kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        self.qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+        self.q = self.qkv[:, :heads]
+        self.scale = head_dim ** -0.5
+
+    def to(self, device: str) -> Batch:
+        for name in ("block_tables", "seq_lens", "query_start_loc", "kv_cache", "qkv"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.q = self.qkv[:, :self.q.shape[1]]
+        return self
+
+    def run(self, num_kv_splits: int) -> torch.Tensor:
+        out = torch.full(self.q.shape, SENTINEL, dtype=self.q.dtype, device=self.q.device)
+        return attention.paged_attention(self.q, self.kv_cache, self.block_tables, self.seq_lens,
+                                         self.query_start_loc, self.max_query_len, self.scale, out, num_kv_splits)
+
+    def reference(self) -> torch.Tensor:
+        out = torch.full(self.q.shape, SENTINEL, dtype=torch.float32, device=self.q.device)
+        return attention.paged_attention_reference(self.q, self.kv_cache, self.block_tables, self.seq_lens,
+                                                   self.query_start_loc, self.scale, out)
+
+    def padding_rows(self) -> torch.Tensor:
+        """Rows no real query owns: they must keep what was in `out`."""
+        owned = torch.zeros(self.q.shape[0], dtype=torch.bool)
+        loc = self.query_start_loc.tolist()
+        for b, ctx in enumerate(self.seq_lens.tolist()):
+            owned[loc[b]:loc[b + 1]] = ctx > 0
+        return ~owned
+
+
+def _check_attention(batch: Batch, num_kv_splits: int, tol: float) -> None:
+    out = batch.run(num_kv_splits)
+    _close(out, batch.reference(), tol)
+    assert bool((out[batch.padding_rows()] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("dtype, block_size, heads, kv_heads, head_dim, splits", [
+    (torch.float32, 16, 4, 2, 32, 1),
+    (torch.float32, 4, 6, 2, 16, 3),  # 3 query heads per kv head: padded to 4 rows
+    (torch.bfloat16, 16, 6, 2, 32, 3),
+    (torch.bfloat16, 4, 4, 2, 16, 1),
+    (torch.float16, 16, 4, 2, 32, 3),
+    (torch.float32, 16, 4, 2, 24, 1),  # head_dim not a power of two
+])
+def test_paged_attention_mixed_batch(dtype, block_size, heads, kv_heads, head_dim, splits):
+    batch = Batch(MIXED, heads, kv_heads, head_dim, block_size, dtype).to(DEVICE)
+    _check_attention(batch, splits, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_attention_decodes_only(dtype, splits):
+    batch = Batch(DECODES, 4, 2, 32, 16, dtype, pad_tokens=0).to(DEVICE)
+    _check_attention(batch, splits, TOL[dtype])
+
+
+def test_reference_matches_the_torch_backend():
+    """Anchors the kernels' reference to the CPU backend's semantics (decodes first, as the runner orders them)."""
+    specs = [(9, 1), (20, 1), (30, 6), (5, 5)]
+    batch = Batch(specs, 4, 2, 16, 4, torch.float32, pad_tokens=0)
+    tokens = batch.q.shape[0]
+    k, v = batch.qkv[:, 4:6], batch.qkv[:, 6:]
+    slots = torch.cat([_slots(batch, b, ctx - q, ctx) for b, (ctx, q) in enumerate(specs)])
+    meta = AttentionMetadata(num_decodes=2, num_decode_tokens=2, slot_mapping=slots, block_tables=batch.block_tables,
+                             seq_lens=batch.seq_lens.long(), query_start_loc=batch.query_start_loc.tolist(),
+                             seq_lens_host=batch.seq_lens.tolist(), max_decode_seq_len=20)
+    expected = torch_ref.TorchAttentionBackend().forward(batch.q, k, v, batch.kv_cache, meta, batch.scale)
+    assert tokens == expected.shape[0]
+    _close(batch.reference(), expected, 1e-5)
+
+
+def _slots(batch: Batch, b: int, start: int, end: int) -> torch.Tensor:
+    block_size = batch.kv_cache.shape[2]
+    pos = torch.arange(start, end)
+    return batch.block_tables[b, pos // block_size].long() * block_size + pos % block_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_matches_index_copy(dtype, slot_dtype):
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(2, 6, 4, 2, 16, generator=gen).to(dtype)
+    qkv = torch.randn(7, 8, 16, generator=gen).to(dtype)  # 4 q heads, then 2 k and 2 v heads
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    slots = torch.tensor([5, 0, -1, 23, 12, -1, 7], dtype=slot_dtype)
+    expected = kv_cache.clone()
+    real = slots >= 0
+    torch_ref.write_kv(expected, k[real], v[real], slots[real].long())
+    actual = kv_cache.to(DEVICE)
+    cache.write_kv(actual, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    assert torch.equal(actual.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm(dtype, hidden):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    w = torch.rand(hidden, generator=gen).to(dtype)
+    expected = F.rms_norm(x.float(), (hidden,), w.float(), 1e-6).to(dtype)
+    _close(norm.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6), expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_in_place(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, res = torch.randn(5, 96, generator=gen).to(dtype), torch.randn(5, 96, generator=gen).to(dtype)
+    w = torch.rand(96, generator=gen).to(dtype)
+    summed = x + res
+    expected = F.rms_norm(summed.float(), (96,), w.float(), 1e-6).to(dtype)
+    x_dev, res_dev = x.to(DEVICE), res.to(DEVICE)
+    out, new_res = norm.fused_add_rms_norm(x_dev, res_dev, w.to(DEVICE), 1e-6)
+    assert out is x_dev and new_res is res_dev
+    if dtype == torch.float32 or torch.cuda.is_available():
+        assert torch.equal(res_dev.cpu(), summed)
+    else:  # the interpreter casts fp32 to bf16 by truncation, not round-to-nearest-even: 1 ulp off at most
+        _close(res_dev, summed, 2 ** -7)
+    _close(x_dev, expected, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_rotary_in_place_on_a_strided_view(dtype, rotary_dim):
+    rope = RotaryEmbedding(32, rotary_dim, 64, 10000.0)
+    gen = torch.Generator().manual_seed(2)
+    stacked = torch.randn(6, 5, 32, generator=gen).to(dtype)  # 3 q/k heads + 2 untouched "v" heads
+    cos, sin = rope.cos_sin(torch.tensor([0, 3, 9, 10, 40, 63]))
+    expected = rope.rotate_reference(stacked[:, :3].clone(), cos, sin)
+    actual = stacked.to(DEVICE)
+    rotary.rotary_(actual[:, :3], cos.to(DEVICE), sin.to(DEVICE), rotary_dim)
+    _close(actual[:, :3], expected, TOL[dtype])
+    assert torch.equal(actual[:, 3:].cpu(), stacked[:, 3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [40, 1500])
+def test_silu_and_mul(dtype, width):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2 * width, generator=gen).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype)
+    _close(activation.silu_and_mul(x.to(DEVICE)), expected, TOL[dtype])
+
+
+def test_available_is_false_without_triton(monkeypatch):
+    assert triton_kernels.available()
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    assert not triton_kernels.available()
