@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.serve import add_cli_args as add_serve_bench_args
     add_serve_bench_args(bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP "
                                                             "(vLLM's bench serve)"))
+    from pressroom.benchmarks.gpu import add_gpu_bench_args
+    add_gpu_bench_args(bench_sub.add_parser("gpu", help="pressroom vs HF transformers vs the GPU's copy and matmul "
+                                                        "ceilings, dummy weights at a real model's shapes"))
     return parser
 
 
@@ -113,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(args, engine_kwargs(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench" and args.bench_command == "gpu":
+            from pressroom.benchmarks import gpu
+            gpu.run(args)
+            return 0
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve
             return 0 if serve.run(args)["completed"] else 1

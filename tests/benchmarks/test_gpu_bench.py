@@ -1,0 +1,122 @@
+"""`pressroom bench gpu` plumbing on the CPU (tiny model, tiny workloads; nothing here is timed), the
+pressroom -> HF weight mapping, and the model configs kept in configs/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pressroom.benchmarks import gpu
+from pressroom.entrypoints import cli
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY_FLAGS = ["--device", "cpu", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+              "--decode-input-len", "8", "--decode-output-len", "4", "--prefill-prompts", "2", "--prefill-len", "16",
+              "--hf-batch-sizes", "2,4", "--copy-gib", "0.01", "--matmul-size", "128", "--kv-cache-memory-gib", "0.05"]
+RUN_KEYS = {"backend", "num_requests", "input_tokens", "output_tokens", "elapsed_s", "output_tokens_per_s",
+            "input_tokens_per_s", "batch_size"}
+SECTION_KEYS = {"num_requests", "input_len", "output_len", "compared", "bound", "bound_tokens_per_s", "pressroom",
+                "hf", "pressroom_over_bound", "hf_over_bound", "pressroom_over_hf"}
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench-gpu") / "result.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_report_has_every_figure(report):
+    assert report["time_to_ready_s"] > 0
+    assert report["ceilings"]["copy_bytes_per_s"] > 0 and report["ceilings"]["matmul_flops_per_s"] > 0
+    size = report["model_size"]
+    assert size["decode_read_bytes"] == (size["non_embedding_params"] + size["lm_head_params"]) * 2
+    assert set(report["workloads"]) == set(gpu.WORKLOADS)
+    for name, section in report["workloads"].items():
+        assert SECTION_KEYS <= section.keys(), name
+        assert set(section["pressroom"]) == RUN_KEYS and set(section["hf"]) == RUN_KEYS
+        for key in ("bound_tokens_per_s", "pressroom_over_bound", "hf_over_bound", "pressroom_over_hf"):
+            assert section[key] > 0, (name, key)
+    assert {"flops_per_output_token", "hf_by_batch_size"} <= report["workloads"]["throughput"].keys()
+    assert {"pressroom_mfu", "hf_mfu", "flops"} <= report["workloads"]["prefill"].keys()
+    assert all(v is not None for v in report["ratios"].values()) and len(report["ratios"]) == 9
+
+
+def test_hf_and_pressroom_produce_the_same_tokens(report):
+    for name, section in report["workloads"].items():
+        ours = section["pressroom"]
+        hf_runs = section.get("hf_by_batch_size") or [section["hf"]]
+        for hf in hf_runs:
+            assert (hf["num_requests"], hf["output_tokens"]) == (ours["num_requests"], ours["output_tokens"]), name
+    assert report["workloads"]["throughput"]["pressroom"]["output_tokens"] == 4 * 4
+    assert [r["batch_size"] for r in report["workloads"]["throughput"]["hf_by_batch_size"]] == [2, 4]
+
+
+def test_skip_hf_and_one_workload(tiny_model_dir, tmp_path):
+    out = tmp_path / "result.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode", "--skip-hf",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    section = json.loads(out.read_text())["workloads"]
+    assert list(section) == ["decode"] and section["decode"]["hf"] is None
+    assert section["decode"]["pressroom"]["output_tokens"] == 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir, arch, dtype):
+    """Checkpoint -> pressroom (stacked, and oneDNN-blocked for bf16 on the CPU) -> HF names: the same tensors."""
+    from pressroom.config import ModelConfig
+    from pressroom.model.loader import iter_safetensors, load_model
+    path = tiny_model_dir(arch)
+    model = load_model(ModelConfig(model=path, dtype=dtype), "cpu").model
+    state = gpu.hf_state_dict(model)
+    original = dict(iter_safetensors(path))
+    assert state.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(state[name], tensor.to(dtype)), name
+
+
+def _pressroom_and_hf_on_meta(path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pressroom.model.registry import resolve_architecture
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return resolve_architecture(config)(config), AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b", "qwen3-0.6b"])
+def test_committed_config_builds_and_maps_to_hf(name):
+    ours, hf = _pressroom_and_hf_on_meta(CONFIGS / name)
+    state = gpu.hf_state_dict(ours)
+    expected = {n: tuple(p.shape) for n, p in hf.named_parameters(remove_duplicate=False)}
+    assert {n: tuple(t.shape) for n, t in state.items()} == expected
+
+
+@pytest.mark.parametrize(("name", "params"), [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9),
+                                               ("qwen3-0.6b", 0.596e9)])
+def test_committed_config_parameter_count(name, params):
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / name)), torch.bfloat16)
+    assert size.total_params == pytest.approx(params, rel=0.01)
+
+
+def test_llama_decode_reads_all_but_the_embedding():
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / "llama-3.1-8b")), torch.bfloat16)
+    assert not size.tied_word_embeddings and size.embedding_params == size.lm_head_params == 128256 * 4096
+    assert size.decode_read_bytes == 2 * (size.total_params - size.embedding_params)
+
+
+def test_flops_follow_the_stated_formulas():
+    size = gpu.ModelSize(total_params=0, embedding_params=10, lm_head_params=10, non_embedding_params=100,
+                         tied_word_embeddings=False, bytes_per_param=2, decode_read_bytes=220)
+    run = gpu.Run("pressroom", num_requests=4, input_tokens=40, output_tokens=8, elapsed_s=1.0,
+                  output_tokens_per_s=8.0, input_tokens_per_s=40.0)
+    assert gpu.workload_flops("throughput", size, run) == 2 * 100 * (40 + 8) + 2 * 10 * 8
+    prefill = gpu.Run("pressroom", 4, 40, 4, 1.0, 4.0, 40.0)
+    assert gpu.workload_flops("prefill", size, prefill) == 2 * 100 * 40 + 2 * 10 * 4
