@@ -33,7 +33,7 @@ DECODES = [(150, 1), (5, 1), (64, 1), (65, 1), (0, 1), (200, 1)]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tol, rtol=tol)
 
 
 class Batch:
