@@ -1,6 +1,10 @@
 """`pressroom generate | chat | bench` — every engine argument is a flag with vLLM's spelling."""
 from __future__ import annotations
 
+import time
+
+STARTED = time.monotonic()  # before the heavy imports: `pressroom serve` reports time to ready from here
+
 import argparse
 import logging
 import sys
@@ -8,7 +12,7 @@ from dataclasses import MISSING, fields
 
 from pressroom.config import EngineArgs
 
-_BOOL_FLAGS = {"enable_prefix_caching"}
+_BOOL_FLAGS = {"enable_prefix_caching", "enforce_eager", "skip_tokenizer_init"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +157,7 @@ def _serve(args) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
     args.model = args.model_tag or args.model
-    return run_server(args, engine_kwargs(args))
+    return run_server(args, engine_kwargs(args), STARTED)
 
 
 if __name__ == "__main__":
