@@ -103,6 +103,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     policy: str = "fcfs"
     max_model_len: int = 0  # copied from the model config once known
+    # Schedule and prepare step N+1 while the device runs step N (tokens come back one step late).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -147,7 +149,7 @@ class EngineArgs:
     kv_cache_memory_gib: float | None = None
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: 1024 on CUDA (vLLM's default for large GPUs), 256 on the CPU
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     device: str = "auto"
@@ -156,6 +158,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 512
     skip_tokenizer_init: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA (the CPU has nothing to overlap with)
 
     @classmethod
     def names(cls) -> set[str]:
@@ -185,7 +188,10 @@ class EngineArgs:
                               num_blocks=self.num_gpu_blocks_override,
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_num_seqs=self.max_num_seqs, policy=self.scheduling_policy),
+                                      max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
+                                      policy=self.scheduling_policy,
+                                      async_scheduling=self.async_scheduling if self.async_scheduling is not None
+                                      else device == "cuda"),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pressroom.config import EngineArgs
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.outputs import RequestOutput
-from pressroom.sampling_params import SamplingParams
+from pressroom.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -54,7 +54,7 @@ class LLM:
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
         rid = str(self._counter)
         self._counter += 1
-        self.engine.add_request(rid, prompt, params, priority=priority)
+        self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority)
         return rid
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

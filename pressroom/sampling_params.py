@@ -1,10 +1,17 @@
 """Sampling parameters, with vLLM's names so users' scripts carry over."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine step reports for a request (vLLM's names)."""
+    CUMULATIVE = 0  # everything so far, every step (streaming consumers)
+    FINAL_ONLY = 2  # nothing until it finishes (LLM.generate: no per-step copies of growing outputs)
 
 
 @dataclass(slots=True)
@@ -37,6 +44,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: list[int] | None = None
     think_end_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

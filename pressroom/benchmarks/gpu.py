@@ -502,7 +502,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="below the engine's 0.92 so HF still fits after the engine is freed")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV cache size on the CPU")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1024 on CUDA)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--skip-hf", action="store_true")

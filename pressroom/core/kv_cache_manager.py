@@ -61,7 +61,8 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.allocate(num_needed))
-        self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
+        # Only blocks whose tokens are all known: an input still in flight (async scheduling) waits.
+        self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
         return True
 
     def free(self, request: Request) -> None:

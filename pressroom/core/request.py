@@ -41,7 +41,10 @@ class Request:
     # A sibling (n > 1) whose prompt must be computed first, so this one finds it in the prefix cache.
     follows: "Request | None" = None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it finishes
+    # Tokens sampled by scheduled steps whose results have not come back yet (async scheduling keeps
+    # one step in flight); the next step's input is such a token, read from the device.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling; -1 until then
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

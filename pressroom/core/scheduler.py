@@ -3,6 +3,10 @@
 Each step, running requests get their next tokens first (1 for a decode, a chunk for a long
 prompt), then waiting requests are admitted in priority order while budget and blocks last.
 When blocks run out, the worst running request is preempted and later recomputed.
+
+Progress is booked when a step is scheduled: a step that reaches the end of a request's tokens
+leaves an output placeholder, filled when its sampled token comes back. So the next step can be
+scheduled before the previous one's tokens are known (async scheduling), or right after (sync).
 """
 from __future__ import annotations
 
@@ -94,6 +98,7 @@ class Scheduler:
             budget -= n
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            _book(req, n)
 
         # Admitting new work in a step that had to preempt would just thrash.
         if not preempted_now:
@@ -107,9 +112,9 @@ class Scheduler:
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens += n
+                continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
             new_ids = out.sampled_token_ids.get(rid, [])
+            req.num_output_placeholders -= len(new_ids)
             kept = self._append_tokens(req, new_ids)
             prompt_lps = out.prompt_logprobs.get(rid)
             if not kept and prompt_lps is None:
@@ -148,12 +153,16 @@ class Scheduler:
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id))
+            _book(req, n)
             self._seen_by_runner.add(req.request_id)
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
+        if req.num_output_placeholders and req.num_output_tokens + req.num_output_placeholders >= \
+                req.sampling_params.max_tokens:
+            return 0  # the token in flight is its last one
+        n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
         return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
 
     def _append_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
@@ -184,6 +193,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token still in flight is dropped; recomputation samples it again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_in_runner(req)
@@ -210,3 +220,10 @@ class Scheduler:
         if req.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(req.request_id)
             self._stale.add(req.request_id)
+
+
+def _book(req: Request, n: int) -> None:
+    """Counts a scheduled step's tokens as computed; one that reaches the end samples a token."""
+    req.num_computed_tokens += n
+    if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+        req.num_output_placeholders += 1

@@ -15,14 +15,14 @@ import torch
 
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
-from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
+from pressroom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pressroom.model.loader import load_model
 from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from pressroom.sampling_params import SamplingParams
-from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pressroom.sampling_params import RequestOutputKind, SamplingParams
+from pressroom.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
 logger = logging.getLogger("pressroom")
 
@@ -70,7 +70,8 @@ class LLMEngine:
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_id = self._eos_token_id()
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                                  config.device)
+                                  config.device, config.scheduler.async_scheduling)
+        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len(num_blocks)
         config.scheduler.max_model_len = self.max_model_len
@@ -272,9 +273,17 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step. With async scheduling the step is launched and the previous
+        one's results are returned, so the host's work overlaps the device's."""
         sched = self.scheduler.schedule()
         self._mark_scheduled(sched.new_requests)
-        runner_out = self.runner.execute_model(sched)
+        result = self.runner.execute_model(sched)
+        if not isinstance(result, PendingOutput):
+            return self._process(sched, result)
+        previous, self._inflight = self._inflight, (sched, result)
+        return self._process(previous[0], previous[1].resolve()) if previous is not None else []
+
+    def _process(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         core_outputs = self.scheduler.update_from_output(sched, runner_out)
         now = time.monotonic()
         moved: dict[str, _Parent] = {}
@@ -283,7 +292,12 @@ class LLMEngine:
             if entry is not None:
                 self._absorb(entry[0], entry[1], out, now)
                 moved[entry[0].request_id] = entry[0]
-        return [self._finish_or_report(p, now) for p in moved.values()]
+        outputs = []
+        for parent in moved.values():
+            finished = parent.finished()
+            if finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._finish_or_report(parent, finished, now))
+        return outputs
 
     def _mark_scheduled(self, new_requests) -> None:
         now = time.monotonic()
@@ -325,8 +339,7 @@ class LLMEngine:
         decode = self.decode or (lambda ids, skip: None)
         return {t: Logprob(lp, rank, decode([t], False)) for t, lp, rank in zip(ids, lps, ranks)}
 
-    def _finish_or_report(self, parent: _Parent, now: float) -> RequestOutput:
-        finished = parent.finished()
+    def _finish_or_report(self, parent: _Parent, finished: bool, now: float) -> RequestOutput:
         if finished:
             parent.metrics.finished_time = now
             self.parents.pop(parent.request_id, None)

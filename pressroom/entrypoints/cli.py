@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 
 from pressroom.config import EngineArgs
 
-_BOOL_FLAGS = {"enable_prefix_caching", "enforce_eager", "skip_tokenizer_init"}
+_BOOL_FLAGS = {"enable_prefix_caching", "enforce_eager", "skip_tokenizer_init", "async_scheduling"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+            if f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads", "max_num_seqs"):
                 kind = int
             if f.name == "kv_cache_memory_gib":
                 kind = float

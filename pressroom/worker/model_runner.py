@@ -17,7 +17,8 @@ from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
-from pressroom.worker.sampler import SamplingRow, sample, top_logprobs
+from pressroom.worker.device import to_device
+from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
 
 
 @dataclass(slots=True)
@@ -29,10 +30,49 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    num_inflight: int = 0  # sampled tokens not yet appended to token_ids (async scheduling)
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
                            self.token_ids[self.num_prompt_tokens:], self.eos_token_id)
+
+
+@dataclass(slots=True)
+class PendingOutput:
+    """A step's output whose sampled tokens may still be on their way from the device."""
+    output: ModelRunnerOutput
+    states: list[CachedRequestState]  # the sampled requests, in the order of `tokens`
+    tokens: torch.Tensor | None  # host copy (pinned, filled asynchronously on CUDA)
+    copied: torch.cuda.Event | None = None
+    resolved: bool = False
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> PendingOutput:
+        return cls(output, [], None, resolved=True)
+
+    @classmethod
+    def start(cls, output: ModelRunnerOutput, states: list[CachedRequestState], tokens: torch.Tensor
+              ) -> PendingOutput:
+        if not tokens.is_cuda:
+            return cls(output, states, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(output, states, host, copied)
+
+    def resolve(self) -> ModelRunnerOutput:
+        """Waits for the tokens, appends them to the runner's request states (in step order)."""
+        if self.resolved:
+            return self.output
+        if self.copied is not None:
+            self.copied.synchronize()
+        for state, token in zip(self.states, self.tokens.tolist()):
+            state.token_ids.append(token)
+            state.num_inflight -= 1
+            self.output.sampled_token_ids[state.req_id] = [token]
+        self.resolved = True
+        return self.output
 
 
 @dataclass(slots=True)
@@ -63,8 +103,12 @@ def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", async_scheduling: bool = False) -> None:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self.async_scheduling = async_scheduling
+        self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
+        self.prev_tokens: torch.Tensor | None = None  # its sampled tokens, on the device
+        self.prev_rows: dict[str, int] = {}  # request id -> row in prev_tokens
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.backend = make_backend(device, dtype)
@@ -141,17 +185,28 @@ class ModelRunner:
     # ---- one step ----
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """Sync: the step's output. Async: a PendingOutput, resolved once its tokens reach the host; the
+        step's sampled tokens stay on the device as the next step's inputs."""
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput({})
+            out = ModelRunnerOutput({})
+            return PendingOutput.done(out) if self.async_scheduling else out
         batch = self._prepare(sched)
         if self.graphs is not None and batch.decode_only and self.graphs.fits(len(batch.order)):
             hidden = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
         else:
             with forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
-        return self._sample(batch, sched, hidden)
+        if not self.async_scheduling:
+            return self._sample(batch, sched, hidden)
+        if any(needs_host_history(s.params) for s in batch.order):
+            if self.pending is not None:
+                self.pending.resolve()  # this step's sampler reads complete token histories
+            self.pending = PendingOutput.done(self._sample(batch, sched, hidden))
+        else:
+            self.pending = self._sample_ahead(batch, sched, hidden)
+        return self.pending
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -170,52 +225,95 @@ class ModelRunner:
         reqs = sorted((self.states[rid] for rid in counts), key=lambda s: counts[s.req_id] != 1)
         num_decodes = sum(1 for s in reqs if counts[s.req_id] == 1)
         bs = self.block_size
-        ids, positions, slots, seq_lens, loc = [], [], [], [], [0]
-        max_blocks = max(len(s.block_ids) for s in reqs)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        loc = [0]
+        inflight_at: list[int] = []  # flat positions whose input is a token still on the device
+        inflight_from: list[int] = []  # its row in the previous step's sampled tokens
         # int32 tables for the GPU kernels; the CPU paths index with int64.
-        index_dtype = np.int32 if self.device == "cuda" else np.int64
-        tables = np.zeros((len(reqs), max_blocks), dtype=index_dtype)
+        tables = np.zeros((len(reqs), max(len(s.block_ids) for s in reqs)),
+                          dtype=np.int32 if self.device == "cuda" else np.int64)
         for i, s in enumerate(reqs):
             start, n = s.num_computed_tokens, counts[s.req_id]
-            pos = np.arange(start, start + n)
-            blocks = np.asarray(s.block_ids, dtype=np.int64)
+            end, blocks = start + n, s.block_ids
             tables[i, :len(blocks)] = blocks
-            ids.extend(s.token_ids[start:start + n])
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
+            ids.extend(s.token_ids[start:end])
+            if end > len(s.token_ids):  # async: the last input was sampled by the step in flight
+                inflight_at.append(len(ids))
+                inflight_from.append(self.prev_rows[s.req_id])
+                ids.append(0)
+            if n == 1:
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
+            seq_lens.append(end)
             loc.append(loc[-1] + n)
         dev = self.device
+        cuda = dev == "cuda"
         meta = AttentionMetadata(
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32 if dev == "cuda" else torch.int64, device=dev),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
+            block_tables=to_device(torch.from_numpy(tables), dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32 if cuda else torch.int64), dev),
             query_start_loc=loc, seq_lens_host=seq_lens,
             max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-            query_start_loc_device=torch.tensor(loc, dtype=torch.int32, device=dev) if dev == "cuda" else None,
+            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
             max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))),
             num_kv_splits=self._num_kv_splits(num_decodes))
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
-                         torch.from_numpy(np.concatenate(positions)).to(dev), meta, reqs, loc[1:])
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
+        if inflight_at:
+            rows = to_device(torch.tensor(inflight_from), dev)
+            input_ids.index_copy_(0, to_device(torch.tensor(inflight_at), dev), self.prev_tokens.index_select(0, rows))
+        return StepBatch(input_ids, to_device(torch.tensor(positions, dtype=torch.long), dev), meta, reqs, loc[1:])
+
+    def _sampling_rows(self, batch: StepBatch, sched: SchedulerOutput) -> list[tuple[int, CachedRequestState]]:
+        """(index in the batch, state) of each request whose step reaches the end of its known tokens."""
+        counts = sched.num_scheduled_tokens
+        return [(i, s) for i, s in enumerate(batch.order)
+                if s.num_computed_tokens + counts[s.req_id] >= len(s.token_ids) + s.num_inflight]
+
+    def _last_hidden(self, batch: StepBatch, hidden: torch.Tensor, rows: list[tuple[int, CachedRequestState]]):
+        index = torch.tensor([batch.query_ends[i] - 1 for i, _ in rows])
+        return hidden.index_select(0, to_device(index, hidden.device))
 
     def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
-        sampling = [(i, s) for i, s in enumerate(batch.order)
-                    if s.num_computed_tokens + sched.num_scheduled_tokens[s.req_id] >= len(s.token_ids)]
+        sampling = self._sampling_rows(batch, sched)
         for i, s in enumerate(batch.order):
             if s.params.prompt_logprobs is not None and s.num_computed_tokens < max(1, s.num_prompt_tokens - 1):
                 out.prompt_logprobs[s.req_id] = self._prompt_logprobs(s, hidden, batch, i, sched)
         if sampling:
-            rows = hidden[[batch.query_ends[i] - 1 for i, _ in sampling]]
-            logits = self.model.compute_logits(rows).float()
-            tokens, lps = sample(logits, [s.sampling_row() for _, s in sampling], self.generator)
+            logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
+            rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
+                    for _, s in sampling]  # token histories are copied only where the sampler reads them
+            tokens, lps = sample(logits, rows, self.generator)
             for (_, s), token, lp in zip(sampling, tokens, lps):
                 s.token_ids.append(token)
                 out.sampled_token_ids[s.req_id] = [token]
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
+        self.prev_tokens, self.prev_rows = None, {}
         return out
+
+    def _sample_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
+        """Samples on the device and starts the copy home without waiting for it."""
+        out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
+        sampling = self._sampling_rows(batch, sched)
+        if not sampling:
+            return PendingOutput.done(out)
+        logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
+        rows = [SamplingRow(s.params, [], [], s.eos_token_id) for _, s in sampling]
+        tokens = sample_on_device(logits, rows, self.generator)
+        states = [s for _, s in sampling]
+        for s in states:
+            s.num_inflight += 1
+        self.prev_tokens, self.prev_rows = tokens, {s.req_id: j for j, s in enumerate(states)}
+        return PendingOutput.start(out, states, tokens)
 
     def _prompt_logprobs(self, s: CachedRequestState, hidden: torch.Tensor, batch: StepBatch, i: int,
                          sched: SchedulerOutput) -> list[TopLogprobs | None]:

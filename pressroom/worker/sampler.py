@@ -16,6 +16,7 @@ import torch
 
 from pressroom.core.outputs import TopLogprobs
 from pressroom.sampling_params import SamplingParams
+from pressroom.worker.device import to_device
 
 _MASK = float("-inf")
 
@@ -149,7 +150,26 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def needs_host_history(params: SamplingParams) -> bool:
+    """Whether sampling this request reads its token history or reports more than a token id (then
+    its step cannot run ahead of the previous step's results under async scheduling)."""
+    return bool(params.logprobs is not None or params.prompt_logprobs is not None or params.seed is not None
+                or params.logit_bias or params.needs_penalties or params.min_tokens
+                or params.thinking_token_budget is not None)
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+                     ) -> torch.Tensor:
+    """Tokens as a device tensor, with no host round trip, for rows where needs_host_history is False."""
+    return _choose_tensor(logits, rows, generator)
+
+
 def _choose(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> list[int]:
+    return _choose_tensor(logits, rows, generator).tolist()
+
+
+def _choose_tensor(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+                   ) -> torch.Tensor:
     """Greedy rows take the argmax; random rows race exponential noise: argmax(p / E), E ~ Exp(1),
     samples from p. Unseeded rows share one noise draw, so a step costs one device-to-host copy."""
     choice = logits.argmax(dim=-1)
@@ -162,22 +182,22 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
             if seed is not None:  # keyed by (seed, output position): independent of batch and preemption
                 g = torch.Generator().manual_seed(_mix(seed, len(rows[i].output_token_ids)))
                 noise[j] = torch.empty(probs.shape[1]).exponential_(generator=g).to(noise.device)
-        index = torch.tensor(random_rows, device=logits.device)
+        index = to_device(torch.tensor(random_rows), logits.device)
         choice = choice.index_copy(0, index, (probs / noise).argmax(dim=-1))
-    return choice.tolist()
+    return choice
 
 
 def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p truncation, then softmax."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    temps = to_device(torch.tensor([p.temperature for p in params], dtype=logits.dtype), logits.device).unsqueeze(1)
     logits = logits / temps
     if any(p.top_k for p in params):
         logits = _top_k(logits, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
-        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device))
+        logits = _top_p(logits, to_device(torch.tensor([p.top_p for p in params], dtype=logits.dtype), logits.device))
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device).unsqueeze(1)
+        min_p = to_device(torch.tensor([p.min_p for p in params], dtype=probs.dtype), probs.device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -185,7 +205,7 @@ def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.T
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    k = torch.tensor([min(k, vocab) if k else vocab for k in ks], device=logits.device).unsqueeze(1)
+    k = to_device(torch.tensor([min(k, vocab) if k else vocab for k in ks]), logits.device).unsqueeze(1)
     sorted_desc = logits.sort(dim=-1, descending=True).values
     kth = sorted_desc.gather(1, k - 1)
     return logits.masked_fill(logits < kth, _MASK)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TINY_SHAPE, hf_greedy, random_prompts
+
 from pressroom import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -39,11 +39,11 @@ def model_dir(tmp_path_factory):
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    kwargs = {"dtype": "float32", "kv_cache_memory_gib": 0.25, **kwargs}
+    kwargs = {"dtype": "float32", "kv_cache_memory_gib": 0.25, "max_num_seqs": 64, **kwargs}
     return LLM(path, device="cuda", skip_tokenizer_init=True, **kwargs)
 
 
-def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -105,3 +105,17 @@ def test_sampling_runs_on_the_gpu_and_seeds_repeat(model_dir):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first[:4]]
     assert all(len(o.outputs[0].token_ids) == 16 and len(o.outputs[0].logprobs) == 16 for o in first)
+
+
+def test_async_scheduling_equals_sync(model_dir):
+    path = model_dir("llama-d128")
+    prompts = random_prompts(24, low=4, high=200, seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True, detokenize=False) for i in range(24)]
+    sync_llm = _llm(path, async_scheduling=False)
+    assert not sync_llm.engine.runner.async_scheduling
+    sync = _tokens(sync_llm, prompts, params)
+    del sync_llm
+    async_llm = _llm(path)  # on by default on CUDA
+    assert async_llm.engine.runner.async_scheduling
+    assert _tokens(async_llm, prompts, params) == sync
+    assert async_llm.engine.kv_cache.usage() == 0.0

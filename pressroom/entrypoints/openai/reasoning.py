@@ -144,6 +144,10 @@ class ReasoningStream:
 
 def make_parser(name: str | None, tokenizer, start: str = "<think>", end: str = "</think>") -> ReasoningParser | None:
     """`--reasoning-parser`: "think", "none", or None/"auto" (think when the model has the markers)."""
+    if tokenizer is None:  # skip_tokenizer_init: token ids only, nothing to parse
+        if name not in (None, "auto", "none"):
+            raise ValueError("A reasoning parser needs the tokenizer; drop --skip-tokenizer-init.")
+        return None
     if name in (None, "auto"):
         return ReasoningParser(tokenizer, start, end) if ReasoningParser.applies_to(tokenizer, start, end) else None
     if name == "none":
