@@ -1,6 +1,7 @@
 """Engine configuration: one flat `EngineArgs` (vLLM's names) resolved into validated sub-configs."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 
@@ -124,6 +125,46 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys. A proposer drafts up to `num_speculative_tokens` per request
+    and step; the target verifies them all in its forward pass, keeping its own distribution."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
+    prompt_lookup_max: int = 4  # ngram: longest, tried first
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}; "
+                             f"got {self.method!r}.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+
+    @classmethod
+    def from_value(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A dict, a JSON string (the CLI's --speculative-config) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object / dict.")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown speculative_config key(s): {', '.join(sorted(unknown))}.")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -132,6 +173,7 @@ class EngineConfig:
     parallel: ParallelConfig
     compilation: CompilationConfig
     device: str = "cpu"
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +201,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int = 512
     skip_tokenizer_init: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA (the CPU has nothing to overlap with)
+    speculative_config: dict | str | None = None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -175,6 +218,10 @@ class EngineArgs:
         device = resolve_device(self.device)
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative is not None and self.async_scheduling:
+            raise ValueError("Speculative decoding runs with synchronous scheduling for now; "
+                             "drop async_scheduling=True.")
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
@@ -191,9 +238,10 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,
                                       async_scheduling=self.async_scheduling if self.async_scheduling is not None
-                                      else device == "cuda"),
+                                      else device == "cuda" and speculative is None),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,
+            speculative=speculative,
         )

@@ -33,6 +33,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose runner-side state is stale: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Draft tokens to verify, per request; they are the last len(drafts) of its scheduled tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -49,6 +51,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
     # Per request, logprobs of prompt positions computed this step (None for position 0).
     prompt_logprobs: dict[str, list[TopLogprobs | None]] = field(default_factory=dict)
+    # Per request, drafts proposed for its next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ class Request:
     # Tokens sampled by scheduled steps whose results have not come back yet (async scheduling keeps
     # one step in flight); the next step's input is such a token, read from the device.
     num_output_placeholders: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step (speculative decoding)
     num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling; -1 until then
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

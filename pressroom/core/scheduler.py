@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
@@ -29,6 +29,25 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: SpecDecodingStats | None = None
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Counters with vLLM's meaning: mean acceptance length = 1 + accepted / drafts."""
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
 
 class Scheduler:
@@ -42,6 +61,7 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self._stale: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ---- request table ----
 
@@ -65,14 +85,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
+        spec = self.spec_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
-                              self.kv.stats.queries, self.kv.stats.hits)
+                              self.kv.stats.queries, self.kv.stats.hits,
+                              SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                                list(spec.accepted_per_pos)))
 
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_now = False
@@ -85,6 +109,8 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 continue
+            drafts = self._drafts_that_fit(req, n, budget)
+            n += len(drafts)
             old_len = len(self.kv.req_blocks.get(req.request_id, ()))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -95,6 +121,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue
             scheduled[req.request_id] = n
+            if drafts:
+                spec_tokens[req.request_id] = drafts
             budget -= n
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
@@ -105,7 +133,7 @@ class Scheduler:
             self._admit_waiting(budget, scheduled, new_reqs)
 
         stale, self._stale = self._stale, set()
-        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale)
+        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens)
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         results = []
@@ -114,7 +142,14 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
             new_ids = out.sampled_token_ids.get(rid, [])
-            req.num_output_placeholders -= len(new_ids)
+            if new_ids:
+                req.num_output_placeholders -= 1  # one sampling event, however many tokens it emitted
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # give back the slots of rejected drafts: their KV is overwritten later
+                accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.observe(len(drafts), accepted)
+            req.spec_token_ids = out.draft_token_ids.get(rid, [])
             kept = self._append_tokens(req, new_ids)
             prompt_lps = out.prompt_logprobs.get(rid)
             if not kept and prompt_lps is None:
@@ -158,6 +193,14 @@ class Scheduler:
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
 
+    def _drafts_that_fit(self, req: Request, n: int, budget: int) -> list[int]:
+        """A decode's drafts, cut to the step budget, the context length and its remaining max_tokens."""
+        if not req.spec_token_ids or n != 1:
+            return []
+        room = min(budget - 1, self.config.max_model_len - req.num_computed_tokens - 1,
+                   req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[:max(0, room)]
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         if req.num_output_placeholders and req.num_output_tokens + req.num_output_placeholders >= \
                 req.sampling_params.max_tokens:
@@ -194,6 +237,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token still in flight is dropped; recomputation samples it again
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_in_runner(req)

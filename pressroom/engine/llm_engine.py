@@ -22,6 +22,7 @@ from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pressroom.model.loader import load_model
 from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
+from pressroom.spec_decode.proposer import make_proposer
 from pressroom.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
 logger = logging.getLogger("pressroom")
@@ -70,7 +71,7 @@ class LLMEngine:
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_id = self._eos_token_id()
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                                  config.device, config.scheduler.async_scheduling)
+                                  config.device, config.scheduler.async_scheduling, make_proposer(config.speculative))
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len(num_blocks)

@@ -17,7 +17,9 @@ from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
+from pressroom.spec_decode.proposer import Proposer
 from pressroom.worker.device import to_device
+from pressroom.worker.rejection_sampler import verify
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
 
 
@@ -103,12 +105,13 @@ def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
-                 device: str = "cpu", async_scheduling: bool = False) -> None:
+                 device: str = "cpu", async_scheduling: bool = False, proposer: Proposer | None = None) -> None:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         self.async_scheduling = async_scheduling
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
         self.prev_tokens: torch.Tensor | None = None  # its sampled tokens, on the device
         self.prev_rows: dict[str, int] = {}  # request id -> row in prev_tokens
+        self.proposer = proposer
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.backend = make_backend(device, dtype)
@@ -239,11 +242,14 @@ class ModelRunner:
             start, n = s.num_computed_tokens, counts[s.req_id]
             end, blocks = start + n, s.block_ids
             tables[i, :len(blocks)] = blocks
-            ids.extend(s.token_ids[start:end])
-            if end > len(s.token_ids):  # async: the last input was sampled by the step in flight
+            drafts = sched.scheduled_spec_decode_tokens.get(s.req_id, ())
+            known_end = end - len(drafts)
+            ids.extend(s.token_ids[start:known_end])
+            if known_end > len(s.token_ids):  # async: the last input was sampled by the step in flight
                 inflight_at.append(len(ids))
                 inflight_from.append(self.prev_rows[s.req_id])
                 ids.append(0)
+            ids.extend(drafts)
             if n == 1:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -287,6 +293,10 @@ class ModelRunner:
         for i, s in enumerate(batch.order):
             if s.params.prompt_logprobs is not None and s.num_computed_tokens < max(1, s.num_prompt_tokens - 1):
                 out.prompt_logprobs[s.req_id] = self._prompt_logprobs(s, hidden, batch, i, sched)
+        verifying = [(i, s) for i, s in sampling if s.req_id in sched.scheduled_spec_decode_tokens]
+        sampling = [(i, s) for i, s in sampling if s.req_id not in sched.scheduled_spec_decode_tokens]
+        for i, s in verifying:
+            self._verify(batch, sched, hidden, i, s, out)
         if sampling:
             logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
             rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
@@ -297,8 +307,31 @@ class ModelRunner:
                 out.sampled_token_ids[s.req_id] = [token]
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
+        if self.proposer is not None:
+            for _, s in sampling + verifying:
+                out.draft_token_ids[s.req_id] = self._propose(s)
         self.prev_tokens, self.prev_rows = None, {}
         return out
+
+    def _verify(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor, i: int,
+                s: CachedRequestState, out: ModelRunnerOutput) -> None:
+        """Checks one request's drafts against the target's logits at each of its 1 + k positions."""
+        drafts = sched.scheduled_spec_decode_tokens[s.req_id]
+        end = batch.query_ends[i]
+        logits = self.model.compute_logits(hidden[end - len(drafts) - 1:end]).float()
+        outputs = s.token_ids[s.num_prompt_tokens:]
+        rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], outputs + drafts[:j], s.eos_token_id)
+                for j in range(len(drafts) + 1)]
+        tokens = verify(logits, rows, drafts, None, self.generator)
+        s.token_ids.extend(tokens)
+        out.sampled_token_ids[s.req_id] = tokens
+        if s.params.logprobs is not None:
+            raw = torch.log_softmax(logits, dim=-1)
+            out.logprobs[s.req_id] = [top_logprobs(raw[j], t, s.params.logprobs) for j, t in enumerate(tokens)]
+
+    def _propose(self, s: CachedRequestState) -> list[int]:
+        left = s.params.max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1  # drafts past it are wasted
+        return self.proposer.propose(s.token_ids, left)
 
     def _sample_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
         """Samples on the device and starts the copy home without waiting for it."""

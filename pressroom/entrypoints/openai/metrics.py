@@ -132,7 +132,22 @@ class _SchedulerCollector:
             (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits),
         ]
+        spec = s.spec
+        if spec is not None and spec.num_drafts:
+            families += [
+                (CounterMetricFamily, "spec_decode_num_drafts", "Request-steps that verified drafts.", spec.num_drafts),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 spec.num_draft_tokens),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec.num_accepted_tokens),
+            ]
         for kind, name, doc, value in families:
             family = kind(m.prefix + name, doc, labels=["model_name"])
             family.add_metric([m.model_name], value)
+            yield family
+        if spec is not None and spec.num_drafts:
+            family = CounterMetricFamily(m.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
+            for pos, count in enumerate(spec.accepted_per_pos):
+                family.add_metric([m.model_name, str(pos)], count)
             yield family
