@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import TINY_SHAPE, random_prompts
+
 from pressroom import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
