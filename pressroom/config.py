@@ -125,7 +125,7 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
@@ -134,6 +134,7 @@ class SpeculativeConfig:
     and step; the target verifies them all in its forward pass, keeping its own distribution."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
+    model: str | None = None  # draft_model: a smaller model with the target's tokenizer
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
 
@@ -141,6 +142,8 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}; "
                              f"got {self.method!r}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -23,9 +23,9 @@ PEER_MODEL = REPO / ".cache" / "smollm2-135m-instruct-hf"
 
 
 def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int
-                  ) -> tuple[list[float], str]:
-    """Wall time of each timed pass (`batches`: prompt indices generated together per pass) and the
-    weight precision actually used."""
+                  ) -> tuple[list[float], dict]:
+    """Wall time of each timed pass (`batches`: prompt indices generated together per pass), and facts
+    about the run: the weight precision actually used and, when speculating, the timed passes' acceptance."""
     from pressroom import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
     precision = _precision(llm)
@@ -37,13 +37,29 @@ def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[in
     for _ in range(warmup):
         one(batches[0][:4])
     llm.engine.kv_cache.reset_prefix_cache()  # timed passes must compute every prompt
+    before = llm.engine.stats().spec
     times = []
     for indices in batches:
         start = time.perf_counter()
         one(indices)
         times.append(time.perf_counter() - start)
         llm.engine.kv_cache.reset_prefix_cache()
-    return times, precision
+    facts = {"dtype": precision}
+    if llm.engine.config.speculative is not None:
+        facts["spec_decode"] = _acceptance(before, llm.engine.stats().spec, llm.engine.config.speculative)
+    return times, facts
+
+
+def _acceptance(before, after, config) -> dict:
+    drafts = after.num_drafts - before.num_drafts
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+               for i, a in enumerate(after.accepted_per_pos)]
+    return {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
+            "num_drafts": drafts, "num_draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+            "num_accepted_tokens": accepted,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "acceptance_rate_per_pos": [round(a / drafts, 3) for a in per_pos] if drafts else []}
 
 
 def _precision(llm) -> str:

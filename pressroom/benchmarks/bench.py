@@ -75,8 +75,7 @@ def _run_backend(name: str, args, engine_kwargs: dict, path: str, workload: Work
     else:
         batches = [list(range(n))]
     if name == "pressroom":
-        times, precision = backends.run_pressroom(engine_kwargs, workload, batches, args.num_iters_warmup)
-        extra = {"dtype": precision}
+        times, extra = backends.run_pressroom(engine_kwargs, workload, batches, args.num_iters_warmup)
     else:
         times = backends.run_hf(path, args.hf_dtype, workload, batches, args.num_iters_warmup)
         extra = {"dtype": args.hf_dtype}
@@ -100,5 +99,9 @@ def _print(report: dict) -> None:
         if "avg_latency_s" in r:
             line += f"   avg latency {r['avg_latency_s']:.3f}s"
         print(line + f"   dtype {r.get('dtype', '?')}")
+        spec = r.get("spec_decode")
+        if spec:
+            print(f"{'':>10}  {spec['method']} K={spec['num_speculative_tokens']}: mean acceptance length "
+                  f"{spec['mean_acceptance_length']}, per position {spec['acceptance_rate_per_pos']}")
     for k, v in report["ratios"].items():
         print(f"{k}: {v:.2f}x")

@@ -71,7 +71,8 @@ class LLMEngine:
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_id = self._eos_token_id()
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                                  config.device, config.scheduler.async_scheduling, make_proposer(config.speculative))
+                                  config.device, config.scheduler.async_scheduling)
+        self.runner.proposer = make_proposer(config.speculative, self.runner)
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len(num_blocks)

@@ -6,10 +6,13 @@ draft. No model, no probabilities: the proposal is deterministic (q is one-hot).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pressroom.config import SpeculativeConfig
+from pressroom.spec_decode.proposer import Draft, DraftRequest
 
 
 class NgramProposer:
@@ -17,7 +20,14 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
+        drafts = {r.req_id: Draft(self.lookup(r.token_ids, r.max_drafts)) for r in requests}
+        return {rid: d for rid, d in drafts.items() if d.token_ids}
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        pass  # stateless
+
+    def lookup(self, token_ids: list[int], max_drafts: int) -> list[int]:
         k = min(self.k, max_drafts)
         if k <= 0 or len(token_ids) < self.min_n + 1:
             return []

@@ -1,21 +1,50 @@
-"""What a drafter offers the engine: up to K next tokens for a request, given its context."""
+"""What a drafter offers the engine: up to K next tokens per request, given its context."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from pressroom.config import SpeculativeConfig
+from pressroom.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    req_id: str
+    token_ids: list[int]  # every verified token: prompt and output
+    max_drafts: int  # drafts past the request's max_tokens would be wasted
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    # [len(token_ids), vocab]: the distribution each draft token was drawn from; None for a
+    # deterministic proposal (verification then treats q as one-hot).
+    probs: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        """Draft tokens to follow `token_ids` (at most `max_drafts`; none is a valid answer)."""
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
+        """Drafts for the requests that get any (an empty or missing draft is a valid answer)."""
+        ...
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """The requests finished or were preempted: drop any state kept for them."""
         ...
 
 
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, target) -> Proposer | None:
+    """`target`: the target's ModelRunner (a draft model shares its device, dtype and block size)."""
     if config is None:
         return None
     if config.method == "ngram":
         from pressroom.spec_decode.ngram import NgramProposer
         return NgramProposer(config)
+    if config.method == "draft_model":
+        from pressroom.spec_decode.draft_model import DraftModelProposer
+        return DraftModelProposer(config, target)
     raise ValueError(f"Unknown speculative method {config.method!r}.")

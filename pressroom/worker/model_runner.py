@@ -17,7 +17,7 @@ from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.proposer import Proposer
+from pressroom.spec_decode.proposer import DraftRequest, Proposer
 from pressroom.worker.device import to_device
 from pressroom.worker.rejection_sampler import verify
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
@@ -105,13 +105,14 @@ def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
-                 device: str = "cpu", async_scheduling: bool = False, proposer: Proposer | None = None) -> None:
+                 device: str = "cpu", async_scheduling: bool = False) -> None:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         self.async_scheduling = async_scheduling
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
         self.prev_tokens: torch.Tensor | None = None  # its sampled tokens, on the device
         self.prev_rows: dict[str, int] = {}  # request id -> row in prev_tokens
-        self.proposer = proposer
+        self.proposer: Proposer | None = None  # set by the engine when speculative decoding is on
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> q of its pending drafts
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.backend = make_backend(device, dtype)
@@ -214,6 +215,9 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
+            self.draft_probs.pop(rid, None)
+        if self.proposer is not None and sched.finished_req_ids:
+            self.proposer.forget(sched.finished_req_ids)
         for new in sched.new_requests:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
@@ -308,8 +312,7 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
         if self.proposer is not None:
-            for _, s in sampling + verifying:
-                out.draft_token_ids[s.req_id] = self._propose(s)
+            self._propose([s for _, s in sampling + verifying], out)
         self.prev_tokens, self.prev_rows = None, {}
         return out
 
@@ -322,16 +325,39 @@ class ModelRunner:
         outputs = s.token_ids[s.num_prompt_tokens:]
         rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], outputs + drafts[:j], s.eos_token_id)
                 for j in range(len(drafts) + 1)]
-        tokens = verify(logits, rows, drafts, None, self.generator)
+        q = self.draft_probs.pop(s.req_id, None)
+        tokens = verify(logits, rows, drafts, None if q is None else q[:len(drafts)], self.generator)
         s.token_ids.extend(tokens)
         out.sampled_token_ids[s.req_id] = tokens
         if s.params.logprobs is not None:
             raw = torch.log_softmax(logits, dim=-1)
             out.logprobs[s.req_id] = [top_logprobs(raw[j], t, s.params.logprobs) for j, t in enumerate(tokens)]
 
-    def _propose(self, s: CachedRequestState) -> list[int]:
-        left = s.params.max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1  # drafts past it are wasted
-        return self.proposer.propose(s.token_ids, left)
+    def _propose(self, states: list[CachedRequestState], out: ModelRunnerOutput) -> None:
+        """Drafts for each request's next step; their probabilities stay here until verification."""
+        requests = [DraftRequest(s.req_id, s.token_ids, s.params.max_tokens - self._num_outputs(s) - 1, s.params)
+                    for s in states]
+        for s in states:
+            self.draft_probs.pop(s.req_id, None)
+        for rid, draft in self.proposer.propose(requests).items():
+            out.draft_token_ids[rid] = draft.token_ids
+            if draft.probs is not None:
+                self.draft_probs[rid] = draft.probs
+
+    @staticmethod
+    def _num_outputs(s: CachedRequestState) -> int:
+        return len(s.token_ids) - s.num_prompt_tokens
+
+    @torch.inference_mode()
+    def step_logits(self, sched: SchedulerOutput) -> tuple[list[CachedRequestState], torch.Tensor]:
+        """Runs a step and returns, instead of sampling, the logits of each request that reached the end
+        of its tokens (a draft model's runner samples them itself)."""
+        self._update_states(sched)
+        batch = self._prepare(sched)
+        with forward_context(batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions)
+        rows = self._sampling_rows(batch, sched)
+        return [s for _, s in rows], self.model.compute_logits(self._last_hidden(batch, hidden, rows)).float()
 
     def _sample_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
         """Samples on the device and starts the copy home without waiting for it."""

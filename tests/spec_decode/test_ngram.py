@@ -12,22 +12,22 @@ def _proposer(k=3, lo=1, hi=4) -> NgramProposer:
 
 
 def test_continues_the_latest_earlier_occurrence():
-    assert _proposer().propose([1, 2, 3, 4, 5, 1, 2, 3], 10) == [4, 5, 1]
-    assert _proposer().propose([1, 2, 9, 8, 1, 2, 7, 6, 1, 2], 10) == [7, 6, 1]  # latest match wins
+    assert _proposer().lookup([1, 2, 3, 4, 5, 1, 2, 3], 10) == [4, 5, 1]
+    assert _proposer().lookup([1, 2, 9, 8, 1, 2, 7, 6, 1, 2], 10) == [7, 6, 1]  # latest match wins
 
 
 def test_longest_suffix_first_and_limits():
     # "3 4" matches at 2 (followed by 9), "4" alone matches later (followed by 5); the longer one wins.
-    assert _proposer().propose([1, 3, 4, 9, 4, 5, 3, 4], 10) == [9, 4, 5]
-    assert _proposer(k=5).propose([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # runs out of context
-    assert _proposer().propose([1, 2, 3, 1, 2], 1) == [3]  # max_drafts (the request's remaining tokens)
-    assert _proposer().propose([1, 2, 3, 1, 2], 0) == []
+    assert _proposer().lookup([1, 3, 4, 9, 4, 5, 3, 4], 10) == [9, 4, 5]
+    assert _proposer(k=5).lookup([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # runs out of context
+    assert _proposer().lookup([1, 2, 3, 1, 2], 1) == [3]  # max_drafts (the request's remaining tokens)
+    assert _proposer().lookup([1, 2, 3, 1, 2], 0) == []
 
 
 def test_no_match_no_draft():
-    assert _proposer().propose([1, 2, 3, 4], 10) == []
-    assert _proposer(lo=2).propose([5, 1, 2, 3, 5], 10) == []  # only a 1-token match, below the minimum
-    assert _proposer().propose([7], 10) == []
+    assert _proposer().lookup([1, 2, 3, 4], 10) == []
+    assert _proposer(lo=2).lookup([5, 1, 2, 3, 5], 10) == []  # only a 1-token match, below the minimum
+    assert _proposer().lookup([7], 10) == []
 
 
 def test_config_is_validated():

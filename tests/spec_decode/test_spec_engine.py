@@ -122,3 +122,42 @@ def test_sampled_tokens_keep_the_target_distribution(small_vocab_model):
     assert tv(empirical.sum((1, 2)), exact.sum((1, 2))) < 0.07  # t1 (no draft involved: a control)
     assert tv(empirical.sum((0, 2)), exact.sum((0, 2))) < 0.07  # t2: the verified draft or its resample
     assert tv(empirical.sum((0, 1)), exact.sum((0, 1))) < 0.07  # t3: bonus token or next step
+
+
+def test_draft_model_greedy_equals_no_speculation(tiny_model_dir):
+    target, other = tiny_model_dir("llama"), tiny_model_dir("qwen2")  # same tokenizer, other weights
+    prompts = random_prompts(6, low=5, high=40, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _gen(LLM(target, dtype="float32", kv_cache_memory_gib=0.05), prompts, params)
+    for draft in (target, other):
+        llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.05,
+                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        assert _gen(llm, prompts, params) == plain
+        stats = llm.engine.stats().spec
+        if draft == target:  # the target drafting for itself: every draft is accepted
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        assert llm.engine.kv_cache.usage() == 0.0
+
+
+def test_draft_model_sampling_keeps_the_target_distribution(small_vocab_model, tmp_path_factory):
+    """As the n-gram test, with a different random 32-token model drafting 2 tokens from its own q."""
+    import transformers
+    path, model = small_vocab_model
+    torch.manual_seed(6)
+    config = transformers.LlamaConfig(**dict(TINY_SHAPE, vocab_size=32, initializer_range=0.6))
+    draft_dir = str(tmp_path_factory.mktemp("draft32"))
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(draft_dir)
+    prompt = list(range(32)) * 2
+    exact = _exact_next3(model, prompt)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
+              speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2})
+    n = 4000
+    outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
+    counts = torch.zeros(32, 32, 32)
+    for t in outs:
+        counts[t[0], t[1], t[2]] += 1
+    empirical = counts / n
+    stats = llm.engine.stats().spec
+    assert stats.num_drafts > n * 0.9 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for dims in ((1, 2), (0, 2), (0, 1)):  # t1, t2, t3
+        assert 0.5 * float((empirical.sum(dims) - exact.sum(dims)).abs().sum()) < 0.07
