@@ -93,7 +93,7 @@ class StepBatch:
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
 def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
