@@ -137,6 +137,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a smaller model with the target's tokenizer
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
+    # Each step verifies, per request, only the drafts expected to pay for their share of the step
+    # (spec_decode/budget.py); off: always every draft, up to num_speculative_tokens.
+    adaptive_token_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

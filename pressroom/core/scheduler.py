@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
-from pressroom.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                    SchedulerOutput)
+from pressroom.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from pressroom.core.request import Request, RequestStatus
+from pressroom.spec_decode.budget import AdaptiveBudget
 
 
 @dataclass(slots=True)
@@ -62,6 +68,7 @@ class Scheduler:
         self._stale: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        self.spec_budget: AdaptiveBudget | None = None  # set by the engine when speculating adaptively
 
     # ---- request table ----
 
@@ -103,6 +110,8 @@ class Scheduler:
 
         # Best first, so a victim (the worst) is never one already scheduled this step.
         self.running.sort(key=self._key)
+        if self.spec_budget is not None:
+            self._trim_drafts(budget)
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
@@ -149,6 +158,8 @@ class Scheduler:
                 accepted = len(new_ids) - 1
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
+                if self.spec_budget is not None:
+                    self.spec_budget.observe(rid, len(drafts), accepted)
             req.spec_token_ids = out.draft_token_ids.get(rid, [])
             kept = self._append_tokens(req, new_ids)
             prompt_lps = out.prompt_logprobs.get(rid)
@@ -192,6 +203,18 @@ class Scheduler:
             self._seen_by_runner.add(req.request_id)
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
+
+    def _trim_drafts(self, budget: int) -> None:
+        """Keeps, per running request, the drafts the adaptive budget expects to pay off this step."""
+        offered = {r.request_id: len(r.spec_token_ids) for r in self.running if r.spec_token_ids}
+        if not offered:
+            return
+        base = sum(self._num_new_tokens(r, budget) for r in self.running)
+        base += sum(e[2].num_tokens for e in self.waiting)  # prompts that may join (capped below)
+        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)))
+        for r in self.running:
+            if r.request_id in chosen:
+                r.spec_token_ids = r.spec_token_ids[:chosen[r.request_id]]
 
     def _drafts_that_fit(self, req: Request, n: int, budget: int) -> list[int]:
         """A decode's drafts, cut to the step budget, the context length and its remaining max_tokens."""
@@ -256,6 +279,8 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        if self.spec_budget is not None:
+            self.spec_budget.forget(req.request_id)
         self.kv.free(req)
         self._forget_in_runner(req)
         self.requests.pop(req.request_id, None)

@@ -22,6 +22,7 @@ from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pressroom.model.loader import load_model
 from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
+from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.spec_decode.proposer import make_proposer
 from pressroom.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
@@ -83,6 +84,8 @@ class LLMEngine:
             self.runner.capture_cudagraphs(config.compilation.capture_sizes(config.scheduler.max_num_seqs))
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        if config.speculative is not None and config.speculative.adaptive_token_budget:
+            self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
         self.vocab_size = self.hf_config.vocab_size
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -132,6 +135,14 @@ class LLMEngine:
                     total * cache.gpu_memory_utilization / (1 << 30), total / (1 << 30), peak / (1 << 30),
                     outside_torch / (1 << 30), graphs / (1 << 30), budget / (1 << 30))
         return budget
+
+    def _adaptive_budget(self, max_drafts: int) -> AdaptiveBudget:
+        limit = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        ladder = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, limit} & set(range(1, limit + 1)))
+        costs = self.runner.profile_step_costs(ladder)
+        logger.info("step-cost curve for the speculative budget: %s",
+                    ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs))
+        return AdaptiveBudget(max_drafts, costs)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

@@ -173,6 +173,43 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @torch.inference_mode()
+    def profile_step_costs(self, token_counts: list[int], repeats: int = 2) -> list[tuple[int, float]]:
+        """Seconds of a forward pass plus logits at each step size (one prompt of that many tokens, its
+        KV written to the padding block, which is zeroed again after): the adaptive speculative
+        budget's cost curve. Context length is not varied; the weights dominate."""
+        import time
+        bs = self.block_size
+        costs = []
+        for n in token_counts:
+            meta = AttentionMetadata(
+                num_decodes=0, num_decode_tokens=0,
+                slot_mapping=to_device(torch.arange(n, dtype=torch.int64) % bs, self.device),
+                block_tables=torch.zeros(1, -(-n // bs), dtype=torch.int32 if self.device == "cuda" else torch.int64,
+                                         device=self.device),
+                seq_lens=torch.tensor([n], dtype=torch.int32 if self.device == "cuda" else torch.int64,
+                                      device=self.device),
+                query_start_loc=[0, n], seq_lens_host=[n], max_decode_seq_len=0,
+                query_start_loc_device=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                max_query_len=n)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            positions = torch.arange(n, device=self.device)
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run warms up
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                with forward_context(meta):
+                    hidden = self.model(ids, positions)
+                self.model.compute_logits(hidden[-1:]).float()
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            costs.append((n, best))
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()
+        return costs
+
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         from pressroom.worker.cuda_graphs import CudaGraphs
         self.graphs = CudaGraphs(self.model, sizes, self.max_blocks_per_seq, self._num_kv_splits, self.device)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pressroom.kernels import cpu as cpu_kernels
 from pressroom.attention.backend import AttentionMetadata
 from pressroom.attention.torch_ref import CpuAttentionBackend, TorchAttentionBackend
+from pressroom.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: the torch path is used instead")
 

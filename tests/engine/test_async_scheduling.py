@@ -6,8 +6,8 @@ scheduler, the previous step's sampled tokens as the next step's inputs, results
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from pressroom import LLM, LLMEngine, SamplingParams
 from pressroom.config import EngineArgs
 

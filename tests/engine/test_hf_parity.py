@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
+
 from pressroom import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, prompt_logprobs=0)

@@ -6,8 +6,8 @@ seeds; EOS and stop tokens are forced with logit_bias where a test needs them to
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from pressroom import LLM, SamplingParams
 
 PROMPT = "Hello world, here is a prompt"

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from pressroom import LLM, LLMEngine, SamplingParams
 from pressroom.config import EngineArgs
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import random_prompts
+
 from pressroom import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -10,7 +10,9 @@ from conftest import TINY_SHAPE, random_prompts
 
 from pressroom import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# Fixed K: these tests check verification itself, so every draft must be verified; the adaptive
+# budget (on by default) would drop drafts whenever a CPU step is compute-bound.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_token_budget": False}
 
 
 def _gen(llm: LLM, prompts, params) -> list[list[int]]:
@@ -32,6 +34,10 @@ def test_greedy_equals_no_speculation_on_the_embedded_model():
     stats = spec_llm.engine.stats().spec
     assert stats.num_drafts > 20 and stats.num_accepted_tokens > stats.num_drafts  # mean acceptance length > 2
     assert spec_llm.engine.kv_cache.usage() == 0.0
+    adaptive = LLM(dtype="float32", kv_cache_memory_gib=0.1, speculative_config=dict(NGRAM, adaptive_token_budget=True))
+    assert _gen(adaptive, prompts[:1], params) == plain[:1]  # batch 1: the budget verifies drafts
+    assert adaptive.engine.stats().spec.num_drafts > 5
+    assert adaptive.engine.scheduler.spec_budget is not None
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +111,8 @@ def test_sampled_tokens_keep_the_target_distribution(small_vocab_model):
     prompt = list(range(32)) * 2
     exact = _exact_next3(model, prompt)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
+                                  "adaptive_token_budget": False})
     n = 4000
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False)
     outs = _gen(llm, [prompt] * n, params)
@@ -131,7 +138,8 @@ def test_draft_model_greedy_equals_no_speculation(tiny_model_dir):
     plain = _gen(LLM(target, dtype="float32", kv_cache_memory_gib=0.05), prompts, params)
     for draft in (target, other):
         llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.05,
-                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+                  speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                      "adaptive_token_budget": False})
         assert _gen(llm, prompts, params) == plain
         stats = llm.engine.stats().spec
         if draft == target:  # the target drafting for itself: every draft is accepted
@@ -150,7 +158,8 @@ def test_draft_model_sampling_keeps_the_target_distribution(small_vocab_model, t
     prompt = list(range(32)) * 2
     exact = _exact_next3(model, prompt)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2})
+              speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2,
+                                  "adaptive_token_budget": False})
     n = 4000
     outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
     counts = torch.zeros(32, 32, 32)

@@ -1,0 +1,95 @@
+"""Adaptive speculative token budget: how many drafts each request verifies this step.
+
+Verifying a draft costs a token of the step (more time once the step is compute-bound) and pays
+off only if it survives. With per-position acceptance estimates a_1, a_2, ... (conditional: a_j is
+the chance the j-th draft is accepted given the ones before it were), the j-th draft of a request
+survives with probability s_j = a_1 * ... * a_j, and a step of N base tokens (one per decode, plus
+prefill chunks) emits sum(1 + sum_j s_j) tokens in T(N + drafts) seconds, T read off a step-cost
+curve profiled at start-up. Drafts are added greedily, best survival first, while tokens per
+second still rise: a memory-bound step (T flat) takes every likely draft, a compute-bound one (T
+proportional to tokens) takes drafts only when s_j > N * dT / T, so at high concurrency none.
+Estimates are exponential moving averages over every observed position, shared by all requests,
+plus each request's own (its content, e.g. code being copied, moves it away from the rest).
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+_EMA = 0.1  # weight of each new observation
+_PRIOR = 0.7  # optimistic start: the first steps try drafts, so the estimates can learn
+
+
+@dataclass(slots=True)
+class _Estimates:
+    rates: list[float]
+    seen: list[int] = field(default_factory=list)  # observations per position (own estimates blend in)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
+        for j in range(min(num_accepted + 1, num_draft)):
+            hit = 1.0 if j < num_accepted else 0.0
+            self.rates[j] += _EMA * (hit - self.rates[j])
+            self.seen[j] += 1
+
+
+class AdaptiveBudget:
+    def __init__(self, max_drafts: int, step_costs: list[tuple[int, float]]) -> None:
+        """`step_costs`: (tokens in a step, seconds) measured at start-up, ascending in tokens."""
+        self.k = max_drafts
+        self.costs = sorted(step_costs)
+        self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
+        self.own: dict[str, _Estimates] = {}
+
+    # ---- learning ----
+
+    def observe(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+        self.shared.observe(num_draft, num_accepted)
+        own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
+        own.observe(num_draft, num_accepted)
+
+    def forget(self, req_id: str) -> None:
+        self.own.pop(req_id, None)
+
+    def acceptance(self, req_id: str) -> list[float]:
+        """Per-position conditional acceptance for this request: its own EMA where it has one."""
+        own = self.own.get(req_id)
+        if own is None:
+            return list(self.shared.rates)
+        return [o if n else s for o, n, s in zip(own.rates, own.seen, self.shared.rates)]
+
+    # ---- choosing ----
+
+    def step_time(self, tokens: int) -> float:
+        """Linear interpolation of the profiled curve (extrapolated from its last two points)."""
+        xs = [n for n, _ in self.costs]
+        i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = self.costs[i - 1], self.costs[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def choose(self, drafts: dict[str, int], base_tokens: int) -> dict[str, int]:
+        """How many of its offered drafts each request verifies, for a step of `base_tokens` without drafts."""
+        survival: dict[str, list[float]] = {}
+        heap = []
+        for rid, offered in drafts.items():
+            s, run = [], 1.0
+            for a in self.acceptance(rid)[:offered]:
+                run *= a
+                s.append(run)
+            survival[rid] = s
+            if s:
+                heapq.heappush(heap, (-s[0], rid))
+        chosen = {rid: 0 for rid in drafts}
+        tokens, emitted = base_tokens, float(base_tokens)
+        rate = emitted / self.step_time(tokens)
+        while heap:
+            neg, rid = heapq.heappop(heap)
+            better = (emitted - neg) / self.step_time(tokens + 1)
+            if better <= rate:
+                break  # the likeliest remaining draft no longer pays; every other one is less likely
+            tokens, emitted, rate = tokens + 1, emitted - neg, better
+            chosen[rid] += 1
+            if chosen[rid] < len(survival[rid]):
+                heapq.heappush(heap, (-survival[rid][chosen[rid]], rid))
+        return chosen

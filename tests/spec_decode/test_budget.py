@@ -1,0 +1,41 @@
+"""The adaptive speculative budget: every likely draft when a step is memory-bound, none when it is
+compute-bound and the batch is large, and estimates that follow what verification observes."""
+from __future__ import annotations
+
+from pressroom.spec_decode.budget import AdaptiveBudget
+
+FLAT = [(1, 0.010), (64, 0.010), (512, 0.011)]  # memory-bound: extra tokens are almost free
+LINEAR = [(1, 0.001), (64, 0.064), (512, 0.512)]  # compute-bound: time grows with every token
+
+
+def _learned(budget: AdaptiveBudget, rid: str, accepted_of_4: int, times: int = 60) -> None:
+    for _ in range(times):
+        budget.observe(rid, 4, accepted_of_4)
+
+
+def test_memory_bound_step_takes_every_likely_draft():
+    budget = AdaptiveBudget(4, FLAT)
+    assert budget.choose({"a": 4}, base_tokens=1) == {"a": 4}
+
+
+def test_compute_bound_large_batch_takes_none():
+    budget = AdaptiveBudget(4, LINEAR)
+    offered = {f"r{i}": 4 for i in range(64)}
+    assert set(budget.choose(offered, base_tokens=64).values()) == {0}
+
+
+def test_estimates_follow_observations_and_separate_requests():
+    budget = AdaptiveBudget(4, [(1, 0.010), (8, 0.012), (64, 0.030)])
+    _learned(budget, "copying", 4)  # every draft accepted
+    _learned(budget, "chatting", 0)  # every first draft rejected
+    assert budget.acceptance("copying")[3] > 0.9 and budget.acceptance("chatting")[0] < 0.1
+    chosen = budget.choose({"copying": 4, "chatting": 4}, base_tokens=2)
+    assert chosen["copying"] == 4 and chosen["chatting"] == 0
+    budget.forget("copying")
+    assert budget.acceptance("copying") == budget.shared.rates  # back to the shared estimate
+
+
+def test_step_time_interpolates_and_extrapolates():
+    budget = AdaptiveBudget(2, LINEAR)
+    assert abs(budget.step_time(32) - 0.032) < 1e-9
+    assert abs(budget.step_time(1024) - 1.024) < 1e-9
