@@ -137,12 +137,16 @@ class LLMEngine:
         return budget
 
     def _adaptive_budget(self, max_drafts: int) -> AdaptiveBudget:
-        limit = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        ladder = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, limit} & set(range(1, limit + 1)))
-        costs = self.runner.profile_step_costs(ladder)
-        logger.info("step-cost curve for the speculative budget: %s",
-                    ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs))
-        return AdaptiveBudget(max_drafts, costs)
+        """Profiles two step shapes up to the largest decode step (max_num_seqs requests, each with
+        every draft): plain decodes, and verifications (1 + K query tokens per request)."""
+        sched = self.config.scheduler
+        largest = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
+        ladder = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n < largest] + [largest]
+        decode = self.runner.profile_step_costs([n for n in ladder if n <= sched.max_num_seqs], 1)
+        verify = self.runner.profile_step_costs(ladder, 1 + max_drafts)
+        logger.info("step costs for the speculative budget: decodes %s; verifications %s",
+                    _curve(decode), _curve(verify))
+        return AdaptiveBudget(max_drafts, verify, decode)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size
@@ -368,3 +372,7 @@ class LLMEngine:
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
+
+
+def _curve(costs: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs)

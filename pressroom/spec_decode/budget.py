@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 _EMA = 0.1  # weight of each new observation
 _PRIOR = 0.7  # optimistic start: the first steps try drafts, so the estimates can learn
+_PROBE_EVERY = 16  # a request whose drafts were skipped this many steps in a row verifies one (to keep learning)
 
 
 @dataclass(slots=True)
@@ -35,12 +36,16 @@ class _Estimates:
 
 
 class AdaptiveBudget:
-    def __init__(self, max_drafts: int, step_costs: list[tuple[int, float]]) -> None:
-        """`step_costs`: (tokens in a step, seconds) measured at start-up, ascending in tokens."""
+    def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
+                 decode_costs: list[tuple[int, float]] | None = None) -> None:
+        """Step costs measured at start-up, (tokens in a step, seconds): steps that verify drafts, and
+        (optional) plain decode steps, which may run a cheaper path (e.g. a decode-only kernel)."""
         self.k = max_drafts
-        self.costs = sorted(step_costs)
+        self.costs = sorted(verify_costs)
+        self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
         self.own: dict[str, _Estimates] = {}
+        self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
 
     # ---- learning ----
 
@@ -51,6 +56,7 @@ class AdaptiveBudget:
 
     def forget(self, req_id: str) -> None:
         self.own.pop(req_id, None)
+        self.skipped.pop(req_id, None)
 
     def acceptance(self, req_id: str) -> list[float]:
         """Per-position conditional acceptance for this request: its own EMA where it has one."""
@@ -61,11 +67,12 @@ class AdaptiveBudget:
 
     # ---- choosing ----
 
-    def step_time(self, tokens: int) -> float:
-        """Linear interpolation of the profiled curve (extrapolated from its last two points)."""
-        xs = [n for n, _ in self.costs]
+    def step_time(self, tokens: int, curve: list[tuple[int, float]] | None = None) -> float:
+        """Linear interpolation of a profiled curve (extrapolated from its end points)."""
+        curve = curve or self.costs
+        xs = [n for n, _ in curve]
         i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
-        (x0, y0), (x1, y1) = self.costs[i - 1], self.costs[i]
+        (x0, y0), (x1, y1) = curve[i - 1], curve[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def choose(self, drafts: dict[str, int], base_tokens: int) -> dict[str, int]:
@@ -92,4 +99,20 @@ class AdaptiveBudget:
             chosen[rid] += 1
             if chosen[rid] < len(survival[rid]):
                 heapq.heappush(heap, (-survival[rid][chosen[rid]], rid))
+        if self.decode_costs is not None and tokens > base_tokens:
+            plain = base_tokens / self.step_time(base_tokens, self.decode_costs)
+            if plain >= rate:  # verifying runs a slower path than plain decodes: not worth it here
+                chosen = {rid: 0 for rid in drafts}
+        return self._probe(chosen, drafts)
+
+    def _probe(self, chosen: dict[str, int], offered: dict[str, int]) -> dict[str, int]:
+        """Estimates only move where drafts are verified; a request left out for long gets one draft
+        checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed."""
+        for rid, k in chosen.items():
+            if k or not offered[rid]:
+                self.skipped[rid] = 0
+                continue
+            self.skipped[rid] = self.skipped.get(rid, 0) + 1
+            if self.skipped[rid] >= _PROBE_EVERY:
+                chosen[rid], self.skipped[rid] = 1, 0
         return chosen

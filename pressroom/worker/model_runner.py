@@ -174,41 +174,51 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def profile_step_costs(self, token_counts: list[int], repeats: int = 2) -> list[tuple[int, float]]:
-        """Seconds of a forward pass plus logits at each step size (one prompt of that many tokens, its
-        KV written to the padding block, which is zeroed again after): the adaptive speculative
-        budget's cost curve. Context length is not varied; the weights dominate."""
+    def profile_step_costs(self, token_counts: list[int], tokens_per_request: int,
+                           repeats: int = 2) -> list[tuple[int, float]]:
+        """Seconds of a step (forward pass and logits at every query token) for each token count, the
+        tokens split into requests of `tokens_per_request` query tokens after one cached block of
+        context: single-token decodes or draft verifications, the shapes the speculative budget weighs.
+        Every position maps into the padding block (zeroed again after), so no real cache is touched."""
         import time
-        bs = self.block_size
         costs = []
         for n in token_counts:
-            meta = AttentionMetadata(
-                num_decodes=0, num_decode_tokens=0,
-                slot_mapping=to_device(torch.arange(n, dtype=torch.int64) % bs, self.device),
-                block_tables=torch.zeros(1, -(-n // bs), dtype=torch.int32 if self.device == "cuda" else torch.int64,
-                                         device=self.device),
-                seq_lens=torch.tensor([n], dtype=torch.int32 if self.device == "cuda" else torch.int64,
-                                      device=self.device),
-                query_start_loc=[0, n], seq_lens_host=[n], max_decode_seq_len=0,
-                query_start_loc_device=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                max_query_len=n)
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            positions = torch.arange(n, device=self.device)
+            batch = self._profile_batch(n, tokens_per_request)
             best = float("inf")
             for _ in range(repeats + 1):  # the first run warms up
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
+                self._sync()
                 start = time.perf_counter()
-                with forward_context(meta):
-                    hidden = self.model(ids, positions)
-                self.model.compute_logits(hidden[-1:]).float()
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
+                with forward_context(batch.meta):
+                    hidden = self.model(batch.input_ids, batch.positions)
+                self.model.compute_logits(hidden).float()
+                self._sync()
                 best = min(best, time.perf_counter() - start)
             costs.append((n, best))
         for cache in self.kv_caches:
             cache[:, 0].zero_()
         return costs
+
+    def _profile_batch(self, n: int, per_request: int) -> StepBatch:
+        bs, dev = self.block_size, self.device
+        lengths = [per_request] * (n // per_request) + ([n % per_request] if n % per_request else [])
+        seq_lens = [bs + q for q in lengths]
+        loc = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        index = torch.int32 if dev == "cuda" else torch.int64
+        decodes = len(lengths) if per_request == 1 else 0
+        meta = AttentionMetadata(
+            num_decodes=decodes, num_decode_tokens=decodes,
+            slot_mapping=to_device(torch.cat([torch.arange(bs, bs + q) % bs for q in lengths]), dev),
+            block_tables=torch.zeros(len(lengths), -(-max(seq_lens) // bs), dtype=index, device=dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=index), dev),
+            query_start_loc=loc, seq_lens_host=seq_lens, max_decode_seq_len=max(seq_lens) if decodes else 0,
+            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if dev == "cuda" else None,
+            max_query_len=max(lengths), num_kv_splits=self._num_kv_splits(decodes))
+        positions = torch.cat([torch.arange(bs, bs + q) for q in lengths])
+        return StepBatch(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), meta, [], loc[1:])
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         from pressroom.worker.cuda_graphs import CudaGraphs
@@ -336,8 +346,8 @@ class ModelRunner:
                 out.prompt_logprobs[s.req_id] = self._prompt_logprobs(s, hidden, batch, i, sched)
         verifying = [(i, s) for i, s in sampling if s.req_id in sched.scheduled_spec_decode_tokens]
         sampling = [(i, s) for i, s in sampling if s.req_id not in sched.scheduled_spec_decode_tokens]
-        for i, s in verifying:
-            self._verify(batch, sched, hidden, i, s, out)
+        if verifying:
+            self._verify(batch, sched, hidden, verifying, out)
         if sampling:
             logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
             rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
@@ -353,12 +363,23 @@ class ModelRunner:
         self.prev_tokens, self.prev_rows = None, {}
         return out
 
-    def _verify(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor, i: int,
-                s: CachedRequestState, out: ModelRunnerOutput) -> None:
-        """Checks one request's drafts against the target's logits at each of its 1 + k positions."""
-        drafts = sched.scheduled_spec_decode_tokens[s.req_id]
-        end = batch.query_ends[i]
-        logits = self.model.compute_logits(hidden[end - len(drafts) - 1:end]).float()
+    def _verify(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                verifying: list[tuple[int, CachedRequestState]], out: ModelRunnerOutput) -> None:
+        """Checks each request's drafts against the target's logits at its 1 + k positions (one LM-head
+        call for all of them)."""
+        spans = []
+        for i, s in verifying:
+            n = len(sched.scheduled_spec_decode_tokens[s.req_id]) + 1
+            spans.append(range(batch.query_ends[i] - n, batch.query_ends[i]))
+        index = to_device(torch.tensor([p for span in spans for p in span]), hidden.device)
+        all_logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+        start = 0
+        for (_, s), span in zip(verifying, spans):
+            logits, start = all_logits[start:start + len(span)], start + len(span)
+            self._verify_one(s, sched.scheduled_spec_decode_tokens[s.req_id], logits, out)
+
+    def _verify_one(self, s: CachedRequestState, drafts: list[int], logits: torch.Tensor,
+                    out: ModelRunnerOutput) -> None:
         outputs = s.token_ids[s.num_prompt_tokens:]
         rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], outputs + drafts[:j], s.eos_token_id)
                 for j in range(len(drafts) + 1)]

@@ -39,3 +39,22 @@ def test_step_time_interpolates_and_extrapolates():
     budget = AdaptiveBudget(2, LINEAR)
     assert abs(budget.step_time(32) - 0.032) < 1e-9
     assert abs(budget.step_time(1024) - 1.024) < 1e-9
+
+
+def test_no_drafts_when_plain_decodes_run_a_cheaper_path():
+    """Verification steps cost double plain decode steps of the same size: drafts must survive to pay."""
+    verify = [(1, 0.010), (64, 0.020), (512, 0.080)]
+    decode = [(1, 0.005), (64, 0.010), (512, 0.040)]
+    budget = AdaptiveBudget(4, verify, decode)
+    assert set(budget.choose({f"r{i}": 4 for i in range(16)}, base_tokens=16).values()) == {0}
+    _learned(budget, "copying", 4)
+    assert budget.choose({"copying": 4}, base_tokens=1) == {"copying": 4}  # near-certain drafts still pay
+
+
+def test_a_skipped_request_is_probed_now_and_then():
+    budget = AdaptiveBudget(4, LINEAR)
+    offered = {f"r{i}": 4 for i in range(64)}
+    rounds = [budget.choose(offered, base_tokens=64) for _ in range(16)]
+    assert all(set(r.values()) == {0} for r in rounds[:15])
+    assert set(rounds[15].values()) == {1}  # one draft each after 16 skipped steps, then quiet again
+    assert set(budget.choose(offered, base_tokens=64).values()) == {0}

@@ -35,8 +35,7 @@ def test_greedy_equals_no_speculation_on_the_embedded_model():
     assert stats.num_drafts > 20 and stats.num_accepted_tokens > stats.num_drafts  # mean acceptance length > 2
     assert spec_llm.engine.kv_cache.usage() == 0.0
     adaptive = LLM(dtype="float32", kv_cache_memory_gib=0.1, speculative_config=dict(NGRAM, adaptive_token_budget=True))
-    assert _gen(adaptive, prompts[:1], params) == plain[:1]  # batch 1: the budget verifies drafts
-    assert adaptive.engine.stats().spec.num_drafts > 5
+    assert _gen(adaptive, prompts, params) == plain  # whatever the budget chose, the output is the same
     assert adaptive.engine.scheduler.spec_budget is not None
 
 
