@@ -27,6 +27,7 @@ class AttentionMetadata:
     query_start_loc_device: torch.Tensor | None = None  # int32 [num_reqs + 1]
     max_query_len: int = 0
     num_kv_splits: int = 1  # split-KV partitions per decode (flash-decoding), chosen by the runner
+    plan: object = None  # a backend's per-step precomputation, made by the first layer and reused by the rest
 
 
 class AttentionBackend(Protocol):

@@ -1,6 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference the GPU kernels are tested against."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -32,28 +34,75 @@ def _fresh_run_end(loc: list[int], lens: list[int], i: int) -> int:
     return max(j, i + 1)
 
 
+# A request with at most this many query tokens after a cached context (a verification of drafts, a
+# short chunk) is split into single-token rows for the decode path: row j attends to its context up to
+# and including its own token, which is exactly the causal mask, and all rows share one batched call.
+_ROWS_MAX_QUERY = 8
+
+
+@dataclass(slots=True)
+class _Plan:
+    rows: torch.Tensor | None  # flat token index of each decode-like row; None: the first num_decodes tokens
+    num_rows: int
+    tables: torch.Tensor  # [rows, max_blocks]
+    lens: torch.Tensor  # [rows] context length each row attends to
+    max_len: int
+    min_len: int
+    chunks: list[int]  # requests left to the prefill path
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    loc, lens, nd = meta.query_start_loc, meta.seq_lens_host, meta.num_decodes
+    short = [i for i in range(nd, len(loc) - 1)
+             if loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
+    chunks = sorted(set(range(nd, len(loc) - 1)) - set(short))
+    if not short:
+        row_lens = lens[:nd]
+        return _Plan(None, nd, meta.block_tables[:nd], meta.seq_lens[:nd], max(row_lens, default=0),
+                     min(row_lens, default=0), chunks)
+    reqs, index, row_lens = list(range(nd)), list(range(nd)), list(lens[:nd])
+    for i in short:
+        q = loc[i + 1] - loc[i]
+        reqs += [i] * q
+        index += range(loc[i], loc[i + 1])
+        row_lens += range(lens[i] - q + 1, lens[i] + 1)
+    return _Plan(torch.tensor(index), len(index), meta.block_tables[torch.tensor(reqs)],
+                 torch.tensor(row_lens, dtype=meta.seq_lens.dtype), max(row_lens), min(row_lens), chunks)
+
+
 class TorchAttentionBackend:
-    """Decodes batched over padded, masked contexts; prefill chunks one request at a time, except
-    runs of uncached equal-length prompts, which share one call."""
+    """Decodes (and short queries after a cached context, split into rows) batched over padded, masked
+    contexts; prefill chunks one request at a time, except runs of uncached equal-length prompts,
+    which share one call."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.plan is None:
+            meta.plan = _plan(meta)
+        plan: _Plan = meta.plan
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if meta.num_decodes:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
-        loc, lens = meta.query_start_loc, meta.seq_lens_host
-        i = meta.num_decodes
-        while i < len(loc) - 1:
-            j = _fresh_run_end(loc, lens, i)
-            start, end = loc[i], loc[j]
-            if j - i > 1:  # equal-length prompts with nothing cached: one batched call
-                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], j - i, scale)
+        if plan.num_rows:
+            if plan.rows is None:
+                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale)
             else:
-                out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                               meta.block_tables[i], lens[i], scale)
-            i = j
+                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        chunks = plan.chunks
+        c = 0
+        while c < len(chunks):
+            i = chunks[c]
+            j = _fresh_run_end(loc, lens, i)
+            run = j - i
+            if run > 1 and chunks[c:c + run] == list(range(i, j)):  # equal-length prompts, nothing cached
+                start, end = loc[i], loc[j]
+                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale)
+                c += run
+                continue
+            start, end = loc[i], loc[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+                                           meta.block_tables[i], lens[i], scale)
+            c += 1
         return out
 
     def _fresh_batch(self, q, k, v, count: int, scale: float) -> torch.Tensor:
@@ -63,17 +112,17 @@ class TorchAttentionBackend:
                                            scale=scale, enable_gqa=True)
         return o.transpose(1, 2).flatten(0, 1)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """All single-token queries at once over their padded, masked contexts."""
-        n = meta.num_decodes
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+        """All single-token rows at once over their padded, masked contexts."""
+        n = plan.num_rows
         block_size, heads, dim = kv_cache.shape[2:]
-        max_len = meta.max_decode_seq_len
-        tables = meta.block_tables[:n, :-(-max_len // block_size)]
+        max_len = plan.max_len
+        tables = plan.tables[:, :-(-max_len // block_size)]
         k = kv_cache[0, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
         v = kv_cache[1, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
         mask = None
-        if min(meta.seq_lens_host[:n]) < max_len:  # ragged contexts: hide each one's padding
-            mask = (torch.arange(max_len) < meta.seq_lens[:n, None])[:, None, None, :]
+        if plan.min_len < max_len:  # ragged contexts: hide each one's padding
+            mask = (torch.arange(max_len) < plan.lens[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
@@ -96,9 +145,8 @@ class TorchAttentionBackend:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        n = meta.num_decodes
-        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], meta.block_tables[:n], meta.seq_lens[:n], scale)
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
         return out.to(q.dtype)
 
 

@@ -211,7 +211,8 @@ class Scheduler:
             return
         base = sum(self._num_new_tokens(r, budget) for r in self.running)
         base += sum(e[2].num_tokens for e in self.waiting)  # prompts that may join (capped below)
-        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)))
+        contexts = {r.request_id: r.num_computed_tokens for r in self.running}
+        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)), contexts, sum(contexts.values()))
         for r in self.running:
             if r.request_id in chosen:
                 r.spec_token_ids = r.spec_token_ids[:chosen[r.request_id]]

@@ -144,9 +144,15 @@ class LLMEngine:
         ladder = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n < largest] + [largest]
         decode = self.runner.profile_step_costs([n for n in ladder if n <= sched.max_num_seqs], 1)
         verify = self.runner.profile_step_costs(ladder, 1 + max_drafts)
-        logger.info("step costs for the speculative budget: decodes %s; verifications %s",
-                    _curve(decode), _curve(verify))
-        return AdaptiveBudget(max_drafts, verify, decode)
+        # Attention grows with the context each query reads: one more measurement at a long context.
+        bs, rows = self.config.cache.block_size, min(64, largest)
+        long_ctx = max(2 * bs, min(1024, self.max_model_len // 2) // bs * bs)
+        short_t = self.runner.profile_step_costs([rows], 1 + max_drafts)[0][1]
+        long_t = self.runner.profile_step_costs([rows], 1 + max_drafts, long_ctx)[0][1]
+        per_context_token = max(0.0, (long_t - short_t) / (rows * (long_ctx - bs)))
+        logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
+                    "per query per context token", _curve(decode), _curve(verify), 1e6 * per_context_token)
+        return AdaptiveBudget(max_drafts, verify, decode, per_context_token)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

@@ -7,7 +7,8 @@ survives with probability s_j = a_1 * ... * a_j, and a step of N base tokens (on
 prefill chunks) emits sum(1 + sum_j s_j) tokens in T(N + drafts) seconds, T read off a step-cost
 curve profiled at start-up. Drafts are added greedily, best survival first, while tokens per
 second still rise: a memory-bound step (T flat) takes every likely draft, a compute-bound one (T
-proportional to tokens) takes drafts only when s_j > N * dT / T, so at high concurrency none.
+proportional to tokens) takes drafts only when s_j > N * dT / T, so at high concurrency none. Each
+verified draft also attends to its request's whole context, priced per context token (measured).
 Estimates are exponential moving averages over every observed position, shared by all requests,
 plus each request's own (its content, e.g. code being copied, moves it away from the rest).
 """
@@ -37,12 +38,14 @@ class _Estimates:
 
 class AdaptiveBudget:
     def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
-                 decode_costs: list[tuple[int, float]] | None = None) -> None:
-        """Step costs measured at start-up, (tokens in a step, seconds): steps that verify drafts, and
-        (optional) plain decode steps, which may run a cheaper path (e.g. a decode-only kernel)."""
+                 decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0) -> None:
+        """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
+        verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
+        seconds per query token per context token it attends to, added on top of the curves."""
         self.k = max_drafts
         self.costs = sorted(verify_costs)
         self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
+        self.attention_cost = attention_cost
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
@@ -75,8 +78,12 @@ class AdaptiveBudget:
         (x0, y0), (x1, y1) = curve[i - 1], curve[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def choose(self, drafts: dict[str, int], base_tokens: int) -> dict[str, int]:
-        """How many of its offered drafts each request verifies, for a step of `base_tokens` without drafts."""
+    def choose(self, drafts: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
+               base_context: int = 0) -> dict[str, int]:
+        """How many of its offered drafts each request verifies, for a step of `base_tokens` without drafts
+        whose queries attend to `base_context` tokens in all; `contexts`: each request's context length."""
+        contexts = contexts or {}
+        attn = self.attention_cost
         survival: dict[str, list[float]] = {}
         heap = []
         for rid, offered in drafts.items():
@@ -88,19 +95,20 @@ class AdaptiveBudget:
             if s:
                 heapq.heappush(heap, (-s[0], rid))
         chosen = {rid: 0 for rid in drafts}
-        tokens, emitted = base_tokens, float(base_tokens)
-        rate = emitted / self.step_time(tokens)
+        tokens, emitted, context = base_tokens, float(base_tokens), float(base_context)
+        rate = emitted / (self.step_time(tokens) + attn * context)
         while heap:
             neg, rid = heapq.heappop(heap)
-            better = (emitted - neg) / self.step_time(tokens + 1)
+            more = context + contexts.get(rid, 0)
+            better = (emitted - neg) / (self.step_time(tokens + 1) + attn * more)
             if better <= rate:
-                break  # the likeliest remaining draft no longer pays; every other one is less likely
-            tokens, emitted, rate = tokens + 1, emitted - neg, better
+                continue  # not this one; a less likely draft with a shorter context may still pay
+            tokens, emitted, context, rate = tokens + 1, emitted - neg, more, better
             chosen[rid] += 1
             if chosen[rid] < len(survival[rid]):
                 heapq.heappush(heap, (-survival[rid][chosen[rid]], rid))
         if self.decode_costs is not None and tokens > base_tokens:
-            plain = base_tokens / self.step_time(base_tokens, self.decode_costs)
+            plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
             if plain >= rate:  # verifying runs a slower path than plain decodes: not worth it here
                 chosen = {rid: 0 for rid in drafts}
         return self._probe(chosen, drafts)

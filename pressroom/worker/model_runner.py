@@ -174,16 +174,17 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def profile_step_costs(self, token_counts: list[int], tokens_per_request: int,
+    def profile_step_costs(self, token_counts: list[int], tokens_per_request: int, context: int | None = None,
                            repeats: int = 2) -> list[tuple[int, float]]:
         """Seconds of a step (forward pass and logits at every query token) for each token count, the
-        tokens split into requests of `tokens_per_request` query tokens after one cached block of
-        context: single-token decodes or draft verifications, the shapes the speculative budget weighs.
-        Every position maps into the padding block (zeroed again after), so no real cache is touched."""
+        tokens split into requests of `tokens_per_request` query tokens after `context` cached tokens
+        (default one block): single-token decodes or draft verifications, the shapes the speculative
+        budget weighs. Every position maps into the padding block (zeroed again after), so no real
+        cache is touched."""
         import time
         costs = []
         for n in token_counts:
-            batch = self._profile_batch(n, tokens_per_request)
+            batch = self._profile_batch(n, tokens_per_request, context or self.block_size)
             best = float("inf")
             for _ in range(repeats + 1):  # the first run warms up
                 self._sync()
@@ -198,22 +199,22 @@ class ModelRunner:
             cache[:, 0].zero_()
         return costs
 
-    def _profile_batch(self, n: int, per_request: int) -> StepBatch:
+    def _profile_batch(self, n: int, per_request: int, context: int) -> StepBatch:
         bs, dev = self.block_size, self.device
         lengths = [per_request] * (n // per_request) + ([n % per_request] if n % per_request else [])
-        seq_lens = [bs + q for q in lengths]
+        seq_lens = [context + q for q in lengths]
         loc = np.concatenate(([0], np.cumsum(lengths))).tolist()
         index = torch.int32 if dev == "cuda" else torch.int64
         decodes = len(lengths) if per_request == 1 else 0
         meta = AttentionMetadata(
             num_decodes=decodes, num_decode_tokens=decodes,
-            slot_mapping=to_device(torch.cat([torch.arange(bs, bs + q) % bs for q in lengths]), dev),
+            slot_mapping=to_device(torch.cat([torch.arange(context, context + q) % bs for q in lengths]), dev),
             block_tables=torch.zeros(len(lengths), -(-max(seq_lens) // bs), dtype=index, device=dev),
             seq_lens=to_device(torch.tensor(seq_lens, dtype=index), dev),
             query_start_loc=loc, seq_lens_host=seq_lens, max_decode_seq_len=max(seq_lens) if decodes else 0,
             query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if dev == "cuda" else None,
             max_query_len=max(lengths), num_kv_splits=self._num_kv_splits(decodes))
-        positions = torch.cat([torch.arange(bs, bs + q) for q in lengths])
+        positions = torch.cat([torch.arange(context, context + q) for q in lengths])
         return StepBatch(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), meta, [], loc[1:])
 
     def _sync(self) -> None:

@@ -46,3 +46,48 @@ def test_kernel_reads_only_its_own_blocks():
     cache[:, [b for b in range(1, cache.shape[1]) if b not in used]] = float("nan")
     again = CpuAttentionBackend().forward(q, k, v, cache, meta, 0.2)
     assert torch.equal(ref, again)
+
+
+def _reference(q, cache, tables, lens: list[int], loc: list[int], scale: float) -> torch.Tensor:
+    """Per request and query token: softmax over its context up to and including its own position."""
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, n in enumerate(lens):
+        keys = cache[0, tables[b]].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        vals = cache[1, tables[b]].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        qlen = loc[b + 1] - loc[b]
+        for i in range(qlen):
+            pos = n - qlen + i
+            t = loc[b] + i
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[t].float(), keys[:pos + 1]) * scale, dim=-1)
+            out[t] = torch.einsum("hn,nhd->hd", w, vals[:pos + 1])
+    return out
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
+def test_mixed_batch_short_queries_run_as_decode_rows(backend):
+    """Decodes, draft verifications (3 and 5 tokens after a cached context), a long chunk after a cached
+    prefix and a fresh prompt in one step; the short ones take the batched decode path as rows."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, bs = 8, 2, 64, 4
+    qlens = [1, 1, 1, 3, 5, 12, 9]
+    lens = [17, 5, 30, 20, 9, 25, 9]  # the last request is a fresh prompt (nothing cached)
+    max_blocks = -(-max(lens) // bs)
+    cache = torch.randn(2, len(lens) * max_blocks + 1, bs, kv_heads, dim, generator=gen)
+    tables = torch.arange(1, len(lens) * max_blocks + 1).view(len(lens), max_blocks)
+    loc = [0]
+    for n in qlens:
+        loc.append(loc[-1] + n)
+    slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs
+                          for b, (n, qn) in enumerate(zip(lens, qlens)) for p in range(n - qn, n)])
+    tokens = loc[-1]
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen)
+    meta = AttentionMetadata(num_decodes=3, num_decode_tokens=3, slot_mapping=slots, block_tables=tables,
+                             seq_lens=torch.tensor(lens), query_start_loc=loc, seq_lens_host=lens,
+                             max_decode_seq_len=30)
+    got = backend().forward(q, k, v, cache, meta, 0.125)
+    assert meta.plan.rows is not None and meta.plan.num_rows == 3 + 3 + 5  # verifications joined the decodes
+    assert (got - _reference(q, cache, tables, lens, loc, 0.125)).abs().max() < 1e-4
