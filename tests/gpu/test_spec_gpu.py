@@ -1,0 +1,51 @@
+"""Speculative decoding on CUDA: greedy output equals no speculation on a tiny random model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_SHAPE, random_prompts
+
+from pressroom import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200 machine)")]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    import transformers
+    out = []
+    for seed in (1234, 99):  # the target, and another random model with its vocabulary as drafter
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(**dict(TINY_SHAPE, hidden_size=512, intermediate_size=1024,
+                                            num_attention_heads=4, num_key_value_heads=1)), dtype=torch.float32)
+        path = str(tmp_path_factory.mktemp(f"spec{seed}"))
+        model.save_pretrained(path)
+        out.append(path)
+    return out
+
+
+DEVICE = "cuda"
+
+
+def test_greedy_speculation_equals_plain_decoding(dirs):
+    target, drafter = dirs
+    prompts = [(p * 4)[:48] for p in random_prompts(8, low=6, high=12, seed=3)]  # repetitive: n-gram drafts
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+
+    def run(**spec):
+        llm = LLM(target, device=DEVICE, dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
+                  skip_tokenizer_init=True, **spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.engine.stats().spec
+
+    plain, _ = run()
+    for config in ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_token_budget": False},
+                   {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3,
+                    "adaptive_token_budget": False},
+                   {"method": "ngram", "num_speculative_tokens": 4}):
+        tokens, stats = run(speculative_config=config)
+        assert tokens == plain, config
+        if config.get("adaptive_token_budget") is False:  # fixed K: every step verified drafts
+            assert stats.num_drafts > 0, config
