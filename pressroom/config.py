@@ -140,6 +140,10 @@ class SpeculativeConfig:
     # Each step verifies, per request, only the drafts expected to pay for their share of the step
     # (spec_decode/budget.py); off: always every draft, up to num_speculative_tokens.
     adaptive_token_budget: bool = True
+    # "synthetic": drafts are accepted with these conditional per-position probabilities whatever the
+    # target says (not lossless): the system cost of speculation at real sizes with dummy weights.
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -149,6 +153,13 @@ class SpeculativeConfig:
             raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
+        if self.rejection_sample_method not in ("standard", "synthetic"):
+            raise ValueError("rejection_sample_method must be standard or synthetic, got "
+                             f"{self.rejection_sample_method!r}.")
+        rates = self.synthetic_acceptance_rates
+        if self.rejection_sample_method == "synthetic" and (not rates or any(not 0 <= r <= 1 for r in rates)):
+            raise ValueError("rejection_sample_method synthetic needs synthetic_acceptance_rates: one probability "
+                             "in [0, 1] per draft position (the last repeats).")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")

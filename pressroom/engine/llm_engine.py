@@ -74,6 +74,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
                                   config.device, config.scheduler.async_scheduling)
         self.runner.proposer = make_proposer(config.speculative, self.runner)
+        if config.speculative is not None and config.speculative.rejection_sample_method == "synthetic":
+            self.runner.synthetic_rates = config.speculative.synthetic_acceptance_rates
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len(num_blocks)

@@ -113,6 +113,7 @@ class ModelRunner:
         self.prev_rows: dict[str, int] = {}  # request id -> row in prev_tokens
         self.proposer: Proposer | None = None  # set by the engine when speculative decoding is on
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> q of its pending drafts
+        self.synthetic_rates: list[float] | None = None  # rejection_sample_method="synthetic"
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.backend = make_backend(device, dtype)
@@ -385,7 +386,8 @@ class ModelRunner:
         rows = [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], outputs + drafts[:j], s.eos_token_id)
                 for j in range(len(drafts) + 1)]
         q = self.draft_probs.pop(s.req_id, None)
-        tokens = verify(logits, rows, drafts, None if q is None else q[:len(drafts)], self.generator)
+        tokens = verify(logits, rows, drafts, None if q is None else q[:len(drafts)], self.generator,
+                        self.synthetic_rates)
         s.token_ids.extend(tokens)
         out.sampled_token_ids[s.req_id] = tokens
         if s.params.logprobs is not None:

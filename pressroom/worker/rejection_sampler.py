@@ -18,11 +18,14 @@ from pressroom.worker.sampler import SamplingRow, _apply_processors, _mix, proba
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], draft_probs: torch.Tensor | None,
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None, synthetic_rates: list[float] | None = None) -> list[int]:
     """logits: [k + 1, vocab] float32 for one request; rows: its sampling row at each position.
-    Returns the tokens this step emits: the accepted drafts, then one token from the target."""
+    Returns the tokens this step emits: the accepted drafts, then one token from the target.
+    `synthetic_rates` (benchmarking only, not lossless): accept draft j with probability rates[j]."""
     logits = _apply_processors(logits, rows)
     params = rows[0].params
+    if synthetic_rates is not None:
+        return _synthetic(logits, rows, drafts, synthetic_rates, generator)
     if params.greedy:
         target = logits.argmax(dim=-1).tolist()
         accepted = 0
@@ -67,3 +70,19 @@ def _generator(row: SamplingRow, shared: torch.Generator | None) -> torch.Genera
         return shared
     device = shared.device if shared is not None else "cpu"
     return torch.Generator(device=device).manual_seed(_mix(seed, len(row.output_token_ids)) ^ 0x5EC)
+
+
+def _synthetic(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], rates: list[float],
+               generator: torch.Generator | None) -> list[int]:
+    """Accepts draft j with the given conditional probability, then one token from the target there."""
+    accepted = 0
+    while accepted < len(drafts):
+        rate = rates[min(accepted, len(rates) - 1)]
+        if float(torch.rand((), generator=generator, device=logits.device)) >= rate:
+            break
+        accepted += 1
+    row = rows[accepted]
+    if row.params.greedy:
+        return drafts[:accepted] + [int(logits[accepted].argmax())]
+    probs = probabilities([row.params], logits[accepted:accepted + 1])[0]
+    return drafts[:accepted] + [_draw(probs, _generator(row, generator))]

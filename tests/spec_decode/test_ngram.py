@@ -42,3 +42,9 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="JSON"):
         SpeculativeConfig.from_value("{nope")
     assert SpeculativeConfig.from_value('{"num_speculative_tokens": 5}').num_speculative_tokens == 5
+    with pytest.raises(ValueError, match="synthetic_acceptance_rates"):
+        SpeculativeConfig(rejection_sample_method="synthetic")
+    with pytest.raises(ValueError, match="synthetic_acceptance_rates"):
+        SpeculativeConfig(rejection_sample_method="synthetic", synthetic_acceptance_rates=[0.9, 1.5])
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="draft_model")

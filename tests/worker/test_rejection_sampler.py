@@ -81,3 +81,17 @@ def test_history_processors_see_the_drafts_before_each_position():
     params = SamplingParams(temperature=0, repetition_penalty=10.0)
     rows = [SamplingRow(params, [1], [], None), SamplingRow(params, [1], [4], None)]
     assert verify(logits, rows, [4], None, None) == [4, 6]
+
+
+def test_synthetic_acceptance_follows_the_given_rates():
+    """Benchmark mode: acceptance ignores the target; position j is accepted with the given conditional rate."""
+    logits = torch.zeros(4, VOCAB)
+    rates = [0.8, 0.5, 0.25]
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.zeros(4)
+    for _ in range(4000):
+        tokens = verify(logits, _rows(SamplingParams(temperature=0), 3), [7, 7, 7], None, gen, rates)
+        lengths[len(tokens) - 1] += 1
+    survival = [1.0, 0.8, 0.4, 0.1]  # P(at least j drafts accepted)
+    expected = torch.tensor([survival[j] - (survival[j + 1] if j < 3 else 0.0) for j in range(4)])
+    assert (lengths / 4000 - expected).abs().max() < 0.03
