@@ -19,10 +19,9 @@ class AttentionMetadata:
     num_decode_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     block_tables: torch.Tensor  # [num_reqs, max_blocks], padded with block 0
-    seq_lens: torch.Tensor  # [num_reqs] context length after this step (int64)
+    seq_lens: torch.Tensor  # [num_reqs] context length after this step (int64 on the CPU, int32 on CUDA)
     query_start_loc: list[int]  # [num_reqs + 1], host copy: prefill loops slice by it
     seq_lens_host: list[int]
-    max_decode_seq_len: int
     # Read by the GPU backend, which never looks at host lists (a CUDA graph replays without them).
     query_start_loc_device: torch.Tensor | None = None  # int32 [num_reqs + 1]
     max_query_len: int = 0

@@ -43,7 +43,7 @@ class CudaGraphs:
         return AttentionMetadata(
             num_decodes=size, num_decode_tokens=size, slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
-            query_start_loc=[], seq_lens_host=[], max_decode_seq_len=0,
+            query_start_loc=[], seq_lens_host=[],
             query_start_loc_device=self.query_start_loc[:size + 1], max_query_len=1,
             num_kv_splits=self.num_kv_splits(size))
 

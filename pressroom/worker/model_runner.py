@@ -155,7 +155,7 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros(len(lengths), -(-chunk // self.block_size), dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            query_start_loc=loc, seq_lens_host=lengths, max_decode_seq_len=0,
+            query_start_loc=loc, seq_lens_host=lengths,
             query_start_loc_device=torch.tensor(loc, dtype=torch.int32, device=self.device),
             max_query_len=chunk)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -212,7 +212,7 @@ class ModelRunner:
             slot_mapping=to_device(torch.cat([torch.arange(context, context + q) % bs for q in lengths]), dev),
             block_tables=torch.zeros(len(lengths), -(-max(seq_lens) // bs), dtype=index, device=dev),
             seq_lens=to_device(torch.tensor(seq_lens, dtype=index), dev),
-            query_start_loc=loc, seq_lens_host=seq_lens, max_decode_seq_len=max(seq_lens) if decodes else 0,
+            query_start_loc=loc, seq_lens_host=seq_lens,
             query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if dev == "cuda" else None,
             max_query_len=max(lengths), num_kv_splits=self._num_kv_splits(decodes))
         positions = torch.cat([torch.arange(context, context + q) for q in lengths])
@@ -320,7 +320,6 @@ class ModelRunner:
             block_tables=to_device(torch.from_numpy(tables), dev),
             seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32 if cuda else torch.int64), dev),
             query_start_loc=loc, seq_lens_host=seq_lens,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
             query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
             max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))),
             num_kv_splits=self._num_kv_splits(num_decodes))

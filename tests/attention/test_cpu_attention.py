@@ -24,8 +24,7 @@ def _decode_batch(dtype: torch.dtype, seqs=7, heads=8, kv_heads=2, dim=32, block
     slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
                           for i, n in enumerate(lens.tolist())])
     meta = AttentionMetadata(num_decodes=seqs, num_decode_tokens=seqs, slot_mapping=slots, block_tables=tables,
-                             seq_lens=lens, query_start_loc=list(range(seqs + 1)), seq_lens_host=lens.tolist(),
-                             max_decode_seq_len=int(lens.max()))
+                             seq_lens=lens, query_start_loc=list(range(seqs + 1)), seq_lens_host=lens.tolist())
     return q, k, v, cache, meta
 
 
@@ -86,8 +85,7 @@ def test_mixed_batch_short_queries_run_as_decode_rows(backend):
     k = torch.randn(tokens, kv_heads, dim, generator=gen)
     v = torch.randn(tokens, kv_heads, dim, generator=gen)
     meta = AttentionMetadata(num_decodes=3, num_decode_tokens=3, slot_mapping=slots, block_tables=tables,
-                             seq_lens=torch.tensor(lens), query_start_loc=loc, seq_lens_host=lens,
-                             max_decode_seq_len=30)
+                             seq_lens=torch.tensor(lens), query_start_loc=loc, seq_lens_host=lens)
     got = backend().forward(q, k, v, cache, meta, 0.125)
     assert meta.plan.rows is not None and meta.plan.num_rows == 3 + 3 + 5  # verifications joined the decodes
     assert (got - _reference(q, cache, tables, lens, loc, 0.125)).abs().max() < 1e-4

@@ -119,7 +119,7 @@ def test_reference_matches_the_torch_backend():
     slots = torch.cat([_slots(batch, b, ctx - q, ctx) for b, (ctx, q) in enumerate(specs)])
     meta = AttentionMetadata(num_decodes=2, num_decode_tokens=2, slot_mapping=slots, block_tables=batch.block_tables,
                              seq_lens=batch.seq_lens.long(), query_start_loc=batch.query_start_loc.tolist(),
-                             seq_lens_host=batch.seq_lens.tolist(), max_decode_seq_len=20)
+                             seq_lens_host=batch.seq_lens.tolist())
     expected = torch_ref.TorchAttentionBackend().forward(batch.q, k, v, batch.kv_cache, meta, batch.scale)
     assert tokens == expected.shape[0]
     _close(batch.reference(), expected, 1e-5)
