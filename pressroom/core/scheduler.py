@@ -146,7 +146,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         results = []
-        for rid, n in sched.num_scheduled_tokens.items():
+        for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
