@@ -6,6 +6,7 @@ known tokens are all computed. On CUDA, decode-only steps replay a captured grap
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,7 +183,6 @@ class ModelRunner:
         (default one block): single-token decodes or draft verifications, the shapes the speculative
         budget weighs. Every position maps into the padding block (zeroed again after), so no real
         cache is touched."""
-        import time
         costs = []
         for n in token_counts:
             batch = self._profile_batch(n, tokens_per_request, context or self.block_size)
