@@ -317,7 +317,7 @@ def report(args, model: str, source: str, results: list[RequestResult], duration
         "endpoint": args.endpoint, "model_id": model, "dataset_name": args.dataset_name, "prompt_source": source,
         "num_prompts": len(results), "request_rate": rate if math.isfinite(rate) else "inf",
         "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
-        "duration": round(duration, 3), "completed": len(done), "failed": len(results) - len(done),
+        "duration": round(duration, 6), "completed": len(done), "failed": len(results) - len(done),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "output_tokens_from_usage": bool(done) and all(r.usage_given for r in done),
         "request_throughput": round(len(done) / duration, 4) if duration > 0 else 0.0,
