@@ -1,0 +1,94 @@
+"""DFlash2's candidate selector: a draft path through the target head's top-M candidates per slot.
+
+A block drafter gives K slots of hidden states; the target's LM head scores each, and the top-M
+tokens per slot are the candidates. A path c_1..c_K through them scores
+
+    sum_j unary_j(c_j) + edge_j(c_{j-1} -> c_j),    edge_j(p -> c) = <A[p] * project(h_j), B[c]>,
+
+a low-rank bilinear transition (token factors A, B of rank r, the slot's hidden state projected to
+r) plus a unary term; c_0 is the last verified token (the anchor). Greedy drafting takes the best
+path (Viterbi). At temperature T > 0 the path is drawn from the chain distribution
+P(path) ~ exp(score / T), slot by slot from its exact conditionals (backward messages), and each
+slot's conditional q_j over its candidates goes to verification, which therefore stays lossless.
+The drafter that produces the hidden states and the training of A, B and the projection are
+separate pieces (the block drafter, `pressroom train-drafter`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class CandidateScorer(nn.Module):
+    """The learned transition term: token factors A (from) and B (to), and a slot projection."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.a = nn.Embedding(vocab_size, rank)
+        self.b = nn.Embedding(vocab_size, rank)
+        self.project = nn.Linear(hidden_size, rank, bias=False)
+
+    def edges(self, anchor: int, candidates: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """candidates: [K, M] token ids; hidden: [K, hidden]. Returns per slot j a [from, M] score
+        matrix: from the anchor for slot 0 (one row), from slot j - 1's candidates after it."""
+        slot = self.project(hidden)  # [K, r]
+        sources = [torch.tensor([anchor], device=candidates.device)] + list(candidates[:-1])
+        return [(self.a(src) * slot[j]) @ self.b(candidates[j]).T for j, src in enumerate(sources)]
+
+
+@dataclass(slots=True)
+class SelectedPath:
+    tokens: list[int]
+    # [K, M]: slot j's conditional distribution over its candidates given the chosen c_{j-1}
+    # (None for a greedy path: the proposal is deterministic).
+    q: torch.Tensor | None
+
+    def vocab_probs(self, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """q spread over the vocabulary, [K, vocab], as the rejection sampler takes it."""
+        if self.q is None:
+            return None
+        dense = torch.zeros(len(self.tokens), vocab_size, dtype=self.q.dtype, device=self.q.device)
+        return dense.scatter_(1, candidates, self.q)
+
+
+def select_path(candidates: torch.Tensor, unary: torch.Tensor, edges: list[torch.Tensor], temperature: float,
+                generator: torch.Generator | None = None) -> SelectedPath:
+    """candidates, unary: [K, M]; edges: per slot [from, M] (slot 0 from the anchor alone)."""
+    scores = [edges[j] + unary[j] for j in range(len(edges))]  # [from, M] per slot
+    if temperature <= 0:
+        idx = _viterbi(scores)
+        return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], None)
+    scaled = [s.float() / temperature for s in scores]
+    beta = _backward(scaled)
+    prev, idx, qs = 0, [], []
+    for j, s in enumerate(scaled):
+        log_q = s[prev] + beta[j]
+        q = torch.softmax(log_q, dim=-1)
+        choice = int(torch.multinomial(q, 1, generator=generator))
+        idx.append(choice)
+        qs.append(q)
+        prev = choice
+    return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], torch.stack(qs))
+
+
+def _viterbi(scores: list[torch.Tensor]) -> list[int]:
+    best = scores[0][0]  # [M]: the anchor's single row
+    back = []
+    for s in scores[1:]:
+        total = best[:, None] + s  # [M_prev, M]
+        best, arg = total.max(dim=0)
+        back.append(arg)
+    idx = [int(best.argmax())]
+    for arg in reversed(back):
+        idx.append(int(arg[idx[-1]]))
+    return idx[::-1]
+
+
+def _backward(scaled: list[torch.Tensor]) -> list[torch.Tensor]:
+    """beta[j][c]: log of the total weight of every continuation after choosing c at slot j."""
+    beta = [torch.zeros(scaled[-1].shape[1], device=scaled[-1].device)]
+    for s in reversed(scaled[1:]):
+        beta.append(torch.logsumexp(s + beta[-1][None, :], dim=1))
+    return beta[::-1]
