@@ -89,7 +89,7 @@ def _pressroom_and_hf_on_meta(path: Path):
         return resolve_architecture(config)(config), AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b", "qwen3-0.6b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-8b", "qwen3-0.6b"])
 def test_committed_config_builds_and_maps_to_hf(name):
     ours, hf = _pressroom_and_hf_on_meta(CONFIGS / name)
     state = gpu.hf_state_dict(ours)
@@ -97,8 +97,8 @@ def test_committed_config_builds_and_maps_to_hf(name):
     assert {n: tuple(t.shape) for n, t in state.items()} == expected
 
 
-@pytest.mark.parametrize(("name", "params"), [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9),
-                                               ("qwen3-0.6b", 0.596e9)])
+@pytest.mark.parametrize(("name", "params"), [("llama-3.1-8b", 8.03e9), ("llama-3.2-1b", 1.236e9),
+                                               ("qwen3-8b", 8.19e9), ("qwen3-0.6b", 0.596e9)])
 def test_committed_config_parameter_count(name, params):
     from pressroom.model.loader import load_hf_config
     size = gpu.model_size(load_hf_config(str(CONFIGS / name)), torch.bfloat16)
