@@ -93,12 +93,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = _rotary(config)
+        # Layers whose output (the residual stream, HF's hidden_states[i + 1]) a drafter conditions on;
+        # each forward pass leaves them in aux_hidden, in this order.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
+            if i in self.aux_layers:
+                aux.append(x + residual)
+        self.aux_hidden = aux
         x, _ = self.norm(x, residual)
         return x
 
