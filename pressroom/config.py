@@ -125,7 +125,7 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "dflash2")
 
 
 @dataclass(slots=True)
@@ -149,8 +149,8 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}; "
                              f"got {self.method!r}.")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
+        if self.method in ("draft_model", "dflash2") and not self.model:
+            raise ValueError(f'speculative_config method "{self.method}" needs "model": the drafter\'s path.')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
         if self.rejection_sample_method not in ("standard", "synthetic"):

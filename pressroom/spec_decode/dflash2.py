@@ -10,15 +10,26 @@ dynamic depthwise convolution,
 
 whose per-slot weights `delta` are computed from the slot itself (one set per channel group g(c)).
 The target's frozen LM head turns the slots into logits; `selector.py` picks the path through each
-slot's top-M candidates. Not wired into a proposer yet, and not trained yet (`pressroom train-drafter`).
+slot's top-M candidates (the selector's scorer is part of the drafter's checkpoint). The proposer
+keeps, per request, the target features of its last verified positions (the runner hands them over
+after every step) and drafts from them. Training (`pressroom train-drafter`) is not built yet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pressroom.config import SpeculativeConfig
+from pressroom.spec_decode.proposer import Draft, DraftRequest
+from pressroom.spec_decode.selector import CandidateScorer, select_path
+
+CONFIG_FILE, WEIGHTS_FILE = "dflash2.json", "model.safetensors"
 
 
 @dataclass(slots=True)
@@ -91,13 +102,14 @@ class BlockLayer(nn.Module):
 
 
 class DFlash2Drafter(nn.Module):
-    def __init__(self, width: int, cfg: DFlash2Config) -> None:
+    def __init__(self, width: int, cfg: DFlash2Config, vocab_size: int) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.width, self.vocab_size = cfg, width, vocab_size
         self.fuse = nn.Linear(len(cfg.target_layers) * width, width, bias=False)
         self.slots = nn.Parameter(torch.randn(cfg.block_size, width) * 0.02)
         self.layers = nn.ModuleList(BlockLayer(width, cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(width)
+        self.scorer = CandidateScorer(vocab_size, width, cfg.rank)
 
     def forward(self, features: torch.Tensor, context_mask: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """features: [b, C, layers * w] target features of the last C verified positions (mask False for
@@ -108,3 +120,86 @@ class DFlash2Drafter(nn.Module):
         for layer in self.layers:
             block = layer(block, context, context_mask)
         return self.norm(block)
+
+
+def save_drafter(drafter: DFlash2Drafter, path: str) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump({"width": drafter.width, "vocab_size": drafter.vocab_size, **asdict(drafter.cfg)}, f, indent=2)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, os.path.join(path, WEIGHTS_FILE))
+
+
+def load_drafter(path: str) -> DFlash2Drafter:
+    from safetensors.torch import load_file
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is not a DFlash2 drafter ({CONFIG_FILE} unreadable: {e}).") from None
+    width, vocab = meta.pop("width"), meta.pop("vocab_size")
+    meta["target_layers"] = tuple(meta["target_layers"])
+    drafter = DFlash2Drafter(width, DFlash2Config(**meta), vocab)
+    drafter.load_state_dict(load_file(os.path.join(path, WEIGHTS_FILE)))
+    return drafter
+
+
+class DFlash2Proposer:
+    """Drafts a block per request from the target features of its last verified positions."""
+    context_len = 16  # verified positions of target features kept per request
+
+    def __init__(self, config: SpeculativeConfig, target) -> None:
+        self.drafter = load_drafter(config.model)
+        hf = target.model.config
+        if self.drafter.width != hf.hidden_size or self.drafter.vocab_size != hf.vocab_size:
+            raise ValueError(f"The DFlash2 drafter at {config.model!r} was made for a target of width "
+                             f"{self.drafter.width} and vocabulary {self.drafter.vocab_size}, not "
+                             f"{hf.hidden_size} and {hf.vocab_size}.")
+        if max(self.drafter.cfg.target_layers) >= hf.num_hidden_layers:
+            raise ValueError("The DFlash2 drafter reads target layers the target does not have.")
+        self.drafter.to(device=target.device, dtype=target.dtype).eval()
+        target.model.model.aux_layers = tuple(self.drafter.cfg.target_layers)
+        self.target = target
+        self.k = min(config.num_speculative_tokens, self.drafter.cfg.block_size)
+        self.features: dict[str, torch.Tensor] = {}
+        self.generator = torch.Generator(device=target.device).manual_seed(2)
+
+    def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
+        """Target features ([n, layers * width]) of the request's positions verified this step."""
+        old = self.features.get(req_id)
+        rows = rows if old is None else torch.cat([old, rows])
+        self.features[req_id] = rows[-self.context_len:]
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.features.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
+        wanted = [r for r in requests if r.max_drafts > 0 and r.req_id in self.features]
+        if not wanted:
+            return {}
+        feats, mask = self._context([self.features[r.req_id] for r in wanted])
+        model = self.target.model
+        anchors = torch.tensor([r.token_ids[-1] for r in wanted], device=feats.device)
+        slots = self.drafter(feats, mask, model.model.embed_tokens(anchors))  # [B, K, width]
+        logits = model.compute_logits(slots.flatten(0, 1)).float().view(len(wanted), slots.shape[1], -1)
+        return {r.req_id: self._path(r, int(anchors[b]), slots[b], logits[b]) for b, r in enumerate(wanted)}
+
+    def _context(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(r) for r in rows)
+        feats = rows[0].new_zeros(len(rows), longest, rows[0].shape[1])
+        mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=feats.device)
+        for i, r in enumerate(rows):  # right-aligned: the newest position last
+            feats[i, longest - len(r):] = r
+            mask[i, longest - len(r):] = True
+        return feats, mask
+
+    def _path(self, r: DraftRequest, anchor: int, slots: torch.Tensor, logits: torch.Tensor) -> Draft:
+        k = min(self.k, r.max_drafts)
+        log_p = torch.log_softmax(logits[:k], dim=-1)
+        unary, candidates = log_p.topk(self.drafter.cfg.top_m, dim=-1)
+        edges = self.drafter.scorer.edges(anchor, candidates, slots[:k].to(self.drafter.slots.dtype))
+        temperature = 0.0 if r.params.greedy else r.params.temperature
+        path = select_path(candidates, unary, [e.float() for e in edges], temperature, self.generator)
+        return Draft(path.tokens, path.vocab_probs(candidates, logits.shape[-1]))

@@ -47,4 +47,7 @@ def make_proposer(config: SpeculativeConfig | None, target) -> Proposer | None:
     if config.method == "draft_model":
         from pressroom.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(config, target)
+    if config.method == "dflash2":
+        from pressroom.spec_decode.dflash2 import DFlash2Proposer
+        return DFlash2Proposer(config, target)
     raise ValueError(f"Unknown speculative method {config.method!r}.")

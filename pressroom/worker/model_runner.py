@@ -360,6 +360,8 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
         if self.proposer is not None:
+            if hasattr(self.proposer, "observe_features"):
+                self._hand_over_features(batch, sched, out)
             self._propose([s for _, s in sampling + verifying], out)
         self.prev_tokens, self.prev_rows = None, {}
         return out
@@ -392,6 +394,17 @@ class ModelRunner:
         if s.params.logprobs is not None:
             raw = torch.log_softmax(logits, dim=-1)
             out.logprobs[s.req_id] = [top_logprobs(raw[j], t, s.params.logprobs) for j, t in enumerate(tokens)]
+
+    def _hand_over_features(self, batch: StepBatch, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """The target features (its aux layers) at each request's positions this step verified: every
+        query token, except the rejected drafts of a verification."""
+        features = torch.cat(self.model.model.aux_hidden, dim=-1)
+        for i, s in enumerate(batch.order):
+            first = batch.query_ends[i - 1] if i else 0
+            end = batch.query_ends[i]
+            if s.req_id in sched.scheduled_spec_decode_tokens:  # the last verified token + the accepted drafts
+                end = first + len(out.sampled_token_ids[s.req_id])
+            self.proposer.observe_features(s.req_id, features[first:end])
 
     def _propose(self, states: list[CachedRequestState], out: ModelRunnerOutput) -> None:
         """Drafts for each request's next step; their probabilities stay here until verification."""

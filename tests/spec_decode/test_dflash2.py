@@ -48,7 +48,7 @@ def test_dynamic_conv_mixes_only_the_slots_before():
 def test_block_attends_both_ways_and_ignores_padded_context():
     torch.manual_seed(1)
     cfg = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=2, conv_kernel_size=2, conv_group_size=8)
-    drafter = DFlash2Drafter(width=16, cfg=cfg)
+    drafter = DFlash2Drafter(width=16, cfg=cfg, vocab_size=40)
     features = torch.randn(1, 5, 32)
     mask = torch.tensor([[False, True, True, True, True]])  # the first position is padding
     anchor = torch.randn(1, 16, requires_grad=True)
@@ -67,3 +67,43 @@ def test_config_is_validated():
         DFlash2Config(block_size=0)
     with pytest.raises(ValueError, match="divide"):
         GroupedDynamicConv(width=10, kernel=2, group_size=4)
+
+
+def _random_drafter(target_dir: str, path, layers=(0, 1), seed: int = 0) -> str:
+    from pressroom.model.loader import load_hf_config
+    from pressroom.spec_decode.dflash2 import save_drafter
+    hf = load_hf_config(target_dir)
+    torch.manual_seed(seed)
+    cfg = DFlash2Config(block_size=4, target_layers=layers, num_heads=2, conv_kernel_size=2, conv_group_size=16,
+                        top_m=4, rank=8)
+    save_drafter(DFlash2Drafter(hf.hidden_size, cfg, hf.vocab_size), str(path))
+    return str(path)
+
+
+def test_dflash2_greedy_equals_no_speculation(tiny_model_dir, tmp_path):
+    from conftest import random_prompts
+
+    from pressroom import SamplingParams
+    target = tiny_model_dir("llama")
+    drafter = _random_drafter(target, tmp_path / "drafter")
+    prompts = random_prompts(5, low=5, high=40, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(**spec):
+        llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.05, **spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm
+
+    plain, _ = run()
+    spec, llm = run(speculative_config={"method": "dflash2", "model": drafter, "num_speculative_tokens": 4,
+                                        "adaptive_token_budget": False})
+    assert spec == plain
+    assert llm.engine.stats().spec.num_drafts > 20  # an untrained drafter: drafts verified, few accepted
+    assert llm.engine.kv_cache.usage() == 0.0
+
+
+def test_dflash2_rejects_a_drafter_for_another_target(tiny_model_dir, tmp_path):
+    drafter = _random_drafter(tiny_model_dir("llama"), tmp_path / "d", layers=(0, 7))
+    with pytest.raises(ValueError, match="layers"):
+        LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05,
+            speculative_config={"method": "dflash2", "model": drafter})

@@ -169,3 +169,30 @@ def test_draft_model_sampling_keeps_the_target_distribution(small_vocab_model, t
     assert stats.num_drafts > n * 0.9 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for dims in ((1, 2), (0, 2), (0, 1)):  # t1, t2, t3
         assert 0.5 * float((empirical.sum(dims) - exact.sum(dims)).abs().sum()) < 0.07
+
+
+def test_dflash2_with_selector_sampling_keeps_the_target_distribution(small_vocab_model, tmp_path):
+    """As above, with a random DFlash2 drafter: the selector samples a 2-token path over each slot's
+    top-4 candidates and hands its conditionals q to verification."""
+    from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, save_drafter
+    path, model = small_vocab_model
+    torch.manual_seed(8)
+    cfg = DFlash2Config(block_size=2, target_layers=(0, 1), num_heads=2, conv_kernel_size=2, conv_group_size=16,
+                        top_m=4, rank=8)
+    drafter_dir = str(tmp_path / "dflash2")
+    save_drafter(DFlash2Drafter(TINY_SHAPE["hidden_size"], cfg, 32), drafter_dir)
+    prompt = list(range(32)) * 2
+    exact = _exact_next3(model, prompt)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
+              speculative_config={"method": "dflash2", "model": drafter_dir, "num_speculative_tokens": 2,
+                                  "adaptive_token_budget": False})
+    n = 4000
+    outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
+    counts = torch.zeros(32, 32, 32)
+    for t in outs:
+        counts[t[0], t[1], t[2]] += 1
+    empirical = counts / n
+    stats = llm.engine.stats().spec
+    assert stats.num_drafts > n * 0.9 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for dims in ((1, 2), (0, 2), (0, 1)):  # t1, t2, t3
+        assert 0.5 * float((empirical.sum(dims) - exact.sum(dims)).abs().sum()) < 0.07
