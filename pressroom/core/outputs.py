@@ -51,8 +51,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TopLogprobs]] = field(default_factory=dict)
     # Per request, logprobs of prompt positions computed this step (None for position 0).
     prompt_logprobs: dict[str, list[TopLogprobs | None]] = field(default_factory=dict)
-    # Per request, drafts proposed for its next step (speculative decoding).
+    # Per request, drafts proposed for its next step (speculative decoding), and the drafter's
+    # per-token confidence where it gives one.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ class Request:
     # one step in flight); the next step's input is such a token, read from the device.
     num_output_placeholders: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step (speculative decoding)
+    spec_confidences: list[float] = field(default_factory=list)  # the drafter's, per draft token, if any
     num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling; -1 until then
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -161,6 +161,7 @@ class Scheduler:
                 if self.spec_budget is not None:
                     self.spec_budget.observe(rid, len(drafts), accepted)
             req.spec_token_ids = out.draft_token_ids.get(rid, [])
+            req.spec_confidences = out.draft_confidences.get(rid, [])
             kept = self._append_tokens(req, new_ids)
             prompt_lps = out.prompt_logprobs.get(rid)
             if not kept and prompt_lps is None:
@@ -212,7 +213,9 @@ class Scheduler:
         base = sum(self._num_new_tokens(r, budget) for r in self.running)
         base += sum(e[2].num_tokens for e in self.waiting)  # prompts that may join (capped below)
         contexts = {r.request_id: r.num_computed_tokens for r in self.running}
-        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)), contexts, sum(contexts.values()))
+        confidences = {r.request_id: r.spec_confidences for r in self.running if r.spec_confidences}
+        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)), contexts, sum(contexts.values()),
+                                         confidences)
         for r in self.running:
             if r.request_id in chosen:
                 r.spec_token_ids = r.spec_token_ids[:chosen[r.request_id]]
@@ -261,7 +264,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token still in flight is dropped; recomputation samples it again
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_confidences = [], []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_in_runner(req)

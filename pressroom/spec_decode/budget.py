@@ -79,16 +79,18 @@ class AdaptiveBudget:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def choose(self, drafts: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
-               base_context: int = 0) -> dict[str, int]:
+               base_context: int = 0, confidences: dict[str, list[float]] | None = None) -> dict[str, int]:
         """How many of its offered drafts each request verifies, for a step of `base_tokens` without drafts
-        whose queries attend to `base_context` tokens in all; `contexts`: each request's context length."""
-        contexts = contexts or {}
+        whose queries attend to `base_context` tokens in all; `contexts`: each request's context length.
+        `confidences` (confidence-scheduled verification): a drafter's own per-token estimates for this
+        very draft, used instead of the acceptance history where given."""
+        contexts, confidences = contexts or {}, confidences or {}
         attn = self.attention_cost
         survival: dict[str, list[float]] = {}
         heap = []
         for rid, offered in drafts.items():
             s, run = [], 1.0
-            for a in self.acceptance(rid)[:offered]:
+            for a in (confidences.get(rid) or self.acceptance(rid))[:offered]:
                 run *= a
                 s.append(run)
             survival[rid] = s

@@ -202,4 +202,4 @@ class DFlash2Proposer:
         edges = self.drafter.scorer.edges(anchor, candidates, slots[:k].to(self.drafter.slots.dtype))
         temperature = 0.0 if r.params.greedy else r.params.temperature
         path = select_path(candidates, unary, [e.float() for e in edges], temperature, self.generator)
-        return Draft(path.tokens, path.vocab_probs(candidates, logits.shape[-1]))
+        return Draft(path.tokens, path.vocab_probs(candidates, logits.shape[-1]), path.confidence)

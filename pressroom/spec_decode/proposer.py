@@ -25,6 +25,9 @@ class Draft:
     # [len(token_ids), vocab]: the distribution each draft token was drawn from; None for a
     # deterministic proposal (verification then treats q as one-hot).
     probs: torch.Tensor | None = None
+    # Per draft token, the drafter's own estimate that it survives given the ones before it (dflash2);
+    # None: the scheduler's acceptance estimates stand in.
+    confidences: list[float] | None = None
 
 
 class Proposer(Protocol):

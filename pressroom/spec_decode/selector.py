@@ -44,6 +44,10 @@ class SelectedPath:
     # [K, M]: slot j's conditional distribution over its candidates given the chosen c_{j-1}
     # (None for a greedy path: the proposal is deterministic).
     q: torch.Tensor | None
+    # Per slot, the chain's probability of the chosen candidate given the path before it (at the
+    # sampling temperature, or 1 for a greedy path): the drafter's confidence, which
+    # confidence-scheduled verification turns into survival estimates.
+    confidence: list[float]
 
     def vocab_probs(self, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """q spread over the vocabulary, [K, vocab], as the rejection sampler takes it."""
@@ -59,18 +63,30 @@ def select_path(candidates: torch.Tensor, unary: torch.Tensor, edges: list[torch
     scores = [edges[j] + unary[j] for j in range(len(edges))]  # [from, M] per slot
     if temperature <= 0:
         idx = _viterbi(scores)
-        return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], None)
+        conditionals = _conditionals([s.float() for s in scores], idx)
+        return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], None,
+                            [float(q[i]) for q, i in zip(conditionals, idx)])
     scaled = [s.float() / temperature for s in scores]
     beta = _backward(scaled)
     prev, idx, qs = 0, [], []
     for j, s in enumerate(scaled):
-        log_q = s[prev] + beta[j]
-        q = torch.softmax(log_q, dim=-1)
+        q = torch.softmax(s[prev] + beta[j], dim=-1)
         choice = int(torch.multinomial(q, 1, generator=generator))
         idx.append(choice)
         qs.append(q)
         prev = choice
-    return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], torch.stack(qs))
+    return SelectedPath([int(candidates[j, i]) for j, i in enumerate(idx)], torch.stack(qs),
+                        [float(q[i]) for q, i in zip(qs, idx)])
+
+
+def _conditionals(scaled: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
+    """Each slot's conditional distribution given the chosen path before it."""
+    beta = _backward(scaled)
+    prev, out = 0, []
+    for j, s in enumerate(scaled):
+        out.append(torch.softmax(s[prev] + beta[j], dim=-1))
+        prev = idx[j]
+    return out
 
 
 def _viterbi(scores: list[torch.Tensor]) -> list[int]:

@@ -414,6 +414,8 @@ class ModelRunner:
             self.draft_probs.pop(s.req_id, None)
         for rid, draft in self.proposer.propose(requests).items():
             out.draft_token_ids[rid] = draft.token_ids
+            if draft.confidences is not None:
+                out.draft_confidences[rid] = draft.confidences
             if draft.probs is not None:
                 self.draft_probs[rid] = draft.probs
 

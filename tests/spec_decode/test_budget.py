@@ -58,3 +58,13 @@ def test_a_skipped_request_is_probed_now_and_then():
     assert all(set(r.values()) == {0} for r in rounds[:15])
     assert set(rounds[15].values()) == {1}  # one draft each after 16 skipped steps, then quiet again
     assert set(budget.choose(offered, base_tokens=64).values()) == {0}
+
+
+def test_confidences_rank_draft_prefixes_across_requests():
+    """Confidence-scheduled verification: in a step where only likely drafts pay, the drafter's own
+    per-token confidences decide which requests' prefixes are verified, and how far."""
+    budget = AdaptiveBudget(4, [(1, 0.011), (64, 0.074)])  # 10 ms + 1 ms per token: a draft must be likely
+    offered = {"sure": 4, "unsure": 4, "middling": 4}
+    confidences = {"sure": [0.99, 0.98, 0.97, 0.2], "unsure": [0.1, 0.1, 0.1, 0.1], "middling": [0.9, 0.3, 0.9, 0.9]}
+    chosen = budget.choose(offered, base_tokens=3, confidences=confidences)
+    assert chosen == {"sure": 3, "unsure": 0, "middling": 1}

@@ -40,6 +40,7 @@ def test_greedy_path_is_the_best_scoring_one():
         best = max(scores, key=scores.get)
         chosen = select_path(candidates, unary, edges, temperature=0)
         assert chosen.tokens == [int(candidates[j, i]) for j, i in enumerate(best)] and chosen.q is None
+        assert len(chosen.confidence) == K and all(0 < c <= 1 for c in chosen.confidence)
 
 
 def test_sampled_paths_follow_the_chain_and_report_their_conditionals():
@@ -54,6 +55,7 @@ def test_sampled_paths_follow_the_chain_and_report_their_conditionals():
     for _ in range(n):
         chosen = select_path(candidates, unary, edges, temperature, gen)
         path = tuple(candidates[j].tolist().index(t) for j, t in enumerate(chosen.tokens))
+        assert chosen.confidence == [float(chosen.q[j, i]) for j, i in enumerate(path)]
         counts[path] = counts.get(path, 0) + 1
         # q_j is the exact conditional of slot j given the slots before it
         prefix_mass = sum(v for p, v in exact.items() if p[:1] == path[:1])
