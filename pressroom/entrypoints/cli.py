@@ -83,6 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-end-str", default="</think>", help="the reasoning span's end marker")
     add_engine_args(serve)
 
+    tr = sub.add_parser("train-drafter", help="distil a DFlash2 drafter from the target's own greedy generations")
+    tr.add_argument("--dataset-path", required=True, help="prompts: JSONL ({\"prompt\": ...}) or text, one per line")
+    tr.add_argument("--output", required=True, help="directory for the drafter (dflash2.json, model.safetensors)")
+    tr.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    tr.add_argument("--num-prompts", type=int, default=256)
+    tr.add_argument("--max-tokens", type=int, default=128, help="generated tokens per prompt")
+    tr.add_argument("--record-batch", type=int, default=32, help="prompts generated together while recording")
+    tr.add_argument("--draft-block-size", type=int, default=8, help="K: tokens the drafter proposes per pass")
+    tr.add_argument("--target-layers", default=None, help="comma-separated (default: three across the depth)")
+    tr.add_argument("--num-layers", type=int, default=1)
+    tr.add_argument("--num-heads", type=int, default=8)
+    tr.add_argument("--steps", type=int, default=1000)
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--lr", type=float, default=3e-3)
+    add_engine_args(tr)
+
     bench = sub.add_parser("bench", help="benchmarks with vLLM's bench semantics")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name in ("throughput", "latency"):
@@ -120,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(args, engine_kwargs(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "train-drafter":
+            from pressroom.spec_decode.train import run_cli
+            run_cli(args, engine_kwargs(args))
+            return 0
         if args.command == "bench" and args.bench_command == "gpu":
             from pressroom.benchmarks import gpu
             gpu.run(args)
