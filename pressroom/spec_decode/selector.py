@@ -28,6 +28,7 @@ class CandidateScorer(nn.Module):
         super().__init__()
         self.a = nn.Embedding(vocab_size, rank)
         self.b = nn.Embedding(vocab_size, rank)
+        nn.init.zeros_(self.b.weight)  # untrained, every transition scores 0: the path follows the unary term
         self.project = nn.Linear(hidden_size, rank, bias=False)
 
     def edges(self, anchor: int, candidates: torch.Tensor, hidden: torch.Tensor) -> list[torch.Tensor]:

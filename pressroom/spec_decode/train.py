@@ -4,7 +4,7 @@
    greedy verification will accept); a recording proposer keeps the target features of every
    verified position, handed over by the runner as in serving.
 2. Examples: at position p the context is the features of positions <= p (the last C), the anchor is
-   token p + 1 and the labels are tokens p + 2 .. p + K + 1. The drafter's slots go through the
+   token p + 1 (a generated one, as when serving) and the labels are tokens p + 2 .. p + K + 1. The drafter's slots go through the
    target's frozen LM head; the loss is cross-entropy per slot.
 3. Held-out sequences give the acceptance report: the mean acceptance length greedy verification
    would see (1 + the drafted prefix that matches the target's continuation).
@@ -47,6 +47,7 @@ class _Recorder:
 class Sequence:
     tokens: list[int]  # prompt + generated
     features: torch.Tensor  # [len(tokens) - 1, layers * width]: position p's features predict token p + 1
+    prompt_len: int
 
 
 def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ...]) -> list[Sequence]:
@@ -73,13 +74,15 @@ def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ..
         if len(rows) != len(tokens) - 1:
             raise RuntimeError(f"recorded {len(rows)} positions for {len(tokens)} tokens (a request was preempted: "
                                "record fewer prompts at a time or give the KV cache more room).")
-        sequences.append(Sequence(tokens, rows))
+        sequences.append(Sequence(tokens, rows, len(out.prompt_token_ids)))
     return sequences
 
 
-def examples(seqs: list[Sequence], k: int, context: int, start: int) -> list[tuple[int, int]]:
-    """(sequence, position p) pairs with K labels after the anchor; p from `start` (skip the prompt's head)."""
-    return [(i, p) for i, s in enumerate(seqs) for p in range(start, len(s.tokens) - k - 1)]
+def examples(seqs: list[Sequence], k: int) -> list[tuple[int, int]]:
+    """(sequence, position p) pairs: context up to p, anchor p + 1, K labels after it. Serving drafts
+    only after the first generated token, so the anchor is a generated token (p + 1 >= prompt_len):
+    prompt positions, templated and easy, would teach little and inflate the acceptance report."""
+    return [(i, p) for i, s in enumerate(seqs) for p in range(s.prompt_len - 1, len(s.tokens) - k - 1)]
 
 
 def _batch(seqs: list[Sequence], items: list[tuple[int, int]], k: int, context: int):
@@ -127,7 +130,7 @@ def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, ba
     cut = max(1, int(len(seqs) * held_out))
     test_ids, train_ids = set(order[:cut]), set(order[cut:])
     context = DFlash2Proposer.context_len
-    all_items = examples(seqs, cfg.block_size, context, start=1)
+    all_items = examples(seqs, cfg.block_size)
     train_items = [e for e in all_items if e[0] in train_ids]
     test_items = [e for e in all_items if e[0] in test_ids]
     if not train_items:

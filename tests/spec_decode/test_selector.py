@@ -90,5 +90,6 @@ def test_scorer_edges_have_the_selector_shapes_and_learn():
     candidates = torch.randint(0, 50, (K, M))
     edges = scorer.edges(7, candidates, torch.randn(K, 16))
     assert [tuple(e.shape) for e in edges] == [(1, M)] + [(M, M)] * (K - 1)
+    assert all(float(e.abs().max()) == 0.0 for e in edges)  # untrained: no transition preference
     sum(e.sum() for e in edges).backward()
-    assert scorer.a.weight.grad is not None and scorer.project.weight.grad.abs().sum() > 0
+    assert scorer.b.weight.grad.abs().sum() > 0  # and it can learn one
