@@ -4,8 +4,8 @@
    greedy verification will accept); a recording proposer keeps the target features of every
    verified position, handed over by the runner as in serving.
 2. Examples: at position p the context is the features of positions <= p (the last C), the anchor is
-   token p + 1 (a generated one, as when serving) and the labels are tokens p + 2 .. p + K + 1. The drafter's slots go through the
-   target's frozen LM head; the loss is cross-entropy per slot.
+   token p + 1 (a generated one, as when serving) and the labels are tokens p + 2 .. p + K + 1. The
+   drafter's slots go through the target's frozen LM head; the loss is cross-entropy per slot.
 3. Held-out sequences give the acceptance report: the mean acceptance length greedy verification
    would see (1 + the drafted prefix that matches the target's continuation).
 Training the selector's transition scorer on the true path is not done yet (it starts near zero, so
