@@ -101,20 +101,17 @@ def _exact_next3(model, prompt: list[int]) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def test_sampled_tokens_keep_the_target_distribution(small_vocab_model):
-    """4,000 samples of the next three tokens with n-gram drafts (every token appears in the prompt,
-    so after each sampled token a 2-token draft is proposed and verified). Total variation against
-    the exact distribution: an exact sampler's 4,000-sample TV over these marginals stays near 0.03;
-    the bound is 0.07; accepting drafts without the test shifts t2 and t3 by far more."""
-    path, model = small_vocab_model
+def _assert_next3_distribution(path: str, model, speculative_config: dict) -> None:
+    """4,000 samples of the next three tokens after a prompt holding every token twice (so each
+    sampled token has a 2-token draft to verify), against the exact distribution. An exact
+    sampler's 4,000-sample total variation over these marginals stays near 0.03; the bound is 0.07;
+    accepting drafts without the test shifts t2 and t3 by far more."""
     prompt = list(range(32)) * 2
     exact = _exact_next3(model, prompt)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
-                                  "adaptive_token_budget": False})
+              speculative_config={**speculative_config, "adaptive_token_budget": False})
     n = 4000
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False)
-    outs = _gen(llm, [prompt] * n, params)
+    outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
     counts = torch.zeros(32, 32, 32)
     for t in outs:
         counts[t[0], t[1], t[2]] += 1
@@ -128,6 +125,12 @@ def test_sampled_tokens_keep_the_target_distribution(small_vocab_model):
     assert tv(empirical.sum((1, 2)), exact.sum((1, 2))) < 0.07  # t1 (no draft involved: a control)
     assert tv(empirical.sum((0, 2)), exact.sum((0, 2))) < 0.07  # t2: the verified draft or its resample
     assert tv(empirical.sum((0, 1)), exact.sum((0, 1))) < 0.07  # t3: bonus token or next step
+
+
+def test_sampled_tokens_keep_the_target_distribution(small_vocab_model):
+    """n-gram drafts (a deterministic proposal, q one-hot)."""
+    path, model = small_vocab_model
+    _assert_next3_distribution(path, model, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
 
 
 def test_draft_model_greedy_equals_no_speculation(tiny_model_dir):
@@ -154,21 +157,7 @@ def test_draft_model_sampling_keeps_the_target_distribution(small_vocab_model, t
     config = transformers.LlamaConfig(**dict(TINY_SHAPE, vocab_size=32, initializer_range=0.6))
     draft_dir = str(tmp_path_factory.mktemp("draft32"))
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(draft_dir)
-    prompt = list(range(32)) * 2
-    exact = _exact_next3(model, prompt)
-    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2,
-                                  "adaptive_token_budget": False})
-    n = 4000
-    outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
-    counts = torch.zeros(32, 32, 32)
-    for t in outs:
-        counts[t[0], t[1], t[2]] += 1
-    empirical = counts / n
-    stats = llm.engine.stats().spec
-    assert stats.num_drafts > n * 0.9 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    for dims in ((1, 2), (0, 2), (0, 1)):  # t1, t2, t3
-        assert 0.5 * float((empirical.sum(dims) - exact.sum(dims)).abs().sum()) < 0.07
+    _assert_next3_distribution(path, model, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2})
 
 
 def test_dflash2_with_selector_sampling_keeps_the_target_distribution(small_vocab_model, tmp_path):
@@ -181,18 +170,4 @@ def test_dflash2_with_selector_sampling_keeps_the_target_distribution(small_voca
                         top_m=4, rank=8)
     drafter_dir = str(tmp_path / "dflash2")
     save_drafter(DFlash2Drafter(TINY_SHAPE["hidden_size"], cfg, 32), drafter_dir)
-    prompt = list(range(32)) * 2
-    exact = _exact_next3(model, prompt)
-    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={"method": "dflash2", "model": drafter_dir, "num_speculative_tokens": 2,
-                                  "adaptive_token_budget": False})
-    n = 4000
-    outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
-    counts = torch.zeros(32, 32, 32)
-    for t in outs:
-        counts[t[0], t[1], t[2]] += 1
-    empirical = counts / n
-    stats = llm.engine.stats().spec
-    assert stats.num_drafts > n * 0.9 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    for dims in ((1, 2), (0, 2), (0, 1)):  # t1, t2, t3
-        assert 0.5 * float((empirical.sum(dims) - exact.sum(dims)).abs().sum()) < 0.07
+    _assert_next3_distribution(path, model, {"method": "dflash2", "model": drafter_dir, "num_speculative_tokens": 2})
