@@ -147,9 +147,9 @@ class LLMEngine:
         decode = self.runner.profile_step_costs([n for n in ladder if n <= sched.max_num_seqs], 1)
         verify = self.runner.profile_step_costs(ladder, 1 + max_drafts)
         # Attention grows with the context each query reads: one more measurement at a long context.
-        bs, rows = self.config.cache.block_size, min(64, largest)
+        bs, rows = self.config.cache.block_size, min(64, largest)  # rows is on the ladder: measured at short context
         long_ctx = max(2 * bs, min(1024, self.max_model_len // 2) // bs * bs)
-        short_t = self.runner.profile_step_costs([rows], 1 + max_drafts)[0][1]
+        short_t = dict(verify)[rows]
         long_t = self.runner.profile_step_costs([rows], 1 + max_drafts, long_ctx)[0][1]
         per_context_token = max(0.0, (long_t - short_t) / (rows * (long_ctx - bs)))
         logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "

@@ -59,12 +59,12 @@ def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ..
     runner = llm.engine.runner
     recorder = _Recorder()
     previous, runner.proposer = runner.proposer, recorder
-    runner.model.model.aux_layers = layers
+    previous_layers, runner.model.model.aux_layers = runner.model.model.aux_layers, layers
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
-        runner.proposer = previous
+        runner.proposer, runner.model.model.aux_layers = previous, previous_layers
     # Internal request ids count up in submission order, which is also the order of the outputs.
     by_child = [recorder.features[k] for k in sorted(recorder.features, key=int)]
     sequences = []
@@ -136,7 +136,8 @@ def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, ba
     if not train_items:
         raise ValueError("Too few tokens to train on: generate longer or more continuations.")
     before = acceptance_length(drafter, target_model, seqs, test_items, cfg.block_size, context)
-    seen_before = acceptance_length(drafter, target_model, seqs, train_items[:512], cfg.block_size, context)
+    seen = rng.sample(train_items, min(512, len(train_items)))  # the same examples before and after
+    seen_before = acceptance_length(drafter, target_model, seqs, seen, cfg.block_size, context)
     opt = torch.optim.AdamW([p for n, p in drafter.named_parameters() if not n.startswith("scorer")], lr=lr)
     losses = []
     bar = _bar(steps, progress)
@@ -155,7 +156,6 @@ def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, ba
     if bar is not None:
         bar.close()
     after = acceptance_length(drafter, target_model, seqs, test_items, cfg.block_size, context)
-    seen = rng.sample(train_items, min(512, len(train_items)))
     report = {"train_examples": len(train_items), "held_out_examples": len(test_items), "steps": steps,
               "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
               "train_acceptance_length_before": round(seen_before, 3),

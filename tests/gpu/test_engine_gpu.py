@@ -43,7 +43,8 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, device="cuda", skip_tokenizer_init=True, **kwargs)
 
 
-def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+def _tokens(llm: LLM, prompts: list[list[int]],
+            params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 

@@ -26,16 +26,13 @@ def dirs(tmp_path_factory):
     return out
 
 
-DEVICE = "cuda"
-
-
 def test_greedy_speculation_equals_plain_decoding(dirs):
     target, drafter = dirs
     prompts = [(p * 4)[:48] for p in random_prompts(8, low=6, high=12, seed=3)]  # repetitive: n-gram drafts
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
 
     def run(**spec):
-        llm = LLM(target, device=DEVICE, dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
+        llm = LLM(target, device="cuda", dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
                   skip_tokenizer_init=True, **spec)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], llm.engine.stats().spec
