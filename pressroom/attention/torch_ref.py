@@ -34,10 +34,11 @@ def _fresh_run_end(loc: list[int], lens: list[int], i: int) -> int:
     return max(j, i + 1)
 
 
-# A request with at most this many query tokens after a cached context (a verification of drafts, a
-# short chunk) is split into single-token rows for the decode path: row j attends to its context up to
-# and including its own token, which is exactly the causal mask, and all rows share one batched call.
-_ROWS_MAX_QUERY = 8
+# A request with at most this many query tokens after a cached context (a verification of up to 15
+# drafts, a short chunk) is split into single-token rows for the decode path: row j attends to its
+# context up to and including its own token, which is exactly the causal mask, and all rows share one
+# batched call.
+_ROWS_MAX_QUERY = 16
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ BACKENDS = ("pressroom", "hf", "vllm")
 
 def build_workload(args, tokenizer, vocab_size: int, num: int) -> Workload:
     if args.dataset_path:
-        prompts = file_prompts(args.dataset_path, tokenizer, num, args.input_len)
+        prompts = file_prompts(args.dataset_path, tokenizer, num, args.input_len, getattr(args, "chat", False))
     else:
         prompts = random_prompts(num, args.input_len, vocab_size, args.seed)
     return Workload(prompts, args.output_len, args.ignore_eos)

@@ -42,11 +42,20 @@ def read_prompt_texts(path: str) -> list[str]:
     return texts
 
 
-def file_prompts(path: str, tokenizer, num: int, input_len: int | None) -> list[list[int]]:
-    ids = [tokenizer.encode(t) for t in read_prompt_texts(path)]
+def file_prompts(path: str, tokenizer, num: int, input_len: int | None, chat: bool = False) -> list[list[int]]:
+    """Token ids of the file's prompts, cycled to `num`; `chat`: each as one user turn of the chat template."""
+    ids = [_chat_ids(tokenizer, t) if chat else tokenizer.encode(t) for t in read_prompt_texts(path)]
     if input_len:
         ids = [p[:input_len] for p in ids]
     return [ids[i % len(ids)] for i in range(num)]
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a model whose tokenizer has a chat template.")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def machine() -> dict:

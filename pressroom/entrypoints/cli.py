@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     tr.add_argument("--num-prompts", type=int, default=256)
     tr.add_argument("--max-tokens", type=int, default=128, help="generated tokens per prompt")
+    tr.add_argument("--held-out-path", default=None,
+                    help="prompts for the acceptance report, never trained on (default: 10%% of the dataset's)")
+    tr.add_argument("--ignore-eos", action="store_true", help="generate past EOS (default: stop at it, as serving)")
     tr.add_argument("--record-batch", type=int, default=32, help="prompts generated together while recording")
     tr.add_argument("--draft-block-size", type=int, default=8, help="K: tokens the drafter proposes per pass")
     tr.add_argument("--target-layers", default=None, help="comma-separated (default: three across the depth)")
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--batch-size", type=int, default=32)
     tr.add_argument("--lr", type=float, default=3e-3)
+    tr.add_argument("--rank", type=int, default=32, help="the selector's transition rank")
+    tr.add_argument("--scorer-steps", type=int, default=None, help="CRF steps for the selector (default: steps / 4)")
+    tr.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     add_engine_args(tr)
 
     bench = sub.add_parser("bench", help="benchmarks with vLLM's bench semantics")
@@ -109,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--num-prompts", type=int, default=32)
         b.add_argument("--batch-size", type=int, default=1)
         b.add_argument("--dataset-path", default=None, help="JSONL ({\"prompt\": ...}) or text file, one per line")
+        b.add_argument("--chat", action="store_true", help="send each dataset prompt as a user turn of the chat template")
         b.add_argument("--ignore-eos", action="store_true")
         b.add_argument("--num-iters-warmup", type=int, default=1)
         b.add_argument("--num-iters", type=int, default=3)
@@ -122,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.gpu import add_gpu_bench_args
     add_gpu_bench_args(bench_sub.add_parser("gpu", help="pressroom vs HF transformers vs the GPU's copy and matmul "
                                                         "ceilings, dummy weights at a real model's shapes"))
+    from pressroom.benchmarks.spec import add_spec_bench_args
+    add_spec_bench_args(bench_sub.add_parser("spec", help="adaptive speculative budget vs no speculation vs fixed K "
+                                                          "at several concurrencies (draft model, synthetic acceptance)"))
     return parser
 
 
@@ -143,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "gpu":
             from pressroom.benchmarks import gpu
             gpu.run(args)
+            return 0
+        if args.command == "bench" and args.bench_command == "spec":
+            from pressroom.benchmarks import spec
+            spec.run(args)
             return 0
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve

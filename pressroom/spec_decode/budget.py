@@ -11,12 +11,18 @@ proportional to tokens) takes drafts only when s_j > N * dT / T, so at high conc
 verified draft also attends to its request's whole context, priced per context token (measured).
 Estimates are exponential moving averages over every observed position, shared by all requests,
 plus each request's own (its content, e.g. code being copied, moves it away from the rest).
+
+`choose` runs once the drafts exist (their cost is spent). `plan` runs before drafting, so a drafter
+that pays per draft (a draft model: one forward pass per draft position, over the requests drafting
+that deep) can draft only what will be verified: it also counts that cost, from a draft step curve.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
 from dataclasses import dataclass, field
+
+import numpy as np
 
 _EMA = 0.1  # weight of each new observation
 _PRIOR = 0.7  # optimistic start: the first steps try drafts, so the estimates can learn
@@ -38,13 +44,16 @@ class _Estimates:
 
 class AdaptiveBudget:
     def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
-                 decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0) -> None:
+                 decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0,
+                 draft_costs: list[tuple[int, float]] | None = None) -> None:
         """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
         verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
-        seconds per query token per context token it attends to, added on top of the curves."""
+        seconds per query token per context token it attends to, added on top of the curves.
+        `draft_costs` (optional, for `plan`): one drafter forward pass over that many single-token rows."""
         self.k = max_drafts
         self.costs = sorted(verify_costs)
         self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
+        self.draft_costs = sorted(draft_costs) if draft_costs and len(draft_costs) > 1 else None
         self.attention_cost = attention_cost
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
         self.own: dict[str, _Estimates] = {}
@@ -73,8 +82,7 @@ class AdaptiveBudget:
     def step_time(self, tokens: int, curve: list[tuple[int, float]] | None = None) -> float:
         """Linear interpolation of a profiled curve (extrapolated from its end points)."""
         curve = curve or self.costs
-        xs = [n for n, _ in curve]
-        i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
+        i = min(max(bisect.bisect_left(curve, (tokens,)), 1), len(curve) - 1)
         (x0, y0), (x1, y1) = curve[i - 1], curve[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
@@ -115,6 +123,63 @@ class AdaptiveBudget:
                 chosen = {rid: 0 for rid in drafts}
         return self._probe(chosen, drafts)
 
+    def plan(self, allowed: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
+             base_context: int = 0) -> dict[str, int]:
+        """How many drafts each request should have drafted for the next step (at most `allowed`), before
+        any drafting. Candidates (request, position) in order of survival: the best prefix of that order,
+        counting verification as `choose` does plus one draft step per position over the requests
+        drafting that deep. A prefix, not one draft at a time: at high concurrency a draft step is worth
+        running for many requests or for none, and single additions would never open it. Call once per
+        step: a request planned no drafts for long gets one (its probe), as in `choose`."""
+        contexts = contexts or {}
+        cands = [(-s, j, rid) for rid, n in allowed.items() for j, s in enumerate(self._survival(rid, n))]
+        cands.sort()
+        planned = dict.fromkeys(allowed, 0)
+        for _, _, rid in cands[:self._best_prefix(cands, base_tokens, contexts, base_context)]:
+            planned[rid] += 1
+        return self._probe_planned(planned, allowed)
+
+    def _best_prefix(self, cands: list[tuple[float, int, str]], base_tokens: int, contexts: dict[str, int],
+                     base_context: int) -> int:
+        """Tokens per second of every prefix at once (numpy: at concurrency 256 there are ~1,800)."""
+        attn = self.attention_cost
+        plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
+        if not cands:
+            return 0
+        m = np.arange(1, len(cands) + 1)
+        emitted = base_tokens - np.cumsum([c[0] for c in cands])
+        context = base_context + np.cumsum([contexts.get(c[2], 0) for c in cands])
+        seconds = _interp(self.costs, base_tokens + m) + attn * context
+        if self.draft_costs is not None:
+            depth = np.array([c[1] for c in cands])
+            rows = np.zeros(len(cands))  # requests drafting this candidate's position, itself included
+            for j in range(self.k):
+                at = depth == j
+                rows[at] = np.arange(1, int(at.sum()) + 1)
+            step = _interp(self.draft_costs, rows)
+            seconds += np.cumsum(step - np.where(rows > 1, _interp(self.draft_costs, rows - 1), 0.0))
+        rates = emitted / seconds
+        best = int(rates.argmax())
+        return best + 1 if rates[best] > plain else 0
+
+    def _survival(self, rid: str, n: int) -> list[float]:
+        s, run = [], 1.0
+        for a in self.acceptance(rid)[:n]:
+            run *= a
+            s.append(run)
+        return s
+
+    def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
+        """Counts steps planned without drafts; at the limit one draft is made and the count left there,
+        so `choose` verifies it (and resets the count) even where it would skip it."""
+        for rid, k in planned.items():
+            if k or not allowed[rid]:
+                continue  # drafted: `choose` counts it
+            self.skipped[rid] = self.skipped.get(rid, 0) + 1
+            if self.skipped[rid] >= _PROBE_EVERY:
+                planned[rid] = 1
+        return planned
+
     def _probe(self, chosen: dict[str, int], offered: dict[str, int]) -> dict[str, int]:
         """Estimates only move where drafts are verified; a request left out for long gets one draft
         checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed."""
@@ -126,3 +191,10 @@ class AdaptiveBudget:
             if self.skipped[rid] >= _PROBE_EVERY:
                 chosen[rid], self.skipped[rid] = 1, 0
         return chosen
+
+
+def _interp(curve: list[tuple[int, float]], tokens: np.ndarray) -> np.ndarray:
+    """`AdaptiveBudget.step_time` over an array: linear, extrapolated from the end segments."""
+    xs, ys = np.array([x for x, _ in curve], dtype=float), np.array([y for _, y in curve])
+    i = np.clip(np.searchsorted(xs, tokens, side="left"), 1, len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])

@@ -12,7 +12,7 @@ whose per-slot weights `delta` are computed from the slot itself (one set per ch
 The target's frozen LM head turns the slots into logits; `selector.py` picks the path through each
 slot's top-M candidates (the selector's scorer is part of the drafter's checkpoint). The proposer
 keeps, per request, the target features of its last verified positions (the runner hands them over
-after every step) and drafts from them. Training (`pressroom train-drafter`) is not built yet.
+after every step) and drafts from them. `pressroom train-drafter` (train.py) distils one.
 """
 from __future__ import annotations
 
@@ -122,12 +122,13 @@ class DFlash2Drafter(nn.Module):
         return self.norm(block)
 
 
-def save_drafter(drafter: DFlash2Drafter, path: str) -> None:
+def save_drafter(drafter: DFlash2Drafter, path: str, dtype: torch.dtype = torch.float32) -> None:
+    """Config and weights (stored in `dtype`; bf16 halves a committed drafter) under `path`."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump({"width": drafter.width, "vocab_size": drafter.vocab_size, **asdict(drafter.cfg)}, f, indent=2)
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, os.path.join(path, WEIGHTS_FILE))
+    save_file({k: v.to(dtype).contiguous() for k, v in drafter.state_dict().items()}, os.path.join(path, WEIGHTS_FILE))
 
 
 def load_drafter(path: str) -> DFlash2Drafter:
@@ -144,13 +145,27 @@ def load_drafter(path: str) -> DFlash2Drafter:
     return drafter
 
 
+EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "drafters", "smollm2-135m-instruct")
+
+
+def _embedded_drafter(hf) -> str:
+    """The committed drafter, distilled for the embedded SmolLM2-135M-Instruct (`pressroom train-drafter`)."""
+    with open(os.path.join(EMBEDDED_DRAFTER, CONFIG_FILE)) as f:
+        meta = json.load(f)
+    if (hf.hidden_size, hf.vocab_size, hf.num_hidden_layers) != (meta["width"], meta["vocab_size"], 30):
+        raise ValueError('dflash2 without "model" uses the drafter committed for the embedded SmolLM2-135M-Instruct; '
+                         "this target needs its own: distil one with `pressroom train-drafter` and pass "
+                         '"model": its directory.')
+    return EMBEDDED_DRAFTER
+
+
 class DFlash2Proposer:
     """Drafts a block per request from the target features of its last verified positions."""
     context_len = 16  # verified positions of target features kept per request
 
     def __init__(self, config: SpeculativeConfig, target) -> None:
-        self.drafter = load_drafter(config.model)
         hf = target.model.config
+        self.drafter = load_drafter(config.model or _embedded_drafter(hf))
         if self.drafter.width != hf.hidden_size or self.drafter.vocab_size != hf.vocab_size:
             raise ValueError(f"The DFlash2 drafter at {config.model!r} was made for a target of width "
                              f"{self.drafter.width} and vocabulary {self.drafter.vocab_size}, not "

@@ -70,8 +70,8 @@ def test_mixed_batch_short_queries_run_as_decode_rows(backend):
     prefix and a fresh prompt in one step; the short ones take the batched decode path as rows."""
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, bs = 8, 2, 64, 4
-    qlens = [1, 1, 1, 3, 5, 12, 9]
-    lens = [17, 5, 30, 20, 9, 25, 9]  # the last request is a fresh prompt (nothing cached)
+    qlens = [1, 1, 1, 3, 5, 20, 9]
+    lens = [17, 5, 30, 20, 9, 33, 9]  # the last request is a fresh prompt (nothing cached)
     max_blocks = -(-max(lens) // bs)
     cache = torch.randn(2, len(lens) * max_blocks + 1, bs, kv_heads, dim, generator=gen)
     tables = torch.arange(1, len(lens) * max_blocks + 1).view(len(lens), max_blocks)

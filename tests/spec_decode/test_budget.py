@@ -2,7 +2,11 @@
 compute-bound and the batch is large, and estimates that follow what verification observes."""
 from __future__ import annotations
 
-from pressroom.spec_decode.budget import AdaptiveBudget
+import math
+
+import numpy as np
+
+from pressroom.spec_decode.budget import AdaptiveBudget, _interp
 
 FLAT = [(1, 0.010), (64, 0.010), (512, 0.011)]  # memory-bound: extra tokens are almost free
 LINEAR = [(1, 0.001), (64, 0.064), (512, 0.512)]  # compute-bound: time grows with every token
@@ -68,3 +72,72 @@ def test_confidences_rank_draft_prefixes_across_requests():
     confidences = {"sure": [0.99, 0.98, 0.97, 0.2], "unsure": [0.1, 0.1, 0.1, 0.1], "middling": [0.9, 0.3, 0.9, 0.9]}
     chosen = budget.choose(offered, base_tokens=3, confidences=confidences)
     assert chosen == {"sure": 3, "unsure": 0, "middling": 1}
+
+
+# ---- plan: how many drafts to make, before drafting (a draft model pays one forward pass per position) ----
+
+RATES = [0.85, 0.75, 0.65, 0.55, 0.45, 0.35, 0.25]  # a real drafter's decay, as the H200 benchmark uses
+VERIFY = [(1, 0.007), (256, 0.010), (2048, 0.040)]  # memory-bound up to ~256 tokens, then compute-bound
+
+
+def _knowing(rates: list[float], **curves) -> AdaptiveBudget:
+    budget = AdaptiveBudget(len(rates), curves.pop("verify", VERIFY), **curves)
+    budget.shared.rates = list(rates)  # as if learned
+    return budget
+
+
+def _fixed_k_rate(budget: AdaptiveBudget, k: int, n: int, draft: list[tuple[int, float]]) -> float:
+    """Tokens per second of n requests all drafting and verifying k: the same cost model, written out."""
+    survival = sum(math.prod(RATES[:j + 1]) for j in range(k))
+    seconds = budget.step_time(n * (1 + k)) + k * (budget.step_time(n, draft) if k else 0.0)
+    return n * (1 + survival) / seconds
+
+
+def test_plan_at_batch_one_is_the_best_fixed_k_counting_the_draft_steps():
+    draft = [(1, 0.002), (256, 0.003)]  # a small model's step: a good part of the target's 7 ms
+    budget = _knowing(RATES, draft_costs=draft)
+    best = max(range(8), key=lambda k: _fixed_k_rate(budget, k, 1, draft))
+    assert 1 < best < 7  # the draft steps make the last, unlikely drafts not worth making
+    assert budget.plan({"a": 7}, base_tokens=1) == {"a": best}
+    assert _knowing(RATES).plan({"a": 7}, base_tokens=1) == {"a": 7}  # free drafting: every draft pays
+
+
+def test_plan_makes_no_drafts_at_high_concurrency_when_they_do_not_pay():
+    draft = [(1, 0.003), (256, 0.006)]
+    budget = _knowing(RATES, verify=LINEAR, draft_costs=draft)
+    planned = budget.plan({f"r{i}": 7 for i in range(256)}, base_tokens=256)
+    assert set(planned.values()) == {0}  # the draft model can skip its steps altogether
+
+
+def test_plan_opens_a_draft_position_for_every_request_or_none():
+    """Verification almost free (memory-bound), a draft step 4 ms whatever its rows: one request's draft
+    never pays for a draft step, 256 requests' drafts do. The best uniform depth is chosen."""
+    flat, draft = [(1, 0.010), (4096, 0.010)], [(1, 0.004), (256, 0.004)]
+    budget = _knowing(RATES, verify=flat, draft_costs=draft)
+    assert budget.plan({"a": 7}, base_tokens=256) == {"a": 0}
+    n = 256
+    best = max(range(8), key=lambda k: n * (1 + sum(math.prod(RATES[:j + 1]) for j in range(k))) / (0.010 + 0.004 * k))
+    assert best == 2
+    assert set(budget.plan({f"r{i}": 7 for i in range(n)}, base_tokens=n).values()) == {best}
+
+
+def test_plan_respects_each_requests_allowance():
+    budget = _knowing(RATES, verify=[(1, 0.010), (4096, 0.010)])  # every draft pays, up to what is allowed
+    assert budget.plan({"a": 7, "near_its_end": 2, "done": 0}, base_tokens=3) == {"a": 7, "near_its_end": 2, "done": 0}
+
+
+def test_a_request_planned_no_drafts_is_probed_and_the_probe_verified():
+    budget = _knowing(RATES, verify=LINEAR, draft_costs=[(1, 0.003), (256, 0.006)])
+    allowed = {f"r{i}": 7 for i in range(64)}
+    rounds = [budget.plan(allowed, base_tokens=64) for _ in range(16)]
+    assert all(set(r.values()) == {0} for r in rounds[:15])
+    assert set(rounds[15].values()) == {1}  # one draft each is made...
+    offered = dict.fromkeys(allowed, 1)
+    assert set(budget.choose(offered, base_tokens=64).values()) == {1}  # ...and verified, though it does not pay
+    assert set(budget.plan(allowed, base_tokens=64).values()) == {0}  # then quiet again
+
+
+def test_the_vectorized_curve_agrees_with_step_time():
+    budget = AdaptiveBudget(2, VERIFY)
+    points = np.array([1, 100, 256, 1000, 4096])  # inside, on the knots, and extrapolated past the end
+    assert np.allclose(_interp(VERIFY, points), [budget.step_time(int(n)) for n in points])

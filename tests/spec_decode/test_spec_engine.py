@@ -101,7 +101,7 @@ def _exact_next3(model, prompt: list[int]) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _assert_next3_distribution(path: str, model, speculative_config: dict) -> None:
+def _assert_next3_distribution(path: str, model, speculative_config: dict, **engine) -> None:
     """4,000 samples of the next three tokens after a prompt holding every token twice (so each
     sampled token has a 2-token draft to verify), against the exact distribution. An exact
     sampler's 4,000-sample total variation over these marginals stays near 0.03; the bound is 0.07;
@@ -109,7 +109,7 @@ def _assert_next3_distribution(path: str, model, speculative_config: dict) -> No
     prompt = list(range(32)) * 2
     exact = _exact_next3(model, prompt)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
-              speculative_config={**speculative_config, "adaptive_token_budget": False})
+              speculative_config={**speculative_config, "adaptive_token_budget": False}, **engine)
     n = 4000
     outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
     counts = torch.zeros(32, 32, 32)
@@ -171,3 +171,25 @@ def test_dflash2_with_selector_sampling_keeps_the_target_distribution(small_voca
     drafter_dir = str(tmp_path / "dflash2")
     save_drafter(DFlash2Drafter(TINY_SHAPE["hidden_size"], cfg, 32), drafter_dir)
     _assert_next3_distribution(path, model, {"method": "dflash2", "model": drafter_dir, "num_speculative_tokens": 2})
+
+
+def test_committed_dflash2_drafter_serves_the_embedded_model():
+    """dflash2 with no "model" loads the drafter committed for SmolLM2; on held-out chat prompts it keeps
+    greedy output identical and gets drafts accepted (an untrained drafter gets almost none)."""
+    import json
+    from pathlib import Path
+    data = Path(__file__).parents[2] / "benchmarks" / "data" / "chat_heldout.jsonl"
+    texts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()[:4]]
+    plain_llm = LLM(dtype="float32", kv_cache_memory_gib=0.1)
+    prompts = [plain_llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    spec_llm = LLM(dtype="float32", kv_cache_memory_gib=0.1,
+                   speculative_config={"method": "dflash2", "num_speculative_tokens": 8, "adaptive_token_budget": False})
+    assert _gen(spec_llm, prompts, params) == _gen(plain_llm, prompts, params)
+    stats = spec_llm.engine.stats().spec
+    assert stats.num_accepted_tokens > 0.3 * stats.num_drafts  # mean acceptance length above 1.3
+
+
+def test_dflash2_without_a_drafter_needs_one_for_other_targets(tiny):
+    with pytest.raises(ValueError, match="train-drafter"):
+        LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05, speculative_config={"method": "dflash2"})

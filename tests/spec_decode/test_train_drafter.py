@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import random_prompts
+from transformers import AutoModelForCausalLM
 
 from pressroom import LLM, SamplingParams
 from pressroom.spec_decode.dflash2 import DFlash2Config, save_drafter
@@ -14,19 +15,25 @@ def test_record_train_save_and_serve(tiny_model_dir, tmp_path):
     target = tiny_model_dir("llama")
     llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.1, enable_prefix_caching=False)
     prompts = random_prompts(24, low=4, high=12, seed=51)
-    seqs = record(llm, prompts, max_tokens=40, layers=(0, 1))
-    assert all(s.features.shape == (len(s.tokens) - 1, 2 * 64) for s in seqs)
-    # The features are the target's own: recording twice gives the same rows.
-    again = record(llm, prompts[:2], max_tokens=40, layers=(0, 1))
+    seqs = record(llm, prompts, max_tokens=40, layers=(0, 1), batch=16, ignore_eos=True)
+    assert all(s.features.shape == (len(s.tokens), 2 * 64) for s in seqs)
+    # The features are the target's own: recording twice gives the same rows, equal to HF's hidden states.
+    again = record(llm, prompts[:2], max_tokens=40, layers=(0, 1), ignore_eos=True)
     assert torch.allclose(again[0].features, seqs[0].features, rtol=1e-4, atol=1e-3)  # other batch, same rows
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([seqs[0].tokens]), output_hidden_states=True).hidden_states
+    assert torch.allclose(seqs[0].features[:, :64], states[1][0], atol=1e-3)  # layer 0's output
 
     cfg = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=2, conv_kernel_size=2, conv_group_size=16,
                         top_m=4, rank=8)
-    drafter, report = train(llm.engine.model, seqs, cfg, steps=300, batch_size=32, progress=False)
+    drafter, report = train(llm.engine.model, seqs, cfg, steps=300, batch_size=32, progress=False, scorer_steps=100)
     assert report["last_loss"] < 0.7 * report["first_loss"]
+    assert report["scorer_last_loss"] < report["scorer_first_loss"]  # the selector learns the true paths
     # It fits what it saw; held-out acceptance is reported (a random tiny model's text does not generalise).
-    assert report["train_acceptance_length_after"] > report["train_acceptance_length_before"] + 0.05
-    assert report["held_out_examples"] > 0 and "held_out_acceptance_length_after" in report
+    assert report["train_after"]["argmax"] > report["train_before"]["argmax"] + 0.05
+    assert report["train_after"]["selector"] >= report["train_after"]["argmax"] - 0.05
+    assert report["held_out_examples"] > 0 and "selector" in report["held_out_after"]
 
     path = str(tmp_path / "drafter")
     save_drafter(drafter, path)
