@@ -126,6 +126,10 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "dflash2")
+# Methods whose drafts are made on the device from the device's own verified tokens, so step N+1 can be
+# prepared before step N's tokens reach the host. ngram looks up host token histories; dflash2's
+# proposer reads host token ids (anchors, selector path) each step.
+ASYNC_SPEC_METHODS = ("draft_model",)
 
 
 @dataclass(slots=True)
@@ -134,7 +138,7 @@ class SpeculativeConfig:
     and step; the target verifies them all in its forward pass, keeping its own distribution."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft_model: a smaller model with the target's tokenizer
+    model: str | None = None  # draft_model: a smaller model with the target's tokenizer; dflash2: a drafter
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
     # Each step verifies, per request, only the drafts expected to pay for their share of the step
@@ -149,8 +153,8 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}; "
                              f"got {self.method!r}.")
-        if self.method in ("draft_model", "dflash2") and not self.model:
-            raise ValueError(f'speculative_config method "{self.method}" needs "model": the drafter\'s path.')
+        if self.method == "draft_model" and not self.model:  # dflash2 without one: the embedded model's drafter
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
         if self.rejection_sample_method not in ("standard", "synthetic"):
@@ -180,6 +184,17 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"Unknown speculative_config key(s): {', '.join(sorted(unknown))}.")
         return cls(**value)
+
+
+def resolve_async_scheduling(asked: bool | None, device: str, speculative: SpeculativeConfig | None) -> bool:
+    """None: on for CUDA (the CPU has nothing to overlap with) unless the speculative method drafts on
+    the host. True with such a method is refused."""
+    overlaps = speculative is None or speculative.method in ASYNC_SPEC_METHODS
+    if asked and not overlaps:
+        raise ValueError(f'Speculative method "{speculative.method}" drafts from host-side token ids, so it '
+                         "runs with synchronous scheduling; drop async_scheduling=True, or use "
+                         f"method {' or '.join(ASYNC_SPEC_METHODS)}.")
+    return asked if asked is not None else device == "cuda" and overlaps
 
 
 @dataclass(slots=True)
@@ -236,9 +251,6 @@ class EngineArgs:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         speculative = SpeculativeConfig.from_value(self.speculative_config)
-        if speculative is not None and self.async_scheduling:
-            raise ValueError("Speculative decoding runs with synchronous scheduling for now; "
-                             "drop async_scheduling=True.")
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
@@ -254,8 +266,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,
-                                      async_scheduling=self.async_scheduling if self.async_scheduling is not None
-                                      else device == "cuda" and speculative is None),
+                                      async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
+                                                                                speculative)),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),

@@ -25,6 +25,9 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+PLACEHOLDER_DRAFT = -1  # a scheduled draft whose id is still on the device (async scheduling)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
@@ -33,7 +36,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose runner-side state is stale: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
-    # Draft tokens to verify, per request; they are the last len(drafts) of its scheduled tokens.
+    # Draft tokens to verify, per request; they are the last len(drafts) of its scheduled tokens
+    # (PLACEHOLDER_DRAFT each under async drafting: the runner holds their ids on the device).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property

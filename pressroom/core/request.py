@@ -42,10 +42,12 @@ class Request:
     follows: "Request | None" = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it finishes
-    # Tokens sampled by scheduled steps whose results have not come back yet (async scheduling keeps
-    # one step in flight); the next step's input is such a token, read from the device.
+    # Tokens that scheduled steps whose results have not come back yet may emit (1 + drafts each; async
+    # scheduling keeps one step in flight); the next step's input is such a token, read from the device.
     num_output_placeholders: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step (speculative decoding)
+    # Drafts for the next step (speculative decoding); under async drafting, placeholders (-1) whose
+    # ids the runner holds on the device.
+    spec_token_ids: list[int] = field(default_factory=list)
     spec_confidences: list[float] = field(default_factory=list)  # the drafter's, per draft token, if any
     num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling; -1 until then
     status: RequestStatus = RequestStatus.WAITING

@@ -5,8 +5,11 @@ prompt), then waiting requests are admitted in priority order while budget and b
 When blocks run out, the worst running request is preempted and later recomputed.
 
 Progress is booked when a step is scheduled: a step that reaches the end of a request's tokens
-leaves an output placeholder, filled when its sampled token comes back. So the next step can be
-scheduled before the previous one's tokens are known (async scheduling), or right after (sync).
+leaves output placeholders, one per token it may emit (1 + its drafts), given back when its tokens
+come back. So the next step can be scheduled before the previous one's tokens are known (async
+scheduling), or right after (sync). With speculative decoding under async scheduling the booking is
+optimistic (every draft accepted); the runner shifts the next step's positions by the rejections it
+finds on the device, and the scheduler gives the rejected progress back when the step resolves.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.outputs import (
+    PLACEHOLDER_DRAFT,
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -69,6 +73,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
         self.spec_budget: AdaptiveBudget | None = None  # set by the engine when speculating adaptively
+        # Async scheduling with a device-side drafter (set by the engine): every sampling step leaves this
+        # many placeholder drafts for the next one (their ids stay on the device), and each request keeps
+        # room for the drafter's writes past its scheduled tokens.
+        self.async_drafts = 0
 
     # ---- request table ----
 
@@ -121,7 +129,7 @@ class Scheduler:
             drafts = self._drafts_that_fit(req, n, budget)
             n += len(drafts)
             old_len = len(self.kv.req_blocks.get(req.request_id, ()))
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, n + self.async_drafts):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted_now = True
@@ -135,7 +143,7 @@ class Scheduler:
             budget -= n
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
-            _book(req, n)
+            self._book(req, n, len(drafts))
 
         # Admitting new work in a step that had to preempt would just thrash.
         if not preempted_now:
@@ -151,17 +159,18 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
             new_ids = out.sampled_token_ids.get(rid, [])
-            if new_ids:
-                req.num_output_placeholders -= 1  # one sampling event, however many tokens it emitted
             drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if new_ids:
+                req.num_output_placeholders -= 1 + len(drafts or ())
             if drafts:  # give back the slots of rejected drafts: their KV is overwritten later
                 accepted = len(new_ids) - 1
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
                 if self.spec_budget is not None:
                     self.spec_budget.observe(rid, len(drafts), accepted)
-            req.spec_token_ids = out.draft_token_ids.get(rid, [])
-            req.spec_confidences = out.draft_confidences.get(rid, [])
+            if not self.async_drafts:  # else the next step's drafts are placeholders, booked at schedule time
+                req.spec_token_ids = out.draft_token_ids.get(rid, [])
+                req.spec_confidences = out.draft_confidences.get(rid, [])
             kept = self._append_tokens(req, new_ids)
             prompt_lps = out.prompt_logprobs.get(rid)
             if not kept and prompt_lps is None:
@@ -187,7 +196,7 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self.kv.allocate_slots(req, n + self.async_drafts, hits):
                 skipped.append(entry)
                 break
             req.num_computed_tokens = num_hit
@@ -200,7 +209,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id))
-            _book(req, n)
+            self._book(req, n, 0)
             self._seen_by_runner.add(req.request_id)
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
@@ -224,8 +233,9 @@ class Scheduler:
         """A decode's drafts, cut to the step budget, the context length and its remaining max_tokens."""
         if not req.spec_token_ids or n != 1:
             return []
+        # Placeholders count as outputs: under async scheduling they bound what the step in flight emits.
         room = min(budget - 1, self.config.max_model_len - req.num_computed_tokens - 1,
-                   req.sampling_params.max_tokens - req.num_output_tokens - 1)
+                   req.sampling_params.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1)
         return req.spec_token_ids[:max(0, room)]
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -294,9 +304,11 @@ class Scheduler:
             self._seen_by_runner.discard(req.request_id)
             self._stale.add(req.request_id)
 
-
-def _book(req: Request, n: int) -> None:
-    """Counts a scheduled step's tokens as computed; one that reaches the end samples a token."""
-    req.num_computed_tokens += n
-    if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-        req.num_output_placeholders += 1
+    def _book(self, req: Request, n: int, num_drafts: int) -> None:
+        """Counts a scheduled step's tokens as computed (its drafts as accepted); one that reaches the end
+        emits up to 1 + num_drafts tokens, and under async drafting leaves placeholder drafts."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1 + num_drafts
+            if self.async_drafts:
+                req.spec_token_ids = [PLACEHOLDER_DRAFT] * self.async_drafts

@@ -74,18 +74,25 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
                                   config.device, config.scheduler.async_scheduling)
         self.runner.proposer = make_proposer(config.speculative, self.runner)
+        # Async scheduling with speculation (config allows it only for drafters that work on the device).
+        self.runner.device_drafting = config.scheduler.async_scheduling and config.speculative is not None
+        if self.runner.device_drafting and not hasattr(self.runner.proposer, "propose_on_device"):
+            raise ValueError(f'Speculative method "{config.speculative.method}" runs with synchronous scheduling; '
+                             "set async_scheduling=False.")
+        lookahead = config.speculative.num_speculative_tokens if self.runner.device_drafting else 0
         if config.speculative is not None and config.speculative.rejection_sample_method == "synthetic":
             self.runner.synthetic_rates = config.speculative.synthetic_acceptance_rates
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_blocks = self._num_blocks()
-        self.max_model_len = self._max_model_len(num_blocks)
+        self.max_model_len = self._max_model_len(num_blocks, lookahead)
         config.scheduler.max_model_len = self.max_model_len
-        self.runner.initialize_kv_cache(num_blocks, self.max_model_len)
+        self.runner.initialize_kv_cache(num_blocks, self.max_model_len + lookahead)
         self._log_capacity(num_blocks)
         if config.device == "cuda" and not config.compilation.enforce_eager:
             self.runner.capture_cudagraphs(config.compilation.capture_sizes(config.scheduler.max_num_seqs))
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler.async_drafts = lookahead
         if config.speculative is not None and config.speculative.adaptive_token_budget:
             self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
         self.vocab_size = self.hf_config.vocab_size
@@ -162,7 +169,8 @@ class LLMEngine:
                     num_blocks, self.config.cache.block_size, tokens, tokens / self.max_model_len,
                     self.max_model_len)
 
-    def _max_model_len(self, num_blocks: int) -> int:
+    def _max_model_len(self, num_blocks: int, lookahead: int = 0) -> int:
+        """`lookahead`: slots a request keeps past its step for a device drafter's writes."""
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         window = getattr(self.hf_config, "sliding_window", None)
         if window and getattr(self.hf_config, "use_sliding_window", True):
@@ -171,7 +179,7 @@ class LLMEngine:
         if asked is not None and asked > limit:
             raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens.")
         length = asked or limit
-        capacity = (num_blocks - 1) * self.config.cache.block_size
+        capacity = (num_blocks - 1) * self.config.cache.block_size - lookahead
         if length > capacity:
             logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more", length, capacity)
             length = capacity

@@ -5,19 +5,31 @@ Each step the draft model first catches up on the tokens the target verified sin
 runs K single-token steps for all requests at once. At temperature > 0 each draft token is drawn
 from the draft's distribution q (temperature, top-k/p, min-p as the request asks), and q goes to
 the rejection sampler, so verification stays lossless; greedy requests draft the argmax.
+
+Under async scheduling (`propose_on_device`) nothing may wait for the host, so the draft model
+mirrors every target step instead: its cache has the target's block layout (same block ids and
+slots), and each step it runs the target's query tokens up to the drafts, then the tokens the target
+emitted (padded to 1 + k, at the positions that follow), takes the logits at the last emitted one
+(an index computed on the device), and runs K - 1 single-token steps. Positions past the verified
+ones hold garbage until a later step writes them again; the scheduler reserves K slots past each
+request's step for these writes.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
 
+from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.config import ModelConfig, SpeculativeConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pressroom.core.request import Request
 from pressroom.model.loader import load_model
-from pressroom.spec_decode.proposer import Draft, DraftRequest
+from pressroom.sampling_params import SamplingParams
+from pressroom.spec_decode.proposer import Draft, DraftRequest, TargetStep
+from pressroom.worker.device import to_device
 from pressroom.worker.sampler import probabilities
 
 
@@ -140,3 +152,107 @@ class DraftModelProposer:
         q = probabilities([r.params], logits.unsqueeze(0))[0]
         noise = torch.empty_like(q).exponential_(generator=self.generator)
         return int((q / noise).argmax()), q
+
+    # ---- async scheduling: the draft model mirrors each target step on the device ----
+
+    @torch.inference_mode()
+    def propose_on_device(self, step: TargetStep) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """K drafts per sampled request ([sampled, K]) and their q ([sampled, K, vocab], zero rows for
+        greedy requests; None when all are greedy); None when no request sampled."""
+        if not self.runner.kv_caches:
+            # The target's block layout, room for the same context (the target's tables include the lookahead).
+            self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
+                                            self.target.max_blocks_per_seq * self.target.block_size)
+        meta, ids, positions, pick = self._mirror_batch(step)
+        with forward_context(meta):
+            hidden = self.runner.model(ids, self._rotary(positions))
+        if not step.sampled:
+            return None
+        token, q = self._draw_rows(self.runner.model.compute_logits(hidden[pick]).float(), step.params)
+        drafts, probs = [token], [q]
+        position, tables = positions[pick], meta.block_tables[to_device(torch.tensor(step.sampled), ids.device)]
+        bound = [meta.seq_lens_host[i] for i in step.sampled]
+        for j in range(1, self.k):
+            position = position + 1
+            with forward_context(self._decode_meta(tables, position, [b + j for b in bound])):
+                hidden = self.runner.model(token, self._rotary(position))
+            token, q = self._draw_rows(self.runner.model.compute_logits(hidden).float(), step.params)
+            drafts.append(token)
+            probs.append(q)
+        return torch.stack(drafts, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+
+    def _mirror_batch(self, step: TargetStep) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per request: the target's query tokens before its drafts; then, for a sampled one, its emitted
+        tokens padded to 1 + k at the positions after the last of those. Also the flat index of each
+        sampled request's last emitted token (where its first draft's logits are)."""
+        loc, dev, bs = step.meta.query_start_loc, step.input_ids.device, self.target.block_size
+        row_of = {i: j for j, i in enumerate(step.sampled)}
+        width = step.tokens.shape[1] if step.sampled else 0
+        src, pos_src, pos_add, owner, extra, pick = [], [], [], [], [], []
+        total = 0
+        for i in range(len(loc) - 1):
+            j = row_of.get(i)
+            k = step.num_drafts[j] if j is not None else 0
+            known = loc[i + 1] - loc[i] - k
+            src.extend(range(loc[i], loc[i] + known))
+            pos_src.extend(range(loc[i], loc[i] + known))
+            pos_add.extend([0] * known)
+            m = known
+            if j is not None:
+                pick.append(total + known)
+                src.extend(loc[-1] + j * width + t for t in range(k + 1))
+                pos_src.extend([loc[i] + known - 1] * (k + 1))
+                pos_add.extend(range(1, k + 2))
+                m += k + 1
+            owner.extend([i] * m)
+            extra.append(m - (loc[i + 1] - loc[i]))
+            total += m
+        tokens = step.input_ids if not step.sampled else torch.cat([step.input_ids, step.tokens.flatten()])
+        ids = tokens[to_device(torch.tensor(src), dev)]
+        positions = step.positions[to_device(torch.tensor(pos_src), dev)] + to_device(torch.tensor(pos_add), dev)
+        blocks = step.meta.block_tables[to_device(torch.tensor(owner), dev), positions // bs].long()
+        seq_lens = step.meta.seq_lens + to_device(torch.tensor(extra), dev).to(step.meta.seq_lens.dtype)
+        cuda = dev.type == "cuda"
+        draft_loc = [0]
+        for i in range(len(loc) - 1):
+            draft_loc.append(draft_loc[-1] + loc[i + 1] - loc[i] + extra[i])
+        meta = AttentionMetadata(
+            num_decodes=0, num_decode_tokens=0, slot_mapping=blocks * bs + positions % bs,
+            block_tables=step.meta.block_tables, seq_lens=seq_lens, query_start_loc=draft_loc,
+            # The CPU backend reads exact host lengths (free there); on CUDA an upper bound, never read.
+            seq_lens_host=[h + e for h, e in zip(step.meta.seq_lens_host, extra)] if cuda else seq_lens.tolist(),
+            query_start_loc_device=to_device(torch.tensor(draft_loc, dtype=torch.int32), dev) if cuda else None,
+            max_query_len=max(b - a for a, b in itertools.pairwise(draft_loc)))
+        pick_t = to_device(torch.tensor(pick, dtype=torch.long), dev)
+        if step.sampled:
+            pick_t = pick_t + step.counts.long() - 1
+        return meta, ids, positions, pick_t
+
+    def _decode_meta(self, tables: torch.Tensor, position: torch.Tensor, bound: list[int]) -> AttentionMetadata:
+        n, bs, dev = len(bound), self.target.block_size, position.device
+        cuda = dev.type == "cuda"
+        seq_lens = (position + 1).to(torch.int32 if cuda else torch.int64)
+        blocks = tables[torch.arange(n, device=dev), position // bs].long()
+        loc = list(range(n + 1))
+        return AttentionMetadata(
+            num_decodes=n, num_decode_tokens=n, slot_mapping=blocks * bs + position % bs, block_tables=tables,
+            seq_lens=seq_lens, query_start_loc=loc, seq_lens_host=bound if cuda else seq_lens.tolist(),
+            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
+            max_query_len=1, num_kv_splits=self.runner._num_kv_splits(n))
+
+    def _rotary(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions the draft model can embed: past its own limit only garbage or weak drafts are made,
+        and verification keeps the output exact either way."""
+        return positions.clamp(max=self.max_len - 1)
+
+    def _draw_rows(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft per row: the argmax for greedy rows, a draw from q otherwise (q kept, zero for greedy rows)."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            return tokens, None
+        index = to_device(torch.tensor(sampled), logits.device)
+        q_rows = probabilities([params[i] for i in sampled], logits[index])
+        noise = torch.empty_like(q_rows).exponential_(generator=self.generator)
+        tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
+        return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from pressroom.attention.backend import AttentionMetadata
 from pressroom.config import SpeculativeConfig
 from pressroom.sampling_params import SamplingParams
 
@@ -30,6 +31,21 @@ class Draft:
     confidences: list[float] | None = None
 
 
+@dataclass(slots=True)
+class TargetStep:
+    """One target step as a drafter that works on the device sees it (async scheduling): the step's
+    query tokens, positions and attention metadata (block tables, context lengths), and for each
+    request that sampled, the tokens it emitted, still on the device."""
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    meta: AttentionMetadata
+    sampled: list[int]  # batch index of each request that sampled
+    num_drafts: list[int]  # per sampled request: the drafts it verified (the last of its query tokens)
+    tokens: torch.Tensor | None  # [sampled, width]: accepted drafts then the target's token, padded
+    counts: torch.Tensor | None  # [sampled] tokens each emitted
+    params: list[SamplingParams]  # per sampled request
+
+
 class Proposer(Protocol):
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
         """Drafts for the requests that get any (an empty or missing draft is a valid answer)."""
@@ -38,6 +54,9 @@ class Proposer(Protocol):
     def forget(self, req_ids: Iterable[str]) -> None:
         """The requests finished or were preempted: drop any state kept for them."""
         ...
+
+    # A drafter usable with async scheduling also has (see DraftModelProposer):
+    # propose_on_device(step: TargetStep) -> tuple[drafts [sampled, K], q [sampled, K, vocab] | None] | None
 
 
 def make_proposer(config: SpeculativeConfig | None, target) -> Proposer | None:

@@ -15,12 +15,12 @@ from torch import nn
 
 from pressroom.attention.backend import AttentionBackend, AttentionMetadata, forward_context
 from pressroom.attention.torch_ref import make_cpu_backend
-from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from pressroom.core.outputs import PLACEHOLDER_DRAFT, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.proposer import DraftRequest, Proposer
+from pressroom.spec_decode.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.device import to_device
-from pressroom.worker.rejection_sampler import verify
+from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
 
 
@@ -33,7 +33,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
-    num_inflight: int = 0  # sampled tokens not yet appended to token_ids (async scheduling)
+    # Tokens steps in flight may emit, not yet appended to token_ids (async scheduling): 1 + drafts each.
+    num_inflight: int = 0
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
@@ -41,11 +42,35 @@ class CachedRequestState:
 
 
 @dataclass(slots=True)
+class DeviceStep:
+    """The last launched step's emitted tokens, left on the device as the next step's inputs."""
+    rows: dict[str, int]  # request id -> row
+    tokens: torch.Tensor  # [rows, width]: accepted drafts, then the target's token; padded
+    counts: torch.Tensor | None  # [rows] tokens emitted per row; None: one each
+    num_drafts: list[int]  # per row, the drafts it verified (its next positions shift by the rejected ones)
+
+    def last_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.counts is None:
+            return self.tokens[rows, 0]
+        return self.tokens[rows, self.counts[rows] - 1]
+
+    def rejected(self, rows: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+        return num_drafts - (self.counts[rows] - 1)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+@dataclass(slots=True)
 class PendingOutput:
-    """A step's output whose sampled tokens may still be on their way from the device."""
+    """A step's output whose emitted tokens may still be on their way from the device."""
     output: ModelRunnerOutput
-    states: list[CachedRequestState]  # the sampled requests, in the order of `tokens`
-    tokens: torch.Tensor | None  # host copy (pinned, filled asynchronously on CUDA)
+    states: list[CachedRequestState]  # the sampled requests, in the order of `tokens`' rows
+    tokens: torch.Tensor | None  # [rows, width] host copy (pinned, filled asynchronously on CUDA)
+    counts: torch.Tensor | None = None  # [rows] tokens emitted per row; None: one each
+    spans: list[int] | None = None  # per row, the tokens it had in flight (1 + drafts); None: one each
     copied: torch.cuda.Event | None = None
     resolved: bool = False
 
@@ -54,15 +79,14 @@ class PendingOutput:
         return cls(output, [], None, resolved=True)
 
     @classmethod
-    def start(cls, output: ModelRunnerOutput, states: list[CachedRequestState], tokens: torch.Tensor
-              ) -> PendingOutput:
+    def start(cls, output: ModelRunnerOutput, states: list[CachedRequestState], tokens: torch.Tensor,
+              counts: torch.Tensor | None = None, spans: list[int] | None = None) -> PendingOutput:
         if not tokens.is_cuda:
-            return cls(output, states, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(output, states, tokens, counts, spans)
+        tokens, counts = _pinned_copy(tokens), None if counts is None else _pinned_copy(counts)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(output, states, host, copied)
+        return cls(output, states, tokens, counts, spans, copied)
 
     def resolve(self) -> ModelRunnerOutput:
         """Waits for the tokens, appends them to the runner's request states (in step order)."""
@@ -70,10 +94,13 @@ class PendingOutput:
             return self.output
         if self.copied is not None:
             self.copied.synchronize()
-        for state, token in zip(self.states, self.tokens.tolist()):
-            state.token_ids.append(token)
-            state.num_inflight -= 1
-            self.output.sampled_token_ids[state.req_id] = [token]
+        rows = self.tokens.tolist()
+        counts = self.counts.tolist() if self.counts is not None else [1] * len(rows)
+        spans = self.spans or [1] * len(rows)
+        for state, row, n, span in zip(self.states, rows, counts, spans):
+            state.token_ids.extend(row[:n])
+            state.num_inflight -= span
+            self.output.sampled_token_ids[state.req_id] = row[:n]
         self.resolved = True
         return self.output
 
@@ -110,10 +137,14 @@ class ModelRunner:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         self.async_scheduling = async_scheduling
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
-        self.prev_tokens: torch.Tensor | None = None  # its sampled tokens, on the device
-        self.prev_rows: dict[str, int] = {}  # request id -> row in prev_tokens
+        # Its emitted tokens on the device, for requests whose results the scheduler has not booked yet.
+        self.prev: DeviceStep | None = None
         self.proposer: Proposer | None = None  # set by the engine when speculative decoding is on
+        # Async scheduling with a drafter that proposes on the device (set by the engine): drafts stay on
+        # the device and the scheduler sends placeholders for them.
+        self.device_drafting = False
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> q of its pending drafts
+        self.next_drafts: dict[str, torch.Tensor] = {}  # request id -> its pending drafts, on the device
         self.synthetic_rates: list[float] | None = None  # rejection_sample_method="synthetic"
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -244,6 +275,7 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             out = ModelRunnerOutput({})
+            self.prev = None  # the scheduler books the previous step's results before the next one
             return PendingOutput.done(out) if self.async_scheduling else out
         batch = self._prepare(sched)
         if self.graphs is not None and batch.decode_only and self.graphs.fits(len(batch.order)):
@@ -256,7 +288,12 @@ class ModelRunner:
         if any(needs_host_history(s.params) for s in batch.order):
             if self.pending is not None:
                 self.pending.resolve()  # this step's sampler reads complete token histories
-            self.pending = PendingOutput.done(self._sample(batch, sched, hidden))
+            if self.device_drafting:
+                self.pending = self._verify_in_step(batch, sched, hidden)
+            else:
+                self.pending = PendingOutput.done(self._sample(batch, sched, hidden))
+        elif self.device_drafting:
+            self.pending = self._verify_ahead(batch, sched, hidden)
         else:
             self.pending = self._sample_ahead(batch, sched, hidden)
         return self.pending
@@ -265,6 +302,7 @@ class ModelRunner:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
             self.draft_probs.pop(rid, None)
+            self.next_drafts.pop(rid, None)
         if self.proposer is not None and sched.finished_req_ids:
             self.proposer.forget(sched.finished_req_ids)
         for new in sched.new_requests:
@@ -280,14 +318,15 @@ class ModelRunner:
         counts = sched.num_scheduled_tokens
         reqs = sorted((self.states[rid] for rid in counts), key=lambda s: counts[s.req_id] != 1)
         num_decodes = sum(1 for s in reqs if counts[s.req_id] == 1)
-        bs = self.block_size
+        bs, prev = self.block_size, self.prev
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         loc = [0]
-        inflight_at: list[int] = []  # flat positions whose input is a token still on the device
-        inflight_from: list[int] = []  # its row in the previous step's sampled tokens
+        from_prev: list[tuple[int, int]] = []  # (flat position, row in prev): the previous step's last token
+        device_drafts: list[tuple[int, torch.Tensor]] = []  # (flat position, drafts held on the device)
+        shifted: list[tuple[int, int]] = []  # (batch index, row in prev) of requests prev's rejections shift
         # int32 tables for the GPU kernels; the CPU paths index with int64.
         tables = np.zeros((len(reqs), max(len(s.block_ids) for s in reqs)),
                           dtype=np.int32 if self.device == "cuda" else np.int64)
@@ -297,12 +336,19 @@ class ModelRunner:
             tables[i, :len(blocks)] = blocks
             drafts = sched.scheduled_spec_decode_tokens.get(s.req_id, ())
             known_end = end - len(drafts)
-            ids.extend(s.token_ids[start:known_end])
-            if known_end > len(s.token_ids):  # async: the last input was sampled by the step in flight
-                inflight_at.append(len(ids))
-                inflight_from.append(self.prev_rows[s.req_id])
+            row = prev.rows.get(s.req_id) if prev is not None else None
+            if row is None:
+                ids.extend(s.token_ids[start:known_end])
+            else:  # async: the last input was emitted by the step before, whose results are not booked
+                from_prev.append((len(ids), row))
                 ids.append(0)
-            ids.extend(drafts)
+                if prev.num_drafts[row]:
+                    shifted.append((i, row))
+            if drafts and drafts[0] == PLACEHOLDER_DRAFT:
+                device_drafts.append((len(ids), self.next_drafts[s.req_id][:len(drafts)]))
+                ids.extend([0] * len(drafts))
+            else:
+                ids.extend(drafts)
             if n == 1:
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -324,10 +370,35 @@ class ModelRunner:
             max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))),
             num_kv_splits=self._num_kv_splits(num_decodes))
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
-        if inflight_at:
-            rows = to_device(torch.tensor(inflight_from), dev)
-            input_ids.index_copy_(0, to_device(torch.tensor(inflight_at), dev), self.prev_tokens.index_select(0, rows))
-        return StepBatch(input_ids, to_device(torch.tensor(positions, dtype=torch.long), dev), meta, reqs, loc[1:])
+        if from_prev:
+            at, rows = zip(*from_prev)
+            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), prev.last_tokens(to_device(torch.tensor(rows), dev)))
+        if device_drafts:
+            at = [p + j for p, d in device_drafts for j in range(len(d))]
+            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), torch.cat([d for _, d in device_drafts]))
+        batch = StepBatch(input_ids, to_device(torch.tensor(positions, dtype=torch.long), dev), meta, reqs, loc[1:])
+        if shifted:
+            self._shift_by_rejections(batch, shifted)
+        return batch
+
+    def _shift_by_rejections(self, batch: StepBatch, shifted: list[tuple[int, int]]) -> None:
+        """Moves requests back by the drafts the previous step rejected (known only on the device): the
+        scheduler booked them as accepted. Positions, slots and context lengths are recomputed there;
+        the rejected drafts' KV slots are simply written again."""
+        dev, meta, prev = self.device, batch.meta, self.prev
+        index, rows = (to_device(torch.tensor(x), dev) for x in zip(*shifted))
+        drafts = to_device(torch.tensor([prev.num_drafts[r] for _, r in shifted]), dev)
+        per_req = torch.zeros(len(batch.order), dtype=torch.long, device=dev)
+        per_req.index_copy_(0, index, prev.rejected(rows, drafts).long())
+        lens = to_device(torch.tensor(np.diff(meta.query_start_loc)), dev)
+        num_tokens = meta.query_start_loc[-1]
+        batch.positions = batch.positions - torch.repeat_interleave(per_req, lens, output_size=num_tokens)
+        meta.seq_lens = meta.seq_lens - per_req.to(meta.seq_lens.dtype)
+        owner = torch.repeat_interleave(torch.arange(len(batch.order), device=dev), lens, output_size=num_tokens)
+        blocks = meta.block_tables[owner, batch.positions // self.block_size].long()
+        meta.slot_mapping = blocks * self.block_size + batch.positions % self.block_size
+        if dev != "cuda":  # the CPU backend reads host lengths (free here); the GPU backend never does
+            meta.seq_lens_host = meta.seq_lens.tolist()
 
     def _sampling_rows(self, batch: StepBatch, sched: SchedulerOutput) -> list[tuple[int, CachedRequestState]]:
         """(index in the batch, state) of each request whose step reaches the end of its known tokens."""
@@ -339,16 +410,20 @@ class ModelRunner:
         index = torch.tensor([batch.query_ends[i] - 1 for i, _ in rows])
         return hidden.index_select(0, to_device(index, hidden.device))
 
-    def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                drafts: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """Samples and verifies on the host; `drafts`: the scheduled drafts' ids where the scheduler sent
+        placeholders."""
+        drafts = sched.scheduled_spec_decode_tokens if drafts is None else drafts
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         sampling = self._sampling_rows(batch, sched)
         for i, s in enumerate(batch.order):
             if s.params.prompt_logprobs is not None and s.num_computed_tokens < max(1, s.num_prompt_tokens - 1):
                 out.prompt_logprobs[s.req_id] = self._prompt_logprobs(s, hidden, batch, i, sched)
-        verifying = [(i, s) for i, s in sampling if s.req_id in sched.scheduled_spec_decode_tokens]
-        sampling = [(i, s) for i, s in sampling if s.req_id not in sched.scheduled_spec_decode_tokens]
+        verifying = [(i, s) for i, s in sampling if s.req_id in drafts]
+        sampling = [(i, s) for i, s in sampling if s.req_id not in drafts]
         if verifying:
-            self._verify(batch, sched, hidden, verifying, out)
+            self._verify(batch, drafts, hidden, verifying, out)
         if sampling:
             logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
             rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
@@ -359,27 +434,31 @@ class ModelRunner:
                 out.sampled_token_ids[s.req_id] = [token]
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
-        if self.proposer is not None:
+        if self.proposer is not None and not self.device_drafting:
             if hasattr(self.proposer, "observe_features"):
                 self._hand_over_features(batch, sched, out)
             self._propose([s for _, s in sampling + verifying], out)
-        self.prev_tokens, self.prev_rows = None, {}
+        self.prev = None
         return out
 
-    def _verify(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+    def _verify(self, batch: StepBatch, drafts: dict[str, list[int]], hidden: torch.Tensor,
                 verifying: list[tuple[int, CachedRequestState]], out: ModelRunnerOutput) -> None:
         """Checks each request's drafts against the target's logits at its 1 + k positions (one LM-head
         call for all of them)."""
-        spans = []
-        for i, s in verifying:
-            n = len(sched.scheduled_spec_decode_tokens[s.req_id]) + 1
-            spans.append(range(batch.query_ends[i] - n, batch.query_ends[i]))
-        index = to_device(torch.tensor([p for span in spans for p in span]), hidden.device)
-        all_logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+        all_logits = self.model.compute_logits(self._verify_hidden(batch, hidden, verifying, drafts)).float()
         start = 0
-        for (_, s), span in zip(verifying, spans):
-            logits, start = all_logits[start:start + len(span)], start + len(span)
-            self._verify_one(s, sched.scheduled_spec_decode_tokens[s.req_id], logits, out)
+        for _, s in verifying:
+            n = len(drafts[s.req_id]) + 1
+            logits, start = all_logits[start:start + n], start + n
+            self._verify_one(s, drafts[s.req_id], logits, out)
+
+    @staticmethod
+    def _verify_hidden(batch: StepBatch, hidden: torch.Tensor, rows: list[tuple[int, CachedRequestState]],
+                       drafts: dict[str, list[int]]) -> torch.Tensor:
+        """Hidden states at each row's last 1 + k positions (k: its drafts), row after row."""
+        index = [p for i, s in rows
+                 for p in range(batch.query_ends[i] - len(drafts.get(s.req_id, ())) - 1, batch.query_ends[i])]
+        return hidden.index_select(0, to_device(torch.tensor(index), hidden.device))
 
     def _verify_one(self, s: CachedRequestState, drafts: list[int], logits: torch.Tensor,
                     out: ModelRunnerOutput) -> None:
@@ -439,15 +518,91 @@ class ModelRunner:
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         sampling = self._sampling_rows(batch, sched)
         if not sampling:
+            self.prev = None
             return PendingOutput.done(out)
         logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
         rows = [SamplingRow(s.params, [], [], s.eos_token_id) for _, s in sampling]
-        tokens = sample_on_device(logits, rows, self.generator)
+        tokens = sample_on_device(logits, rows, self.generator).unsqueeze(1)
         states = [s for _, s in sampling]
         for s in states:
             s.num_inflight += 1
-        self.prev_tokens, self.prev_rows = tokens, {s.req_id: j for j, s in enumerate(states)}
+        self.prev = DeviceStep({s.req_id: j for j, s in enumerate(states)}, tokens, None, [0] * len(states))
         return PendingOutput.start(out, states, tokens)
+
+    # ---- async scheduling with drafts made on the device ----
+
+    def _verify_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
+        """Verifies (a request without drafts: samples) on the device, starts the copy home, then drafts
+        the next step on the device too; nothing here waits for the device."""
+        out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
+        sampling = self._sampling_rows(batch, sched)
+        if not sampling:
+            self._launch_drafts(batch, [], [], None, None)
+            return PendingOutput.done(out)
+        num_drafts = [len(sched.scheduled_spec_decode_tokens.get(s.req_id, ())) for _, s in sampling]
+        spec = {s.req_id: [0] * k for (_, s), k in zip(sampling, num_drafts)}
+        logits = self.model.compute_logits(self._verify_hidden(batch, hidden, sampling, spec)).float()
+        kmax = max(num_drafts)
+        at = [batch.query_ends[i] - k + min(j, k - 1) if k else 0
+              for (i, _), k in zip(sampling, num_drafts) for j in range(kmax)]
+        drafts = batch.input_ids[to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)]
+        tokens, counts = verify_on_device(logits, [s.params for _, s in sampling], num_drafts,
+                                          drafts.view(len(sampling), kmax), self._draft_q(sampling, num_drafts),
+                                          self.generator, self.synthetic_rates)
+        spans = [1 + k for k in num_drafts]
+        for (_, s), span in zip(sampling, spans):
+            s.num_inflight += span
+        pending = PendingOutput.start(out, [s for _, s in sampling], tokens, counts, spans)
+        self._launch_drafts(batch, sampling, num_drafts, tokens, counts)
+        return pending
+
+    def _verify_in_step(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
+        """A batch whose sampling reads host token histories (the step in flight is resolved by now):
+        verifies on the host with the drafts' ids fetched, then drafts on the device as usual."""
+        drafts = {rid: self.next_drafts[rid][:len(d)].tolist() if d[0] == PLACEHOLDER_DRAFT else list(d)
+                  for rid, d in sched.scheduled_spec_decode_tokens.items()}
+        sampling = self._sampling_rows(batch, sched)
+        out = self._sample(batch, sched, hidden, drafts)
+        emitted = [out.sampled_token_ids[s.req_id] for _, s in sampling]
+        if not sampling:
+            self._launch_drafts(batch, [], [], None, None)
+            return PendingOutput.done(out)
+        num_drafts = [len(drafts.get(s.req_id, ())) for _, s in sampling]
+        width = 1 + max(num_drafts)  # as the device path pads: the drafter reads 1 + k per row
+        tokens = to_device(torch.tensor([e + [0] * (width - len(e)) for e in emitted]), self.device)
+        counts = to_device(torch.tensor([len(e) for e in emitted]), self.device)
+        self._launch_drafts(batch, sampling, num_drafts, tokens, counts)
+        return PendingOutput.done(out)
+
+    def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int]) -> torch.Tensor | None:
+        """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts; None when no such row has drafts."""
+        kmax = max(num_drafts)
+        if not any(k and not s.params.greedy for (_, s), k in zip(sampling, num_drafts)):
+            return None
+        some = next(iter(self.draft_probs.values()), None)
+        if some is None:
+            return None  # verification then treats each draft as certain (q one-hot)
+        zeros = some.new_zeros(some.shape)  # greedy rows: never read
+        return torch.stack([self.draft_probs.get(s.req_id, zeros) for _, s in sampling])[:, :kmax]
+
+    def _launch_drafts(self, batch: StepBatch, sampling: list[tuple[int, CachedRequestState]],
+                       num_drafts: list[int], tokens: torch.Tensor | None, counts: torch.Tensor | None) -> None:
+        """Hands the step to the device drafter (which mirrors every target step in its own cache) and keeps
+        its drafts, and this step's emitted tokens, on the device for the next step."""
+        self.prev = DeviceStep({s.req_id: j for j, (_, s) in enumerate(sampling)}, tokens, counts,
+                               num_drafts) if sampling else None
+        step = TargetStep(batch.input_ids, batch.positions, batch.meta, [i for i, _ in sampling], num_drafts,
+                          tokens, counts, [s.params for _, s in sampling])
+        proposed = self.proposer.propose_on_device(step)
+        if proposed is None:
+            return
+        drafts, probs = proposed
+        for j, (_, s) in enumerate(sampling):
+            self.next_drafts[s.req_id] = drafts[j]
+            if probs is not None and not s.params.greedy:
+                self.draft_probs[s.req_id] = probs[j]
+            else:
+                self.draft_probs.pop(s.req_id, None)
 
     def _prompt_logprobs(self, s: CachedRequestState, hidden: torch.Tensor, batch: StepBatch, i: int,
                          sched: SchedulerOutput) -> list[TopLogprobs | None]:

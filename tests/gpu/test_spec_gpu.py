@@ -46,3 +46,44 @@ def test_greedy_speculation_equals_plain_decoding(dirs):
         assert tokens == plain, config
         if config.get("adaptive_token_budget") is False:  # fixed K: every step verified drafts
             assert stats.num_drafts > 0, config
+
+
+def test_async_draft_model_equals_sync_and_plain(dirs):
+    """Async scheduling (on by default on CUDA with a draft model): verification, drafting and the next
+    step's inputs stay on the GPU; greedy output equals sync speculation and no speculation."""
+    target, drafter = dirs
+    prompts = random_prompts(8, low=4, high=60, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True, detokenize=False)
+              for i in range(len(prompts))]
+
+    def run(**engine):
+        llm = LLM(target, device="cuda", dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
+                  skip_tokenizer_init=True, **engine)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.kv_cache.usage() == 0.0
+        return [list(o.outputs[0].token_ids) for o in outs], llm
+
+    plain, _ = run()
+    for draft in (target, drafter):  # accepts every draft / rejects most
+        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive_token_budget": False}
+        sync, _ = run(async_scheduling=False, speculative_config=config)
+        async_, llm = run(speculative_config=config)
+        assert llm.engine.runner.device_drafting
+        assert async_ == sync == plain, draft
+        stats = llm.engine.stats().spec
+        assert stats.num_draft_tokens > 0
+        if draft == target:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_async_draft_model_sampling_runs_and_frees_everything(dirs):
+    """The device rejection sampler and the draft's q on the GPU: every request gets its max_tokens."""
+    target, drafter = dirs
+    llm = LLM(target, device="cuda", dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
+              skip_tokenizer_init=True,
+              speculative_config={"method": "draft_model", "model": drafter, "num_speculative_tokens": 3})
+    assert llm.engine.runner.device_drafting
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(16, seed=6)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 16
+    assert llm.engine.kv_cache.usage() == 0.0

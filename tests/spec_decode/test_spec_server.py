@@ -20,7 +20,8 @@ def test_server_speculates_and_reports_it(tiny_model_dir, tmp_path):
     args = ["serve", tiny_model_dir("llama"), "--served-model-name", "tiny", "--dtype", "float32",
             "--kv-cache-memory-gib", "0.05"]
     texts = []
-    for extra in ([], ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]):
+    for extra in ([], ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                             "adaptive_token_budget": False})]):
         with serve(args + extra, tmp_path / f"server{len(extra)}.log") as (url, _):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
             out = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,

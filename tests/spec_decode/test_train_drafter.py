@@ -28,7 +28,8 @@ def test_record_train_save_and_serve(tiny_model_dir, tmp_path):
     cfg = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=2, conv_kernel_size=2, conv_group_size=16,
                         top_m=4, rank=8)
     drafter, report = train(llm.engine.model, seqs, cfg, steps=300, batch_size=32, progress=False, scorer_steps=100)
-    assert report["last_loss"] < 0.7 * report["first_loss"]
+    assert report["first_loss"] > 10.0  # slots start near uniform logits: ln(49152) = 10.8
+    assert report["last_loss"] < report["first_loss"] - 1.0
     assert report["scorer_last_loss"] < report["scorer_first_loss"]  # the selector learns the true paths
     # It fits what it saw; held-out acceptance is reported (a random tiny model's text does not generalise).
     assert report["train_after"]["argmax"] > report["train_before"]["argmax"] + 0.05
