@@ -39,6 +39,9 @@ class SchedulerOutput:
     # Draft tokens to verify, per request; they are the last len(drafts) of its scheduled tokens
     # (PLACEHOLDER_DRAFT each under async drafting: the runner holds their ids on the device).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # How many drafts each request that samples this step should have drafted for its next one (the
+    # adaptive budget's plan, where drafting has a cost of its own: a draft model); absent: all K.
+    draft_limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -114,6 +114,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        sampling: list[Request] = []  # requests whose step ends at their last token: they draft after it
         preempted_now = False
 
         # Best first, so a victim (the worst) is never one already scheduled this step.
@@ -143,14 +144,34 @@ class Scheduler:
             budget -= n
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
-            self._book(req, n, len(drafts))
+            if self._book(req, n, len(drafts)):
+                sampling.append(req)
 
         # Admitting new work in a step that had to preempt would just thrash.
         if not preempted_now:
-            self._admit_waiting(budget, scheduled, new_reqs)
+            self._admit_waiting(budget, scheduled, new_reqs, sampling)
 
         stale, self._stale = self._stale, set()
-        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens)
+        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens,
+                               self._plan_drafts(sampling))
+
+    def _plan_drafts(self, sampling: list[Request]) -> dict[str, int]:
+        """Where drafting costs a forward pass per draft position (a draft model), how many drafts each
+        request sampling this step should draft for the next, planned before any drafting: at high
+        concurrency none, so the drafter is not run for drafts the next step would not verify."""
+        budget = self.spec_budget
+        if budget is None or budget.draft_costs is None or not sampling:
+            return {}
+        allowed = {r.request_id: max(0, min(budget.k, r.sampling_params.max_tokens - r.num_output_tokens
+                                            - r.num_output_placeholders - 1)) for r in sampling}
+        base = min(self.config.max_num_batched_tokens,
+                   sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running))
+        contexts = {r.request_id: r.num_computed_tokens for r in sampling}
+        limits = budget.plan(allowed, max(1, base), contexts, sum(r.num_computed_tokens for r in self.running))
+        if self.async_drafts:  # the placeholders the next step verifies at most
+            for r in sampling:
+                r.spec_token_ids = r.spec_token_ids[:limits[r.request_id]]
+        return limits
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         results = []
@@ -185,7 +206,8 @@ class Scheduler:
 
     # ---- internals ----
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                       sampling: list[Request]) -> None:
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             entry = heapq.heappop(self.waiting)
@@ -209,7 +231,8 @@ class Scheduler:
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id))
-            self._book(req, n, 0)
+            if self._book(req, n, 0):
+                sampling.append(req)
             self._seen_by_runner.add(req.request_id)
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
@@ -304,11 +327,14 @@ class Scheduler:
             self._seen_by_runner.discard(req.request_id)
             self._stale.add(req.request_id)
 
-    def _book(self, req: Request, n: int, num_drafts: int) -> None:
+    def _book(self, req: Request, n: int, num_drafts: int) -> bool:
         """Counts a scheduled step's tokens as computed (its drafts as accepted); one that reaches the end
-        emits up to 1 + num_drafts tokens, and under async drafting leaves placeholder drafts."""
+        emits up to 1 + num_drafts tokens, and under async drafting leaves placeholder drafts. True: the
+        step samples."""
         req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-            req.num_output_placeholders += 1 + num_drafts
-            if self.async_drafts:
-                req.spec_token_ids = [PLACEHOLDER_DRAFT] * self.async_drafts
+        if req.num_computed_tokens < req.num_tokens + req.num_output_placeholders:
+            return False
+        req.num_output_placeholders += 1 + num_drafts
+        if self.async_drafts:
+            req.spec_token_ids = [PLACEHOLDER_DRAFT] * self.async_drafts
+        return True

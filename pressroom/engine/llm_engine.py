@@ -161,7 +161,12 @@ class LLMEngine:
         per_context_token = max(0.0, (long_t - short_t) / (rows * (long_ctx - bs)))
         logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
                     "per query per context token", _curve(decode), _curve(verify), 1e6 * per_context_token)
-        return AdaptiveBudget(max_drafts, verify, decode, per_context_token)
+        drafts = None
+        if hasattr(self.runner.proposer, "profile_decode_steps"):  # a draft model: each position costs a pass
+            drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
+            logger.info("draft model steps: %s", _curve(drafts))
+        return AdaptiveBudget(max_drafts, verify, decode, per_context_token, drafts,
+                              first_draft_free=self.runner.device_drafting)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

@@ -45,15 +45,18 @@ class _Estimates:
 class AdaptiveBudget:
     def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
                  decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0,
-                 draft_costs: list[tuple[int, float]] | None = None) -> None:
+                 draft_costs: list[tuple[int, float]] | None = None, first_draft_free: bool = False) -> None:
         """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
         verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
         seconds per query token per context token it attends to, added on top of the curves.
-        `draft_costs` (optional, for `plan`): one drafter forward pass over that many single-token rows."""
+        `draft_costs` (optional, for `plan`): one drafter forward pass over that many single-token rows;
+        `first_draft_free`: the drafter runs a pass every step anyway (it mirrors the target under async
+        scheduling) and the first draft comes with it, so only deeper positions cost a pass."""
         self.k = max_drafts
         self.costs = sorted(verify_costs)
         self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
         self.draft_costs = sorted(draft_costs) if draft_costs and len(draft_costs) > 1 else None
+        self.first_draft_free = first_draft_free
         self.attention_cost = attention_cost
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
         self.own: dict[str, _Estimates] = {}
@@ -156,8 +159,10 @@ class AdaptiveBudget:
             for j in range(self.k):
                 at = depth == j
                 rows[at] = np.arange(1, int(at.sum()) + 1)
-            step = _interp(self.draft_costs, rows)
-            seconds += np.cumsum(step - np.where(rows > 1, _interp(self.draft_costs, rows - 1), 0.0))
+            step = _interp(self.draft_costs, rows) - np.where(rows > 1, _interp(self.draft_costs, rows - 1), 0.0)
+            if self.first_draft_free:
+                step[depth == 0] = 0.0
+            seconds += np.cumsum(step)
         rates = emitted / seconds
         best = int(rates.argmax())
         return best + 1 if rates[best] > plain else 0

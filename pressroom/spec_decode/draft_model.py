@@ -83,6 +83,14 @@ class DraftModelProposer:
         return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None)
                 for rid, ids in drafts.items() if ids}
 
+    def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
+        """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""
+        if self.target.async_scheduling:
+            self._ensure_mirror_cache()
+        else:
+            self._ensure_cache()
+        return self.runner.profile_step_costs(counts, 1)
+
     # ---- the draft cache ----
 
     def _ensure_cache(self) -> None:
@@ -159,10 +167,7 @@ class DraftModelProposer:
     def propose_on_device(self, step: TargetStep) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """K drafts per sampled request ([sampled, K]) and their q ([sampled, K, vocab], zero rows for
         greedy requests; None when all are greedy); None when no request sampled."""
-        if not self.runner.kv_caches:
-            # The target's block layout, room for the same context (the target's tables include the lookahead).
-            self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
-                                            self.target.max_blocks_per_seq * self.target.block_size)
+        self._ensure_mirror_cache()
         meta, ids, positions, pick = self._mirror_batch(step)
         with forward_context(meta):
             hidden = self.runner.model(ids, self._rotary(positions))
@@ -170,16 +175,34 @@ class DraftModelProposer:
             return None
         token, q = self._draw_rows(self.runner.model.compute_logits(hidden[pick]).float(), step.params)
         drafts, probs = [token], [q]
-        position, tables = positions[pick], meta.block_tables[to_device(torch.tensor(step.sampled), ids.device)]
+        base, tables = positions[pick], meta.block_tables[to_device(torch.tensor(step.sampled), ids.device)]
         bound = [meta.seq_lens_host[i] for i in step.sampled]
+        active = list(range(len(step.sampled)))
         for j in range(1, self.k):
-            position = position + 1
-            with forward_context(self._decode_meta(tables, position, [b + j for b in bound])):
-                hidden = self.runner.model(token, self._rotary(position))
-            token, q = self._draw_rows(self.runner.model.compute_logits(hidden).float(), step.params)
+            # Only the rows the budget planned this deep (the first draft came with the mirror pass).
+            active = [r for r in active if step.draft_limits[r] > j]
+            if not active:
+                break
+            idx = None if len(active) == len(step.sampled) else to_device(torch.tensor(active), ids.device)
+            position = _rows(base, idx) + j
+            with forward_context(self._decode_meta(_rows(tables, idx), position, [bound[r] + j for r in active])):
+                hidden = self.runner.model(_rows(drafts[-1], idx), self._rotary(position))
+            token, q = self._draw_rows(self.runner.model.compute_logits(hidden).float(),
+                                       [step.params[r] for r in active])
+            if idx is not None:  # rows that stopped keep a filler draft, never verified
+                token = drafts[-1].index_copy(0, idx, token)
+                q = None if probs[-1] is None else probs[-1].index_copy(0, idx, q) if q is not None else probs[-1]
             drafts.append(token)
             probs.append(q)
+        drafts += [drafts[-1]] * (self.k - len(drafts))
+        probs += [probs[-1]] * (self.k - len(probs))
         return torch.stack(drafts, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+
+    def _ensure_mirror_cache(self) -> None:
+        if not self.runner.kv_caches:
+            # The target's block layout, room for the same context (the target's tables include the lookahead).
+            self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
+                                            self.target.max_blocks_per_seq * self.target.block_size)
 
     def _mirror_batch(self, step: TargetStep) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per request: the target's query tokens before its drafts; then, for a sampled one, its emitted
@@ -256,3 +279,7 @@ class DraftModelProposer:
         noise = torch.empty_like(q_rows).exponential_(generator=self.generator)
         tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
         return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    return t if idx is None else t.index_select(0, idx)

@@ -44,6 +44,7 @@ class TargetStep:
     tokens: torch.Tensor | None  # [sampled, width]: accepted drafts then the target's token, padded
     counts: torch.Tensor | None  # [sampled] tokens each emitted
     params: list[SamplingParams]  # per sampled request
+    draft_limits: list[int]  # per sampled request: drafts wanted for its next step (the budget's plan)
 
 
 class Proposer(Protocol):

@@ -437,7 +437,7 @@ class ModelRunner:
         if self.proposer is not None and not self.device_drafting:
             if hasattr(self.proposer, "observe_features"):
                 self._hand_over_features(batch, sched, out)
-            self._propose([s for _, s in sampling + verifying], out)
+            self._propose([s for _, s in sampling + verifying], out, sched.draft_limits)
         self.prev = None
         return out
 
@@ -485,10 +485,12 @@ class ModelRunner:
                 end = first + len(out.sampled_token_ids[s.req_id])
             self.proposer.observe_features(s.req_id, features[first:end])
 
-    def _propose(self, states: list[CachedRequestState], out: ModelRunnerOutput) -> None:
-        """Drafts for each request's next step; their probabilities stay here until verification."""
-        requests = [DraftRequest(s.req_id, s.token_ids, s.params.max_tokens - self._num_outputs(s) - 1, s.params)
-                    for s in states]
+    def _propose(self, states: list[CachedRequestState], out: ModelRunnerOutput, limits: dict[str, int]) -> None:
+        """Drafts for each request's next step (at most its planned limit, where the budget plans them);
+        their probabilities stay here until verification."""
+        requests = [DraftRequest(s.req_id, s.token_ids,
+                                 min(s.params.max_tokens - self._num_outputs(s) - 1, limits.get(s.req_id, 1 << 30)),
+                                 s.params) for s in states]
         for s in states:
             self.draft_probs.pop(s.req_id, None)
         for rid, draft in self.proposer.propose(requests).items():
@@ -537,7 +539,7 @@ class ModelRunner:
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         sampling = self._sampling_rows(batch, sched)
         if not sampling:
-            self._launch_drafts(batch, [], [], None, None)
+            self._launch_drafts(batch, sched, [], [], None, None)
             return PendingOutput.done(out)
         num_drafts = [len(sched.scheduled_spec_decode_tokens.get(s.req_id, ())) for _, s in sampling]
         spec = {s.req_id: [0] * k for (_, s), k in zip(sampling, num_drafts)}
@@ -553,7 +555,7 @@ class ModelRunner:
         for (_, s), span in zip(sampling, spans):
             s.num_inflight += span
         pending = PendingOutput.start(out, [s for _, s in sampling], tokens, counts, spans)
-        self._launch_drafts(batch, sampling, num_drafts, tokens, counts)
+        self._launch_drafts(batch, sched, sampling, num_drafts, tokens, counts)
         return pending
 
     def _verify_in_step(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
@@ -565,13 +567,13 @@ class ModelRunner:
         out = self._sample(batch, sched, hidden, drafts)
         emitted = [out.sampled_token_ids[s.req_id] for _, s in sampling]
         if not sampling:
-            self._launch_drafts(batch, [], [], None, None)
+            self._launch_drafts(batch, sched, [], [], None, None)
             return PendingOutput.done(out)
         num_drafts = [len(drafts.get(s.req_id, ())) for _, s in sampling]
         width = 1 + max(num_drafts)  # as the device path pads: the drafter reads 1 + k per row
         tokens = to_device(torch.tensor([e + [0] * (width - len(e)) for e in emitted]), self.device)
         counts = to_device(torch.tensor([len(e) for e in emitted]), self.device)
-        self._launch_drafts(batch, sampling, num_drafts, tokens, counts)
+        self._launch_drafts(batch, sched, sampling, num_drafts, tokens, counts)
         return PendingOutput.done(out)
 
     def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int]) -> torch.Tensor | None:
@@ -585,14 +587,15 @@ class ModelRunner:
         zeros = some.new_zeros(some.shape)  # greedy rows: never read
         return torch.stack([self.draft_probs.get(s.req_id, zeros) for _, s in sampling])[:, :kmax]
 
-    def _launch_drafts(self, batch: StepBatch, sampling: list[tuple[int, CachedRequestState]],
+    def _launch_drafts(self, batch: StepBatch, sched: SchedulerOutput, sampling: list[tuple[int, CachedRequestState]],
                        num_drafts: list[int], tokens: torch.Tensor | None, counts: torch.Tensor | None) -> None:
         """Hands the step to the device drafter (which mirrors every target step in its own cache) and keeps
         its drafts, and this step's emitted tokens, on the device for the next step."""
         self.prev = DeviceStep({s.req_id: j for j, (_, s) in enumerate(sampling)}, tokens, counts,
                                num_drafts) if sampling else None
         step = TargetStep(batch.input_ids, batch.positions, batch.meta, [i for i, _ in sampling], num_drafts,
-                          tokens, counts, [s.params for _, s in sampling])
+                          tokens, counts, [s.params for _, s in sampling],
+                          [sched.draft_limits.get(s.req_id, 1 << 30) for _, s in sampling])
         proposed = self.proposer.propose_on_device(step)
         if proposed is None:
             return

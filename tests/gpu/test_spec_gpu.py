@@ -1,4 +1,5 @@
-"""Speculative decoding on CUDA: greedy output equals no speculation on a tiny random model."""
+"""Speculative decoding on CUDA: greedy output equals no speculation on a tiny random model, for every
+method (ngram, draft_model, dflash2), synchronous and async."""
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,19 @@ def dirs(tmp_path_factory):
     return out
 
 
-def test_greedy_speculation_equals_plain_decoding(dirs):
+def _random_dflash2(target: str, path: str) -> str:
+    from pressroom.model.loader import load_hf_config
+    from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, save_drafter
+    hf = load_hf_config(target)
+    torch.manual_seed(7)
+    cfg = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=4, top_m=4, rank=8)
+    save_drafter(DFlash2Drafter(hf.hidden_size, cfg, hf.vocab_size), path)
+    return path
+
+
+def test_greedy_speculation_equals_plain_decoding(dirs, tmp_path):
     target, drafter = dirs
+    block_drafter = _random_dflash2(target, str(tmp_path / "dflash2"))
     prompts = [(p * 4)[:48] for p in random_prompts(8, low=6, high=12, seed=3)]  # repetitive: n-gram drafts
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
 
@@ -40,6 +52,8 @@ def test_greedy_speculation_equals_plain_decoding(dirs):
     plain, _ = run()
     for config in ({"method": "ngram", "num_speculative_tokens": 4, "adaptive_token_budget": False},
                    {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3,
+                    "adaptive_token_budget": False},
+                   {"method": "dflash2", "model": block_drafter, "num_speculative_tokens": 4,
                     "adaptive_token_budget": False},
                    {"method": "ngram", "num_speculative_tokens": 4}):
         tokens, stats = run(speculative_config=config)

@@ -149,6 +149,39 @@ def test_draft_model_greedy_equals_no_speculation(tiny_model_dir):
         assert llm.engine.kv_cache.usage() == 0.0
 
 
+def _count_forwards(model) -> list[int]:
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_budget_plans_drafts_so_the_draft_model_skips_unwanted_passes(tiny, async_scheduling):
+    """When the adaptive budget plans no drafts (here: a draft pass priced at a second), the draft model
+    runs no drafting passes (sync: none at all but the probes; async: only the mirror pass each step,
+    whose first draft is free), and the output stays the target's. Fixed K is the control."""
+    prompts = random_prompts(4, low=5, high=30, seed=33)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _gen(LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05), prompts, params)
+    passes = {}
+    for adaptive in (False, True):
+        llm = LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05, async_scheduling=async_scheduling,
+                  speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 3,
+                                      "adaptive_token_budget": adaptive})
+        if adaptive:
+            budget = llm.engine.scheduler.spec_budget
+            assert budget.draft_costs is not None and budget.first_draft_free == async_scheduling
+            budget.draft_costs = [(1, 1.0), (1024, 1.0)]
+        target = _count_forwards(llm.engine.model)
+        draft = _count_forwards(llm.engine.runner.proposer.runner.model)
+        assert _gen(llm, prompts, params) == plain
+        passes[adaptive] = (draft[0], target[0])
+    fixed_draft, fixed_target = passes[False]
+    planned_draft, planned_target = passes[True]
+    assert fixed_draft >= 2 * fixed_target  # K = 3: catch-up or mirror plus two more passes a step
+    assert planned_draft <= (planned_target if async_scheduling else planned_target // 4)
+
+
 def test_draft_model_sampling_keeps_the_target_distribution(small_vocab_model, tmp_path_factory):
     """As the n-gram test, with a different random 32-token model drafting 2 tokens from its own q."""
     import transformers
