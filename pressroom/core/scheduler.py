@@ -188,7 +188,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
                 if self.spec_budget is not None:
-                    self.spec_budget.observe(rid, len(drafts), accepted)
+                    self.spec_budget.observe(rid, len(drafts), accepted, req.spec_confidences[:len(drafts)])
             if not self.async_drafts:  # else the next step's drafts are placeholders, booked at schedule time
                 req.spec_token_ids = out.draft_token_ids.get(rid, [])
                 req.spec_confidences = out.draft_confidences.get(rid, [])

@@ -59,12 +59,19 @@ class AdaptiveBudget:
         self.first_draft_free = first_draft_free
         self.attention_cost = attention_cost
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
+        # What a drafter's confidences said, per position, over the same verified drafts as `shared`: a
+        # drafter that says 0.9 where 0.6 survive is scaled by 0.6 / 0.9 there (confidence calibration).
+        self.stated = [_PRIOR] * max_drafts
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
 
     # ---- learning ----
 
-    def observe(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+    def observe(self, req_id: str, num_draft: int, num_accepted: int, confidences: list[float] | None = None) -> None:
+        """A verified draft: `confidences`, the drafter's own per-token estimates for it, if it gave any."""
+        if confidences:
+            for j in range(min(num_accepted + 1, num_draft, len(confidences))):
+                self.stated[j] += _EMA * (confidences[j] - self.stated[j])
         self.shared.observe(num_draft, num_accepted)
         own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
         own.observe(num_draft, num_accepted)
@@ -72,6 +79,12 @@ class AdaptiveBudget:
     def forget(self, req_id: str) -> None:
         self.own.pop(req_id, None)
         self.skipped.pop(req_id, None)
+
+    def calibrated(self, confidences: list[float]) -> list[float]:
+        """A drafter's confidences rescaled per position by how often its drafts there survived against
+        how sure it said it was (both EMAs over the same verified positions)."""
+        return [min(1.0, c * self.shared.rates[j] / max(self.stated[j], 1e-3))
+                for j, c in enumerate(confidences[:self.k])]
 
     def acceptance(self, req_id: str) -> list[float]:
         """Per-position conditional acceptance for this request: its own EMA where it has one."""
@@ -101,7 +114,8 @@ class AdaptiveBudget:
         heap = []
         for rid, offered in drafts.items():
             s, run = [], 1.0
-            for a in (confidences.get(rid) or self.acceptance(rid))[:offered]:
+            stated = confidences.get(rid)
+            for a in (self.calibrated(stated) if stated else self.acceptance(rid))[:offered]:
                 run *= a
                 s.append(run)
             survival[rid] = s

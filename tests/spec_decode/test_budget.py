@@ -141,3 +141,18 @@ def test_the_vectorized_curve_agrees_with_step_time():
     budget = AdaptiveBudget(2, VERIFY)
     points = np.array([1, 100, 256, 1000, 4096])  # inside, on the knots, and extrapolated past the end
     assert np.allclose(_interp(VERIFY, points), [budget.step_time(int(n)) for n in points])
+
+
+def test_overconfident_drafter_is_calibrated_by_what_survives():
+    """A drafter that says 0.95 at every position while only its first draft survives, a third of the
+    time: its confidences are scaled down to what verification sees, so fewer drafts are verified."""
+    curve = [(1, 0.010), (2, 0.011), (4, 0.016), (8, 0.030)]  # a verified draft costs a good part of a step
+    budget = AdaptiveBudget(4, curve)
+    says = [0.95] * 4
+    assert budget.choose({"a": 4}, base_tokens=1, confidences={"a": says}) == {"a": 4}  # taken at its word
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        budget.observe("a", 4, int(rng.random() < 1 / 3), says)
+    scaled = budget.calibrated(says)
+    assert abs(scaled[0] - 1 / 3) < 0.15 and scaled[1] < 0.1
+    assert budget.choose({"a": 4}, base_tokens=1, confidences={"a": says})["a"] <= 1
