@@ -243,7 +243,8 @@ class Scheduler:
         if not offered:
             return
         base = sum(self._num_new_tokens(r, budget) for r in self.running)
-        base += sum(e[2].num_tokens for e in self.waiting)  # prompts that may join (capped below)
+        room = self.config.max_num_seqs - len(self.running)  # only these waiting prompts may join this step
+        base += sum(e[2].num_tokens for e in heapq.nsmallest(max(0, room), self.waiting))  # capped below
         contexts = {r.request_id: r.num_computed_tokens for r in self.running}
         confidences = {r.request_id: r.spec_confidences for r in self.running if r.spec_confidences}
         chosen = self.spec_budget.choose(offered, max(1, min(base, budget)), contexts, sum(contexts.values()),

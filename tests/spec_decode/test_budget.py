@@ -156,3 +156,33 @@ def test_overconfident_drafter_is_calibrated_by_what_survives():
     scaled = budget.calibrated(says)
     assert abs(scaled[0] - 1 / 3) < 0.15 and scaled[1] < 0.1
     assert budget.choose({"a": 4}, base_tokens=1, confidences={"a": says})["a"] <= 1
+
+
+def test_a_backlog_that_cannot_join_does_not_shrink_the_drafts():
+    """Running requests fill max_num_seqs: waiting prompts cannot join this step, so the budget prices
+    only the running decodes and keeps their drafts (it used to count every waiting prompt)."""
+    from pressroom import SamplingParams
+    from pressroom.config import SchedulerConfig
+    from pressroom.core.kv_cache_manager import KVCacheManager
+    from pressroom.core.request import Request
+    from pressroom.core.scheduler import Scheduler
+
+    def drafts_kept(waiting: int) -> int:
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=2, max_model_len=4096),
+                          KVCacheManager(512, 16, enable_caching=False))
+        # Memory-bound up to 64 tokens, compute-bound past it: drafts pay only in a small step.
+        sched.spec_budget = AdaptiveBudget(4, [(1, 0.010), (64, 0.010), (512, 0.512)])
+        params = SamplingParams(temperature=0, max_tokens=100)
+        for i in range(2 + waiting):
+            sched.add_request(Request(f"r{i}", [1] * (8 if i < 2 else 1000), params, None))
+        sched.schedule()  # admits r0, r1 (their prompts); the rest wait behind max_num_seqs
+        for req in sched.running:
+            req.output_token_ids.append(2)  # their first tokens came back
+            req.num_output_placeholders = 0
+            req.spec_token_ids = [3, 3, 3, 3]
+        for rid in ("r0", "r1"):
+            _learned(sched.spec_budget, rid, 4)  # drafts that always survive
+        return sum(len(d) for d in sched.schedule().scheduled_spec_decode_tokens.values())
+
+    assert drafts_kept(0) > 0
+    assert drafts_kept(3) == drafts_kept(0)
