@@ -473,14 +473,15 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _sizes(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
     try:
-        sizes = [int(n) for n in text.split(",")]
+        values = [int(n) for n in text.split(",")]
     except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, comma-separated; got {text!r}")
-    return sizes
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated; got {text!r}")
+    return values
 
 
 def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -506,7 +507,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--hf-batch-sizes", type=_sizes, default=[64, 128, 256])
+    p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256])
     p.add_argument("--hf-max-requests", type=int, default=256, help="throughput requests HF runs per batch size")
     p.add_argument("--hf-prefill-batch-size", type=int, default=16, help="8 runs the prefill in two batches")
     p.add_argument("--copy-gib", type=float, default=None, help="copy buffer (default 4 on cuda, 0.25 on cpu)")

@@ -26,6 +26,7 @@ from pressroom.benchmarks.gpu import (
     device_machine,
     free_device_memory,
     hf_state_dict,
+    positive_ints,
     reset_prefix_cache,
     resolve_device,
     sync,
@@ -368,16 +369,6 @@ def make_report(args, device: torch.device, prompts: dict[int, list[list[int]]],
 
 # ---- command line ----
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(n) for n in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated; got {text!r}")
-    return values
-
-
 def _rates(text: str) -> list[float]:
     try:
         values = [float(n) for n in text.split(",")]
@@ -396,14 +387,14 @@ def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--acceptance-rates", type=_rates, default=DEFAULT_RATES,
                    help="synthetic conditional acceptance per draft position (the last repeats)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 256], help="requests in flight")
-    p.add_argument("--k-values", type=_ints, default=[1, 2, 3, 4, 5, 6, 7], help="fixed K configurations")
+    p.add_argument("--concurrency", type=positive_ints, default=[1, 4, 16, 64, 256], help="requests in flight")
+    p.add_argument("--k-values", type=positive_ints, default=[1, 2, 3, 4, 5, 6, 7], help="fixed K configurations")
     p.add_argument("--max-k", type=int, default=7, help="the adaptive budget's K at most")
     p.add_argument("--skip-adaptive", action="store_true")
     p.add_argument("--sync-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also no speculation with synchronous scheduling (CUDA only): the like-for-like baseline "
                         "where speculation runs synchronously")
-    p.add_argument("--beat-max-k-at", type=_ints, default=[64, 256],
+    p.add_argument("--beat-max-k-at", type=positive_ints, default=[64, 256],
                    help="concurrencies where the adaptive budget must beat fixed K = --max-k")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
