@@ -162,8 +162,13 @@ class Scheduler:
         budget = self.spec_budget
         if budget is None or budget.draft_costs is None or not sampling:
             return {}
-        allowed = {r.request_id: max(0, min(budget.k, r.sampling_params.max_tokens - r.num_output_tokens
-                                            - r.num_output_placeholders - 1)) for r in sampling}
+        def room(r: Request) -> int:
+            # Async: the step's placeholders count as if every draft were accepted (the next step's are
+            # placed now); sync: the runner caps the drafts by the exact room once the tokens are known.
+            in_flight = r.num_output_placeholders if self.async_drafts else 0
+            return r.sampling_params.max_tokens - r.num_output_tokens - in_flight - 1
+
+        allowed = {r.request_id: max(0, min(budget.k, room(r))) for r in sampling}
         base = min(self.config.max_num_batched_tokens,
                    sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running))
         contexts = {r.request_id: r.num_computed_tokens for r in sampling}

@@ -146,13 +146,15 @@ def load_drafter(path: str) -> DFlash2Drafter:
 
 
 EMBEDDED_DRAFTER = os.path.join(os.path.dirname(__file__), "drafters", "smollm2-135m-instruct")
+_EMBEDDED_TARGET_LAYERS = 30  # SmolLM2-135M's depth (with its width and vocabulary, how the target is told)
 
 
 def _embedded_drafter(hf) -> str:
     """The committed drafter, distilled for the embedded SmolLM2-135M-Instruct (`pressroom train-drafter`)."""
     with open(os.path.join(EMBEDDED_DRAFTER, CONFIG_FILE)) as f:
         meta = json.load(f)
-    if (hf.hidden_size, hf.vocab_size, hf.num_hidden_layers) != (meta["width"], meta["vocab_size"], 30):
+    if (hf.hidden_size, hf.vocab_size, hf.num_hidden_layers) != (meta["width"], meta["vocab_size"],
+                                                                  _EMBEDDED_TARGET_LAYERS):
         raise ValueError('dflash2 without "model" uses the drafter committed for the embedded SmolLM2-135M-Instruct; '
                          "this target needs its own: distil one with `pressroom train-drafter` and pass "
                          '"model": its directory.')
@@ -165,9 +167,10 @@ class DFlash2Proposer:
 
     def __init__(self, config: SpeculativeConfig, target) -> None:
         hf = target.model.config
-        self.drafter = load_drafter(config.model or _embedded_drafter(hf))
+        path = config.model or _embedded_drafter(hf)
+        self.drafter = load_drafter(path)
         if self.drafter.width != hf.hidden_size or self.drafter.vocab_size != hf.vocab_size:
-            raise ValueError(f"The DFlash2 drafter at {config.model!r} was made for a target of width "
+            raise ValueError(f"The DFlash2 drafter at {path!r} was made for a target of width "
                              f"{self.drafter.width} and vocabulary {self.drafter.vocab_size}, not "
                              f"{hf.hidden_size} and {hf.vocab_size}.")
         if max(self.drafter.cfg.target_layers) >= hf.num_hidden_layers:

@@ -10,7 +10,8 @@ Under async scheduling (`propose_on_device`) nothing may wait for the host, so t
 mirrors every target step instead: its cache has the target's block layout (same block ids and
 slots), and each step it runs the target's query tokens up to the drafts, then the tokens the target
 emitted (padded to 1 + k, at the positions that follow), takes the logits at the last emitted one
-(an index computed on the device), and runs K - 1 single-token steps. Positions past the verified
+(an index computed on the device), and runs up to K - 1 single-token steps, each over the rows the
+budget planned that deep (`TargetStep.draft_limits`; the other rows keep filler drafts, never verified). Positions past the verified
 ones hold garbage until a later step writes them again; the scheduler reserves K slots past each
 request's step for these writes.
 """
@@ -85,7 +86,7 @@ class DraftModelProposer:
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""
-        if self.target.async_scheduling:
+        if self.target.device_drafting:
             self._ensure_mirror_cache()
         else:
             self._ensure_cache()

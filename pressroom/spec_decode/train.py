@@ -73,10 +73,13 @@ def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ..
     every position: prefix caching off, and no preemption while recording (a KV cache for `batch`)."""
     if llm.engine.config.cache.enable_prefix_caching:
         raise ValueError("Recording needs every position computed: build the LLM with enable_prefix_caching=False.")
+    if llm.engine.config.scheduler.async_scheduling:
+        raise ValueError("Recording reads features on the synchronous path: build the LLM with async_scheduling=False.")
+    longest = llm.engine.max_model_len - 1  # each sequence is prefilled again, and must leave room for a token
     seqs = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
-        full = generate(llm, chunk, max_tokens, ignore_eos)
+        full = [t[:longest] for t in generate(llm, chunk, max_tokens, ignore_eos)]
         rows = _prefill_features(llm, full, layers)
         seqs += [Sequence(t, r, len(p)) for t, r, p in zip(full, rows, chunk)]
     return seqs
@@ -226,11 +229,6 @@ def acceptance_lengths(drafter: DFlash2Drafter, target, corpus: Corpus, rows: to
         for name, drafted in (("argmax", logits.argmax(-1)), ("selector", selected)):
             matched[name] += float((drafted == labels).int().cumprod(dim=1).sum())
     return {name: 1.0 + v / len(rows) for name, v in matched.items()}
-
-
-def acceptance_length(drafter: DFlash2Drafter, target, corpus: Corpus, rows: torch.Tensor, k: int,
-                      context: int) -> float:
-    return acceptance_lengths(drafter, target, corpus, rows, k, context)["selector"]
 
 
 # ---- training ----

@@ -581,9 +581,11 @@ class ModelRunner:
         kmax = max(num_drafts)
         if not any(k and not s.params.greedy for (_, s), k in zip(sampling, num_drafts)):
             return None
-        some = next(iter(self.draft_probs.values()), None)
-        if some is None:
-            return None  # verification then treats each draft as certain (q one-hot)
+        missing = [s.req_id for (_, s), k in zip(sampling, num_drafts) if k and not s.params.greedy
+                   and s.req_id not in self.draft_probs]
+        if missing:  # treating such drafts as certain would bias the sample: a bug, not a fallback
+            raise RuntimeError(f"No draft probabilities for sampled requests {missing}.")
+        some = next(iter(self.draft_probs.values()))
         zeros = some.new_zeros(some.shape)  # greedy rows: never read
         return torch.stack([self.draft_probs.get(s.req_id, zeros) for _, s in sampling])[:, :kmax]
 

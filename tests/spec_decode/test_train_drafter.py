@@ -2,6 +2,7 @@
 training that lowers the loss and lengthens held-out acceptance, and a saved drafter that serves."""
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import random_prompts
 from transformers import AutoModelForCausalLM
@@ -64,3 +65,12 @@ def test_cli_writes_a_drafter_that_loads(tiny_model_dir, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 5 and report["train_examples"] > 0
     assert load_drafter(str(out)).cfg.block_size == 4
+
+
+def test_record_refuses_settings_that_would_miss_positions(tiny_model_dir):
+    target = tiny_model_dir("llama")
+    for settings, reason in (({"enable_prefix_caching": True}, "prefix_caching"),
+                             ({"enable_prefix_caching": False, "async_scheduling": True}, "async_scheduling")):
+        llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.05, **settings)
+        with pytest.raises(ValueError, match=reason):
+            record(llm, [[1, 2, 3]], max_tokens=4, layers=(0,))
