@@ -120,6 +120,8 @@ class LLMEngine:
         if cache.num_blocks is not None:
             return cache.num_blocks + 1  # block 0 is the padding block
         per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.config.model.dtype)
+        if hasattr(self.runner.proposer, "kv_bytes_per_block"):  # a draft model's cache has as many blocks
+            per_block += self.runner.proposer.kv_bytes_per_block()
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             budget = self._profiled_kv_budget()

@@ -45,6 +45,7 @@ class DraftModelProposer:
             raise ValueError(f"The draft model's vocabulary ({loaded.hf_config.vocab_size} tokens) differs from the "
                              f"target's ({target_vocab}); a draft model must share the target's tokenizer.")
         self.max_len = getattr(loaded.hf_config, "max_position_embeddings", None) or 2048
+        self.hf_config = loaded.hf_config
         self.runner = ModelRunner(loaded.model, target.block_size, target.dtype, seed=1, device=target.device)
         self.kv: KVCacheManager | None = None  # sized like the target's cache on first use
         self.target = target
@@ -83,6 +84,12 @@ class DraftModelProposer:
             sched = self._one_more(active) if step + 1 < k else None
         return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None)
                 for rid, ids in drafts.items() if ids}
+
+    def kv_bytes_per_block(self) -> int:
+        """The draft cache holds as many blocks as the target's: its bytes per block join the target's
+        when the KV memory is divided into blocks."""
+        from pressroom.worker.model_runner import kv_cache_bytes_per_block
+        return kv_cache_bytes_per_block(self.hf_config, self.target.block_size, self.target.dtype)
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""

@@ -226,3 +226,14 @@ def test_committed_dflash2_drafter_serves_the_embedded_model():
 def test_dflash2_without_a_drafter_needs_one_for_other_targets(tiny):
     with pytest.raises(ValueError, match="train-drafter"):
         LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05, speculative_config={"method": "dflash2"})
+
+
+def test_draft_model_cache_shares_the_kv_memory(tiny):
+    """The draft model's cache has as many blocks as the target's, so both come out of the KV memory: a
+    draft model as large as the target halves the blocks (on CUDA the draft cache used to be allocated
+    on top of a profile that had already given everything to the target)."""
+    plain = LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05)
+    spec = LLM(tiny, dtype="float32", kv_cache_memory_gib=0.05,
+               speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 2})
+    blocks = plain.engine.runner.kv_caches[0].shape[1]
+    assert spec.engine.runner.kv_caches[0].shape[1] in (blocks // 2, blocks // 2 + 1)
