@@ -139,8 +139,25 @@ def test_history_reading_requests_verify_in_step_and_agree(target, stranger):
             assert len(o.outputs[0].logprobs) == len(ids) and all(t in lp for t, lp in zip(ids, o.outputs[0].logprobs))
 
 
-def test_draft_model_sampling_keeps_the_target_distribution_under_async(small_vocab_model, tmp_path_factory):  # noqa: F811
-    """The shared next-three-tokens check, with the rejection sampler and the draft's q on the device."""
+def _alternating_plan(llm) -> None:
+    """Half the requests planned one draft, half two: the draft model's second pass covers only some rows,
+    the others keep filler drafts and q that must never be verified."""
+    sched = llm.engine.scheduler
+
+    def plan(sampling):
+        limits = {r.request_id: 1 + int(r.request_id) % 2 for r in sampling}
+        for r in sampling:
+            r.spec_token_ids = r.spec_token_ids[:limits[r.request_id]]
+        return limits
+
+    sched._plan_drafts = plan
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_draft_model_sampling_keeps_the_target_distribution_under_async(small_vocab_model, tmp_path_factory,  # noqa: F811
+                                                                        partial):
+    """The shared next-three-tokens check, with the rejection sampler and the draft's q on the device;
+    `partial`: drafting planned per row (some rows stop after the mirror pass's first draft)."""
     import transformers
     path, model = small_vocab_model
     torch.manual_seed(6)
@@ -148,7 +165,7 @@ def test_draft_model_sampling_keeps_the_target_distribution_under_async(small_vo
     draft_dir = str(tmp_path_factory.mktemp("async-draft32"))
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(draft_dir)
     _assert_next3_distribution(path, model, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2},
-                               async_scheduling=True)
+                               _alternating_plan if partial else None, async_scheduling=True)
 
 
 def test_device_verification_matches_the_host_for_greedy_rows():

@@ -101,7 +101,7 @@ def _exact_next3(model, prompt: list[int]) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _assert_next3_distribution(path: str, model, speculative_config: dict, **engine) -> None:
+def _assert_next3_distribution(path: str, model, speculative_config: dict, setup=None, **engine) -> None:
     """4,000 samples of the next three tokens after a prompt holding every token twice (so each
     sampled token has a 2-token draft to verify), against the exact distribution. An exact
     sampler's 4,000-sample total variation over these marginals stays near 0.03; the bound is 0.07;
@@ -110,6 +110,8 @@ def _assert_next3_distribution(path: str, model, speculative_config: dict, **eng
     exact = _exact_next3(model, prompt)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
               speculative_config={**speculative_config, "adaptive_token_budget": False}, **engine)
+    if setup is not None:
+        setup(llm)
     n = 4000
     outs = _gen(llm, [prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, detokenize=False))
     counts = torch.zeros(32, 32, 32)
