@@ -164,9 +164,9 @@ class LLMEngine:
         logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
                     "per query per context token", _curve(decode), _curve(verify), 1e6 * per_context_token)
         drafts = None
-        if hasattr(self.runner.proposer, "profile_decode_steps"):  # a draft model: each position costs a pass
+        if hasattr(self.runner.proposer, "profile_decode_steps"):  # each draft position has a cost of its own
             drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
-            logger.info("draft model steps: %s", _curve(drafts))
+            logger.info("drafting one more position: %s", _curve(drafts))
         return AdaptiveBudget(max_drafts, verify, decode, per_context_token, drafts,
                               first_draft_free=self.runner.device_drafting)
 

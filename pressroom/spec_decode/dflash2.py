@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from pressroom.config import SpeculativeConfig
 from pressroom.spec_decode.proposer import Draft, DraftRequest
-from pressroom.spec_decode.selector import CandidateScorer, select_path
+from pressroom.spec_decode.selector import CandidateScorer, conditionals_batch, lattice, select_path, viterbi_batch
 
 CONFIG_FILE, WEIGHTS_FILE = "dflash2.json", "model.safetensors"
 
@@ -182,6 +183,25 @@ class DFlash2Proposer:
         self.features: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator(device=target.device).manual_seed(2)
 
+    @torch.inference_mode()
+    def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
+        """Seconds of the target's LM head over that many draft slots, what one more draft position costs
+        over that many requests (the block pass itself is shared by all positions): the budget then plans
+        how many slots to score, and a request planned none is not drafted at all."""
+        head = self.target.model.compute_logits
+        costs = []
+        for n in counts:
+            rows = torch.zeros(n, self.drafter.width, dtype=self.target.dtype, device=self.target.device)
+            best = float("inf")
+            for _ in range(3):  # the first warms up
+                self.target._sync()
+                start = time.perf_counter()
+                head(rows)
+                self.target._sync()
+                best = min(best, time.perf_counter() - start)
+            costs.append((n, best))
+        return costs
+
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
         """Target features ([n, layers * width]) of the request's positions verified this step."""
         old = self.features.get(req_id)
@@ -201,8 +221,37 @@ class DFlash2Proposer:
         model = self.target.model
         anchors = torch.tensor([r.token_ids[-1] for r in wanted], device=feats.device)
         slots = self.drafter(feats, mask, model.model.embed_tokens(anchors))  # [B, K, width]
-        logits = model.compute_logits(slots.flatten(0, 1)).float().view(len(wanted), slots.shape[1], -1)
-        return {r.req_id: self._path(r, int(anchors[b]), slots[b], logits[b]) for b, r in enumerate(wanted)}
+        # The LM head dominates the drafter's cost: only as many slots as some request may draft.
+        slots = slots[:, :max(min(self.k, r.max_drafts) for r in wanted)]
+        logits = model.compute_logits(slots.flatten(0, 1)).view(len(wanted), slots.shape[1], -1)
+        drafts = self._greedy_paths(wanted, anchors, slots, logits)
+        for b, r in enumerate(wanted):
+            if not r.params.greedy:
+                drafts[r.req_id] = self._sampled_path(r, int(anchors[b]), slots[b], logits[b])
+        return drafts
+
+    def _greedy_paths(self, wanted: list[DraftRequest], anchors: torch.Tensor, slots: torch.Tensor,
+                      logits: torch.Tensor) -> dict[str, Draft]:
+        """Every greedy request's best path at once, grouped by how many drafts it may take (a path over
+        k slots is not the prefix of one over more)."""
+        groups: dict[int, list[int]] = {}
+        for b, r in enumerate(wanted):
+            if r.params.greedy:
+                groups.setdefault(min(self.k, r.max_drafts), []).append(b)
+        if not groups:
+            return {}
+        cand, unary, edges = lattice(self.drafter.scorer, self.drafter.cfg.top_m, slots, logits, anchors)
+        unary, edges = unary.float(), edges.float()
+        drafts = {}
+        for k, rows in groups.items():
+            at = torch.tensor(rows, device=slots.device)
+            u, e = unary[at, :k], edges[at, :k]
+            path = viterbi_batch(u, e)
+            tokens = cand[at, :k].gather(2, path[..., None])[..., 0].tolist()
+            confidence = conditionals_batch(u, e, path).tolist()
+            for i, b in enumerate(rows):
+                drafts[wanted[b].req_id] = Draft(tokens[i], None, confidence[i])
+        return drafts
 
     def _context(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(r) for r in rows)
@@ -213,11 +262,12 @@ class DFlash2Proposer:
             mask[i, longest - len(r):] = True
         return feats, mask
 
-    def _path(self, r: DraftRequest, anchor: int, slots: torch.Tensor, logits: torch.Tensor) -> Draft:
+    def _sampled_path(self, r: DraftRequest, anchor: int, slots: torch.Tensor, logits: torch.Tensor) -> Draft:
+        """A path drawn from the chain at the request's temperature, with its q for lossless verification."""
         k = min(self.k, r.max_drafts)
+        logits = logits.float()
         log_p = torch.log_softmax(logits[:k], dim=-1)
         unary, candidates = log_p.topk(self.drafter.cfg.top_m, dim=-1)
         edges = self.drafter.scorer.edges(anchor, candidates, slots[:k].to(self.drafter.slots.dtype))
-        temperature = 0.0 if r.params.greedy else r.params.temperature
-        path = select_path(candidates, unary, [e.float() for e in edges], temperature, self.generator)
+        path = select_path(candidates, unary, [e.float() for e in edges], r.params.temperature, self.generator)
         return Draft(path.tokens, path.vocab_probs(candidates, logits.shape[-1]), path.confidence)

@@ -109,3 +109,52 @@ def _backward(scaled: list[torch.Tensor]) -> list[torch.Tensor]:
     for s in reversed(scaled[1:]):
         beta.append(torch.logsumexp(s + beta[-1][None, :], dim=1))
     return beta[::-1]
+
+
+# ---- many blocks at once: greedy drafting for a batch of requests, and the drafter's training ----
+
+def lattice(scorer: CandidateScorer, top_m: int, slots: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Candidates [b, K, M], unary log-probs [b, K, M] and edge scores [b, K, M, M] (from, to) for b
+    blocks of slot hidden states [b, K, h] and logits [b, K, vocab]; slot 0's edges come from the
+    anchor, the same for every `from` row."""
+    # The top-M log-probs without a [b, K, vocab] log-softmax: a memory-bound pass saved on big batches.
+    top, cand = logits.topk(top_m, dim=-1)
+    unary = top.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float()
+    proj = scorer.project(slots)  # [b, K, r]
+    b = cand.shape[0]
+    src = torch.cat([scorer.a(anchors)[:, None, None, :].expand(b, 1, top_m, -1), scorer.a(cand[:, :-1])], dim=1)
+    return cand, unary, torch.einsum("bkfr,bkr,bktr->bkft", src, proj, scorer.b(cand))
+
+
+def viterbi_batch(unary: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Best path indices [b, K] through each block's lattice (`select_path` at temperature 0)."""
+    best = unary[:, 0] + edges[:, 0, 0]
+    back = []
+    for j in range(1, unary.shape[1]):
+        total = best[:, :, None] + edges[:, j] + unary[:, j, None, :]
+        best, arg = total.max(dim=1)
+        back.append(arg)
+    idx = [best.argmax(dim=-1)]
+    for arg in reversed(back):
+        idx.append(arg.gather(1, idx[-1][:, None])[:, 0])
+    return torch.stack(idx[::-1], dim=1)
+
+
+def conditionals_batch(unary: torch.Tensor, edges: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[b, K]: the chain's probability of each chosen candidate given the path before it, the greedy
+    path's confidences (as `select_path` reports them)."""
+    scores = edges + unary[:, :, None, :]  # [b, K, from, to]
+    k = scores.shape[1]
+    beta = [torch.zeros_like(unary[:, 0])]
+    for j in range(k - 1, 0, -1):
+        beta.append(torch.logsumexp(scores[:, j] + beta[-1][:, None, :], dim=2))
+    beta = beta[::-1]
+    prev = torch.zeros_like(idx[:, 0])
+    out = []
+    for j in range(k):
+        row = scores[:, j].gather(1, prev[:, None, None].expand(-1, 1, scores.shape[-1]))[:, 0]
+        q = torch.softmax(row + beta[j], dim=-1)
+        out.append(q.gather(1, idx[:, j:j + 1])[:, 0])
+        prev = idx[:, j]
+    return torch.stack(out, dim=1)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Proposer
 from pressroom.spec_decode.proposer import Draft, DraftRequest
+from pressroom.spec_decode.selector import lattice, viterbi_batch
 
 logger = logging.getLogger("pressroom")
 
@@ -162,32 +163,6 @@ def weighted_slot_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 # ---- the selector's scorer on a batch of blocks ----
 
-def lattice(drafter: DFlash2Drafter, slots: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor):
-    """Candidates [b, K, M], unary log-probs [b, K, M] and edge scores [b, K, M, M] (from, to); slot
-    0's edges come from the anchor, the same for every `from` row."""
-    m, scorer = drafter.cfg.top_m, drafter.scorer
-    unary, cand = torch.log_softmax(logits, dim=-1).topk(m, dim=-1)
-    proj = scorer.project(slots.float())  # [b, K, r]
-    b = cand.shape[0]
-    src = torch.cat([scorer.a(anchors)[:, None, None, :].expand(b, 1, m, -1), scorer.a(cand[:, :-1])], dim=1)
-    edges = torch.einsum("bkfr,bkr,bktr->bkft", src, proj, scorer.b(cand))
-    return cand, unary, edges
-
-
-def viterbi_batch(unary: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Best path indices [b, K] through the lattice (as selector.select_path does per request)."""
-    best = unary[:, 0] + edges[:, 0, 0]
-    back = []
-    for j in range(1, unary.shape[1]):
-        total = best[:, :, None] + edges[:, j] + unary[:, j, None, :]
-        best, arg = total.max(dim=1)
-        back.append(arg)
-    idx = [best.argmax(dim=-1)]
-    for arg in reversed(back):
-        idx.append(arg.gather(1, idx[-1][:, None])[:, 0])
-    return torch.stack(idx[::-1], dim=1)
-
-
 def crf_loss(unary: torch.Tensor, edges: torch.Tensor, cand: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood of the true path's prefix among all paths of that length, up to the first
     slot whose true token is not a candidate (blocks whose first slot misses are left out)."""
@@ -224,7 +199,7 @@ def acceptance_lengths(drafter: DFlash2Drafter, target, corpus: Corpus, rows: to
     for i in range(0, len(rows), chunk):
         feats, masks, anchors, labels = corpus.batch(rows[i:i + chunk], k, context)
         slots, logits = slot_logits(drafter, target, feats, masks, anchors)
-        cand, unary, edges = lattice(drafter, slots, logits, anchors)
+        cand, unary, edges = lattice(drafter.scorer, drafter.cfg.top_m, slots.float(), logits, anchors)
         selected = cand.gather(2, viterbi_batch(unary, edges)[..., None])[..., 0]
         for name, drafted in (("argmax", logits.argmax(-1)), ("selector", selected)):
             matched[name] += float((drafted == labels).int().cumprod(dim=1).sum())
@@ -293,7 +268,7 @@ def _fit(drafter: DFlash2Drafter, target, corpus: Corpus, steps: int, batch_size
             else:
                 with torch.no_grad():
                     slots, logits = slot_logits(drafter, target, feats, masks, anchors)
-                cand, unary, edges = lattice(drafter, slots, logits, anchors)
+                cand, unary, edges = lattice(drafter.scorer, drafter.cfg.top_m, slots.float(), logits, anchors)
                 loss = crf_loss(unary.float(), edges.float(), cand, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -93,3 +93,25 @@ def test_scorer_edges_have_the_selector_shapes_and_learn():
     assert all(float(e.abs().max()) == 0.0 for e in edges)  # untrained: no transition preference
     sum(e.sum() for e in edges).backward()
     assert scorer.b.weight.grad.abs().sum() > 0  # and it can learn one
+
+
+def test_batched_greedy_paths_equal_the_per_request_selector():
+    """Greedy drafting for many requests at once (the lattice, Viterbi and confidences batched) picks the
+    same tokens and reports the same confidences as `select_path` does one request at a time."""
+    from pressroom.spec_decode.selector import conditionals_batch, lattice, viterbi_batch
+    torch.manual_seed(3)
+    vocab, hidden, k, m, b = 50, 16, 5, 4, 6
+    scorer = CandidateScorer(vocab, hidden, 8)
+    torch.nn.init.normal_(scorer.b.weight)  # trained-like transitions, not the zero start
+    slots, logits = torch.randn(b, k, hidden), 3 * torch.randn(b, k, vocab)
+    anchors = torch.randint(vocab, (b,))
+    with torch.no_grad():
+        cand, unary, edges = lattice(scorer, m, slots, logits, anchors)
+        path = viterbi_batch(unary, edges)
+        confidence = conditionals_batch(unary, edges, path)
+        for i in range(b):
+            log_p = torch.log_softmax(logits[i], dim=-1)
+            u, c = log_p.topk(m, dim=-1)
+            one = select_path(c, u, scorer.edges(int(anchors[i]), c, slots[i]), 0.0)
+            assert cand[i].gather(1, path[i][:, None])[:, 0].tolist() == one.tokens
+            assert torch.allclose(confidence[i], torch.tensor(one.confidence), atol=1e-5)
