@@ -167,8 +167,12 @@ class LLMEngine:
         if hasattr(self.runner.proposer, "profile_decode_steps"):  # each draft position has a cost of its own
             drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
             logger.info("drafting one more position: %s", _curve(drafts))
+        blocks = None
+        if hasattr(self.runner.proposer, "profile_block_passes"):  # a block drafter's shared pass
+            blocks = self.runner.proposer.profile_block_passes([n for n in ladder if n <= sched.max_num_seqs])
+            logger.info("block drafter passes: %s", _curve(blocks))
         return AdaptiveBudget(max_drafts, verify, decode, per_context_token, drafts,
-                              first_draft_free=self.runner.device_drafting)
+                              first_draft_free=self.runner.device_drafting, block_costs=blocks)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

@@ -45,7 +45,8 @@ class _Estimates:
 class AdaptiveBudget:
     def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
                  decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0,
-                 draft_costs: list[tuple[int, float]] | None = None, first_draft_free: bool = False) -> None:
+                 draft_costs: list[tuple[int, float]] | None = None, first_draft_free: bool = False,
+                 block_costs: list[tuple[int, float]] | None = None) -> None:
         """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
         verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
         seconds per query token per context token it attends to, added on top of the curves.
@@ -57,6 +58,9 @@ class AdaptiveBudget:
         self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
         self.draft_costs = sorted(draft_costs) if draft_costs and len(draft_costs) > 1 else None
         self.first_draft_free = first_draft_free
+        # A block drafter's own pass over that many requests (dflash2): paid once per drafting request,
+        # whatever its depth, on top of the per-position `draft_costs`.
+        self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
         self.attention_cost = attention_cost
         self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
         # What a drafter's confidences said, per position, over the same verified drafts as `shared`: a
@@ -173,9 +177,11 @@ class AdaptiveBudget:
             for j in range(self.k):
                 at = depth == j
                 rows[at] = np.arange(1, int(at.sum()) + 1)
-            step = _interp(self.draft_costs, rows) - np.where(rows > 1, _interp(self.draft_costs, rows - 1), 0.0)
+            step = _marginal(self.draft_costs, rows)
             if self.first_draft_free:
                 step[depth == 0] = 0.0
+            if self.block_costs is not None:  # a request's first position also opens its block pass
+                step[depth == 0] += _marginal(self.block_costs, rows[depth == 0])
             seconds += np.cumsum(step)
         rates = emitted / seconds
         best = int(rates.argmax())
@@ -217,3 +223,8 @@ def _interp(curve: list[tuple[int, float]], tokens: np.ndarray) -> np.ndarray:
     xs, ys = np.array([x for x, _ in curve], dtype=float), np.array([y for _, y in curve])
     i = np.clip(np.searchsorted(xs, tokens, side="left"), 1, len(xs) - 1)
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def _marginal(curve: list[tuple[int, float]], rows: np.ndarray) -> np.ndarray:
+    """What the rows-th row adds to a pass over rows - 1 (the whole pass for the first)."""
+    return _interp(curve, rows) - np.where(rows > 1, _interp(curve, np.maximum(rows - 1, 1)), 0.0)

@@ -189,18 +189,33 @@ class DFlash2Proposer:
         over that many requests (the block pass itself is shared by all positions): the budget then plans
         how many slots to score, and a request planned none is not drafted at all."""
         head = self.target.model.compute_logits
-        costs = []
-        for n in counts:
-            rows = torch.zeros(n, self.drafter.width, dtype=self.target.dtype, device=self.target.device)
-            best = float("inf")
-            for _ in range(3):  # the first warms up
-                self.target._sync()
-                start = time.perf_counter()
-                head(rows)
-                self.target._sync()
-                best = min(best, time.perf_counter() - start)
-            costs.append((n, best))
-        return costs
+        return [(n, self._best_time(lambda n=n: head(self._zeros(n, self.drafter.width)))) for n in counts]
+
+    @torch.inference_mode()
+    def profile_block_passes(self, counts: list[int]) -> list[tuple[int, float]]:
+        """Seconds of the drafter's block pass over that many requests (full context): paid once per
+        drafting request, however many of its slots are scored."""
+        width, c = self.drafter.width, self.context_len
+        layers = len(self.drafter.cfg.target_layers)
+
+        def block(n: int) -> None:
+            mask = torch.ones(n, c, dtype=torch.bool, device=self.target.device)
+            self.drafter(self._zeros(n, c, layers * width), mask, self._zeros(n, width))
+
+        return [(n, self._best_time(lambda n=n: block(n))) for n in counts]
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.target.dtype, device=self.target.device)
+
+    def _best_time(self, fn) -> float:
+        best = float("inf")
+        for _ in range(3):  # the first warms up
+            self.target._sync()
+            start = time.perf_counter()
+            fn()
+            self.target._sync()
+            best = min(best, time.perf_counter() - start)
+        return best
 
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
         """Target features ([n, layers * width]) of the request's positions verified this step."""

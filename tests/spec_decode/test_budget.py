@@ -186,3 +186,15 @@ def test_a_backlog_that_cannot_join_does_not_shrink_the_drafts():
 
     assert drafts_kept(0) > 0
     assert drafts_kept(3) == drafts_kept(0)
+
+
+def test_a_block_pass_that_costs_more_than_its_drafts_earn_is_not_run():
+    """plan prices a block drafter's shared pass on a request's first position: drafts that would pay
+    for their verification and slots are still dropped when the pass itself costs more."""
+    verify = [(1, 0.010), (2, 0.0102), (8, 0.011)]  # memory-bound: verifying is nearly free
+    slot = [(1, 0.0001), (64, 0.0064)]  # scoring one more slot: cheap
+    for block, planned in (([(1, 0.0001), (64, 0.001)], True), ([(1, 0.008), (64, 0.05)], False)):
+        budget = AdaptiveBudget(4, verify, draft_costs=slot, block_costs=block)
+        budget.shared.rates = [0.5, 0.3, 0.2, 0.1]  # conditional acceptance per position
+        got = budget.plan({"a": 4}, base_tokens=1)["a"]
+        assert (got > 0) == planned, (block, got)
