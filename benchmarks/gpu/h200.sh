@@ -6,13 +6,7 @@
 set -uo pipefail
 out=${1:-results}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/setup.sh"
 # One pytest process per file: the tiny-shape kernel tests stalled once when they shared a process
 # with the engine tests on the GPU (2026-11-30; each file alone passes in seconds).
 for t in tests/gpu/test_engine_gpu.py tests/gpu/test_triton_kernels_gpu.py tests/kernels/test_triton_kernels.py; do

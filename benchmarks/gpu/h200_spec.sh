@@ -8,13 +8,7 @@ set -uo pipefail
 out=${1:-results}
 shift || true
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/setup.sh"
 # 580 s: one device command may run 600 s. The JSON is rewritten after every configuration, so a run cut
 # short keeps what it measured; the log keeps the engine's INFO lines (the budget's profiled step costs).
 timeout 580 python3 -m pressroom.entrypoints.cli --log-level INFO bench spec \

@@ -1,8 +1,12 @@
 """Where a decode step's time goes on the GPU: torch.profiler over batch-1 decode (CUDA graphs) and
 over decode steps of a large batch (eager beyond the largest graph), Llama-3.1-8B shape, dummy weights.
-Prints per-step wall time and the top operators by device and host time.
+Prints per-step wall time, the top operators by device and host time, and from each Chrome trace the
+steps one by one (split at each step's first KV write): span, GPU-busy time and the largest kernels.
 Run on the GPU machine: python benchmarks/gpu/profile_decode.py [configs/llama-3.1-8b] [OUT_DIR]
 """
+import collections
+import itertools
+import json
 import sys
 import time
 
@@ -31,6 +35,26 @@ def profiled(llm: LLM, prompts: list[list[int]], max_tokens: int, name: str, out
     print(table.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     prof.export_chrome_trace(f"{out}/{name}.json")
+    print_steps(f"{out}/{name}.json", llm.engine.hf_config.num_hidden_layers)
+
+
+def print_steps(trace: str, num_layers: int, shown: int = 3) -> None:
+    """Per step of a trace: wall span, summed kernel time, and the six largest kernels (ms)."""
+    with open(trace) as f:
+        kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    writes = [i for i, e in enumerate(kernels) if "_write_kv" in e["name"]]
+    starts = writes[::num_layers] + [len(kernels)]
+    steps = list(itertools.pairwise(starts))
+    for n, (a, b) in enumerate(steps):
+        if shown <= n < len(steps) - 1:
+            continue  # the first few and the last
+        seg = kernels[a:b]
+        span = (seg[-1]["ts"] + seg[-1]["dur"] - seg[0]["ts"]) / 1e3
+        by_name = collections.Counter()
+        for e in seg:
+            by_name[e["name"][:40]] += e["dur"] / 1e3
+        top = "; ".join(f"{k} {v:.2f}" for k, v in by_name.most_common(6))
+        print(f"step {n}: span {span:.2f} ms, busy {sum(by_name.values()):.2f} ms; {top}")
 
 
 def main() -> None:

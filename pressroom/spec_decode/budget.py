@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,12 +119,8 @@ class AdaptiveBudget:
         survival: dict[str, list[float]] = {}
         heap = []
         for rid, offered in drafts.items():
-            s, run = [], 1.0
             stated = confidences.get(rid)
-            for a in (self.calibrated(stated) if stated else self.acceptance(rid))[:offered]:
-                run *= a
-                s.append(run)
-            survival[rid] = s
+            survival[rid] = s = _survival(self.calibrated(stated) if stated else self.acceptance(rid), offered)
             if s:
                 heapq.heappush(heap, (-s[0], rid))
         chosen = {rid: 0 for rid in drafts}
@@ -153,7 +151,7 @@ class AdaptiveBudget:
         running for many requests or for none, and single additions would never open it. Call once per
         step: a request planned no drafts for long gets one (its probe), as in `choose`."""
         contexts = contexts or {}
-        cands = [(-s, j, rid) for rid, n in allowed.items() for j, s in enumerate(self._survival(rid, n))]
+        cands = [(-s, j, rid) for rid, n in allowed.items() for j, s in enumerate(_survival(self.acceptance(rid), n))]
         cands.sort()
         planned = dict.fromkeys(allowed, 0)
         for _, _, rid in cands[:self._best_prefix(cands, base_tokens, contexts, base_context)]:
@@ -187,13 +185,6 @@ class AdaptiveBudget:
         best = int(rates.argmax())
         return best + 1 if rates[best] > plain else 0
 
-    def _survival(self, rid: str, n: int) -> list[float]:
-        s, run = [], 1.0
-        for a in self.acceptance(rid)[:n]:
-            run *= a
-            s.append(run)
-        return s
-
     def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
         """Counts steps planned without drafts; at the limit one draft is made and the count left there,
         so `choose` verifies it (and resets the count) even where it would skip it."""
@@ -216,6 +207,11 @@ class AdaptiveBudget:
             if self.skipped[rid] >= _PROBE_EVERY:
                 chosen[rid], self.skipped[rid] = 1, 0
         return chosen
+
+
+def _survival(rates: list[float], n: int) -> list[float]:
+    """Chance the first 1..n drafts all survive, from conditional per-position acceptance rates."""
+    return list(itertools.accumulate(rates[:n], operator.mul))
 
 
 def _interp(curve: list[tuple[int, float]], tokens: np.ndarray) -> np.ndarray:
