@@ -97,6 +97,18 @@ class CompilationConfig:
         sizes = [s for s in ladder if s < limit]
         return sizes + [limit]
 
+    def graph_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
+                     query_lens: list[int] = ()) -> dict[int, list[int]]:
+        """Query length -> padded request counts to capture: decodes (length 1) on `capture_sizes`, and
+        each longer length (verifications of drafts) on powers of two, as far as the step's token budget."""
+        shapes = {1: self.capture_sizes(max_num_seqs)}
+        limit = min(self.max_cudagraph_capture_size, max_num_seqs)
+        for q in sorted(set(query_lens) - {1}):
+            top = min(limit, max_num_batched_tokens // q)
+            if top >= 1:
+                shapes[q] = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < top] + [top]
+        return shapes
+
 
 @dataclass(slots=True)
 class SchedulerConfig:

@@ -167,6 +167,7 @@ def budget_curves(budget) -> dict | None:
     if budget is None:
         return None
     return {"verify_costs": budget.costs, "decode_costs": budget.decode_costs,
+            "draft_costs": budget.draft_costs, "first_draft_costs": budget.first_draft_costs,
             "attention_cost_per_context_token": budget.attention_cost,
             "learned_acceptance": [round(a, 4) for a in budget.shared.rates]}
 

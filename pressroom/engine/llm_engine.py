@@ -89,7 +89,7 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks, self.max_model_len + lookahead)
         self._log_capacity(num_blocks)
         if config.device == "cuda" and not config.compilation.enforce_eager:
-            self.runner.capture_cudagraphs(config.compilation.capture_sizes(config.scheduler.max_num_seqs))
+            self._capture_cudagraphs()
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.scheduler.async_drafts = lookahead
@@ -163,16 +163,32 @@ class LLMEngine:
         per_context_token = max(0.0, (long_t - short_t) / (rows * (long_ctx - bs)))
         logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
                     "per query per context token", _curve(decode), _curve(verify), 1e6 * per_context_token)
-        drafts = None
+        drafts = first = None
         if hasattr(self.runner.proposer, "profile_decode_steps"):  # each draft position has a cost of its own
             drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
-            logger.info("drafting one more position: %s", _curve(drafts))
+            first = self.runner.proposer.profile_first_draft_steps([n for n in ladder if n <= sched.max_num_seqs])
+            logger.info("drafting one more position: %s; the first: %s", _curve(drafts), first and _curve(first))
         blocks = None
         if hasattr(self.runner.proposer, "profile_block_passes"):  # a block drafter's shared pass
             blocks = self.runner.proposer.profile_block_passes([n for n in ladder if n <= sched.max_num_seqs])
             logger.info("block drafter passes: %s", _curve(blocks))
         return AdaptiveBudget(max_drafts, verify, decode, per_context_token, drafts,
-                              first_draft_free=self.runner.device_drafting, block_costs=blocks)
+                              first_draft_costs=first, block_costs=blocks)
+
+    def _capture_cudagraphs(self) -> None:
+        """Decode steps, and with speculation the verification steps (1 + k query tokens for each draft
+        count k the engine may verify: every k up to K with the adaptive budget, else K); a draft model
+        captures its own passes."""
+        sched, spec, compilation = self.config.scheduler, self.config.speculative, self.config.compilation
+        drafts = []
+        if spec is not None:
+            k = spec.num_speculative_tokens
+            drafts = list(range(1, k + 1)) if spec.adaptive_token_budget else [k]
+        self.runner.capture_cudagraphs(compilation.graph_shapes(
+            sched.max_num_seqs, sched.max_num_batched_tokens, [1 + k for k in drafts]))
+        if hasattr(self.runner.proposer, "capture_cudagraphs"):
+            self.runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                                    drafts)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

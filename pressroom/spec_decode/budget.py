@@ -29,6 +29,7 @@ import numpy as np
 _EMA = 0.1  # weight of each new observation
 _PRIOR = 0.7  # optimistic start: the first steps try drafts, so the estimates can learn
 _PROBE_EVERY = 16  # a request whose drafts were skipped this many steps in a row verifies one (to keep learning)
+_PROBE_EVERY_MAX = 512  # each probe that was not worth it doubles the wait, up to this (probes cost at high load)
 
 
 @dataclass(slots=True)
@@ -47,19 +48,20 @@ class _Estimates:
 class AdaptiveBudget:
     def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
                  decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0,
-                 draft_costs: list[tuple[int, float]] | None = None, first_draft_free: bool = False,
+                 draft_costs: list[tuple[int, float]] | None = None,
+                 first_draft_costs: list[tuple[int, float]] | None = None,
                  block_costs: list[tuple[int, float]] | None = None) -> None:
         """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
         verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
         seconds per query token per context token it attends to, added on top of the curves.
         `draft_costs` (optional, for `plan`): one drafter forward pass over that many single-token rows;
-        `first_draft_free`: the drafter runs a pass every step anyway (it mirrors the target under async
-        scheduling) and the first draft comes with it, so only deeper positions cost a pass."""
+        `first_draft_costs`: where the first draft position costs a pass of another shape (a draft model
+        mirroring the target under async scheduling runs two tokens per request it drafts for), its curve."""
         self.k = max_drafts
         self.costs = sorted(verify_costs)
         self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
         self.draft_costs = sorted(draft_costs) if draft_costs and len(draft_costs) > 1 else None
-        self.first_draft_free = first_draft_free
+        self.first_draft_costs = sorted(first_draft_costs) if first_draft_costs and len(first_draft_costs) > 1 else None
         # A block drafter's own pass over that many requests (dflash2): paid once per drafting request,
         # whatever its depth, on top of the per-position `draft_costs`.
         self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
@@ -70,6 +72,7 @@ class AdaptiveBudget:
         self.stated = [_PRIOR] * max_drafts
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
+        self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
 
     # ---- learning ----
 
@@ -85,6 +88,7 @@ class AdaptiveBudget:
     def forget(self, req_id: str) -> None:
         self.own.pop(req_id, None)
         self.skipped.pop(req_id, None)
+        self.probe_every.pop(req_id, None)
 
     def calibrated(self, confidences: list[float]) -> list[float]:
         """A drafter's confidences rescaled per position by how often its drafts there survived against
@@ -176,8 +180,8 @@ class AdaptiveBudget:
                 at = depth == j
                 rows[at] = np.arange(1, int(at.sum()) + 1)
             step = _marginal(self.draft_costs, rows)
-            if self.first_draft_free:
-                step[depth == 0] = 0.0
+            if self.first_draft_costs is not None:
+                step[depth == 0] = _marginal(self.first_draft_costs, rows[depth == 0])
             if self.block_costs is not None:  # a request's first position also opens its block pass
                 step[depth == 0] += _marginal(self.block_costs, rows[depth == 0])
             seconds += np.cumsum(step)
@@ -192,20 +196,25 @@ class AdaptiveBudget:
             if k or not allowed[rid]:
                 continue  # drafted: `choose` counts it
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
-            if self.skipped[rid] >= _PROBE_EVERY:
+            if self.skipped[rid] >= self.probe_every.get(rid, _PROBE_EVERY):
                 planned[rid] = 1
         return planned
 
     def _probe(self, chosen: dict[str, int], offered: dict[str, int]) -> dict[str, int]:
         """Estimates only move where drafts are verified; a request left out for long gets one draft
-        checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed."""
+        checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed. Each
+        probe doubles the wait before the next, until drafts are chosen on their merit again."""
         for rid, k in chosen.items():
+            if k:
+                self.probe_every.pop(rid, None)
             if k or not offered[rid]:
                 self.skipped[rid] = 0
                 continue
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
-            if self.skipped[rid] >= _PROBE_EVERY:
+            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            if self.skipped[rid] >= wait:
                 chosen[rid], self.skipped[rid] = 1, 0
+                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
         return chosen
 
 

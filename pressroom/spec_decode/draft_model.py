@@ -7,13 +7,15 @@ from the draft's distribution q (temperature, top-k/p, min-p as the request asks
 the rejection sampler, so verification stays lossless; greedy requests draft the argmax.
 
 Under async scheduling (`propose_on_device`) nothing may wait for the host, so the draft model
-mirrors every target step instead: its cache has the target's block layout (same block ids and
-slots), and each step it runs the target's query tokens up to the drafts, then the tokens the target
-emitted (padded to 1 + k, at the positions that follow), takes the logits at the last emitted one
-(an index computed on the device), and runs up to K - 1 single-token steps, each over the rows the
-budget planned that deep (`TargetStep.draft_limits`; the other rows keep filler drafts, never verified). Positions past the verified
-ones hold garbage until a later step writes them again; the scheduler reserves K slots past each
-request's step for these writes.
+mirrors the target's steps instead: its cache has the target's block layout (same block ids and
+slots), and each step it runs, for every request the budget planned drafts for, the target's query
+tokens up to the drafts, then the tokens the target emitted (padded to 1 + k, at the positions that
+follow), takes the logits at the last emitted one (an index computed on the device), and runs up to
+K - 1 single-token steps, each over the rows planned that deep (`TargetStep.draft_limits`; the other
+rows keep filler drafts, never verified). A request planned no drafts is not run at all: it falls
+behind, and the next pass that mirrors it first catches up on those tokens from the host. Positions
+past the verified ones hold garbage until a later step writes them again; the scheduler reserves K
+slots past each request's step for these writes. Every pass replays a CUDA graph where one fits.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pressroom.attention.backend import AttentionMetadata, forward_context
+from pressroom.attention.backend import AttentionMetadata
 from pressroom.config import ModelConfig, SpeculativeConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -50,10 +52,14 @@ class DraftModelProposer:
         self.kv: KVCacheManager | None = None  # sized like the target's cache on first use
         self.target = target
         self.requests: dict[str, Request] = {}  # the draft cache's view of each request
+        # Async: tokens a request's last steps ran on the target but not here (positions just before its
+        # next query), caught up from the host the next time it is mirrored.
+        self.behind: dict[str, int] = {}
         self.generator = torch.Generator(device=target.device).manual_seed(1)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
+            self.behind.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is not None and self.kv is not None:
                 self.kv.free(req)
@@ -93,11 +99,31 @@ class DraftModelProposer:
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""
+        self._ensure_any_cache()
+        return self.runner.profile_step_costs(counts, 1)
+
+    def profile_first_draft_steps(self, counts: list[int]) -> list[tuple[int, float]] | None:
+        """Under async scheduling, seconds of the mirror pass that makes the first draft, over each number
+        of rows (two tokens each: the step's input and the target's token); None when the first draft
+        comes with the catch-up the synchronous path runs anyway."""
+        if not self.target.device_drafting:
+            return None
+        self._ensure_mirror_cache()
+        return [(n // 2, t) for n, t in self.runner.profile_step_costs([2 * c for c in counts], 2)]
+
+    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int,
+                           draft_counts: list[int]) -> None:
+        """The draft model's own graphs: single-token draft steps, and under async scheduling its mirror
+        passes (2 + k tokens per request: the step's input, k verified drafts, the target's token)."""
+        self._ensure_any_cache()
+        mirror = [2] + [2 + k for k in draft_counts] if self.target.device_drafting else []
+        self.runner.capture_cudagraphs(compilation.graph_shapes(max_num_seqs, max_num_batched_tokens, mirror))
+
+    def _ensure_any_cache(self) -> None:
         if self.target.device_drafting:
             self._ensure_mirror_cache()
         else:
             self._ensure_cache()
-        return self.runner.profile_step_costs(counts, 1)
 
     # ---- the draft cache ----
 
@@ -174,27 +200,33 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose_on_device(self, step: TargetStep) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """K drafts per sampled request ([sampled, K]) and their q ([sampled, K, vocab], zero rows for
-        greedy requests; None when all are greedy); None when no request sampled."""
+        greedy requests; None when all are greedy); None when no request is mirrored. Rows the budget
+        planned no drafts for (and that verified none) are not run: their tokens wait, on the host, for
+        the next pass that mirrors them (`self.behind`), so a batch that drafts nothing costs nothing."""
         self._ensure_mirror_cache()
-        meta, ids, positions, pick = self._mirror_batch(step)
-        with forward_context(meta):
-            hidden = self.runner.model(ids, self._rotary(positions))
-        if not step.sampled:
+        mirrored = self._mirrored_rows(step)
+        if not mirrored:
             return None
-        token, q = self._draw_rows(self.runner.model.compute_logits(hidden[pick]).float(), step.params)
+        meta, ids, positions, pick = self._mirror_batch(step, mirrored)
+        hidden = self.runner.run_model(ids, self._rotary(positions), meta)
+        token, q = self._draw_rows(self.runner.model.compute_logits(hidden[pick]).float(),
+                                   [step.params[j] for j in mirrored])
+        dev, n = ids.device, len(step.sampled)
+        where = None if len(mirrored) == n else to_device(torch.tensor(mirrored), dev)
+        token, q, base = (_spread(t, where, n) for t in (token, q, positions[pick]))
         drafts, probs = [token], [q]
-        base, tables = positions[pick], meta.block_tables[to_device(torch.tensor(step.sampled), ids.device)]
-        bound = [meta.seq_lens_host[i] for i in step.sampled]
-        active = list(range(len(step.sampled)))
+        tables = step.meta.block_tables[to_device(torch.tensor(step.sampled), dev)]
+        bound = [step.meta.seq_lens_host[i] for i in step.sampled]
+        active = mirrored
         for j in range(1, self.k):
             # Only the rows the budget planned this deep (the first draft came with the mirror pass).
             active = [r for r in active if step.draft_limits[r] > j]
             if not active:
                 break
-            idx = None if len(active) == len(step.sampled) else to_device(torch.tensor(active), ids.device)
+            idx = None if len(active) == n else to_device(torch.tensor(active), dev)
             position = _rows(base, idx) + j
-            with forward_context(self._decode_meta(_rows(tables, idx), position, [bound[r] + j for r in active])):
-                hidden = self.runner.model(_rows(drafts[-1], idx), self._rotary(position))
+            meta = self._decode_meta(_rows(tables, idx), position, [bound[r] + j for r in active])
+            hidden = self.runner.run_model(_rows(drafts[-1], idx), self._rotary(position), meta)
             token, q = self._draw_rows(self.runner.model.compute_logits(hidden).float(),
                                        [step.params[r] for r in active])
             if idx is not None:  # rows that stopped keep a filler draft, never verified
@@ -212,52 +244,73 @@ class DraftModelProposer:
             self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
                                             self.target.max_blocks_per_seq * self.target.block_size)
 
-    def _mirror_batch(self, step: TargetStep) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per request: the target's query tokens before its drafts; then, for a sampled one, its emitted
-        tokens padded to 1 + k at the positions after the last of those. Also the flat index of each
-        sampled request's last emitted token (where its first draft's logits are)."""
+    def _mirrored_rows(self, step: TargetStep) -> list[int]:
+        """Sampled rows (indices into step.sampled) the draft model runs this step: those the budget planned
+        drafts for, and those that verified drafts (their accepted ones are known only on the device).
+        Every other request of the batch falls behind by its query tokens."""
+        mirrored = [j for j in range(len(step.sampled)) if step.draft_limits[j] > 0 or step.num_drafts[j] > 0]
+        running = {step.sampled[j] for j in mirrored}
+        loc = step.meta.query_start_loc
+        for i, rid in enumerate(step.req_ids):
+            if i not in running:
+                self.behind[rid] = self.behind.get(rid, 0) + loc[i + 1] - loc[i]
+        return mirrored
+
+    def _mirror_batch(self, step: TargetStep, mirrored: list[int]
+                      ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per mirrored request: the tokens it fell behind by (from the host, at the positions before this
+        step's), the target's query tokens before its drafts, then its emitted tokens padded to 1 + k at
+        the positions after the last of those. Also the flat index of each one's last emitted token
+        (where its first draft's logits are).
+
+        A request behind verified no drafts in its last step, so this step's positions, known on the
+        host, are exact, and its missing tokens all come from steps already resolved."""
         loc, dev, bs = step.meta.query_start_loc, step.input_ids.device, self.target.block_size
-        row_of = {i: j for j, i in enumerate(step.sampled)}
-        width = step.tokens.shape[1] if step.sampled else 0
-        src, pos_src, pos_add, owner, extra, pick = [], [], [], [], [], []
-        total = 0
-        for i in range(len(loc) - 1):
-            j = row_of.get(i)
-            k = step.num_drafts[j] if j is not None else 0
+        width = step.tokens.shape[1]
+        caught_up_from = loc[-1] + len(step.sampled) * width  # where the host's catch-up tokens go in `tokens`
+        src, pos_src, pos_add, owner, pick, catch_up, draft_loc = [], [], [], [], [], [], [0]
+        for j in mirrored:
+            i, k = step.sampled[j], step.num_drafts[j]
+            behind = self.behind.pop(step.req_ids[i], 0)
+            if behind:
+                start = step.starts[i]
+                missing = step.token_ids[i][start - behind:start]
+                assert len(missing) == behind, "a mirrored request's missing tokens are not on the host yet"
+                src.extend(range(caught_up_from + len(catch_up), caught_up_from + len(catch_up) + behind))
+                catch_up.extend(missing)
+                pos_src.extend([loc[i]] * behind)
+                pos_add.extend(range(-behind, 0))
             known = loc[i + 1] - loc[i] - k
             src.extend(range(loc[i], loc[i] + known))
             pos_src.extend(range(loc[i], loc[i] + known))
             pos_add.extend([0] * known)
-            m = known
-            if j is not None:
-                pick.append(total + known)
-                src.extend(loc[-1] + j * width + t for t in range(k + 1))
-                pos_src.extend([loc[i] + known - 1] * (k + 1))
-                pos_add.extend(range(1, k + 2))
-                m += k + 1
-            owner.extend([i] * m)
-            extra.append(m - (loc[i + 1] - loc[i]))
-            total += m
-        tokens = step.input_ids if not step.sampled else torch.cat([step.input_ids, step.tokens.flatten()])
-        ids = tokens[to_device(torch.tensor(src), dev)]
+            pick.append(draft_loc[-1] + behind + known)
+            src.extend(loc[-1] + j * width + t for t in range(k + 1))
+            pos_src.extend([loc[i] + known - 1] * (k + 1))
+            pos_add.extend(range(1, k + 2))
+            m = behind + known + k + 1
+            owner.extend([len(draft_loc) - 1] * m)
+            draft_loc.append(draft_loc[-1] + m)
+        parts = [step.input_ids, step.tokens.flatten()]
+        if catch_up:
+            parts.append(to_device(torch.tensor(catch_up, dtype=step.input_ids.dtype), dev))
+        ids = torch.cat(parts)[to_device(torch.tensor(src), dev)]
         positions = step.positions[to_device(torch.tensor(pos_src), dev)] + to_device(torch.tensor(pos_add), dev)
-        blocks = step.meta.block_tables[to_device(torch.tensor(owner), dev), positions // bs].long()
-        seq_lens = step.meta.seq_lens + to_device(torch.tensor(extra), dev).to(step.meta.seq_lens.dtype)
+        rows = to_device(torch.tensor([step.sampled[j] for j in mirrored]), dev)
+        tables = step.meta.block_tables[rows]
+        blocks = tables[to_device(torch.tensor(owner), dev), positions // bs].long()
+        seq_lens = step.meta.seq_lens[rows] + 1  # the target's token emitted past the drafts runs here too
         cuda = dev.type == "cuda"
-        draft_loc = [0]
-        for i in range(len(loc) - 1):
-            draft_loc.append(draft_loc[-1] + loc[i + 1] - loc[i] + extra[i])
+        host_lens = [step.meta.seq_lens_host[step.sampled[j]] + 1 for j in mirrored]
         meta = AttentionMetadata(
             num_decodes=0, num_decode_tokens=0, slot_mapping=blocks * bs + positions % bs,
-            block_tables=step.meta.block_tables, seq_lens=seq_lens, query_start_loc=draft_loc,
+            block_tables=tables, seq_lens=seq_lens, query_start_loc=draft_loc,
             # The CPU backend reads exact host lengths (free there); on CUDA an upper bound, never read.
-            seq_lens_host=[h + e for h, e in zip(step.meta.seq_lens_host, extra)] if cuda else seq_lens.tolist(),
+            seq_lens_host=host_lens if cuda else seq_lens.tolist(),
             query_start_loc_device=to_device(torch.tensor(draft_loc, dtype=torch.int32), dev) if cuda else None,
             max_query_len=max(b - a for a, b in itertools.pairwise(draft_loc)))
-        pick_t = to_device(torch.tensor(pick, dtype=torch.long), dev)
-        if step.sampled:
-            pick_t = pick_t + step.counts.long() - 1
-        return meta, ids, positions, pick_t
+        counts = step.counts if len(mirrored) == len(step.sampled) else step.counts[rows.new_tensor(mirrored)]
+        return meta, ids, positions, to_device(torch.tensor(pick, dtype=torch.long), dev) + counts.long() - 1
 
     def _decode_meta(self, tables: torch.Tensor, position: torch.Tensor, bound: list[int]) -> AttentionMetadata:
         n, bs, dev = len(bound), self.target.block_size, position.device
@@ -291,3 +344,10 @@ class DraftModelProposer:
 
 def _rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     return t if idx is None else t.index_select(0, idx)
+
+
+def _spread(t: torch.Tensor | None, where: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Rows computed for a subset (`where`) of n rows, placed into n rows (zeros elsewhere: fillers)."""
+    if t is None or where is None:
+        return t
+    return t.new_zeros((n, *t.shape[1:])).index_copy_(0, where, t)

@@ -45,6 +45,11 @@ class TargetStep:
     counts: torch.Tensor | None  # [sampled] tokens each emitted
     params: list[SamplingParams]  # per sampled request
     draft_limits: list[int]  # per sampled request: drafts wanted for its next step (the budget's plan)
+    # Per request of the batch (batch order): its id, its tokens known on the host (everything up to the
+    # step before the one in flight) and the position of its first query token.
+    req_ids: list[str]
+    token_ids: list[list[int]]
+    starts: list[int]
 
 
 class Proposer(Protocol):

@@ -113,10 +113,6 @@ class StepBatch:
     order: list[CachedRequestState]
     query_ends: list[int]  # exclusive end of each request's tokens in the flat batch
 
-    @property
-    def decode_only(self) -> bool:
-        return self.meta.num_decodes == len(self.order)
-
 
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -221,8 +217,7 @@ class ModelRunner:
             for _ in range(repeats + 1):  # the first run warms up
                 self._sync()
                 start = time.perf_counter()
-                with forward_context(batch.meta):
-                    hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
                 self.model.compute_logits(hidden).float()
                 self._sync()
                 best = min(best, time.perf_counter() - start)
@@ -253,18 +248,30 @@ class ModelRunner:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def capture_cudagraphs(self, sizes: list[int]) -> None:
+    def capture_cudagraphs(self, shapes: dict[int, list[int]]) -> None:
+        """`shapes`: query length (1 for decodes, 1 + k for verifications of k drafts) -> padded request
+        counts to capture at that length."""
         from pressroom.worker.cuda_graphs import CudaGraphs
-        self.graphs = CudaGraphs(self.model, sizes, self.max_blocks_per_seq, self._num_kv_splits, self.device)
+        self.graphs = CudaGraphs(self.model, shapes, self.max_blocks_per_seq, self._num_kv_splits, self.device)
         self.graphs.capture()
 
     def _num_kv_splits(self, num_decodes: int) -> int:
         if self.device != "cuda":
             return 1
         from pressroom.attention.triton_backend import num_kv_splits
-        if self.graphs is not None and num_decodes and self.graphs.fits(num_decodes):
+        if self.graphs is not None and 0 < num_decodes <= self.graphs.max_decodes:
             num_decodes = self.graphs.padded_size(num_decodes)  # split as the graph of that size does
         return num_kv_splits(num_decodes, self.attention_layers[0].num_kv_heads, self.max_blocks_per_seq)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a step: a captured graph's where one fits the step's shape, else eager."""
+        if self.graphs is not None:
+            loc = meta.query_start_loc
+            key = self.graphs.key_for(len(loc) - 1, meta.max_query_len)
+            if key is not None:
+                return self.graphs.replay(key, input_ids, positions, meta)
+        with forward_context(meta):
+            return self.model(input_ids, positions)
 
     # ---- one step ----
 
@@ -278,11 +285,7 @@ class ModelRunner:
             self.prev = None  # the scheduler books the previous step's results before the next one
             return PendingOutput.done(out) if self.async_scheduling else out
         batch = self._prepare(sched)
-        if self.graphs is not None and batch.decode_only and self.graphs.fits(len(batch.order)):
-            hidden = self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
-        else:
-            with forward_context(batch.meta):
-                hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         if not self.async_scheduling:
             return self._sample(batch, sched, hidden)
         if any(needs_host_history(s.params) for s in batch.order):
@@ -510,8 +513,7 @@ class ModelRunner:
         of its tokens (a draft model's runner samples them itself)."""
         self._update_states(sched)
         batch = self._prepare(sched)
-        with forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
         rows = self._sampling_rows(batch, sched)
         return [s for _, s in rows], self.model.compute_logits(self._last_hidden(batch, hidden, rows)).float()
 
@@ -597,7 +599,9 @@ class ModelRunner:
                                num_drafts) if sampling else None
         step = TargetStep(batch.input_ids, batch.positions, batch.meta, [i for i, _ in sampling], num_drafts,
                           tokens, counts, [s.params for _, s in sampling],
-                          [sched.draft_limits.get(s.req_id, 1 << 30) for _, s in sampling])
+                          [sched.draft_limits.get(s.req_id, 1 << 30) for _, s in sampling],
+                          [s.req_id for s in batch.order], [s.token_ids for s in batch.order],
+                          [s.num_computed_tokens for s in batch.order])
         proposed = self.proposer.propose_on_device(step)
         if proposed is None:
             return

@@ -101,3 +101,43 @@ def test_async_draft_model_sampling_runs_and_frees_everything(dirs):
     outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(16, seed=6)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 16
     assert llm.engine.kv_cache.usage() == 0.0
+
+
+def test_verifications_and_draft_passes_replay_cuda_graphs(dirs):
+    """Verification steps (1 + k query tokens per request, padded to the captured length) and the draft
+    model's passes replay CUDA graphs; the draft model is the target itself, so every greedy draft must
+    survive, and the output equals eager decoding without speculation."""
+    target, _ = dirs
+    prompts = random_prompts(12, low=4, high=60, seed=8)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, detokenize=False)
+              for i in range(len(prompts))]  # max_tokens cuts some drafts short: shorter queries, padded
+
+    def run(**engine):
+        llm = LLM(target, device="cuda", dtype="float32", kv_cache_memory_gib=0.25, max_num_seqs=32,
+                  skip_tokenizer_init=True, **engine)
+        replayed = []
+        for runner in filter(None, (llm.engine.runner, getattr(llm.engine.runner.proposer, "runner", None))):
+            if runner.graphs is not None:
+                replayed.append(_record_replays(runner.graphs))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm, replayed
+
+    eager, _, _ = run(enforce_eager=True)
+    config = {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive_token_budget": False}
+    tokens, llm, (target_keys, draft_keys) = run(speculative_config=config)
+    assert tokens == eager
+    stats = llm.engine.stats().spec
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert {q for q, _ in target_keys} >= {4}  # verifications of 3 drafts
+    assert {q for q, _ in draft_keys} >= {1, 5}  # draft steps, and mirror passes of 2 + 3 tokens
+
+
+def _record_replays(graphs) -> list:
+    keys, replay = [], graphs.replay
+
+    def recording(key, *args):
+        keys.append(key)
+        return replay(key, *args)
+
+    graphs.replay = recording
+    return keys

@@ -153,6 +153,36 @@ def _alternating_plan(llm) -> None:
     sched._plan_drafts = plan
 
 
+def test_requests_planned_no_drafts_fall_behind_and_catch_up(target):
+    """The draft model is the target itself, so with greedy sampling every draft survives if (and only
+    if) the draft cache holds the right KV. Most steps plan no drafts, for some requests or all of them:
+    those requests skip the draft model, and the next step that drafts for one first catches it up from
+    the host. A wrong catch-up (positions, tokens, slots) would show as rejected drafts."""
+    llm = _llm(target, async_scheduling=True, speculative_config=_draft(target))
+    sched, proposer = llm.engine.scheduler, llm.engine.runner.proposer
+    steps = iter(range(1 << 20))
+    behind_seen = []
+
+    def plan(sampling):
+        n = next(steps)
+        limits = {r.request_id: 2 if (n + int(r.request_id)) % 5 == 4 else 0 for r in sampling}
+        for r in sampling:
+            r.spec_token_ids = r.spec_token_ids[:limits[r.request_id]]
+        behind_seen.append(max(proposer.behind.values(), default=0))
+        return limits
+
+    sched._plan_drafts = plan
+    prompts = random_prompts(6, low=4, high=40, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _gen(_llm(target), prompts, params)
+    before = llm.engine.stats().spec
+    assert _gen(llm, prompts, params) == plain
+    after = llm.engine.stats().spec
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    assert drafted > 40 and after.num_accepted_tokens - before.num_accepted_tokens == drafted
+    assert max(behind_seen) >= 4  # requests really fell several tokens behind before catching up
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_draft_model_sampling_keeps_the_target_distribution_under_async(small_vocab_model, tmp_path_factory,  # noqa: F811
                                                                         partial):

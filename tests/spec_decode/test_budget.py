@@ -61,7 +61,9 @@ def test_a_skipped_request_is_probed_now_and_then():
     rounds = [budget.choose(offered, base_tokens=64) for _ in range(16)]
     assert all(set(r.values()) == {0} for r in rounds[:15])
     assert set(rounds[15].values()) == {1}  # one draft each after 16 skipped steps, then quiet again
-    assert set(budget.choose(offered, base_tokens=64).values()) == {0}
+    later = [budget.choose(offered, base_tokens=64) for _ in range(32)]
+    assert all(set(r.values()) == {0} for r in later[:31])  # a probe that did not pay doubles the wait
+    assert set(later[31].values()) == {1}
 
 
 def test_confidences_rank_draft_prefixes_across_requests():

@@ -172,7 +172,7 @@ def test_budget_plans_drafts_so_the_draft_model_skips_unwanted_passes(tiny, asyn
                                       "adaptive_token_budget": adaptive})
         if adaptive:
             budget = llm.engine.scheduler.spec_budget
-            assert budget.draft_costs is not None and budget.first_draft_free == async_scheduling
+            assert budget.draft_costs is not None and (budget.first_draft_costs is not None) == async_scheduling
             budget.draft_costs = [(1, 1.0), (1024, 1.0)]
         target = _count_forwards(llm.engine.model)
         draft = _count_forwards(llm.engine.runner.proposer.runner.model)
