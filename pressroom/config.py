@@ -17,6 +17,7 @@ QUANTIZATIONS = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
+VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
 
 
 def resolve_device(device: str) -> str:
@@ -98,15 +99,16 @@ class CompilationConfig:
         return sizes + [limit]
 
     def graph_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
-                     query_lens: list[int] = ()) -> dict[int, list[int]]:
-        """Query length -> padded request counts to capture: decodes (length 1) on `capture_sizes`, and
-        each longer length (verifications of drafts) on powers of two, as far as the step's token budget."""
+                     max_query_len: int = 1) -> dict[int, list[int]]:
+        """What to capture (see worker/cuda_graphs.py): {1: padded request counts of decode steps} and,
+        where steps verify drafts (queries of up to `max_query_len` tokens), {max_query_len: padded token
+        counts of those steps}, on a ladder that pads by at most ~12%, up to the step's token budget."""
         shapes = {1: self.capture_sizes(max_num_seqs)}
-        limit = min(self.max_cudagraph_capture_size, max_num_seqs)
-        for q in sorted(set(query_lens) - {1}):
-            top = min(limit, max_num_batched_tokens // q)
-            if top >= 1:
-                shapes[q] = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < top] + [top]
+        if max_query_len > 1:
+            top = min(max_num_batched_tokens, VARLEN_GRAPH_MAX_TOKENS,
+                      min(self.max_cudagraph_capture_size, max_num_seqs) * max_query_len)
+            ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 1025, 32), *range(1088, 4097, 64)]
+            shapes[max_query_len] = [n for n in ladder if n < top] + [top]
         return shapes
 
 

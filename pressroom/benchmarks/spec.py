@@ -39,8 +39,9 @@ DEFAULT_DRAFT = REPO / "configs" / "llama-3.2-1b"
 DEFAULT_RATES = [0.85, 0.75, 0.65, 0.55, 0.45, 0.35, 0.25]
 NONE, NONE_SYNC, ADAPTIVE = "none", "none-sync", "adaptive"
 TOLERANCE = 0.05  # the issue's "never more than 5% below the best fixed K"
-WARMUP_NOTE = ("per engine, untimed: at each concurrency c, c requests of --warmup-output-len tokens (every batch "
-               "shape's kernels compiled), then the prefix cache reset; the adaptive budget keeps what it learned")
+WARMUP_NOTE = ("per engine, untimed: at each concurrency c, 2c requests of --warmup-output-len tokens in the closed "
+               "loop (new prompts joining running ones: the mixed steps' kernels compiled too), then the prefix "
+               "cache reset; the adaptive budget keeps what it learned")
 
 
 @dataclass(slots=True)
@@ -140,7 +141,7 @@ def run_variant(args, variant: Variant, prompts: dict[int, list[list[int]]], max
     llm, ready_s = build_llm(kwargs, device)
     log(f"{variant.name}: engine ready in {ready_s:.1f} s")
     for c in args.concurrency:
-        warmup = random_prompts(c, args.input_len, llm.engine.vocab_size, args.seed + 1000 + c)
+        warmup = random_prompts(2 * c, args.input_len, llm.engine.vocab_size, args.seed + 1000 + c)
         drive(llm.engine, warmup, c, args.warmup_output_len, f"warmup-c{c}")
     reset_prefix_cache(llm)
     log(f"{variant.name}: warmed up")

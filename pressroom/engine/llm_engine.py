@@ -176,19 +176,14 @@ class LLMEngine:
                               first_draft_costs=first, block_costs=blocks)
 
     def _capture_cudagraphs(self) -> None:
-        """Decode steps, and with speculation the verification steps (1 + k query tokens for each draft
-        count k the engine may verify: every k up to K with the adaptive budget, else K); a draft model
-        captures its own passes."""
+        """Decode steps, and with speculation the verification steps (up to 1 + K query tokens per
+        request); a draft model captures its own passes."""
         sched, spec, compilation = self.config.scheduler, self.config.speculative, self.config.compilation
-        drafts = []
-        if spec is not None:
-            k = spec.num_speculative_tokens
-            drafts = list(range(1, k + 1)) if spec.adaptive_token_budget else [k]
-        self.runner.capture_cudagraphs(compilation.graph_shapes(
-            sched.max_num_seqs, sched.max_num_batched_tokens, [1 + k for k in drafts]))
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.runner.capture_cudagraphs(
+            compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs)
         if hasattr(self.runner.proposer, "capture_cudagraphs"):
-            self.runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                                    drafts)
+            self.runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size

@@ -9,8 +9,12 @@ curve profiled at start-up. Drafts are added greedily, best survival first, whil
 second still rise: a memory-bound step (T flat) takes every likely draft, a compute-bound one (T
 proportional to tokens) takes drafts only when s_j > N * dT / T, so at high concurrency none. Each
 verified draft also attends to its request's whole context, priced per context token (measured).
-Estimates are exponential moving averages over every observed position, shared by all requests,
-plus each request's own (its content, e.g. code being copied, moves it away from the rest).
+The shared estimates, over all requests, are counts of drafts verified and accepted per position,
+decayed each step (so they forget with time, not with traffic, and a high-concurrency step's many
+observations do not wash out the past), with an optimistic bonus that shrinks as a position is
+observed: a position the budget stopped drafting is not stuck at a low guess forever. Each request
+also keeps its own moving average (its content, e.g. code being copied, moves it away from the rest),
+blended in as it observes more.
 
 `choose` runs once the drafts exist (their cost is spent). `plan` runs before drafting, so a drafter
 that pays per draft (a draft model: one forward pass per draft position, over the requests drafting
@@ -26,22 +30,74 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_EMA = 0.1  # weight of each new observation
-_PRIOR = 0.7  # optimistic start: the first steps try drafts, so the estimates can learn
+_EMA = 0.1  # weight of each new observation of one request's own acceptance
+_OWN_PRIOR = 16  # a request's own estimate counts as much as the shared one after this many observations
+_PRIOR = 0.7  # the guess before any observation, worth _PRIOR_WEIGHT of them
+_PRIOR_WEIGHT = 4.0
+_DECAY = 0.99  # per step, on the shared counts: about the last 100 steps count
+_EXPLORE = 0.3  # optimism: rate + _EXPLORE / sqrt(1 + observations) while planning
 _PROBE_EVERY = 16  # a request whose drafts were skipped this many steps in a row verifies one (to keep learning)
 _PROBE_EVERY_MAX = 512  # each probe that was not worth it doubles the wait, up to this (probes cost at high load)
+# The shared estimates learn from any request's probe, so a batch needs about as many probes per step at
+# any size: past this many requests, each one's wait grows with the batch.
+_PROBE_ROWS = 16
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Shared per-position acceptance: decayed counts of verified drafts, of accepted ones, and of the
+    drafter's stated confidence over the verified drafts that came with one."""
+    trials: list[float]
+    hits: list[float]
+    stated: list[float]
+    stated_n: list[float]
+
+    @classmethod
+    def empty(cls, k: int) -> _Counts:
+        return cls([0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k)
+
+    def observe(self, num_draft: int, num_accepted: int, confidences: list[float] | None) -> None:
+        """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
+        for j in range(min(num_accepted + 1, num_draft)):
+            self.trials[j] += 1.0
+            self.hits[j] += float(j < num_accepted)
+            if confidences and j < len(confidences):
+                self.stated[j] += confidences[j]
+                self.stated_n[j] += 1.0
+
+    def decay(self, factor: float) -> None:
+        for counts in (self.trials, self.hits, self.stated, self.stated_n):
+            counts[:] = [c * factor for c in counts]
+
+    def assume(self, rates: list[float], weight: float = 1e6) -> None:
+        """As if `weight` drafts had been verified at each position with these acceptance rates."""
+        self.trials = [weight] * len(rates)
+        self.hits = [r * weight for r in rates]
+
+    @property
+    def rates(self) -> list[float]:
+        return [(h + _PRIOR_WEIGHT * _PRIOR) / (t + _PRIOR_WEIGHT) for h, t in zip(self.hits, self.trials)]
+
+    @property
+    def optimistic(self) -> list[float]:
+        return [min(1.0, r + _EXPLORE / (1.0 + t) ** 0.5) for r, t in zip(self.rates, self.trials)]
+
+    @property
+    def said(self) -> list[float]:
+        return [(c + _PRIOR_WEIGHT * _PRIOR) / (n + _PRIOR_WEIGHT) for c, n in zip(self.stated, self.stated_n)]
 
 
 @dataclass(slots=True)
 class _Estimates:
     rates: list[float]
     seen: list[int] = field(default_factory=list)  # observations per position (own estimates blend in)
+    weight: float = _EMA
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
         for j in range(min(num_accepted + 1, num_draft)):
             hit = 1.0 if j < num_accepted else 0.0
-            self.rates[j] += _EMA * (hit - self.rates[j])
+            self.rates[j] += self.weight * (hit - self.rates[j])
             self.seen[j] += 1
 
 
@@ -66,22 +122,23 @@ class AdaptiveBudget:
         # whatever its depth, on top of the per-position `draft_costs`.
         self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
         self.attention_cost = attention_cost
-        self.shared = _Estimates([_PRIOR] * max_drafts, [0] * max_drafts)
-        # What a drafter's confidences said, per position, over the same verified drafts as `shared`: a
-        # drafter that says 0.9 where 0.6 survive is scaled by 0.6 / 0.9 there (confidence calibration).
-        self.stated = [_PRIOR] * max_drafts
+        # Also what a drafter's confidences said over the same verified drafts: a drafter that says 0.9
+        # where 0.6 survive is scaled by 0.6 / 0.9 there (confidence calibration).
+        self.shared = _Counts.empty(max_drafts)
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
         self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
+        self.probing: set[str] = set()  # requests `plan` gave a probe draft, for `choose` to keep
 
     # ---- learning ----
 
+    def tick(self) -> None:
+        """Once per step: the shared counts fade."""
+        self.shared.decay(_DECAY)
+
     def observe(self, req_id: str, num_draft: int, num_accepted: int, confidences: list[float] | None = None) -> None:
         """A verified draft: `confidences`, the drafter's own per-token estimates for it, if it gave any."""
-        if confidences:
-            for j in range(min(num_accepted + 1, num_draft, len(confidences))):
-                self.stated[j] += _EMA * (confidences[j] - self.stated[j])
-        self.shared.observe(num_draft, num_accepted)
+        self.shared.observe(num_draft, num_accepted, confidences)
         own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
         own.observe(num_draft, num_accepted)
 
@@ -89,19 +146,22 @@ class AdaptiveBudget:
         self.own.pop(req_id, None)
         self.skipped.pop(req_id, None)
         self.probe_every.pop(req_id, None)
+        self.probing.discard(req_id)
 
     def calibrated(self, confidences: list[float]) -> list[float]:
         """A drafter's confidences rescaled per position by how often its drafts there survived against
-        how sure it said it was (both EMAs over the same verified positions)."""
-        return [min(1.0, c * self.shared.rates[j] / max(self.stated[j], 1e-3))
-                for j, c in enumerate(confidences[:self.k])]
+        how sure it said it was (both over the same verified positions)."""
+        rates, said = self.shared.rates, self.shared.said
+        return [min(1.0, c * rates[j] / max(said[j], 1e-3)) for j, c in enumerate(confidences[:self.k])]
 
     def acceptance(self, req_id: str) -> list[float]:
-        """Per-position conditional acceptance for this request: its own EMA where it has one."""
+        """Per-position conditional acceptance to plan with for this request: its own moving average
+        blended with the shared (optimistic) estimate, its own weighing more as it observes more."""
+        shared = self.shared.optimistic
         own = self.own.get(req_id)
         if own is None:
-            return list(self.shared.rates)
-        return [o if n else s for o, n, s in zip(own.rates, own.seen, self.shared.rates)]
+            return shared
+        return [(n * o + _OWN_PRIOR * s) / (n + _OWN_PRIOR) for o, n, s in zip(own.rates, own.seen, shared)]
 
     # ---- choosing ----
 
@@ -152,23 +212,31 @@ class AdaptiveBudget:
         any drafting. Candidates (request, position) in order of survival: the best prefix of that order,
         counting verification as `choose` does plus one draft step per position over the requests
         drafting that deep. A prefix, not one draft at a time: at high concurrency a draft step is worth
-        running for many requests or for none, and single additions would never open it. Call once per
+        running for many requests or for none, and single additions would never open it. A second order,
+        position by position (every request's first draft, then every second one, ...), is tried too and
+        the better kept: by survival alone, a few requests whose estimates run high put their deeper
+        drafts among the others' first ones and open a draft step for just those few. Call once per
         step: a request planned no drafts for long gets one (its probe), as in `choose`."""
         contexts = contexts or {}
         cands = [(-s, j, rid) for rid, n in allowed.items() for j, s in enumerate(_survival(self.acceptance(rid), n))]
-        cands.sort()
+        best_n, best_rate, best_order = 0, 0.0, cands
+        for order in (sorted(cands), sorted(cands, key=lambda c: (c[1], c[0]))):
+            n, rate = self._best_prefix(order, base_tokens, contexts, base_context)
+            if rate > best_rate:
+                best_n, best_rate, best_order = n, rate, order
         planned = dict.fromkeys(allowed, 0)
-        for _, _, rid in cands[:self._best_prefix(cands, base_tokens, contexts, base_context)]:
+        for _, _, rid in best_order[:best_n]:
             planned[rid] += 1
         return self._probe_planned(planned, allowed)
 
     def _best_prefix(self, cands: list[tuple[float, int, str]], base_tokens: int, contexts: dict[str, int],
-                     base_context: int) -> int:
-        """Tokens per second of every prefix at once (numpy: at concurrency 256 there are ~1,800)."""
+                     base_context: int) -> tuple[int, float]:
+        """The best prefix of `cands` and its tokens per second (0 drafts: plain decoding's), from the
+        rates of every prefix at once (numpy: at concurrency 256 there are ~1,800)."""
         attn = self.attention_cost
         plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
         if not cands:
-            return 0
+            return 0, plain
         m = np.arange(1, len(cands) + 1)
         emitted = base_tokens - np.cumsum([c[0] for c in cands])
         context = base_context + np.cumsum([contexts.get(c[2], 0) for c in cands])
@@ -187,17 +255,24 @@ class AdaptiveBudget:
             seconds += np.cumsum(step)
         rates = emitted / seconds
         best = int(rates.argmax())
-        return best + 1 if rates[best] > plain else 0
+        return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
 
     def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
-        """Counts steps planned without drafts; at the limit one draft is made and the count left there,
-        so `choose` verifies it (and resets the count) even where it would skip it."""
+        """Counts steps planned without drafts; at the limit one draft is planned (a probe, which `choose`
+        then keeps even where it would skip it) and the wait doubles."""
         for rid, k in planned.items():
-            if k or not allowed[rid]:
-                continue  # drafted: `choose` counts it
+            if not allowed[rid]:
+                continue
+            if k:
+                self.skipped[rid] = 0
+                self.probe_every.pop(rid, None)
+                continue
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
-            if self.skipped[rid] >= self.probe_every.get(rid, _PROBE_EVERY):
-                planned[rid] = 1
+            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            if self.skipped[rid] >= wait * _crowding(len(planned)):
+                planned[rid], self.skipped[rid] = 1, 0
+                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+                self.probing.add(rid)
         return planned
 
     def _probe(self, chosen: dict[str, int], offered: dict[str, int]) -> dict[str, int]:
@@ -205,6 +280,10 @@ class AdaptiveBudget:
         checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed. Each
         probe doubles the wait before the next, until drafts are chosen on their merit again."""
         for rid, k in chosen.items():
+            if rid in self.probing:  # planned as a probe: verified whatever this step's verdict
+                self.probing.discard(rid)
+                chosen[rid] = max(k, min(1, offered[rid]))
+                continue
             if k:
                 self.probe_every.pop(rid, None)
             if k or not offered[rid]:
@@ -212,10 +291,15 @@ class AdaptiveBudget:
                 continue
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
             wait = self.probe_every.get(rid, _PROBE_EVERY)
-            if self.skipped[rid] >= wait:
+            if self.skipped[rid] >= wait * _crowding(len(chosen)):
                 chosen[rid], self.skipped[rid] = 1, 0
                 self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
         return chosen
+
+
+def _crowding(rows: int) -> int:
+    """How much longer each request waits between probes in a batch of `rows` requests."""
+    return max(1, rows // _PROBE_ROWS)
 
 
 def _survival(rates: list[float], n: int) -> list[float]:

@@ -111,13 +111,13 @@ class DraftModelProposer:
         self._ensure_mirror_cache()
         return [(n // 2, t) for n, t in self.runner.profile_step_costs([2 * c for c in counts], 2)]
 
-    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int,
-                           draft_counts: list[int]) -> None:
+    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """The draft model's own graphs: single-token draft steps, and under async scheduling its mirror
-        passes (2 + k tokens per request: the step's input, k verified drafts, the target's token)."""
+        passes (up to 2 + K tokens per request: the step's input, K verified drafts, the target's token)."""
         self._ensure_any_cache()
-        mirror = [2] + [2 + k for k in draft_counts] if self.target.device_drafting else []
-        self.runner.capture_cudagraphs(compilation.graph_shapes(max_num_seqs, max_num_batched_tokens, mirror))
+        longest = 2 + self.k if self.target.device_drafting else 1
+        self.runner.capture_cudagraphs(compilation.graph_shapes(max_num_seqs, max_num_batched_tokens, longest),
+                                       max_num_seqs)
 
     def _ensure_any_cache(self) -> None:
         if self.target.device_drafting:

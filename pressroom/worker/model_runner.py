@@ -248,11 +248,11 @@ class ModelRunner:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def capture_cudagraphs(self, shapes: dict[int, list[int]]) -> None:
-        """`shapes`: query length (1 for decodes, 1 + k for verifications of k drafts) -> padded request
-        counts to capture at that length."""
+    def capture_cudagraphs(self, shapes: dict[int, list[int]], max_rows: int) -> None:
+        """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
         from pressroom.worker.cuda_graphs import CudaGraphs
-        self.graphs = CudaGraphs(self.model, shapes, self.max_blocks_per_seq, self._num_kv_splits, self.device)
+        self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self._num_kv_splits,
+                                 self.device)
         self.graphs.capture()
 
     def _num_kv_splits(self, num_decodes: int) -> int:
@@ -267,7 +267,7 @@ class ModelRunner:
         """Hidden states of a step: a captured graph's where one fits the step's shape, else eager."""
         if self.graphs is not None:
             loc = meta.query_start_loc
-            key = self.graphs.key_for(len(loc) - 1, meta.max_query_len)
+            key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0])
             if key is not None:
                 return self.graphs.replay(key, input_ids, positions, meta)
         with forward_context(meta):

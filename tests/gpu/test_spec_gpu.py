@@ -128,8 +128,8 @@ def test_verifications_and_draft_passes_replay_cuda_graphs(dirs):
     assert tokens == eager
     stats = llm.engine.stats().spec
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
-    assert {q for q, _ in target_keys} >= {4}  # verifications of 3 drafts
-    assert {q for q, _ in draft_keys} >= {1, 5}  # draft steps, and mirror passes of 2 + 3 tokens
+    assert 4 in {q for q, _ in target_keys}  # verifications of up to 3 drafts (every decode verifies some)
+    assert {q for q, _ in draft_keys} >= {1, 5}  # draft steps, and mirror passes of up to 2 + 3 tokens
 
 
 def _record_replays(graphs) -> list:

@@ -95,7 +95,9 @@ def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_of
     return m_new, l, acc
 
 
-@triton.jit
+# Runtime ints Triton would otherwise specialise on (== 1, divisible by 16): each new combination compiled
+# anew mid-serving, a stall of seconds on the first mixed step of an unseen batch shape.
+@triton.jit(do_not_specialize=["num_reqs", "blocks_per_req"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -155,7 +157,7 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "blocks_per_req"])
 def _merge_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr,
         num_reqs, blocks_per_req, stride_ot, stride_oh,
@@ -244,7 +246,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     blocks_per_req = triton.cdiv(max_query_len, block_q)
     direct = num_reqs * blocks_per_req <= num_tokens // block_q + num_reqs
     q_blocks = num_reqs * blocks_per_req if direct else num_tokens // block_q + num_reqs
-    block_b = 1 if direct else triton.next_power_of_2(num_reqs)
+    block_b = 1 if direct else max(64, triton.next_power_of_2(num_reqs))  # few variants to compile
 
     if num_kv_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
