@@ -166,7 +166,8 @@ class LLMEngine:
         drafts = first = None
         if hasattr(self.runner.proposer, "profile_decode_steps"):  # each draft position has a cost of its own
             drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
-            first = self.runner.proposer.profile_first_draft_steps([n for n in ladder if n <= sched.max_num_seqs])
+            if hasattr(self.runner.proposer, "profile_first_draft_steps"):  # a draft model mirroring under async
+                first = self.runner.proposer.profile_first_draft_steps([n for n in ladder if n <= sched.max_num_seqs])
             logger.info("drafting one more position: %s; the first: %s", _curve(drafts), first and _curve(first))
         blocks = None
         if hasattr(self.runner.proposer, "profile_block_passes"):  # a block drafter's shared pass

@@ -220,9 +220,14 @@ def test_committed_dflash2_drafter_serves_the_embedded_model():
     params = SamplingParams(temperature=0, max_tokens=40)
     spec_llm = LLM(dtype="float32", kv_cache_memory_gib=0.1,
                    speculative_config={"method": "dflash2", "num_speculative_tokens": 8, "adaptive_token_budget": False})
-    assert _gen(spec_llm, prompts, params) == _gen(plain_llm, prompts, params)
+    plain = _gen(plain_llm, prompts, params)
+    assert _gen(spec_llm, prompts, params) == plain
     stats = spec_llm.engine.stats().spec
     assert stats.num_accepted_tokens > 0.3 * stats.num_drafts  # mean acceptance length above 1.3
+    # The default configuration (adaptive budget: block passes and LM-head slots profiled at start-up).
+    adaptive = LLM(dtype="float32", kv_cache_memory_gib=0.1, speculative_config={"method": "dflash2"})
+    assert adaptive.engine.scheduler.spec_budget.block_costs is not None
+    assert _gen(adaptive, prompts, params) == plain
 
 
 def test_dflash2_without_a_drafter_needs_one_for_other_targets(tiny):
