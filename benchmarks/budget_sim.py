@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=190, help="context tokens per request (the bench's middle)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    report = json.load(open(args.report))
+    with open(args.report) as f:
+        report = json.load(f)
     print(f"true rates {RATES[:3]}")
     for c in (int(n) for n in args.concurrency.split(",")):
         budget = load_budget(report)

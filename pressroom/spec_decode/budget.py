@@ -157,11 +157,7 @@ class AdaptiveBudget:
     def acceptance(self, req_id: str) -> list[float]:
         """Per-position conditional acceptance to plan with for this request: its own moving average
         blended with the shared (optimistic) estimate, its own weighing more as it observes more."""
-        shared = self.shared.optimistic
-        own = self.own.get(req_id)
-        if own is None:
-            return shared
-        return [(n * o + _OWN_PRIOR * s) / (n + _OWN_PRIOR) for o, n, s in zip(own.rates, own.seen, shared)]
+        return self._acceptance_matrix([req_id])[0].tolist()
 
     # ---- choosing ----
 
@@ -182,9 +178,10 @@ class AdaptiveBudget:
         attn = self.attention_cost
         survival: dict[str, list[float]] = {}
         heap = []
-        for rid, offered in drafts.items():
+        history = self._acceptance_matrix(list(drafts)).tolist()
+        for (rid, offered), rates in zip(drafts.items(), history):
             stated = confidences.get(rid)
-            survival[rid] = s = _survival(self.calibrated(stated) if stated else self.acceptance(rid), offered)
+            survival[rid] = s = _survival(self.calibrated(stated) if stated else rates, offered)
             if s:
                 heapq.heappush(heap, (-s[0], rid))
         chosen = {rid: 0 for rid in drafts}
@@ -218,40 +215,57 @@ class AdaptiveBudget:
         drafts among the others' first ones and open a draft step for just those few. Call once per
         step: a request planned no drafts for long gets one (its probe), as in `choose`."""
         contexts = contexts or {}
-        cands = [(-s, j, rid) for rid, n in allowed.items() for j, s in enumerate(_survival(self.acceptance(rid), n))]
-        best_n, best_rate, best_order = 0, 0.0, cands
-        for order in (sorted(cands), sorted(cands, key=lambda c: (c[1], c[0]))):
-            n, rate = self._best_prefix(order, base_tokens, contexts, base_context)
+        rids = list(allowed)
+        if not rids:
+            return {}
+        survival = np.cumprod(self._acceptance_matrix(rids), axis=1)  # [requests, K]
+        limit = np.array([allowed[r] for r in rids])
+        row, depth = np.nonzero(np.arange(self.k)[None, :] < limit[:, None])  # one candidate each
+        gain = survival[row, depth]
+        context = np.array([contexts.get(r, 0) for r in rids], dtype=float)[row]
+        name = np.argsort(np.argsort(np.array(rids)))[row]  # ties go by request id, deterministically
+        best_n, best_rate, best_order = 0, 0.0, None
+        for order in (np.lexsort((name, depth, -gain)), np.lexsort((name, -gain, depth))):
+            n, rate = self._best_prefix(gain[order], depth[order], context[order], base_tokens, base_context)
             if rate > best_rate:
                 best_n, best_rate, best_order = n, rate, order
-        planned = dict.fromkeys(allowed, 0)
-        for _, _, rid in best_order[:best_n]:
-            planned[rid] += 1
+        counts = np.bincount(row[best_order[:best_n]], minlength=len(rids)) if best_n else np.zeros(len(rids), int)
+        planned = {rid: int(c) for rid, c in zip(rids, counts)}
         return self._probe_planned(planned, allowed)
 
-    def _best_prefix(self, cands: list[tuple[float, int, str]], base_tokens: int, contexts: dict[str, int],
+    def _acceptance_matrix(self, rids: list[str]) -> np.ndarray:
+        """`acceptance` of each request, [requests, K] (the shared estimate computed once for all)."""
+        shared = np.array(self.shared.optimistic)
+        out = np.tile(shared, (len(rids), 1))
+        for i, rid in enumerate(rids):
+            own = self.own.get(rid)
+            if own is not None:
+                n = np.array(own.seen, dtype=float)
+                out[i] = (n * np.array(own.rates) + _OWN_PRIOR * shared) / (n + _OWN_PRIOR)
+        return out
+
+    def _best_prefix(self, gain: np.ndarray, depth: np.ndarray, context: np.ndarray, base_tokens: int,
                      base_context: int) -> tuple[int, float]:
-        """The best prefix of `cands` and its tokens per second (0 drafts: plain decoding's), from the
-        rates of every prefix at once (numpy: at concurrency 256 there are ~1,800)."""
+        """The best prefix of the candidates (survival, draft position, context of each, in order) and its
+        tokens per second (0 drafts: plain decoding's), from the rates of every prefix at once."""
         attn = self.attention_cost
         plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
-        if not cands:
+        if not len(gain):
             return 0, plain
-        m = np.arange(1, len(cands) + 1)
-        emitted = base_tokens - np.cumsum([c[0] for c in cands])
-        context = base_context + np.cumsum([contexts.get(c[2], 0) for c in cands])
-        seconds = _interp(self.costs, base_tokens + m) + attn * context
+        m = np.arange(1, len(gain) + 1)
+        emitted = base_tokens + np.cumsum(gain)
+        seconds = _interp(self.costs, base_tokens + m) + attn * (base_context + np.cumsum(context))
         if self.draft_costs is not None:
-            depth = np.array([c[1] for c in cands])
-            rows = np.zeros(len(cands))  # requests drafting this candidate's position, itself included
+            rows = np.zeros(len(gain))  # requests drafting this candidate's position, itself included
             for j in range(self.k):
                 at = depth == j
                 rows[at] = np.arange(1, int(at.sum()) + 1)
             step = _marginal(self.draft_costs, rows)
+            first = depth == 0
             if self.first_draft_costs is not None:
-                step[depth == 0] = _marginal(self.first_draft_costs, rows[depth == 0])
+                step[first] = _marginal(self.first_draft_costs, rows[first])
             if self.block_costs is not None:  # a request's first position also opens its block pass
-                step[depth == 0] += _marginal(self.block_costs, rows[depth == 0])
+                step[first] += _marginal(self.block_costs, rows[first])
             seconds += np.cumsum(step)
         rates = emitted / seconds
         best = int(rates.argmax())
