@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 
 from pressroom.spec_decode.budget import AdaptiveBudget
 
@@ -29,16 +30,18 @@ def load_budget(report: dict) -> AdaptiveBudget:
 
 
 def simulate(budget: AdaptiveBudget, concurrency: int, steps: int, output_len: int, context: int,
-             seed: int) -> list[float]:
-    """Drafts planned per request at each step."""
+             seed: int) -> tuple[list[float], float]:
+    """Drafts planned per request at each step, and the host's mean seconds per `plan` call."""
     rng = random.Random(seed)
     emitted = {f"r{i}": rng.randrange(output_len) for i in range(concurrency)}
     fresh = iter(range(1 << 30))
-    depths = []
+    depths, planning = [], 0.0
     for _ in range(steps):
         budget.tick()
+        start = time.perf_counter()
         plan = budget.plan(dict.fromkeys(emitted, budget.k), base_tokens=concurrency,
                            contexts=dict.fromkeys(emitted, context), base_context=context * concurrency)
+        planning += time.perf_counter() - start
         for rid, k in plan.items():
             accepted = 0
             while accepted < k and rng.random() < RATES[min(accepted, len(RATES) - 1)]:
@@ -51,7 +54,7 @@ def simulate(budget: AdaptiveBudget, concurrency: int, steps: int, output_len: i
                 del emitted[rid]
                 emitted[f"n{next(fresh)}"] = 0
         depths.append(sum(plan.values()) / concurrency)
-    return depths
+    return depths, planning / steps
 
 
 def main() -> None:
@@ -68,10 +71,10 @@ def main() -> None:
     print(f"true rates {RATES[:3]}")
     for c in (int(n) for n in args.concurrency.split(",")):
         budget = load_budget(report)
-        depths = simulate(budget, c, args.steps, args.output_len, args.context, args.seed)
+        depths, planning = simulate(budget, c, args.steps, args.output_len, args.context, args.seed)
         late = depths[len(depths) // 2:]
         print(f"concurrency {c:>3}: learned {[round(r, 3) for r in budget.shared.rates[:3]]}, "
-              f"drafts per request (second half) {sum(late) / len(late):.2f}")
+              f"drafts per request (second half) {sum(late) / len(late):.2f}, {1e3 * planning:.2f} ms per plan")
 
 
 if __name__ == "__main__":
