@@ -89,15 +89,15 @@ class _Counts:
 
 @dataclass(slots=True)
 class _Estimates:
+    """One request's own per-position acceptance: moving averages over its verified drafts."""
     rates: list[float]
     seen: list[int] = field(default_factory=list)  # observations per position (own estimates blend in)
-    weight: float = _EMA
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
         for j in range(min(num_accepted + 1, num_draft)):
             hit = 1.0 if j < num_accepted else 0.0
-            self.rates[j] += self.weight * (hit - self.rates[j])
+            self.rates[j] += _EMA * (hit - self.rates[j])
             self.seen[j] += 1
 
 
