@@ -7,7 +7,8 @@ while that step was being launched, about the device's time per step) and what i
 tokens, decode rows, verification tokens), and prints the time spent in steps with prefill against pure decode steps,
 and pure decode steps by batch size with their mean time per step and per token. The profile then
 prefills --profile-batch prompts, lets them decode until every context is past the prompt, and traces a
-few decode steps (GPU busy time, top kernels; see profile_decode.py for the per-step printing).
+few decode steps: the top operators, then each step's span, GPU-busy time and largest kernels
+(profile_decode.print_steps, CUDA only).
 
 Run on the GPU machine:
     python benchmarks/gpu/profile_throughput.py [--model configs/llama-3.1-8b] [--out DIR]
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from profile_decode import print_steps  # this script's neighbour (the script's folder is on sys.path)
 
 from pressroom import LLM, SamplingParams
 from pressroom.sampling_params import RequestOutputKind
@@ -126,6 +128,8 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     sort = "cuda_time_total" if engine.config.device == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     prof.export_chrome_trace(f"{out}/decode_real_context.json")
+    if engine.config.device == "cuda":
+        print_steps(f"{out}/decode_real_context.json", engine.hf_config.num_hidden_layers)
     while engine.has_unfinished_requests():
         engine.step()
 

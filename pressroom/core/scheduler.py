@@ -121,9 +121,9 @@ class Scheduler:
         self.running.sort(key=self._key)
         if self.spec_budget is not None:
             self.spec_budget.tick()
-        # Async drafting with a planning budget: the placeholders are the plan's, priced already.
-        if self.spec_budget is not None and not (self.async_drafts and self.spec_budget.draft_costs is not None):
-            self._trim_drafts(budget)
+            # Async drafting with a planning budget: the placeholders are the plan's, priced already.
+            if not (self.async_drafts and self.spec_budget.draft_costs is not None):
+                self._trim_drafts(budget)
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
