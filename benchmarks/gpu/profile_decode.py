@@ -2,7 +2,8 @@
 over decode steps of a large batch (eager beyond the largest graph), Llama-3.1-8B shape, dummy weights.
 Prints per-step wall time, the top operators by device and host time, and from each Chrome trace the
 steps one by one (split at each step's first KV write): span, GPU-busy time and the largest kernels.
-Run on the GPU machine: python benchmarks/gpu/profile_decode.py [configs/llama-3.1-8b] [OUT_DIR]
+Run on the GPU machine: python benchmarks/gpu/profile_decode.py [configs/llama-3.1-8b] [OUT_DIR] [b1,b1000,b256]
+(the third argument picks the profiles; default all three).
 """
 import collections
 import itertools
@@ -60,6 +61,7 @@ def print_steps(trace: str, num_layers: int, shown: int = 3) -> None:
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "configs/llama-3.1-8b"
     out = sys.argv[2] if len(sys.argv) > 2 else "."
+    which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["b1", "b1000", "b256"]
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False,
               gpu_memory_utilization=0.85)
     gen = torch.Generator().manual_seed(0)
@@ -72,9 +74,12 @@ def main() -> None:
     for tokens in (64, 256):
         s = timed(llm, one, tokens)
         print(f"batch 1, {tokens} tokens: {s:.3f} s, {s / tokens * 1e3:.3f} ms per token")
-    profiled(llm, one, 64, "decode_b1", out)
-    profiled(llm, prompts(1000, 32), 8, "decode_b1000", out)
-    profiled(llm, prompts(256, 32), 16, "decode_b256", out)
+    if "b1" in which:
+        profiled(llm, one, 16, "decode_b1", out)
+    if "b1000" in which:
+        profiled(llm, prompts(1000, 32), 8, "decode_b1000", out)
+    if "b256" in which:
+        profiled(llm, prompts(256, 32), 16, "decode_b256", out)
 
 
 if __name__ == "__main__":

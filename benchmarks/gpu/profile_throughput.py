@@ -8,7 +8,8 @@ tokens, decode rows, verification tokens), and prints the time spent in steps wi
 and pure decode steps by batch size with their mean time per step and per token. The profile then
 prefills --profile-batch prompts, lets them decode until every context is past the prompt, and traces a
 few decode steps: the top operators, then each step's span, GPU-busy time and largest kernels
-(profile_decode.print_steps, CUDA only).
+(profile_decode.print_steps, CUDA only); last, the top operators of two mixed steps (prompt chunks
+beside those decodes).
 
 Run on the GPU machine:
     python benchmarks/gpu/profile_throughput.py [--model configs/llama-3.1-8b] [--out DIR]
@@ -130,6 +131,20 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     prof.export_chrome_trace(f"{out}/decode_real_context.json")
     if engine.config.device == "cuda":
         print_steps(f"{out}/decode_real_context.json", engine.hf_config.num_hidden_layers)
+    # A step as the throughput run's first phase has them: prompt chunks filling the token budget
+    # beside the running decodes.
+    for i, p in enumerate(prompts[:64]):
+        engine.add_request(f"m{i}", {"prompt_token_ids": p}, params)
+    engine.step()  # schedules the new prompts; the profiled steps below are mixed too
+    sync(engine.config.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            engine.step()
+        sync(engine.config.device)
+    print(f"\n== 2 mixed steps (prompt chunks beside {len(prompts)} decodes): "
+          f"{(time.perf_counter() - start) / 2 * 1e3:.2f} ms per step (profiled)")
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
     while engine.has_unfinished_requests():
         engine.step()
 
