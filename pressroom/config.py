@@ -41,6 +41,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# vLLM's kv_cache_dtype names. FP8 entries are stored with a scale of 1 (vLLM's default without
+# calibrated scales), saturated at the format's largest value.
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto") or an FP8 format (CUDA only)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_KV_CACHE_DTYPES)}; got {name!r}.")
+    if device != "cuda":
+        raise ValueError(f"kv_cache_dtype {name!r} needs the CUDA backend (--device cuda); the CPU backend "
+                         "stores the KV cache in the model's dtype (kv_cache_dtype auto).")
+    return _KV_CACHE_DTYPES[name]
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str
@@ -70,6 +87,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = 2 << 30
     num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.92
+    cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -234,6 +252,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2; FP8 on CUDA only
     kv_cache_memory_gib: float | None = None
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int = 16384
@@ -268,15 +287,17 @@ class EngineArgs:
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
+        dtype = resolve_dtype(self.dtype, device)
         return EngineConfig(
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
-                              dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
+                              dtype=dtype, max_model_len=self.max_model_len,
                               seed=self.seed, quantization=self.quantization,
                               skip_tokenizer_init=self.skip_tokenizer_init),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
                               num_blocks=self.num_gpu_blocks_override,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,

@@ -168,7 +168,7 @@ def pressroom_kwargs(args, max_model_len: int) -> tuple[dict, list[str]]:
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-              "skip_tokenizer_init": True, "seed": args.seed}
+              "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype}
     if args.kv_cache_memory_gib is not None:
         wanted["kv_cache_memory_gib"] = args.kv_cache_memory_gib
     known = EngineArgs.names()
@@ -506,6 +506,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1024 on CUDA)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8; HF keeps bf16")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256])
     p.add_argument("--hf-max-requests", type=int, default=256, help="throughput requests HF runs per batch size")

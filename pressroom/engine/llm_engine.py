@@ -6,6 +6,7 @@ request that moved.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -72,7 +73,7 @@ class LLMEngine:
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_id = self._eos_token_id()
         self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                                  config.device, config.scheduler.async_scheduling)
+                                  config.device, config.scheduler.async_scheduling, config.cache.cache_dtype)
         self.runner.proposer = make_proposer(config.speculative, self.runner)
         # Async scheduling with speculation (config allows it only for drafters that work on the device).
         self.runner.device_drafting = config.scheduler.async_scheduling and config.speculative is not None
@@ -99,6 +100,9 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
+        # Everything built so far (model, graphs, tokenizer) lives as long as the engine: taken out of the
+        # cyclic GC's scans, which otherwise cost ~25% of the host's time per step at 1,000 requests.
+        gc.freeze()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
@@ -119,7 +123,7 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks + 1  # block 0 is the padding block
-        per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.config.model.dtype)
+        per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.runner.kv_dtype)
         if hasattr(self.runner.proposer, "kv_bytes_per_block"):  # a draft model's cache has as many blocks
             per_block += self.runner.proposer.kv_bytes_per_block()
         budget = cache.kv_cache_memory_bytes

@@ -129,8 +129,9 @@ def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
-                 device: str = "cpu", async_scheduling: bool = False) -> None:
+                 device: str = "cpu", async_scheduling: bool = False, kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's element type (FP8 on CUDA when asked)
         self.async_scheduling = async_scheduling
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
         # Its emitted tokens on the device, for requests whose results the scheduler has not booked yet.
@@ -161,7 +162,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             # Zeroed: padded attention positions read block 0 and must not hold NaN garbage.
             layer.kv_cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                         dtype=self.dtype, device=self.device)
+                                         dtype=self.kv_dtype, device=self.device)
             layer.backend = self.backend
             caches.append(layer.kv_cache)
         return caches

@@ -101,6 +101,15 @@ def test_clone_validates_too():
 
 # ---- model files ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kv_cache_dtype, device, match", [
+    ("int4", "cpu", "kv_cache_dtype must be one of auto, fp8"),
+    ("fp8", "cpu", "needs the CUDA backend"),
+])
+def test_kv_cache_dtype_the_backend_cannot_store(kv_cache_dtype, device, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model="unused", device=device, kv_cache_dtype=kv_cache_dtype).create_engine_config()
+
+
 def test_unknown_model_path():
     with pytest.raises(ValueError, match=r"Model path '/nonexistent/x' does not exist"):
         LLM("/nonexistent/x", kv_cache_memory_gib=0.1)

@@ -120,3 +120,21 @@ def test_async_scheduling_equals_sync(model_dir):
     assert async_llm.engine.runner.async_scheduling
     assert _tokens(async_llm, prompts, params) == sync
     assert async_llm.engine.kv_cache.usage() == 0.0
+
+
+def test_fp8_kv_cache_doubles_capacity_and_keeps_the_greedy_tokens_close(model_dir):
+    """kv_cache_dtype fp8: the cache holds FP8 entries, twice the blocks fit the same memory, and greedy
+    decoding stays close to the bf16 cache's (a rounding flip may change the rest of a sequence)."""
+    path = model_dir("llama-d128")
+    prompts = random_prompts(16, low=4, high=200, seed=17)
+    bf16 = _llm(path, dtype="bfloat16")
+    reference = _tokens(bf16, prompts)
+    bf16_blocks = bf16.engine.kv_cache.pool.num_blocks
+    del bf16
+    fp8 = _llm(path, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.kv_cache.pool.num_blocks >= 2 * bf16_blocks - 2
+    tokens = _tokens(fp8, prompts)
+    assert [t[0] for t in tokens] == [t[0] for t in reference]
+    same = sum(a == b for x, y in zip(reference, tokens) for a, b in zip(x, y))
+    assert same >= 0.75 * sum(map(len, reference))

@@ -66,10 +66,9 @@ class Batch:
                                                    self.query_start_loc, self.scale, out)
 
 
-@pytest.mark.parametrize("splits", [1, 8])
-def test_paged_attention_llama_8b_serving_mix(splits):
+def test_paged_attention_llama_8b_serving_mix():
     batch = Batch(_serving_mix(), **LLAMA_8B, dtype=torch.bfloat16)
-    _close(batch.run(splits), batch.reference(), TOL[torch.bfloat16])
+    _close(batch.run(1), batch.reference(), TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("splits", [1, 8])
@@ -78,29 +77,43 @@ def test_paged_attention_llama_8b_decodes(splits):
     _close(batch.run(splits), batch.reference(), TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("splits", [1, 8])
+def test_paged_attention_llama_8b_over_an_fp8_cache(splits):
+    mix = _serving_mix(2)
+    batch = Batch(mix if splits == 1 else mix[:64], **LLAMA_8B, dtype=torch.bfloat16)
+    batch.kv_cache = batch.kv_cache.to(torch.float8_e4m3fn)
+    _close(batch.run(splits), batch.reference(), TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_attention_smollm2_shapes(dtype, splits):
     # token 3 is a padding decode (no context): its row must keep what `out` held
-    specs = [(700, 1), (1, 1), (2049, 1), (0, 1), (300, 200), (129, 129), (0, 0)]
+    specs = [(700, 1), (1, 1), (2049, 1), (0, 1)] + ([(300, 200), (129, 129), (0, 0)] if splits == 1 else [])
     batch = Batch(specs, **SMOLLM2, dtype=dtype)
     out = batch.run(splits)
     _close(out, batch.reference(), TOL[dtype])
     assert bool((out[3] == SENTINEL).all())
 
 
-def test_paged_attention_replays_in_a_cuda_graph_for_other_lengths():
+@pytest.mark.parametrize("captured, query_len, splits, lengths, starts", [
+    # varlen: the query split over the same 43 tokens changes too
+    ([(100, 1), (3000, 1), (40, 40), (17, 1)], 64, 1, [2500, 7, 4, 1000], [0, 1, 2, 3, 43]),
+    # decodes with split-KV: the splits in use follow the new lengths
+    ([(100, 1), (3000, 1), (40, 1), (17, 1)], 1, 4, [2500, 7, 300, 1000], [0, 1, 2, 3, 4]),
+])
+def test_paged_attention_replays_in_a_cuda_graph_for_other_lengths(captured, query_len, splits, lengths, starts):
     """The launch reads lengths only on the device: a graph captured for one batch serves another of its size."""
-    batch = Batch([(100, 1), (3000, 1), (40, 40), (17, 1)], **LLAMA_8B, dtype=torch.bfloat16, seed=1)
-    batch.max_query_len = 64  # the bound captured; later batches stay within it
+    batch = Batch(captured, **LLAMA_8B, dtype=torch.bfloat16, seed=1)
+    batch.max_query_len = query_len  # the bound captured; later batches stay within it
     out = torch.zeros_like(batch.q)
-    batch.run(4, out)  # compiles outside the capture
+    batch.run(splits, out)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        batch.run(4, out)
-    # The same tensors with new values: other lengths, blocks and query split over the same 43 tokens.
-    batch.seq_lens.copy_(torch.tensor([2500, 7, 4, 1000]))
-    batch.query_start_loc.copy_(torch.tensor([0, 1, 2, 3, 43]))
+        batch.run(splits, out)
+    # The same tensors with new values: other lengths, blocks and queries.
+    batch.seq_lens.copy_(torch.tensor(lengths))
+    batch.query_start_loc.copy_(torch.tensor(starts))
     batch.block_tables.random_(0, batch.kv_cache.shape[1])
     batch.qkv.normal_()
     graph.replay()
@@ -119,6 +132,18 @@ def test_write_kv_llama_8b(slot_dtype):
     torch_ref.write_kv(expected, k[real], v[real], slots[real].long())
     cache.write_kv(kv_cache, k, v, slots)
     assert torch.equal(kv_cache, expected)
+
+
+def test_write_kv_llama_8b_into_an_fp8_cache():
+    """Rounded as torch rounds (nearest even) and saturated at 448, never NaN."""
+    kv_cache = torch.zeros(2, 512, 16, 8, 128, device="cuda", dtype=torch.float8_e4m3fn)
+    qkv = torch.randn(1088, 48, 128, device="cuda", dtype=torch.bfloat16) * 64  # some beyond 448
+    k, v = qkv[:, 32:40], qkv[:, 40:]
+    slots = torch.randperm(512 * 16, device="cuda")[:1088]
+    expected = torch.zeros(2, 512, 16, 8, 128, device="cuda")
+    torch_ref.write_kv(expected, k.float().clamp(-448, 448), v.float().clamp(-448, 448), slots)
+    cache.write_kv(kv_cache, k, v, slots)
+    assert torch.equal(kv_cache.float(), expected.to(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

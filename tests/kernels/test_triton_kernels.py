@@ -29,7 +29,7 @@ SENTINEL = 123.0
 # part of the first tile: the masked / unmasked boundary), a fresh prompt long enough for
 # several query blocks, and a padding request with nothing at all.
 MIXED = [(37, 1), (150, 1), (1, 1), (0, 1), (74, 12), (34, 34), (0, 0)]
-DECODES = [(150, 1), (5, 1), (64, 1), (65, 1), (0, 1), (200, 1)]
+DECODES = [(150, 1), (5, 1), (64, 1), (65, 1), (0, 1), (200, 1), (400, 1)]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
@@ -90,24 +90,42 @@ def _check_attention(batch: Batch, num_kv_splits: int, tol: float) -> None:
     assert bool((out[batch.padding_rows()] == SENTINEL).all())
 
 
-@pytest.mark.parametrize("dtype, block_size, heads, kv_heads, head_dim, splits", [
-    (torch.float32, 16, 4, 2, 32, 1),
-    (torch.float32, 4, 6, 2, 16, 3),  # 3 query heads per kv head: padded to 4 rows
-    (torch.bfloat16, 16, 6, 2, 32, 3),
-    (torch.bfloat16, 4, 4, 2, 16, 1),
-    (torch.float16, 16, 4, 2, 32, 3),
-    (torch.float32, 16, 4, 2, 24, 1),  # head_dim not a power of two
+@pytest.mark.parametrize("dtype, block_size, heads, kv_heads, head_dim", [
+    (torch.float32, 16, 4, 2, 32),
+    (torch.float32, 4, 6, 2, 16),  # 3 query heads per kv head: padded to 4 rows
+    (torch.bfloat16, 16, 6, 2, 32),
+    (torch.bfloat16, 4, 4, 2, 16),
+    (torch.float16, 16, 4, 2, 32),
+    (torch.float32, 16, 4, 2, 24),  # head_dim not a power of two
 ])
-def test_paged_attention_mixed_batch(dtype, block_size, heads, kv_heads, head_dim, splits):
+def test_paged_attention_mixed_batch(dtype, block_size, heads, kv_heads, head_dim):
     batch = Batch(MIXED, heads, kv_heads, head_dim, block_size, dtype).to(DEVICE)
+    _check_attention(batch, 1, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, heads, head_dim", [(torch.float32, 4, 32), (torch.bfloat16, 4, 32),
+                                                    (torch.float32, 6, 24)])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_paged_attention_decodes_only(dtype, heads, head_dim, splits):
+    # Contexts of 5 to 400 tokens: a split reads at least two 64-token tiles, so 16 splits leave most of them
+    # unused, and 3 are all used only by the longest; the padding decode (no context) keeps its row.
+    batch = Batch(DECODES, heads, 2, head_dim, 16, dtype, pad_tokens=0).to(DEVICE)
     _check_attention(batch, splits, TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_attention_decodes_only(dtype, splits):
-    batch = Batch(DECODES, 4, 2, 32, 16, dtype, pad_tokens=0).to(DEVICE)
-    _check_attention(batch, splits, TOL[dtype])
+def test_split_kv_refuses_a_batch_with_longer_queries():
+    batch = Batch(MIXED, 4, 2, 32, 16, torch.float32).to(DEVICE)
+    with pytest.raises(ValueError, match="split-KV serves decode-only batches"):
+        batch.run(2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("specs, splits", [(MIXED, 1), (DECODES, 3)])
+def test_paged_attention_reads_an_fp8_cache(cache_dtype, specs, splits):
+    """bf16 queries over an FP8 cache (scale 1): the kernel widens what it reads exactly as the reference does."""
+    batch = Batch(specs, 4, 2, 32, 16, torch.bfloat16, pad_tokens=0 if splits > 1 else 2)
+    batch.kv_cache = batch.kv_cache.to(cache_dtype)
+    _check_attention(batch.to(DEVICE), splits, TOL[torch.bfloat16])
 
 
 def test_reference_matches_the_torch_backend():
@@ -145,6 +163,33 @@ def test_write_kv_matches_index_copy(dtype, slot_dtype):
     actual = kv_cache.to(DEVICE)
     cache.write_kv(actual, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
     assert torch.equal(actual.cpu(), expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_kv_into_an_fp8_cache_rounds_and_saturates(cache_dtype):
+    gen = torch.Generator().manual_seed(5)
+    kv_cache = torch.zeros(2, 6, 4, 2, 16, dtype=cache_dtype)
+    qkv = (torch.randn(5, 6, 16, generator=gen) * 4).to(torch.bfloat16)  # 2 q heads, then 2 k and 2 v heads
+    qkv[0, 2, :4] = torch.tensor([1e5, -1e5, 60000.0, -0.0])  # beyond both formats' range: saturate, never NaN
+    k, v = qkv[:, 2:4], qkv[:, 4:]
+    slots = torch.tensor([3, -1, 17, 8, 22])
+    limit = torch.finfo(cache_dtype).max
+    expected = torch.zeros(2, 6, 4, 2, 16)
+    real = slots >= 0
+    torch_ref.write_kv(expected, k[real].float().clamp(-limit, limit), v[real].float().clamp(-limit, limit),
+                       slots[real])
+    actual = kv_cache.to(DEVICE)
+    cache.write_kv(actual, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    written = actual.float().cpu()
+    assert not written.isnan().any()
+    assert written[0, 0, 3, 0, :2].tolist() == [limit, -limit]
+    rounded = expected.to(cache_dtype).float()
+    if torch.cuda.is_available():
+        assert torch.equal(written, rounded)
+    else:  # Triton 3.6's interpreter drops the carry when rounding up to a power of two (1.95 -> 1.0, not 2.0)
+        # and rounds ties away from zero: here every value lands in its slot, with its sign, within a binade.
+        ratio = written[rounded != 0] / rounded[rounded != 0]
+        assert bool(((ratio >= 0.5) & (ratio <= 2.0)).all()) and bool((written[rounded == 0] == 0).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

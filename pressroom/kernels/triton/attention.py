@@ -13,10 +13,11 @@ grid = (q blocks, kv heads, splits) with q blocks = min(B * cdiv(max_query_len, 
 Under the first bound each request owns a fixed run of q blocks; under the second (smaller when few requests
 are long) a program finds its request by a prefix sum over query_start_loc. Surplus programs exit at once.
 
-Split-KV: with num_kv_splits > 1 each request's context is cut into num_kv_splits contiguous runs of tiles,
-computed in the kernel from seq_lens; each program writes its unnormalised partial max, sum and output to an
-fp32 workspace and a second kernel merges them. Exact for any query length, but the workspace holds
-T * H * splits * (D + 2) floats, so callers should split only batches that are mostly decodes.
+Split-KV (decode-only batches: every query one token): each request's context is cut into at most
+num_kv_splits contiguous runs of at least MIN_SPLIT_TILES tiles, computed in the kernel from seq_lens, so a
+short context uses fewer splits than were launched (the surplus programs exit). Each split writes its
+unnormalised partial max, sum and output to an fp32 workspace; a second kernel, one program per request
+and query head, merges the splits in use in one vectorised pass.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import triton.language as tl
 from pressroom.kernels.triton import interpreting
 
 _LOG2E = 1.4426950408889634
+MIN_SPLIT_TILES = 2  # a split reads at least this many tiles: short contexts are not cut into slivers
 _INTERPRETED = interpreting()  # the same test triton.jit made when the kernels below were defined
 
 
@@ -82,8 +84,9 @@ def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_of
         blocks = tl.load(table + pos // BLOCK_SIZE)
         kv_mask = d_ok[None, :]
     ptrs = (blocks.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None] + cache_off[None, :]
-    k = tl.load(k_ptr + ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + ptrs, mask=kv_mask, other=0.0)  # zeros, not stale cache (0 * nan is nan)
+    # An FP8 cache is read at half the bytes and widened to q's type for the dots (scale 1).
+    k = tl.load(k_ptr + ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # zeros, not stale cache (0 * nan is nan)
     qk = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
     if MASKED:
         qk = tl.where(pos[None, :] < row_lim[:, None], qk, float("-inf"))
@@ -105,7 +108,8 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DIRECT: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        MIN_TILES: tl.constexpr, DIRECT: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISION: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,8 +132,10 @@ def _paged_attention_kernel(
     # The queries are the last q_len positions of the context; row i sees positions < prefix + i + 1.
     prefix = seq_len - q_len
     block_end = tl.minimum(seq_len, prefix + first_q + BLOCK_Q)  # what the tile's last query sees
-    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS) * TILE_N
+    per_split = _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES)
     lo = split * per_split
+    if (NUM_SPLITS > 1) & (lo >= seq_len):  # a split past a short context: the merge never reads it
+        return
     hi = tl.minimum(lo + per_split, block_end)
     full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
     row_lim = prefix + q_idx + 1  # hi needs no say: it never cuts between a real row and what it sees
@@ -150,47 +156,44 @@ def _paged_attention_kernel(
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:  # every split writes, even an empty one (max -1e30, sum 0): the workspace starts uninitialised
+    else:
         part = (tokens * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m, mask=row_ok)
         tl.store(part_sum_ptr + part, l, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "blocks_per_req"])
-def _merge_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr,
-        num_reqs, blocks_per_req, stride_ot, stride_oh,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_B: tl.constexpr):
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    kv_head = tl.program_id(1)
-    req, q_block = _locate(tl.program_id(0), qsl_ptr, num_reqs, blocks_per_req, DIRECT, BLOCK_Q, BLOCK_B)
-    if req >= num_reqs:
-        return
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req)
-    if (q_block * BLOCK_Q >= q_len) | (seq_len <= 0):
-        return
-    _, tokens, heads, row_ok = _query_rows(q_start, q_len, q_block, kv_head, GROUP, GROUP_PAD, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    part = (tokens * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS
+@triton.jit
+def _split_tokens(seq_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Context tokens per split; the splits in use are cdiv(seq_len, this)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS), MIN_TILES) * TILE_N
 
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_max_ptr + part + s, mask=row_ok, other=-1.0e30))
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_max_ptr + part + s, mask=row_ok, other=-1.0e30) - m)
-        l += w * tl.load(part_sum_ptr + part + s, mask=row_ok, other=0.0)
-        acc += w[:, None] * tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                                    mask=io_mask, other=0.0)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+@triton.jit
+def _merge_splits_kernel(
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr):
+    """One program per (request, query head) of a decode batch: out = sum_s w_s * acc_s / sum_s w_s * l_s."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(qsl_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    if (tl.load(qsl_ptr + req + 1) <= token) | (seq_len <= 0):  # padding request: nothing to write
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    used = splits < tl.cdiv(seq_len, _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES))
+    part = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=used, other=-1.0e30)
+    w = tl.where(used, tl.exp2(m - tl.max(m, 0)), 0.0)
+    l = tl.sum(w * tl.load(part_sum_ptr + part, mask=used, other=0.0), 0)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None] & d_ok[None, :],
+                  other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l > 0, l, 1.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +212,8 @@ def _launch_config(max_query_len: int, group_pad: int, d_pad: int) -> _Launch:
     return _Launch(block_m, tile_n, num_warps=4 if block_m <= 64 else 8, num_stages=3 if d_pad <= 128 else 2)
 
 
-def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, num_kv_splits: int) -> None:
+def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, num_kv_splits: int,
+                  max_query_len: int) -> None:
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [tokens, heads, head_dim] with unit stride in head_dim, got {tuple(q.shape)}")
     if out.shape != q.shape or out.stride(-1) != 1:
@@ -221,6 +225,8 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, nu
         raise ValueError(f"{q.shape[1]} query heads do not divide into {kv_cache.shape[3]} kv heads")
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
+    if num_kv_splits > 1 and max_query_len > 1:
+        raise ValueError("split-KV serves decode-only batches (max_query_len 1); pass num_kv_splits=1")
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -229,11 +235,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     """Causal attention of each request's queries (the last q_len positions of its context) over its paged
     context; writes `out` rows of real queries only and returns `out`.
 
-    q, out: [T, H, D]; kv_cache: [2, blocks, block_size, kv_heads, D] holding this step's k, v already;
+    q, out: [T, H, D]; kv_cache: [2, blocks, block_size, kv_heads, D] holding this step's k, v already
+    (q's dtype, or FP8 with a scale of 1);
     block_tables: int32 [B, max_blocks]; seq_lens: [B] context lengths including this step's tokens;
-    query_start_loc: int32 [B + 1]; max_query_len: at least every request's query length.
+    query_start_loc: int32 [B + 1]; max_query_len: at least every request's query length; num_kv_splits > 1
+    only where max_query_len is 1.
     """
-    _check_inputs(q, kv_cache, out, num_kv_splits)
+    _check_inputs(q, kv_cache, out, num_kv_splits, max_query_len)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
@@ -262,16 +270,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits, DIRECT=direct, BLOCK_B=block_b,
+        BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits, MIN_TILES=MIN_SPLIT_TILES,
+        DIRECT=direct, BLOCK_B=block_b,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
-        _merge_splits_kernel[(q_blocks, num_kv_heads)](
-            out, part_out, part_max, part_sum, seq_lens, query_start_loc,
-            num_reqs, blocks_per_req, out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=cfg.block_m,
-            NUM_SPLITS=num_kv_splits, DIRECT=direct, BLOCK_B=block_b, num_warps=4)
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            out, part_out, part_max, part_sum, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, num_warps=4)
     return out
 
 
