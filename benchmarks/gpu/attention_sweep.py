@@ -1,9 +1,10 @@
 """Launch configurations of the paged-attention kernel at the throughput workload's shapes (Llama-3.1-8B
 heads): decode batches (KV read rate, TB/s, for a bf16 and an FP8 cache) and a prefill batch (TFLOP/s),
 each timed over CUDA-graph replays with the kernel's launch config patched. Picks _launch_config's values.
-Run on the GPU machine: python benchmarks/gpu/attention_sweep.py
+Run on the GPU machine: python benchmarks/gpu/attention_sweep.py [fp8] (fp8: the FP8-cache decodes only)
 """
 import itertools
+import sys
 
 import torch
 import triton
@@ -70,9 +71,10 @@ def main() -> None:
         "1000 x 512-768": [(int(c), 1) for c in torch.randint(512, 769, (1000,), generator=gen)],
     }
     default = attention._launch_config(1, 4, HEAD_DIM)
+    only_fp8 = sys.argv[1:] == ["fp8"]
     for name, specs in decodes.items():
         splits = num_kv_splits(len(specs), KV_HEADS, 2048 // BLOCK)
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for dtype in (torch.float8_e4m3fn,) if only_fp8 else (torch.bfloat16, torch.float8_e4m3fn):
             kv_bytes = sum(c for c, _ in specs) * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize
             results = []
             for tile_n, warps, stages in itertools.product((64, 128), (2, 4, 8), (2, 3)):
@@ -87,6 +89,8 @@ def main() -> None:
                              f"{kv_bytes / s / 1e12:.2f} TB/s" for s, c in results[:3])
             print(f"decode {name} ({splits} splits) {str(dtype)[6:]}: default {now * 1e6:.1f} us "
                   f"{kv_bytes / now / 1e12:.2f} TB/s; best {best}", flush=True)
+    if only_fp8:
+        return
     prompts = [(512, 512)] * 32
     flops = 32 * 4 * HEADS * HEAD_DIM * 512 * 512 / 2  # QK and PV, causal half
     results = []

@@ -31,6 +31,14 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        splits = meta.num_kv_splits if meta.max_query_len == 1 else 1
-        return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc_device,
-                               meta.max_query_len, scale, out, splits)
+        tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device
+        decodes = meta.num_decodes
+        if meta.max_query_len == 1 or not 0 < decodes < tables.shape[0]:
+            splits = meta.num_kv_splits if meta.max_query_len == 1 else 1
+            return paged_attention(q, kv_cache, tables, lens, starts, meta.max_query_len, scale, out, splits)
+        # A mixed step (decodes first, then prompt chunks): two launches, each with its own tile shape, so
+        # the decodes do not pay for the 64-row tiles the chunks want.
+        paged_attention(q, kv_cache, tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, scale, out,
+                        meta.num_kv_splits)
+        return paged_attention(q, kv_cache, tables[decodes:], lens[decodes:], starts[decodes:], meta.max_query_len,
+                               scale, out)
