@@ -122,19 +122,26 @@ def test_async_scheduling_equals_sync(model_dir):
     assert async_llm.engine.kv_cache.usage() == 0.0
 
 
-def test_fp8_kv_cache_doubles_capacity_and_keeps_the_greedy_tokens_close(model_dir):
-    """kv_cache_dtype fp8: the cache holds FP8 entries, twice the blocks fit the same memory, and greedy
-    decoding stays close to the bf16 cache's (a rounding flip may change the rest of a sequence)."""
+def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return torch.tensor([pos[tok].logprob for o, p in zip(outs, prompts)
+                         for pos, tok in zip(o.prompt_logprobs[1:], p[1:])])
+
+
+def test_fp8_kv_cache_doubles_capacity_and_stays_close_to_bf16(model_dir):
+    """kv_cache_dtype fp8: the cache holds FP8 entries, twice the blocks fit the same memory, and each prompt
+    token's logprob (teacher-forced, so one flip does not derail the rest) moves by a small fraction of how
+    much the logprobs vary at all. A random model's near-tied greedy tokens would flip on any rounding."""
     path = model_dir("llama-d128")
-    prompts = random_prompts(16, low=4, high=200, seed=17)
+    prompts = random_prompts(8, low=100, high=300, seed=17)
     bf16 = _llm(path, dtype="bfloat16")
-    reference = _tokens(bf16, prompts)
+    reference = _prompt_logprobs(bf16, prompts)
     bf16_blocks = bf16.engine.kv_cache.pool.num_blocks
     del bf16
     fp8 = _llm(path, dtype="bfloat16", kv_cache_dtype="fp8")
     assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     assert fp8.engine.kv_cache.pool.num_blocks >= 2 * bf16_blocks - 2
-    tokens = _tokens(fp8, prompts)
-    assert [t[0] for t in tokens] == [t[0] for t in reference]
-    same = sum(a == b for x, y in zip(reference, tokens) for a, b in zip(x, y))
-    assert same >= 0.75 * sum(map(len, reference))
+    got = _prompt_logprobs(fp8, prompts)
+    spread = (reference - reference.mean()).abs().mean()
+    assert (got - reference).abs().mean() < 0.1 * spread
