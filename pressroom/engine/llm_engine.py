@@ -63,6 +63,15 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def _relax_gc() -> None:
+    """Full cyclic-GC passes over the engine's many long-lived objects cost ~25% of the host's time per
+    step at 1,000 requests (measured on the CPU machine): collect the young generation 14x less often,
+    and the old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
+    a deleted engine's cycles, and its GPU memory, alive)."""
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, 10_000), max(middle, 20), max(old, 100))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -100,9 +109,7 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
-        # Everything built so far (model, graphs, tokenizer) lives as long as the engine: taken out of the
-        # cyclic GC's scans, which otherwise cost ~25% of the host's time per step at 1,000 requests.
-        gc.freeze()
+        _relax_gc()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
