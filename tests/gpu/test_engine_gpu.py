@@ -133,19 +133,31 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
                          for pos, tok in zip(o.prompt_logprobs[1:], p[1:])])
 
 
-def test_fp8_kv_cache_doubles_capacity_and_stays_close_to_bf16(model_dir):
-    """kv_cache_dtype fp8: the cache holds FP8 entries, twice the blocks fit the same memory, and each prompt
-    token's logprob (teacher-forced, so one flip does not derail the rest) moves by a small fraction of how
-    much the logprobs vary at all. A random model's near-tied greedy tokens would flip on any rounding."""
+def test_fp8_kv_cache_doubles_capacity_and_costs_only_its_rounding(model_dir, monkeypatch):
+    """kv_cache_dtype fp8: the cache holds FP8 entries and twice the blocks fit the same memory. The oracle
+    is the bf16 engine with each key and value rounded to FP8 before it is stored: the FP8 engine's prompt
+    logprobs (teacher-forced) must match it far more closely than they match plain bf16, i.e. FP8 costs
+    its rounding and nothing else (a wrong slot, scale or conversion would show as a gap to the oracle)."""
+    from pressroom.attention import triton_backend
     path = model_dir("llama-d128-kv1")
     prompts = random_prompts(8, low=100, high=300, seed=17)
     bf16 = _llm(path, dtype="bfloat16")
-    reference = _prompt_logprobs(bf16, prompts)
+    plain = _prompt_logprobs(bf16, prompts)
     bf16_blocks = bf16.engine.kv_cache.pool.num_blocks
     del bf16
+    write = triton_backend.write_kv
+
+    def write_rounded(kv_cache, k, v, slots):
+        def fp8(x):
+            return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+        write(kv_cache, fp8(k), fp8(v), slots)
+
+    monkeypatch.setattr(triton_backend, "write_kv", write_rounded)
+    oracle = _prompt_logprobs(_llm(path, dtype="bfloat16"), prompts)  # graphs captured with the rounding write
+    monkeypatch.setattr(triton_backend, "write_kv", write)
     fp8 = _llm(path, dtype="bfloat16", kv_cache_dtype="fp8")
     assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     assert fp8.engine.kv_cache.pool.num_blocks >= 2 * bf16_blocks - 2
     got = _prompt_logprobs(fp8, prompts)
-    spread, error = (reference - reference.mean()).abs().mean(), (got - reference).abs().mean()
-    assert error < 0.1 * spread, f"mean logprob change {error:.4f}, spread {spread:.4f}"
+    to_oracle, to_plain = (got - oracle).abs().mean(), (got - plain).abs().mean()
+    assert to_oracle < 0.25 * to_plain, f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
