@@ -64,9 +64,9 @@ class _Parent:
 
 
 def _relax_gc() -> None:
-    """Full cyclic-GC passes over the engine's many long-lived objects cost ~25% of the host's time per
-    step at 1,000 requests (measured on the CPU machine): collect the young generation 14x less often,
-    and the old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
+    """Cyclic-GC passes over the engine's many long-lived objects took half of the host's time per step
+    at 1,000 requests (benchmarks/host_overhead.py): collect the young generation 14x less often, and the
+    old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
     a deleted engine's cycles, and its GPU memory, alive)."""
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, 10_000), max(middle, 20), max(old, 100))
