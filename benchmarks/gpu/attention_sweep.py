@@ -8,6 +8,7 @@ import sys
 
 import torch
 import triton
+from gemv_rates import graph_seconds  # this script's neighbour (the script's folder is on sys.path)
 
 from pressroom.attention.triton_backend import num_kv_splits
 from pressroom.kernels.triton import attention
@@ -33,31 +34,14 @@ def batch(specs: list[tuple[int, int]], cache_dtype: torch.dtype):
     return q, cache, tables, seq, loc, int(lens.max())
 
 
-def seconds(fn, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (3 * calls)
-
-
 def run(specs, cache_dtype, cfg, splits: int) -> float:
     q, cache, tables, seq, loc, qmax = batch(specs, cache_dtype)
     out = torch.empty_like(q)
     original = attention._launch_config
     attention._launch_config = lambda *a: cfg
     try:
-        return seconds(lambda: attention.paged_attention(q, cache, tables, seq, loc, qmax, HEAD_DIM ** -0.5, out,
-                                                         splits))
+        return graph_seconds(lambda: attention.paged_attention(q, cache, tables, seq, loc, qmax, HEAD_DIM ** -0.5,
+                                                               out, splits), calls=20, replays=3)
     finally:
         attention._launch_config = original
 

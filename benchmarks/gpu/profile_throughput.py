@@ -106,9 +106,24 @@ def print_timeline(records: list[StepRecord], total: float, produced: int) -> No
               f"{sum(r.decode_rows for r in rs) / secs:>10.0f}")
 
 
+def profiled_steps(engine, steps: int, what: str, rows: int):
+    """Runs `steps` engine steps under torch.profiler; prints the time per step and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.config.device == "cuda"
+    sync(engine.config.device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.config.device)
+    print(f"\n== {steps} {what}: {(time.perf_counter() - start) / steps * 1e3:.2f} ms per step (profiled)")
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    return prof
+
+
 def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     """Prefills the prompts, decodes until they are all decoding, then traces a few decode steps."""
-    from torch.profiler import ProfilerActivity, profile
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -117,17 +132,8 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     with recorded_schedules(engine) as schedules:
         while len(schedules) < 8 or any(n > 1 for n in schedules[-1].num_scheduled_tokens.values()):
             engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.config.device == "cuda" else [])
-    sync(engine.config.device)
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(8):
-            engine.step()
-        sync(engine.config.device)
-    print(f"\n== 8 decode steps of {len(prompts)} requests at contexts of ~{len(prompts[0]) + 8} tokens: "
-          f"{(time.perf_counter() - start) / 8 * 1e3:.2f} ms per step (profiled)")
-    sort = "cuda_time_total" if engine.config.device == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    prof = profiled_steps(engine, 8, f"decode steps of {len(prompts)} requests at contexts of "
+                                     f"~{len(prompts[0]) + 8} tokens", rows=15)
     prof.export_chrome_trace(f"{out}/decode_real_context.json")
     if engine.config.device == "cuda":
         print_steps(f"{out}/decode_real_context.json", engine.hf_config.num_hidden_layers)
@@ -136,15 +142,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     for i, p in enumerate(prompts[:64]):
         engine.add_request(f"m{i}", {"prompt_token_ids": p}, params)
     engine.step()  # schedules the new prompts; the profiled steps below are mixed too
-    sync(engine.config.device)
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(2):
-            engine.step()
-        sync(engine.config.device)
-    print(f"\n== 2 mixed steps (prompt chunks beside {len(prompts)} decodes): "
-          f"{(time.perf_counter() - start) / 2 * 1e3:.2f} ms per step (profiled)")
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    profiled_steps(engine, 2, f"mixed steps (prompt chunks beside {len(prompts)} decodes)", rows=25)
     while engine.has_unfinished_requests():
         engine.step()
 
