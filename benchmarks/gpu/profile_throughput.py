@@ -169,8 +169,13 @@ def main() -> None:
         return torch.randint(0, vocab, (n, args.input_len), generator=gen).tolist()
 
     timeline(llm, prompts(min(64, args.num_prompts)), 8)  # compiles the mixed steps' kernels
+    stats = torch.cuda.memory_stats() if args.device == "cuda" else {}
     records, total = timeline(llm, prompts(args.num_prompts), args.output_len)
     print_timeline(records, total, args.num_prompts * args.output_len)
+    if stats:  # a retry frees the allocator's cache (a device-wide sync) to fit an allocation
+        after = torch.cuda.memory_stats()
+        print("during the timeline: " + ", ".join(f"{k} {after.get(k, 0) - stats.get(k, 0)}" for k in
+                                                  ("num_alloc_retries", "num_device_alloc", "num_device_free")))
     profile_decode(llm, prompts(args.profile_batch), args.out)
 
 

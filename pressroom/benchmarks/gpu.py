@@ -333,6 +333,15 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's retries (it freed its cache, a device-wide sync, to fit an allocation) and
+    its cudaFree calls so far: either inside a timed run stalls the pipeline."""
+    if device.type != "cuda":
+        return {"alloc_retries": 0, "device_frees": 0}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_frees": stats.get("num_device_free", 0)}
+
+
 def peak_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
@@ -356,7 +365,11 @@ def run(args) -> dict:
     ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
     kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
     llm, ready_s = build_llm(kwargs, device)
-    ours = {name: run_pressroom(llm, w, args.warmup_requests, device) for name, w in workloads.items()}
+    ours, allocator = {}, {}
+    for name, w in workloads.items():
+        before = allocator_counts(device)
+        ours[name] = run_pressroom(llm, w, args.warmup_requests, device)
+        allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
     state = None if args.skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
     del llm
     free_device_memory(device)
@@ -365,7 +378,7 @@ def run(args) -> dict:
               "device": device.type, "model": str(args.model), "dtype": args.dtype, "engine_args": kwargs,
               "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3),
               "model_size": asdict(size), "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
-              "warmup_note": WARMUP_NOTE, "memory": memory,
+              "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
               "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,
                                                   ceilings) for name in workloads}}
     report["ratios"] = summary_ratios(report["workloads"])

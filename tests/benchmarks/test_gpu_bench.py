@@ -35,6 +35,8 @@ def test_report_has_every_figure(report):
     size = report["model_size"]
     assert size["decode_read_bytes"] == (size["non_embedding_params"] + size["lm_head_params"]) * 2
     assert set(report["workloads"]) == set(gpu.WORKLOADS)
+    assert report["allocator_during_pressroom"] == {name: {"alloc_retries": 0, "device_frees": 0}
+                                                    for name in gpu.WORKLOADS}  # counted on CUDA only
     for name, section in report["workloads"].items():
         assert SECTION_KEYS <= section.keys(), name
         assert set(section["pressroom"]) == RUN_KEYS and set(section["hf"]) == RUN_KEYS
