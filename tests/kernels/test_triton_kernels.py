@@ -143,6 +143,28 @@ def test_reference_matches_the_torch_backend():
     _close(batch.reference(), expected, 1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_backend_mixed_step_equals_the_reference(splits):
+    """The backend's mixed step (decodes first, then prompt chunks, launched separately) writes the new
+    keys and values and attends as the reference does over the whole batch."""
+    from pressroom.attention.triton_backend import TritonAttentionBackend
+    specs = [(37, 1), (150, 1), (400, 1), (74, 12), (34, 34)]
+    batch = Batch(specs, 4, 2, 32, 16, torch.float32, pad_tokens=0)
+    k, v = batch.qkv[:, 4:6], batch.qkv[:, 6:]
+    slots = torch.cat([_slots(batch, b, ctx - q, ctx) for b, (ctx, q) in enumerate(specs)])
+    expected_cache = batch.kv_cache.clone()
+    torch_ref.write_kv(expected_cache, k, v, slots)
+    batch.to(DEVICE)
+    meta = AttentionMetadata(num_decodes=3, num_decode_tokens=3, slot_mapping=slots.to(DEVICE),
+                             block_tables=batch.block_tables, seq_lens=batch.seq_lens, query_start_loc=[],
+                             seq_lens_host=[], query_start_loc_device=batch.query_start_loc,
+                             max_query_len=batch.max_query_len, num_kv_splits=splits)
+    out = TritonAttentionBackend().forward(batch.q, batch.qkv[:, 4:6], batch.qkv[:, 6:], batch.kv_cache, meta,
+                                           batch.scale)
+    assert torch.equal(batch.kv_cache.cpu(), expected_cache)
+    _close(out, batch.reference(), TOL[torch.float32])
+
+
 def _slots(batch: Batch, b: int, start: int, end: int) -> torch.Tensor:
     block_size = batch.kv_cache.shape[2]
     pos = torch.arange(start, end)
