@@ -8,8 +8,8 @@ tokens, decode rows, verification tokens), and prints the time spent in steps wi
 and pure decode steps by batch size with their mean time per step and per token. The profile then
 prefills --profile-batch prompts, lets them decode until every context is past the prompt, and traces a
 few decode steps: the top operators, then each step's span, GPU-busy time and largest kernels
-(profile_decode.print_steps, CUDA only); last, the top operators of two mixed steps (prompt chunks
-beside those decodes).
+(profile_decode.print_steps, CUDA only); last, the same for two mixed steps (prompt chunks beside
+those decodes).
 
 Run on the GPU machine:
     python benchmarks/gpu/profile_throughput.py [--model configs/llama-3.1-8b] [--out DIR]
@@ -142,7 +142,10 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
     for i, p in enumerate(prompts[:64]):
         engine.add_request(f"m{i}", {"prompt_token_ids": p}, params)
     engine.step()  # schedules the new prompts; the profiled steps below are mixed too
-    profiled_steps(engine, 2, f"mixed steps (prompt chunks beside {len(prompts)} decodes)", rows=25)
+    prof = profiled_steps(engine, 2, f"mixed steps (prompt chunks beside {len(prompts)} decodes)", rows=25)
+    if engine.config.device == "cuda":  # span against busy: how long the GPU waited inside each step
+        prof.export_chrome_trace(f"{out}/mixed_steps.json")
+        print_steps(f"{out}/mixed_steps.json", engine.hf_config.num_hidden_layers)
     while engine.has_unfinished_requests():
         engine.step()
 
