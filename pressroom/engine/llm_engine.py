@@ -199,9 +199,9 @@ class LLMEngine:
 
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency %.1fx at max_model_len %d",
-                    num_blocks, self.config.cache.block_size, tokens, tokens / self.max_model_len,
-                    self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency %.1fx at max_model_len %d",
+                    num_blocks, self.config.cache.block_size, tokens, str(self.runner.kv_dtype).removeprefix("torch."),
+                    tokens / self.max_model_len, self.max_model_len)
 
     def _max_model_len(self, num_blocks: int, lookahead: int = 0) -> int:
         """`lookahead`: slots a request keeps past its step for a device drafter's writes."""
