@@ -37,8 +37,9 @@ class TritonAttentionBackend:
             splits = meta.num_kv_splits if meta.max_query_len == 1 else 1
             return paged_attention(q, kv_cache, tables, lens, starts, meta.max_query_len, scale, out, splits)
         # A mixed step (decodes first, then prompt chunks): two launches, each with its own tile shape, so
-        # the decodes do not pay for the 64-row tiles the chunks want.
-        paged_attention(q, kv_cache, tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, scale, out,
-                        meta.num_kv_splits)
+        # the decodes do not pay for the 64-row tiles the chunks want. The decodes are the first tokens:
+        # their launch sees only those, so a split-KV workspace is sized by them, not by the chunks.
+        paged_attention(q[:decodes], kv_cache, tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, scale,
+                        out[:decodes], meta.num_kv_splits)
         return paged_attention(q, kv_cache, tables[decodes:], lens[decodes:], starts[decodes:], meta.max_query_len,
                                scale, out)
