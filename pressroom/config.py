@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -240,33 +242,60 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
 
+DTYPE_CHOICES = ("auto", *_DTYPES)
+KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
+
+
+def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    """An `EngineArgs` field: its default, plus the help and choices its CLI flag shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(slots=True)
 class EngineArgs:
-    """Every knob a user may set, flat, with vLLM's names."""
-    model: str | None = None
-    tokenizer: str | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    quantization: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2; FP8 on CUDA only
-    kv_cache_memory_gib: float | None = None
-    num_gpu_blocks_override: int | None = None
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int | None = None  # None: 1024 on CUDA (vLLM's default for large GPUs), 256 on the CPU
-    scheduling_policy: str = "fcfs"
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    num_threads: int | None = None
-    gpu_memory_utilization: float = 0.92
-    enforce_eager: bool = False
-    max_cudagraph_capture_size: int = 512
-    skip_tokenizer_init: bool = False
-    async_scheduling: bool | None = None  # None: on for CUDA (the CPU has nothing to overlap with)
-    speculative_config: dict | str | None = None
+    """Every knob a user may set, flat, with vLLM's names. Each field declares its own help and choices:
+    the CLI's engine flags are derived from them (entrypoints/cli.py, add_engine_args)."""
+    model: str | None = _arg(None, "HF model directory (config.json, *.safetensors) or .gguf file; model hubs are "
+                                   "not fetched (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _arg(None, "tokenizer directory or .gguf file (default: the model's)")
+    load_format: str = _arg("auto", "weights to load: auto (by the model path), safetensors, gguf, or dummy "
+                                    "(random weights at the config's shapes, for benchmarks)", LOAD_FORMATS)
+    dtype: str = _arg("auto", "weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with native "
+                              "bf16 (AVX512-BF16, AMX or AVX-NE-CONVERT); float32 on other CPUs", DTYPE_CHOICES)
+    quantization: str = _arg("auto", "auto: 4-bit GGUF matrices stay 4-bit (as shipped) when the dtype is "
+                                     "bfloat16; none: dequantize them all", QUANTIZATIONS)
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
+                                           "max_position_embeddings, lowered to what the KV cache holds)")
+    seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV-cache blocks of prompt prefixes seen before")
+    kv_cache_dtype: str = _arg("auto", "KV-cache element type; auto: the model's dtype; fp8 (= fp8_e4m3) or "
+                                       "fp8_e5m2: CUDA only, scale 1", KV_CACHE_DTYPE_CHOICES)
+    kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU 2, or "
+                                                   "PRESSROOM_CPU_KVCACHE_SPACE; on CUDA what a memory profile "
+                                                   "leaves of --gpu-memory-utilization)")
+    num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory budget")
+    max_num_batched_tokens: int = _arg(16384, "tokens one engine step computes at most (prefill chunks + "
+                                              "decodes)")
+    max_num_seqs: int | None = _arg(None, "requests running at once at most (default: 1024 on CUDA, vLLM's for "
+                                          "large GPUs; 256 on the CPU)")
+    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
+                                  SCHEDULING_POLICIES)
+    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 is supported yet)")
+    device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
+    num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
+    gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
+                                               "activations, KV cache), in (0, 1]")
+    enforce_eager: bool = _arg(False, "no CUDA graphs: every step runs eagerly")
+    max_cudagraph_capture_size: int = _arg(512, "largest decode batch replayed from a captured CUDA graph "
+                                                f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts and outputs are token ids only")
+    async_scheduling: bool | None = _arg(None, "schedule and prepare step N+1 while the device runs step N "
+                                               "(default: on for CUDA unless the speculative method drafts on "
+                                               "the host; off on the CPU, with nothing to overlap)")
+    speculative_config: dict | str | None = _arg(None, 'speculative decoding: a JSON object of vLLM keys, e.g. '
+                                                       '{"method": "ngram", "num_speculative_tokens": 3}; methods: '
+                                                       f"{', '.join(SPEC_METHODS)} (default: off)")
 
     @classmethod
     def names(cls) -> set[str]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pressroom.benchmarks.workload import Workload, machine, random_prompts
+from pressroom.config import KV_CACHE_DTYPE_CHOICES
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "configs" / "llama-3.1-8b"
@@ -500,30 +501,39 @@ def positive_ints(text: str) -> list[int]:
 def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a config.json directory (dummy weights)")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu to test the plumbing with a tiny model")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda, or cpu to test the plumbing with a tiny model")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="the weights' dtype (pressroom and HF)")
     p.add_argument("--workloads", type=_names, default=list(WORKLOADS), help="comma-separated subset of "
                    + ",".join(WORKLOADS))
-    p.add_argument("--decode-input-len", type=int, default=32)
-    p.add_argument("--decode-output-len", type=int, default=256)
+    p.add_argument("--decode-input-len", type=int, default=32, help="batch-1 decode: prompt length")
+    p.add_argument("--decode-output-len", type=int, default=256, help="batch-1 decode: output length")
     p.add_argument("--num-prompts", type=int, default=1000, help="throughput requests")
     p.add_argument("--input-len", type=int, default=512, help="throughput prompt length")
     p.add_argument("--output-len", type=int, default=256, help="throughput output length")
-    p.add_argument("--prefill-prompts", type=int, default=16)
-    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--prefill-prompts", type=int, default=16, help="prefill: prompts, one output token each")
+    p.add_argument("--prefill-len", type=int, default=2048, help="prefill: prompt length")
     p.add_argument("--warmup-requests", type=int, default=4, help="untimed requests before each pressroom pass")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the dummy weights")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="below the engine's 0.92 so HF still fits after the engine is freed")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV cache size on the CPU")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1024 on CUDA)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV-cache size in GiB (default: the engine's; on CUDA from --gpu-memory-utilization)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once at most (default: the engine's, 1024 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="tokens one engine step computes at most")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8; HF keeps bf16")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
+    p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256],
+                   help="comma-separated batch sizes HF's throughput runs at")
     p.add_argument("--hf-max-requests", type=int, default=256, help="throughput requests HF runs per batch size")
-    p.add_argument("--hf-prefill-batch-size", type=int, default=16, help="8 runs the prefill in two batches")
-    p.add_argument("--copy-gib", type=float, default=None, help="copy buffer (default 4 on cuda, 0.25 on cpu)")
-    p.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 matmul (default 8192 cuda, 1024 cpu)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--hf-prefill-batch-size", type=int, default=16,
+                   help="prompts per HF prefill batch (8: two batches)")
+    p.add_argument("--copy-gib", type=float, default=None,
+                   help="the copy ceiling's buffer in GiB (default: 4 on cuda, 0.25 on cpu)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="n of the matmul ceiling's n^3 matmul (default: 8192 on cuda, 1024 on cpu)")
+    p.add_argument("--output-json", default=None, help="write the report here too (default: print only)")

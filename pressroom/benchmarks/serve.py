@@ -44,27 +44,30 @@ _WORDS = ("time year people way day man thing woman life child world school stat
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                        help="the route each request is sent to")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "jsonl"])
+    parser.add_argument("--dataset-name", default="random", choices=["random", "jsonl"],
+                        help="random: prompts of random token ids; jsonl: --dataset-path's prompts")
     parser.add_argument("--dataset-path", default=None, help="for jsonl: {\"prompt\": ...} per line, or plain lines")
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens of random prompts")
+    parser.add_argument("--random-output-len", type=int, default=128,
+                        help="max_tokens per request (jsonl too, unless --output-len)")
     parser.add_argument("--output-len", type=int, default=None,
                         help="max_tokens for jsonl prompts (default: --random-output-len)")
-    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--num-prompts", type=int, default=1000, help="timed requests")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests/s, arrivals a Poisson process (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+                        help="requests/s, arrivals a Poisson process (inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: no cap)")
     parser.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos extra")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     parser.add_argument("--num-warmups", type=int, default=1,
                         help="untimed requests first (prompts drawn apart from the timed ones)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a byte before failing")
     parser.add_argument("--save-detailed", action="store_true", help="per-request figures in the JSON too")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="write the report here too (default: print only)")
 
 
 @dataclass(slots=True)

@@ -385,28 +385,32 @@ def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", type=Path, default=DEFAULT_TARGET, help="the target: a config.json directory")
     p.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT, help="the drafter (the target's vocabulary)")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu to test the plumbing with a tiny model")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda, or cpu to test the plumbing with a tiny model")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="both models' dtype")
     p.add_argument("--acceptance-rates", type=_rates, default=DEFAULT_RATES,
-                   help="synthetic conditional acceptance per draft position (the last repeats)")
-    p.add_argument("--concurrency", type=positive_ints, default=[1, 4, 16, 64, 256], help="requests in flight")
-    p.add_argument("--k-values", type=positive_ints, default=[1, 2, 3, 4, 5, 6, 7], help="fixed K configurations")
+                   help="comma-separated synthetic conditional acceptance per draft position (the last repeats)")
+    p.add_argument("--concurrency", type=positive_ints, default=[1, 4, 16, 64, 256],
+                   help="comma-separated requests in flight")
+    p.add_argument("--k-values", type=positive_ints, default=[1, 2, 3, 4, 5, 6, 7],
+                   help="comma-separated fixed K configurations")
     p.add_argument("--max-k", type=int, default=7, help="the adaptive budget's K at most")
-    p.add_argument("--skip-adaptive", action="store_true")
+    p.add_argument("--skip-adaptive", action="store_true", help="no adaptive-budget engine")
     p.add_argument("--sync-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also no speculation with synchronous scheduling (CUDA only): the like-for-like baseline "
                         "where speculation runs synchronously")
     p.add_argument("--beat-max-k-at", type=positive_ints, default=[64, 256],
-                   help="concurrencies where the adaptive budget must beat fixed K = --max-k")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+                   help="comma-separated concurrencies where the adaptive budget must beat fixed K = --max-k")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--requests-per-slot", type=int, default=2, help="N = this x concurrency, then clamped")
-    p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--max-requests", type=int, default=512)
-    p.add_argument("--warmup-output-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default 16 on cuda, 0.5 on cpu")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--min-requests", type=int, default=4, help="N at least")
+    p.add_argument("--max-requests", type=int, default=512, help="N at most (but at least the concurrency)")
+    p.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the dummy weights")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV-cache size in GiB (default: 16 on cuda, 0.5 on cpu)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens one engine step computes at most")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (CPU runs)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (CPU runs; default: torch's)")
+    p.add_argument("--output-json", default=None, help="write the report here too (default: print only)")
