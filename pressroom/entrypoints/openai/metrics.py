@@ -11,7 +11,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pressroom.core.scheduler import SchedulerStats
@@ -23,10 +30,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 640.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# No `*_created` series (a creation timestamp beside every counter and histogram): they add a series per
+# counter to every scrape with nothing a dashboard plots. prometheus_client's switch is process-wide.
+disable_created_metrics()
+
 
 class ServerMetrics:
-    def __init__(self, prefix: str, model_name: str) -> None:
-        self.prefix, self.model_name = prefix, model_name
+    """`log_requests`: an INFO line per finished engine request (off with --disable-log-requests)."""
+
+    def __init__(self, prefix: str, model_name: str, log_requests: bool = True) -> None:
+        self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
         self.registry = CollectorRegistry()
         self.stats = SchedulerStats()
         self.total_prompt_tokens = self.total_generation_tokens = 0  # for the log line
@@ -77,15 +90,8 @@ class ServerMetrics:
                 yield out
 
     def _finished(self, out: RequestOutput, now: float) -> None:
-        generated = sum(len(c.token_ids) for c in out.outputs)
-        m = out.metrics
-        e2e = ((m.finished_time or now) - m.arrival_time) if m is not None else 0.0
-        queued = (m.first_scheduled_time - m.arrival_time) if m is not None and m.first_scheduled_time else 0.0
-        ttft = (m.first_token_time - m.arrival_time) if m is not None and m.first_token_time else 0.0
-        logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, "
-                    "queued %.3fs, TTFT %.3fs, e2e %.3fs", out.request_id, out.session_id or "-",
-                    len(out.prompt_token_ids), generated, ",".join(c.finish_reason or "abort" for c in out.outputs),
-                    queued, ttft, e2e)
+        if self.log_requests:
+            _log_finished(out, now)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.total_prompt_tokens += len(out.prompt_token_ids)
         if out.metrics is not None:
@@ -114,6 +120,18 @@ class ServerMetrics:
                         stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
             prev_prompt, prev_gen = prompt, gen
             prev_q, prev_h = stats.prefix_cache_queries, stats.prefix_cache_hits
+
+
+def _log_finished(out: RequestOutput, now: float) -> None:
+    generated = sum(len(c.token_ids) for c in out.outputs)
+    m = out.metrics
+    e2e = ((m.finished_time or now) - m.arrival_time) if m is not None else 0.0
+    queued = (m.first_scheduled_time - m.arrival_time) if m is not None and m.first_scheduled_time else 0.0
+    ttft = (m.first_token_time - m.arrival_time) if m is not None and m.first_token_time else 0.0
+    logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, "
+                "queued %.3fs, TTFT %.3fs, e2e %.3fs", out.request_id, out.session_id or "-",
+                len(out.prompt_token_ids), generated, ",".join(c.finish_reason or "abort" for c in out.outputs),
+                queued, ttft, e2e)
 
 
 class _SchedulerCollector:

@@ -1,15 +1,18 @@
 """Request and response bodies of the OpenAI API, with vLLM's extra sampling fields.
 
 Requests are validated twice: pydantic checks shapes and types (a 400 naming the field), and
-`to_sampling_params` builds a SamplingParams, whose own checks give the range errors.
+`to_sampling_params` builds a SamplingParams, whose own checks give the range errors. Unknown fields are
+ignored, except those in a request's `unsupported_fields`: OpenAI or vLLM features that pressroom does not
+implement, which get a 400 naming the field rather than an answer that silently went without them.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pressroom.sampling_params import SamplingParams
 
@@ -21,8 +24,64 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# A field that is in use (per its test on the raw JSON value) but not implemented: (test, why it is refused).
+Unsupported = dict[str, tuple[Callable[[Any], bool], str]]
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not fatal
+    unsupported_fields: ClassVar[Unsupported] = {}
+
+    @classmethod
+    def unsupported_field(cls, data: dict[str, Any]) -> tuple[str, str] | None:
+        """The first field of `data` that asks for a feature pressroom lacks, with why; None if none does."""
+        for name, (in_use, why) in cls.unsupported_fields.items():
+            if name in data and in_use(data[name]):
+                return name, why
+        return None
+
+
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+def _nonempty(value: Any) -> bool:
+    return bool(value)
+
+
+def _not_none_choice(value: Any) -> bool:
+    return value not in (None, "none")
+
+
+def _not_text_format(value: Any) -> bool:
+    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _not_text_only(value: Any) -> bool:
+    return value is not None and value != ["text"]
+
+
+_STRUCTURED_OUTPUT = "structured (guided) output is not supported yet"
+_SAMPLING_UNSUPPORTED: Unsupported = {
+    "response_format": (_not_text_format, 'only {"type": "text"} is supported; JSON mode and JSON schemas '
+                                          "are not implemented yet"),
+    **{name: (_given, _STRUCTURED_OUTPUT) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                       "guided_grammar", "structured_outputs")},
+    "use_beam_search": (_nonempty, "beam search is not supported"),
+    "prompt_embeds": (_given, "prompt embeddings are not supported"),
+}
+_TOOLS = "tool and function calling is not supported yet"
+_CHAT_UNSUPPORTED: Unsupported = {
+    "tools": (_nonempty, _TOOLS),
+    "tool_choice": (_not_none_choice, _TOOLS),
+    "functions": (_nonempty, _TOOLS),
+    "function_call": (_not_none_choice, _TOOLS),
+    "parallel_tool_calls": (_given, _TOOLS),
+    "audio": (_given, "audio output is not supported"),
+    "modalities": (_not_text_only, 'only ["text"] output is supported'),
+    "prediction": (_given, "predicted outputs are not supported"),
+    "web_search_options": (_given, "web search is not supported"),
+}
 
 
 # ---- errors ----
@@ -94,6 +153,7 @@ class _SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(_SamplingRequest):
+    unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -111,8 +171,27 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+        return content
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part["text"] for part in self.content)
+        return self.content or ""
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
 
 class ChatCompletionRequest(_SamplingRequest):
+    unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -121,6 +200,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
     thinking_token_budget: int | None = Field(None, ge=0)
 
     def to_sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
@@ -130,6 +210,15 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` when given
+        (the field wins over a key of the same name in chat_template_kwargs)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
 
 class TokenizeRequest(OpenAIModel):

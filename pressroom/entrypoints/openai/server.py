@@ -3,8 +3,9 @@
 Every bad input becomes an OpenAI-shaped JSON error with a 4xx status; only a fault of the server
 itself is a 500. A client that disconnects aborts its requests, which frees their KV blocks.
 
-This module is the app: middleware, routes, exception handlers, lifespan. The handlers live in
-serving.py (shared base, small endpoints), serving_completion.py and serving_chat.py.
+This module is the app: middleware (auth and backpressure, the access log), routes with their OpenAPI
+schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py (shared
+base, small endpoints), serving_completion.py and serving_chat.py.
 """
 from __future__ import annotations
 
@@ -17,18 +18,32 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
 from pressroom.entrypoints.openai.reasoning import make_parser
-from pressroom.entrypoints.openai.serving import OpenAIServingUtility
+from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pressroom")
+access_logger = logging.getLogger("pressroom.access")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
@@ -67,15 +82,90 @@ class _Guard:
             self.in_flight -= counted
 
 
+class _AccessLog:
+    """ASGI middleware: one INFO line per HTTP request when its response has ended (a stream's after its last
+    chunk), with what the handler put in the request's AccessRecord (serving.access_record)."""
+    QUIET = ("/health", "/metrics")  # probes and scrapes, every few seconds: they would drown the rest
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.QUIET:
+            return await self.app(scope, receive, send)
+        record = scope[ACCESS_RECORD_KEY] = AccessRecord()
+        status = 500  # stays so if the app raises: the outermost ServerErrorMiddleware then sends a 500
+        started = time.monotonic()
+
+        async def send_noting_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            headers = dict(scope["headers"])
+            request_id = record.request_id or headers.get(b"x-request-id", b"-").decode("latin-1")
+            session_id = record.session_id or headers.get(b"x-session-id", b"-").decode("latin-1")
+            access_logger.info('"%s %s" %d request_id=%s session_id=%s prompt_tokens=%s completion_tokens=%s '
+                               "time=%.1fms", scope["method"], scope["path"], status, request_id, session_id,
+                               _or_dash(record.prompt_tokens), _or_dash(record.completion_tokens),
+                               1000 * (time.monotonic() - started))
+
+
+def _or_dash(count: int | None) -> str:
+    return "-" if count is None else str(count)
+
+
+# ---- OpenAPI: the handlers read their bodies themselves (to hold them to --max-request-bytes), so FastAPI
+# sees no body model; the routes declare theirs, and the app's schema carries the models. ----
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+_ERRORS = {"4XX": {"model": ErrorResponse, "description": "An OpenAI-shaped error"}}
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The `openapi_extra` of a route whose handler parses a JSON body of `model`."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _responses(model: type[BaseModel], chunk: type[BaseModel] | None = None) -> dict:
+    """200 with `model` as JSON (or, streamed, `chunk`s as server-sent events), and the 4xx errors."""
+    ok: dict = {"model": model, "description": "The response; with `stream`, server-sent events instead"}
+    if chunk is not None:
+        ok["content"] = {"text/event-stream": {"schema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}}
+    return {200: ok, **_ERRORS}
+
+
+def _add_schemas(app: FastAPI, models: list[tuple[type[BaseModel], JsonSchemaMode]]) -> None:
+    """Makes the app's OpenAPI document also carry `models` (and the models they use) as components."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()  # caches itself in app.openapi_schema, which this completes
+            _, defs = models_json_schema(models, ref_template=_SCHEMA_REF)
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs["$defs"].items():
+                components.setdefault(name, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_root: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
               api_key: str | None = None, max_concurrent_requests: int | None = None,
-              log_stats_interval: float = 10.0, reasoning_parser: str | None = None,
+              log_stats_interval: float = 10.0, log_requests: bool = True, reasoning_parser: str | None = None,
               reasoning_start: str = "<think>", reasoning_end: str = "</think>") -> FastAPI:
-    """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers)."""
+    """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
+    `log_requests`: the access line per HTTP request and the line per finished engine request."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     reasoning = make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end)
-    stats = ServerMetrics(metrics_prefix, names[0])  # one for all handlers
+    stats = ServerMetrics(metrics_prefix, names[0], log_requests)  # one for all handlers
     utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, model_root)
     completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes)
     chat = OpenAIServingChat(engine, names, stats, max_request_bytes, reasoning)
@@ -89,8 +179,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_
         if logging_task is not None:
             logging_task.cancel()
 
-    app = FastAPI(title="pressroom", version=pressroom.__version__, lifespan=lifespan)
+    # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
+    app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
+                         swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
     app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests)
+    if log_requests:
+        app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -114,10 +208,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)
     app.get("/v1/models")(utility.models)
-    app.post("/tokenize")(utility.tokenize)
-    app.post("/detokenize")(utility.detokenize)
-    app.post("/v1/completions")(completion.completions)
-    app.post("/v1/chat/completions")(chat.chat_completions)
+    app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest), responses=_ERRORS)(utility.tokenize)
+    app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest), responses=_ERRORS)(utility.detokenize)
+    app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
+             responses=_responses(CompletionResponse, CompletionResponse))(completion.completions)
+    app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest),
+             responses=_responses(ChatCompletionResponse, ChatCompletionChunk))(chat.chat_completions)
+    _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
+                       (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+                       (ChatCompletionChunk, "serialization")])
     return app
 
 
@@ -132,10 +231,12 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
     source = str(engine.engine.model_path)
     names = args.served_model_name or [engine_kwargs.get("model") or Path(source).stem]
+    # getattr: flags that an older CLI (or a caller's own namespace) may not define
     app = build_app(engine, names, model_root=source, max_request_bytes=args.max_request_bytes,
                     metrics_prefix=args.metrics_prefix, api_key=args.api_key,
                     max_concurrent_requests=args.max_concurrent_requests,
-                    log_stats_interval=args.log_stats_interval,
+                    log_stats_interval=0 if getattr(args, "disable_log_stats", False) else args.log_stats_interval,
+                    log_requests=not getattr(args, "disable_log_requests", False),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     reasoning_start=getattr(args, "reasoning_start_str", None) or "<think>",
                     reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>")
@@ -144,16 +245,17 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
     @asynccontextmanager
     async def lifespan(a):
         async with app_lifespan(a):
-            logger.warning("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
-                           engine.engine.startup_seconds,
-                           ", profile, CUDA graphs" if engine.engine.runner.graphs is not None else "")
+            logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
+                        engine.engine.startup_seconds,
+                        ", profile, CUDA graphs" if engine.engine.runner.graphs is not None else "")
             yield
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were cancelled
 
     app.router.lifespan_context = lifespan
-    logger.warning("serving %s on http://%s:%d", names[0], args.host, args.port)
+    logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    access_log=not getattr(args, "disable_uvicorn_access_log", False),
                     timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine.shutdown()

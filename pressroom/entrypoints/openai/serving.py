@@ -1,7 +1,8 @@
 """What the OpenAI handlers share: the `OpenAIServing` base (body parsing under a size limit, the model
 check, tokenizer work on the engine thread, sampling params, adding requests, SSE), the helpers for
-streams of outputs, and `OpenAIServingUtility` with the small endpoints (health, version, metrics,
-models, tokenize, detokenize). Completions and chat live in serving_completion.py and serving_chat.py.
+streams of outputs, the access-log record a handler fills in, and `OpenAIServingUtility` with the small
+endpoints (health, version, metrics, models, tokenize, detokenize). Completions and chat live in
+serving_completion.py and serving_chat.py.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -37,9 +39,25 @@ from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
 MAX_SESSION_ID_CHARS = 256
+PRIORITY_HEADERS = ("X-Vllm-Priority", "X-Priority")  # vLLM's name first; X-Priority is pressroom's older alias
+ACCESS_RECORD_KEY = "pressroom.access"  # where the access-log middleware puts the record in the ASGI scope
 
 Body = TypeVar("Body", bound=BaseModel)
 T = TypeVar("T")
+
+
+@dataclass
+class AccessRecord:
+    """What a handler learns about its request for the access-log line (None: not applicable, logged `-`)."""
+    request_id: str | None = None
+    session_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def access_record(request: Request) -> AccessRecord:
+    """The request's record for the access log; a throwaway one when request logging is off."""
+    return request.scope.get(ACCESS_RECORD_KEY) or AccessRecord()
 
 
 class _EventStream(StreamingResponse):
@@ -84,6 +102,10 @@ class OpenAIServing:
             raise APIError(400, f"The body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise APIError(400, "The body must be a JSON object.")
+        unsupported = model.unsupported_field(data)
+        if unsupported is not None:
+            name, why = unsupported
+            raise APIError(400, f"`{name}` is not supported by this server: {why}.", param=name)
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -137,15 +159,20 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def _add_all(self, rid: str, requests: list[tuple[dict, SamplingParams]],
+    async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
                        priority: int, session_id: str | None = None) -> list[AsyncIterator[RequestOutput]]:
-        """Adds every prompt of a request, or none: a rejected one aborts those added before it."""
+        """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
+        request's access record gets its id, session and token counts (completion tokens as they come)."""
+        record = access_record(request)
+        record.request_id, record.session_id = rid, session_id
+        record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
+        record.completion_tokens = 0
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(requests):
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
                 added = await self.engine.add_request(req_id, prompt, params, priority, session_id)
-                streams.append(self.stats.observe(added))
+                streams.append(_count_completion_tokens(self.stats.observe(added), record))
         except BaseException as e:
             for s in streams:
                 await s.aclose()
@@ -239,31 +266,20 @@ def top_logprobs(position: PositionLogprobs, n: int) -> list:
 
 
 def _message_dict(message: ChatMessage) -> dict:
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"Only text content parts are supported; got type {part.get('type')!r}.")
-            texts.append(part["text"])
-        data["content"] = "\n".join(texts)
-    elif content is None:
-        data["content"] = ""
-    return data
+    return message.model_dump(exclude_none=True) | {"content": message.text}
 
 
 def request_priority(request: Request, field: int | None) -> int:
-    """The `priority` field, else the X-Priority header (0 without either)."""
-    if field is not None:
-        return field
-    header = request.headers.get("x-priority")
-    if header is None:
-        return 0
-    try:
-        return int(header)
-    except ValueError:
-        raise APIError(400, f"X-Priority must be an integer, got {header!r}.", param="X-Priority") from None
+    """The X-Vllm-Priority header (or its alias X-Priority), which overrides the `priority` field as in
+    vLLM; else the field; 0 without either. Lower runs first under `--scheduling-policy priority`."""
+    for name in PRIORITY_HEADERS:
+        header = request.headers.get(name)
+        if header is not None:
+            try:
+                return int(header)
+            except ValueError:
+                raise APIError(400, f"{name} must be an integer, got {header!r}.", param=name) from None
+    return 0 if field is None else field
 
 
 def request_session_id(request: Request, field: str | None) -> str | None:
@@ -280,6 +296,18 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _count_completion_tokens(stream: AsyncIterator[RequestOutput],
+                                   record: AccessRecord) -> AsyncIterator[RequestOutput]:
+    """Passes `stream` through, adding its new output tokens to `record`; closing it closes `stream`."""
+    seen = 0
+    async with aclosing(stream):
+        async for out in stream:
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            record.completion_tokens += tokens - seen
+            seen = tokens
+            yield out
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

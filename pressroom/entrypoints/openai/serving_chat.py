@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         priority = request_priority(request, req.priority)
         session_id = request_session_id(request, req.session_id)
         ids = await self._run(lambda: self._chat_ids(req.messages, req.add_generation_prompt,
-                                                     req.continue_final_message, req.chat_template_kwargs))
+                                                     req.continue_final_message, req.template_kwargs))
         params = self._sampling_params(req, req.requested_max_tokens, ids, "messages")
         parser = self.reasoning
         opens = parser is not None and parser.prompt_opens(ids)
@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
+        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._chat_chunks(rid, model, req, streams[0], opens))

@@ -52,8 +52,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._run(lambda: [self.engine.engine.tokenize_prompt(p) for p in given])
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
         rid = random_id("cmpl")
-        streams = await self._add_all(rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
-                                            for (text, ids), sp in zip(prompts, params)], priority, session_id)
+        streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
+                                                     for (text, ids), sp in zip(prompts, params)],
+                                      priority, session_id)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))

@@ -202,8 +202,9 @@ async def _bad_requests_while_a_stream_completes(server, aclient):
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": image})
         assert r.status_code == 400 and "text content" in r.json()["error"]["message"]
-        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Priority": "hi"})
-        assert r.status_code == 400
+        for header in ("X-Priority", "X-Vllm-Priority"):
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={header: "hi"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == header
         r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Priority": "-3"})
         assert r.status_code == 200
     with pytest.raises(openai.BadRequestError):
@@ -260,7 +261,8 @@ def test_dropped_clients_free_their_blocks(server, client):
 # ---- priority, auth, backpressure ----
 
 def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
-    """One request runs at a time; a better priority (field or X-Priority header) overtakes earlier worse ones."""
+    """One request runs at a time; a better priority overtakes earlier worse ones, whether from the field or
+    from the X-Vllm-Priority header, which overrides the field."""
     with _serve(tiny_model_dir("llama"), tmp_path / "server.log", "--scheduling-policy", "priority",
                 "--max-num-seqs", "1", "--api-key", "sesame", "--max-concurrent-requests", "5",
                 "--metrics-prefix", "vllm:") as url:
@@ -272,7 +274,7 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
             extra = {"ignore_eos": True} | ({"priority": priority} if priority is not None else {})
             stream = await client.completions.create(
                 model=MODEL, prompt=f"Request {name}", max_tokens=max_tokens, stream=True, extra_body=extra,
-                extra_headers={"X-Priority": header} if header else None)
+                extra_headers={"X-Vllm-Priority": header} if header else None)
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].text and name not in order:
                     order.append(name)
@@ -288,7 +290,7 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
             worse = [asyncio.create_task(first_token(client, f"worse{i}", 5, priority=5)) for i in range(2)]
             await asyncio.sleep(0.2)
             better = [asyncio.create_task(first_token(client, "field", 5, priority=-1)),
-                      asyncio.create_task(first_token(client, "header", 5, header="-2"))]
+                      asyncio.create_task(first_token(client, "header", 5, priority=9, header="-2"))]
             await asyncio.sleep(0.2)
             with pytest.raises(openai.RateLimitError):  # 5 in flight already
                 await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
