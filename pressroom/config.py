@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pressroom.platforms.cpu import cpu_info, log_cpu_path
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -36,8 +38,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # bf16 halves the weight bytes each decode step streams; CPUs with AVX512-BF16/AMX run it natively.
-        return torch.bfloat16
+        # bf16 halves the weight bytes each step streams, but only CPUs with AVX512-BF16/AMX multiply it
+        # natively; elsewhere fp32 is faster (pressroom/platforms/cpu.py says why per tier).
+        return torch.bfloat16 if device == "cuda" else cpu_info().default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
     return _DTYPES[dtype]
@@ -317,6 +320,8 @@ class EngineArgs:
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
         dtype = resolve_dtype(self.dtype, device)
+        if device == "cpu":
+            log_cpu_path(str(self.dtype), dtype)
         return EngineConfig(
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                               dtype=dtype, max_model_len=self.max_model_len,

@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any, get_args, get_type_hints
 
 from pressroom.config import EngineArgs
+from pressroom.logger import FORMAT, configure_logging
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -212,7 +213,8 @@ def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=FORMAT)  # other libraries: warnings only
+    configure_logging(args.log_level)
     try:
         if args.command == "generate":
             return _generate(args)

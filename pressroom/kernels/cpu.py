@@ -1,7 +1,8 @@
 """CPU kernels written in C, compiled with the system compiler at first use and called through ctypes.
 
-Plain C (no torch headers) keeps the build to about a second and the library is cached per
-source and CPU. Where no compiler is found, `available()` is false and callers use their torch
+Plain C (no torch headers) keeps the build to about a second. The target follows the CPU's tier
+(pressroom/platforms/cpu.py), and the cached library is keyed by source, flags, compiler and CPU
+features. Where no compiler is found, `available()` is false and callers use their torch
 reference path, which computes the same thing (tests compare the two).
 """
 from __future__ import annotations
@@ -19,17 +20,25 @@ from pathlib import Path
 
 import torch
 
+from pressroom.platforms.cpu import cpu_info
+
 logger = logging.getLogger("pressroom")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.c", "quant_ops.c")]
+MAX_QUANT_TOKENS = 16  # quant_ops.c keeps one accumulator per token in registers
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
+_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+               "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _T],
     "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
     "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
+}
+_QUANT_SIGNATURES = {
+    "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
+    "q8_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
 }
 
 
@@ -38,32 +47,43 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+def compile_flags() -> list[str]:
+    return [*_BASE_FLAGS, *cpu_info().kernel_flags()]
 
 
-def _build(source: Path) -> Path | None:
+def build_key(source: bytes, flags: list[str], compiler: str, cpu_flags: frozenset[str]) -> str:
+    """The cached library's name: anything that changes the machine code changes the key, so a home
+    directory shared between machines never loads a library built for another CPU (SIGILL)."""
+    parts = [source, " ".join(flags).encode(), compiler.encode(), platform.machine().encode(),
+             " ".join(sorted(cpu_flags)).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _compiler_identity(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return f"{compiler} {result.stdout.splitlines()[0] if result.stdout else ''}"
+
+
+def _build(sources: list[Path]) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + platform.machine().encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    flags = compile_flags()
+    key = build_key(b"".join(s.read_bytes() for s in sources), flags, _compiler_identity(compiler),
+                    cpu_info().flags)
+    target = _cache_dir() / f"pressroom_ops-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(partial), "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("CPU kernel build failed, using the torch path: %s", result.stderr[-500:])
             return None
         os.replace(partial, target)  # atomic: a concurrent builder never loads half a file
+    logger.info("built the C kernels for %s (%s)", cpu_info().isa.name, " ".join(cpu_info().kernel_flags()) or "default target")
     return target
 
 
@@ -71,7 +91,7 @@ def _build(source: Path) -> Path | None:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("PRESSROOM_DISABLE_C_KERNELS"):
         return None
-    path = _build(_SOURCE)
+    path = _build(_SOURCES)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -79,6 +99,9 @@ def _library() -> ctypes.CDLL | None:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"{base}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _QUANT_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
@@ -123,3 +146,22 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
     _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
                            x.stride(0), torch.get_num_threads())
     return x
+
+
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: uint8 [rows, cols // 2] (GGUF's nibble
+    order per block of 32); d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
+    _library().q4_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(),
+                             tokens, qs.shape[0], cols, torch.get_num_threads())
+    return out
+
+
+def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: int8 [rows, cols]; d: fp32 [rows, cols // 32]."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
+    _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
+                             tokens, qs.shape[0], cols, torch.get_num_threads())
+    return out

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 
-from pressroom.model.layers.quant import Q4Weight
+from pressroom.model.layers.quant import Q4Weight, Q8Weight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -138,10 +138,11 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return _build_config(_open(path))
 
 
-def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
+def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
     """Yield (HF parameter name, float32 tensor in HF layout), one tensor at a time.
 
-    With keep_4bit, Q4_0 / Q4_1 projection matrices come as exact `Q4Weight`s instead.
+    With keep_4bit, Q4_0 / Q4_1 projection matrices come as exact `Q4Weight`s instead, and a Q8_0
+    embedding or LM head as an exact `Q8Weight`.
     """
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
@@ -152,9 +153,11 @@ def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str,
 
 def _iter_weights(
     file: _GgufFile, config: dict[str, Any], named: list[tuple[str, _TensorInfo]], keep_4bit: bool
-) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
+) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
     for hf_name, info in named:
-        if keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
+        if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _HEAD_NAMES:
+            weight = _read_q8(file, info)
+        elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
             weight = _read_q4(file, info)
             if file.spec.permuted_qk:
                 weight = weight.map_rows(lambda t: _unpermute_qk(t, hf_name, config))
@@ -166,6 +169,17 @@ def _iter_weights(
 
 
 _Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head, tied to the embedding or not
+
+
+def _read_q8(file: _GgufFile, info: _TensorInfo) -> Q8Weight:
+    """Unpack Q8_0 blocks (f16 d, 32 signed bytes) without rounding."""
+    rows, cols = info.shape
+    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
 
 
 def _read_q4(file: _GgufFile, info: _TensorInfo) -> Q4Weight:
@@ -176,12 +190,11 @@ def _read_q4(file: _GgufFile, info: _TensorInfo) -> Q4Weight:
     raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
     blocks = raw.reshape(rows, cols // 32, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else np.zeros_like(d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else None
     nibbles = blocks[..., block_bytes - 16:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
-    # torch's int4 layout is (q - 8) * scale + zero: Q4_1's q * d + m needs zero = m + 8 d; Q4_0's zero is 0.
-    zero = m + 8 * d if with_min else np.zeros_like(d)
-    return Q4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+    low = m if with_min else -8 * d  # Q4_0 stores q - 8
+    return Q4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(low))
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:

@@ -113,7 +113,7 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
 
 
 def _keep_4bit(config: ModelConfig, device: str) -> bool:
-    return (config.quantization == "auto" and config.dtype == torch.bfloat16 and device == "cpu"
+    return (config.quantization == "auto" and config.dtype in (torch.bfloat16, torch.float32) and device == "cpu"
             and int4_kernel_available())
 
 

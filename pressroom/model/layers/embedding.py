@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from pressroom.model.layers.linear import onednn_prepack_available
+from pressroom.kernels import cpu
+from pressroom.model.layers.linear import onednn_bf16_prepack
+from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,8 +20,13 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.q8: Q8Weight | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Q8Weight, shard_id=None) -> None:
+        if isinstance(loaded, Q8Weight):
+            # The 8-bit form serves the LM head's decode-sized steps (one rank only: no vocab shards).
+            self.q8 = loaded if self.tp_size == 1 and cpu.available() else None
+            loaded = loaded.dequantize()
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         if shard.shape[1] != param.shape[1] or shard.shape[0] > param.shape[0]:
             raise ValueError(f"embedding has shape {tuple(loaded.shape)}; the model expects "
@@ -38,12 +45,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     onednn: torch.Tensor | None = None
 
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """After loading: share the embedding's weight, and its 8-bit form if it came in one."""
+        self.weight, self.q8 = embedding.weight, embedding.q8
+
     def prepack_onednn(self) -> None:
         """A oneDNN-blocked copy for the bf16 CPU matmul (the embedding may share the plain weight)."""
-        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_prepack_available():
+        if onednn_bf16_prepack(self.weight):
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None and hidden.numel() <= INT4_MAX_ROWS * hidden.shape[-1]:
+            return self.q8.matmul(hidden)[..., :self.vocab_size]
         if self.onednn is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
         else:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from pressroom.model.layers.quant import INT4_MAX_ROWS, PackedInt4, Q4Weight, pack_rows
+from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix, PackedInt4, Q4Weight, pack_rows
+from pressroom.platforms.cpu import cpu_info
 
 
 def _divide(a: int, b: int) -> int:
@@ -29,7 +30,7 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         self.q4_parts: list[tuple[int, Q4Weight]] = []
-        self.int4: PackedInt4 | None = None
+        self.int4: NibbleMatrix | PackedInt4 | None = None
         self.onednn: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ class LinearBase(nn.Module):
     def prepack_onednn(self) -> bool:
         """bf16 on the CPU: hold the weight in oneDNN's blocked layout, so no call re-lays it out
         (measured here: 27% faster at 32 rows). The plain copy is dropped."""
-        if not onednn_prepack_available() or self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
+        if not onednn_bf16_prepack(self.weight):
             return False
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -73,7 +74,7 @@ class LinearBase(nn.Module):
         parts, self.q4_parts = self.q4_parts, []
         if not parts or self.weight.device.type != "cpu":
             return False
-        self.int4 = pack_rows(parts, self.weight.shape[0], self.weight.dtype)
+        self.int4 = pack_rows(parts, self.weight.shape[0])
         return self.int4 is not None
 
 
@@ -153,8 +154,12 @@ class RowParallelLinear(LinearBase):
         self._store_rows(param, 0, loaded.narrow(1, self.tp_rank * size, size))
 
 
-def onednn_prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def onednn_bf16_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's bf16 matmul exists only on AVX-512 CPUs (and AVX-NE-CONVERT ones, which pressroom
+    leaves to F.linear): asked of the CPU's tier and of torch, not found out by a crash."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_info().bf16_storage
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _check_full(loaded, expected: tuple[int, ...]) -> None:

@@ -169,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: {e}") from None
             loaded.add(name)
         if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
             loaded.add("lm_head.weight")
         return loaded
 
