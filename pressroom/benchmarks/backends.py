@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PEER_PYTHON = REPO / ".peer-venv" / "bin" / "python"
 PEER_SCRIPT = REPO / "benchmarks" / "vllm_cpu" / "peer_bench.py"
 PEER_MODEL = REPO / ".cache" / "smollm2-135m-instruct-hf"
+LLAMA_SCRIPT = REPO / "benchmarks" / "llama_cpp" / "peer_bench.py"
 
 
 def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int
@@ -100,6 +101,23 @@ def _load_hf(model_path: str, dtype: str):
     if path.is_file():
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype).eval()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).eval()
+
+
+def run_llamacpp(workload: Workload, gguf_path: str, isa: str, warmup: int, iters: int) -> dict:
+    """llama.cpp (llama-cpp-python built for `isa` by benchmarks/llama_cpp/setup.sh) on the same GGUF file."""
+    python = REPO / f".llama-venv-{isa}" / "bin" / "python"
+    if not python.exists():
+        raise ValueError(f"The llama.cpp peer is not set up: run `LLAMA_ISA={isa} bash benchmarks/llama_cpp/setup.sh`.")
+    if not gguf_path.endswith(".gguf") or len(workload.prompts) != 1:
+        raise ValueError("The llama.cpp peer runs a GGUF model at batch 1 (bench latency --batch-size 1).")
+    spec = {"mode": "latency", "prompts": workload.prompts, "output_len": workload.output_len,
+            "ignore_eos": workload.ignore_eos, "num_iters_warmup": warmup, "num_iters": iters}
+    with tempfile.TemporaryDirectory() as tmp:
+        wl, res = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        wl.write_text(json.dumps(spec))
+        subprocess.run([str(python), str(LLAMA_SCRIPT), "--model", gguf_path, "--workload", str(wl),
+                        "--output", str(res)], check=True)
+        return json.loads(res.read_text())
 
 
 def run_vllm(workload: Workload, mode: str, batch_size: int, warmup: int, iters: int, dtype: str,

@@ -8,7 +8,7 @@ import time
 from pressroom.benchmarks import backends
 from pressroom.benchmarks.workload import Workload, file_prompts, machine, random_prompts
 
-BACKENDS = ("pressroom", "hf", "vllm")
+BACKENDS = ("pressroom", "hf", "vllm", "llamacpp")
 
 
 def build_workload(args, tokenizer, vocab_size: int, num: int) -> Workload:
@@ -50,7 +50,7 @@ def run(args, engine_kwargs: dict) -> dict:
     latency = args.command == "latency"
     num = args.batch_size if latency else args.num_prompts
     workload = build_workload(args, tokenizer, vocab, num)
-    results = [_run_backend(name, args, engine_kwargs, path, workload, latency) for name in names]
+    results = [r for name in names for r in _run_backends(name, args, engine_kwargs, path, workload, latency)]
     report = {"benchmark": args.command, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "model": path, "input_len": args.input_len, "output_len": args.output_len,
               "num_prompts": num, "ignore_eos": args.ignore_eos, "results": results,
@@ -62,14 +62,26 @@ def run(args, engine_kwargs: dict) -> dict:
     return report
 
 
-def _run_backend(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> dict:
+def _run_backends(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> list[dict]:
+    """One result per backend, and one per dtype for vllm (--peer-dtype float32,bfloat16: its best of both)."""
     n = len(workload.prompts)
     if name == "vllm":
         mode = "latency" if latency else "throughput"
-        r = backends.run_vllm(workload, mode, n, args.num_iters_warmup, args.num_iters if latency else 1,
-                              args.peer_dtype)
-        r["backend"] = "vllm-cpu"
-        return r
+        dtypes = [d.strip() for d in args.peer_dtype.split(",")]
+        results = [backends.run_vllm(workload, mode, n, args.num_iters_warmup, args.num_iters if latency else 1, d)
+                   for d in dtypes]
+        for r, d in zip(results, dtypes):
+            r["backend"] = "vllm-cpu" if len(dtypes) == 1 else f"vllm-cpu-{d}"
+        return results
+    if name == "llamacpp":
+        if not latency:
+            raise ValueError("The llama.cpp peer runs bench latency only (llama-cpp-python does not batch).")
+        return [backends.run_llamacpp(workload, path, args.llamacpp_isa, args.num_iters_warmup, args.num_iters)]
+    return [_run_local(name, args, engine_kwargs, path, workload, latency)]
+
+
+def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> dict:
+    n = len(workload.prompts)
     if latency:
         batches = [list(range(n))] * args.num_iters
     else:

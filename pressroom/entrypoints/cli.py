@@ -189,6 +189,13 @@ def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
     add_engine_args(tr)
 
 
+def _peer_dtypes(value: str) -> str:
+    bad = [d for d in value.split(",") if d.strip() not in ("float32", "bfloat16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: the vllm peer runs float32 or bfloat16")
+    return value
+
+
 def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
     from pressroom.benchmarks.bench import BACKENDS
     b.add_argument("--backend", default="pressroom",
@@ -205,8 +212,10 @@ def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
     b.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs first")
     b.add_argument("--num-iters", type=int, default=3, help="timed runs (latency)")
     b.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"], help="the hf backend's dtype")
-    b.add_argument("--peer-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="the vllm backend's dtype")
+    b.add_argument("--peer-dtype", default="bfloat16", type=_peer_dtypes,
+                   help="the vllm backend's dtype: float32, bfloat16, or both comma-separated (one run each)")
+    b.add_argument("--llamacpp-isa", default="avx2", choices=["avx2", "native"],
+                   help="the llamacpp backend's build (benchmarks/llama_cpp/setup.sh with LLAMA_ISA=...)")
     b.add_argument("--output-json", default=None, help="write the report here too (default: print only)")
     add_engine_args(b)
 

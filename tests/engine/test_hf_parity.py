@@ -35,7 +35,7 @@ def test_embedded_model_matches_hf(embedded_path, smollm_tokenizer):
     import transformers
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(embedded_path), gguf_file=os.path.basename(embedded_path), dtype=torch.float32)
-    llm = LLM(dtype="float32", kv_cache_memory_gib=0.1)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1)
     texts = ["The quick brown fox", "def fibonacci(n):\n    "]
     chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
                                                 add_generation_prompt=True, tokenize=False)

@@ -25,9 +25,9 @@ def tiny_llama(tiny_model_dir):
 
 def test_batch_of_32_chunked_equals_alone_embedded():
     prompts = random_prompts(32, low=3, high=150, seed=7)
-    alone_llm = LLM(dtype="float32", kv_cache_memory_gib=0.1)
+    alone_llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1)
     alone = [_tokens(alone_llm.generate(_token_prompts([p]), GREEDY, use_tqdm=False))[0] for p in prompts]
-    batched_llm = LLM(dtype="float32", kv_cache_memory_gib=0.1, max_num_batched_tokens=64)
+    batched_llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1, max_num_batched_tokens=64)
     batched = _tokens(batched_llm.generate(_token_prompts(prompts), GREEDY, use_tqdm=False))
     assert batched == alone
 
