@@ -149,8 +149,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
 
 
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: uint8 [rows, cols // 2] (GGUF's nibble
-    order per block of 32); d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
+    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: uint8, blocks of 32 paired as
+    quant.NibbleMatrix packs them; d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
     tokens, cols = x.shape
     out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
     _library().q4_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(),

@@ -77,13 +77,13 @@ def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler: the torch int4 kernel is used instead")
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 16])
-@pytest.mark.parametrize("rows", [96, 37])  # 37: not a multiple of the four-row tile
-def test_c_quant_kernels_match_dense(tokens, rows):
+@pytest.mark.parametrize("rows, cols", [(96, 128), (37, 128), (96, 96)])  # 37 rows: not a multiple of the
+def test_c_quant_kernels_match_dense(tokens, rows, cols):                   # four-row tile; 96: an odd block
     gen = torch.Generator().manual_seed(tokens * 100 + rows)
-    x = torch.randn(tokens, 128, generator=gen)
-    q4 = _random_q4(rows, 128, tokens)
+    x = torch.randn(tokens, cols, generator=gen)
+    q4 = _random_q4(rows, cols, tokens)
     assert _close(NibbleMatrix.pack(q4).matmul(x), x @ q4.dequantize().t(), 0.02)
-    q8 = _random_q8(rows, 128, tokens)
+    q8 = _random_q8(rows, cols, tokens)
     assert _close(q8.matmul(x), x @ q8.dequantize().t(), 0.02)
 
 

@@ -5,8 +5,10 @@
  * 32 multiply-adds in two instructions (one with VNNI).
  *
  * Layout, per output row, blocks of 32 inputs:
- *   Q4 (Q4_0 / Q4_1): 16 bytes, byte j holding input j (low nibble) and input j + 16 (high);
- *                     w = q * d + m, d and m fp32 per block (Q4_0: m = -8 d).
+ *   Q4 (Q4_0 / Q4_1): blocks in pairs, 32 bytes a pair: byte j holds input j of the even block (low
+ *                     nibble) and of the odd block (high), so one load and two masks unpack 64
+ *                     weights; an odd last block has high nibbles 0. w = q * d + m, d and m fp32 per
+ *                     block (Q4_0: m = -8 d). A row is q4_row_bytes(cols) bytes.
  *   Q8_0:             32 signed bytes; w = q * d.
  * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Rows are split between threads. */
 #include <math.h>
@@ -56,10 +58,11 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #endif
 }
 
-static inline __m256i unpack_q4(const uint8_t *q) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+static inline __m256i low_nibbles(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
+static inline __m256i high_nibbles(__m256i raw) {
+    return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
 }
+static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 #endif
 
 struct qx {  /* the step's activations, rounded per block */
@@ -81,42 +84,44 @@ static void free_qx(struct qx r) { free(r.q); free(r.scale); free(r.sum); }
 /* A single token takes rows four at a time; several tokens take one row at a time, each weight block
  * unpacked once for all of them. */
 
+static int64_t q4_row_bytes(int64_t cols) { return (cols / QBLOCK + 1) / 2 * 32; }
+
+static inline int q4_value(const uint8_t *row, int64_t b, int j) {
+    const uint8_t byte = row[b / 2 * 32 + j];
+    return b % 2 ? byte >> 4 : byte & 15;
+}
+
+/* sum over blocks of m * (the block's activation sum): the offset part of w = q * d + m. */
+static float q4_offset(const float *m, const float *xsum, int64_t blocks) {
+    float s = 0.f;
+    for (int64_t b = 0; b < blocks; b++) s += m[b] * xsum[b];
+    return s;
+}
+
 static void q4_row(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m, int64_t tokens,
                    int64_t rows, int64_t cols) {
     const int64_t blocks = cols / QBLOCK;
 #ifdef __AVX2__
     __m256 acc[MAX_TOKENS];  /* each block is unpacked once and meets every token */
     for (int64_t t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    if (tokens == 1) {  /* the accumulator in a register, not in the array */
-        __m256 a = acc[0];
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QBLOCK));
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(unpack_q4(qs + b * 16), xv));
-            a = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * x.scale[b]), a);
-        }
-        acc[0] = a;
-    } else for (int64_t b = 0; b < blocks; b++) {
-        const __m256i w = unpack_q4(qs + b * 16);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i raw = load256(qs + b / 2 * 32), w = b % 2 ? high_nibbles(raw) : low_nibbles(raw);
         for (int64_t t = 0; t < tokens; t++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + t * cols + b * QBLOCK));
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(w, xv));
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(w, load256(x.q + t * cols + b * QBLOCK)));
             acc[t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * x.scale[t * blocks + b]), acc[t]);
         }
     }
 #endif
     for (int64_t t = 0; t < tokens; t++) {
-        const float *xsc = x.scale + t * blocks, *xsum = x.sum + t * blocks;
-        float s = 0.f;
-        for (int64_t b = 0; b < blocks; b++) s += m[b] * xsum[b];
+        float s = q4_offset(m, x.sum + t * blocks, blocks);
 #ifdef __AVX2__
         s += hsum256(acc[t]);
 #else
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *q = qs + b * 16;
             const int8_t *xb = x.q + t * cols + b * QBLOCK;
             int dot = 0;
-            for (int j = 0; j < 16; j++) dot += (q[j] & 15) * xb[j] + (q[j] >> 4) * xb[j + 16];
-            s += (float)dot * d[b] * xsc[b];
+            for (int j = 0; j < QBLOCK; j++) dot += q4_value(qs, b, j) * xb[j];
+            s += (float)dot * d[b] * x.scale[t * blocks + b];
         }
 #endif
         out[t * rows] = s;
@@ -124,24 +129,31 @@ static void q4_row(float *out, struct qx x, const uint8_t *qs, const float *d, c
 }
 
 #ifdef __AVX2__
-/* One token, four rows at once: the activation block is loaded once for four weight blocks, and
+/* One token, four rows at once: each activation block is loaded once for four weight blocks, and
  * the four accumulators are independent chains (one would wait on each fma's latency). */
 static void q4_four_rows(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m,
                          int64_t cols) {
-    const int64_t blocks = cols / QBLOCK;
+    const int64_t blocks = cols / QBLOCK, stride = q4_row_bytes(cols);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QBLOCK));
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const __m256i xa = load256(x.q + b * QBLOCK), xb = load256(x.q + (b + 1) * QBLOCK);
         for (int i = 0; i < 4; i++) {
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(unpack_q4(qs + (i * blocks + b) * 16), xv));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
+            const __m256i raw = load256(qs + i * stride + b / 2 * 32);
+            const __m256 da = _mm256_cvtepi32_ps(dot_u8_i8(low_nibbles(raw), xa));
+            const __m256 db = _mm256_cvtepi32_ps(dot_u8_i8(high_nibbles(raw), xb));
+            acc[i] = _mm256_fmadd_ps(da, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(db, _mm256_set1_ps(d[i * blocks + b + 1] * x.scale[b + 1]), acc[i]);
         }
     }
-    for (int i = 0; i < 4; i++) {
-        float s = 0.f;
-        for (int64_t b = 0; b < blocks; b++) s += m[i * blocks + b] * x.sum[b];
-        out[i] = s + hsum256(acc[i]);
+    if (b < blocks) {  /* an odd last block: low nibbles only */
+        const __m256i xa = load256(x.q + b * QBLOCK);
+        for (int i = 0; i < 4; i++) {
+            const __m256 da = _mm256_cvtepi32_ps(dot_u8_i8(low_nibbles(load256(qs + i * stride + b / 2 * 32)), xa));
+            acc[i] = _mm256_fmadd_ps(da, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
+        }
     }
+    for (int i = 0; i < 4; i++) out[i] = q4_offset(m + i * blocks, x.sum, blocks) + hsum256(acc[i]);
 }
 #endif
 
@@ -153,14 +165,14 @@ void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d
     if (tokens == 1 && rows % 4 == 0) {
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (int64_t r = 0; r < rows; r += 4)
-            q4_four_rows(out + r, xq, qs + r * blocks * 16, d + r * blocks, m + r * blocks, cols);
+            q4_four_rows(out + r, xq, qs + r * q4_row_bytes(cols), d + r * blocks, m + r * blocks, cols);
         free_qx(xq);
         return;
     }
 #endif
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t r = 0; r < rows; r++)
-        q4_row(out + r, xq, qs + r * blocks * 16, d + r * blocks, m + r * blocks, tokens, rows, cols);
+        q4_row(out + r, xq, qs + r * q4_row_bytes(cols), d + r * blocks, m + r * blocks, tokens, rows, cols);
     free_qx(xq);
 }
 

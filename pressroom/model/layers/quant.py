@@ -66,9 +66,19 @@ class Q8Weight:
         return self.q.float() * self.scale.repeat_interleave(GROUP, dim=1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        y = cpu.q8_matmul(flat, self.q, self.scale)
-        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+        return _c_matmul(x, lambda flat: cpu.q8_matmul(flat, self.q, self.scale))
+
+
+def _c_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The C kernels take and give fp32 rows; an fp32 model's 2-D activations pass through untouched
+    (each conversion skipped is a microsecond, and a decode step makes 120 of these calls)."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.float().contiguous()
+    y = kernel(flat)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def int4_kernel_available() -> bool:
@@ -81,9 +91,10 @@ def _torch_int4_available() -> bool:
 
 @dataclass(slots=True)
 class NibbleMatrix:
-    """GGUF's own block layout, for the C kernel: per block of 32 inputs, byte j holds input j (low
-    nibble) and input j + 16 (high)."""
-    qs: torch.Tensor  # uint8 [rows, cols // 2]
+    """The 4-bit form the C kernel reads: blocks of 32 inputs in pairs, byte j of a pair holding
+    input j of the even block (low nibble) and of the odd block (high), so one 32-byte load and two
+    masks unpack 64 weights. An odd last block pairs with zeros."""
+    qs: torch.Tensor  # uint8 [rows, pairs * 32]
     scale: torch.Tensor  # float32 [rows, cols // GROUP]
     min: torch.Tensor  # float32 [rows, cols // GROUP]
 
@@ -91,13 +102,14 @@ class NibbleMatrix:
     def pack(cls, w: Q4Weight) -> "NibbleMatrix":
         rows, cols = w.shape
         blocks = w.q.view(rows, cols // GROUP, GROUP)
-        qs = blocks[..., :GROUP // 2] | (blocks[..., GROUP // 2:] << 4)
-        return cls(qs.reshape(rows, cols // 2).contiguous(), w.scale.float().contiguous(), w.min.float().contiguous())
+        if blocks.shape[1] % 2:
+            blocks = torch.cat([blocks, torch.zeros(rows, 1, GROUP, dtype=blocks.dtype)], dim=1)
+        pairs = blocks.view(rows, -1, 2, GROUP)
+        qs = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        return cls(qs.reshape(rows, -1).contiguous(), w.scale.float().contiguous(), w.min.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        y = cpu.q4_matmul(flat, self.qs, self.scale, self.min)
-        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+        return _c_matmul(x, lambda flat: cpu.q4_matmul(flat, self.qs, self.scale, self.min))
 
 
 @dataclass(slots=True)
