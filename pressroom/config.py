@@ -71,7 +71,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     max_model_len: int | None = None
     seed: int = 0
-    # auto: 4-bit GGUF matrices stay 4-bit (as shipped) when the dtype is bf16; none: dequantize all.
+    # auto: on the CPU, GGUF Q4 matrices and a Q8_0 LM head also stay as shipped; none: dequantize all.
     quantization: str = "auto"
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks of dummy-weight shapes)
 
@@ -264,9 +264,10 @@ class EngineArgs:
     load_format: str = _arg("auto", "weights to load: auto (by the model path), safetensors, gguf, or dummy "
                                     "(random weights at the config's shapes, for benchmarks)", LOAD_FORMATS)
     dtype: str = _arg("auto", "weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with native "
-                              "bf16 (AVX512-BF16, AMX or AVX-NE-CONVERT); float32 on other CPUs", DTYPE_CHOICES)
-    quantization: str = _arg("auto", "auto: 4-bit GGUF matrices stay 4-bit (as shipped) when the dtype is "
-                                     "bfloat16; none: dequantize them all", QUANTIZATIONS)
+                              "bf16 (AVX512-BF16 or AMX); float32 on other CPUs", DTYPE_CHOICES)
+    quantization: str = _arg("auto", "auto: on the CPU, a GGUF's Q4 matrices (and a Q8_0 LM head) also stay "
+                                     "as shipped for steps of at most 8 tokens; none: dequantize them all",
+                             QUANTIZATIONS)
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
                                            "max_position_embeddings, lowered to what the KV cache holds)")
     seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")

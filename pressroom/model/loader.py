@@ -113,8 +113,7 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
 
 
 def _keep_4bit(config: ModelConfig, device: str) -> bool:
-    return (config.quantization == "auto" and config.dtype in (torch.bfloat16, torch.float32) and device == "cpu"
-            and int4_kernel_available())
+    return config.quantization == "auto" and device == "cpu" and int4_kernel_available()
 
 
 def _prepack(model: nn.Module) -> None:

@@ -131,7 +131,7 @@ def test_engine_flags_come_from_the_engine_args_fields_alone():
         assert f.metadata["help"] and action.help.startswith(f.metadata["help"])
         assert action.default == f.default and action.choices == f.metadata["choices"]
     assert by_dest["dtype"].choices == DTYPE_CHOICES and {"auto", "bfloat16", "float32"} <= set(DTYPE_CHOICES)
-    assert ("auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX or AVX-NE-CONVERT); "
+    assert ("auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); "
             "float32 on other CPUs") in by_dest["dtype"].help
     assert by_dest["kv_cache_dtype"].choices == KV_CACHE_DTYPE_CHOICES
 
