@@ -83,7 +83,8 @@ def _build(sources: list[Path]) -> Path | None:
             logger.warning("CPU kernel build failed, using the torch path: %s", result.stderr[-500:])
             return None
         os.replace(partial, target)  # atomic: a concurrent builder never loads half a file
-    logger.info("built the C kernels for %s (%s)", cpu_info().isa.name, " ".join(cpu_info().kernel_flags()) or "default target")
+    target_flags = " ".join(cpu_info().kernel_flags()) or "the compiler's default target"
+    logger.info("built the C kernels for %s (%s)", cpu_info().isa.name, target_flags)
     return target
 
 

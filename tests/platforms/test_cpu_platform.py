@@ -28,7 +28,8 @@ def test_tier_follows_the_flags(flags, tier):
     assert cpu.tier_of(flags) == tier
 
 
-@pytest.mark.parametrize("tier, dtype, native", [(CpuIsa.AVX2, torch.float32, False), (CpuIsa.AVX512, torch.float32, False),
+@pytest.mark.parametrize("tier, dtype, native", [(CpuIsa.AVX2, torch.float32, False),
+                                                 (CpuIsa.AVX512, torch.float32, False),
                                                  (CpuIsa.AVX512_BF16, torch.bfloat16, True),
                                                  (CpuIsa.AMX, torch.bfloat16, True)])
 def test_default_dtype_per_tier(tier, dtype, native):
