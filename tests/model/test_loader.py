@@ -37,9 +37,11 @@ def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):
     assert llm.engine.model.model.embed_tokens.weight.abs().max() > 0
 
 
-def test_bfloat16_is_the_cpu_default(tiny_model_dir):
+def test_the_cpu_default_dtype_follows_the_cpu(tiny_model_dir):
+    from pressroom.platforms.cpu import cpu_info
     llm = LLM(tiny_model_dir("llama"), kv_cache_memory_gib=0.05)
-    assert llm.engine.model.lm_head.weight.dtype == torch.bfloat16
+    expected = torch.bfloat16 if cpu_info().native_bf16 else torch.float32
+    assert llm.engine.model.lm_head.weight.dtype == expected
 
 
 def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
