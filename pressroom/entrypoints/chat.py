@@ -6,10 +6,9 @@ import sys
 
 def run_chat(args, engine_kwargs: dict, stdin=None, stdout=None) -> int:
     from pressroom import LLM
-    from pressroom.entrypoints.cli import _params
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(**engine_kwargs)
-    params = _params(args)
+    params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = stdin.isatty()
     if interactive:
@@ -40,3 +39,10 @@ def stream_reply(llm, messages, params, request_id: str, stdout) -> str:
     stdout.write("\n")
     stdout.flush()
     return shown
+
+
+def sampling_params(args):
+    """The sampling flags `generate` and `chat` share, as SamplingParams."""
+    from pressroom import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.request_seed)

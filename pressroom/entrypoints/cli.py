@@ -258,16 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _params(args):
-    from pressroom import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.request_seed)
-
-
 def _generate(args) -> int:
     from pressroom import LLM
     llm = LLM(**engine_kwargs(args))
-    for out in llm.generate(args.prompts, _params(args)):
+    from pressroom.entrypoints.chat import sampling_params
+    for out in llm.generate(args.prompts, sampling_params(args)):
         print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
     return 0
 

@@ -24,7 +24,6 @@ from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.c", "quant_ops.c")]
-MAX_QUANT_TOKENS = 16  # quant_ops.c keeps one accumulator per token in registers
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -150,7 +149,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
 
 
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: uint8, blocks of 32 paired as
+    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: uint8, blocks of 32 paired as
     quant.NibbleMatrix packs them; d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
     tokens, cols = x.shape
     out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
@@ -160,7 +159,7 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 
 
 def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= MAX_QUANT_TOKENS, cols] fp32 contiguous; qs: int8 [rows, cols]; d: fp32 [rows, cols // 32]."""
+    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: int8 [rows, cols]; d: fp32 [rows, cols // 32]."""
     tokens, cols = x.shape
     out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
     _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
