@@ -12,6 +12,7 @@ import pytest
 
 from pressroom.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineArgs
 from pressroom.entrypoints import cli
+from pressroom.entrypoints.chat import sampling_params
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
 
@@ -159,8 +160,8 @@ def test_engine_flags_parse_to_their_field_types():
 def test_seed_is_the_engine_seed_and_request_seed_the_sampling_seed():
     ns = cli.build_parser().parse_args(["generate", "x", "--seed", "7", "--request-seed", "5"])
     assert EngineArgs.from_kwargs(**cli.engine_kwargs(ns)).seed == 7
-    assert cli._params(ns).seed == 5
-    assert cli._params(cli.build_parser().parse_args(["generate", "x", "--seed", "7"])).seed is None
+    assert sampling_params(ns).seed == 5
+    assert sampling_params(cli.build_parser().parse_args(["generate", "x", "--seed", "7"])).seed is None
 
 
 def test_serve_logging_flags():
