@@ -23,7 +23,9 @@ import torch
 from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.c", "quant_ops.c")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c")]
+_HEADERS = [_CSRC / "common.h"]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -38,7 +40,13 @@ _SIGNATURES = {
 _QUANT_SIGNATURES = {
     "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
     "q8_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
+    "decode_stack": [_P, _P, _I] + [_P] * 7 + [_F, _F, _T],
 }
+# decode_stack.c's per-layer pointer table and shape vector, in its order.
+DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
+                       "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache")
+DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
+                     "max_blocks", "cache_bf16")
 
 
 def _cache_dir() -> Path:
@@ -63,12 +71,12 @@ def _compiler_identity(compiler: str) -> str:
     return f"{compiler} {result.stdout.splitlines()[0] if result.stdout else ''}"
 
 
-def _build(sources: list[Path]) -> Path | None:
+def _build(sources: list[Path], headers: list[Path]) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     flags = compile_flags()
-    key = build_key(b"".join(s.read_bytes() for s in sources), flags, _compiler_identity(compiler),
+    key = build_key(b"".join(s.read_bytes() for s in [*sources, *headers]), flags, _compiler_identity(compiler),
                     cpu_info().flags)
     target = _cache_dir() / f"pressroom_ops-{key}.so"
     if target.exists():
@@ -91,7 +99,7 @@ def _build(sources: list[Path]) -> Path | None:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("PRESSROOM_DISABLE_C_KERNELS"):
         return None
-    path = _build(_SOURCES)
+    path = _build(_SOURCES, _HEADERS)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -165,3 +173,15 @@ def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
                              tokens, qs.shape[0], cols, torch.get_num_threads())
     return out
+
+
+def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """One decode step through every layer (decode_stack.c), in place on x: [tokens, hidden] fp32, the
+    embedded tokens in, the final-normed hidden states out. layer_ptrs: int64 [layers, DECODE_LAYER_FIELDS];
+    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (each its own sequence)."""
+    _library().decode_stack(x.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
+                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                            dims.data_ptr(), eps, scale, torch.get_num_threads())
+    return x

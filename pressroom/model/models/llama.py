@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from pressroom.model.layers.activation import SiluAndMul
+from pressroom.attention.backend import get_attention_metadata
+from pressroom.model.layers import cpu_decode
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -97,10 +99,17 @@ class LlamaModel(nn.Module):
         # each forward pass leaves them in aux_hidden, in this order.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: list[torch.Tensor] = []
+        # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
+        self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
+        self._decode_stack: cpu_decode.CpuDecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
+        stack = self._fused_decode_stack(input_ids)
+        if stack is not None:
+            self.aux_hidden = []
+            return stack.run(x, rope.cos, rope.sin, get_attention_metadata()).to(x.dtype)
         aux = []
         for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
@@ -109,6 +118,19 @@ class LlamaModel(nn.Module):
         self.aux_hidden = aux
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_decode_stack(self, input_ids: torch.Tensor) -> "cpu_decode.CpuDecodeStack | None":
+        if self.fused_decode is False or self.aux_layers:
+            return None
+        if not cpu_decode.applies(get_attention_metadata(), input_ids):
+            return None
+        if self.fused_decode is None:
+            self.fused_decode = cpu_decode.CpuDecodeStack.supports(self)
+            if not self.fused_decode:
+                return None
+        if self._decode_stack is None or not self._decode_stack.is_current(self):
+            self._decode_stack = cpu_decode.CpuDecodeStack.build(self)
+        return self._decode_stack
 
 
 # checkpoint name part -> (our stacked parameter, shard id)
