@@ -133,11 +133,17 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use; the first is reported (default: the model)")
     server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1/ routes (default: no key)")
+                        help="require `Authorization: Bearer KEY` on every route but /health (default: no key)")
+    server.add_argument("--disable-metrics-auth", action="store_true",
+                        help="let /metrics answer without the API key (for scrapers that cannot send one)")
     server.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
-    server.add_argument("--max-concurrent-requests", type=int, default=None,
-                        help="generation requests in flight beyond this get a 429 with Retry-After (default: "
-                             "no limit)")
+    server.add_argument("--body-read-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a request's whole body; a 408 after (0: no limit)")
+    server.add_argument("--max-concurrent-requests", type=int, default=512,
+                        help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a `chat_template` in chat and tokenize requests (rendered sandboxed, with "
+                             "time and size limits, either way)")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds to let in-flight requests finish on SIGTERM before aborting them")
     server.add_argument("--metrics-prefix", default="pressroom:",

@@ -18,6 +18,7 @@ from pressroom.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 def random_id(prefix: str) -> str:
@@ -155,11 +156,16 @@ class _SamplingRequest(OpenAIModel):
 class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default, not the context
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def null_is_the_default(cls, max_tokens: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -199,7 +205,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables only; tokenizer arguments get a 400
     reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
     thinking_token_budget: int | None = Field(None, ge=0)
 
@@ -227,6 +234,13 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # as in chat: needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(OpenAIModel):

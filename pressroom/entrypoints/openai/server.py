@@ -3,9 +3,10 @@
 Every bad input becomes an OpenAI-shaped JSON error with a 4xx status; only a fault of the server
 itself is a 500. A client that disconnects aborts its requests, which frees their KV blocks.
 
-This module is the app: middleware (auth and backpressure, the access log), routes with their OpenAPI
-schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py (shared
-base, small endpoints), serving_completion.py and serving_chat.py.
+This module is the app: middleware (auth and backpressure, the body's deadline, the access log), routes with
+their OpenAPI schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py
+(shared base, small endpoints), serving_completion.py and serving_chat.py; chat templates and tokenizer calls in
+chat_template.py.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine
+from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
@@ -46,22 +48,25 @@ logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 # ---- the app ----
 
 class _Guard:
-    """ASGI middleware for /v1/: Bearer auth when an API key is set, and a cap on generation requests in
-    flight (a 429 with Retry-After beyond it, rather than a queue without bound)."""
+    """ASGI middleware: Bearer auth on every route but /health (and /metrics, if opened) when an API key is
+    set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
+    without bound)."""
     GENERATION = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app, api_key: str | None, max_concurrent: int | None) -> None:
-        self.app, self.max_concurrent = app, max_concurrent
+    def __init__(self, app, api_key: str | None, max_concurrent: int | None, open_paths: tuple[str, ...]) -> None:
+        self.app, self.max_concurrent, self.open_paths = app, max_concurrent, open_paths
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         if self.expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
@@ -80,6 +85,35 @@ class _Guard:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= counted
+
+
+class _BodyDeadline:
+    """ASGI middleware: a request's whole body must arrive within `timeout_s` of its start. A client that stops
+    mid-body gets a 408 instead of holding a connection and a handler for as long as it likes."""
+
+    def __init__(self, app, timeout_s: float) -> None:
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.timeout_s:
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        body_done = False
+
+        async def receive_in_time():
+            nonlocal body_done
+            if body_done:  # after the body, receive() waits for a disconnect: no deadline for that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                               code="request_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_in_time, send)
 
 
 class _AccessLog:
@@ -156,33 +190,42 @@ def _add_schemas(app: FastAPI, models: list[tuple[type[BaseModel], JsonSchemaMod
     app.openapi = openapi
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], model_root: str | None = None,
+def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
-              api_key: str | None = None, max_concurrent_requests: int | None = None,
+              api_key: str | None = None, max_concurrent_requests: int | None = DEFAULT_MAX_CONCURRENT_REQUESTS,
               log_stats_interval: float = 10.0, log_requests: bool = True, reasoning_parser: str | None = None,
-              reasoning_start: str = "<think>", reasoning_end: str = "</think>") -> FastAPI:
+              reasoning_start: str = "<think>", reasoning_end: str = "</think>",
+              trust_request_chat_template: bool = False, metrics_auth: bool = True,
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> FastAPI:
     """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
-    `log_requests`: the access line per HTTP request and the line per finished engine request."""
+    `log_requests`: the access line per HTTP request and the line per finished engine request.
+    `metrics_auth`: /metrics needs the API key too (when one is set)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     reasoning = make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end)
     stats = ServerMetrics(metrics_prefix, names[0], log_requests)  # one for all handlers
-    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, model_root)
-    completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes)
-    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, reasoning)
+    # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
+    preprocessor = Preprocessor(engine.tokenizer, 2 * max_request_bytes, trust_request_chat_template)
+    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor)
+    completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
+    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning)
 
     @asynccontextmanager
     async def lifespan(_):
+        await preprocessor.start()
         logging_task = None
         if log_stats_interval > 0:
             logging_task = asyncio.create_task(stats.log_periodically(engine.stats, log_stats_interval))
         yield
         if logging_task is not None:
             logging_task.cancel()
+        await preprocessor.close()
 
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
-    app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests)
+    app.add_middleware(_BodyDeadline, timeout_s=body_read_timeout)
+    open_paths = ("/health",) if metrics_auth else ("/health", "/metrics")
+    app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests, open_paths=open_paths)
     if log_requests:
         app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
 
@@ -229,12 +272,14 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
 
     from pressroom.config import EngineArgs
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
-    source = str(engine.engine.model_path)
-    names = args.served_model_name or [engine_kwargs.get("model") or Path(source).stem]
+    names = args.served_model_name or [engine_kwargs.get("model") or Path(str(engine.model_path)).stem]
     # getattr: flags that an older CLI (or a caller's own namespace) may not define
-    app = build_app(engine, names, model_root=source, max_request_bytes=args.max_request_bytes,
+    app = build_app(engine, names, max_request_bytes=args.max_request_bytes,
                     metrics_prefix=args.metrics_prefix, api_key=args.api_key,
-                    max_concurrent_requests=args.max_concurrent_requests,
+                    max_concurrent_requests=getattr(args, "max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS),
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                    metrics_auth=not getattr(args, "disable_metrics_auth", False),
+                    body_read_timeout=getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S),
                     log_stats_interval=0 if getattr(args, "disable_log_stats", False) else args.log_stats_interval,
                     log_requests=not getattr(args, "disable_log_requests", False),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
@@ -246,7 +291,7 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
     async def lifespan(a):
         async with app_lifespan(a):
             logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
-                        engine.engine.startup_seconds,
+                        engine.startup_seconds,
                         ", profile, CUDA graphs" if engine.engine.runner.graphs is not None else "")
             yield
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were cancelled

@@ -1,5 +1,5 @@
 """What the OpenAI handlers share: the `OpenAIServing` base (body parsing under a size limit, the model
-check, tokenizer work on the engine thread, sampling params, adding requests, SSE), the helpers for
+check, prompt work on the Preprocessor, sampling params, adding requests, SSE), the helpers for
 streams of outputs, the access-log record a handler fills in, and `OpenAIServingUtility` with the small
 endpoints (health, version, metrics, models, tokenize, detokenize). Completions and chat live in
 serving_completion.py and serving_chat.py.
@@ -17,9 +17,11 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pressroom.entrypoints.openai.metrics import ServerMetrics
@@ -78,68 +80,65 @@ class _EventStream(StreamingResponse):
 
 
 class OpenAIServing:
-    """The base of the handlers: the engine, the served model names and the server's metrics (one
-    ServerMetrics shared by every handler, so that all requests count in it)."""
+    """The base of the handlers: the engine, the served model names, the server's metrics (one
+    ServerMetrics shared by every handler, so that all requests count in it) and the Preprocessor (chat
+    templates and tokenizer calls, off the engine and off the event loop)."""
 
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, preprocessor: Preprocessor) -> None:
         self.engine, self.names, self.stats = engine, names, stats
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.preprocessor = max_request_bytes, preprocessor
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.", code="request_too_large")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > self.max_request_bytes:
-                raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.",
-                               code="request_too_large")
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"The body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "The body must be a JSON object.")
+        data = _json_object(await self._read_body(request))
         unsupported = model.unsupported_field(data)
         if unsupported is not None:
             name, why = unsupported
             raise APIError(400, f"`{name}` is not supported by this server: {why}.", param=name)
         try:
             return model.model_validate(data)
+        except RecursionError:
+            raise APIError(400, _TOO_DEEP) from None
         except ValidationError as e:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else str(e),
                            param=param) from None
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, held to --max-request-bytes; a client gone mid-upload is a 499, not a server error."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.", code="request_too_large")
+        body = bytearray()
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > self.max_request_bytes:
+                    raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.",
+                                   code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "The client closed the connection before sending the whole body.") from None
+        return bytes(body)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     async def _run(self, fn: Callable[[], T]) -> T:
-        """Runs tokenizer work on the engine thread; a ValueError (or template error) is the client's."""
-        try:
-            return await self.engine.call(fn)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "service_unavailable") from None
-        except (ValueError, TypeError, KeyError) as e:
-            raise APIError(400, str(e)) from None
-        except Exception as e:
-            if type(e).__module__.startswith("jinja2"):
-                raise APIError(400, f"The chat template failed: {e}") from None
-            raise
+        """Runs tokenizer work on the Preprocessor's threads; a ValueError (or TypeError, ...) is the client's."""
+        return await self.preprocessor.run(fn)
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
-                  kwargs: dict | None) -> list[int]:
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; use /v1/completions.")
-        conversation = [_message_dict(m) for m in messages]
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final,
-                                      continue_final_message=continue_final, tokenize=True, **(kwargs or {}))
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
+                        kwargs: dict | None, request_template: str | None) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init); chat needs one.")
+        try:
+            conversation = [_message_dict(m) for m in messages]
+        except RecursionError:
+            raise APIError(400, _TOO_DEEP, param="messages") from None
+        return await self.preprocessor.chat_ids(conversation, add_generation_prompt, continue_final, kwargs,
+                                                request_template)
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          prompt_ids: list[int], prompt_param: str) -> SamplingParams:
@@ -205,10 +204,6 @@ class OpenAIServing:
 class OpenAIServingUtility(OpenAIServing):
     """The small endpoints: health, version, metrics, the model list, tokenize and detokenize."""
 
-    def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
-                 model_root: str | None) -> None:
-        super().__init__(engine, names, stats, max_request_bytes)
-        self.model_root = model_root
 
     async def health(self) -> Response:
         return Response(status_code=200 if self.engine.is_running else 503)
@@ -224,8 +219,8 @@ class OpenAIServingUtility(OpenAIServing):
         return Response(self.stats.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self) -> dict:
-        cards = [ModelCard(id=name, root=self.model_root, max_model_len=self.engine.max_model_len)
-                 for name in self.names]
+        # root: the served name, as vLLM shows it for a model without a separate base; never a filesystem path
+        cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len) for name in self.names]
         return ModelList(data=cards).model_dump()
 
     async def tokenize(self, request: Request) -> dict:
@@ -234,23 +229,43 @@ class OpenAIServingUtility(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
         if req.messages is not None:
-            ids = await self._run(lambda: self._chat_ids(req.messages, req.add_generation_prompt, False, None))
+            ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.template_kwargs, req.chat_template)
         else:
             tok = self.engine.tokenizer
+            if tok is None:
+                raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
             ids = await self._run(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> dict:
         req = await self._parse(request, DetokenizeRequest)
         self._check_model(req.model)
-        vocab = self.engine.engine.vocab_size
+        vocab = self.engine.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="tokens")
         tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
         return {"prompt": await self._run(lambda: tok.decode(req.tokens))}
 
 
 # ---- helpers of the handlers ----
+
+_TOO_DEEP = "The body nests too deeply."
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except RecursionError:  # e.g. 100,000 nested lists: json's parser stops at Python's recursion limit
+        raise APIError(400, _TOO_DEEP) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"The body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The body must be a JSON object.")
+    return data
+
 
 def sse_data(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"

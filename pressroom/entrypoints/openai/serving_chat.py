@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pressroom.engine.async_engine import AsyncLLMEngine
+from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
     ChatChoice,
@@ -46,8 +47,8 @@ logger = logging.getLogger("pressroom")
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
-                 reasoning: ReasoningParser | None = None) -> None:
-        super().__init__(engine, names, stats, max_request_bytes)
+                 preprocessor: Preprocessor, reasoning: ReasoningParser | None = None) -> None:
+        super().__init__(engine, names, stats, max_request_bytes, preprocessor)
         self.reasoning = reasoning
         if reasoning is not None:
             logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
@@ -57,8 +58,8 @@ class OpenAIServingChat(OpenAIServing):
         self._check_model(req.model)
         priority = request_priority(request, req.priority)
         session_id = request_session_id(request, req.session_id)
-        ids = await self._run(lambda: self._chat_ids(req.messages, req.add_generation_prompt,
-                                                     req.continue_final_message, req.template_kwargs))
+        ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                   req.template_kwargs, req.chat_template)
         params = self._sampling_params(req, req.requested_max_tokens, ids, "messages")
         parser = self.reasoning
         opens = parser is not None and parser.prompt_opens(ids)

@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(given) * req.n > MAX_SEQUENCES:
             raise APIError(400, f"{len(given)} prompts x n={req.n} exceeds the limit of {MAX_SEQUENCES} sequences "
                                 "per request; split the batch.", param="prompt")
-        prompts = await self._run(lambda: [self.engine.engine.tokenize_prompt(p) for p in given])
+        prompts = await self._run(lambda: [self.engine.tokenize_prompt(p) for p in given])
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
         rid = random_id("cmpl")
         streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)

@@ -39,9 +39,10 @@ def _aclient(url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
-def _metrics(url: str) -> dict[str, float]:
+def _metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"{url}/metrics").text
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    text = httpx.get(f"{url}/metrics", headers=headers).text
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
@@ -267,7 +268,10 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
                 "--max-num-seqs", "1", "--api-key", "sesame", "--max-concurrent-requests", "5",
                 "--metrics-prefix", "vllm:") as url:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
-        assert httpx.get(f"{url}/health").status_code == 200  # only /v1/ needs the key
+        assert httpx.get(f"{url}/health").status_code == 200  # every route but /health needs the key
+        for path in ("/metrics", "/v1/models", "/version"):
+            assert httpx.get(f"{url}{path}").status_code == 401
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401
         order: list[str] = []
 
         async def first_token(client, name: str, max_tokens: int, priority: int | None = None, header: str | None = None):
@@ -300,7 +304,7 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
 
         asyncio.run(main())
         assert order[:3] == ["head", "header", "field"] and sorted(order[3:]) == ["worse0", "worse1"], order
-        m = _metrics(url)
+        m = _metrics(url, "sesame")
         assert m["vllm:request_success_total"] >= 1 and m["vllm:generation_tokens_total"] >= 20
         assert "vllm:kv_cache_usage_perc" in m and not any(k.startswith("pressroom:") for k in m)
 
