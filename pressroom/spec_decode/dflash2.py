@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.config import SpeculativeConfig
-from pressroom.spec_decode.proposer import Draft, DraftRequest
 from pressroom.spec_decode.selector import CandidateScorer, conditionals_batch, lattice, select_path, viterbi_batch
+from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 CONFIG_FILE, WEIGHTS_FILE = "dflash2.json", "model.safetensors"
 
@@ -162,11 +163,11 @@ def _embedded_drafter(hf) -> str:
     return EMBEDDED_DRAFTER
 
 
-class DFlash2Proposer:
+class DFlash2Proposer(Proposer):
     """Drafts a block per request from the target features of its last verified positions."""
     context_len = 16  # verified positions of target features kept per request
 
-    def __init__(self, config: SpeculativeConfig, target) -> None:
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         hf = target.model.config
         path = config.model or _embedded_drafter(hf)
         self.drafter = load_drafter(path)
@@ -177,7 +178,6 @@ class DFlash2Proposer:
         if max(self.drafter.cfg.target_layers) >= hf.num_hidden_layers:
             raise ValueError("The DFlash2 drafter reads target layers the target does not have.")
         self.drafter.to(device=target.device, dtype=target.dtype).eval()
-        target.model.model.aux_layers = tuple(self.drafter.cfg.target_layers)
         self.target = target
         self.k = min(config.num_speculative_tokens, self.drafter.cfg.block_size)
         self.features: dict[str, torch.Tensor] = {}
@@ -217,8 +217,10 @@ class DFlash2Proposer:
             best = min(best, time.perf_counter() - start)
         return best
 
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.cfg.target_layers)
+
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
-        """Target features ([n, layers * width]) of the request's positions verified this step."""
         old = self.features.get(req_id)
         rows = rows if old is None else torch.cat([old, rows])
         self.features[req_id] = rows[-self.context_len:]

@@ -31,14 +31,16 @@ from pressroom.core.outputs import CachedRequestData, NewRequestData, SchedulerO
 from pressroom.core.request import Request
 from pressroom.model.loader import load_model
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.proposer import Draft, DraftRequest, TargetStep
 from pressroom.worker.device import to_device
+from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pressroom.worker.proposer import DeviceDrafts, Draft, DraftRequest, Proposer, TargetStep
 from pressroom.worker.sampler import probabilities
 
 
-class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target) -> None:
-        from pressroom.worker.model_runner import ModelRunner
+class DraftModelProposer(Proposer):
+    works_on_device = True
+
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         loaded = load_model(ModelConfig(model=config.model, dtype=target.dtype, skip_tokenizer_init=True,
                                         quantization="none"), target.device)
@@ -94,7 +96,6 @@ class DraftModelProposer:
     def kv_bytes_per_block(self) -> int:
         """The draft cache holds as many blocks as the target's: its bytes per block join the target's
         when the KV memory is divided into blocks."""
-        from pressroom.worker.model_runner import kv_cache_bytes_per_block
         return kv_cache_bytes_per_block(self.hf_config, self.target.block_size, self.target.dtype)
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
@@ -198,7 +199,7 @@ class DraftModelProposer:
     # ---- async scheduling: the draft model mirrors each target step on the device ----
 
     @torch.inference_mode()
-    def propose_on_device(self, step: TargetStep) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def propose_on_device(self, step: TargetStep) -> DeviceDrafts | None:
         """K drafts per sampled request ([sampled, K]) and their q ([sampled, K, vocab], zero rows for
         greedy requests; None when all are greedy); None when no request is mirrored. Rows the budget
         planned no drafts for (and that verified none) are not run: their tokens wait, on the host, for

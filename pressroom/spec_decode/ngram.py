@@ -12,10 +12,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pressroom.config import SpeculativeConfig
-from pressroom.spec_decode.proposer import Draft, DraftRequest
+from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max

@@ -27,20 +27,23 @@ import torch
 import torch.nn.functional as F
 
 from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Proposer
-from pressroom.spec_decode.proposer import Draft, DraftRequest
 from pressroom.spec_decode.selector import lattice, viterbi_batch
+from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 logger = logging.getLogger("pressroom")
 
 SLOT_WEIGHT_DECAY = 0.8  # slot j's loss weight is 0.8^j: a late slot pays off only after every earlier one
 
 
-class _Recorder:
+class _Recorder(Proposer):
     """A proposer that drafts nothing and keeps every computed position's target features."""
 
-    def __init__(self, keep_on_device: bool) -> None:
-        self.keep_on_device = keep_on_device
+    def __init__(self, layers: tuple[int, ...], keep_on_device: bool) -> None:
+        self.layers, self.keep_on_device = layers, keep_on_device
         self.features: dict[str, list[torch.Tensor]] = {}
+
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.layers
 
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
         rows = rows.detach().clone() if self.keep_on_device else rows.detach().float().cpu()
@@ -89,14 +92,14 @@ def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ..
 def _prefill_features(llm, sequences: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
     from pressroom import SamplingParams
     runner = llm.engine.runner
-    recorder = _Recorder(keep_on_device=runner.device == "cuda")
-    previous, runner.proposer = runner.proposer, recorder
-    previous_layers, runner.model.model.aux_layers = runner.model.model.aux_layers, layers
+    recorder = _Recorder(layers, keep_on_device=runner.device == "cuda")
+    previous = runner.proposer
+    runner.set_proposer(recorder)
     try:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
         llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     finally:
-        runner.proposer, runner.model.model.aux_layers = previous, previous_layers
+        runner.set_proposer(previous)
     # Internal request ids count up in submission order, which is also the order of the outputs.
     rows = [torch.cat(recorder.features[k]) for k in sorted(recorder.features, key=int)]
     for tokens, r in zip(sequences, rows, strict=True):

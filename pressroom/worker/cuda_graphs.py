@@ -29,10 +29,12 @@ GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded 
 
 class CudaGraphs:
     def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
-                 num_kv_splits: Callable[[int], int], device: str) -> None:
+                 num_kv_splits: Callable[[int], int], device: str, aux_layers: tuple[int, ...] = ()) -> None:
         """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
-        (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold."""
+        (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
+        `aux_layers`: target layers a drafter conditions on, whose outputs every graph also returns."""
         self.model, self.num_kv_splits, self.max_rows = model, num_kv_splits, max_rows
+        self.aux_layers = aux_layers
         self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes}
         if len([q for q in self.shapes if q > 1]) > 1:
             raise ValueError("CUDA graphs hold one varlen family (one max query length).")
@@ -47,7 +49,7 @@ class CudaGraphs:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        # A drafter's target features (the model's aux_hidden) as each graph left them.
+        # With aux layers: each one's output, as each graph leaves them.
         self.aux: dict[GraphKey, list[torch.Tensor]] = {}
 
     def rows(self, q: int, size: int) -> int:
@@ -93,13 +95,12 @@ class CudaGraphs:
             self.query_start_loc[:rows + 1].copy_(torch.arange(rows + 1, dtype=torch.int32).clamp_(max=n))
             meta = self._meta(q, n)
             with forward_context(meta):
-                self.model(self.input_ids[:n], self.positions[:n])  # compiles kernels outside capture
+                self._forward(n)  # compiles kernels outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[q, n] = self.model(self.input_ids[:n], self.positions[:n])
+                    self.outputs[q, n], self.aux[q, n] = self._forward(n)
             self.graphs[q, n] = graph
-            self.aux[q, n] = list(getattr(getattr(self.model, "model", None), "aux_hidden", ()))
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         shapes = ", ".join(f"decodes: {len(s)} sizes up to {s[-1]} requests" if q == 1 else
@@ -108,9 +109,15 @@ class CudaGraphs:
         logger.info("captured %d CUDA graphs (%s) in %.1fs, %.2f GiB", len(keys), shapes,
                     time.perf_counter() - start, used / (1 << 30))
 
+    def _forward(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if not self.aux_layers:
+            return self.model(self.input_ids[:n], self.positions[:n]), []
+        return self.model(self.input_ids[:n], self.positions[:n], self.aux_layers)
+
     def replay(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of the step's tokens from the graph `key` (from `key_for`)."""
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the step's tokens from the graph `key` (from `key_for`), and the aux layers'
+        outputs side by side where the graphs were captured with some."""
         q, size = key
         rows, tokens = self.rows(q, size), size
         n, t = len(meta.query_start_loc) - 1, input_ids.shape[0]
@@ -125,6 +132,6 @@ class CudaGraphs:
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.graphs[key].replay()
-        if self.aux[key]:
-            self.model.model.aux_hidden = self.aux[key]
-        return self.outputs[key][:t]
+        # Features are concatenated here, not in the graph: a fresh tensor outlives the next replay.
+        features = torch.cat([a[:t] for a in self.aux[key]], dim=-1) if self.aux_layers else None
+        return self.outputs[key][:t], features

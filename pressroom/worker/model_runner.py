@@ -18,8 +18,8 @@ from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import PLACEHOLDER_DRAFT, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.device import to_device
+from pressroom.worker.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
 
@@ -136,9 +136,9 @@ class ModelRunner:
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
         # Its emitted tokens on the device, for requests whose results the scheduler has not booked yet.
         self.prev: DeviceStep | None = None
-        self.proposer: Proposer | None = None  # set by the engine when speculative decoding is on
-        # Async scheduling with a drafter that proposes on the device (set by the engine): drafts stay on
-        # the device and the scheduler sends placeholders for them.
+        self.proposer: Proposer | None = None  # speculative decoding's drafter (`set_proposer`)
+        # Async scheduling with a drafter: it proposes on the device, drafts stay there and the scheduler
+        # sends placeholders for them.
         self.device_drafting = False
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> q of its pending drafts
         self.next_drafts: dict[str, torch.Tensor] = {}  # request id -> its pending drafts, on the device
@@ -152,6 +152,18 @@ class ModelRunner:
         self.graphs = None  # CudaGraphs once captured
 
     # ---- set-up ----
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """The drafter for speculative decoding (None: off). Under async scheduling it drafts on the device."""
+        if proposer is not None and self.async_scheduling and not proposer.works_on_device:
+            raise ValueError(f"{type(proposer).__name__} drafts from host token ids, so it runs with synchronous "
+                             "scheduling; set async_scheduling=False.")
+        self.proposer = proposer
+        self.device_drafting = self.async_scheduling and proposer is not None
+
+    def _aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs every forward pass returns for the proposer."""
+        return self.proposer.aux_layers() if self.proposer is not None else ()
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -189,8 +201,7 @@ class ModelRunner:
             max_query_len=chunk)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        with forward_context(meta):
-            hidden = self.model(ids, positions)
+        hidden = self.run_model(ids, positions, meta)
         rows = hidden[torch.arange(num_seqs, device=self.device) % num_tokens]
         logits = self.model.compute_logits(rows).float()
         torch.softmax(logits, dim=-1).sort(dim=-1)  # what top-p sampling of a full batch allocates
@@ -253,7 +264,7 @@ class ModelRunner:
         """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
         from pressroom.worker.cuda_graphs import CudaGraphs
         self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self._num_kv_splits,
-                                 self.device)
+                                 self.device, self._aux_layers())
         self.graphs.capture()
 
     def _num_kv_splits(self, num_decodes: int) -> int:
@@ -265,14 +276,24 @@ class ModelRunner:
         return num_kv_splits(num_decodes, self.attention_layers[0].num_kv_heads, self.max_blocks_per_seq)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of a step: a captured graph's where one fits the step's shape, else eager."""
-        if self.graphs is not None:
+        """Hidden states of a step (computed as every step's are: with the proposer's aux layers)."""
+        return self._forward(input_ids, positions, meta)[0]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of a step and, where the proposer conditions on target layers, their outputs side
+        by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager."""
+        layers = self._aux_layers()
+        if self.graphs is not None and self.graphs.aux_layers == layers:
             loc = meta.query_start_loc
             key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0])
             if key is not None:
                 return self.graphs.replay(key, input_ids, positions, meta)
         with forward_context(meta):
-            return self.model(input_ids, positions)
+            if not layers:
+                return self.model(input_ids, positions), None
+            hidden, aux = self.model(input_ids, positions, layers)
+        return hidden, torch.cat(aux, dim=-1)
 
     # ---- one step ----
 
@@ -286,16 +307,16 @@ class ModelRunner:
             self.prev = None  # the scheduler books the previous step's results before the next one
             return PendingOutput.done(out) if self.async_scheduling else out
         batch = self._prepare(sched)
-        hidden = self.run_model(batch.input_ids, batch.positions, batch.meta)
+        hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
         if not self.async_scheduling:
-            return self._sample(batch, sched, hidden)
+            return self._sample(batch, sched, hidden, features=features)
         if any(needs_host_history(s.params) for s in batch.order):
             if self.pending is not None:
                 self.pending.resolve()  # this step's sampler reads complete token histories
             if self.device_drafting:
                 self.pending = self._verify_in_step(batch, sched, hidden)
             else:
-                self.pending = PendingOutput.done(self._sample(batch, sched, hidden))
+                self.pending = PendingOutput.done(self._sample(batch, sched, hidden, features=features))
         elif self.device_drafting:
             self.pending = self._verify_ahead(batch, sched, hidden)
         else:
@@ -415,9 +436,9 @@ class ModelRunner:
         return hidden.index_select(0, to_device(index, hidden.device))
 
     def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
-                drafts: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
-        """Samples and verifies on the host; `drafts`: the scheduled drafts' ids where the scheduler sent
-        placeholders."""
+                drafts: dict[str, list[int]] | None = None, features: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """Samples and verifies on the host, then drafts on the host; `drafts`: the scheduled drafts' ids
+        where the scheduler sent placeholders; `features`: the step's aux-layer outputs for the proposer."""
         drafts = sched.scheduled_spec_decode_tokens if drafts is None else drafts
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         sampling = self._sampling_rows(batch, sched)
@@ -439,8 +460,8 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
         if self.proposer is not None and not self.device_drafting:
-            if hasattr(self.proposer, "observe_features"):
-                self._hand_over_features(batch, sched, out)
+            if features is not None:
+                self._hand_over_features(batch, sched, out, features)
             self._propose([s for _, s in sampling + verifying], out, sched.draft_limits)
         self.prev = None
         return out
@@ -478,10 +499,10 @@ class ModelRunner:
             raw = torch.log_softmax(logits, dim=-1)
             out.logprobs[s.req_id] = [top_logprobs(raw[j], t, s.params.logprobs) for j, t in enumerate(tokens)]
 
-    def _hand_over_features(self, batch: StepBatch, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+    def _hand_over_features(self, batch: StepBatch, sched: SchedulerOutput, out: ModelRunnerOutput,
+                            features: torch.Tensor) -> None:
         """The target features (its aux layers) at each request's positions this step verified: every
         query token, except the rejected drafts of a verification."""
-        features = torch.cat(self.model.model.aux_hidden, dim=-1)
         for i, s in enumerate(batch.order):
             first = batch.query_ends[i - 1] if i else 0
             end = batch.query_ends[i]

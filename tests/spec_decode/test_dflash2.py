@@ -11,22 +11,28 @@ from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, Grouped
 
 def test_aux_layers_are_hf_hidden_states(tiny_model_dir):
     import transformers
+
+    from pressroom.attention.backend import AttentionMetadata, forward_context
     path = tiny_model_dir("llama")
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
-    model = llm.engine.model.model
-    model.aux_layers = (0, 1)
     ids = torch.tensor([5, 17, 99, 3, 250])
-    with torch.inference_mode():
-        from pressroom.attention.backend import AttentionMetadata, forward_context
-        n = len(ids)
+    n = len(ids)
+
+    def forward(*aux_layers: int):
         meta = AttentionMetadata(num_decodes=0, num_decode_tokens=0, slot_mapping=torch.arange(16, 16 + n),
                                  block_tables=torch.tensor([[1]]), seq_lens=torch.tensor([n]),
                                  query_start_loc=[0, n], seq_lens_host=[n])
-        with forward_context(meta):
-            llm.engine.model(ids, torch.arange(n))
+        with torch.inference_mode(), forward_context(meta):
+            return llm.engine.model(ids, torch.arange(n), aux_layers)
+
+    plain = forward()
+    hidden, aux = forward(0, 1)
+    assert torch.equal(hidden, plain)  # asking for the layers changes nothing else
+    reordered = forward(1, 0)[1]  # in the order asked
+    assert torch.equal(reordered[0], aux[1]) and torch.equal(reordered[1], aux[0])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     states = hf(ids[None], output_hidden_states=True).hidden_states
-    for ours, layer in zip(model.aux_hidden, (0, 1)):
+    for ours, layer in zip(aux, (0, 1)):
         if layer == len(hf.model.layers) - 1:
             continue  # HF's last entry is after the final norm
         assert torch.allclose(ours, states[layer + 1][0], atol=1e-4)

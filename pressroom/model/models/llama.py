@@ -95,32 +95,29 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = _rotary(config)
-        # Layers whose output (the residual stream, HF's hidden_states[i + 1]) a drafter conditions on;
-        # each forward pass leaves them in aux_hidden, in this order.
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: list[torch.Tensor] = []
         # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
         self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
         self._decode_stack: cpu_decode.CpuDecodeStack | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states; with `aux_layers` (a drafter's conditioning), also the output of each of those
+        layers (the residual stream, HF's hidden_states[i + 1]), in that order."""
         x, residual = self.embed_tokens(input_ids), None
         rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
-        stack = self._fused_decode_stack(input_ids)
+        stack = None if aux_layers else self._fused_decode_stack(input_ids)  # the C stack taps no layer
         if stack is not None:
-            self.aux_hidden = []
             return stack.run(x, rope.cos, rope.sin, get_attention_metadata()).to(x.dtype)
-        aux = []
+        taps = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
-            if i in self.aux_layers:
-                aux.append(x + residual)
-        self.aux_hidden = aux
+            if i in aux_layers:
+                taps[i] = x + residual
         x, _ = self.norm(x, residual)
-        return x
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
 
     def _fused_decode_stack(self, input_ids: torch.Tensor) -> "cpu_decode.CpuDecodeStack | None":
-        if self.fused_decode is False or self.aux_layers:
+        if self.fused_decode is False:
             return None
         if not cpu_decode.applies(get_attention_metadata(), input_ids):
             return None
@@ -152,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(input_ids, positions, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

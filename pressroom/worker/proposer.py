@@ -1,14 +1,20 @@
-"""What a drafter offers the engine: up to K next tokens per request, given its context."""
+"""The drafter interface the model runner owns: what it hands a proposer and what it gets back.
+
+Drafters (spec_decode/) implement `Proposer`; worker/ never imports them. A proposer declares what it
+can do instead of being probed for it: `works_on_device` (it drafts under async scheduling through
+`propose_on_device`) and `aux_layers` (the target layers it conditions on: the runner asks the target
+for their outputs in its forward pass and hands them over through `observe_features`).
+"""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
 from pressroom.attention.backend import AttentionMetadata
-from pressroom.config import SpeculativeConfig
 from pressroom.sampling_params import SamplingParams
 
 
@@ -52,30 +58,34 @@ class TargetStep:
     starts: list[int]
 
 
-class Proposer(Protocol):
+# Device drafts ([sampled, K]) and their q ([sampled, K, vocab], None when every row is greedy).
+DeviceDrafts = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class Proposer(ABC):
+    """A drafter: up to K next tokens per request, given its context."""
+    # Drafts under async scheduling (`propose_on_device`), where nothing may wait for the host.
+    works_on_device: ClassVar[bool] = False
+
+    @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
         """Drafts for the requests that get any (an empty or missing draft is a valid answer)."""
-        ...
 
+    @abstractmethod
     def forget(self, req_ids: Iterable[str]) -> None:
         """The requests finished or were preempted: drop any state kept for them."""
-        ...
 
-    # A drafter usable with async scheduling also has (see DraftModelProposer):
-    # propose_on_device(step: TargetStep) -> tuple[drafts [sampled, K], q [sampled, K, vocab] | None] | None
+    def propose_on_device(self, step: TargetStep) -> DeviceDrafts | None:
+        """K drafts per sampled request of the step, left on the device; None when no row was drafted.
+        Only where `works_on_device`."""
+        raise NotImplementedError(f"{type(self).__name__} drafts from host token ids only.")
 
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose output (the residual stream, HF's hidden_states[i + 1]) this drafter
+        conditions on, in the order it reads them; empty: none, and `observe_features` is never called."""
+        return ()
 
-def make_proposer(config: SpeculativeConfig | None, target) -> Proposer | None:
-    """`target`: the target's ModelRunner (a draft model shares its device, dtype and block size)."""
-    if config is None:
-        return None
-    if config.method == "ngram":
-        from pressroom.spec_decode.ngram import NgramProposer
-        return NgramProposer(config)
-    if config.method == "draft_model":
-        from pressroom.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(config, target)
-    if config.method == "dflash2":
-        from pressroom.spec_decode.dflash2 import DFlash2Proposer
-        return DFlash2Proposer(config, target)
-    raise ValueError(f"Unknown speculative method {config.method!r}.")
+    def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
+        """The target features ([n, len(aux_layers) * width], the layers side by side) at the positions of
+        the request that the step verified: every query token but a verification's rejected drafts."""
+        raise NotImplementedError(f"{type(self).__name__} reads no target features.")
