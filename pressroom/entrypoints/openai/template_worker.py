@@ -12,6 +12,7 @@ capped, the output may hold at most `max_chars` characters, and the process may 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections import OrderedDict
@@ -200,6 +201,7 @@ def _limit_memory(max_bytes: int) -> None:
 def main(argv: list[str]) -> int:
     max_bytes, max_chars = int(argv[1]), int(argv[2])
     _limit_memory(max_bytes)
+    os.nice(10)  # a template burning its time limit yields the cores to the engine's steps
     sys.setrecursionlimit(2000)  # a recursing macro fails fast, before the C stack
     renderer = Renderer(max_chars)
     out = sys.stdout.buffer
