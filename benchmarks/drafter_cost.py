@@ -6,7 +6,7 @@ import time
 import torch
 
 from pressroom import LLM, SamplingParams
-from pressroom.spec_decode.proposer import DraftRequest
+from pressroom.worker.proposer import DraftRequest
 
 
 def ms(fn, reps: int = 10) -> float:

@@ -19,6 +19,23 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Frees the model, its KV cache and the device memory they held, now (not at the next garbage
+        collection). The LLM cannot generate afterwards. `with LLM(...) as llm:` and `del llm` call it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self.engine = None
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -52,6 +69,8 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
         rid = str(self._counter)
         self._counter += 1
         self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority)

@@ -1,36 +1,31 @@
-"""The synchronous engine: request table, scheduling, one model step, detokenization, outputs.
+"""The engine's front: prompts in, RequestOutputs out.
 
-`add_request` validates before touching any state, so a bad request never disturbs the others.
-Each `step` schedules, runs the model once, and returns a cumulative RequestOutput for every
-request that moved.
+It tokenizes and validates a request (before touching any state, so a bad request never disturbs the
+others), hands its sequences to the engine core (engine/core.py: scheduler and model runner) as token
+ids, and turns the core's per-step token ids into cumulative RequestOutputs: incremental
+detokenization, stop strings, logprobs, n > 1 siblings. The core is in this process (`LLM`), or in one
+of its own behind a client with the same methods (engine/core_client.py, under the server).
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pressroom.config import EngineArgs, EngineConfig
-from pressroom.core.kv_cache_manager import KVCacheManager
-from pressroom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TopLogprobs
-from pressroom.core.request import Request, RequestStatus
-from pressroom.core.scheduler import Scheduler, SchedulerStats
+from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
+from pressroom.core.request import RequestStatus
+from pressroom.core.scheduler import SchedulerStats
+from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
-from pressroom.model.loader import load_model
+from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
-from pressroom.spec_decode.budget import AdaptiveBudget
-from pressroom.spec_decode.proposer import make_proposer
-from pressroom.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
 logger = logging.getLogger("pressroom")
 
 MAX_LOGPROBS = 20
-_CUDA_GRAPH_RESERVE = 1 << 30  # graphs' memory pool is allocated after the KV cache; measured and logged at capture
 PromptType = str | list[int] | dict
 
 
@@ -63,54 +58,27 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
-def _relax_gc() -> None:
-    """Cyclic-GC passes over the engine's many long-lived objects took half of the host's time per step
-    at 1,000 requests (benchmarks/host_overhead.py): collect the young generation 14x less often, and the
-    old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
-    a deleted engine's cycles, and its GPU memory, alive)."""
-    young, middle, old = gc.get_threshold()
-    gc.set_threshold(max(young, 10_000), max(middle, 20), max(old, 100))
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        start = time.perf_counter()
+    def __init__(self, config: EngineConfig, core=None) -> None:
+        """`core`: a client of an engine core running elsewhere (engine/core_client.py); by default the
+        core is built here, in this process."""
         self.config = config
-        loaded = load_model(config.model, config.device)
-        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
-        self.model_path = loaded.source
+        if core is None:
+            core = EngineCore(config)
+            self.tokenizer, self.hf_config = core.tokenizer, core.hf_config
+        else:
+            path = resolve_model_path(config.model.model)
+            self.hf_config = load_hf_config(path)
+            skip = config.model.skip_tokenizer_init
+            self.tokenizer = None if skip else load_tokenizer(config.model.tokenizer or path)
+        self.core = core
+        info: CoreInfo = core.info
+        self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
+        self.model_path, self.startup_seconds = info.model_path, info.startup_seconds
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
-        self.eos_token_id = self._eos_token_id()
-        self.runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                                  config.device, config.scheduler.async_scheduling, config.cache.cache_dtype)
-        self.runner.proposer = make_proposer(config.speculative, self.runner)
-        # Async scheduling with speculation (config allows it only for drafters that work on the device).
-        self.runner.device_drafting = config.scheduler.async_scheduling and config.speculative is not None
-        if self.runner.device_drafting and not hasattr(self.runner.proposer, "propose_on_device"):
-            raise ValueError(f'Speculative method "{config.speculative.method}" runs with synchronous scheduling; '
-                             "set async_scheduling=False.")
-        lookahead = config.speculative.num_speculative_tokens if self.runner.device_drafting else 0
-        if config.speculative is not None and config.speculative.rejection_sample_method == "synthetic":
-            self.runner.synthetic_rates = config.speculative.synthetic_acceptance_rates
-        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
-        num_blocks = self._num_blocks()
-        self.max_model_len = self._max_model_len(num_blocks, lookahead)
-        config.scheduler.max_model_len = self.max_model_len
-        self.runner.initialize_kv_cache(num_blocks, self.max_model_len + lookahead)
-        self._log_capacity(num_blocks)
-        if config.device == "cuda" and not config.compilation.enforce_eager:
-            self._capture_cudagraphs()
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.scheduler.async_drafts = lookahead
-        if config.speculative is not None and config.speculative.adaptive_token_budget:
-            self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
-        self.vocab_size = self.hf_config.vocab_size
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
-        _relax_gc()
-        self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
 
@@ -118,106 +86,25 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config())
 
-    # ---- set-up ----
+    # The in-process core's parts (tests and benchmarks look at them).
+    @property
+    def runner(self):
+        return self.core.runner
 
-    def _eos_token_id(self) -> int | None:
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-        return eos[0] if isinstance(eos, list) else eos
+    @property
+    def scheduler(self):
+        return self.core.scheduler
 
-    def _num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks + 1  # block 0 is the padding block
-        per_block = kv_cache_bytes_per_block(self.hf_config, cache.block_size, self.runner.kv_dtype)
-        if hasattr(self.runner.proposer, "kv_bytes_per_block"):  # a draft model's cache has as many blocks
-            per_block += self.runner.proposer.kv_bytes_per_block()
-        budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            budget = self._profiled_kv_budget()
-        if budget < 2 * per_block:
-            raise ValueError(f"Only {budget / (1 << 30):.2f} GiB is left for the KV cache, less than two blocks; "
-                             "raise gpu_memory_utilization or lower max_num_batched_tokens.")
-        return budget // per_block
+    @property
+    def model(self):
+        return self.core.model
 
-    def _profiled_kv_budget(self) -> int:
-        """vLLM's rule: gpu_memory_utilization of the card, minus the weights and the activation peak of
-        a max_num_batched_tokens forward pass (both in the profiled peak), memory outside torch's
-        allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs."""
-        sched, cache = self.config.scheduler, self.config.cache
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        peak = self.runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_num_seqs, limit)
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = (total - free) - torch.cuda.memory_reserved()
-        graphs = 0 if self.config.compilation.enforce_eager else _CUDA_GRAPH_RESERVE
-        budget = int(total * cache.gpu_memory_utilization) - peak - outside_torch - graphs
-        logger.info("memory profile: %.2f GiB of %.2f GiB usable; weights + activation peak %.2f GiB, outside "
-                    "torch %.2f GiB, CUDA graph reserve %.2f GiB -> KV cache %.2f GiB",
-                    total * cache.gpu_memory_utilization / (1 << 30), total / (1 << 30), peak / (1 << 30),
-                    outside_torch / (1 << 30), graphs / (1 << 30), budget / (1 << 30))
-        return budget
+    @property
+    def kv_cache(self):
+        return self.core.kv_cache
 
-    def _adaptive_budget(self, max_drafts: int) -> AdaptiveBudget:
-        """Profiles two step shapes up to the largest decode step (max_num_seqs requests, each with
-        every draft): plain decodes, and verifications (1 + K query tokens per request)."""
-        sched = self.config.scheduler
-        largest = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
-        ladder = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n < largest] + [largest]
-        decode = self.runner.profile_step_costs([n for n in ladder if n <= sched.max_num_seqs], 1)
-        verify = self.runner.profile_step_costs(ladder, 1 + max_drafts)
-        # Attention grows with the context each query reads: one more measurement at a long context.
-        bs, rows = self.config.cache.block_size, min(64, largest)  # rows is on the ladder: measured at short context
-        long_ctx = max(2 * bs, min(1024, self.max_model_len // 2) // bs * bs)
-        short_t = dict(verify)[rows]
-        long_t = self.runner.profile_step_costs([rows], 1 + max_drafts, long_ctx)[0][1]
-        per_context_token = max(0.0, (long_t - short_t) / (rows * (long_ctx - bs)))
-        logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
-                    "per query per context token", _curve(decode), _curve(verify), 1e6 * per_context_token)
-        drafts = first = None
-        if hasattr(self.runner.proposer, "profile_decode_steps"):  # each draft position has a cost of its own
-            drafts = self.runner.proposer.profile_decode_steps([n for n in ladder if n <= sched.max_num_seqs])
-            if hasattr(self.runner.proposer, "profile_first_draft_steps"):  # a draft model mirroring under async
-                first = self.runner.proposer.profile_first_draft_steps([n for n in ladder if n <= sched.max_num_seqs])
-            logger.info("drafting one more position: %s; the first: %s", _curve(drafts), first and _curve(first))
-        blocks = None
-        if hasattr(self.runner.proposer, "profile_block_passes"):  # a block drafter's shared pass
-            blocks = self.runner.proposer.profile_block_passes([n for n in ladder if n <= sched.max_num_seqs])
-            logger.info("block drafter passes: %s", _curve(blocks))
-        return AdaptiveBudget(max_drafts, verify, decode, per_context_token, drafts,
-                              first_draft_costs=first, block_costs=blocks)
-
-    def _capture_cudagraphs(self) -> None:
-        """Decode steps, and with speculation the verification steps (up to 1 + K query tokens per
-        request); a draft model captures its own passes."""
-        sched, spec, compilation = self.config.scheduler, self.config.speculative, self.config.compilation
-        k = spec.num_speculative_tokens if spec is not None else 0
-        self.runner.capture_cudagraphs(
-            compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs)
-        if hasattr(self.runner.proposer, "capture_cudagraphs"):
-            self.runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
-
-    def _log_capacity(self, num_blocks: int) -> None:
-        tokens = (num_blocks - 1) * self.config.cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency %.1fx at max_model_len %d",
-                    num_blocks, self.config.cache.block_size, tokens, str(self.runner.kv_dtype).removeprefix("torch."),
-                    tokens / self.max_model_len, self.max_model_len)
-
-    def _max_model_len(self, num_blocks: int, lookahead: int = 0) -> int:
-        """`lookahead`: slots a request keeps past its step for a device drafter's writes."""
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True):
-            limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
-        asked = self.config.model.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens.")
-        length = asked or limit
-        capacity = (num_blocks - 1) * self.config.cache.block_size - lookahead
-        if length > capacity:
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more", length, capacity)
-            length = capacity
-        return length
+    def shutdown(self) -> None:
+        self.core.shutdown()
 
     # ---- requests ----
 
@@ -244,10 +131,9 @@ class LLMEngine:
         for child in children:
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + child.index)
-            req = Request(child.request_id, token_ids, child_params, self.eos_token_id, arrival, priority, follows=lead)
-            lead = lead or req
             self.child_to_parent[child.request_id] = (parent, child)
-            self.scheduler.add_request(req)
+            self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead))
+            lead = lead or child.request_id
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) exactly as add_request would see them (BOS per the model)."""
@@ -324,7 +210,7 @@ class LLMEngine:
             if parent is None:
                 continue
             child_ids = [c.request_id for c in parent.children]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self.core.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
                 self.child_to_parent.pop(cid, None)
 
@@ -335,26 +221,22 @@ class LLMEngine:
         return len(self.parents)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.core.stats()
 
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step. With async scheduling the step is launched and the previous
-        one's results are returned, so the host's work overlaps the device's."""
-        sched = self.scheduler.schedule()
-        self._mark_scheduled(sched.new_requests)
-        result = self.runner.execute_model(sched)
-        if not isinstance(result, PendingOutput):
-            return self._process(sched, result)
-        previous, self._inflight = self._inflight, (sched, result)
-        return self._process(previous[0], previous[1].resolve()) if previous is not None else []
+        """Runs one step of the in-process core and reports every request that moved."""
+        return self.process_outputs(self.core.step())
 
-    def _process(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
-        core_outputs = self.scheduler.update_from_output(sched, runner_out)
+    def process_outputs(self, step: CoreOutputs) -> list[RequestOutput]:
         now = time.monotonic()
+        for req_id in step.scheduled:
+            entry = self.child_to_parent.get(req_id)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
         moved: dict[str, _Parent] = {}
-        for out in core_outputs:
+        for out in step.outputs:
             entry = self.child_to_parent.get(out.req_id)
             if entry is not None:
                 self._absorb(entry[0], entry[1], out, now)
@@ -365,13 +247,6 @@ class LLMEngine:
             if finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._finish_or_report(parent, finished, now))
         return outputs
-
-    def _mark_scheduled(self, new_requests) -> None:
-        now = time.monotonic()
-        for new in new_requests:
-            entry = self.child_to_parent.get(new.req_id)
-            if entry is not None and entry[0].metrics.first_scheduled_time is None:
-                entry[0].metrics.first_scheduled_time = now
 
     def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
         if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
@@ -397,7 +272,7 @@ class LLMEngine:
 
     def _stop_on_string(self, parent: _Parent, child: _Child) -> None:
         child.finish_reason, child.stop_reason = "stop", child.detok.stopped_by
-        self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
+        self.core.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _position_logprobs(self, top: TopLogprobs | None) -> PositionLogprobs | None:
         if top is None:
@@ -422,7 +297,3 @@ class LLMEngine:
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
-
-
-def _curve(costs: list[tuple[int, float]]) -> str:
-    return ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs)

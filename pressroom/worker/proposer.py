@@ -89,3 +89,24 @@ class Proposer(ABC):
         """The target features ([n, len(aux_layers) * width], the layers side by side) at the positions of
         the request that the step verified: every query token but a verification's rejected drafts."""
         raise NotImplementedError(f"{type(self).__name__} reads no target features.")
+
+    # ---- costs and set-up the engine asks every drafter for (defaults: a drafter with no model) ----
+
+    def kv_bytes_per_block(self) -> int:
+        """KV-cache bytes per block of the drafter's own cache (it gets as many blocks as the target)."""
+        return 0
+
+    def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]] | None:
+        """Seconds to draft one more position for each batch size; None: drafting costs nothing to budget."""
+        return None
+
+    def profile_first_draft_steps(self, counts: list[int]) -> list[tuple[int, float]] | None:
+        """Seconds of the first draft position where it costs more than the others (a mirroring pass)."""
+        return None
+
+    def profile_block_passes(self, counts: list[int]) -> list[tuple[int, float]] | None:
+        """Seconds of a block drafter's shared pass for each batch size."""
+        return None
+
+    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Capture the drafter's own passes (CUDA); nothing to capture by default."""

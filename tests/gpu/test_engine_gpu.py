@@ -161,3 +161,28 @@ def test_fp8_kv_cache_doubles_capacity_and_costs_only_its_rounding(model_dir, mo
     got = _prompt_logprobs(fp8, prompts)
     to_oracle, to_plain = (got - oracle).abs().mean(), (got - plain).abs().mean()
     assert to_oracle < 0.25 * to_plain, f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
+
+
+@pytest.mark.parametrize("how", ["del", "shutdown"])
+def test_a_deleted_llm_returns_its_memory_and_a_second_gets_the_full_budget(model_dir, how):
+    """No garbage collection between them: `del` and `shutdown()` free the weights, the KV cache and the
+    graphs' pool at once, so a second LLM profiles the same free memory and gets as many blocks."""
+    import gc
+    path = model_dir("llama-d128")
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        first = _llm(path, kv_cache_memory_gib=None, gpu_memory_utilization=0.5)
+        blocks = first.engine.kv_cache.pool.num_blocks
+        assert torch.cuda.memory_allocated() - before > 10 << 30
+        if how == "del":
+            del first
+        else:
+            first.shutdown()
+        assert torch.cuda.memory_allocated() - before < 100 << 20
+        second = _llm(path, kv_cache_memory_gib=None, gpu_memory_utilization=0.5)
+        assert second.engine.kv_cache.pool.num_blocks == blocks
+        second.shutdown()
+    finally:
+        gc.enable()

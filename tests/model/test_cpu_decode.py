@@ -37,7 +37,7 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
     errors: dict[int, float] = {}
     forward = model.forward
 
-    def compare_then_forward(input_ids, positions):
+    def compare_then_forward(input_ids, positions, *args, **kwargs):
         meta = get_attention_metadata()
         if applies(meta, input_ids) and input_ids.shape[0] == 2 and not errors:
             stack = CpuDecodeStack.build(model)
@@ -48,7 +48,7 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
                 fused = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
                 ref = _first_layers(model, k, input_ids, cos, sin)
                 errors[k] = ((fused - ref).abs().max() / ref.abs().max()).item()
-        return forward(input_ids, positions)
+        return forward(input_ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", compare_then_forward)
     llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))

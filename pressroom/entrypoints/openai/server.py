@@ -292,7 +292,7 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
         async with app_lifespan(a):
             logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
                         engine.startup_seconds,
-                        ", profile, CUDA graphs" if engine.engine.runner.graphs is not None else "")
+                        ", profile, CUDA graphs" if engine.cuda_graphs else "")
             yield
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were cancelled
 
