@@ -27,7 +27,7 @@ class LLM:
             self.engine = None
             engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

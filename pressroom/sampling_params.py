@@ -62,7 +62,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}."),
-            (0 <= self.temperature < math.inf, f"temperature must be non-negative, got {self.temperature} (and finite)."),
+            (0 <= self.temperature < math.inf,
+             f"temperature must be non-negative, got {self.temperature} (and finite)."),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}."),
             (self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}."),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}."),
@@ -76,7 +77,8 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}."),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}."),
-            (all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must not be empty, and must be strings."),
+            (all(isinstance(s, str) and s for s in self.stop_strings),
+             "stop strings must not be empty, and must be strings."),
             (all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers."),
             (self.thinking_token_budget is None or (type(self.thinking_token_budget) is int
                                                     and self.thinking_token_budget >= 0),
@@ -100,7 +102,7 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stop_strings"}
         values.update(changes)
         return SamplingParams(**values)

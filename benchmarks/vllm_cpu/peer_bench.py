@@ -109,7 +109,7 @@ class CpuShare:
                 pass
         return total
 
-    def __enter__(self) -> "CpuShare":
+    def __enter__(self) -> CpuShare:
         self.load_before = os.getloadavg()[0]
         self._t0 = time.perf_counter()
         self._host0 = self._host_busy_s()

@@ -39,7 +39,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     # A sibling (n > 1) whose prompt must be computed first, so this one finds it in the prefix cache.
-    follows: "Request | None" = None
+    follows: Request | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it finishes
     # Tokens that scheduled steps whose results have not come back yet may emit (1 + drafts each; async

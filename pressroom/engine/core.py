@@ -19,8 +19,8 @@ from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.model.loader import load_model
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.spec_decode import make_proposer
+from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.worker.model_runner import ModelRunner, PendingOutput, kv_cache_bytes_per_block
 
 logger = logging.getLogger("pressroom")

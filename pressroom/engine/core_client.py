@@ -73,7 +73,8 @@ class CoreClient:
                 if kind == _FAILED:
                     raise _startup_error(msgspec.msgpack.decode(payload, type=str))
             elif not self.process.is_alive():
-                raise RuntimeError(f"The engine core process exited while starting (exit code {self.process.exitcode}).")
+                code = self.process.exitcode
+                raise RuntimeError(f"The engine core process exited while starting (exit code {code}).")
         raise RuntimeError(f"The engine core did not start within {timeout:.0f} s.")
 
     def add_request(self, request: CoreRequest) -> None:

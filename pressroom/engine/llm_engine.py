@@ -83,7 +83,7 @@ class LLMEngine:
                     config.device, self.max_model_len)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     # The in-process core's parts (tests and benchmarks look at them).

@@ -167,7 +167,8 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 
 
 def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: int8 [rows, cols]; d: fp32 [rows, cols // 32]."""
+    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: int8 [rows, cols];
+    d: fp32 [rows, cols // 32]."""
     tokens, cols = x.shape
     out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
     _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),

@@ -160,7 +160,7 @@ def _iter_weights(
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
             weight = _read_q4(file, info)
             if file.spec.permuted_qk:
-                weight = weight.map_rows(lambda t: _unpermute_qk(t, hf_name, config))
+                weight = weight.map_rows(lambda t, name=hf_name: _unpermute_qk(t, name, config))
         else:
             weight = _dequantize(file, info)
             if file.spec.permuted_qk:
@@ -442,7 +442,8 @@ def _dequantize(file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
     try:
         values = gguf.quants.dequantize(raw.reshape(*rows, -1), info.ggml_type)
     except NotImplementedError as exc:
-        raise ValueError(f"GGUF file {file.path}: tensor {info.name} has unsupported type {info.ggml_type.name}") from exc
+        raise ValueError(f"GGUF file {file.path}: tensor {info.name} has unsupported type "
+                         f"{info.ggml_type.name}") from exc
     # F32 comes back as a read-only view of the mmap; copy so torch owns writable memory.
     values = values.astype(np.float32, copy=False)
     if not values.flags.writeable:

@@ -93,7 +93,8 @@ def _safetensors_files(path: str) -> list[str]:
     else:
         names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not names:
-        raise ValueError(f"Model directory {path!r} has no *.safetensors weights (use load_format='dummy' for random ones).")
+        raise ValueError(f"Model directory {path!r} has no *.safetensors weights "
+                         "(use load_format='dummy' for random ones).")
     files = [os.path.join(path, n) for n in names]
     missing = [f for f in files if not os.path.exists(f)]
     if missing:

@@ -330,7 +330,8 @@ class DraftModelProposer(Proposer):
         and verification keeps the output exact either way."""
         return positions.clamp(max=self.max_len - 1)
 
-    def _draw_rows(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draw_rows(self, logits: torch.Tensor,
+                   params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft per row: the argmax for greedy rows, a draw from q otherwise (q kept, zero for greedy rows)."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -397,7 +397,8 @@ class ModelRunner:
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
         if from_prev:
             at, rows = zip(*from_prev)
-            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), prev.last_tokens(to_device(torch.tensor(rows), dev)))
+            last = prev.last_tokens(to_device(torch.tensor(rows), dev))
+            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), last)
         if device_drafts:
             at = [p + j for p, d in device_drafts for j in range(len(d))]
             input_ids.index_copy_(0, to_device(torch.tensor(at), dev), torch.cat([d for _, d in device_drafts]))

@@ -108,5 +108,5 @@ class Proposer(ABC):
         """Seconds of a block drafter's shared pass for each batch size."""
         return None
 
-    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:  # noqa: B027
         """Capture the drafter's own passes (CUDA); nothing to capture by default."""

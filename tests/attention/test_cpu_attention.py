@@ -49,7 +49,7 @@ def test_kernel_reads_only_its_own_blocks():
 
 def _reference(q, cache, tables, lens: list[int], loc: list[int], scale: float) -> torch.Tensor:
     """Per request and query token: softmax over its context up to and including its own position."""
-    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    kv_heads = cache.shape[3]
     group = q.shape[1] // kv_heads
     out = torch.empty(q.shape, dtype=torch.float32)
     for b, n in enumerate(lens):

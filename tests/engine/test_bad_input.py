@@ -282,7 +282,7 @@ BAD_REQUESTS = [
 
 def test_running_engine_rejects_bad_requests_and_keeps_serving(llm, clean_tokens):
     def inject(engine):
-        for name, (rid, prompt, params), match in BAD_REQUESTS:
+        for _name, (rid, prompt, params), match in BAD_REQUESTS:
             with pytest.raises(ValueError, match=match):
                 engine.add_request(rid, prompt, params)
         assert engine.get_num_unfinished_requests() == 2

@@ -144,7 +144,7 @@ def test_multibyte_stop_string_split_over_byte_tokens(decode, smollm_tokenizer):
     d, texts = stream(decode, ids, stop_strings=["界 and 🙂"])
     assert d.stopped_by == "界 and 🙂"
     assert d.text == "say 世"
-    assert len(texts) == len("say 世界 and 🙂".encode("utf-8"))  # stops on the emoji's last byte
+    assert len(texts) == len("say 世界 and 🙂".encode())  # stops on the emoji's last byte
 
 
 def test_stop_string_in_the_prompt_does_not_stop(decode, smollm_tokenizer):

@@ -160,7 +160,8 @@ def test_fp8_kv_cache_doubles_capacity_and_costs_only_its_rounding(model_dir, mo
     assert fp8.engine.kv_cache.pool.num_blocks >= 2 * bf16_blocks - 2
     got = _prompt_logprobs(fp8, prompts)
     to_oracle, to_plain = (got - oracle).abs().mean(), (got - plain).abs().mean()
-    assert to_oracle < 0.25 * to_plain, f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
+    assert to_oracle < 0.25 * to_plain, \
+        f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
 
 
 @pytest.mark.parametrize("how", ["del", "shutdown"])

@@ -34,7 +34,8 @@ def test_greedy_equals_no_speculation_on_the_embedded_model():
     stats = spec_llm.engine.stats().spec
     assert stats.num_drafts > 20 and stats.num_accepted_tokens > stats.num_drafts  # mean acceptance length > 2
     assert spec_llm.engine.kv_cache.usage() == 0.0
-    adaptive = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1, speculative_config=dict(NGRAM, adaptive_token_budget=True))
+    adaptive = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1,
+                   speculative_config=dict(NGRAM, adaptive_token_budget=True))
     assert _gen(adaptive, prompts, params) == plain  # whatever the budget chose, the output is the same
     assert adaptive.engine.scheduler.spec_budget is not None
 
@@ -219,13 +220,15 @@ def test_committed_dflash2_drafter_serves_the_embedded_model():
     prompts = [plain_llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=40)
     spec_llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1,
-                   speculative_config={"method": "dflash2", "num_speculative_tokens": 8, "adaptive_token_budget": False})
+                   speculative_config={"method": "dflash2", "num_speculative_tokens": 8,
+                                       "adaptive_token_budget": False})
     plain = _gen(plain_llm, prompts, params)
     assert _gen(spec_llm, prompts, params) == plain
     stats = spec_llm.engine.stats().spec
     assert stats.num_accepted_tokens > 0.3 * stats.num_drafts  # mean acceptance length above 1.3
     # The default configuration (adaptive budget: block passes and LM-head slots profiled at start-up).
-    adaptive = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1, speculative_config={"method": "dflash2"})
+    adaptive = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1,
+                   speculative_config={"method": "dflash2"})
     assert adaptive.engine.scheduler.spec_budget.block_costs is not None
     assert _gen(adaptive, prompts, params) == plain
 

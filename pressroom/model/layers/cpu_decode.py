@@ -35,7 +35,7 @@ class CpuDecodeStack:
         return all(_eligible(layer) for layer in model.layers) and len({n.eps for n in [*norms, model.norm]}) == 1
 
     @classmethod
-    def build(cls, model) -> "CpuDecodeStack | None":
+    def build(cls, model) -> CpuDecodeStack | None:
         """The pointer table for a supported LlamaModel; None while its caches are not bound."""
         caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
         if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):

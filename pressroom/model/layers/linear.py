@@ -126,7 +126,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        heads = self.num_heads * self.tp_size if shard_id == "q" else self.num_kv_heads * self.tp_size // self.kv_replicas
+        if shard_id == "q":
+            heads = self.num_heads * self.tp_size
+        else:
+            heads = self.num_kv_heads * self.tp_size // self.kv_replicas
         _check_full(loaded, (heads * self.head_dim, *param.shape[1:]))
         self._store_rows(param, offset, loaded.narrow(0, rank * size, size))
 

@@ -38,11 +38,11 @@ class Q4Weight:
         low = self.min.repeat_interleave(GROUP, dim=1)
         return self.q.float() * scale + low
 
-    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Q4Weight":
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Q4Weight:
         """Apply a row permutation (the same for values and their group scales)."""
         return Q4Weight(fn(self.q), fn(self.scale), fn(self.min))
 
-    def narrow(self, dim: int, start: int, length: int) -> "Q4Weight":
+    def narrow(self, dim: int, start: int, length: int) -> Q4Weight:
         if dim == 0:
             return Q4Weight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length),
                             self.min.narrow(0, start, length))
@@ -99,7 +99,7 @@ class NibbleMatrix:
     min: torch.Tensor  # float32 [rows, cols // GROUP]
 
     @classmethod
-    def pack(cls, w: Q4Weight) -> "NibbleMatrix":
+    def pack(cls, w: Q4Weight) -> NibbleMatrix:
         rows, cols = w.shape
         blocks = w.q.view(rows, cols // GROUP, GROUP)
         if blocks.shape[1] % 2:
@@ -119,7 +119,7 @@ class PackedInt4:
     scales_zeros: torch.Tensor  # [cols // GROUP, rows, 2], bf16
 
     @classmethod
-    def pack(cls, w: Q4Weight) -> "PackedInt4":
+    def pack(cls, w: Q4Weight) -> PackedInt4:
         zero = w.min + 8 * w.scale
         scales_zeros = torch.stack([w.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1), scales_zeros)

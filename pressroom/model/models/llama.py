@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pressroom.model.layers.activation import SiluAndMul
 from pressroom.attention.backend import get_attention_metadata
 from pressroom.model.layers import cpu_decode
+from pressroom.model.layers.activation import SiluAndMul
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
-    def forward(self, rope: "RopeTables", x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
         heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
 
-    def _fused_decode_stack(self, input_ids: torch.Tensor) -> "cpu_decode.CpuDecodeStack | None":
+    def _fused_decode_stack(self, input_ids: torch.Tensor) -> cpu_decode.CpuDecodeStack | None:
         if self.fused_decode is False:
             return None
         if not cpu_decode.applies(get_attention_metadata(), input_ids):
