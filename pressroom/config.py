@@ -254,6 +254,20 @@ def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+CPU_TOKENS_PER_THREAD = 128  # a 512-token prefill step of SmolLM2-135M took ~1.9 s on one core
+CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries every running decode and a prefill chunk
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """A GPU takes a 16k-token step in well under a second; a CPU takes about 4 ms per token per core, so
+    its budget follows its threads (on 2 cores, one 8,000-token prompt in a 16k step froze every other
+    stream for minutes). Not below 512: at 256, as many as the CPU's running decodes, prefills got only
+    the leftovers and 256 concurrent streams took 3x as long."""
+    if device == "cuda":
+        return 16384
+    return max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * torch.get_num_threads())
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Every knob a user may set, flat, with vLLM's names. Each field declares its own help and choices:
@@ -279,8 +293,10 @@ class EngineArgs:
                                                    "PRESSROOM_CPU_KVCACHE_SPACE; on CUDA what a memory profile "
                                                    "leaves of --gpu-memory-utilization)")
     num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory budget")
-    max_num_batched_tokens: int = _arg(16384, "tokens one engine step computes at most (prefill chunks + "
-                                              "decodes)")
+    max_num_batched_tokens: int | None = _arg(None, "tokens one engine step computes at most (prefill chunks + "
+                                                    "decodes); default: 16384 on CUDA; on the CPU 128 per torch "
+                                                    "thread, at least 512: a long prompt is prefilled in chunks "
+                                                    "and running streams get a token between them")
     max_num_seqs: int | None = _arg(None, "requests running at once at most (default: 1024 on CUDA, vLLM's for "
                                           "large GPUs; 256 on the CPU)")
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
@@ -333,7 +349,8 @@ class EngineArgs:
                               num_blocks=self.num_gpu_blocks_override,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)),
-            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
+                                      or default_max_num_batched_tokens(device),
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,
                                       async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
