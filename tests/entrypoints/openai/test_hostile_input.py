@@ -53,13 +53,14 @@ class PacedStream:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
         with httpx.Client(base_url=self.url, headers=AUTH, timeout=60) as http:
             while not self.stop.is_set():
                 self.times.append(time.monotonic())
                 with http.stream("POST", "/v1/completions", json=body) as r:
                     assert r.status_code == 200, r.read()
-                    for line in r.iter_lines():
+                    for _line in r.iter_lines():
                         self.times.append(time.monotonic())
                         if self.stop.is_set():
                             break

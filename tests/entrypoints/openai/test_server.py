@@ -239,11 +239,15 @@ def test_metrics_move_as_requests_run(server, client):
     after = _wait_idle(server, 10)
     assert after["pressroom:generation_tokens_total"] - before["pressroom:generation_tokens_total"] == 4
     assert after["pressroom:prompt_tokens_total"] > before["pressroom:prompt_tokens_total"]
-    assert after["pressroom:time_to_first_token_seconds_count"] == before["pressroom:time_to_first_token_seconds_count"] + 1
-    assert after["pressroom:e2e_request_latency_seconds_count"] == before["pressroom:e2e_request_latency_seconds_count"] + 1
-    assert after["pressroom:inter_token_latency_seconds_count"] >= before["pressroom:inter_token_latency_seconds_count"] + 1
+    assert after["pressroom:time_to_first_token_seconds_count"] == \
+        before["pressroom:time_to_first_token_seconds_count"] + 1
+    assert after["pressroom:e2e_request_latency_seconds_count"] == \
+        before["pressroom:e2e_request_latency_seconds_count"] + 1
+    assert after["pressroom:inter_token_latency_seconds_count"] >= \
+        before["pressroom:inter_token_latency_seconds_count"] + 1
     assert after["pressroom:prefix_cache_queries_total"] > before["pressroom:prefix_cache_queries_total"]
-    assert after["pressroom:request_queue_time_seconds_count"] == before["pressroom:request_queue_time_seconds_count"] + 1
+    assert after["pressroom:request_queue_time_seconds_count"] == \
+        before["pressroom:request_queue_time_seconds_count"] + 1
 
 
 def test_dropped_clients_free_their_blocks(server, client):
@@ -274,7 +278,8 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
         assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401
         order: list[str] = []
 
-        async def first_token(client, name: str, max_tokens: int, priority: int | None = None, header: str | None = None):
+        async def first_token(client, name: str, max_tokens: int, priority: int | None = None,
+                              header: str | None = None):
             extra = {"ignore_eos": True} | ({"priority": priority} if priority is not None else {})
             stream = await client.completions.create(
                 model=MODEL, prompt=f"Request {name}", max_tokens=max_tokens, stream=True, extra_body=extra,
