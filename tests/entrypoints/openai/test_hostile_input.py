@@ -210,11 +210,25 @@ def _raw_post(url: str, path: str, body_start: bytes, content_length: int) -> so
     return sock
 
 
+def _read_response(sock) -> bytes:
+    """The whole response: headers and body may arrive in separate segments."""
+    reply = sock.recv(65536)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_half_sent_body_gets_408_and_a_vanished_uploader_no_traceback(server, log_path):
     with paced_stream(server):
         started = time.monotonic()
         with contextlib.closing(_raw_post(server, "/v1/completions", b'{"prompt": "a', 1000)) as sock:
-            reply = sock.recv(65536)
+            reply = _read_response(sock)
         seconds = time.monotonic() - started
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert BODY_READ_TIMEOUT_S - 0.5 < seconds < BODY_READ_TIMEOUT_S + 3, seconds
