@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.scheduler import SchedulerStats
@@ -29,7 +29,6 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 logger = logging.getLogger("pressroom")
 
-T = TypeVar("T")
 _ABORTED = object()  # the request was aborted by someone other than its consumer
 
 
@@ -84,10 +83,6 @@ class AsyncLLMEngine:
     @property
     def cuda_graphs(self) -> bool:
         return self._client.info.cuda_graphs
-
-    @property
-    def core_pid(self) -> int | None:
-        return self._client.process.pid
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.engine.tokenize_prompt(prompt)
@@ -148,16 +143,6 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             _call_soon(stream.loop, stream.queue.put_nowait, _ABORTED)
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` off the event loop, serialised with the front-end's other work (the tokenizer is
-        not safe to share between threads)."""
-        self._check_alive()
-
-        def locked() -> T:
-            with self._lock:
-                return fn()
-        return await asyncio.to_thread(locked)
 
     async def stats(self) -> SchedulerStats:
         """The core's latest figures (it sends them with every step, and once a second when idle)."""
