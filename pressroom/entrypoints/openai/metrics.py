@@ -70,24 +70,29 @@ class ServerMetrics:
 
     async def observe(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Passes `stream` through, recording token counts and latencies; closing it closes `stream`."""
-        seen, last = 0, None
-        async with aclosing(stream):
-            async for out in stream:
-                now = time.monotonic()
-                tokens = sum(len(c.token_ids) for c in out.outputs)
-                if tokens > seen:
-                    self.generation_tokens.inc(tokens - seen)
-                    self.total_generation_tokens += tokens - seen
-                    if last is None and out.metrics is not None:
-                        self.ttft.observe((out.metrics.first_token_time or now) - out.metrics.arrival_time)
-                    elif last is not None:
-                        gap = (now - last) / (tokens - seen)
-                        for _ in range(tokens - seen):
-                            self.itl.observe(gap)
-                    seen, last = tokens, now
-                if out.finished:
-                    self._finished(out, now)
-                yield out
+        seen, last, finished = 0, None, False
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    now = time.monotonic()
+                    tokens = sum(len(c.token_ids) for c in out.outputs)
+                    if tokens > seen:
+                        self.generation_tokens.inc(tokens - seen)
+                        self.total_generation_tokens += tokens - seen
+                        if last is None and out.metrics is not None:
+                            self.ttft.observe((out.metrics.first_token_time or now) - out.metrics.arrival_time)
+                        elif last is not None:
+                            gap = (now - last) / (tokens - seen)
+                            for _ in range(tokens - seen):
+                                self.itl.observe(gap)
+                        seen, last = tokens, now
+                    if out.finished:
+                        finished = True
+                        self._finished(out, now)
+                    yield out
+        finally:
+            if not finished:  # the client went away, or the engine died: vLLM counts it as an abort
+                self.request_success.labels(self.model_name, "abort").inc()
 
     def _finished(self, out: RequestOutput, now: float) -> None:
         if self.log_requests:
@@ -98,8 +103,9 @@ class ServerMetrics:
             self.e2e.observe((out.metrics.finished_time or now) - out.metrics.arrival_time)
             if out.metrics.first_scheduled_time is not None:
                 self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
-        for c in out.outputs:
-            self.request_success.labels(self.model_name, c.finish_reason or "abort").inc()
+        # One count per request (vLLM's), with its first choice's reason.
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
+        self.request_success.labels(self.model_name, reason).inc()
 
     async def log_periodically(self, read_stats, interval: float) -> None:
         """vLLM's periodic line: batch, KV usage, throughput and prefix-cache hit rate since the last one."""

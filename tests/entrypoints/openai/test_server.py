@@ -46,6 +46,14 @@ def _metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _labelled(url: str, api_key: str, name: str, **labels: str) -> float:
+    """One labelled sample of /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def _wait_idle(url: str, seconds: float) -> dict[str, float]:
     deadline = time.monotonic() + seconds
     while True:
@@ -311,6 +319,9 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
         assert order[:3] == ["head", "header", "field"] and sorted(order[3:]) == ["worse0", "worse1"], order
         m = _metrics(url, "sesame")
         assert m["vllm:request_success_total"] >= 1 and m["vllm:generation_tokens_total"] >= 20
+        # One count per request: the four that ran to max_tokens, and the head its client cancelled.
+        assert _labelled(url, "sesame", "vllm:request_success_total", finished_reason="length") == 4
+        assert _labelled(url, "sesame", "vllm:request_success_total", finished_reason="abort") == 1
         assert "vllm:kv_cache_usage_perc" in m and not any(k.startswith("pressroom:") for k in m)
 
 
