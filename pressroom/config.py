@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pressroom.platforms import cuda_available
 from pressroom.platforms.cpu import cpu_info, log_cpu_path
 
 _DTYPES = {
@@ -28,8 +29,8 @@ def resolve_device(device: str) -> str:
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}.")
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
     return device
 
@@ -153,13 +154,28 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # "uni": the worker runs in the engine core's process; "mp": one worker process per rank.
+    # None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                             f"got {self.distributed_executor_backend!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 SPEC_METHODS = ("ngram", "draft_model", "dflash2")
@@ -302,6 +318,9 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
                                   SCHEDULING_POLICIES)
     tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 is supported yet)")
+    distributed_executor_backend: str | None = _arg(
+        None, "where workers run: uni (in the engine core's process) or mp (one process per rank); "
+        "default: uni for one rank", EXECUTOR_BACKENDS)
     device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
     gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
@@ -355,7 +374,7 @@ class EngineArgs:
                                       policy=self.scheduling_policy,
                                       async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
                                                                                 speculative)),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,

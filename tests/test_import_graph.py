@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1] / "pressroom"
 # Package (or top-level module) -> the packages it never imports.
 FORBIDDEN = {
     "engine": {"entrypoints"},
-    "core": {"entrypoints", "worker", "model"},
-    "worker": {"engine", "entrypoints"},
+    "core": {"entrypoints", "worker", "model", "executor"},
+    "executor": {"engine", "entrypoints"},
+    "worker": {"engine", "entrypoints", "executor", "spec_decode"},
     "model": {"worker", "core", "engine"},
 }
 # Config and the public message types import only what sits below them.

@@ -1,6 +1,7 @@
 """The plain messages that cross the scheduler / model-runner boundary."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from pressroom.sampling_params import SamplingParams
@@ -62,6 +63,15 @@ class ModelRunnerOutput:
     # per-token confidence where it gives one.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidences: dict[str, list[float]] = field(default_factory=dict)
+
+
+class AsyncModelRunnerOutput(ABC):
+    """A launched step's output that is not on the host yet (async scheduling): the engine schedules the
+    next step before it asks for this one."""
+
+    @abstractmethod
+    def resolve(self) -> ModelRunnerOutput:
+        """Waits for the step's results and returns them (again, on later calls)."""
 
 
 @dataclass(slots=True)

@@ -40,12 +40,8 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self._client = CoreClient(config)  # a start-up error is raised here, in the caller
-        try:
-            self.engine = LLMEngine(config, core=self._client)
-        except BaseException:
-            self._client.shutdown()
-            raise
+        self.engine = LLMEngine(config, make_core=CoreClient)  # a start-up error is raised here, in the caller
+        self._client: CoreClient = self.engine.core
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._stats = SchedulerStats()

@@ -11,7 +11,6 @@ it says why before it exits, and the client reports a death it was not told of w
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -26,6 +25,7 @@ import zmq
 from pressroom.config import EngineConfig
 from pressroom.core.request import RequestStatus
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pressroom.executor.process import allow_children, die_with_parent
 
 logger = logging.getLogger("pressroom")
 
@@ -43,7 +43,7 @@ class CoreClient:
     """Starts the core process and speaks for it: `add_request` and `finish_requests` as EngineCore has
     them, and `recv` for its outputs. Not thread-safe: the caller serialises its calls."""
 
-    def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0) -> None:
         self._dir = tempfile.mkdtemp(prefix="pressroom-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._zmq = zmq.Context()
@@ -54,8 +54,8 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs = msgspec.msgpack.Decoder(CoreOutputs)
         spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
-        self.process = spawn.Process(target=run_engine_core, args=(config, in_addr, out_addr, os.getpid()),
-                                     name="pressroom-engine-core", daemon=True)
+        args = (config, eos_token_id, in_addr, out_addr, os.getpid())
+        self.process = spawn.Process(target=run_engine_core, args=args, name="pressroom-engine-core", daemon=True)
         self.process.start()
         try:
             self.info: CoreInfo = self._wait_ready(start_timeout)
@@ -119,17 +119,10 @@ def _startup_error(message: str) -> Exception:
 
 # ---- the core process ----
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL when the parent goes, however it goes."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the loop's parent-pid check still notices, within a second
-
-
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
-    _die_with_parent()
+def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str, out_addr: str,
+                    parent_pid: int) -> None:
+    die_with_parent()
+    allow_children()  # the multiprocess executor's workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -138,7 +131,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pi
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, eos_token_id)
         out.send_multipart([_READY, encoder.encode(core.info)])
         _busy_loop(core, inp, out, encoder, parent_pid)
     except BaseException as e:  # noqa: BLE001 — the client must hear why, whatever it was

@@ -11,7 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
@@ -59,18 +61,16 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core=None) -> None:
-        """`core`: a client of an engine core running elsewhere (engine/core_client.py); by default the
-        core is built here, in this process."""
+    def __init__(self, config: EngineConfig, make_core: Callable[[EngineConfig, int | None], Any] = EngineCore) -> None:
+        """`make_core(config, eos_token_id)`: the engine core, built here in this process by default, or a
+        client of one running elsewhere (engine/core_client.py). The tokenizer is loaded here, once: the
+        core only needs its end-of-sequence id."""
         self.config = config
-        if core is None:
-            core = EngineCore(config)
-            self.tokenizer, self.hf_config = core.tokenizer, core.hf_config
-        else:
-            path = resolve_model_path(config.model.model)
-            self.hf_config = load_hf_config(path)
-            skip = config.model.skip_tokenizer_init
-            self.tokenizer = None if skip else load_tokenizer(config.model.tokenizer or path)
+        path = resolve_model_path(config.model.model)
+        self.hf_config = load_hf_config(path)
+        skip = config.model.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(config.model.tokenizer or path)
+        core = make_core(config, _eos_token_id(self.tokenizer, self.hf_config))
         self.core = core
         info: CoreInfo = core.info
         self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
@@ -89,7 +89,7 @@ class LLMEngine:
     # The in-process core's parts (tests and benchmarks look at them).
     @property
     def runner(self):
-        return self.core.runner
+        return self.core.executor.driver_worker.model_runner
 
     @property
     def scheduler(self):
@@ -97,7 +97,7 @@ class LLMEngine:
 
     @property
     def model(self):
-        return self.core.model
+        return self.core.executor.driver_worker.model
 
     @property
     def kv_cache(self):
@@ -297,3 +297,10 @@ class LLMEngine:
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos

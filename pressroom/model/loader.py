@@ -29,7 +29,6 @@ logger = logging.getLogger("pressroom")
 class LoadedModel:
     model: nn.Module
     hf_config: object
-    tokenizer: object
     source: str  # the resolved path
 
 
@@ -155,5 +154,4 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             _pack_int4(model)
     _prepack(model)
     model.eval()
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or path)
-    return LoadedModel(model, hf_config, tokenizer, path)
+    return LoadedModel(model, hf_config, path)

@@ -15,7 +15,13 @@ from torch import nn
 
 from pressroom.attention.backend import AttentionBackend, AttentionMetadata, forward_context
 from pressroom.attention.torch_ref import make_cpu_backend
-from pressroom.core.outputs import PLACEHOLDER_DRAFT, ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from pressroom.core.outputs import (
+    PLACEHOLDER_DRAFT,
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TopLogprobs,
+)
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
@@ -64,7 +70,7 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class PendingOutput:
+class PendingOutput(AsyncModelRunnerOutput):
     """A step's output whose emitted tokens may still be on their way from the device."""
     output: ModelRunnerOutput
     states: list[CachedRequestState]  # the sampled requests, in the order of `tokens`' rows
