@@ -15,12 +15,14 @@ from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
-from pressroom.executor import make_executor
+from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.sampling_params import SamplingParams
 from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.worker.worker import ModelSpec
 
 logger = logging.getLogger("pressroom")
+
+MAX_FAILED_STEPS = 3  # in a row: past that the fault is the engine's, not a request's
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class EngineCore:
             raise
         self.requests: dict[str, Request] = {}
         self._inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self._failed_steps = 0  # in a row
         _relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
                              self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs)
@@ -136,6 +139,17 @@ class EngineCore:
         self.requests[request.req_id] = req
         self.scheduler.add_request(req)
 
+    def try_add_request(self, request: CoreRequest) -> EngineCoreOutput | None:
+        """add_request for a core in its own process: a request it cannot take ends alone, with
+        finish_reason "error" (returned), instead of taking the core down."""
+        try:
+            self.add_request(request)
+        except Exception:  # noqa: BLE001 — whatever it was, it was this request's
+            logger.exception("request %s could not be added; it ends with finish_reason \"error\"", request.req_id)
+            self.finish_requests([request.req_id], RequestStatus.FINISHED_ERROR)
+            return EngineCoreOutput(request.req_id, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason)
+        return None
+
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         """Ends requests the front-end is done with (aborted, or stopped by a stop string)."""
         self.scheduler.finish_requests(req_ids, status)
@@ -152,14 +166,43 @@ class EngineCore:
 
     def step(self) -> CoreOutputs:
         """Schedules and runs one step. With async scheduling the step is launched and the previous
-        one's results are returned, so the host's work overlaps the device's."""
+        one's results are returned, so the host's work overlaps the device's.
+
+        A step that raises ends the requests it ran (finish_reason "error") and the engine goes on; a
+        worker's death, or MAX_FAILED_STEPS failures in a row (a broken device), ends the engine."""
         sched = self.scheduler.schedule()
         scheduled = [new.req_id for new in sched.new_requests]
-        result = self.executor.execute_model(sched)
-        if not isinstance(result, AsyncModelRunnerOutput):
-            return CoreOutputs(self._update(sched, result), scheduled)
-        previous, self._inflight = self._inflight, (sched, result)
-        return CoreOutputs(self._update(previous[0], previous[1].resolve()) if previous is not None else [], scheduled)
+        inflight = self._inflight
+        try:
+            result = self.executor.execute_model(sched)
+            if isinstance(result, AsyncModelRunnerOutput):
+                self._inflight = (sched, result)
+                outputs = self._update(inflight[0], inflight[1].resolve()) if inflight is not None else []
+            else:
+                outputs = self._update(sched, result)
+        except FATAL_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
+            failed = [sched] + ([inflight[0]] if inflight is not None else [])
+            return CoreOutputs(self._fail_step(failed, e), scheduled)
+        self._failed_steps = 0
+        return CoreOutputs(outputs, scheduled)
+
+    def _fail_step(self, failed: list[SchedulerOutput], error: Exception) -> list[EngineCoreOutput]:
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} steps in a row failed; the last: {error!r}") from error
+        self._inflight = None
+        req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens})
+        logger.error("a step failed; its %d request(s) end with finish_reason \"error\": %s", len(req_ids),
+                     ", ".join(req_ids[:8]), exc_info=error)
+        self.executor.discard_inflight()
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for rid in req_ids:
+            if self.requests.pop(rid, None) is not None:
+                outputs.append(EngineCoreOutput(rid, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason))
+        return outputs
 
     def _update(self, sched: SchedulerOutput, runner_out) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(sched, runner_out)

@@ -161,7 +161,9 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
                 if kind == _SHUTDOWN:
                     return
                 if kind == _ADD:
-                    core.add_request(requests.decode(payload))
+                    rejected = core.try_add_request(requests.decode(payload))
+                    if rejected is not None:
+                        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([rejected], []))])
                 elif kind == _FINISH:
                     ids, status = finishes.decode(payload)
                     core.finish_requests(ids, RequestStatus[status])

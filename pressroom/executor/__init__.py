@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from pressroom.config import EngineConfig
-from pressroom.executor.abstract import Executor
+from pressroom.executor.abstract import Executor, WorkerDiedError
+
+FATAL_ERRORS = (WorkerDiedError,)  # failures that end the engine, not just the step's requests
 
 
 def make_executor(config: EngineConfig) -> Executor:

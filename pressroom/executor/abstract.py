@@ -14,6 +14,10 @@ from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, Sc
 from pressroom.worker.worker import ModelSpec, StepCosts
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process exited: the engine cannot run steps any more."""
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -41,6 +45,10 @@ class Executor(ABC):
 
     def compile_or_warm_up_model(self) -> bool:
         return self.collective_rpc("compile_or_warm_up_model")[0]
+
+    def discard_inflight(self) -> None:
+        """Forgets the device-side carry-over of steps that failed (their requests are ended)."""
+        self.collective_rpc("discard_inflight")
 
     def profile_step_costs(self, max_drafts: int, max_model_len: int) -> StepCosts:
         return self.collective_rpc("profile_step_costs", max_drafts, max_model_len)[0]

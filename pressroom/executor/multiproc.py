@@ -26,7 +26,7 @@ import zmq
 
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
-from pressroom.executor.abstract import Executor
+from pressroom.executor.abstract import Executor, WorkerDiedError
 from pressroom.executor.process import die_with_parent
 from pressroom.spec_decode import make_proposer
 from pressroom.worker.worker import Worker
@@ -36,10 +36,6 @@ logger = logging.getLogger("pressroom")
 _FLUSH, _READY = b"flush", b"ready"
 _OK, _ERROR = b"ok", b"error"
 _POLL_MS = 500
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process exited: the engine cannot run steps any more."""
 
 
 class _Call:

@@ -138,6 +138,11 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self.model_runner.execute_model(sched)
 
+    def discard_inflight(self) -> None:
+        """Drops the async carry-over (the last launched step and its tokens on the device) after a step
+        failed: the requests it held are ended, and a stale output must not be resolved again."""
+        self.model_runner.pending = self.model_runner.prev = None
+
     def shutdown(self) -> None:
         """Drops the model and its caches and returns the device's memory. The model's modules hold cycles
         (parameters keep their layer's bound weight loaders), so nothing is freed until a collection: one

@@ -11,7 +11,8 @@ import pytest
 from conftest import random_prompts
 
 from pressroom import LLM, SamplingParams
-from pressroom.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from pressroom.executor import WorkerDiedError
+from pressroom.executor.multiproc import MultiprocExecutor
 
 
 @pytest.fixture(scope="module")
