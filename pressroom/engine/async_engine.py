@@ -7,13 +7,19 @@ same lock serialises it with adds and aborts from the event loops. A consumer th
 client that disconnects, a cancelled task) aborts its request, which frees its KV blocks in the core.
 
 When the core dies or fails, every stream ends with EngineDeadError at once and later requests are
-refused with it; `is_running` turns false.
+refused with it; `is_running` turns false. A fault confined to one request's outputs (its detokenization,
+stop strings, output assembly) ends that request alone, with finish_reason "error" (LLMEngine.process_outputs).
+
+The core sends a message after every step and a heartbeat once a second when idle; `unhealthy_reason` says
+the engine is stalled when none has come for longer than the caller's threshold. `abort_all` ends every
+request in flight with an error (the server's graceful shutdown, when its grace period is over).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +53,8 @@ class AsyncLLMEngine:
         self._stats = SchedulerStats()
         self._error: BaseException | None = None
         self._closed = False
+        self._refusal: str | None = None  # set by abort_all: why new requests are refused
+        self._last_heard = time.monotonic()  # when the core last sent anything (outputs or a heartbeat)
         self._thread = threading.Thread(target=self._output_loop, name="pressroom-output", daemon=True)
         self._thread.start()
 
@@ -87,6 +95,27 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None and not self._closed
 
+    @property
+    def seconds_since_heard(self) -> float:
+        """Seconds since the core last sent anything: step outputs, or its once-a-second idle heartbeat."""
+        return time.monotonic() - self._last_heard
+
+    def unhealthy_reason(self, stall_timeout: float | None = None) -> str | None:
+        """None while the engine can serve; else why not: its core failed or was shut down, or (with
+        `stall_timeout`) nothing has been heard from it for longer than that many seconds, so its loop is
+        stuck (one step can take seconds, so the threshold must be longer than the longest step)."""
+        if self._error is not None:
+            return str(self._error)
+        if self._closed or not self._thread.is_alive():
+            return "The engine is shut down."
+        if self._refusal is not None:
+            return self._refusal
+        silent = self.seconds_since_heard
+        if stall_timeout is not None and stall_timeout > 0 and silent > stall_timeout:
+            return (f"The engine loop has made no progress for {silent:.1f} s (the engine core sends outputs after "
+                    f"every step and a heartbeat every second; the stall threshold is {stall_timeout:g} s).")
+        return None
+
     # ---- requests ----
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -101,10 +130,12 @@ class AsyncLLMEngine:
         """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
         iterate or close: leaving the stream before the request finishes aborts it."""
         self._check_alive()
+        if self._refusal is not None:
+            raise EngineDeadError(self._refusal)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
-            self._streams[request_id] = stream
+            self._streams[request_id] = stream  # (add_request undoes itself if it raises: nothing to clean)
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -140,6 +171,20 @@ class AsyncLLMEngine:
         if stream is not None:
             _call_soon(stream.loop, stream.queue.put_nowait, _ABORTED)
 
+    def abort_all(self, message: str) -> int:
+        """Ends every request in flight: the core drops them, and each stream raises EngineDeadError(message)
+        (the server's handlers turn it into a 503, or an SSE error event after a finish_reason "abort"
+        chunk). Later requests are refused with the same error. Thread-safe; returns how many were ended."""
+        if self._closed or self._error is not None:
+            return 0
+        with self._lock:
+            self._refusal = message
+            self.engine.abort_request(list(self.engine.parents))
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            _call_soon(stream.loop, stream.queue.put_nowait, EngineDeadError(message))
+        return len(streams)
+
     async def stats(self) -> SchedulerStats:
         """The core's latest figures (it sends them with every step, and once a second when idle)."""
         return self._stats
@@ -167,9 +212,10 @@ class AsyncLLMEngine:
                 step = self._client.recv()
                 if step is None:
                     continue
+                self._last_heard = time.monotonic()
                 if step.stats is not None:
                     self._stats = step.stats
-                with self._lock:
+                with self._lock:  # a fault in one request's outputs ends that request alone (in process_outputs)
                     outputs = self.engine.process_outputs(step)
                 self._deliver(outputs)
         except BaseException as e:  # noqa: BLE001 — every waiting caller must hear of it

@@ -5,6 +5,10 @@ others), hands its sequences to the engine core (engine/core.py: scheduler and m
 ids, and turns the core's per-step token ids into cumulative RequestOutputs: incremental
 detokenization, stop strings, logprobs, n > 1 siblings. The core is in this process (`LLM`), or in one
 of its own behind a client with the same methods (engine/core_client.py, under the server).
+
+A fault while handling one request's outputs (any exception type, a tokenizer's panic included) ends that
+request alone: its samples finish with finish_reason "error" (vLLM's), the core drops them, and the other
+requests go on. A request that fails while being added leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ logger = logging.getLogger("pressroom")
 
 MAX_LOGPROBS = 20
 PromptType = str | list[int] | dict
+ERROR = "error"  # the finish reason of a request whose output handling failed (vLLM's FinishReason.ERROR)
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit)  # a per-request fault is any other exception (pyo3 panics too)
 
 
 @dataclass(slots=True)
@@ -127,13 +133,17 @@ class LLMEngine:
                          prompt_logprobs=[] if params.prompt_logprobs is not None else None,
                          session_id=session_id)
         self.parents[request_id] = parent
-        lead = None
-        for child in children:
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + child.index)
-            self.child_to_parent[child.request_id] = (parent, child)
-            self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead))
-            lead = lead or child.request_id
+        try:
+            lead = None
+            for child in children:
+                child_params = params if params.n == 1 else params.clone(
+                    n=1, seed=None if params.seed is None else params.seed + child.index)
+                self.child_to_parent[child.request_id] = (parent, child)
+                self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead))
+                lead = lead or child.request_id
+        except BaseException:
+            self.abort_request(request_id)  # the siblings already handed to the core go too
+            raise
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) exactly as add_request would see them (BOS per the model)."""
@@ -230,23 +240,62 @@ class LLMEngine:
         return self.process_outputs(self.core.step())
 
     def process_outputs(self, step: CoreOutputs) -> list[RequestOutput]:
+        """RequestOutputs of the requests that moved in `step`. A request whose handling raises (here: its
+        detokenization, stop strings, logprobs or output assembly) is reported finished with finish_reason
+        "error" and dropped from the core; the others are unaffected."""
         now = time.monotonic()
         for req_id in step.scheduled:
             entry = self.child_to_parent.get(req_id)
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = now
         moved: dict[str, _Parent] = {}
-        for out in step.outputs:
-            entry = self.child_to_parent.get(out.req_id)
-            if entry is not None:
-                self._absorb(entry[0], entry[1], out, now)
-                moved[entry[0].request_id] = entry[0]
         outputs = []
+        for out in step.outputs:
+            entry = self.child_to_parent.get(out.req_id)  # None once its request finished, was aborted or failed
+            if entry is None:
+                continue
+            try:
+                self._absorb(entry[0], entry[1], out, now)
+            except _NOT_CAUGHT:
+                raise
+            except BaseException as e:  # noqa: BLE001 — one request's fault, whatever its type, is its own
+                moved.pop(entry[0].request_id, None)
+                outputs.append(self._fail(entry[0], e, now))
+                continue
+            moved[entry[0].request_id] = entry[0]
         for parent in moved.values():
-            finished = parent.finished()
-            if finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._finish_or_report(parent, finished, now))
+            try:
+                finished = parent.finished()
+                if finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._finish_or_report(parent, finished, now))
+            except _NOT_CAUGHT:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                outputs.append(self._fail(parent, e, now))
         return outputs
+
+    def _fail(self, parent: _Parent, error: BaseException, now: float) -> RequestOutput:
+        """Ends a request whose output handling raised: every sample finishes with "error", the core drops
+        the unfinished ones, and its final RequestOutput carries what could still be assembled."""
+        logger.error("request %s failed while its output was processed; it is ended with finish_reason "
+                     "\"error\" (other requests go on)", parent.request_id, exc_info=error)
+        unfinished = [c.request_id for c in parent.children if c.finish_reason is None]
+        for child in parent.children:
+            child.finish_reason, child.stop_reason = ERROR, None
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_to_parent.pop(child.request_id, None)
+        parent.metrics.finished_time = now
+        if unfinished:
+            self.core.finish_requests(unfinished, RequestStatus.FINISHED_ABORTED)
+        try:
+            return self._request_output(parent, True)
+        except _NOT_CAUGHT:
+            raise
+        except BaseException:  # noqa: BLE001 — the fault was in the assembly itself: report no text
+            outputs = [CompletionOutput(c.index, "", list(c.token_ids), finish_reason=ERROR) for c in parent.children]
+            return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
+                                 None, parent.num_cached_tokens, parent.metrics, parent.session_id)
 
     def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
         if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):

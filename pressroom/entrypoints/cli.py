@@ -145,7 +145,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                         help="accept a `chat_template` in chat and tokenize requests (rendered sandboxed, with "
                              "time and size limits, either way)")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds to let in-flight requests finish on SIGTERM before aborting them")
+                        help="seconds to let in-flight requests finish on SIGTERM; those still running then are "
+                             "ended with an error (a stream: a finish_reason \"abort\" chunk, an error event and "
+                             "[DONE]; otherwise a 503)")
+    server.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                        help="/health answers 503 when the engine core has sent nothing (step outputs, or its "
+                             "heartbeat every second when idle) for this many seconds: its loop is stuck. Keep it "
+                             "above the longest engine step (a long prefill on a CPU takes seconds); 0: never")
     server.add_argument("--metrics-prefix", default="pressroom:",
                         help="prefix of /metrics names, e.g. vllm: for existing vLLM dashboards")
     server.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],

@@ -202,14 +202,17 @@ class Preprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """`fn` on the tokenizer threads; a ValueError, TypeError or KeyError is the client's (a 400)."""
+        """`fn`, tokenizer work on a request's input, on the tokenizer threads. Its failure is the client's
+        (a 400): a ValueError, TypeError or KeyError with its message; any other exception, a panic of the
+        Rust tokenizer (pyo3's PanicException, a BaseException) included, with a generic one."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
         except (ValueError, TypeError, KeyError, OverflowError) as e:
             raise APIError(400, _client_message(e)) from None
-        except (Exception, asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
-        except BaseException:  # a panic of the Rust tokenizer (pyo3's PanicException) on the request's input
+        except BaseException as e:  # noqa: BLE001 — whatever the tokenizer raised on this input, it is this input's
+            logger.warning("the tokenizer failed on a request's input: %s: %s", type(e).__name__, _client_message(e))
             raise APIError(400, "The tokenizer could not process the request's input.") from None
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,

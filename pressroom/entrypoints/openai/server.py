@@ -3,6 +3,12 @@
 Every bad input becomes an OpenAI-shaped JSON error with a 4xx status; only a fault of the server
 itself is a 500. A client that disconnects aborts its requests, which frees their KV blocks.
 
+On SIGTERM the server stops accepting connections and gives the requests in flight --shutdown-timeout
+seconds to finish; then it ends those still running itself (`AsyncLLMEngine.abort_all`): a stream gets a
+finish_reason "abort" chunk, an SSE error event and `data: [DONE]`, a non-streamed request a JSON 503, a
+little before uvicorn's own deadline would cut them. /health is 503 (with the reason) once the engine core
+died, or has not been heard from for --engine-stall-timeout seconds.
+
 This module is the app: middleware (auth and backpressure, the body's deadline, the access log), routes with
 their OpenAPI schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py
 (shared base, small endpoints), serving_completion.py and serving_chat.py; chat templates and tokenizer calls in
@@ -17,6 +23,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
@@ -25,7 +32,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pressroom
-from pressroom.engine.async_engine import AsyncLLMEngine
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.metrics import ServerMetrics
@@ -50,6 +57,12 @@ access_logger = logging.getLogger("pressroom.access")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+# Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's heartbeat
+# comes every second.
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 60.0
+# After --shutdown-timeout the server ends the requests still in flight itself; uvicorn cancels the handlers of
+# any still not done this much later (only a client that stopped reading its stream can hold one that long).
+SHUTDOWN_BACKSTOP_S = 2.0
 
 
 # ---- the app ----
@@ -196,16 +209,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
               log_stats_interval: float = 10.0, log_requests: bool = True, reasoning_parser: str | None = None,
               reasoning_start: str = "<think>", reasoning_end: str = "</think>",
               trust_request_chat_template: bool = False, metrics_auth: bool = True,
-              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S) -> FastAPI:
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
+              engine_stall_timeout: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S) -> FastAPI:
     """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
     `log_requests`: the access line per HTTP request and the line per finished engine request.
-    `metrics_auth`: /metrics needs the API key too (when one is set)."""
+    `metrics_auth`: /metrics needs the API key too (when one is set).
+    `engine_stall_timeout`: /health turns 503 after this many seconds without a word from the engine core
+    (None or 0: only its death does)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     reasoning = make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end)
     stats = ServerMetrics(metrics_prefix, names[0], log_requests)  # one for all handlers
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
     preprocessor = Preprocessor(engine.tokenizer, 2 * max_request_bytes, trust_request_chat_template)
-    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor)
+    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor,
+                                   stall_timeout=engine_stall_timeout)
     completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
     chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning)
 
@@ -237,6 +254,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
     async def _validation_error(_: Request, e: RequestValidationError):
         return error_response(400, str(e))
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError):  # the core died, or the shutdown ended the request
+        return error_response(503, str(e), "service_unavailable")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -265,11 +286,34 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
 
 # ---- running it ----
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (SIGTERM) ends the engine's requests still in flight after
+    `grace_s` seconds, so that each gets an error (a 503, or its finish reason and an SSE error event) before
+    uvicorn's deadline, `grace_s` + SHUTDOWN_BACKSTOP_S, would cancel its handler and cut its response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.create_task(self._end_requests_after_grace())
+        try:
+            await super().shutdown(sockets)  # stops accepting, then waits for the requests in flight
+        finally:
+            ender.cancel()
+
+    async def _end_requests_after_grace(self) -> None:
+        await asyncio.sleep(self.grace_s)
+        ended = self.engine.abort_all(f"The server is shutting down: the request did not finish within its "
+                                      f"{self.grace_s:g} s shutdown timeout.")
+        if ended:
+            logger.warning("shutdown timeout (%g s) is over: ended %d request(s) still in flight", self.grace_s,
+                           ended)
+
+
 def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
     """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
     started = time.monotonic() if started is None else started
-    import uvicorn
-
     from pressroom.config import EngineArgs
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
     names = args.served_model_name or [engine_kwargs.get("model") or Path(str(engine.model_path)).stem]
@@ -280,6 +324,7 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
                     trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                     metrics_auth=not getattr(args, "disable_metrics_auth", False),
                     body_read_timeout=getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S),
+                    engine_stall_timeout=getattr(args, "engine_stall_timeout", DEFAULT_ENGINE_STALL_TIMEOUT_S),
                     log_stats_interval=0 if getattr(args, "disable_log_stats", False) else args.log_stats_interval,
                     log_requests=not getattr(args, "disable_log_requests", False),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
@@ -294,14 +339,19 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
                         engine.startup_seconds,
                         ", profile, CUDA graphs" if engine.cuda_graphs else "")
             yield
-        engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were cancelled
+        engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
 
     app.router.lifespan_context = lifespan
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    grace = max(0.0, args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not getattr(args, "disable_uvicorn_access_log", False),
+                            timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S)
+    server = _GracefulServer(config, engine, grace)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not getattr(args, "disable_uvicorn_access_log", False),
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.shutdown()
-    return 0
+    return 0 if server.started else 3  # 3: uvicorn's exit code for a server that could not start (port in use)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from starlette.requests import ClientDisconnect
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
-from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
@@ -39,6 +40,8 @@ from pressroom.entrypoints.openai.protocol import (
 )
 from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
+
+logger = logging.getLogger("pressroom")
 
 MAX_SESSION_ID_CHARS = 256
 PRIORITY_HEADERS = ("X-Vllm-Priority", "X-Priority")  # vLLM's name first; X-Priority is pressroom's older alias
@@ -183,13 +186,21 @@ class OpenAIServing:
         return streams
 
     def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """Server-sent events of `chunks`, then `data: [DONE]`. A stream that fails midway (the engine ended
+        its request, or handling it raised) ends with an OpenAI-style error event before [DONE], never with a
+        cut connection; the chunk generators first close each open choice with its finish reason."""
         async def body() -> AsyncIterator[str]:
             try:
                 async with aclosing(chunks):
                     async for chunk in chunks:
                         yield chunk
             except EngineDeadError as e:
-                yield sse_data(ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable")))
+                yield sse_error(str(e), "service_unavailable", 503)
+            except APIError as e:
+                yield sse_error(e.message, e.type, e.status)
+            except Exception:  # noqa: BLE001 — a fault of this one stream: it ends with an error, the rest go on
+                logger.exception("a stream's handler failed")
+                yield sse_error(_FAILED_MESSAGE, "internal_server_error", 500)
             yield "data: [DONE]\n\n"
         return _EventStream(body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -204,9 +215,19 @@ class OpenAIServing:
 class OpenAIServingUtility(OpenAIServing):
     """The small endpoints: health, version, metrics, the model list, tokenize and detokenize."""
 
+    def __init__(self, *args, stall_timeout: float | None = None, **kwargs) -> None:
+        """`stall_timeout`: /health turns 503 when the engine core has not been heard from (step outputs, or
+        its idle heartbeat every second) for longer than this many seconds (None or 0: never)."""
+        super().__init__(*args, **kwargs)
+        self.stall_timeout = stall_timeout
 
     async def health(self) -> Response:
-        return Response(status_code=200 if self.engine.is_running else 503)
+        """200 with an empty body while the engine serves; else a 503 whose error says why (its core died or
+        was shut down, or its loop has stalled past --engine-stall-timeout)."""
+        reason = self.engine.unhealthy_reason(self.stall_timeout)
+        if reason is None:
+            return Response(status_code=200)
+        return error_response(503, reason, "service_unavailable")
 
     async def version(self) -> dict:
         return {"version": pressroom.__version__}
@@ -253,6 +274,10 @@ class OpenAIServingUtility(OpenAIServing):
 # ---- helpers of the handlers ----
 
 _TOO_DEEP = "The body nests too deeply."
+_FAILED_MESSAGE = ("The server failed while processing this request's output; the request was ended (other "
+                   "requests are not affected).")
+ERROR = "error"  # the finish reason of a request whose output handling failed (LLMEngine.process_outputs)
+ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdown, a dead engine): vLLM's
 
 
 def _json_object(body: bytes) -> dict:
@@ -269,6 +294,18 @@ def _json_object(body: bytes) -> dict:
 
 def sse_data(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
+
+
+def sse_error(message: str, type_: str, status: int) -> str:
+    """An OpenAI-style error event of a stream: `data: {"error": {...}}`."""
+    return sse_data(ErrorResponse(error=ErrorInfo(message=message, type=type_, code=status)))
+
+
+def raise_if_failed(outputs) -> None:
+    """A 500 for a request one of whose outputs ended with finish_reason "error" (its handling failed in the
+    engine's front-end; the engine logged why)."""
+    if any(c.finish_reason == ERROR for out in outputs for c in out.outputs):
+        raise APIError(500, _FAILED_MESSAGE, "internal_server_error")
 
 
 def finite_logprob(x: float) -> float:
@@ -362,13 +399,18 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
 
 
 async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """The final output of each stream, in order; a 503 if any stream ended without one (aborted)."""
+    """The final output of each stream, in order; a 503 if any stream ended without one (aborted, or the
+    engine ended it), a 500 if one failed (finish_reason "error")."""
     finals: dict[int, RequestOutput] = {}
-    async for i, out in merge_streams(streams):
-        if out.finished:
-            finals[i] = out
+    try:
+        async for i, out in merge_streams(streams):
+            if out.finished:
+                finals[i] = out
+    except EngineDeadError as e:  # the core died, or the server's shutdown ended the request
+        raise APIError(503, str(e), "service_unavailable") from None
     if len(finals) != len(streams):
         raise APIError(503, "The request was aborted.", "service_unavailable")
+    raise_if_failed(finals.values())
     return [finals[i] for i in range(len(streams))]
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pressroom.engine.async_engine import AsyncLLMEngine
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
@@ -29,10 +29,12 @@ from pressroom.entrypoints.openai.protocol import (
 )
 from pressroom.entrypoints.openai.reasoning import ReasoningParser
 from pressroom.entrypoints.openai.serving import (
+    ABORT,
     OpenAIServing,
     collect_finals,
     finite_logprob,
     merge_streams,
+    raise_if_failed,
     request_priority,
     request_session_id,
     sse_data,
@@ -115,38 +117,48 @@ class OpenAIServingChat(OpenAIServing):
         sent_text, sent_lp, done = [0] * req.n, [0] * req.n, [False] * req.n
         splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
         final = None
-        async for _, out in merge_streams([stream]):
-            for c in out.outputs:
-                if done[c.index]:
-                    continue
-                delta = c.text[sent_text[c.index]:]
-                logprobs = None
-                if req.logprobs and c.logprobs is not None:
-                    new_ids = c.token_ids[sent_lp[c.index]:]
-                    logprobs = self._chat_logprobs(new_ids, c.logprobs[sent_lp[c.index]:], req)
-                    sent_lp[c.index] = len(c.token_ids)
-                if not delta and c.finish_reason is None and not (logprobs and logprobs.content):
-                    continue
-                sent_text[c.index] = len(c.text)
-                done[c.index] = c.finish_reason is not None
-                if splitters is None:
-                    deltas = [DeltaMessage(content=delta)]
-                else:  # reasoning first, then content; a marker split across chunks is held back until whole
-                    reasoning, content = splitters[c.index].feed(delta)
+        try:
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
                     if done[c.index]:
-                        r_rest, c_rest = splitters[c.index].finish()
-                        reasoning, content = reasoning + r_rest, content + c_rest
-                    if not (reasoning or content or done[c.index] or (logprobs and logprobs.content)):
-                        continue  # all held back (a possible marker): nothing to send yet
-                    deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
-                    if content or not deltas:
-                        deltas.append(DeltaMessage(content=content))
-                for k, d in enumerate(deltas):
-                    last = k == len(deltas) - 1
-                    yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
-                                                 finish_reason=c.finish_reason if last else None,
-                                                 stop_reason=c.stop_reason if last else None)])
-            if out.finished:
-                final = out
+                        continue
+                    delta = c.text[sent_text[c.index]:]
+                    logprobs = None
+                    if req.logprobs and c.logprobs is not None:
+                        new_ids = c.token_ids[sent_lp[c.index]:]
+                        logprobs = self._chat_logprobs(new_ids, c.logprobs[sent_lp[c.index]:], req)
+                        sent_lp[c.index] = len(c.token_ids)
+                    if not delta and c.finish_reason is None and not (logprobs and logprobs.content):
+                        continue
+                    sent_text[c.index] = len(c.text)
+                    done[c.index] = c.finish_reason is not None
+                    if splitters is None:
+                        deltas = [DeltaMessage(content=delta)]
+                    else:  # reasoning first, then content; a marker split across chunks is held back until whole
+                        reasoning, content = splitters[c.index].feed(delta)
+                        if done[c.index]:
+                            r_rest, c_rest = splitters[c.index].finish()
+                            reasoning, content = reasoning + r_rest, content + c_rest
+                        if not (reasoning or content or done[c.index] or (logprobs and logprobs.content)):
+                            continue  # all held back (a possible marker): nothing to send yet
+                        deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+                        if content or not deltas:
+                            deltas.append(DeltaMessage(content=content))
+                    for k, d in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
+                                                     finish_reason=c.finish_reason if last else None,
+                                                     stop_reason=c.stop_reason if last else None)])
+                if out.finished:
+                    final = out
+        except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
+            for i in range(req.n):  # each open choice gets its finish reason; the error event follows (_sse)
+                if not done[i]:
+                    held = splitters[i].finish() if splitters is not None else ("", "")  # what a marker held back
+                    delta = DeltaMessage(reasoning_content=held[0] or None, content=held[1])
+                    yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=ABORT)])
+            raise
+        if final is not None:
+            raise_if_failed([final])  # a choice ended with "error": the error event follows (_sse)
         if req.stream_options and req.stream_options.include_usage and final is not None:
             yield chunk([], self._chat_usage(final, opens))

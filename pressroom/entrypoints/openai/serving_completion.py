@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -16,10 +17,12 @@ from pressroom.entrypoints.openai.protocol import (
     random_id,
 )
 from pressroom.entrypoints.openai.serving import (
+    ABORT,
     OpenAIServing,
     collect_finals,
     finite_logprob,
     merge_streams,
+    raise_if_failed,
     request_priority,
     request_session_id,
     sse_data,
@@ -104,27 +107,35 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_text, sent_lp, done = [0] * total, [0] * total, [False] * total
         echoed = [not req.echo] * total
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge_streams(streams):
-            for c in out.outputs:
-                k = i * req.n + c.index
-                if done[k]:
-                    continue
-                delta = c.text[sent_text[k]:]
-                if not echoed[k]:
-                    delta = self._echoed_prompt(out) + delta
-                logprobs = None
-                if req.logprobs is not None and c.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:],
-                                                         req.logprobs)
-                    sent_lp[k] = len(c.token_ids)
-                if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
-                    continue
-                sent_text[k], done[k], echoed[k] = len(c.text), c.finish_reason is not None, True
-                choice = CompletionChoice(index=k, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
-                                          stop_reason=c.stop_reason)
-                yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
-            if out.finished:
-                finals[i] = out
+        try:
+            async for i, out in merge_streams(streams):
+                for c in out.outputs:
+                    k = i * req.n + c.index
+                    if done[k]:
+                        continue
+                    delta = c.text[sent_text[k]:]
+                    if not echoed[k]:
+                        delta = self._echoed_prompt(out) + delta
+                    logprobs = None
+                    if req.logprobs is not None and c.logprobs is not None:
+                        logprobs = self._completion_logprobs(c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:],
+                                                             req.logprobs)
+                        sent_lp[k] = len(c.token_ids)
+                    if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
+                        continue
+                    sent_text[k], done[k], echoed[k] = len(c.text), c.finish_reason is not None, True
+                    choice = CompletionChoice(index=k, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason)
+                    yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+                if out.finished:
+                    finals[i] = out
+        except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
+            for k in range(total):  # each open choice gets its finish reason; the error event follows (_sse)
+                if not done[k]:
+                    choice = CompletionChoice(index=k, text="", finish_reason=ABORT)
+                    yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+            raise
+        raise_if_failed(finals.values())  # a choice ended with "error": the error event follows (_sse)
         if req.stream_options and req.stream_options.include_usage and len(finals) == len(streams):
             usage = usage_of([finals[i] for i in sorted(finals)])
             yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
