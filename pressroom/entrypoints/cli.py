@@ -138,7 +138,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                         help="let /metrics answer without the API key (for scrapers that cannot send one)")
     server.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
     server.add_argument("--body-read-timeout", type=float, default=30.0,
-                        help="seconds a client has to send a request's whole body; a 408 after (0: no limit)")
+                        help="seconds a client has to send a request's whole body (a 408 after), and a new "
+                        "connection its first request's headers (closed after); 0: no limit")
     server.add_argument("--max-concurrent-requests", type=int, default=512,
                         help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
     server.add_argument("--trust-request-chat-template", action="store_true",

@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -286,6 +288,36 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
 
 # ---- running it ----
 
+def _header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a deadline on a connection's first request headers. uvicorn arms its
+    keep-alive timer only after a response (and any byte received cancels it), so a client that opened
+    connections and sent their headers a byte at a time held them for ever; this closes such a connection
+    `timeout_s` after it opened unless its first request's headers are all in by then."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_deadline = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_deadline is not None and self.conn.their_state is not h11.IDLE:
+                self._header_deadline.cancel()  # the first request's headers are in
+                self._header_deadline = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server, whose graceful shutdown (SIGTERM) ends the engine's requests still in flight after
     `grace_s` seconds, so that each gets an error (a 503, or its finish reason and an SSE error event) before
@@ -344,9 +376,11 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
     app.router.lifespan_context = lifespan
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     grace = max(0.0, args.shutdown_timeout)
+    header_timeout = getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not getattr(args, "disable_uvicorn_access_log", False),
-                            timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S)
+                            timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S,
+                            http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
     server = _GracefulServer(config, engine, grace)
     try:
         server.run()

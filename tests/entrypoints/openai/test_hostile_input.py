@@ -241,6 +241,21 @@ def test_half_sent_body_gets_408_and_a_vanished_uploader_no_traceback(server, lo
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+def test_headers_sent_slowly_are_cut_off_while_a_stream_keeps_its_pace(server):
+    host, port = server.removeprefix("http://").split(":")
+    with paced_stream(server):
+        started = time.monotonic()
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(5)]
+        for sock in socks:  # headers that never end: a byte now and then
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+        for sock in socks:
+            with contextlib.closing(sock):
+                assert sock.recv(1024) == b""  # closed by the server, no response
+        seconds = time.monotonic() - started
+        assert BODY_READ_TIMEOUT_S - 0.5 < seconds < BODY_READ_TIMEOUT_S + 3, seconds
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
 # ---- auth, defaults, limits, what errors and /v1/models show ----
 
 def test_every_route_but_health_needs_the_key(server):
