@@ -187,3 +187,20 @@ def test_a_deleted_llm_returns_its_memory_and_a_second_gets_the_full_budget(mode
         second.shutdown()
     finally:
         gc.enable()
+
+
+def test_multiproc_executor_matches_in_process_and_keeps_the_device_out_of_this_process(model_dir):
+    """The worker in a process of its own (async scheduling and CUDA graphs, the defaults on CUDA): the
+    same greedy tokens, and this process never allocates device memory for it."""
+    path = model_dir("llama-d128")
+    prompts = random_prompts(8, seed=21)
+    with _llm(path) as llm:
+        expected = _tokens(llm, prompts)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    with _llm(path, distributed_executor_backend="mp") as llm:
+        assert llm.engine.core.cuda_graphs
+        assert _tokens(llm, prompts) == expected
+        assert torch.cuda.memory_allocated() == before
+        proc = llm.engine.core.executor.processes[0]
+    assert not proc.is_alive()
