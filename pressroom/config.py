@@ -144,8 +144,19 @@ class SchedulerConfig:
     max_model_len: int = 0  # copied from the model config once known
     # Schedule and prepare step N+1 while the device runs step N (tokens come back one step late).
     async_scheduling: bool = False
+    # vLLM's: a prompt with more tokens left than this gets at most this many per step (0: no limit), so a
+    # long prompt leaves the rest of the step to other requests and bounds a step's time.
+    long_prefill_token_threshold: int = 0
+    # Cost-based prefill chunks: a chunk of n prompt tokens after c computed ones counts
+    # n * (1 + c / prefill_cost_context) against max_num_batched_tokens and long_prefill_token_threshold,
+    # since its attention grows with c: a long prompt's later chunks shrink. 0: every token counts 1.
+    # The CPU defaults to both (EngineArgs); CUDA to neither, as vLLM.
+    prefill_cost_context: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("long_prefill_token_threshold", "prefill_cost_context"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
@@ -272,6 +283,14 @@ def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
 
 CPU_TOKENS_PER_THREAD = 128  # a 512-token prefill step of SmolLM2-135M took ~1.9 s on one core
 CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries every running decode and a prefill chunk
+# SchedulerConfig.prefill_cost_context on the CPU: the context at which a prompt token's attention costs as much
+# as the rest of its forward pass. Engine steps of the embedded SmolLM2-135M (fp32, AVX2, one torch thread; CPU
+# time of 256- and 512-token prompt chunks at contexts 0 to 4,096, fitted to n * (a + b * (c + n / 2))) took
+# a = ~2.7 ms per token and b = ~5.8 us per token and context token: a / b = 470-530. (Counting FLOPs would say
+# ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the CPU's attention, over a
+# gathered and masked context, runs far below matmul speed.) So an 8,000-token prompt's last chunks cost ~16x
+# its first per token.
+CPU_PREFILL_COST_CONTEXT = 512
 
 
 def default_max_num_batched_tokens(device: str) -> int:
@@ -313,6 +332,16 @@ class EngineArgs:
                                                     "decodes); default: 16384 on CUDA; on the CPU 128 per torch "
                                                     "thread, at least 512: a long prompt is prefilled in chunks "
                                                     "and running streams get a token between them")
+    long_prefill_token_threshold: int | None = _arg(None, "a prompt with more tokens left than this gets at most "
+                                                          "this many per step (counted as cost where "
+                                                          "--prefill-cost-context is set), leaving the rest of the "
+                                                          "step to other requests; 0: no limit (default: 0 on "
+                                                          "CUDA; on the CPU 128 per torch thread)")
+    prefill_cost_context: int | None = _arg(None, "cost-based prefill chunks: n prompt tokens after c computed ones "
+                                                  "count n * (1 + c / this) against the step's budget and "
+                                                  "--long-prefill-token-threshold, so a long prompt's later chunks "
+                                                  "shrink and a step's time stays bounded; 0: tokens count alone "
+                                                  f"(default: 0 on CUDA, {CPU_PREFILL_COST_CONTEXT} on the CPU)")
     max_num_seqs: int | None = _arg(None, "requests running at once at most (default: 1024 on CUDA, vLLM's for "
                                           "large GPUs; 256 on the CPU)")
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
@@ -335,6 +364,17 @@ class EngineArgs:
     speculative_config: dict | str | None = _arg(None, 'speculative decoding: a JSON object of vLLM keys, e.g. '
                                                        '{"method": "ngram", "num_speculative_tokens": 3}; methods: '
                                                        f"{', '.join(SPEC_METHODS)} (default: off)")
+
+    def _prefill_chunking(self, device: str) -> dict[str, int]:
+        """CUDA: tokens count alone and no prompt is limited (vLLM's defaults). The CPU: a long prompt's chunk
+        gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with its attention
+        (CPU_PREFILL_COST_CONTEXT), so streams running beside it keep their pace."""
+        threshold, context = self.long_prefill_token_threshold, self.prefill_cost_context
+        if device == "cuda":
+            return {"long_prefill_token_threshold": threshold or 0, "prefill_cost_context": context or 0}
+        return {"long_prefill_token_threshold": CPU_TOKENS_PER_THREAD * torch.get_num_threads()
+                if threshold is None else threshold,
+                "prefill_cost_context": CPU_PREFILL_COST_CONTEXT if context is None else context}
 
     @classmethod
     def names(cls) -> set[str]:
@@ -372,6 +412,7 @@ class EngineArgs:
                                       or default_max_num_batched_tokens(device),
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,
+                                      **self._prefill_chunking(device),
                                       async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
                                                                                 speculative)),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),

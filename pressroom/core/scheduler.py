@@ -4,6 +4,12 @@ Each step, running requests get their next tokens first (1 for a decode, a chunk
 prompt), then waiting requests are admitted in priority order while budget and blocks last.
 When blocks run out, the worst running request is preempted and later recomputed.
 
+A prompt gets at most `long_prefill_token_threshold` of a step (vLLM's knob), so a long one leaves room for
+others. With `prefill_cost_context` set, the step's budget and that threshold count cost, not tokens: a prompt
+chunk's attention grows with the context already computed, so a long prompt's later chunks count for more and
+shrink. The CPU sets both
+by default, so a step's time stays bounded while a long prompt is prefilled; CUDA neither.
+
 Progress is booked when a step is scheduled: a step that reaches the end of a request's tokens
 leaves output placeholders, one per token it may emit (1 + its drafts), given back when its tokens
 come back. So the next step can be scheduled before the previous one's tokens are known (async
@@ -127,10 +133,11 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = self._num_new_tokens(req, budget)
+            n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
             if n == 0:
                 continue
             drafts = self._drafts_that_fit(req, n, budget)
+            cost = self._cost(n, req.num_computed_tokens) + len(drafts)
             n += len(drafts)
             old_len = len(self.kv.req_blocks.get(req.request_id, ()))
             while not self.kv.allocate_slots(req, n + self.async_drafts):
@@ -144,7 +151,7 @@ class Scheduler:
             scheduled[req.request_id] = n
             if drafts:
                 spec_tokens[req.request_id] = drafts
-            budget -= n
+            budget = max(0, budget - cost)
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             if self._book(req, n, len(drafts)):
@@ -225,7 +232,7 @@ class Scheduler:
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
-            n = min(req.num_tokens - num_hit, budget)
+            n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
             if not self.kv.allocate_slots(req, n + self.async_drafts, hits):
                 skipped.append(entry)
                 break
@@ -235,7 +242,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = n
-            budget -= n
+            budget = max(0, budget - self._cost(n, num_hit))
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id))
@@ -250,7 +257,8 @@ class Scheduler:
         offered = {r.request_id: len(r.spec_token_ids) for r in self.running if r.spec_token_ids}
         if not offered:
             return
-        base = sum(self._num_new_tokens(r, budget) for r in self.running)
+        base = sum(self._prefill_chunk(self._num_new_tokens(r, budget), r.num_computed_tokens, budget)
+                   for r in self.running)
         room = self.config.max_num_seqs - len(self.running)  # only these waiting prompts may join this step
         base += sum(e[2].num_tokens for e in heapq.nsmallest(max(0, room), self.waiting))  # capped below
         contexts = {r.request_id: r.num_computed_tokens for r in self.running}
@@ -269,6 +277,24 @@ class Scheduler:
         room = min(budget - 1, self.config.max_model_len - req.num_computed_tokens - 1,
                    req.sampling_params.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1)
         return req.spec_token_ids[:max(0, room)]
+
+    def _cost(self, n: int, context: int) -> int:
+        """What n tokens computed after `context` ones count against the step budget: n * (1 + context / K)
+        for a prompt chunk with cost-based chunking on (K = prefill_cost_context; see config.py for how it
+        was measured), else n. A single token (a decode) counts 1: its attention is a memory-bound kernel
+        whose total the KV cache's size bounds."""
+        k = self.config.prefill_cost_context
+        return n if not k or n <= 1 else -(-n * (k + context) // k)
+
+    def _prefill_chunk(self, n: int, context: int, budget: int) -> int:
+        """The most of a prompt's next n tokens (n <= budget) whose cost (`_cost`) fits the budget and
+        long_prefill_token_threshold; at least one, so a prompt progresses in every step that has budget."""
+        if n <= 1:
+            return n
+        threshold = self.config.long_prefill_token_threshold
+        limit = min(budget, threshold) if threshold else budget
+        k = self.config.prefill_cost_context
+        return max(1, min(n, limit * k // (k + context) if k else limit))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         if req.num_output_placeholders and req.num_output_tokens + req.num_output_placeholders >= \
