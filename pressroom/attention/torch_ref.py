@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pressroom.attention.backend import AttentionMetadata
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
 from pressroom.kernels import cpu as cpu_kernels
 
 
@@ -75,6 +75,11 @@ class TorchAttentionBackend:
     """Decodes (and short queries after a cached context, split into rows) batched over padded, masked
     contexts; prefill chunks one request at a time, except runs of uncached equal-length prompts,
     which share one call."""
+
+    def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
+                              max_blocks_per_seq: int) -> AttentionMetadataBuilder:
+        """int64 indices, one split per decode; the step's `_plan` is made by the first layer that runs."""
+        return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -7,26 +7,57 @@ from __future__ import annotations
 
 import torch
 
-from pressroom.attention.backend import AttentionMetadata
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
 from pressroom.kernels.triton.attention import paged_attention
 from pressroom.kernels.triton.cache import write_kv
 
-# Split a decode's context across programs until about this many run per kernel launch: a batch of
-# few long decodes otherwise leaves most of the GPU's multiprocessors idle.
-_TARGET_PROGRAMS = 2 * 132
+# Split a decode's context across programs until about this many per multiprocessor run per kernel
+# launch: a batch of few long decodes otherwise leaves most of the GPU's multiprocessors idle.
+_PROGRAMS_PER_SM = 2
+_DEFAULT_SMS = 132  # where no CUDA device answers (the Triton interpreter on the CPU): an H100/H200's count
 _MAX_SPLITS = 16
 _MIN_BLOCKS_PER_SPLIT = 4
 
 
-def num_kv_splits(num_decodes: int, num_kv_heads: int, max_blocks_per_seq: int) -> int:
-    """Depends on the batch shape only, so a captured graph and an eager step of that size agree."""
+def num_kv_splits(num_decodes: int, num_kv_heads: int, max_blocks_per_seq: int,
+                  target_programs: int = _PROGRAMS_PER_SM * _DEFAULT_SMS) -> int:
+    """Depends on the batch shape (and the device) only, so a captured graph and an eager step of that
+    size agree. `target_programs`: programs a launch should reach (the builder's: from the SM count)."""
     if num_decodes == 0:
         return 1
-    wanted = -(-_TARGET_PROGRAMS // (num_decodes * num_kv_heads))
+    wanted = -(-target_programs // (num_decodes * num_kv_heads))
     return max(1, min(wanted, _MAX_SPLITS, max_blocks_per_seq // _MIN_BLOCKS_PER_SPLIT))
 
 
+def multiprocessor_count(device: torch.device | str) -> int:
+    """The device's SM count; a default where it is no CUDA device (the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """int32 index tensors and the device-side query starts the kernels read; split-KV counts from the
+    padded decode count, the KV heads and this device's own multiprocessor count (read once, here)."""
+
+    index_dtype = torch.int32
+    needs_device_query_start_loc = True
+
+    def __init__(self, device: torch.device | str, num_kv_heads: int, max_blocks_per_seq: int) -> None:
+        super().__init__(device, num_kv_heads, max_blocks_per_seq)
+        self.target_programs = _PROGRAMS_PER_SM * multiprocessor_count(self.device)
+
+    def num_kv_splits(self, num_decodes: int) -> int:
+        return num_kv_splits(self.padded_decodes(num_decodes), self.num_kv_heads, self.max_blocks_per_seq,
+                             self.target_programs)
+
+
 class TritonAttentionBackend:
+    def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
+                              max_blocks_per_seq: int) -> TritonMetadataBuilder:
+        return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from pressroom.attention.backend import AttentionMetadata, forward_context
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder, forward_context
 
 logger = logging.getLogger("pressroom")
 
@@ -29,16 +28,19 @@ GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded 
 
 class CudaGraphs:
     def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
-                 num_kv_splits: Callable[[int], int], device: str, aux_layers: tuple[int, ...] = ()) -> None:
+                 builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = ()) -> None:
         """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
         (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
-        `aux_layers`: target layers a drafter conditions on, whose outputs every graph also returns."""
-        self.model, self.num_kv_splits, self.max_rows = model, num_kv_splits, max_rows
+        `builder`: the attention backend's metadata builder, which from here on splits a decode step as
+        the graph of its padded size does; `aux_layers`: target layers a drafter conditions on, whose
+        outputs every graph also returns."""
+        self.model, self.builder, self.max_rows = model, builder, max_rows
         self.aux_layers = aux_layers
         self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes}
         if len([q for q in self.shapes if q > 1]) > 1:
             raise ValueError("CUDA graphs hold one varlen family (one max query length).")
         self.varlen_q = max((q for q in self.shapes if q > 1), default=0)
+        builder.split_as_graphs(self.shapes.get(1, []))
         max_reqs = max(self.rows(q, s[-1]) for q, s in self.shapes.items())
         max_tokens = max(s[-1] for s in self.shapes.values())
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
@@ -76,13 +78,11 @@ class CudaGraphs:
 
     def _meta(self, q: int, size: int) -> AttentionMetadata:
         rows = self.rows(q, size)
-        decodes = rows if q == 1 else 0
-        return AttentionMetadata(
-            num_decodes=decodes, num_decode_tokens=decodes, slot_mapping=self.slot_mapping[:size],
+        return self.builder.build(
+            num_decodes=rows if q == 1 else 0, slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:rows], seq_lens=self.seq_lens[:rows],
-            query_start_loc=[], seq_lens_host=[],
-            query_start_loc_device=self.query_start_loc[:rows + 1], max_query_len=q,
-            num_kv_splits=self.num_kv_splits(rows) if q == 1 else 1)
+            query_start_loc=[], seq_lens_host=[], max_query_len=q,
+            query_start_loc_device=self.query_start_loc[:rows + 1])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pressroom.attention.backend import AttentionBackend, AttentionMetadata, forward_context
+from pressroom.attention.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder, forward_context
 from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import (
     PLACEHOLDER_DRAFT,
@@ -155,6 +155,7 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.max_blocks_per_seq = 0
+        self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
 
     # ---- set-up ----
@@ -173,7 +174,14 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.attn_builder = self._make_builder()
+        if self.graphs is not None:  # graphs captured before: decode steps still split as theirs do
+            self.attn_builder.split_as_graphs(self.graphs.shapes.get(1, []))
         self.kv_caches = self._bind_kv_caches(num_blocks)
+
+    def _make_builder(self) -> AttentionMetadataBuilder:
+        kv_heads = self.attention_layers[0].num_kv_heads if self.attention_layers else 1
+        return self.backend.make_metadata_builder(self.device, kv_heads, self.max_blocks_per_seq)
 
     def _bind_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         caches = []
@@ -197,11 +205,12 @@ class ModelRunner:
         chunk = min(num_tokens, max_position)
         lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
         loc = np.concatenate(([0], np.cumsum(lengths))).tolist()
-        meta = AttentionMetadata(
-            num_decodes=0, num_decode_tokens=0,
+        index = self.attn_builder.index_dtype
+        meta = self.attn_builder.build(
+            num_decodes=0,
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(len(lengths), -(-chunk // self.block_size), dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lengths), -(-chunk // self.block_size), dtype=index, device=self.device),
+            seq_lens=torch.tensor(lengths, dtype=index, device=self.device),
             query_start_loc=loc, seq_lens_host=lengths,
             query_start_loc_device=torch.tensor(loc, dtype=torch.int32, device=self.device),
             max_query_len=chunk)
@@ -249,16 +258,14 @@ class ModelRunner:
         lengths = [per_request] * (n // per_request) + ([n % per_request] if n % per_request else [])
         seq_lens = [context + q for q in lengths]
         loc = np.concatenate(([0], np.cumsum(lengths))).tolist()
-        index = torch.int32 if dev == "cuda" else torch.int64
+        index = self.attn_builder.index_dtype
         decodes = len(lengths) if per_request == 1 else 0
-        meta = AttentionMetadata(
-            num_decodes=decodes, num_decode_tokens=decodes,
+        meta = self.attn_builder.build(
+            num_decodes=decodes,
             slot_mapping=to_device(torch.cat([torch.arange(context, context + q) % bs for q in lengths]), dev),
             block_tables=torch.zeros(len(lengths), -(-max(seq_lens) // bs), dtype=index, device=dev),
             seq_lens=to_device(torch.tensor(seq_lens, dtype=index), dev),
-            query_start_loc=loc, seq_lens_host=seq_lens,
-            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if dev == "cuda" else None,
-            max_query_len=max(lengths), num_kv_splits=self._num_kv_splits(decodes))
+            query_start_loc=loc, seq_lens_host=seq_lens, max_query_len=max(lengths))
         positions = torch.cat([torch.arange(context, context + q) for q in lengths])
         return StepBatch(torch.zeros(n, dtype=torch.long, device=dev), positions.to(dev), meta, [], loc[1:])
 
@@ -269,17 +276,13 @@ class ModelRunner:
     def capture_cudagraphs(self, shapes: dict[int, list[int]], max_rows: int) -> None:
         """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
         from pressroom.worker.cuda_graphs import CudaGraphs
-        self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self._num_kv_splits,
+        self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self.attn_builder,
                                  self.device, self._aux_layers())
         self.graphs.capture()
 
     def _num_kv_splits(self, num_decodes: int) -> int:
-        if self.device != "cuda":
-            return 1
-        from pressroom.attention.triton_backend import num_kv_splits
-        if self.graphs is not None and 0 < num_decodes <= self.graphs.max_decodes:
-            num_decodes = self.graphs.padded_size(num_decodes)  # split as the graph of that size does
-        return num_kv_splits(num_decodes, self.attention_layers[0].num_kv_heads, self.max_blocks_per_seq)
+        """The backend builder's split-KV count (as the decode graph of the padded size splits)."""
+        return self.attn_builder.num_kv_splits(num_decodes)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a step (computed as every step's are: with the proposer's aux layers)."""
@@ -360,7 +363,7 @@ class ModelRunner:
         shifted: list[tuple[int, int]] = []  # (batch index, row in prev) of requests prev's rejections shift
         # int32 tables for the GPU kernels; the CPU paths index with int64.
         tables = np.zeros((len(reqs), max(len(s.block_ids) for s in reqs)),
-                          dtype=np.int32 if self.device == "cuda" else np.int64)
+                          dtype=np.int32 if self.attn_builder.index_dtype == torch.int32 else np.int64)
         for i, s in enumerate(reqs):
             start, n = s.num_computed_tokens, counts[s.req_id]
             end, blocks = start + n, s.block_ids
@@ -391,15 +394,14 @@ class ModelRunner:
             loc.append(loc[-1] + n)
         dev = self.device
         cuda = dev == "cuda"
-        meta = AttentionMetadata(
-            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+        meta = self.attn_builder.build(
+            num_decodes=num_decodes,
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
             block_tables=to_device(torch.from_numpy(tables), dev),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32 if cuda else torch.int64), dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=self.attn_builder.index_dtype), dev),
             query_start_loc=loc, seq_lens_host=seq_lens,
             query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
-            max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))),
-            num_kv_splits=self._num_kv_splits(num_decodes))
+            max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))))
         input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
         if from_prev:
             at, rows = zip(*from_prev)
