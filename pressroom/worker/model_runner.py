@@ -25,6 +25,7 @@ from pressroom.core.outputs import (
 from pressroom.model.layers.attention import Attention
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
+from pressroom.worker.input_batch import InputBatch
 from pressroom.worker.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
@@ -135,8 +136,12 @@ def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
-                 device: str = "cpu", async_scheduling: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+                 device: str = "cpu", async_scheduling: bool = False, kv_dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> None:
+        """`max_num_seqs`, `max_num_batched_tokens`: the largest step the scheduler sends, which sizes the
+        persistent input batch (a larger step grows it)."""
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.kv_dtype = kv_dtype or dtype  # the KV cache's element type (FP8 on CUDA when asked)
         self.async_scheduling = async_scheduling
         self.pending: PendingOutput | None = None  # the last step launched (async scheduling)
@@ -156,6 +161,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.max_blocks_per_seq = 0
         self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
+        self.input_batch: InputBatch | None = None  # made at the first step after initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
 
     # ---- set-up ----
@@ -175,6 +181,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.attn_builder = self._make_builder()
+        self.input_batch = None
         if self.graphs is not None:  # graphs captured before: decode steps still split as theirs do
             self.attn_builder.split_as_graphs(self.graphs.shapes.get(1, []))
         self.kv_caches = self._bind_kv_caches(num_blocks)
@@ -348,69 +355,79 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _input_batch(self) -> InputBatch:
+        if self.input_batch is None:
+            self.input_batch = InputBatch(self.device, self.attn_builder.index_dtype, self.max_num_batched_tokens,
+                                          self.max_num_seqs, self.max_blocks_per_seq)
+        return self.input_batch
+
     def _prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """Fills the persistent input batch's host buffers with the step (decodes first), sends them to the
+        device in one copy and has the backend's builder make the attention metadata over them."""
         counts = sched.num_scheduled_tokens
         reqs = sorted((self.states[rid] for rid in counts), key=lambda s: counts[s.req_id] != 1)
-        num_decodes = sum(1 for s in reqs if counts[s.req_id] == 1)
-        bs, prev = self.block_size, self.prev
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        loc = [0]
+        num_reqs, prev = len(reqs), self.prev
+        query_lens = np.fromiter((counts[s.req_id] for s in reqs), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in reqs), dtype=np.int64, count=num_reqs)
+        num_tokens = int(query_lens.sum())
+        inputs = self._input_batch()
+        host = inputs.begin(num_tokens, num_reqs, max(len(s.block_ids) for s in reqs))
+        ids, tables = host.input_ids, host.block_tables
+        at = 0  # tokens placed so far
         from_prev: list[tuple[int, int]] = []  # (flat position, row in prev): the previous step's last token
         device_drafts: list[tuple[int, torch.Tensor]] = []  # (flat position, drafts held on the device)
         shifted: list[tuple[int, int]] = []  # (batch index, row in prev) of requests prev's rejections shift
-        # int32 tables for the GPU kernels; the CPU paths index with int64.
-        tables = np.zeros((len(reqs), max(len(s.block_ids) for s in reqs)),
-                          dtype=np.int32 if self.attn_builder.index_dtype == torch.int32 else np.int64)
         for i, s in enumerate(reqs):
-            start, n = s.num_computed_tokens, counts[s.req_id]
-            end, blocks = start + n, s.block_ids
+            start, blocks = s.num_computed_tokens, s.block_ids
             tables[i, :len(blocks)] = blocks
             drafts = sched.scheduled_spec_decode_tokens.get(s.req_id, ())
-            known_end = end - len(drafts)
+            known_end = start + counts[s.req_id] - len(drafts)
             row = prev.rows.get(s.req_id) if prev is not None else None
             if row is None:
-                ids.extend(s.token_ids[start:known_end])
+                ids[at:at + known_end - start] = s.token_ids[start:known_end]
+                at += known_end - start
             else:  # async: the last input was emitted by the step before, whose results are not booked
-                from_prev.append((len(ids), row))
-                ids.append(0)
+                from_prev.append((at, row))
+                ids[at] = 0
+                at += 1
                 if prev.num_drafts[row]:
                     shifted.append((i, row))
             if drafts and drafts[0] == PLACEHOLDER_DRAFT:
-                device_drafts.append((len(ids), self.next_drafts[s.req_id][:len(drafts)]))
-                ids.extend([0] * len(drafts))
+                device_drafts.append((at, self.next_drafts[s.req_id][:len(drafts)]))
+                ids[at:at + len(drafts)] = 0
             else:
-                ids.extend(drafts)
-            if n == 1:
-                positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
-            seq_lens.append(end)
-            loc.append(loc[-1] + n)
-        dev = self.device
-        cuda = dev == "cuda"
-        meta = self.attn_builder.build(
-            num_decodes=num_decodes,
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
-            block_tables=to_device(torch.from_numpy(tables), dev),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=self.attn_builder.index_dtype), dev),
-            query_start_loc=loc, seq_lens_host=seq_lens,
-            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
-            max_query_len=max(loc[i + 1] - loc[i] for i in range(len(reqs))))
-        input_ids = to_device(torch.tensor(ids, dtype=torch.long), dev)
+                ids[at:at + len(drafts)] = drafts
+            at += len(drafts)
+        loc = host.query_start_loc
+        loc[0] = 0
+        np.cumsum(query_lens, out=loc[1:], dtype=np.int32)
+        seq_lens = starts + query_lens
+        host.seq_lens[:] = seq_lens
+        # Each token's position: its request's start plus its offset in the request's query.
+        np.subtract(np.arange(num_tokens), np.repeat(loc[:-1] - starts, query_lens), out=host.positions)
+        positions = host.positions
+        slots = host.slot_mapping
+        slots[:] = tables[np.repeat(np.arange(num_reqs), query_lens), positions // self.block_size]
+        slots *= self.block_size
+        slots += positions % self.block_size
+        dev = inputs.commit()
+        loc_host = loc.tolist()
+        builder = self.attn_builder
+        meta = builder.build(
+            num_decodes=int(np.count_nonzero(query_lens == 1)), slot_mapping=dev.slot_mapping,
+            block_tables=dev.block_tables, seq_lens=dev.seq_lens, query_start_loc=loc_host,
+            seq_lens_host=seq_lens.tolist(), max_query_len=int(query_lens.max()),
+            query_start_loc_device=dev.query_start_loc if builder.needs_device_query_start_loc else None)
+        input_ids = dev.input_ids
+        device = self.device
         if from_prev:
             at, rows = zip(*from_prev)
-            last = prev.last_tokens(to_device(torch.tensor(rows), dev))
-            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), last)
+            last = prev.last_tokens(to_device(torch.tensor(rows), device))
+            input_ids.index_copy_(0, to_device(torch.tensor(at), device), last)
         if device_drafts:
             at = [p + j for p, d in device_drafts for j in range(len(d))]
-            input_ids.index_copy_(0, to_device(torch.tensor(at), dev), torch.cat([d for _, d in device_drafts]))
-        batch = StepBatch(input_ids, to_device(torch.tensor(positions, dtype=torch.long), dev), meta, reqs, loc[1:])
+            input_ids.index_copy_(0, to_device(torch.tensor(at), device), torch.cat([d for _, d in device_drafts]))
+        batch = StepBatch(input_ids, dev.positions, meta, reqs, loc_host[1:])
         if shifted:
             self._shift_by_rejections(batch, shifted)
         return batch
