@@ -64,8 +64,10 @@ class Worker:
         loaded = load_model(config.model, config.device)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         hf_config = self.hf_config
+        sched = config.scheduler
         runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
-                             config.device, config.scheduler.async_scheduling, config.cache.cache_dtype)
+                             config.device, sched.async_scheduling, config.cache.cache_dtype,
+                             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens)
         runner.set_proposer(self._make_proposer(config.speculative, runner))
         spec = config.speculative
         if spec is not None and spec.rejection_sample_method == "synthetic":
