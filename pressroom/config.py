@@ -284,13 +284,17 @@ def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
 CPU_TOKENS_PER_THREAD = 128  # a 512-token prefill step of SmolLM2-135M took ~1.9 s on one core
 CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries every running decode and a prefill chunk
 # SchedulerConfig.prefill_cost_context on the CPU: the context at which a prompt token's attention costs as much
-# as the rest of its forward pass. Engine steps of the embedded SmolLM2-135M (fp32, AVX2, one torch thread; CPU
-# time of 256- and 512-token prompt chunks at contexts 0 to 4,096, fitted to n * (a + b * (c + n / 2))) took
-# a = ~2.7 ms per token and b = ~5.8 us per token and context token: a / b = 470-530. (Counting FLOPs would say
-# ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the CPU's attention, over a
-# gathered and masked context, runs far below matmul speed.) So an 8,000-token prompt's last chunks cost ~16x
-# its first per token.
-CPU_PREFILL_COST_CONTEXT = 512
+# as the rest of its forward pass, so a step's time stays about that of its first chunk. Measured with the
+# embedded SmolLM2-135M (fp32, AVX2, one torch thread, CPU time of engine steps): a chunk's time per token was
+# 5.4 ms at context 0 and 27 ms (256-token chunks) to 30 ms (512) at 4,096, i.e. ~4-4.8 ms plus 5.3-5.9 us per
+# context token: 660-900, the context term rising a little faster past 2k. A plain regression over all contexts
+# says ~500, but with 512 the steps' work shrank below their fixed cost (chunks of 128 units took 0.55-0.65 s a
+# step at every context up to 1.8k, ~0.3 s of it per step whatever its size) and an 8,000-token prompt beside
+# a stream took 490 s against 228 s in 512-token chunks. With 1024, in one run of both (tests/engine/
+# test_scheduling.py, one thread): the prompt in 421 s against 330 s, the stream's worst gap 2.8 s against 38.6 s.
+# (Counting FLOPs would say ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the
+# CPU's attention, over a gathered and masked context, runs far below matmul speed.)
+CPU_PREFILL_COST_CONTEXT = 1024
 
 
 def default_max_num_batched_tokens(device: str) -> int:
