@@ -270,6 +270,7 @@ class EngineConfig:
     compilation: CompilationConfig
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
+    num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
 
 
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -424,4 +425,5 @@ class EngineArgs:
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,
             speculative=speculative,
+            num_threads=self.num_threads or None,
         )

@@ -55,6 +55,8 @@ class Worker:
         """`make_proposer` builds the drafter the speculative config names (spec_decode/ implements
         drafters; worker/ only knows their interface)."""
         self.config, self.rank, self._make_proposer = config, rank, make_proposer
+        if config.num_threads:  # a worker in a process of its own does not inherit the caller's setting
+            torch.set_num_threads(config.num_threads)
         self.model_runner: ModelRunner | None = None
         self.model: torch.nn.Module | None = None
         self.hf_config = None

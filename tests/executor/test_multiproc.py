@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import random_prompts
 
 from pressroom import LLM, SamplingParams
@@ -73,3 +74,23 @@ def test_unknown_backend_is_a_clear_error():
     from pressroom.config import ParallelConfig
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni, mp"):
         ParallelConfig(distributed_executor_backend="ray-ish")
+
+
+def _threads_in_a_fresh_worker(config, queue) -> None:
+    from pressroom.worker.worker import Worker
+    Worker(config, lambda spec, runner: None)
+    queue.put(torch.get_num_threads())
+
+
+def test_num_threads_reaches_a_worker_in_another_process(tiny_llama):
+    """--num-threads is applied where the model runs, not only in the process that parsed it."""
+    import multiprocessing
+
+    from pressroom.config import EngineArgs
+    config = EngineArgs(model=tiny_llama, num_threads=1).create_engine_config()
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    child = spawn.Process(target=_threads_in_a_fresh_worker, args=(config, queue))
+    child.start()
+    assert queue.get(timeout=120) == 1
+    child.join(30)
