@@ -327,10 +327,11 @@ def test_a_long_prompt_does_not_freeze_running_streams(tmp_path):
     of the budget, a running stream still gets a token every step. With the old 16k budget the whole prompt was
     one step and every stream froze for minutes (235 s on 2 cores).
 
-    The bound is loose on purpose: a token budget bounds a step's linear layers, not its attention, whose cost
-    grows with the position. Measured on a shared 2-core machine at the default 512: the prompt in 114 s, the
-    stream's gaps median 4.8 s, worst 10.3 s (a cost-aware budget would be needed for the 2 s of the other
-    cases)."""
+    The bound is loose on purpose (shared CI machines): the CPU's chunks are cost-based (a chunk's attention
+    grows with its context), so later chunks shrink. Measured with a token-only budget of 512: the prompt in
+    114 s, the stream's gaps median 4.8 s, worst 10.3 s; with the cost-based chunks, on a loaded machine at one
+    thread, gaps median 1.2 s, worst 2.8 s (tests/engine/test_scheduling.py, opt-in). The whole test took 187 s
+    on an idle 2-core EPYC."""
     with serve(["serve", "--api-key", KEY], tmp_path / "server.log") as (url, _):
         model = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"]
         prompt = " ".join(f"word{i % 500}" for i in range(2120))  # about 7,900 tokens
