@@ -121,6 +121,32 @@ class StepBatch:
     query_ends: list[int]  # exclusive end of each request's tokens in the flat batch
 
 
+@dataclass(slots=True)
+class Emission:
+    """What a step emitted: its output (pending or resolved) and, per request that sampled, its tokens,
+    which the next step (async scheduling) and a device drafter read on the device."""
+    pending: PendingOutput
+    sampling: list[tuple[int, CachedRequestState]]  # (batch index, state) of each request that sampled
+    num_drafts: list[int]  # per sampled request: the drafts it verified
+    tokens: torch.Tensor | None = None  # [sampled, width] on the device: accepted drafts, then the target's token
+    counts: torch.Tensor | None = None  # [sampled] tokens emitted per row; None: one each
+    emitted: list[list[int]] | None = None  # the same tokens on the host, where sampling ran there
+
+    def device_tokens(self, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`tokens` and `counts`, sent to the device once where sampling ran on the host."""
+        if self.tokens is None and self.emitted is not None:
+            width = 1 + max(self.num_drafts)  # as the device path pads: a drafter reads 1 + k per row
+            self.tokens = to_device(torch.tensor([e + [0] * (width - len(e)) for e in self.emitted]), device)
+            self.counts = to_device(torch.tensor([len(e) for e in self.emitted]), device)
+        return self.tokens, self.counts
+
+    def device_step(self, device: str) -> DeviceStep | None:
+        if not self.sampling:
+            return None
+        tokens, counts = self.device_tokens(device)
+        return DeviceStep({s.req_id: j for j, (_, s) in enumerate(self.sampling)}, tokens, counts, self.num_drafts)
+
+
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -315,29 +341,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
-        """Sync: the step's output. Async: a PendingOutput, resolved once its tokens reach the host; the
-        step's sampled tokens stay on the device as the next step's inputs."""
+        """One step: prepare the batch, run the model, sample or verify, propose the next drafts.
+
+        Every step's output is a PendingOutput, whose tokens may still be on their way from the device.
+        Synchronous scheduling resolves it here; async scheduling returns it as it is (the engine
+        schedules the next step meanwhile) and keeps the step's tokens on the device as the next step's
+        inputs. Nothing else in the step depends on the scheduling mode."""
         self._update_states(sched)
         if sched.is_empty:
-            out = ModelRunnerOutput({})
             self.prev = None  # the scheduler books the previous step's results before the next one
-            return PendingOutput.done(out) if self.async_scheduling else out
-        batch = self._prepare(sched)
-        hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
-        if not self.async_scheduling:
-            return self._sample(batch, sched, hidden, features=features)
-        if any(needs_host_history(s.params) for s in batch.order):
-            if self.pending is not None:
-                self.pending.resolve()  # this step's sampler reads complete token histories
-            if self.device_drafting:
-                self.pending = self._verify_in_step(batch, sched, hidden)
-            else:
-                self.pending = PendingOutput.done(self._sample(batch, sched, hidden, features=features))
-        elif self.device_drafting:
-            self.pending = self._verify_ahead(batch, sched, hidden)
+            self.pending = PendingOutput.done(ModelRunnerOutput({}))
         else:
-            self.pending = self._sample_ahead(batch, sched, hidden)
-        return self.pending
+            batch = self._prepare(sched)
+            hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
+            emission = self._emit(batch, sched, hidden)
+            self.pending = emission.pending
+            self.prev = emission.device_step(self.device) if self.async_scheduling else None
+            self._propose_next(batch, sched, emission, features)
+        return self.pending if self.async_scheduling else self.pending.resolve()
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -461,35 +482,29 @@ class ModelRunner:
         index = torch.tensor([batch.query_ends[i] - 1 for i, _ in rows])
         return hidden.index_select(0, to_device(index, hidden.device))
 
-    def _sample(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
-                drafts: dict[str, list[int]] | None = None, features: torch.Tensor | None = None) -> ModelRunnerOutput:
-        """Samples and verifies on the host, then drafts on the host; `drafts`: the scheduled drafts' ids
-        where the scheduler sent placeholders; `features`: the step's aux-layer outputs for the proposer."""
-        drafts = sched.scheduled_spec_decode_tokens if drafts is None else drafts
+    def _sample_on_host(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                        sampling: list[tuple[int, CachedRequestState]], drafts: dict[str, list[int]]
+                        ) -> ModelRunnerOutput:
+        """Samples, and verifies `drafts` (the scheduled drafts' ids), on the host with each request's token
+        history; appends the emitted tokens to the request states."""
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
-        sampling = self._sampling_rows(batch, sched)
         for i, s in enumerate(batch.order):
             if s.params.prompt_logprobs is not None and s.num_computed_tokens < max(1, s.num_prompt_tokens - 1):
                 out.prompt_logprobs[s.req_id] = self._prompt_logprobs(s, hidden, batch, i, sched)
         verifying = [(i, s) for i, s in sampling if s.req_id in drafts]
-        sampling = [(i, s) for i, s in sampling if s.req_id not in drafts]
+        plain = [(i, s) for i, s in sampling if s.req_id not in drafts]
         if verifying:
             self._verify(batch, drafts, hidden, verifying, out)
-        if sampling:
-            logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
+        if plain:
+            logits = self.model.compute_logits(self._last_hidden(batch, hidden, plain)).float()
             rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
-                    for _, s in sampling]  # token histories are copied only where the sampler reads them
+                    for _, s in plain]  # token histories are copied only where the sampler reads them
             tokens, lps = sample(logits, rows, self.generator)
-            for (_, s), token, lp in zip(sampling, tokens, lps):
+            for (_, s), token, lp in zip(plain, tokens, lps):
                 s.token_ids.append(token)
                 out.sampled_token_ids[s.req_id] = [token]
                 if lp is not None:
                     out.logprobs[s.req_id] = [lp]
-        if self.proposer is not None and not self.device_drafting:
-            if features is not None:
-                self._hand_over_features(batch, sched, out, features)
-            self._propose([s for _, s in sampling + verifying], out, sched.draft_limits)
-        self.prev = None
         return out
 
     def _verify(self, batch: StepBatch, drafts: dict[str, list[int]], hidden: torch.Tensor,
@@ -565,88 +580,101 @@ class ModelRunner:
         rows = self._sampling_rows(batch, sched)
         return [s for _, s in rows], self.model.compute_logits(self._last_hidden(batch, hidden, rows)).float()
 
-    def _sample_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
-        """Samples on the device and starts the copy home without waiting for it."""
-        out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
-        sampling = self._sampling_rows(batch, sched)
-        if not sampling:
-            self.prev = None
-            return PendingOutput.done(out)
-        logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
-        rows = [SamplingRow(s.params, [], [], s.eos_token_id) for _, s in sampling]
-        tokens = sample_on_device(logits, rows, self.generator).unsqueeze(1)
-        states = [s for _, s in sampling]
-        for s in states:
-            s.num_inflight += 1
-        self.prev = DeviceStep({s.req_id: j for j, s in enumerate(states)}, tokens, None, [0] * len(states))
-        return PendingOutput.start(out, states, tokens)
+    # ---- sample or verify ----
 
-    # ---- async scheduling with drafts made on the device ----
-
-    def _verify_ahead(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
-        """Verifies (a request without drafts: samples) on the device, starts the copy home, then drafts
-        the next step on the device too; nothing here waits for the device."""
-        out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
+    def _emit(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> Emission:
+        """Samples, or verifies the scheduled drafts: on the device, unless some request's sampling reads
+        its token history or reports logprobs (then on the host)."""
         sampling = self._sampling_rows(batch, sched)
+        if any(needs_host_history(s.params) for s in batch.order):
+            return self._emit_on_host(batch, sched, hidden, sampling)
+        return self._emit_on_device(batch, sched, hidden, sampling)
+
+    def _emit_on_device(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                        sampling: list[tuple[int, CachedRequestState]]) -> Emission:
+        """Samples (verifies, where drafts were scheduled) with no host round trip and starts the copy of
+        the tokens home without waiting for it."""
+        out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         if not sampling:
-            self._launch_drafts(batch, sched, [], [], None, None)
-            return PendingOutput.done(out)
+            return Emission(PendingOutput.done(out), [], [])
         num_drafts = [len(sched.scheduled_spec_decode_tokens.get(s.req_id, ())) for _, s in sampling]
-        spec = {s.req_id: [0] * k for (_, s), k in zip(sampling, num_drafts)}
-        logits = self.model.compute_logits(self._verify_hidden(batch, hidden, sampling, spec)).float()
-        kmax = max(num_drafts)
-        at = [batch.query_ends[i] - k + min(j, k - 1) if k else 0
-              for (i, _), k in zip(sampling, num_drafts) for j in range(kmax)]
-        drafts = batch.input_ids[to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)]
-        tokens, counts = verify_on_device(logits, [s.params for _, s in sampling], num_drafts,
-                                          drafts.view(len(sampling), kmax), self._draft_q(sampling, num_drafts),
-                                          self.generator, self.synthetic_rates)
+        states = [s for _, s in sampling]
+        if not any(num_drafts):
+            logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
+            rows = [SamplingRow(s.params, [], [], s.eos_token_id) for s in states]
+            tokens, counts = sample_on_device(logits, rows, self.generator).unsqueeze(1), None
+        else:
+            spec = {s.req_id: [0] * k for s, k in zip(states, num_drafts)}
+            logits = self.model.compute_logits(self._verify_hidden(batch, hidden, sampling, spec)).float()
+            kmax = max(num_drafts)
+            at = [batch.query_ends[i] - k + min(j, k - 1) if k else 0
+                  for (i, _), k in zip(sampling, num_drafts) for j in range(kmax)]
+            drafts = batch.input_ids[to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)]
+            drafts = drafts.view(len(sampling), kmax)
+            tokens, counts = verify_on_device(logits, [s.params for s in states], num_drafts, drafts,
+                                              self._draft_q(sampling, num_drafts, drafts), self.generator,
+                                              self.synthetic_rates)
         spans = [1 + k for k in num_drafts]
-        for (_, s), span in zip(sampling, spans):
+        for s, span in zip(states, spans):
             s.num_inflight += span
-        pending = PendingOutput.start(out, [s for _, s in sampling], tokens, counts, spans)
-        self._launch_drafts(batch, sched, sampling, num_drafts, tokens, counts)
-        return pending
+        pending = PendingOutput.start(out, states, tokens, counts, spans if counts is not None else None)
+        return Emission(pending, sampling, num_drafts, tokens, counts)
 
-    def _verify_in_step(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> PendingOutput:
-        """A batch whose sampling reads host token histories (the step in flight is resolved by now):
-        verifies on the host with the drafts' ids fetched, then drafts on the device as usual."""
-        drafts = {rid: self.next_drafts[rid][:len(d)].tolist() if d[0] == PLACEHOLDER_DRAFT else list(d)
+    def _emit_on_host(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                      sampling: list[tuple[int, CachedRequestState]]) -> Emission:
+        """Samples and verifies on the host, once the step in flight (async scheduling) is resolved: the
+        sampler reads complete token histories. Drafts left on the device are fetched first."""
+        if self.pending is not None:
+            self.pending.resolve()
+        drafts = {rid: self.next_drafts[rid][:len(d)].tolist() if d and d[0] == PLACEHOLDER_DRAFT else list(d)
                   for rid, d in sched.scheduled_spec_decode_tokens.items()}
-        sampling = self._sampling_rows(batch, sched)
-        out = self._sample(batch, sched, hidden, drafts)
-        emitted = [out.sampled_token_ids[s.req_id] for _, s in sampling]
-        if not sampling:
-            self._launch_drafts(batch, sched, [], [], None, None)
-            return PendingOutput.done(out)
-        num_drafts = [len(drafts.get(s.req_id, ())) for _, s in sampling]
-        width = 1 + max(num_drafts)  # as the device path pads: the drafter reads 1 + k per row
-        tokens = to_device(torch.tensor([e + [0] * (width - len(e)) for e in emitted]), self.device)
-        counts = to_device(torch.tensor([len(e) for e in emitted]), self.device)
-        self._launch_drafts(batch, sched, sampling, num_drafts, tokens, counts)
-        return PendingOutput.done(out)
+        out = self._sample_on_host(batch, sched, hidden, sampling, drafts)
+        return Emission(PendingOutput.done(out), sampling, [len(drafts.get(s.req_id, ())) for _, s in sampling],
+                        emitted=[out.sampled_token_ids[s.req_id] for _, s in sampling])
 
-    def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int]) -> torch.Tensor | None:
-        """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts; None when no such row has drafts."""
+    def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int],
+                 drafts: torch.Tensor) -> torch.Tensor | None:
+        """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts, one-hot where the proposal was
+        deterministic (no probabilities); None when no such row has drafts with probabilities."""
         kmax = max(num_drafts)
-        if not any(k and not s.params.greedy for (_, s), k in zip(sampling, num_drafts)):
+        wanted = [(j, s) for j, ((_, s), k) in enumerate(zip(sampling, num_drafts)) if k and not s.params.greedy]
+        if not any(s.req_id in self.draft_probs for _, s in wanted):
             return None
-        missing = [s.req_id for (_, s), k in zip(sampling, num_drafts) if k and not s.params.greedy
-                   and s.req_id not in self.draft_probs]
-        if missing:  # treating such drafts as certain would bias the sample: a bug, not a fallback
-            raise RuntimeError(f"No draft probabilities for sampled requests {missing}.")
         some = next(iter(self.draft_probs.values()))
-        zeros = some.new_zeros(some.shape)  # greedy rows: never read
-        return torch.stack([self.draft_probs.get(s.req_id, zeros) for _, s in sampling])[:, :kmax]
+        vocab = some.shape[-1]
+        q = some.new_zeros(len(sampling), kmax, vocab)  # greedy rows: never read
+        for j, s in wanted:
+            probs = self.draft_probs.get(s.req_id)
+            if probs is None:
+                q[j] = torch.nn.functional.one_hot(drafts[j], vocab).to(q.dtype)
+            else:
+                q[j, :min(kmax, len(probs))] = probs[:kmax]
+        return q
 
-    def _launch_drafts(self, batch: StepBatch, sched: SchedulerOutput, sampling: list[tuple[int, CachedRequestState]],
-                       num_drafts: list[int], tokens: torch.Tensor | None, counts: torch.Tensor | None) -> None:
+    def _propose_next(self, batch: StepBatch, sched: SchedulerOutput, emission: Emission,
+                      features: torch.Tensor | None) -> None:
+        """Drafts for the next step: on the device right away where the proposer drafts there under async
+        scheduling, else from the step's tokens once they are on the host (synchronous scheduling only:
+        `set_proposer` sees to that)."""
+        if self.proposer is None:
+            return
+        if self.device_drafting:
+            self._launch_drafts(batch, sched, emission)
+            return
+        out = emission.pending.resolve()
+        if features is not None:
+            self._hand_over_features(batch, sched, out, features)
+        self._propose([s for _, s in emission.sampling], out, sched.draft_limits)
+
+    def _launch_drafts(self, batch: StepBatch, sched: SchedulerOutput, emission: Emission) -> None:
         """Hands the step to the device drafter (which mirrors every target step in its own cache) and keeps
-        its drafts, and this step's emitted tokens, on the device for the next step."""
-        self.prev = DeviceStep({s.req_id: j for j, (_, s) in enumerate(sampling)}, tokens, counts,
-                               num_drafts) if sampling else None
-        step = TargetStep(batch.input_ids, batch.positions, batch.meta, [i for i, _ in sampling], num_drafts,
-                          tokens, counts, [s.params for _, s in sampling],
+        its drafts on the device for the next step."""
+        sampling = emission.sampling
+        tokens, counts = emission.device_tokens(self.device) if sampling else (None, None)
+        if tokens is not None and counts is None:  # one token each
+            counts = torch.ones(len(sampling), dtype=torch.long, device=tokens.device)
+        step = TargetStep(batch.input_ids, batch.positions, batch.meta, [i for i, _ in sampling],
+                          emission.num_drafts, tokens, counts, [s.params for _, s in sampling],
                           [sched.draft_limits.get(s.req_id, 1 << 30) for _, s in sampling],
                           [s.req_id for s in batch.order], [s.token_ids for s in batch.order],
                           [s.num_computed_tokens for s in batch.order])
