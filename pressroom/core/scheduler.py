@@ -16,11 +16,16 @@ come back. So the next step can be scheduled before the previous one's tokens ar
 scheduling), or right after (sync). With speculative decoding under async scheduling the booking is
 optimistic (every draft accepted); the runner shifts the next step's positions by the rejections it
 finds on the device, and the scheduler gives the rejected progress back when the step resolves.
+
+The requests of a step that failed become suspects (`suspect`): each is recomputed from scratch and runs
+alone until one of its steps samples, so a second failure names its culprit. Meanwhile the other requests
+go on in steps of their own, taking turns with the suspect's.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pressroom.config import SchedulerConfig
@@ -83,6 +88,9 @@ class Scheduler:
         # many placeholder drafts for the next one (their ids stay on the device), and each request keeps
         # room for the drafter's writes past its scheduled tokens.
         self.async_drafts = 0
+        # Requests of a failed step, in the order they run alone (see suspect()).
+        self.suspects: dict[str, Request] = {}
+        self._solo_turn = False
 
     # ---- request table ----
 
@@ -102,6 +110,17 @@ class Scheduler:
                 heapq.heapify(self.waiting)
             self._finish(req, status)
 
+    def suspect(self, request_ids: list[str]) -> None:
+        """Requests of a step that failed: each is preempted (recomputed from scratch, its tokens so far kept,
+        its runner state dropped) and then runs alone until one of its steps samples; if that step fails
+        too, the engine ends it as the culprit."""
+        reqs = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        for req in sorted(reqs, key=self._key):
+            if req.status == RequestStatus.RUNNING:
+                self._preempt(req)
+            req.follows = None  # alone, it cannot wait for a sibling's prompt: that sibling may be waiting
+            self.suspects[req.request_id] = req
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -115,6 +134,34 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. While suspects are left, steps take turns: the first suspect alone, then the
+        other requests without it (when there are others), so the requests that did not fail keep going."""
+        if not self.suspects:
+            return self._schedule()
+        first = next(iter(self.suspects.values()))
+        self._solo_turn = not self._solo_turn or not self._others_left()
+        if self._solo_turn:
+            return self._schedule_among(lambda r: r is first)
+        return self._schedule_among(lambda r: r.request_id not in self.suspects)
+
+    def _others_left(self) -> bool:
+        return any(r.request_id not in self.suspects for r in self.running) or \
+            any(e[2].request_id not in self.suspects for e in self.waiting)
+
+    def _schedule_among(self, keep: Callable[[Request], bool]) -> SchedulerOutput:
+        """A step of the requests `keep` picks; the others sit this step out untouched."""
+        running, waiting = self.running, self.waiting
+        self.running = [r for r in running if keep(r)]
+        self.waiting = [e for e in waiting if keep(e[2])]
+        heapq.heapify(self.waiting)
+        try:
+            return self._schedule()
+        finally:
+            self.running += [r for r in running if not keep(r)]
+            self.waiting += [e for e in waiting if not keep(e[2])]
+            heapq.heapify(self.waiting)
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -198,6 +245,8 @@ class Scheduler:
             drafts = sched.scheduled_spec_decode_tokens.get(rid)
             if new_ids:
                 req.num_output_placeholders -= 1 + len(drafts or ())
+                if self.suspects:
+                    self.suspects.pop(rid, None)  # a step of its own sampled: it is cleared
             if drafts:  # give back the slots of rejected drafts: their KV is overwritten later
                 accepted = len(new_ids) - 1
                 req.num_computed_tokens -= len(drafts) - accepted
@@ -351,6 +400,7 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        self.suspects.pop(req.request_id, None)
         if self.spec_budget is not None:
             self.spec_budget.forget(req.request_id)
         self.kv.free(req)

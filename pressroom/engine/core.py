@@ -69,7 +69,8 @@ class EngineCore:
             raise
         self.requests: dict[str, Request] = {}
         self._inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
-        self._failed_steps = 0  # in a row
+        self._failed_steps = 0  # faults in a row (see step)
+        self._unexplained = False  # the last fault was a batch's, whose culprit is not found yet
         if config.device == "cuda" and config.speculative is None:  # (speculation's steps: its CUDA graphs)
             self._warm_up_step_shapes()
         _relax_gc()
@@ -206,41 +207,63 @@ class EngineCore:
         """Schedules and runs one step. With async scheduling the step is launched and the previous
         one's results are returned, so the host's work overlaps the device's.
 
-        A step that raises ends the requests it ran (finish_reason "error") and the engine goes on; a
-        worker's death, or MAX_FAILED_STEPS failures in a row (a broken device), ends the engine."""
+        A step that raises and ran one request ends it (finish_reason "error"). One that ran several (with
+        the step in flight, under async scheduling) makes them suspects: each is recomputed and runs alone
+        until a step of its samples, and a suspect whose solo step fails is the culprit, ended the same way;
+        the others go on. While suspects are left, each step is resolved before the next is scheduled, so
+        a failure names its own step's requests.
+
+        A worker's death ends the engine, and so do MAX_FAILED_STEPS faults in a row (no step with work
+        succeeding between them: a broken device). A failed batch and the culprit found right after it
+        count as one fault: three culprits in a row end the engine, and so does a failed batch whose
+        first three suspects fail alone too."""
+        isolating = bool(self.scheduler.suspects)
         sched = self.scheduler.schedule()
         scheduled = [new.req_id for new in sched.new_requests]
-        inflight = self._inflight
+        inflight = self._inflight  # None while isolating: those steps are resolved at once
         try:
             result = self.executor.execute_model(sched)
-            if isinstance(result, AsyncModelRunnerOutput):
+            if isinstance(result, AsyncModelRunnerOutput) and not isolating:
                 self._inflight = (sched, result)
                 outputs = self._update(inflight[0], inflight[1].resolve()) if inflight is not None else []
             else:
+                if isinstance(result, AsyncModelRunnerOutput):
+                    result = result.resolve()  # isolating: a failure must name this step's requests
                 outputs = self._update(sched, result)
         except FATAL_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
             failed = [sched] + ([inflight[0]] if inflight is not None else [])
             return CoreOutputs(self._fail_step(failed, e), scheduled)
-        self._failed_steps = 0
+        if not sched.is_empty:
+            self._failed_steps, self._unexplained = 0, False
         return CoreOutputs(outputs, scheduled)
 
     def _fail_step(self, failed: list[SchedulerOutput], error: Exception) -> list[EngineCoreOutput]:
-        self._failed_steps += 1
+        """Ends the step's request if it ran one (the culprit), else makes its requests suspects."""
+        req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens if rid in self.requests})
+        culprit = len(req_ids) == 1
+        self._count_fault(culprit, error)
+        self._inflight = None
+        self.executor.discard_inflight()
+        self.kv_cache.reset_prefix_cache()  # the step may have left its blocks' KV half-written
+        if not culprit:
+            logger.warning("a step of %d requests failed; each runs alone until it samples, to find the culprit: "
+                           "%s", len(req_ids), ", ".join(req_ids[:8]), exc_info=error)
+            self.scheduler.suspect(req_ids)
+            return []
+        logger.error("a step of request %s failed; it ends with finish_reason \"error\"", req_ids[0], exc_info=error)
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        return [_error_output(req_ids[0])]
+
+    def _count_fault(self, culprit: bool, error: Exception) -> None:
+        """Raises on the MAX_FAILED_STEPS-th fault in a row. A culprit found right after a failed batch
+        is that batch's fault, not a new one."""
+        if not (culprit and self._unexplained):
+            self._failed_steps += 1
+        self._unexplained = not culprit
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise RuntimeError(f"{self._failed_steps} steps in a row failed; the last: {error!r}") from error
-        self._inflight = None
-        req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens})
-        logger.error("a step failed; its %d request(s) end with finish_reason \"error\": %s", len(req_ids),
-                     ", ".join(req_ids[:8]), exc_info=error)
-        self.executor.discard_inflight()
-        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
-        outputs = []
-        for rid in req_ids:
-            if self.requests.pop(rid, None) is not None:
-                outputs.append(_error_output(rid))
-        return outputs
 
     def _update(self, sched: SchedulerOutput, runner_out) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(sched, runner_out)

@@ -119,3 +119,17 @@ def test_only_the_cpu_defaults_to_cost_based_chunks():
     assert off.scheduler.prefill_cost_context == 0 and off.scheduler.long_prefill_token_threshold == 0
     # CUDA keeps vLLM's defaults; where there is no GPU, only the resolution is checked
     assert EngineArgs()._prefill_chunking("cuda") == {"long_prefill_token_threshold": 0, "prefill_cost_context": 0}
+
+
+def test_suspects_of_a_failed_step_run_alone_taking_turns_with_the_others():
+    """Each suspect is recomputed (prompt and outputs) alone until it samples; the others run in between."""
+    sched = _scheduler(512, 0)
+    for rid in ("a", "b", "c"):
+        sched.add_request(Request(rid, [1] * 20, STREAM, None))
+    _step(sched)
+    _step(sched)  # each has 2 outputs: 22 tokens
+    sched.suspect(["b", "a"])  # a step of a and b failed
+    steps = [_step(sched) for _ in range(4)]
+    assert steps == [{"a": 22}, {"a": 1, "c": 1}, {"b": 22}, {"a": 1, "b": 1, "c": 1}]
+    assert not sched.suspects and sched.num_preemptions == 2
+    assert [r.num_output_tokens for r in sched.requests.values()] == [5, 4, 4]  # outputs kept, none repeated
