@@ -303,27 +303,28 @@ class DraftModelProposer(Proposer):
         seq_lens = step.meta.seq_lens[rows] + 1  # the target's token emitted past the drafts runs here too
         cuda = dev.type == "cuda"
         host_lens = [step.meta.seq_lens_host[step.sampled[j]] + 1 for j in mirrored]
-        meta = AttentionMetadata(
-            num_decodes=0, num_decode_tokens=0, slot_mapping=blocks * bs + positions % bs,
-            block_tables=tables, seq_lens=seq_lens, query_start_loc=draft_loc,
+        # The draft runner's builder makes the device query starts too, where its backend reads them.
+        meta = self.runner.attn_builder.build(
+            num_decodes=0, slot_mapping=blocks * bs + positions % bs, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=draft_loc,
             # The CPU backend reads exact host lengths (free there); on CUDA an upper bound, never read.
             seq_lens_host=host_lens if cuda else seq_lens.tolist(),
-            query_start_loc_device=to_device(torch.tensor(draft_loc, dtype=torch.int32), dev) if cuda else None,
             max_query_len=max(b - a for a, b in itertools.pairwise(draft_loc)))
         counts = step.counts if len(mirrored) == len(step.sampled) else step.counts[rows.new_tensor(mirrored)]
         return meta, ids, positions, to_device(torch.tensor(pick, dtype=torch.long), dev) + counts.long() - 1
 
     def _decode_meta(self, tables: torch.Tensor, position: torch.Tensor, bound: list[int]) -> AttentionMetadata:
+        """A single-token draft step over `tables`' rows, made by the draft runner's builder: it splits the
+        step as the draft's decode graph of its padded size does (`split_as_graphs`, at capture)."""
         n, bs, dev = len(bound), self.target.block_size, position.device
-        cuda = dev.type == "cuda"
-        seq_lens = (position + 1).to(torch.int32 if cuda else torch.int64)
+        builder = self.runner.attn_builder
+        seq_lens = (position + 1).to(builder.index_dtype)
         blocks = tables[torch.arange(n, device=dev), position // bs].long()
-        loc = list(range(n + 1))
-        return AttentionMetadata(
-            num_decodes=n, num_decode_tokens=n, slot_mapping=blocks * bs + position % bs, block_tables=tables,
-            seq_lens=seq_lens, query_start_loc=loc, seq_lens_host=bound if cuda else seq_lens.tolist(),
-            query_start_loc_device=to_device(torch.tensor(loc, dtype=torch.int32), dev) if cuda else None,
-            max_query_len=1, num_kv_splits=self.runner._num_kv_splits(n))
+        return builder.build(
+            num_decodes=n, slot_mapping=blocks * bs + position % bs, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=list(range(n + 1)),
+            # The CPU backend reads exact host lengths (free there); on CUDA an upper bound, never read.
+            seq_lens_host=bound if dev.type == "cuda" else seq_lens.tolist(), max_query_len=1)
 
     def _rotary(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions the draft model can embed: past its own limit only garbage or weak drafts are made,
