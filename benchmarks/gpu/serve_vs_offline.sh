@@ -20,7 +20,10 @@ until curl -sf localhost:8123/health > /dev/null; do
   sleep 0.5
   kill -0 $server 2> /dev/null || { tail -20 "$out/gpu_serve.log"; exit 1; }
 done
+touch "$out/.serving"  # kernels Triton compiles from here on stalled the served run
 "${CLI[@]}" bench serve --base-url http://127.0.0.1:8123 --random-input-len "$IN" --random-output-len "$OUT" \
   --ignore-eos --num-prompts "$N" --max-concurrency "$C" --seed 7 --output-json "$out/gpu_serve_c$C.json" 2>&1 | tail -12
+echo "Triton kernels compiled while serving: $(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.json' \
+  ! -name '__grp__*' -newer "$out/.serving" 2> /dev/null | wc -l)"
 kill $server
 wait $server 2> /dev/null

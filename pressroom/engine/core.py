@@ -138,8 +138,9 @@ class EngineCore:
         """Runs a few real steps of throw-away requests so that Triton compiles the attention kernel's
         variants before the first client comes: each (rows per program, request-count class, direct or
         prefix-sum program lookup) is a kernel of its own, and in an 8 s profile of the served H200 benchmark
-        half the core's samples were compiling them. A mixed
-        step of n requests (n - 1 decodes, one prompt chunk of q tokens) for each class of n and q."""
+        half the core's samples were compiling them. A mixed step of n requests (n - 1 decodes, one prompt
+        chunk of q tokens) for each class of n and q; then, for each class of m, a step of m prompt chunks
+        (one long, the rest 2 tokens: the prefix-sum lookup, which a served run's uneven chunks take)."""
         start = time.perf_counter()
         sched = self.config.scheduler
         counts = [n for n in (1, 2, 65, 129, 257, 513, 1025) if n <= sched.max_num_seqs]
@@ -159,6 +160,16 @@ class EngineCore:
                 self.step()
                 self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             self.finish_requests(decodes, RequestStatus.FINISHED_ABORTED)
+        chunked = [m for m in counts[1:] if queries and queries[-1] + 2 * m <= sched.max_num_batched_tokens]
+        for m in chunked:
+            rids = []
+            for length in [queries[-1]] + [2] * (m - 1):
+                k = next(ids)
+                rids.append(f"warm-up-{k}")
+                prompt = [(k * 101 + j) % (self.model_spec.vocab_size - 1) + 1 for j in range(length)]
+                self.add_request(CoreRequest(rids[-1], prompt, params, 0.0))
+            self.step()
+            self.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
         if self._inflight is not None:
             self._update(self._inflight[0], self._inflight[1].resolve())
             self._inflight = None
@@ -166,7 +177,7 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
-        logger.info("warmed up %d step shapes in %.1fs", len(counts) * (len(queries) + 1),
+        logger.info("warmed up %d step shapes in %.1fs", len(counts) * (len(queries) + 1) + len(chunked),
                     time.perf_counter() - start)
 
     # ---- requests ----

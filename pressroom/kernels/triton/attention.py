@@ -98,9 +98,13 @@ def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_of
     return m_new, l, acc
 
 
-# Runtime ints Triton would otherwise specialise on (== 1, divisible by 16): each new combination compiled
-# anew mid-serving, a stall of seconds on the first mixed step of an unseen batch shape.
-@triton.jit(do_not_specialize=["num_reqs", "blocks_per_req"])
+# Runtime values Triton would otherwise specialise on, each new combination compiled anew mid-serving (a
+# stall of seconds for every stream; a profile of the served H200 benchmark found a third of the core's
+# time compiling): ints (== 1, divisible by 16), among them the block tables' row stride (the step's
+# widest table, which grows with the contexts), and the 16-byte alignment of the per-request arrays,
+# which a mixed step's prompt-chunk launch passes from the first chunk's row on (after the decodes).
+@triton.jit(do_not_specialize=["num_reqs", "blocks_per_req", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         part_out_ptr, part_max_ptr, part_sum_ptr,
