@@ -313,10 +313,6 @@ class ModelRunner:
                                  self.device, self._aux_layers())
         self.graphs.capture()
 
-    def _num_kv_splits(self, num_decodes: int) -> int:
-        """The backend builder's split-KV count (as the decode graph of the padded size splits)."""
-        return self.attn_builder.num_kv_splits(num_decodes)
-
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a step (computed as every step's are: with the proposer's aux layers)."""
         return self._forward(input_ids, positions, meta)[0]
