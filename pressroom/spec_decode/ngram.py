@@ -16,6 +16,7 @@ from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 
 class NgramProposer(Proposer):
+    gives_probabilities = False
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max

@@ -608,7 +608,7 @@ class ModelRunner:
             drafts = batch.input_ids[to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)]
             drafts = drafts.view(len(sampling), kmax)
             tokens, counts = verify_on_device(logits, [s.params for s in states], num_drafts, drafts,
-                                              self._draft_q(sampling, num_drafts, drafts), self.generator,
+                                              self._draft_q(sampling, num_drafts), self.generator,
                                               self.synthetic_rates)
         spans = [1 + k for k in num_drafts]
         for s, span in zip(states, spans):
@@ -628,22 +628,21 @@ class ModelRunner:
         return Emission(PendingOutput.done(out), sampling, [len(drafts.get(s.req_id, ())) for _, s in sampling],
                         emitted=[out.sampled_token_ids[s.req_id] for _, s in sampling])
 
-    def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int],
-                 drafts: torch.Tensor) -> torch.Tensor | None:
-        """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts, one-hot where the proposal was
-        deterministic (no probabilities); None when no such row has drafts with probabilities."""
+    def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int]) -> torch.Tensor | None:
+        """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts; None when no such row has drafts
+        or the proposal is deterministic (verification then takes q as one-hot)."""
         kmax = max(num_drafts)
-        wanted = [(j, s) for j, ((_, s), k) in enumerate(zip(sampling, num_drafts)) if k and not s.params.greedy]
-        if not any(s.req_id in self.draft_probs for _, s in wanted):
+        wanted = [s for (_, s), k in zip(sampling, num_drafts) if k and not s.params.greedy]
+        if not wanted or not self.proposer.gives_probabilities:
             return None
+        missing = [s.req_id for s in wanted if s.req_id not in self.draft_probs]
+        if missing:  # treating such drafts as certain would bias the sample: a bug, not a fallback
+            raise RuntimeError(f"No draft probabilities for sampled requests {missing}.")
         some = next(iter(self.draft_probs.values()))
-        vocab = some.shape[-1]
-        q = some.new_zeros(len(sampling), kmax, vocab)  # greedy rows: never read
-        for j, s in wanted:
+        q = some.new_zeros(len(sampling), kmax, some.shape[-1])  # greedy rows: never read
+        for j, (_, s) in enumerate(sampling):
             probs = self.draft_probs.get(s.req_id)
-            if probs is None:
-                q[j] = torch.nn.functional.one_hot(drafts[j], vocab).to(q.dtype)
-            else:
+            if probs is not None:  # a host drafter's rows differ in length; a device drafter's are K long
                 q[j, :min(kmax, len(probs))] = probs[:kmax]
         return q
 

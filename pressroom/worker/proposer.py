@@ -66,6 +66,9 @@ class Proposer(ABC):
     """A drafter: up to K next tokens per request, given its context."""
     # Drafts under async scheduling (`propose_on_device`), where nothing may wait for the host.
     works_on_device: ClassVar[bool] = False
+    # Sampled drafts come with the distribution they were drawn from (`Draft.probs`); False: the proposal
+    # is deterministic and verification takes q as one-hot.
+    gives_probabilities: ClassVar[bool] = True
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
