@@ -105,13 +105,14 @@ def test_bf16_weights_skip_onednn_prepacking_below_avx512(forced):
 
 
 def test_embedded_model_serves_on_a_forced_avx2_path(tmp_path):
-    """A fresh process, as a user on an AVX2-only CPU gets it: fp32, no oneDNN bf16, C kernels for AVX2."""
+    """A fresh process, as a user on an AVX2-only CPU gets it: fp32 (prepacked for oneDNN), no oneDNN bf16,
+    C kernels for AVX2."""
     code = ("from pressroom import LLM, SamplingParams\n"
             "from pressroom.platforms.cpu import cpu_info\n"
             "llm = LLM(kv_cache_memory_gib=0.05)\n"
             "lin = llm.engine.model.model.layers[0].mlp.gate_up_proj\n"
             "out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=8))\n"
-            "print(cpu_info().isa.name, llm.engine.config.model.dtype, lin.onednn is None, lin.int4 is not None,\n"
+            "print(cpu_info().isa.name, llm.engine.config.model.dtype, lin.onednn is not None, lin.int4 is not None,\n"
             "      len(out[0].outputs[0].token_ids))\n")
     env = {"PRESSROOM_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "PRESSROOM_CACHE": str(tmp_path),
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}

@@ -7,7 +7,7 @@ from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.kernels import cpu
-from pressroom.model.layers.linear import onednn_bf16_prepack
+from pressroom.model.layers.linear import onednn_prepack
 from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
 
 
@@ -50,8 +50,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight, self.q8 = embedding.weight, embedding.q8
 
     def prepack_onednn(self) -> None:
-        """A oneDNN-blocked copy for the bf16 CPU matmul (the embedding may share the plain weight)."""
-        if onednn_bf16_prepack(self.weight):
+        """A oneDNN-blocked copy for the CPU matmul (the embedding may share the plain weight)."""
+        if onednn_prepack(self.weight):
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

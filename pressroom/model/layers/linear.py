@@ -45,9 +45,10 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def prepack_onednn(self) -> bool:
-        """bf16 on the CPU: hold the weight in oneDNN's blocked layout, so no call re-lays it out
-        (measured here: 27% faster at 32 rows). The plain copy is dropped."""
-        if not onednn_bf16_prepack(self.weight):
+        """On the CPU: hold the weight in oneDNN's blocked layout, so no call re-lays it out (bf16: 27%
+        faster at 32 rows; fp32 on an AVX2 EPYC: 10-30% faster than torch's BLAS, and the same bits for a
+        row whatever the batch). The plain copy is dropped."""
+        if not onednn_prepack(self.weight):
             return False
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -157,12 +158,16 @@ class RowParallelLinear(LinearBase):
         self._store_rows(param, 0, loaded.narrow(1, self.tp_rank * size, size))
 
 
-def onednn_bf16_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's bf16 matmul exists only on AVX-512 CPUs (and AVX-NE-CONVERT ones, which pressroom
-    leaves to F.linear): asked of the CPU's tier and of torch, not found out by a crash."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_info().bf16_storage
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def onednn_prepack(weight: torch.Tensor) -> bool:
+    """Whether a CPU weight goes to oneDNN's blocked layout: fp32 wherever torch has oneDNN; bf16 only
+    where oneDNN has a bf16 matmul, AVX-512 CPUs (AVX-NE-CONVERT ones are left to F.linear): asked of
+    the CPU's tier and of torch, not found out by a crash."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and cpu_info().bf16_storage and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _check_full(loaded, expected: tuple[int, ...]) -> None:
