@@ -27,6 +27,16 @@ def tiny_config(arch: str):
         return transformers.Qwen2Config(**TINY_SHAPE)
     if arch == "qwen3":
         return transformers.Qwen3Config(**TINY_SHAPE, head_dim=32)
+    moe = dict(TINY_SHAPE, num_experts_per_tok=2)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
+    if arch == "qwen2_moe":  # layer 1 dense; a sigmoid-gated shared expert; top-k weights not renormalised
+        return transformers.Qwen2MoeConfig(**moe, num_experts=6, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=96, mlp_only_layers=[1],
+                                           norm_topk_prob=False)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**moe, num_experts=8, moe_intermediate_size=48, head_dim=32,
+                                           norm_topk_prob=True)
     raise KeyError(arch)
 
 

@@ -20,7 +20,7 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
         assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     import transformers
     path = tiny_model_dir(arch)

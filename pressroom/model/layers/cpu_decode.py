@@ -77,6 +77,8 @@ def applies(meta: AttentionMetadata, input_ids: torch.Tensor) -> bool:
 
 def _eligible(layer) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts
+        return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (attn.q_norm is None and all(isinstance(l.int4, NibbleMatrix) for l in linears)
             and all(l.bias is None for l in linears[1:]) and attn.o_proj.tp_size == 1)

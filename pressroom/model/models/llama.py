@@ -1,7 +1,7 @@
 """The Llama family on one set of layers: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -71,10 +71,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool) -> None:
+    def __init__(self, config, qk_norm: bool, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the feed-forward block (default: the dense SwiGLU MLP), e.g. a mixture of experts."""
         super().__init__()
         self.self_attn = LlamaAttention(config, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,10 +90,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qk_norm: bool) -> None:
+    def __init__(self, config, qk_norm: bool, make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
+        """`make_mlp(layer index)`: that layer's feed-forward block, None for the dense MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm, make_mlp(i) if make_mlp else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = _rotary(config)
         # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
@@ -143,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qk_norm)
+        self.model = LlamaModel(config, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -156,13 +159,27 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """A layer's feed-forward block where it is not the dense MLP (mixture-of-experts families)."""
+        return None
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and its shard id (None: the whole parameter)."""
+        for part, (stacked, shard_id) in _STACKED.items():
+            if part in name:
+                return name.replace(part, stacked), shard_id
+        return name, None
+
     def expected_weights(self) -> set[str]:
         """Every checkpoint tensor name this model needs (stacked parameters need each part)."""
         expected = set()
         for name, _ in self.named_parameters(remove_duplicate=False):
-            parts = [name.replace(stacked, part) for part, (stacked, _) in _STACKED.items() if stacked in name]
-            expected.update(parts or [name])
+            expected.update(self.checkpoint_parts(name))
         return expected
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        """The checkpoint tensors a parameter is loaded from."""
+        return [name.replace(stacked, part) for part, (stacked, _) in _STACKED.items() if stacked in name] or [name]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
@@ -171,11 +188,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            target, shard = name, None
-            for part, (stacked, shard_id) in _STACKED.items():
-                if part in name:
-                    target, shard = name.replace(part, stacked), shard_id
-                    break
+            target, shard = self.checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}.")
