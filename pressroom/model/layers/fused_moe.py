@@ -78,6 +78,9 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        # Set while the memory profile runs: every token goes to the same top-k experts, the largest
+        # intermediate a step can make, so a skewed batch cannot outgrow the memory left for the KV cache.
+        self.worst_case_routing = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
@@ -100,6 +103,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
+        if self.worst_case_routing:
+            local = torch.arange(ids.shape[1], device=ids.device) % (self.end - self.start)
+            ids = (self.start + local).expand_as(ids)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
