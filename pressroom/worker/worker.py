@@ -111,9 +111,13 @@ class Worker:
         config = self.config
         if config.device != "cuda" or config.compilation.enforce_eager:
             return False
+        runner = self.model_runner
+        if not runner.model.cuda_graphs_supported:
+            logger.warning("%s runs without CUDA graphs: its forward is not graph-safe yet",
+                           type(runner.model).__name__)
+            return False
         sched, spec, compilation = config.scheduler, config.speculative, config.compilation
         k = spec.num_speculative_tokens if spec is not None else 0
-        runner = self.model_runner
         runner.capture_cudagraphs(
             compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs)
         if runner.proposer is not None:

@@ -142,6 +142,7 @@ _STACKED = {
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
+    cuda_graphs_supported = True  # its forward has no host sync or data-dependent control flow
 
     def __init__(self, config) -> None:
         super().__init__()
