@@ -113,3 +113,20 @@ def test_committed_moe_configs_build_their_published_size(config, billions):
         model = resolve_architecture(cfg)(cfg)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
     assert sum(isinstance(m, FusedMoE) for m in model.modules()) == cfg.num_hidden_layers
+
+
+def test_a_moe_model_runs_in_bf16_on_the_cpu(tiny_model_dir):
+    """The bf16 CPU path (the default on AVX-512-BF16 CPUs) against HF in fp32 on the same weights."""
+    import transformers
+    from conftest import hf_prompt_logprobs, random_prompts
+
+    from pressroom import LLM, SamplingParams
+    path = tiny_model_dir("qwen3_moe")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_gib=0.05)
+    prompt = random_prompts(1, low=40, high=41, seed=3)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ours = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+    errors = sorted(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf, prompt)))
+    assert errors[len(errors) // 2] < 0.05 and errors[-1] < 0.2
