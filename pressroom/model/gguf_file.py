@@ -39,13 +39,24 @@ class _ArchSpec:
     permuted_qk: bool
     # HF Qwen2 always has q/k/v biases; others only when the tensors exist.
     default_attention_bias: bool
+    # Mixtures of experts: the HF checkpoint's name for a layer's expert block and its experts'
+    # gate, up and down matrices (GGUF stacks each of them over the experts in one tensor).
+    expert_block: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    renormalize_top_k: bool = True
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True, default_attention_bias=False),
     "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False, default_attention_bias=True),
     "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", permuted_qk=False, default_attention_bias=False),
+    "qwen2moe": _ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, default_attention_bias=True,
+                          renormalize_top_k=False),
+    "qwen3moe": _ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False, default_attention_bias=False),
 }
+# llama.cpp writes Mixtral as a llama whose metadata counts experts.
+_MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
+                     expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
 
 # GGUF's per-block tensor names -> HF module paths under model.layers.N.
 _BLOCK_NAMES: dict[str, str] = {
@@ -60,7 +71,13 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Stacked expert tensors [experts, out, in] -> the index of the HF per-expert matrix name.
+_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _TOP_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -147,14 +164,21 @@ def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str,
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
     # Name every tensor up front: an unmappable one should fail before any weight is consumed.
-    named = [(_hf_name(info.name, file.path), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
+    named = [(_hf_names(info, file), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
     return _iter_weights(file, _build_config(file), named, keep_4bit)
 
 
 def _iter_weights(
-    file: _GgufFile, config: dict[str, Any], named: list[tuple[str, _TensorInfo]], keep_4bit: bool
+    file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]], keep_4bit: bool
 ) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
-    for hf_name, info in named:
+    for names, info in named:
+        if len(names) > 1:  # experts stacked in one tensor: one HF matrix each (the experts stay dense)
+            yield from zip(names, _dequantize(file, info).unbind(0))
+            continue
+        hf_name = names[0]
+        if hf_name.endswith("shared_expert_gate.weight"):  # GGUF keeps this [1, hidden] matrix as a vector
+            yield hf_name, _dequantize(file, info).reshape(1, -1)
+            continue
         if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _HEAD_NAMES:
             weight = _read_q8(file, info)
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
@@ -254,7 +278,8 @@ def _open(path: str) -> _GgufFile:
     arch = metadata.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"GGUF file {path} has unsupported architecture {arch!r}; supported: {sorted(_ARCHS)}")
-    return _GgufFile(path=path, metadata=metadata, tensors=tensors, buffer=buffer, spec=_ARCHS[arch])
+    spec = _MIXTRAL if arch == "llama" and metadata.get("llama.expert_count") else _ARCHS[arch]
+    return _GgufFile(path=path, metadata=metadata, tensors=tensors, buffer=buffer, spec=spec)
 
 
 def _check_complete(tensors: list[_TensorInfo], size: int, path: str) -> None:
@@ -388,6 +413,22 @@ def _build_config(file: _GgufFile) -> dict[str, Any]:
     rope_scaling = _rope_scaling(file)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    experts = file.arch_meta("expert_count")
+    if experts:
+        config |= _moe_config(file, experts)
+    return config
+
+
+def _moe_config(file: _GgufFile, experts: int) -> dict[str, Any]:
+    used = _required(file, "expert_used_count")
+    if file.spec.model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    config = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": file.spec.renormalize_top_k,
+              "moe_intermediate_size": _required(file, "expert_feed_forward_length"),
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = file.arch_meta("expert_shared_feed_forward_length")
+    if shared:
+        config["shared_expert_intermediate_size"] = shared
     return config
 
 
@@ -462,6 +503,20 @@ def _dequantize(file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
     if not values.flags.writeable:
         values = values.copy()
     return torch.from_numpy(values.reshape(info.shape))
+
+
+def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:
+    """The HF names a GGUF tensor loads as: one, or one per expert for a stacked expert tensor."""
+    match = _BLOCK_RE.match(info.name)
+    if match is not None and match.group(3) == "weight":
+        layer, part = match.group(1), match.group(2)
+        block = f"model.layers.{layer}.{file.spec.expert_block}"
+        if part in _EXPERT_PARTS:
+            name = file.spec.expert_names[_EXPERT_PARTS[part]]
+            return [f"{block}.experts.{e}.{name}.weight" for e in range(info.shape[0])]
+        if part == "ffn_gate_inp":
+            return [f"{block}.gate.weight"]
+    return [_hf_name(info.name, file.path)]
 
 
 def _hf_name(gguf_name: str, path: str) -> str:
