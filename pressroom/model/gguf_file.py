@@ -172,7 +172,7 @@ def _iter_weights(
     file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]], keep_4bit: bool
 ) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
     for names, info in named:
-        if len(names) > 1:  # experts stacked in one tensor: one HF matrix each (the experts stay dense)
+        if len(info.shape) == 3:  # experts stacked in one tensor: one HF matrix each (the experts stay dense)
             yield from zip(names, _dequantize(file, info).unbind(0))
             continue
         hf_name = names[0]
