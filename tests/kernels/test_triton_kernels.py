@@ -269,3 +269,29 @@ def test_available_is_false_without_triton(monkeypatch):
     assert triton_kernels.available()
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     assert not triton_kernels.available()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (37, 6, 2), (20, 8, 3)])
+def test_fused_moe_equals_the_per_expert_loop(tokens, experts, top_k):
+    """Triton's grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by top-k) against FusedMoE's
+    torch path on the same weights; ranks owning part of the experts sum to the whole."""
+    from pressroom.kernels.triton.fused_moe import fused_moe
+    from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter = 32, 48
+    layer = FusedMoE(experts, hidden, inter)
+    layer.w13.data = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    layer.w2.data = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=top_k))
+    expected = layer(x, weights, ids)
+    to = dict(device=DEVICE)
+    got = fused_moe(x.to(**to), layer.w13.data.to(**to), layer.w2.data.to(**to), weights.to(**to), ids.to(**to))
+    assert torch.allclose(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    half = experts // 2  # two ranks: local ids, -1 for the other rank's experts
+    parts = []
+    for lo, hi in ((0, half), (half, experts)):
+        local = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
+        parts.append(fused_moe(x.to(**to), layer.w13.data[lo:hi].to(**to), layer.w2.data[lo:hi].to(**to),
+                               weights.to(**to), local.to(**to)).cpu())
+    assert torch.allclose(parts[0] + parts[1], expected, atol=1e-4, rtol=1e-4)

@@ -49,7 +49,6 @@ _PARTS = {"gate_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2"
 
 class _MoeForCausalLM(LlamaForCausalLM):
     """Shared loading: per-expert checkpoint tensors stack into the layer's FusedMoE parameters."""
-    cuda_graphs_supported = False  # FusedMoE loops over the chosen experts on the host (no fused kernel yet)
     block_name = "mlp"  # the checkpoint's name for a layer's feed-forward block
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
