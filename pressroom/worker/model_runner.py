@@ -23,7 +23,6 @@ from pressroom.core.outputs import (
     TopLogprobs,
 )
 from pressroom.model.layers.attention import Attention
-from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
 from pressroom.worker.input_batch import InputBatch
@@ -250,14 +249,7 @@ class ModelRunner:
             max_query_len=chunk)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        for layer in experts:
-            layer.worst_case_routing = True
-        try:
-            hidden = self.run_model(ids, positions, meta)
-        finally:
-            for layer in experts:
-                layer.worst_case_routing = False
+        hidden = self.run_model(ids, positions, meta)
         rows = hidden[torch.arange(num_seqs, device=self.device) % num_tokens]
         logits = self.model.compute_logits(rows).float()
         torch.softmax(logits, dim=-1).sort(dim=-1)  # what top-p sampling of a full batch allocates

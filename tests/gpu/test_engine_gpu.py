@@ -222,8 +222,8 @@ def test_moe_greedy_tokens_equal_hf(arch, tmp_path):
 
 
 def test_moe_profile_leaves_room_for_a_batch_routed_to_one_expert(tmp_path):
-    """The memory profile routes every token to the same experts, so a skewed full step (every prompt the
-    same tokens, hence the same experts) fits in what the KV cache left."""
+    """The fused-MoE buffers are sized by tokens x top-k whatever the routing, so a skewed full step (every
+    prompt the same tokens, hence the same experts) fits in what the profile left beside the KV cache."""
     import transformers
     from conftest import tiny_config
     cfg = tiny_config("qwen3_moe")

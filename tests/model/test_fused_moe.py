@@ -85,20 +85,6 @@ def test_a_wrong_expert_shape_or_index_is_a_clear_error():
         FusedMoE(4, 16, 8, (2, 6))
 
 
-def test_worst_case_routing_sends_every_token_to_the_same_experts(monkeypatch):
-    """What the memory profile runs: the largest per-expert batch a step can make, whatever the router says."""
-    layer = _experts(6, 16, 8, (2, 6))
-    x = torch.randn(12, 16)
-    weights, ids = select_experts(torch.randn(12, 6), RouterConfig(top_k=2))
-    rows = []
-    linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda inp, w, *a: rows.append(inp.shape[0]) or linear(inp, w, *a))
-    layer.worst_case_routing = True
-    layer(x, weights, ids)
-    assert rows == [12, 12, 12, 12]  # two experts (2 and 3), each over all 12 tokens: gate_up then down
-
-
 @pytest.mark.parametrize("config, billions", [("qwen3-30b-a3b", 30.53), ("mixtral-8x7b", 46.70)])
 def test_committed_moe_configs_build_their_published_size(config, billions):
     """configs/ holds the published shapes for benchmarks with dummy weights; built on the meta device

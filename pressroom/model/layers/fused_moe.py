@@ -78,9 +78,6 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        # Set while the memory profile runs: every token goes to the same top-k experts, the largest
-        # intermediate a step can make, so a skewed batch cannot outgrow the memory left for the KV cache.
-        self.worst_case_routing = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
@@ -103,10 +100,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
-        if self.worst_case_routing:
-            local = torch.arange(ids.shape[1], device=ids.device) % (self.end - self.start)
-            ids = (self.start + local).expand_as(ids)
-        if x.is_cuda:
+        if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
             from pressroom.kernels.triton.fused_moe import fused_moe
             local = torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
             return fused_moe(x.contiguous(), self.w13, self.w2, weights, local)
