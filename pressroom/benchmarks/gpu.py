@@ -27,15 +27,19 @@ DEFAULT_MODEL = REPO / "configs" / "llama-3.1-8b"
 WORKLOADS = ("decode", "throughput", "prefill")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP_REPS, TIMED_REPS = 3, 10
-DECODE_READ_NOTE = ("bytes one decode step reads: every weight except the input embedding table (one row of it "
-                    "is read per token); the LM head counts in full even when tied; KV-cache reads not counted")
+DECODE_READ_NOTE = ("bytes one batch-1 decode step reads: every weight except the input embedding table (one row of "
+                    "it is read per token) and the routed experts the token did not select (top_k of num_experts per "
+                    "MoE layer); the LM head counts in full even when tied; KV-cache reads not counted")
 WARMUP_NOTE = ("pressroom: --warmup-requests requests of the workload, untimed, then the prefix cache reset; "
                "HF: one untimed batch of the timed shape per batch size; ceilings: 3 untimed reps, mean of 10")
-FLOPS_NOTE = ("throughput: 2 x non-embedding params x (prompt + output tokens) + 2 x LM-head params x output tokens; "
-              "prefill: 2 x non-embedding params x prompt tokens + 2 x LM-head params x prompts; "
+FLOPS_NOTE = ("throughput: 2 x active non-embedding params x (prompt + output tokens) + 2 x LM-head params x output "
+              "tokens; prefill: 2 x active non-embedding params x prompt tokens + 2 x LM-head params x prompts; "
+              "active: a mixture of experts counts the top_k routed experts a token uses, not all of them; "
               "attention score FLOPs not counted")
 # pressroom stacks these HF matrices row-wise, in this order.
 UNSTACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# pressroom's stacked expert tensors under transformers' (>= 5) names: the same [experts, out, in] layout.
+HF_EXPERTS = {"experts.w13": "experts.gate_up_proj", "experts.w2": "experts.down_proj"}
 
 
 @dataclass(slots=True)
@@ -54,6 +58,9 @@ class ModelSize:
     lm_head_params: int
     non_embedding_params: int  # everything but the input embedding and the LM head
     tied_word_embeddings: bool
+    routed_expert_params: int  # all routed experts of every MoE layer (0: a dense model)
+    active_non_embedding_params: int  # what one token computes with: the non-embedding params less the
+    # routed experts it does not select
     bytes_per_param: int
     decode_read_bytes: int
     decode_read_note: str = DECODE_READ_NOTE
@@ -128,14 +135,30 @@ def model_size(hf_config, dtype: torch.dtype) -> ModelSize:
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead)).weight
     tied = head is embed
     non_embedding = total - embed.numel() - (0 if tied else head.numel())
+    routed, unselected = routed_expert_params(model)
+    active = non_embedding - unselected
     itemsize = dtype.itemsize
-    return ModelSize(total, embed.numel(), head.numel(), non_embedding, tied, itemsize,
-                     (non_embedding + head.numel()) * itemsize)
+    return ModelSize(total, embed.numel(), head.numel(), non_embedding, tied, routed, active, itemsize,
+                     (active + head.numel()) * itemsize)
+
+
+def routed_expert_params(model: nn.Module) -> tuple[int, int]:
+    """All routed experts' parameters, and those a token leaves unselected ((E - top_k) / E of them)."""
+    from pressroom.model.layers.fused_moe import FusedMoE
+    routed = unselected = 0
+    for block in model.modules():
+        experts, router = getattr(block, "experts", None), getattr(block, "router", None)
+        if isinstance(experts, FusedMoE) and router is not None:
+            params = experts.w13.numel() + experts.w2.numel()
+            routed += params
+            unselected += params * (experts.num_experts - router.top_k) // experts.num_experts
+    return routed, unselected
 
 
 def model_flops(size: ModelSize, body_tokens: int, lm_head_positions: int) -> float:
-    """Matmul FLOPs: every token through the layers, only the sampled positions through the LM head."""
-    return 2.0 * size.non_embedding_params * body_tokens + 2.0 * size.lm_head_params * lm_head_positions
+    """Matmul FLOPs: every token through the layers (the experts it selects), only the sampled positions
+    through the LM head."""
+    return 2.0 * size.active_non_embedding_params * body_tokens + 2.0 * size.lm_head_params * lm_head_positions
 
 
 def workload_flops(name: str, size: ModelSize, run: Run) -> float:
@@ -220,6 +243,10 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         module_name, _, kind = name.rpartition(".")
         module = modules[module_name]
         tensor = plain_tensor(module, kind, param)
+        expert_name = next((hf for ours, hf in HF_EXPERTS.items() if name.endswith(ours)), None)
+        if expert_name is not None:
+            state[name.rsplit(".", 2)[0] + "." + expert_name] = tensor
+            continue
         parent, _, leaf = module_name.rpartition(".")
         if leaf not in UNSTACKED:
             state[name] = tensor
@@ -374,10 +401,10 @@ def run(args) -> dict:
     state = None if args.skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
     del llm
     free_device_memory(device)
-    hf_runs, memory = run_hf_phase(state, workloads, args, device, dtype) if state is not None else ({}, {})
+    hf_runs, memory, hf_info = run_hf_phase(state, workloads, args, device, dtype) if state else ({}, {}, {})
     report = {"benchmark": "gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_machine(device),
               "device": device.type, "model": str(args.model), "dtype": args.dtype, "engine_args": kwargs,
-              "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3),
+              "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3), "hf": hf_info,
               "model_size": asdict(size), "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
               "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
               "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,
@@ -390,18 +417,22 @@ def run(args) -> dict:
 
 
 def run_hf_phase(state: dict[str, torch.Tensor], workloads: dict[str, Workload], args, device: torch.device,
-                 dtype: torch.dtype) -> tuple[dict[str, list[Run]], dict[str, int]]:
-    """HF on pressroom's weights; `state` is emptied once copied, so the engine's last tensors go too."""
+                 dtype: torch.dtype) -> tuple[dict[str, list[Run]], dict[str, int], dict[str, str | None]]:
+    """HF on pressroom's weights; `state` is emptied once copied, so the engine's last tensors go too.
+    Also which transformers ran, and its MoE experts implementation (grouped_mm where it can)."""
+    import transformers
     memory = {"after_engine_freed_bytes": allocated_bytes(device)}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     hf_model = build_hf(Path(args.model), state, device, dtype)
     state.clear()
+    info = {"transformers": transformers.__version__,
+            "experts_implementation": getattr(hf_model.config, "_experts_implementation", None)}
     runs = run_hf_workloads(hf_model, workloads, args, device)
     memory["hf_peak_bytes"] = peak_bytes(device)
     del hf_model
     free_device_memory(device)
-    return runs, memory
+    return runs, memory, info
 
 
 def device_machine(device: torch.device) -> dict:

@@ -91,7 +91,8 @@ def _pressroom_and_hf_on_meta(path: Path):
         return resolve_architecture(config)(config), AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-8b", "qwen3-0.6b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b",
+                                  "mixtral-8x7b"])
 def test_committed_config_builds_and_maps_to_hf(name):
     ours, hf = _pressroom_and_hf_on_meta(CONFIGS / name)
     state = gpu.hf_state_dict(ours)
@@ -99,12 +100,43 @@ def test_committed_config_builds_and_maps_to_hf(name):
     assert {n: tuple(t.shape) for n, t in state.items()} == expected
 
 
-@pytest.mark.parametrize(("name", "params"), [("llama-3.1-8b", 8.03e9), ("llama-3.2-1b", 1.236e9),
-                                               ("qwen3-8b", 8.19e9), ("qwen3-0.6b", 0.596e9)])
-def test_committed_config_parameter_count(name, params):
+@pytest.mark.parametrize(("name", "params", "active"), [
+    ("llama-3.1-8b", 8.03e9, 8.03e9), ("llama-3.2-1b", 1.236e9, 1.236e9), ("qwen3-8b", 8.19e9, 8.19e9),
+    ("qwen3-0.6b", 0.596e9, 0.596e9),
+    ("qwen3-30b-a3b", 30.5e9, 3.35e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])  # the model cards' total / active
+def test_committed_config_parameter_count(name, params, active):
     from pressroom.model.loader import load_hf_config
     size = gpu.model_size(load_hf_config(str(CONFIGS / name)), torch.bfloat16)
     assert size.total_params == pytest.approx(params, rel=0.01)
+    head = 0 if size.tied_word_embeddings else size.lm_head_params
+    with_embeddings = size.active_non_embedding_params + size.embedding_params + head
+    assert with_embeddings == pytest.approx(active, rel=0.01)
+
+
+def test_moe_decode_reads_the_selected_experts_only():
+    """Qwen3-30B-A3B: 48 layers x 128 experts x 3 x 2048 x 768 routed parameters, of which a token uses 8
+    experts per layer; decode reads those, the rest of the layers and the LM head."""
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / "qwen3-30b-a3b")), torch.bfloat16)
+    routed = 48 * 128 * 3 * 2048 * 768
+    assert size.routed_expert_params == routed
+    assert size.active_non_embedding_params == size.non_embedding_params - routed * 120 // 128
+    assert size.decode_read_bytes == 2 * (size.active_non_embedding_params + size.lm_head_params)
+
+
+def test_moe_bench_runs_hf_on_the_same_weights(tiny_model_dir, tmp_path):
+    """The MoE family through the whole bench: pressroom's stacked experts copied into HF's, and both
+    produce every token; the bound counts the active parameters."""
+    out = tmp_path / "result.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("qwen3_moe"), *TINY_FLAGS, "--workloads", "decode,throughput",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["hf"]["experts_implementation"] in ("grouped_mm", "eager", "batched_mm")
+    size = report["model_size"]
+    assert 0 < size["active_non_embedding_params"] < size["non_embedding_params"]
+    for section in report["workloads"].values():
+        assert section["hf"]["output_tokens"] == section["pressroom"]["output_tokens"] > 0
 
 
 def test_llama_decode_reads_all_but_the_embedding():
@@ -115,8 +147,9 @@ def test_llama_decode_reads_all_but_the_embedding():
 
 
 def test_flops_follow_the_stated_formulas():
-    size = gpu.ModelSize(total_params=0, embedding_params=10, lm_head_params=10, non_embedding_params=100,
-                         tied_word_embeddings=False, bytes_per_param=2, decode_read_bytes=220)
+    size = gpu.ModelSize(total_params=0, embedding_params=10, lm_head_params=10, non_embedding_params=130,
+                         tied_word_embeddings=False, routed_expert_params=40, active_non_embedding_params=100,
+                         bytes_per_param=2, decode_read_bytes=220)
     run = gpu.Run("pressroom", num_requests=4, input_tokens=40, output_tokens=8, elapsed_s=1.0,
                   output_tokens_per_s=8.0, input_tokens_per_s=40.0)
     assert gpu.workload_flops("throughput", size, run) == 2 * 100 * (40 + 8) + 2 * 10 * 8

@@ -295,3 +295,66 @@ def test_fused_moe_equals_the_per_expert_loop(tokens, experts, top_k):
         parts.append(fused_moe(x.to(**to), layer.w13.data[lo:hi].to(**to), layer.w2.data[lo:hi].to(**to),
                                weights.to(**to), local.to(**to)).cpu())
     assert torch.allclose(parts[0] + parts[1], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 128, 8, 16), (37, 6, 2, 16), (100, 5, 3, 32),
+                                                             (70, 130, 4, 16), (1, 1, 1, 16), (300, 16, 8, 64)])
+def test_the_two_alignments_agree(tokens, experts, top_k, block_m):
+    """One Triton program (small steps) and torch's sort (large ones) place every pair in the same slot,
+    another rank's pairs (-1) nowhere, and mark the same blocks unused."""
+    from pressroom.kernels.triton.fused_moe import align_in_one_program, align_with_torch
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.2, -1, ids).to(DEVICE)
+    slots, block_expert = align_with_torch(ids, experts, block_m)
+    got_slots, got_block_expert = align_in_one_program(ids, experts, block_m)
+    assert torch.equal(got_slots, slots) and torch.equal(got_block_expert, block_expert)
+    flat = ids.reshape(-1).cpu()
+    placed = slots[slots < ids.numel()].cpu()
+    assert sorted(placed.tolist()) == [i for i in range(ids.numel()) if flat[i] >= 0]
+    for block, expert in enumerate(block_expert.cpu().tolist()):
+        rows = slots[block * block_m:(block + 1) * block_m].cpu()
+        rows = rows[rows < ids.numel()]
+        assert expert >= 0 or len(rows) == 0
+        assert all(flat[r] == expert for r in rows.tolist())
+
+
+def test_every_routing_edge_case_through_the_kernels():
+    """All tokens to one expert, experts that receive nothing, top-k equal to the number of experts and a
+    single token; launches with K tiles that divide the width (no masks) and that do not."""
+    from pressroom.kernels.triton.fused_moe import MoeLaunch, fused_moe
+    from pressroom.model.layers.fused_moe import FusedMoE
+    gen = torch.Generator().manual_seed(7)
+    experts, hidden, inter = 4, 32, 48
+    layer = FusedMoE(experts, hidden, inter)
+    layer.w13.data = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    layer.w2.data = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    cases = {"one expert": torch.full((9, 1), 2), "all experts": torch.arange(4).repeat(5, 1),
+             "one token": torch.tensor([[3, 0]])}
+    for name, ids in cases.items():
+        x = torch.randn(ids.shape[0], hidden, generator=gen)
+        weights = torch.rand(ids.shape, generator=gen)
+        expected = layer(x, weights, ids)
+        for launch in (MoeLaunch(16, 32, 16, 4, 2), MoeLaunch(32, 64, 64, 4, 2)):
+            got = fused_moe(x.to(DEVICE), layer.w13.data.to(DEVICE), layer.w2.data.to(DEVICE),
+                            weights.to(DEVICE), ids.to(DEVICE), launch)
+            assert torch.allclose(got.cpu(), expected, atol=1e-4, rtol=1e-4), (name, launch)
+
+
+def test_a_committed_sweep_picks_the_launch_for_the_nearest_token_count(tmp_path, monkeypatch):
+    import json
+
+    from pressroom.kernels.triton import fused_moe as moe
+    monkeypatch.setattr(moe, "SWEEP_DIR", tmp_path)
+    path = moe.sweep_path(128, 768, 2048, 8, torch.bfloat16, "NVIDIA H200")
+    assert path.name == "E128_N768_H2048_K8_bfloat16_NVIDIA_H200.json"
+    small, large = moe.MoeLaunch(16, 32, 128, 4, 4), moe.MoeLaunch(64, 128, 64, 8, 3)
+    path.write_text(json.dumps({"best": {"1": vars_of(small), "256": vars_of(large)}}))
+    table = moe.load_sweep(path)
+    assert table == {1: small, 256: large}
+    assert [moe.nearest_launch(table, n) for n in (1, 100, 128, 129, 4096)] == [small, small, small, large, large]
+    assert moe.load_sweep(tmp_path / "absent.json") == {}
+
+
+def vars_of(launch) -> dict:
+    return {f: getattr(launch, f) for f in launch.__slots__}

@@ -5,19 +5,93 @@ over the k pairs of a token gives its output.
 
 Shapes are static for a given (tokens, top_k, experts): the padded pair list has its upper bound
 tokens * top_k + experts * (BLOCK_M - 1) slots, and blocks past the used ones carry expert -1 and exit.
+Launch configurations come from a sweep committed per shape and GPU (moe_configs/, written by
+benchmarks/gpu/sweep_fused_moe.py), looked up by the token count nearest to the call's.
 """
 from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+SWEEP_DIR = Path(__file__).with_name("moe_configs")
+# Up to this many pairs one Triton program sorts them (one launch: decode steps are launch-bound);
+# beyond, torch's sort, whose dozen launches a large step's GEMMs amortise.
+ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class MoeLaunch:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def sweep_path(experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, gpu: str) -> Path:
+    dtype_name = str(dtype).removeprefix("torch.")
+    return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}_{dtype_name}_{gpu.replace(' ', '_')}.json"
+
+
+@functools.cache
+def load_sweep(path: Path) -> dict[int, MoeLaunch]:
+    """The sweep's best launch per token count; empty where no sweep was committed for this shape."""
+    if not path.exists():
+        return {}
+    best = json.loads(path.read_text())["best"]
+    return {int(tokens): MoeLaunch(**launch) for tokens, launch in best.items()}
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
+    """Without a sweep: rows per block grow with the pairs an expert receives on average."""
+    per_expert = tokens * top_k / experts
+    if per_expert <= 16:
+        return MoeLaunch(16, 64, 64, 4, 3)
+    if per_expert <= 64:
+        return MoeLaunch(32, 64, 64, 4, 3)
+    return MoeLaunch(64, 128, 64, 8, 3)
+
+
+def choose_launch(tokens: int, w13: torch.Tensor, top_k: int) -> MoeLaunch:
+    if w13.device.type != "cuda":  # Triton's interpreter: correctness only
+        return default_launch(tokens, top_k, w13.shape[0])
+    experts, double_inter, hidden = w13.shape
+    table = load_sweep(sweep_path(experts, double_inter // 2, hidden, top_k, w13.dtype,
+                                  _gpu_name(w13.device.index or 0)))
+    return nearest_launch(table, tokens) if table else default_launch(tokens, top_k, experts)
+
+
+def nearest_launch(table: dict[int, MoeLaunch], tokens: int) -> MoeLaunch:
+    """The launch swept at the token count nearest to `tokens` (the smaller on a tie)."""
+    return table[min(table, key=lambda n: (abs(n - tokens), n))]
+
+
+def max_padded_pairs(pairs: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [tokens, k]: expert ids local to this rank (-1: another rank's expert). Returns slots
-    [max_padded] (pair index t * k + j grouped by expert, each expert's run padded to a multiple of
-    block_m with tokens * k) and block_expert [max_padded // block_m] (each block's expert; -1: unused).
-    No host sync: every size is known from the shapes."""
+    [max_padded] (pair index t * k + j grouped by expert in pair order, each expert's run padded to a
+    multiple of block_m with tokens * k) and block_expert [max_padded // block_m] (each block's expert;
+    -1: unused). No host sync: every size is known from the shapes."""
+    if ids.numel() <= ALIGN_IN_ONE_PROGRAM_MAX_PAIRS:
+        return align_in_one_program(ids, num_experts, block_m)
+    return align_with_torch(ids, num_experts, block_m)
+
+
+def align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     pairs, device = ids.numel(), ids.device
     key = torch.where(ids.reshape(-1) >= 0, ids.reshape(-1), num_experts)  # other ranks' pairs sort last
     order = torch.argsort(key, stable=True)
@@ -27,7 +101,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     first = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin in the sorted order
-    max_padded = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    max_padded = max_padded_pairs(pairs, num_experts, block_m)
     expert = sorted_key.clamp(max=num_experts - 1)
     dest = ends[expert] - padded[expert] + torch.arange(pairs, device=device) - first[expert]
     dest = torch.where(sorted_key < num_experts, dest, max_padded)  # dropped pairs land in a spare slot
@@ -39,10 +113,57 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 @triton.jit
+def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_pairs, num_experts, max_padded,
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count pairs per expert, lay the experts' padded runs end to end, then place each
+    pair at its expert's start plus the number of that expert's pairs before it."""
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        e = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)  # -1 matches no bin
+        counts += tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    begins = ends - padded
+    for start in range(0, max_padded, CHUNK * BLOCK_M):  # one entry per block: the experts ended before it
+        block = start // BLOCK_M + lanes
+        expert = tl.sum((ends[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + block, tl.where(expert < num_experts, expert, -1),
+                 mask=block * BLOCK_M < max_padded)
+    for start in range(0, max_padded, CHUNK):
+        tl.store(slots_ptr + start + lanes, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
+                 mask=start + lanes < max_padded)
+    tl.debug_barrier()  # the padding fill above lands before the placements below
+    before = lanes[None, :] < lanes[:, None]
+    seen = tl.zeros((BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pair = start + lanes
+        e = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        onehot = e[:, None] == bins[None, :]
+        base = tl.sum(tl.where(onehot, (begins + seen)[None, :], 0), axis=1)
+        rank = tl.sum(((e[:, None] == e[None, :]) & before).to(tl.int32), axis=1)
+        tl.store(slots_ptr + base + rank, pair, mask=(pair < num_pairs) & (e >= 0))
+        seen += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = ids.numel()
+    max_padded = max_padded_pairs(pairs, num_experts, block_m)
+    slots = torch.empty(max_padded, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1).to(torch.int32)
+    _align_kernel[(1,)](flat, slots, block_expert, pairs, num_experts, max_padded, BLOCK_M=block_m,
+                        BINS=max(16, triton.next_power_of_2(num_experts)), CHUNK=64, num_warps=8)
+    return slots, block_expert
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr,
                      n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_c, top_k,
                      A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -55,20 +176,28 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]
+    up_offset = n_out * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
-        k_ok = k0 + ks < k_in
-        a = tl.load(a_ptr + a_row.to(tl.int64)[:, None] * stride_a + (k0 + ks)[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + (k0 + ks)[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = k0 + ks < k_in
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
         if GATED:
-            w_up = tl.load(w_base + (cols + n_out)[None, :] * stride_wn + (k0 + ks)[:, None],
-                           mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_offset)
+            else:
+                w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
             acc_up += tl.dot(a, w_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHTS:
@@ -78,26 +207,29 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+              launch: MoeLaunch | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights (fp32) and ids [T, k], ids local to w13's experts
     (-1: another rank's expert). Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
     pairs = tokens * k
-    slots, block_expert = align_by_expert(ids, experts, block_m)
-    mid = torch.zeros(pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)
+    cfg = launch or choose_launch(tokens, w13, k)
+    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
+    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)  # another rank's pairs add zero
     flat_weights = weights.reshape(-1).float().contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
-    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
+    common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (block_expert.numel(), triton.cdiv(inter, cfg.block_n))
     _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, inter, hidden, pairs,
                            x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), k,
-                           A_BY_TOKEN=True, GATED=True, MUL_WEIGHTS=False, PRECISION=precision,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    grid = (block_expert.numel(), triton.cdiv(hidden, block_n))
+                           A_BY_TOKEN=True, GATED=True, MUL_WEIGHTS=False, EVEN_K=hidden % cfg.block_k == 0,
+                           **common)
+    grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
     _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, hidden, inter, pairs,
                            mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), k,
-                           A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, PRECISION=precision,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                           A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
+                           **common)
     return out.view(tokens, k, hidden).sum(dim=1)
