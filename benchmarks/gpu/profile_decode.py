@@ -40,7 +40,7 @@ def profiled(llm: LLM, prompts: list[list[int]], max_tokens: int, name: str, out
 
 
 def print_steps(trace: str, num_layers: int, shown: int = 3) -> None:
-    """Per step of a trace: wall span, summed kernel time, and the six largest kernels (ms)."""
+    """Per step of a trace: wall span, summed kernel time, and the twelve largest kernels (ms)."""
     with open(trace) as f:
         kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     writes = [i for i, e in enumerate(kernels) if "_write_kv" in e["name"]]
@@ -54,7 +54,7 @@ def print_steps(trace: str, num_layers: int, shown: int = 3) -> None:
         by_name = collections.Counter()
         for e in seg:
             by_name[e["name"][:40]] += e["dur"] / 1e3
-        top = "; ".join(f"{k} {v:.2f}" for k, v in by_name.most_common(6))
+        top = "; ".join(f"{k} {v:.2f}" for k, v in by_name.most_common(12))
         print(f"step {n}: span {span:.2f} ms, busy {sum(by_name.values()):.2f} ms; {top}")
 
 

@@ -53,8 +53,8 @@ def candidates(tokens: int, top_k: int, experts: int, itemsize: int) -> list[Moe
 def time_launch(args: tuple, launch: MoeLaunch) -> float | None:
     """Microseconds per call replayed from a CUDA graph; None where the launch does not fit the GPU."""
     try:
-        fused_moe(*args, launch=launch)  # compile outside the graph
-        return do_bench_cudagraph(lambda: fused_moe(*args, launch=launch), rep=20) * 1e3
+        fused_moe(*args, launch=launch, all_local=True)  # compile outside the graph
+        return do_bench_cudagraph(lambda: fused_moe(*args, launch=launch, all_local=True), rep=20) * 1e3
     except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
         print(f"  skip {launch}: {type(e).__name__}")
         return None
@@ -105,6 +105,7 @@ def main() -> None:
               "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe: alignment + both GEMMs + top-k sum; "
                         "uniform random routing", **result}
     path = sweep_path(shape["experts"], shape["inter"], shape["hidden"], shape["top_k"], dtype, gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     if args.output_dir:
         (args.output_dir / path.name).write_text(path.read_text())

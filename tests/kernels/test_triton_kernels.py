@@ -300,15 +300,17 @@ def test_fused_moe_equals_the_per_expert_loop(tokens, experts, top_k):
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 128, 8, 16), (37, 6, 2, 16), (100, 5, 3, 32),
                                                              (70, 130, 4, 16), (1, 1, 1, 16), (300, 16, 8, 64)])
 def test_the_two_alignments_agree(tokens, experts, top_k, block_m):
-    """One Triton program (small steps) and torch's sort (large ones) place every pair in the same slot,
-    another rank's pairs (-1) nowhere, and mark the same blocks unused."""
-    from pressroom.kernels.triton.fused_moe import align_in_one_program, align_with_torch
+    """One Triton program (small steps) and torch's sort (large ones) give each expert the same run of
+    slots (in any order inside it), another rank's pairs (-1) none, and mark the same blocks unused."""
+    from pressroom.kernels.triton.fused_moe import align_in_one_program, align_with_torch, canonical_layout
     gen = torch.Generator().manual_seed(tokens + experts)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.2, -1, ids).to(DEVICE)
     slots, block_expert = align_with_torch(ids, experts, block_m)
     got_slots, got_block_expert = align_in_one_program(ids, experts, block_m)
-    assert torch.equal(got_slots, slots) and torch.equal(got_block_expert, block_expert)
+    assert torch.equal(got_block_expert, block_expert)
+    assert torch.equal(canonical_layout(got_slots, block_expert, block_m),
+                       canonical_layout(slots, block_expert, block_m))
     flat = ids.reshape(-1).cpu()
     placed = slots[slots < ids.numel()].cpu()
     assert sorted(placed.tolist()) == [i for i in range(ids.numel()) if flat[i] >= 0]
@@ -358,3 +360,24 @@ def test_a_committed_sweep_picks_the_launch_for_the_nearest_token_count(tmp_path
 
 def vars_of(launch) -> dict:
     return {f: getattr(launch, f) for f in launch.__slots__}
+
+
+@pytest.mark.parametrize("experts, top_k, scoring, renormalize, bias, scaling", [
+    (8, 2, "softmax", True, False, 1.0), (60, 4, "softmax", False, False, 1.0), (6, 6, "softmax", True, False, 1.0),
+    (16, 8, "sigmoid", True, True, 2.5), (12, 1, "sigmoid", False, False, 1.0)])
+def test_one_launch_router_equals_select_experts(experts, top_k, scoring, renormalize, bias, scaling):
+    """The CUDA router kernel against the torch router: the same experts per token (top-k equal to the
+    number of experts included) and the same weights."""
+    from pressroom.kernels.triton.fused_moe import route_topk
+    from pressroom.model.layers.fused_moe import RouterConfig, select_experts_torch
+    gen = torch.Generator().manual_seed(experts)
+    logits = torch.randn(5, experts, generator=gen)
+    correction = torch.rand(experts, generator=gen) if bias else None
+    cfg = RouterConfig(top_k=top_k, scoring=scoring, renormalize=renormalize, routed_scaling_factor=scaling)
+    expected_w, expected_ids = select_experts_torch(logits, cfg, correction)
+    weights, ids = route_topk(logits.to(DEVICE), top_k, scoring == "sigmoid", renormalize, scaling,
+                              None if correction is None else correction.to(DEVICE))
+    ids, order = ids.cpu().sort(dim=-1)
+    expected_ids, expected_order = expected_ids.sort(dim=-1)
+    assert torch.equal(ids, expected_ids)
+    assert torch.allclose(weights.cpu().gather(1, order), expected_w.gather(1, expected_order), atol=1e-6)

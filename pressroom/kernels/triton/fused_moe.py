@@ -4,7 +4,7 @@ gate and up with SiLU-and-mul in the same pass, then down with each pair's top-k
 over the k pairs of a token gives its output.
 
 Shapes are static for a given (tokens, top_k, experts): the padded pair list has its upper bound
-tokens * top_k + experts * (BLOCK_M - 1) slots, and blocks past the used ones carry expert -1 and exit.
+pairs + min(experts, pairs) * (BLOCK_M - 1) slots, and blocks past the used ones carry expert -1 and exit.
 Launch configurations come from a sweep committed per shape and GPU (moe_configs/, written by
 benchmarks/gpu/sweep_fused_moe.py), looked up by the token count nearest to the call's.
 """
@@ -77,15 +77,61 @@ def nearest_launch(table: dict[int, MoeLaunch], tokens: int) -> MoeLaunch:
     return table[min(table, key=lambda n: (abs(n - tokens), n))]
 
 
+@triton.jit
+def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, scale,
+                       TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, BINS: tl.constexpr):
+    """One token: scores (softmax or sigmoid), the top-k by score plus the correction bias, the chosen
+    scores as weights (renormalised to sum to one where asked), times the routed scaling factor."""
+    token = tl.program_id(0)
+    e = tl.arange(0, BINS)
+    ok = e < num_experts
+    x = tl.load(logits_ptr + token * stride_logits + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        scores = tl.exp(x - tl.max(x, axis=0))
+        scores = scores / tl.sum(scores, axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    picked = tl.zeros((BINS,), dtype=tl.int1)
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(tl.where(picked, float("-inf"), choice), axis=0)
+        picked = picked | (e == best)
+    total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
+    norm = scale / (total + 1e-20) if RENORMALIZE else scale
+    rank = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # chosen experts in expert order
+    tl.store(weights_ptr + token * TOP_K + rank, scores * norm, mask=picked)
+    tl.store(ids_ptr + token * TOP_K + rank, e, mask=picked)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, scaling: float,
+               correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts for routers without expert groups, in one launch: weights (fp32) and ids (int32, as
+    the alignment reads them), [tokens, top_k] each."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    bias = correction_bias if correction_bias is not None else weights
+    _route_topk_kernel[(tokens,)](logits, bias, weights, ids, experts, logits.stride(0), scaling, TOP_K=top_k,
+                                  SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+                                  BINS=max(16, triton.next_power_of_2(experts)), num_warps=4 if experts > 256 else 1)
+    return weights, ids
+
+
 def max_padded_pairs(pairs: int, num_experts: int, block_m: int) -> int:
-    return triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    """Slots for the worst case: every expert that receives a pair (at most min(experts, pairs)) wastes up
+    to block_m - 1 padding slots."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [tokens, k]: expert ids local to this rank (-1: another rank's expert). Returns slots
-    [max_padded] (pair index t * k + j grouped by expert in pair order, each expert's run padded to a
-    multiple of block_m with tokens * k) and block_expert [max_padded // block_m] (each block's expert;
-    -1: unused). No host sync: every size is known from the shapes."""
+    [max_padded] (pair index t * k + j grouped by expert, each expert's run padded to a multiple of
+    block_m with tokens * k) and block_expert [max_padded // block_m] (each block's expert; -1: unused).
+    No host sync: every size is known from the shapes."""
     if ids.numel() <= ALIGN_IN_ONE_PROGRAM_MAX_PAIRS:
         return align_in_one_program(ids, num_experts, block_m)
     return align_with_torch(ids, num_experts, block_m)
@@ -93,7 +139,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 def align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     pairs, device = ids.numel(), ids.device
-    key = torch.where(ids.reshape(-1) >= 0, ids.reshape(-1), num_experts)  # other ranks' pairs sort last
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, num_experts)  # other ranks' pairs sort last
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
@@ -113,49 +160,65 @@ def align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 @triton.jit
-def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_pairs, num_experts, max_padded,
-                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: count pairs per expert, lay the experts' padded runs end to end, then place each
-    pair at its expert's start plus the number of that expert's pairs before it."""
+def _align_kernel(ids_ptr, counters_ptr, slots_ptr, block_expert_ptr, num_pairs, num_experts, max_padded,
+                  BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """One program: count each expert's pairs (atomics), lay the experts' padded runs end to end, pad
+    each run's tail, then hand every pair the next free slot of its expert's run (atomics again: the
+    order inside a run is arbitrary, the arithmetic of each row is not)."""
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK)
-    counts = tl.zeros((BINS,), dtype=tl.int32)
+    tl.store(counters_ptr + bins, tl.zeros((BINS,), dtype=tl.int32))
+    tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
-        e = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)  # -1 matches no bin
-        counts += tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        e = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)
+        tl.atomic_add(counters_ptr + e, 1, mask=e >= 0)
+    tl.debug_barrier()
+    counts = tl.load(counters_ptr + bins, volatile=True)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     begins = ends - padded
-    for start in range(0, max_padded, CHUNK * BLOCK_M):  # one entry per block: the experts ended before it
-        block = start // BLOCK_M + lanes
+    tl.store(counters_ptr + BINS + bins, begins)  # each run's next free slot
+    for start in range(0, max_padded, BLOCKS_CHUNK * BLOCK_M):  # a block's expert: the runs ended before it
+        block = start // BLOCK_M + tl.arange(0, BLOCKS_CHUNK)
         expert = tl.sum((ends[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + block, tl.where(expert < num_experts, expert, -1),
                  mask=block * BLOCK_M < max_padded)
-    for start in range(0, max_padded, CHUNK):
-        tl.store(slots_ptr + start + lanes, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
-                 mask=start + lanes < max_padded)
-    tl.debug_barrier()  # the padding fill above lands before the placements below
-    before = lanes[None, :] < lanes[:, None]
-    seen = tl.zeros((BINS,), dtype=tl.int32)
+    tail = tl.arange(0, BLOCK_M)
+    tl.store(slots_ptr + (begins + counts)[:, None] + tail[None, :], tl.zeros((BINS, BLOCK_M), tl.int32) + num_pairs,
+             mask=tail[None, :] < (padded - counts)[:, None])
+    tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
         pair = start + lanes
         e = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
-        onehot = e[:, None] == bins[None, :]
-        base = tl.sum(tl.where(onehot, (begins + seen)[None, :], 0), axis=1)
-        rank = tl.sum(((e[:, None] == e[None, :]) & before).to(tl.int32), axis=1)
-        tl.store(slots_ptr + base + rank, pair, mask=(pair < num_pairs) & (e >= 0))
-        seen += tl.sum(onehot.to(tl.int32), axis=0)
+        dest = tl.atomic_add(counters_ptr + BINS + e, 1, mask=e >= 0)
+        tl.store(slots_ptr + dest, pair, mask=e >= 0)
 
 
 def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = ids.numel()
     max_padded = max_padded_pairs(pairs, num_experts, block_m)
+    bins = max(16, triton.next_power_of_2(num_experts))
     slots = torch.empty(max_padded, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=ids.device)
+    counters = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1).to(torch.int32)
-    _align_kernel[(1,)](flat, slots, block_expert, pairs, num_experts, max_padded, BLOCK_M=block_m,
-                        BINS=max(16, triton.next_power_of_2(num_experts)), CHUNK=64, num_warps=8)
+    _align_kernel[(1,)](flat, counters, slots, block_expert, pairs, num_experts, max_padded, BLOCK_M=block_m,
+                        BINS=bins, CHUNK=256, BLOCKS_CHUNK=64, num_warps=8)
     return slots, block_expert
+
+
+def canonical_layout(slots: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> torch.Tensor:
+    """`slots` with each expert's run sorted (its pairs in pair order, then its padding) and unused blocks
+    (never read) set to -1: the one layout both alignments describe, whatever order the atomics chose."""
+    out = slots.clone()
+    experts = block_expert.tolist()
+    start = 0
+    for i in range(1, len(experts) + 1):
+        if i == len(experts) or experts[i] != experts[start]:
+            run = slice(start * block_m, i * block_m)
+            out[run] = slots[run].sort().values if experts[start] >= 0 else -1
+            start = i
+    return out
 
 
 @triton.jit
@@ -207,9 +270,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              launch: MoeLaunch | None = None) -> torch.Tensor:
+              launch: MoeLaunch | None = None, all_local: bool = False) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights (fp32) and ids [T, k], ids local to w13's experts
-    (-1: another rank's expert). Returns [T, H] in x's dtype."""
+    (-1: another rank's expert; `all_local`: there are none). Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -217,7 +280,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     cfg = launch or choose_launch(tokens, w13, k)
     slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
-    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)  # another rank's pairs add zero
+    # every row is written unless another rank holds some pairs: those must add zero
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
     common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -39,6 +39,15 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's chosen experts ([tokens, top_k], int64) and their weights (fp32). The correction bias
     (sigmoid routers) steers which experts are chosen, never their weights."""
+    if logits.is_cuda and cfg.num_groups == 1:  # one Triton launch instead of a handful of torch ones
+        from pressroom.kernels.triton.fused_moe import route_topk
+        return route_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize, cfg.routed_scaling_factor,
+                          correction_bias)
+    return select_experts_torch(logits, cfg, correction_bias)
+
+
+def select_experts_torch(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
@@ -73,6 +82,7 @@ class FusedMoE(nn.Module):
         if not 0 <= start < end <= num_experts:
             raise ValueError(f"expert range [{start}, {end}) is not inside the model's {num_experts} experts.")
         self.num_experts, self.start, self.end = num_experts, start, end
+        self.owns_all = (start, end) == (0, num_experts)
         self.hidden, self.intermediate = hidden, intermediate
         local = end - start
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
@@ -102,8 +112,8 @@ class FusedMoE(nn.Module):
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
         if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
             from pressroom.kernels.triton.fused_moe import fused_moe
-            local = torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
-            return fused_moe(x.contiguous(), self.w13, self.w2, weights, local)
+            local = ids if self.owns_all else torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
+            return fused_moe(x.contiguous(), self.w13, self.w2, weights, local, all_local=self.owns_all)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
