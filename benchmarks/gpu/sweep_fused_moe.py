@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def routed_inputs(tokens: int, shape: dict[str, int], w13: torch.Tensor, w2: tor
     return x, w13, w2, weights, top.indices
 
 
-def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int]) -> dict:
+def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int],
+          save: Callable[[dict], None]) -> None:
     e, i, h = shape["experts"], shape["inter"], shape["hidden"]
     w13 = (torch.randn(e, 2 * i, h, device="cuda") * 0.02).to(dtype)
     w2 = (torch.randn(e, h, i, device="cuda") * 0.02).to(dtype)
@@ -86,7 +88,7 @@ def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int]) ->
         default_us[str(tokens)] = round(base, 2)
         print(f"tokens {tokens:>6}: best {timed[winner]:9.1f} us {winner}; default {base:9.1f} us; "
               f"{len(timed)} launches in {time.perf_counter() - start:.0f} s", flush=True)
-    return {"best": best, "best_us": best_us, "default_us": default_us}
+        save({"best": best, "best_us": best_us, "default_us": default_us})  # a cut-short sweep keeps what it has
 
 
 def main() -> None:
@@ -99,16 +101,20 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     shape = moe_shape(args.config)
     gpu = torch.cuda.get_device_name()
-    result = sweep(shape, dtype, [t for t in TOKENS if t <= args.max_tokens])
-    report = {"model": args.config.name, "shape": shape, "dtype": args.dtype, "gpu": gpu,
-              "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe: alignment + both GEMMs + top-k sum; "
-                        "uniform random routing", **result}
     path = sweep_path(shape["experts"], shape["inter"], shape["hidden"], shape["top_k"], dtype, gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    if args.output_dir:
-        (args.output_dir / path.name).write_text(path.read_text())
+    header = {"model": args.config.name, "shape": shape, "dtype": args.dtype, "gpu": gpu,
+              "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+              "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe: alignment + both GEMMs + top-k sum; "
+                        "uniform random routing"}
+
+    def save(result: dict) -> None:
+        text = json.dumps({**header, **result}, indent=1) + "\n"
+        path.write_text(text)
+        if args.output_dir:
+            (args.output_dir / path.name).write_text(text)
+
+    sweep(shape, dtype, [t for t in TOKENS if t <= args.max_tokens], save)
     print(f"wrote {path}")
 
 

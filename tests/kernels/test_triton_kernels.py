@@ -381,3 +381,21 @@ def test_one_launch_router_equals_select_experts(experts, top_k, scoring, renorm
     expected_ids, expected_order = expected_ids.sort(dim=-1)
     assert torch.equal(ids, expected_ids)
     assert torch.allclose(weights.cpu().gather(1, order), expected_w.gather(1, expected_order), atol=1e-6)
+
+
+def test_the_committed_sweeps_name_their_shapes_and_load():
+    import json
+
+    import torch as t
+
+    from pressroom.kernels.triton import fused_moe as moe
+    files = sorted(moe.SWEEP_DIR.glob("*.json"))
+    assert {f.name.split("_bfloat16")[0] for f in files} >= {"E128_N768_H2048_K8", "E8_N14336_H4096_K2"}
+    for f in files:
+        report = json.loads(f.read_text())
+        s = report["shape"]
+        assert moe.sweep_path(s["experts"], s["inter"], s["hidden"], s["top_k"], getattr(t, report["dtype"]),
+                              report["gpu"]) == f
+        table = moe.load_sweep(f)
+        assert 1 in table and all(launch.block_m in (16, 32, 64, 128) for launch in table.values())
+        assert all(report["best_us"][n] <= report["default_us"][n] for n in report["best"])
