@@ -223,3 +223,14 @@ def test_the_two_alignments_agree_at_qwen3_moe_shape(tokens):
         assert torch.equal(block_expert, expected_block_expert)
         assert torch.equal(fused_moe.canonical_layout(slots, block_expert, block_m),
                            fused_moe.canonical_layout(expected_slots, block_expert, block_m))
+
+
+def test_qk_rms_norm_qwen3_moe_shape():
+    """32 q heads and 4 k heads of 128 over the fused qkv's view, as Qwen3-30B-A3B's attention has them."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(64, 32 + 8, 128, device="cuda", generator=gen).bfloat16()
+    q_w, k_w = (torch.rand(2, 128, device="cuda", generator=gen) + 0.5).unbind(0)
+    qk = qkv[:, :36]
+    expected = torch.cat((F.rms_norm(qk[:, :32].float(), (128,), q_w, 1e-6),
+                          F.rms_norm(qk[:, 32:].float(), (128,), k_w, 1e-6)), dim=1)
+    _close(norm.qk_rms_norm(qk, q_w, k_w, 32, 1e-6), expected, TOL[torch.bfloat16])

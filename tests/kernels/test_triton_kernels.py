@@ -399,3 +399,18 @@ def test_the_committed_sweeps_name_their_shapes_and_load():
         table = moe.load_sweep(f)
         assert 1 in table and all(launch.block_m in (16, 32, 64, 128) for launch in table.values())
         assert all(report["best_us"][n] <= report["default_us"][n] for n in report["best"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads, k_heads, head_dim", [(4, 2, 32), (9, 3, 48)])
+def test_qk_rms_norm_equals_two_rms_norms(dtype, q_heads, k_heads, head_dim):
+    """Qwen3's q and k norms in one launch over a strided view of the fused qkv, against F.rms_norm."""
+    gen = torch.Generator().manual_seed(q_heads)
+    qkv = torch.randn(5, q_heads + 2 * k_heads, head_dim, generator=gen).to(dtype)
+    q_w, k_w = torch.rand(head_dim, generator=gen) + 0.5, torch.rand(head_dim, generator=gen) + 0.5
+    qk = qkv[:, :q_heads + k_heads]
+    expected = torch.cat((F.rms_norm(qk[:, :q_heads].float(), (head_dim,), q_w, 1e-6),
+                          F.rms_norm(qk[:, q_heads:].float(), (head_dim,), k_w, 1e-6)), dim=1)
+    got = norm.qk_rms_norm(qk.to(DEVICE), q_w.to(DEVICE), k_w.to(DEVICE), q_heads, 1e-6)
+    assert got.is_contiguous() and got.shape == qk.shape
+    _close(got.cpu(), expected.to(dtype), TOL[dtype])

@@ -53,7 +53,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
         heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
-        if self.q_norm is not None:
+        if self.q_norm is not None and qk.is_cuda:  # one launch for both norms, no concatenation
+            from pressroom.kernels.triton.norm import qk_rms_norm
+            qk = qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
+        elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
         return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v))
