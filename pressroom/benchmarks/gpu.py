@@ -398,6 +398,8 @@ def run(args) -> dict:
         before = allocator_counts(device)
         ours[name] = run_pressroom(llm, w, args.warmup_requests, device)
         allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
+        print(f"pressroom {name}: {ours[name].output_tokens_per_s:.1f} output tok/s "
+              f"({ours[name].input_tokens_per_s:.1f} input tok/s)", flush=True)  # kept if a later phase fails
     state = None if args.skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
     del llm
     free_device_memory(device)
