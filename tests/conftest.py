@@ -37,6 +37,15 @@ def tiny_config(arch: str):
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**moe, num_experts=8, moe_intermediate_size=48, head_dim=32,
                                            norm_topk_prob=True)
+    mla = dict(moe, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+               moe_intermediate_size=32, first_k_dense_replace=1)
+    if arch == "deepseek_v2":  # V2-Lite's form: no q compression; groups scored by their best expert
+        return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_routed_experts=6,
+                                             topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                             routed_scaling_factor=1.5)
+    if arch == "deepseek_v3":  # a compressed q; sigmoid router with a correction bias over 4 groups
+        return transformers.DeepseekV3Config(**mla, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
+                                             norm_topk_prob=True, routed_scaling_factor=2.5)
     raise KeyError(arch)
 
 
@@ -60,6 +69,9 @@ def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
         if arch not in made:
             torch.manual_seed(1234)
             model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # zero at init: make it steer the choice
+                    buffer.copy_(torch.rand(buffer.shape) * 0.5)
             path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
             model.save_pretrained(path)
             smollm_tokenizer.save_pretrained(path)

@@ -11,17 +11,29 @@ from pressroom.kernels import cpu as cpu_kernels
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A latent cache (one plane) takes the keys only: its values are a prefix of them."""
     _, _, _, heads, dim = kv_cache.shape
     kv_cache[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+    if kv_cache.shape[0] == 2:
+        kv_cache[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_planes(kv_cache: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches [blocks, block_size, kv_heads, dim]: a latent cache's values are a view
+    of its keys' first v_dim dimensions."""
+    if kv_cache.shape[0] == 1:
+        return kv_cache[0], kv_cache[0][..., :v_dim]
+    return kv_cache[0], kv_cache[1]
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              v_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one sequence's first `length` tokens: [kv_heads, length, dim] each."""
     block_size = kv_cache.shape[2]
     blocks = block_table[:-(-length // block_size)]
-    k = kv_cache[0, blocks].flatten(0, 1)[:length]
-    v = kv_cache[1, blocks].flatten(0, 1)[:length]
+    key_cache, value_cache = cache_planes(kv_cache, v_dim or kv_cache.shape[-1])
+    k = key_cache[blocks].flatten(0, 1)[:length]
+    v = value_cache[blocks].flatten(0, 1)[:length]
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
@@ -87,12 +99,13 @@ class TorchAttentionBackend:
         if meta.plan is None:
             meta.plan = _plan(meta)
         plan: _Plan = meta.plan
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.num_rows:
+            v_dim = v.shape[-1]
             if plan.rows is None:
-                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale)
+                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim)
             else:
-                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale)
+                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim)
         loc, lens = meta.query_start_loc, meta.seq_lens_host
         chunks = plan.chunks
         c = 0
@@ -118,14 +131,16 @@ class TorchAttentionBackend:
                                            scale=scale, enable_gqa=True)
         return o.transpose(1, 2).flatten(0, 1)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                v_dim: int) -> torch.Tensor:
         """All single-token rows at once over their padded, masked contexts."""
         n = plan.num_rows
         block_size, heads, dim = kv_cache.shape[2:]
         max_len = plan.max_len
         tables = plan.tables[:, :-(-max_len // block_size)]
-        k = kv_cache[0, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
-        v = kv_cache[1, tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
+        key_cache, value_cache = cache_planes(kv_cache, v_dim)
+        k = key_cache[tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
+        v = value_cache[tables].reshape(n, -1, heads, v_dim)[:, :max_len].transpose(1, 2)
         mask = None
         if plan.min_len < max_len:  # ragged contexts: hide each one's padding
             mask = (torch.arange(max_len) < plan.lens[:, None])[:, None, None, :]
@@ -140,7 +155,7 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True,
                                                scale=scale, enable_gqa=True)
             return o.transpose(0, 1)
-        keys, values = gather_kv(kv_cache, block_table, seq_len)
+        keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
         prefix = seq_len - n
         mask = torch.arange(seq_len)[None, :] <= (torch.arange(n)[:, None] + prefix)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
@@ -151,7 +166,10 @@ class TorchAttentionBackend:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                v_dim: int) -> torch.Tensor:
+        if kv_cache.shape[0] == 1:  # a latent cache: keys and values of different widths in one plane
+            return super()._decode(q, kv_cache, plan, scale, v_dim)
         out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
         return out.to(q.dtype)
 

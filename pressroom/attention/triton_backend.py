@@ -60,6 +60,9 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if kv_cache.shape[0] == 1:
+            raise ValueError("multi-head latent attention (DeepSeek) runs on the CPU for now: the CUDA kernels for "
+                             "a latent KV cache are not built yet; use device='cpu'.")
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device

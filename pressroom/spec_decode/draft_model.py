@@ -32,7 +32,7 @@ from pressroom.core.request import Request
 from pressroom.model.loader import load_model
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
-from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import DeviceDrafts, Draft, DraftRequest, Proposer, TargetStep
 from pressroom.worker.sampler import probabilities
 
@@ -96,7 +96,7 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_block(self) -> int:
         """The draft cache holds as many blocks as the target's: its bytes per block join the target's
         when the KV memory is divided into blocks."""
-        return kv_cache_bytes_per_block(self.hf_config, self.target.block_size, self.target.dtype)
+        return self.runner.kv_cache_bytes_per_block()
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""

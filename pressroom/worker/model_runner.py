@@ -6,6 +6,7 @@ known tokens are all computed. On CUDA, decode-only steps replay a captured grap
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -147,12 +148,6 @@ class Emission:
         return DeviceStep({s.req_id: j for j, (_, s) in enumerate(self.sampling)}, tokens, counts, self.num_drafts)
 
 
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
-
-
 def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
     if device == "cuda":
         from pressroom.attention.triton_backend import TritonAttentionBackend
@@ -212,6 +207,11 @@ class ModelRunner:
             self.attn_builder.split_as_graphs(self.graphs.shapes.get(1, []))
         self.kv_caches = self._bind_kv_caches(num_blocks)
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one cache block takes across every attention layer (a latent cache: one plane)."""
+        return sum(math.prod(layer.cache_shape(1, self.block_size)) for layer in self.attention_layers) \
+            * self.kv_dtype.itemsize
+
     def _make_builder(self) -> AttentionMetadataBuilder:
         kv_heads = self.attention_layers[0].num_kv_heads if self.attention_layers else 1
         return self.backend.make_metadata_builder(self.device, kv_heads, self.max_blocks_per_seq)
@@ -220,8 +220,8 @@ class ModelRunner:
         caches = []
         for layer in self.attention_layers:
             # Zeroed: padded attention positions read block 0 and must not hold NaN garbage.
-            layer.kv_cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                         dtype=self.kv_dtype, device=self.device)
+            layer.kv_cache = torch.zeros(layer.cache_shape(num_blocks, self.block_size), dtype=self.kv_dtype,
+                                         device=self.device)
             layer.backend = self.backend
             caches.append(layer.kv_cache)
         return caches

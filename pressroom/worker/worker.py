@@ -18,7 +18,7 @@ import torch
 from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.model.loader import load_model
-from pressroom.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Proposer
 
 logger = logging.getLogger("pressroom")
@@ -75,7 +75,7 @@ class Worker:
         if spec is not None and spec.rejection_sample_method == "synthetic":
             runner.synthetic_rates = spec.synthetic_acceptance_rates
         self.model_runner = runner
-        per_block = kv_cache_bytes_per_block(hf_config, config.cache.block_size, runner.kv_dtype)
+        per_block = runner.kv_cache_bytes_per_block()
         if runner.proposer is not None:  # a draft model's cache has as many blocks
             per_block += runner.proposer.kv_bytes_per_block()
         lookahead = spec.num_speculative_tokens if runner.device_drafting else 0

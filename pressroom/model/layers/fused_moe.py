@@ -26,11 +26,14 @@ class RouterConfig:
     renormalize: bool = True  # the chosen weights sum to one
     num_groups: int = 1  # grouped top-k: experts in groups, only the best topk_groups groups compete
     topk_groups: int = 1
+    group_score: str = "top2_sum"  # a group's score: its two best experts' sum (DeepSeek-V3) or its "max" (V2)
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unknown router scoring {self.scoring!r}; use 'softmax' or 'sigmoid'.")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unknown group score {self.group_score!r}; use 'top2_sum' or 'max'.")
         if self.topk_groups > self.num_groups:
             raise ValueError(f"topk_group ({self.topk_groups}) is larger than n_group ({self.num_groups}).")
 
@@ -52,7 +55,8 @@ def select_experts_torch(logits: torch.Tensor, cfg: RouterConfig, correction_bia
     scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_groups > 1:
-        choice = _mask_unchosen_groups(choice, cfg.num_groups, cfg.topk_groups)
+        best = 2 if cfg.group_score == "top2_sum" else 1
+        choice = _mask_unchosen_groups(choice, cfg.num_groups, cfg.topk_groups, best)
     ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if cfg.renormalize:
@@ -60,12 +64,12 @@ def select_experts_torch(logits: torch.Tensor, cfg: RouterConfig, correction_bia
     return weights * cfg.routed_scaling_factor, ids
 
 
-def _mask_unchosen_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
-    """A group's score is the sum of its two best experts (DeepSeek-V3); experts outside the best
-    `topk_groups` groups cannot be chosen."""
+def _mask_unchosen_groups(choice: torch.Tensor, num_groups: int, topk_groups: int, best: int) -> torch.Tensor:
+    """A group's score is the sum of its `best` best experts (DeepSeek-V3: 2, V2: 1, the max); experts
+    outside the best `topk_groups` groups cannot be chosen."""
     tokens, experts = choice.shape
     grouped = choice.view(tokens, num_groups, experts // num_groups)
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_scores = grouped.topk(min(best, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)

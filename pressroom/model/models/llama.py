@@ -74,10 +74,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, mlp: nn.Module | None = None) -> None:
-        """`mlp`: the feed-forward block (default: the dense SwiGLU MLP), e.g. a mixture of experts."""
+    def __init__(self, config, qk_norm: bool, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
+        """`mlp`: the feed-forward block (default: the dense SwiGLU MLP), e.g. a mixture of experts;
+        `attn`: the attention block (default: Llama's), e.g. multi-head latent attention."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, qk_norm)
+        self.self_attn = attn if attn is not None else LlamaAttention(config, qk_norm)
         self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,14 +94,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
-        """`make_mlp(layer index)`: that layer's feed-forward block, None for the dense MLP."""
+    def __init__(self, config, qk_norm: bool, make_mlp: Callable[[int], nn.Module | None] | None = None,
+                 make_attention: Callable[[int], nn.Module | None] | None = None,
+                 rotary: RotaryEmbedding | None = None) -> None:
+        """`make_mlp(layer index)`, `make_attention(layer index)`: that layer's feed-forward and attention
+        blocks, None for Llama's; `rotary`: the position embedding (default: from the config's head_dim)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm, make_mlp(i) if make_mlp else None)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qk_norm, make_mlp(i) if make_mlp else None,
+                              make_attention(i) if make_attention else None)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = _rotary(config)
+        self.rotary = rotary or _rotary(config)
         # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
         self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
         self._decode_stack: cpu_decode.CpuDecodeStack | None = None
@@ -150,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qk_norm, self.make_mlp)
+        self.model = LlamaModel(config, self.qk_norm, self.make_mlp, self.make_attention, self.make_rotary())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -165,6 +171,14 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """A layer's feed-forward block where it is not the dense MLP (mixture-of-experts families)."""
+        return None
+
+    def make_attention(self, layer: int) -> nn.Module | None:
+        """A layer's attention block where it is not Llama's (multi-head latent attention)."""
+        return None
+
+    def make_rotary(self) -> RotaryEmbedding | None:
+        """The rotary embedding where the config's head_dim does not say it (None: from the config)."""
         return None
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:

@@ -1,0 +1,193 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) over a latent KV cache, and a mixture of experts
+with DeepSeek's routers, shared experts and `first_k_dense_replace` dense layers.
+
+MLA caches one vector per token and layer: the normalised KV latent (`kv_lora_rank`) and the rotated
+shared key part (`qk_rope_head_dim`). Attention runs in the absorbed form for every step: each head's
+W_UK (from kv_b_proj) folds into its query, so scores read the latent directly, and the attention
+output (a mix of latents) goes through each head's W_UV afterwards. To the attention backend this is
+multi-query attention with one KV head whose values are the first `kv_lora_rank` dimensions of its keys.
+
+DeepSeek rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes the rope rows of q and of the
+shared key to (even dims, odd dims), so the rotate-half kernels compute the same rotation.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
+from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.layers.rotary import RotaryEmbedding
+from pressroom.model.models.llama import LlamaMLP, RopeTables
+from pressroom.model.models.moe import _MoeForCausalLM
+
+_LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    import math
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if get_tp_size() > 1:
+            raise ValueError("DeepSeek models do not run with tensor parallelism yet; use tensor_parallel_size=1.")
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        self.num_heads = heads
+        self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        bias = bool(getattr(config, "attention_bias", False))
+        q_out = heads * (self.nope + self.rope_dim)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank:
+            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_out)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
+        # W_UK and W_UV of every head, used as batched matrices (absorbed), never as a linear layer
+        self.kv_b_proj = nn.Module()
+        self.kv_b_proj.weight = nn.Parameter(torch.empty(heads * (self.nope + self.v_dim), self.rank),
+                                             requires_grad=False)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
+        self.attn = Attention(heads, self.rank + self.rope_dim, 1, self._softmax_scale(config),
+                              v_head_dim=self.rank, latent=True)
+
+    def _softmax_scale(self, config) -> float:
+        scale = (self.nope + self.rope_dim) ** -0.5
+        rope = _rope_parameters(config)
+        if rope.get("rope_type", rope.get("type", "default")) == "yarn" and rope.get("mscale_all_dim"):
+            scale *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        return scale
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q = q.view(tokens, heads, self.nope + self.rope_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        # q's and the shared key's rope parts rotated in one pass, as one stack of heads
+        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
+        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])  # [heads, tokens, rank]
+        query = torch.cat((q_latent.transpose(0, 1), pe[:, :heads]), dim=-1)
+        key = torch.cat((latent, pe[:, heads]), dim=-1).unsqueeze(1)  # what the cache keeps
+        mixed = self.attn(query, key).view(tokens, heads, self.rank)
+        out = torch.bmm(mixed.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [heads, tokens, v_dim]
+        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+
+
+class DeepseekMoE(nn.Module):
+    """Router (with DeepSeek-V3's correction bias where it scores by sigmoid), routed experts and the
+    always-on shared experts."""
+
+    def __init__(self, config, num_experts: int, router: RouterConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.router = router
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        if router.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.experts = FusedMoE(num_experts, hidden, inter)
+        shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = LlamaMLP(hidden, inter * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, ids = select_experts(self.gate(x), self.router, bias)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV2ForCausalLM(_MoeForCausalLM):
+    cuda_graphs_supported = False  # no CUDA path for the latent cache yet
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model.fused_decode = False  # the C decode stack knows Llama attention only
+
+    def _num_experts(self) -> int:
+        c = self.config
+        return getattr(c, "n_routed_experts", None) or c.num_experts
+
+    def router_config(self) -> RouterConfig:
+        c = self.config
+        method = getattr(c, "topk_method", None) or "greedy"
+        grouped = method == "group_limited_greedy"
+        # DeepSeek-V2's router never renormalises its top-k weights
+        return RouterConfig(top_k=c.num_experts_per_tok, scoring="softmax", renormalize=False,
+                            num_groups=c.n_group if grouped else 1, topk_groups=c.topk_group if grouped else 1,
+                            group_score="max", routed_scaling_factor=c.routed_scaling_factor)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        c = self.config
+        if layer < (getattr(c, "first_k_dense_replace", 0) or 0):
+            return None
+        return DeepseekMoE(c, self._num_experts(), self.router_config())
+
+    def make_attention(self, layer: int) -> nn.Module:
+        return MLAAttention(self.config)
+
+    def make_rotary(self) -> RotaryEmbedding:
+        c = self.config
+        rope = _rope_parameters(c)
+        base = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        return RotaryEmbedding(c.qk_rope_head_dim, c.qk_rope_head_dim, c.max_position_embeddings, base, scaling)
+
+    def rope_interleaved(self) -> bool:
+        return True
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        if ".self_attn." in name:  # MLA's projections load as they are (Llama's q/k/v stacking does not apply)
+            return name, None
+        return super().checkpoint_target(name)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        return [name] if ".self_attn." in name else super().checkpoint_parts(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._deinterleave_rope(name, t) for name, t in weights)
+
+    def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Rows of an interleaved rope part reordered to (even dims, odd dims): q's per head, the shared
+        key's after the latent."""
+        if not self.rope_interleaved():
+            return name, tensor
+        c = self.config
+        rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
+        order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            heads = tensor.view(c.num_attention_heads, nope + rope, -1)
+            heads = torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1)
+            return name, heads.reshape(tensor.shape)
+        if ".self_attn.kv_a_proj_with_mqa." in name:
+            rank = c.kv_lora_rank
+            return name, torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
+        return name, tensor
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    def router_config(self) -> RouterConfig:
+        c = self.config
+        return RouterConfig(top_k=c.num_experts_per_tok, scoring="sigmoid", renormalize=bool(c.norm_topk_prob),
+                            num_groups=c.n_group or 1, topk_groups=c.topk_group or 1, group_score="top2_sum",
+                            routed_scaling_factor=c.routed_scaling_factor)
+
+    def rope_interleaved(self) -> bool:
+        return bool(getattr(self.config, "rope_interleave", True))
