@@ -37,8 +37,8 @@ def tiny_config(arch: str):
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**moe, num_experts=8, moe_intermediate_size=48, head_dim=32,
                                            norm_topk_prob=True)
-    mla = dict(moe, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
-               moe_intermediate_size=32, first_k_dense_replace=1)
+    mla = dict(moe, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1)
     if arch == "deepseek_v2":  # V2-Lite's form: no q compression; groups scored by their best expert
         return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_routed_experts=6,
                                              topk_method="group_limited_greedy", n_group=2, topk_group=1,
