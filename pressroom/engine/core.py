@@ -119,9 +119,10 @@ class EngineCore:
     def _log_capacity(self, num_blocks: int) -> None:
         tokens = (num_blocks - 1) * self.config.cache.block_size
         kv_dtype = self.config.cache.cache_dtype or self.config.model.dtype
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency %.1fx at max_model_len %d",
-                    num_blocks, self.config.cache.block_size, tokens, str(kv_dtype).removeprefix("torch."),
-                    tokens / self.max_model_len, self.max_model_len)
+        per_token = self.model_spec.kv_bytes_per_block // self.config.cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes per token); max concurrency %.1fx "
+                    "at max_model_len %d", num_blocks, self.config.cache.block_size, tokens,
+                    str(kv_dtype).removeprefix("torch."), per_token, tokens / self.max_model_len, self.max_model_len)
 
     def _max_model_len(self, spec: ModelSpec, num_blocks: int) -> int:
         limit, asked = spec.max_position, self.config.model.max_model_len

@@ -44,6 +44,25 @@ def test_grouped_sigmoid_with_bias_matches_deepseek_v3_router():
     assert not torch.equal(ours[1].sort().values, select_experts(logits, rc)[1].sort().values)  # the bias mattered
 
 
+def test_grouped_softmax_by_group_max_matches_deepseek_v2_router():
+    """DeepSeek-V2's group_limited_greedy: softmax scores, groups ranked by their best expert, top-k
+    weights scaled and never renormalised."""
+    import transformers
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    cfg = transformers.DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=16, n_group=4,
+                                        num_experts_per_tok=3,
+                                        topk_group=2, routed_scaling_factor=1.5, topk_method="group_limited_greedy")
+    router = DeepseekV2TopkRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    logits, weights, ids = router(torch.randn(64, 16))
+    rc = RouterConfig(top_k=3, scoring="softmax", renormalize=False, num_groups=4, topk_groups=2, group_score="max",
+                      routed_scaling_factor=1.5)
+    _same_choice(select_experts(logits, rc), ids, weights)
+    by_top2 = RouterConfig(top_k=3, scoring="softmax", renormalize=False, num_groups=4, topk_groups=2,
+                           routed_scaling_factor=1.5)
+    assert not torch.equal(select_experts(logits, by_top2)[1].sort().values, ids.sort().values)  # the rule mattered
+
+
 def _experts(num: int, hidden: int, inter: int, expert_range=None, seed: int = 0) -> FusedMoE:
     layer = FusedMoE(num, hidden, inter, expert_range)
     gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,34 @@
+"""DeepSeek's multi-head latent attention: one latent vector per token and layer in the cache, and the
+engine's log line saying so; HF parity of the whole model is in tests/engine/test_hf_parity.py."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pressroom import LLM, SamplingParams
+
+
+def test_the_cache_holds_one_latent_per_token_and_layer(tiny_model_dir, caplog):
+    from conftest import tiny_config
+    cfg = tiny_config("deepseek_v2")
+    with caplog.at_level(logging.INFO, logger="pressroom"):
+        llm = LLM(tiny_model_dir("deepseek_v2"), dtype="float32", kv_cache_memory_gib=0.01)
+    caches = [layer.self_attn.attn.kv_cache for layer in llm.engine.model.model.layers]
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert all(c.shape[0] == 1 and c.shape[3:] == (1, latent) for c in caches)  # one plane, one head
+    per_token = cfg.num_hidden_layers * latent * 4
+    per_head = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                                  + cfg.v_head_dim) * 4
+    assert f"{per_token} bytes per token" in caplog.text and per_token < per_head / 2
+    out = llm.generate([{"prompt_token_ids": list(range(5, 40))}],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_deepseek_runs_in_bf16_on_the_cpu(tiny_model_dir):
+    llm = LLM(tiny_model_dir("deepseek_v3"), dtype="bfloat16", kv_cache_memory_gib=0.01)
+    assert llm.engine.model.model.layers[0].self_attn.attn.kv_cache.dtype == torch.bfloat16
+    out = llm.generate([{"prompt_token_ids": list(range(5, 30))}] * 2,
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
