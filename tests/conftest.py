@@ -43,6 +43,10 @@ def tiny_config(arch: str):
         return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_routed_experts=6,
                                              topk_method="group_limited_greedy", n_group=2, topk_group=1,
                                              routed_scaling_factor=1.5)
+    if arch == "deepseek_v2_yarn":  # V2-Lite's YaRN form: cos/sin and the softmax scale both rescaled
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+        return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_routed_experts=6, rope_parameters=yarn)
     if arch == "deepseek_v3":  # a compressed q; sigmoid router with a correction bias over 4 groups
         return transformers.DeepseekV3Config(**mla, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
                                              norm_topk_prob=True, routed_scaling_factor=2.5)

@@ -21,7 +21,7 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                  "deepseek_v2", "deepseek_v3"])
+                                  "deepseek_v2", "deepseek_v2_yarn", "deepseek_v3"])
 def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     import transformers
     path = tiny_model_dir(arch)

@@ -32,3 +32,18 @@ def test_deepseek_runs_in_bf16_on_the_cpu(tiny_model_dir):
     out = llm.generate([{"prompt_token_ids": list(range(5, 30))}] * 2,
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+
+
+def test_yarn_tables_match_hf():
+    """YaRN's frequencies and cos/sin magnitude against transformers' own computation."""
+    from conftest import tiny_config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pressroom.model.layers.rotary import RotaryEmbedding
+    cfg = tiny_config("deepseek_v2_yarn")
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    rope = RotaryEmbedding(8, 8, 2048, 10000.0, cfg.rope_parameters)
+    positions = torch.arange(2048, dtype=torch.float32)
+    assert factor != 1.0
+    torch.testing.assert_close(rope.cos, torch.outer(positions, inv).cos() * factor)
+    torch.testing.assert_close(rope.sin, torch.outer(positions, inv).sin() * factor)

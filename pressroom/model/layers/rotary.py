@@ -1,4 +1,4 @@
-"""Rotary position embedding (NeoX / HF "rotate_half" layout) with Llama-3 and linear scaling."""
+"""Rotary position embedding (NeoX / HF "rotate_half" layout) with Llama-3, linear and YaRN scaling."""
 from __future__ import annotations
 
 import math
@@ -9,14 +9,49 @@ from torch import nn
 from pressroom.kernels import cpu
 
 
-def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos and sin are scaled by (YaRN's attention factor; else 1)."""
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "llama3":
-        inv = _llama3_inv_freq(inv, scaling)
-    elif kind not in ("default", "linear"):
+        return _llama3_inv_freq(inv, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, rotary_dim, base, scaling), _yarn_attention_factor(scaling)
+    if kind not in ("default", "linear"):
         raise ValueError(f"rope scaling type {kind!r} is not supported yet.")
-    return inv
+    return inv, 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(s: dict) -> float:
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek: the all-dims part moves into the softmax scale
+        return yarn_mscale(s["factor"], mscale) / yarn_mscale(s["factor"], mscale_all_dim)
+    return yarn_mscale(s["factor"])
+
+
+def _yarn_inv_freq(inv: torch.Tensor, rotary_dim: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn many times over the original context keep their value (extrapolation),
+    slow ones are divided by the factor (interpolation), with a linear ramp between the dimensions where
+    beta_fast and beta_slow rotations fit into the original context."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
 
 
 def _llama3_inv_freq(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -36,13 +71,13 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
-        inv = _inv_freq(rotary_dim, base, scaling)
+        inv, magnitude = _inv_freq(rotary_dim, base, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":
             positions = positions / scaling["factor"]
         freqs = torch.outer(positions, inv)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * magnitude, persistent=False)
+        self.register_buffer("sin", freqs.sin() * magnitude, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token fp32 tables [tokens, rotary_dim / 2], looked up once per step for every layer."""

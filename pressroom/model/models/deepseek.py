@@ -22,16 +22,11 @@ from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
 from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
-from pressroom.model.layers.rotary import RotaryEmbedding
+from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
 from pressroom.model.models.llama import LlamaMLP, RopeTables
 from pressroom.model.models.moe import _MoeForCausalLM
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    import math
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rope_parameters(config) -> dict:
@@ -70,7 +65,7 @@ class MLAAttention(nn.Module):
         scale = (self.nope + self.rope_dim) ** -0.5
         rope = _rope_parameters(config)
         if rope.get("rope_type", rope.get("type", "default")) == "yarn" and rope.get("mscale_all_dim"):
-            scale *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+            scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
         return scale
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
