@@ -155,3 +155,12 @@ def test_flops_follow_the_stated_formulas():
     assert gpu.workload_flops("throughput", size, run) == 2 * 100 * (40 + 8) + 2 * 10 * 8
     prefill = gpu.Run("pressroom", 4, 40, 4, 1.0, 4.0, 40.0)
     assert gpu.workload_flops("prefill", size, prefill) == 2 * 100 * 40 + 2 * 10 * 4
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [("deepseek-v2-lite", 15.7e9, 2.4e9), ("deepseek-v3", 671e9, 37e9)])
+def test_committed_deepseek_configs_build_their_published_size(name, total, active):
+    """The model cards' totals, and their activated parameters (LM head included, input embedding not)."""
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / name)), torch.bfloat16)
+    assert size.total_params == pytest.approx(total, rel=0.01)
+    assert size.active_non_embedding_params + size.lm_head_params == pytest.approx(active, rel=0.03)
