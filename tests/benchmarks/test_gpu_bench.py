@@ -157,7 +157,8 @@ def test_flops_follow_the_stated_formulas():
     assert gpu.workload_flops("prefill", size, prefill) == 2 * 100 * 40 + 2 * 10 * 4
 
 
-@pytest.mark.parametrize(("name", "total", "active"), [("deepseek-v2-lite", 15.7e9, 2.4e9), ("deepseek-v3", 671e9, 37e9)])
+@pytest.mark.parametrize(("name", "total", "active"),
+                         [("deepseek-v2-lite", 15.7e9, 2.4e9), ("deepseek-v3", 671e9, 37e9)])
 def test_committed_deepseek_configs_build_their_published_size(name, total, active):
     """The model cards' totals, and their activated parameters (LM head included, input embedding not)."""
     from pressroom.model.loader import load_hf_config
