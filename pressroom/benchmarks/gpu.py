@@ -236,13 +236,17 @@ def reset_prefix_cache(llm) -> None:
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """pressroom's parameters under HF names: stacked qkv / gate_up matrices split back into their parts
-    (views, no copies, where the weight is held plainly). Tensor parallelism must be 1."""
+    (views, no copies, where the weight is held plainly; rows a model reordered at load, such as
+    DeepSeek's rope rows, back in the checkpoint's order). Tensor parallelism must be 1."""
     modules = dict(model.named_modules())
+    to_checkpoint = getattr(model, "to_checkpoint_layout", None)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, kind = name.rpartition(".")
         module = modules[module_name]
         tensor = plain_tensor(module, kind, param)
+        if to_checkpoint is not None:
+            tensor = to_checkpoint(name, tensor)
         expert_name = next((hf for ours, hf in HF_EXPERTS.items() if name.endswith(ours)), None)
         if expert_name is not None:
             state[name.rsplit(".", 2)[0] + "." + expert_name] = tensor
@@ -277,8 +281,10 @@ def stacked_sizes(module: nn.Module) -> list[int]:
 
 
 def load_into_hf(hf_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy every HF parameter from `state`; names and shapes must match one to one."""
+    """Copy every HF parameter from `state` (and the buffers it names, such as DeepSeek-V3's router
+    correction bias); names and shapes must match one to one."""
     params = dict(hf_model.named_parameters(remove_duplicate=False))
+    params.update((n, b) for n, b in hf_model.named_buffers() if n in state)
     missing, extra = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
     if missing or extra:
         raise ValueError(f"pressroom and HF parameters differ: HF lacks {extra[:3]}, pressroom lacks {missing[:3]}.")

@@ -82,6 +82,25 @@ def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir, arch, dtype):
         assert torch.equal(state[name], tensor.to(dtype)), name
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_hf_state_dict_equals_hf_models_own_weights(tiny_model_dir, arch):
+    """MoE and MLA models: stacked experts under transformers' names, DeepSeek's rope rows interleaved
+    again and V3's router correction bias (an HF buffer) all equal what HF itself loads."""
+    import transformers
+
+    from pressroom.config import ModelConfig
+    from pressroom.model.loader import load_model
+    path = tiny_model_dir(arch)
+    state = gpu.hf_state_dict(load_model(ModelConfig(model=path, dtype=torch.float32), "cpu").model)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = hf_model.state_dict()
+    assert state.keys() <= expected.keys()
+    assert {n for n, _ in hf_model.named_parameters()} <= state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected[name]), name
+    gpu.load_into_hf(hf_model, state)  # names and shapes accepted one to one
+
+
 def _pressroom_and_hf_on_meta(path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

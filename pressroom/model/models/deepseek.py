@@ -162,19 +162,27 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
     def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rows of an interleaved rope part reordered to (even dims, odd dims): q's per head, the shared
         key's after the latent."""
+        rope = self.config.qk_rope_head_dim
+        return name, self._reorder_rope_rows(name, tensor, torch.cat((torch.arange(0, rope, 2),
+                                                                       torch.arange(1, rope, 2))))
+
+    def to_checkpoint_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A parameter in the checkpoint's row order (the rope rows interleaved again), for copying out."""
+        rope = self.config.qk_rope_head_dim
+        return self._reorder_rope_rows(name, tensor, torch.arange(rope).view(2, -1).t().reshape(-1))
+
+    def _reorder_rope_rows(self, name: str, tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         if not self.rope_interleaved():
-            return name, tensor
+            return tensor
         c = self.config
         rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
-        order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            heads = tensor.view(c.num_attention_heads, nope + rope, -1)
-            heads = torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1)
-            return name, heads.reshape(tensor.shape)
+            heads = tensor.reshape(c.num_attention_heads, nope + rope, -1)
+            return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(tensor.shape)
         if ".self_attn.kv_a_proj_with_mqa." in name:
             rank = c.kv_lora_rank
-            return name, torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
-        return name, tensor
+            return torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
+        return tensor
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
