@@ -47,3 +47,28 @@ def test_yarn_tables_match_hf():
     assert factor != 1.0
     torch.testing.assert_close(rope.cos, torch.outer(positions, inv).cos() * factor)
     torch.testing.assert_close(rope.sin, torch.outer(positions, inv).sin() * factor)
+
+
+def test_mtp_layers_are_skipped_and_fp8_checkpoints_refused(tiny_model_dir, tmp_path):
+    """A DeepSeek-V3 checkpoint carries its multi-token-prediction layer after the decoder layers: the
+    model loads without it; an FP8 checkpoint's scale tensors get a sentence that says what to do."""
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from pressroom.config import ModelConfig
+    from pressroom.model.loader import load_model
+    source = tiny_model_dir("deepseek_v3")
+    for name in ("with-mtp", "fp8"):
+        shutil.copytree(source, tmp_path / name)
+    weights = load_file(f"{source}/model.safetensors")
+    extra = {"model.layers.2.eh_proj.weight": torch.randn(64, 128),
+             "model.layers.2.self_attn.kv_a_proj_with_mqa.weight": torch.randn(40, 64)}
+    save_file({**weights, **extra}, str(tmp_path / "with-mtp" / "model.safetensors"))
+    loaded = load_model(ModelConfig(model=str(tmp_path / "with-mtp"), dtype=torch.float32), "cpu").model
+    assert len(loaded.model.layers) == 2
+    scales = {"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}
+    save_file({**weights, **scales}, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 block-quantized"):
+        load_model(ModelConfig(model=str(tmp_path / "fp8"), dtype=torch.float32), "cpu")

@@ -157,7 +157,20 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
         return [name] if ".self_attn." in name else super().checkpoint_parts(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._deinterleave_rope(name, t) for name, t in weights)
+        return super().load_weights(self._deinterleave_rope(name, t) for name, t in self._main_model(weights))
+
+    def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint without its multi-token-prediction layers (numbered after the last decoder
+        layer; no drafter uses them yet); FP8 block-quantized checkpoints are refused by name."""
+        layers = self.config.num_hidden_layers
+        for name, tensor in weights:
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(f"{name}: this checkpoint stores FP8 block-quantized weights, which pressroom "
+                                 "does not load yet; use a bf16 conversion of it.")
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
+                continue
+            yield name, tensor
 
     def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rows of an interleaved rope part reordered to (even dims, odd dims): q's per head, the shared
