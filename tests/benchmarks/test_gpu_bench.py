@@ -143,11 +143,12 @@ def test_moe_decode_reads_the_selected_experts_only():
     assert size.decode_read_bytes == 2 * (size.active_non_embedding_params + size.lm_head_params)
 
 
-def test_moe_bench_runs_hf_on_the_same_weights(tiny_model_dir, tmp_path):
-    """The MoE family through the whole bench: pressroom's stacked experts copied into HF's, and both
-    produce every token; the bound counts the active parameters."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_moe_bench_runs_hf_on_the_same_weights(tiny_model_dir, tmp_path, arch):
+    """MoE families (DeepSeek's latent attention too) through the whole bench: pressroom's weights copied
+    into HF's, and both produce every token; the bound counts the active parameters."""
     out = tmp_path / "result.json"
-    argv = ["bench", "gpu", "--model", tiny_model_dir("qwen3_moe"), *TINY_FLAGS, "--workloads", "decode,throughput",
+    argv = ["bench", "gpu", "--model", tiny_model_dir(arch), *TINY_FLAGS, "--workloads", "decode,throughput",
             "--output-json", str(out)]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
