@@ -99,6 +99,6 @@ class RotaryEmbedding(nn.Module):
         half = self.rotary_dim // 2
         x1, x2 = rot[..., :half], rot[..., half:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        if self.rotary_dim < self.head_dim:
+        if self.rotary_dim < x.shape[-1]:
             out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
         return out

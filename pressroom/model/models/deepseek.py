@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pressroom.attention.backend import get_attention_metadata
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
@@ -207,3 +208,101 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     def rope_interleaved(self) -> bool:
         return bool(getattr(self.config, "rope_interleave", True))
+
+
+class LightningIndexer(nn.Module):
+    """DSA's indexer (DeepSeek-V3.2): its own small keys per token (kept in the layer's cache after the
+    latent) and per-query head weights; a query's score for a past token is the weighted sum over the
+    indexer heads of relu(q . k), and attention reads only the `index_topk` best tokens."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim)
+        self.wk = ColumnParallelLinear(config.hidden_size, self.dim)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads)
+
+    def keys(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """[tokens, dim]: rotated (rotate-half, on the first qk_rope_head_dim dimensions)."""
+        k = self.k_norm(self.wk(x)).unsqueeze(1).contiguous()
+        return rope.rotary.rotate(k, rope.cos, rope.sin).squeeze(1)
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries [tokens, heads, dim] and head weights [tokens, heads] (scaled by heads^-0.5)."""
+        q = self.wq_b(q_resid).view(-1, self.heads, self.dim).contiguous()
+        q = rope.rotary.rotate(q, rope.cos, rope.sin)
+        weights = self.weights_proj(x).float() * self.heads ** -0.5
+        return q.float(), weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For queries at `positions` over a context's keys [context, dim]: each query's chosen tokens
+        [queries, k] (k = min(index_topk, context)) and whether each is causal (a query near the start
+        has fewer than k past tokens)."""
+        # the checkpoints' own order of operations: a near-tie at the k-th place must fall the same way
+        scores = torch.relu(torch.matmul(q, keys.float().t()) * self.dim ** -0.5)  # [queries, heads, context]
+        index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
+        causal = torch.arange(keys.shape[0]) <= positions[:, None]
+        index = index.masked_fill(~causal, float("-inf"))
+        chosen = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return chosen, causal.gather(1, chosen)
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA reading only the tokens the lightning indexer picks for each query (DeepSeek Sparse Attention).
+    The layer writes its cache and attends itself, request by request: the attention gathers k latents
+    per query, so its cost grows with index_topk, not with the context; with a context of at most
+    index_topk tokens it equals dense MLA."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        if not self.q_lora_rank:
+            raise ValueError("DeepSeek sparse attention needs q_lora_rank: its indexer reads the compressed query.")
+        self.indexer = LightningIndexer(config)
+        self.attn = Attention(self.num_heads, self.rank + self.rope_dim, 1, self.attn.scale, v_head_dim=self.rank,
+                              latent=True, extra_dim=self.indexer.dim)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(tokens, heads, self.nope + self.rope_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
+        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])
+        query = torch.cat((q_latent.transpose(0, 1), pe[:, :heads]), dim=-1)
+        entry = torch.cat((latent, pe[:, heads], self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
+        meta = get_attention_metadata()
+        cache = self.attn.kv_cache.view(-1, entry.shape[-1])
+        cache.index_copy_(0, meta.slot_mapping, entry.to(cache.dtype))
+        index_q, index_w = self.indexer.queries(q_resid, x, rope)
+        mixed = torch.empty(tokens, heads, self.rank, dtype=x.dtype, device=x.device)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        block_size = self.attn.kv_cache.shape[2]
+        for i in range(len(loc) - 1):
+            start, end, context = loc[i], loc[i + 1], lens[i]
+            if start == end:
+                continue
+            pos = torch.arange(context, device=x.device)
+            past = cache[meta.block_tables[i][pos // block_size] * block_size + pos % block_size]
+            positions = torch.arange(context - (end - start), context)
+            chosen, causal = self.indexer.select(index_q[start:end], index_w[start:end],
+                                                 past[:, self.rank + self.rope_dim:], positions)
+            keys = past[:, :self.rank + self.rope_dim][chosen].to(query.dtype)  # [queries, k, rank + rope]
+            scores = torch.einsum("qhd,qkd->qhk", query[start:end].float(), keys.float()) * self.attn.scale
+            probs = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
+            mixed[start:end] = torch.einsum("qhk,qkr->qhr", probs, keys[..., :self.rank].float()).to(x.dtype)
+        out = torch.bmm(mixed.transpose(0, 1), w[:, self.nope:].transpose(1, 2))
+        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    def make_attention(self, layer: int) -> nn.Module:
+        return SparseMLAAttention(self.config)
+
+    def rope_interleaved(self) -> bool:
+        return True  # V3.2's MLA always rotates interleaved pairs; its indexer rotates halves
