@@ -185,3 +185,16 @@ def test_committed_deepseek_configs_build_their_published_size(name, total, acti
     size = gpu.model_size(load_hf_config(str(CONFIGS / name)), torch.bfloat16)
     assert size.total_params == pytest.approx(total, rel=0.01)
     assert size.active_non_embedding_params + size.lm_head_params == pytest.approx(active, rel=0.03)
+
+
+def test_the_sparse_attention_config_is_v2_lite_sized_with_an_indexer():
+    from pressroom.model.loader import load_hf_config
+    from pressroom.model.registry import resolve_architecture
+    dsa, lite = (load_hf_config(str(CONFIGS / n)) for n in ("deepseek-v2-lite-dsa", "deepseek-v2-lite"))
+    with torch.device("meta"):
+        model = resolve_architecture(dsa)(dsa)
+    attn = model.model.layers[0].self_attn
+    assert (attn.indexer.heads, attn.indexer.dim, attn.indexer.topk) == (64, 128, 2048)
+    assert attn.attn.cache_shape(1, 1)[-1] == 512 + 64 + 128  # latent, rope key, indexer key
+    sizes = [gpu.model_size(c, torch.bfloat16).total_params for c in (dsa, lite)]
+    assert 0 < sizes[0] - sizes[1] < 0.03 * sizes[1]  # the indexer and q compression add under 3%
