@@ -47,12 +47,12 @@ def tiny_config(arch: str):
         yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
         return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_routed_experts=6, rope_parameters=yarn)
-    # DSA: the indexer keeps the best 64 past tokens of each query. 16 indexer heads, not 4: with 4, a
-    # sixteenth of the tokens score exactly 0 (every head's relu zero), the 64th place can fall among
+    # DSA: the indexer keeps the best 32 past tokens of each query. 16 indexer heads, not 4: with 4, a
+    # sixteenth of the tokens score exactly 0 (every head's relu zero), the 32nd place can fall among
     # such ties, and which tied token a top-k keeps is up to the implementation (HF and torch differ).
     if arch == "deepseek_v32":
         return transformers.DeepseekV32Config(**mla, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
-                                              norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=64,
+                                              norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=32,
                                               index_n_heads=16, index_head_dim=32)
     if arch == "deepseek_v3":  # a compressed q; sigmoid router with a correction bias over 4 groups
         return transformers.DeepseekV3Config(**mla, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,

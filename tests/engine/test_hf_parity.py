@@ -45,10 +45,10 @@ def test_embedded_model_matches_hf(embedded_path, smollm_tokenizer):
 
 
 def test_sparse_attention_matches_hf_past_its_top_k(tiny_model_dir):
-    """DeepSeek-V3.2's sparse attention with index_topk 64 over 200-320-token prompts: the indexer really
+    """DeepSeek-V3.2's sparse attention with index_topk 32 over 100-160-token prompts: the indexer really
     drops tokens (prefill and every decode), and tokens and prompt logprobs still equal HF's."""
     import transformers
     path = tiny_model_dir("deepseek_v32")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
-    _check(llm, hf_model, random_prompts(2, low=200, high=320, seed=32))
+    _check(llm, hf_model, random_prompts(2, low=100, high=160, seed=32))
