@@ -414,3 +414,19 @@ def test_qk_rms_norm_equals_two_rms_norms(dtype, q_heads, k_heads, head_dim):
     got = norm.qk_rms_norm(qk.to(DEVICE), q_w.to(DEVICE), k_w.to(DEVICE), q_heads, 1e-6)
     assert got.is_contiguous() and got.shape == qk.shape
     _close(got.cpu(), expected.to(dtype), TOL[dtype])
+
+
+def test_the_router_picks_distinct_experts_from_nan_scores():
+    """Garbage activations (NaN, inf: dummy weights can make them) still route each token to top_k
+    distinct, real experts, and an id past the experts is dropped by the alignment, never written."""
+    from pressroom.kernels.triton.fused_moe import align_in_one_program, align_with_torch, route_topk
+    logits = torch.tensor([[float("nan")] * 8, [float("-inf")] * 8, [1.0, float("inf"), 0, 0, 0, 0, 0, 0]])
+    for sigmoid in (False, True):
+        _, ids = route_topk(logits.to(DEVICE), 3, sigmoid, True, 1.0)
+        ids = ids.cpu()
+        assert ((ids >= 0) & (ids < 8)).all() and all(len(set(row.tolist())) == 3 for row in ids)
+    ids = torch.tensor([[0, 9], [1, 2]])  # 9: not an expert of this layer
+    for align in (align_in_one_program, align_with_torch):
+        slots, block_expert = align(ids.to(DEVICE), 4, 16)
+        used = slots.view(-1, 16)[block_expert >= 0].cpu()  # unused blocks are never read
+        assert sorted(used[used < 4].tolist()) == [0, 2, 3]

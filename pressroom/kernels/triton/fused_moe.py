@@ -95,6 +95,9 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, 
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    # Every real expert stays above -inf, even a NaN or -inf score (garbage activations, as dummy weights
+    # can make), so each round picks a new one: always top_k distinct experts, never an unwritten id.
+    choice = tl.where(choice == choice, tl.maximum(choice, -3.0e38), -3.0e38)
     choice = tl.where(ok, choice, float("-inf"))
     picked = tl.zeros((BINS,), dtype=tl.int1)
     for _ in tl.static_range(TOP_K):
@@ -140,7 +143,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 def align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     pairs, device = ids.numel(), ids.device
     flat = ids.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, num_experts)  # other ranks' pairs sort last
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # other ranks' pairs sort last
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
@@ -171,6 +174,7 @@ def _align_kernel(ids_ptr, counters_ptr, slots_ptr, block_expert_ptr, num_pairs,
     tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
         e = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)
+        e = tl.where(e < num_experts, e, -1)  # an id past the experts is dropped, never written through
         tl.atomic_add(counters_ptr + e, 1, mask=e >= 0)
     tl.debug_barrier()
     counts = tl.load(counters_ptr + bins, volatile=True)
@@ -190,6 +194,7 @@ def _align_kernel(ids_ptr, counters_ptr, slots_ptr, block_expert_ptr, num_pairs,
     for start in range(0, num_pairs, CHUNK):
         pair = start + lanes
         e = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        e = tl.where(e < num_experts, e, -1)
         dest = tl.atomic_add(counters_ptr + BINS + e, 1, mask=e >= 0)
         tl.store(slots_ptr + dest, pair, mask=e >= 0)
 
