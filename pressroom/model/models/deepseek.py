@@ -70,20 +70,33 @@ class MLAAttention(nn.Module):
         return scale
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        _, query, key = self.absorbed_query_and_key(rope, x)
+        return self.output(self.attn(query, key.unsqueeze(1)).view(x.shape[0], self.num_heads, self.rank))
+
+    def absorbed_query_and_key(self, rope: RopeTables, x: torch.Tensor
+                               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The compressed query (None without q_lora_rank), each head's query in latent space with its
+        rotated rope part [tokens, heads, rank + rope], and the token's cache entry [tokens, rank + rope]
+        (the normalised latent and the rotated shared key)."""
         tokens, heads = x.shape[0], self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
         q = q.view(tokens, heads, self.nope + self.rope_dim)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         # q's and the shared key's rope parts rotated in one pass, as one stack of heads
         pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
         pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
-        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])  # [heads, tokens, rank]
+        w_uk = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [heads, tokens, rank]
         query = torch.cat((q_latent.transpose(0, 1), pe[:, :heads]), dim=-1)
-        key = torch.cat((latent, pe[:, heads]), dim=-1).unsqueeze(1)  # what the cache keeps
-        mixed = self.attn(query, key).view(tokens, heads, self.rank)
-        out = torch.bmm(mixed.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [heads, tokens, v_dim]
+        return q_resid, query, torch.cat((latent, pe[:, heads]), dim=-1)
+
+    def output(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Attention's mix of latents [tokens, heads, rank] through each head's W_UV, then o_proj."""
+        tokens, heads = mixed.shape[:2]
+        w_uv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, self.nope:]
+        out = torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v_dim]
         return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
 
 
@@ -266,16 +279,8 @@ class SparseMLAAttention(MLAAttention):
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(tokens, heads, self.nope + self.rope_dim)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
-        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
-        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])
-        query = torch.cat((q_latent.transpose(0, 1), pe[:, :heads]), dim=-1)
-        entry = torch.cat((latent, pe[:, heads], self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
+        q_resid, query, key = self.absorbed_query_and_key(rope, x)
+        entry = torch.cat((key, self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
         meta = get_attention_metadata()
         cache = self.attn.kv_cache.view(-1, entry.shape[-1])
         cache.index_copy_(0, meta.slot_mapping, entry.to(cache.dtype))
@@ -296,8 +301,7 @@ class SparseMLAAttention(MLAAttention):
             scores = torch.einsum("qhd,qkd->qhk", query[start:end].float(), keys.float()) * self.attn.scale
             probs = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
             mixed[start:end] = torch.einsum("qhk,qkr->qhr", probs, keys[..., :self.rank].float()).to(x.dtype)
-        out = torch.bmm(mixed.transpose(0, 1), w[:, self.nope:].transpose(1, 2))
-        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+        return self.output(mixed)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
