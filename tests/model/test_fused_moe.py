@@ -53,8 +53,9 @@ def test_grouped_softmax_by_group_max_matches_deepseek_v2_router():
                                         num_experts_per_tok=3,
                                         topk_group=2, routed_scaling_factor=1.5, topk_method="group_limited_greedy")
     router = DeepseekV2TopkRouter(cfg)
-    torch.nn.init.normal_(router.weight)
-    logits, weights, ids = router(torch.randn(64, 16))
+    gen = torch.Generator().manual_seed(2)
+    router.weight.data = torch.randn(16, 16, generator=gen)
+    logits, weights, ids = router(torch.randn(512, 16, generator=gen))  # enough tokens for the rules to differ
     rc = RouterConfig(top_k=3, scoring="softmax", renormalize=False, num_groups=4, topk_groups=2, group_score="max",
                       routed_scaling_factor=1.5)
     _same_choice(select_experts(logits, rc), ids, weights)
