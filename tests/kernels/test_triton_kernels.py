@@ -345,21 +345,18 @@ def test_every_routing_edge_case_through_the_kernels():
 
 def test_a_committed_sweep_picks_the_launch_for_the_nearest_token_count(tmp_path, monkeypatch):
     import json
+    from dataclasses import asdict
 
     from pressroom.kernels.triton import fused_moe as moe
     monkeypatch.setattr(moe, "SWEEP_DIR", tmp_path)
     path = moe.sweep_path(128, 768, 2048, 8, torch.bfloat16, "NVIDIA H200")
     assert path.name == "E128_N768_H2048_K8_bfloat16_NVIDIA_H200.json"
     small, large = moe.MoeLaunch(16, 32, 128, 4, 4), moe.MoeLaunch(64, 128, 64, 8, 3)
-    path.write_text(json.dumps({"best": {"1": vars_of(small), "256": vars_of(large)}}))
+    path.write_text(json.dumps({"best": {"1": asdict(small), "256": asdict(large)}}))
     table = moe.load_sweep(path)
     assert table == {1: small, 256: large}
     assert [moe.nearest_launch(table, n) for n in (1, 100, 128, 129, 4096)] == [small, small, small, large, large]
     assert moe.load_sweep(tmp_path / "absent.json") == {}
-
-
-def vars_of(launch) -> dict:
-    return {f: getattr(launch, f) for f in launch.__slots__}
 
 
 @pytest.mark.parametrize("experts, top_k, scoring, renormalize, bias, scaling", [

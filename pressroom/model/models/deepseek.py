@@ -24,7 +24,7 @@ from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_expe
 from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
-from pressroom.model.models.llama import LlamaMLP, RopeTables
+from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
 from pressroom.model.models.moe import _MoeForCausalLM
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
@@ -153,11 +153,7 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
         return MLAAttention(self.config)
 
     def make_rotary(self) -> RotaryEmbedding:
-        c = self.config
-        rope = _rope_parameters(c)
-        base = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        return RotaryEmbedding(c.qk_rope_head_dim, c.qk_rope_head_dim, c.max_position_embeddings, base, scaling)
+        return rotary_from_config(self.config, self.config.qk_rope_head_dim)
 
     def rope_interleaved(self) -> bool:
         return True

@@ -24,12 +24,13 @@ class RopeTables:
     sin: torch.Tensor
 
 
-def _rotary(config) -> RotaryEmbedding:
+def rotary_from_config(config, rotary_dim: int | None = None) -> RotaryEmbedding:
+    """The config's rope (base and scaling) over `rotary_dim` dimensions (default: its head_dim)."""
     rope = getattr(config, "rope_parameters", None) or {}
     base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     scaling = getattr(config, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
-    head_dim = _head_dim(config)
-    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base, scaling)
+    dim = rotary_dim or _head_dim(config)
+    return RotaryEmbedding(dim, dim, config.max_position_embeddings, base, scaling)
 
 
 def _head_dim(config) -> int:
@@ -106,7 +107,7 @@ class LlamaModel(nn.Module):
                               make_attention(i) if make_attention else None)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = rotary or _rotary(config)
+        self.rotary = rotary or rotary_from_config(config)
         # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
         self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
         self._decode_stack: cpu_decode.CpuDecodeStack | None = None
