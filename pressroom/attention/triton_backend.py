@@ -1,4 +1,5 @@
-"""The CUDA attention backend: Triton kernels for the KV-cache write and the paged attention of a mixed batch.
+"""The CUDA attention backend: Triton kernels for the KV-cache write and the paged attention of a mixed batch
+(per-head keys and values, or MLA's latent cache).
 
 One launch serves every request of the step (decodes and prefill chunks with a cached prefix), and
 it reads only device tensors from the metadata, so the same call is captured into CUDA graphs.
@@ -10,6 +11,7 @@ import torch
 from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
 from pressroom.kernels.triton.attention import paged_attention
 from pressroom.kernels.triton.cache import write_kv
+from pressroom.kernels.triton.mla import mla_attention
 
 # Split a decode's context across programs until about this many per multiprocessor run per kernel
 # launch: a batch of few long decodes otherwise leaves most of the GPU's multiprocessors idle.
@@ -60,20 +62,24 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if kv_cache.shape[0] == 1:
-            raise ValueError("multi-head latent attention (DeepSeek) runs on the CPU for now: the CUDA kernels for "
-                             "a latent KV cache are not built yet; use device='cpu'.")
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
+        write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if latent:
+            def attend(q, tables, lens, starts, max_query_len, out, splits=1):
+                return mla_attention(q, kv_cache[0], tables, lens, starts, max_query_len, scale, out, v.shape[-1],
+                                     splits)
+        else:
+            def attend(q, tables, lens, starts, max_query_len, out, splits=1):
+                return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device
         decodes = meta.num_decodes
         if meta.max_query_len == 1 or not 0 < decodes < tables.shape[0]:
             splits = meta.num_kv_splits if meta.max_query_len == 1 else 1
-            return paged_attention(q, kv_cache, tables, lens, starts, meta.max_query_len, scale, out, splits)
+            return attend(q, tables, lens, starts, meta.max_query_len, out, splits)
         # A mixed step (decodes first, then prompt chunks): two launches, each with its own tile shape, so
         # the decodes do not pay for the 64-row tiles the chunks want. The decodes are the first tokens:
         # their launch sees only those, so a split-KV workspace is sized by them, not by the chunks.
-        paged_attention(q[:decodes], kv_cache, tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, scale,
-                        out[:decodes], meta.num_kv_splits)
-        return paged_attention(q, kv_cache, tables[decodes:], lens[decodes:], starts[decodes:], meta.max_query_len,
-                               scale, out)
+        attend(q[:decodes], tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, out[:decodes],
+               meta.num_kv_splits)
+        return attend(q, tables[decodes:], lens[decodes:], starts[decodes:], meta.max_query_len, out)
