@@ -221,6 +221,61 @@ def test_moe_greedy_tokens_equal_hf(arch, tmp_path):
     assert _tokens(llm, prompts) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
+@pytest.mark.parametrize("arch, low, high", [("deepseek_v2", 4, 80), ("deepseek_v3", 4, 80),
+                                            ("deepseek_v32", 100, 160)])
+def test_deepseek_greedy_tokens_and_prompt_logprobs_equal_hf(arch, low, high, tmp_path):
+    """MLA over the latent cache on CUDA (the Triton MLA kernel; decodes replayed from CUDA graphs) and, for
+    V3.2, DSA with index_topk 32 under 100-160-token prompts (the indexer and sparse MLA kernels), against HF
+    on the CPU: greedy tokens equal, prompt logprobs within 1e-3."""
+    import transformers
+    from conftest import hf_prompt_logprobs, tiny_config
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    prompts = random_prompts(4, low=low, high=high, seed=11)
+    llm = _llm(str(tmp_path))
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 64)
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf, prompt))) < 1e-3
+
+
+def test_deepseek_fp8_latent_cache_doubles_capacity_and_costs_only_its_rounding(tmp_path, monkeypatch):
+    """An FP8 latent cache: twice the blocks in the same memory, and prompt logprobs that match the bf16 engine
+    whose latent entries are rounded to FP8 before they are stored far more closely than plain bf16 (as the
+    per-head FP8 test above)."""
+    import transformers
+    from conftest import tiny_config
+
+    from pressroom.attention import triton_backend
+    cfg = tiny_config("deepseek_v3")
+    cfg.initializer_range = 0.1  # latents of order 1, as trained models have
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    path, prompts = str(tmp_path), random_prompts(6, low=60, high=200, seed=17)
+    bf16 = _llm(path, dtype="bfloat16")
+    plain, bf16_blocks = _prompt_logprobs(bf16, prompts), bf16.engine.kv_cache.pool.num_blocks
+    del bf16
+    write = triton_backend.write_kv
+
+    def write_rounded(kv_cache, k, v, slots):
+        write(kv_cache, k.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(k.dtype), v, slots)
+
+    monkeypatch.setattr(triton_backend, "write_kv", write_rounded)
+    oracle = _prompt_logprobs(_llm(path, dtype="bfloat16"), prompts)
+    monkeypatch.setattr(triton_backend, "write_kv", write)
+    fp8 = _llm(path, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.kv_cache.pool.num_blocks >= 2 * bf16_blocks - 2
+    got = _prompt_logprobs(fp8, prompts)
+    to_oracle, to_plain = (got - oracle).abs().mean(), (got - plain).abs().mean()
+    assert to_oracle < 0.25 * to_plain, \
+        f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
+
+
 def test_moe_profile_leaves_room_for_a_batch_routed_to_one_expert(tmp_path):
     """The fused-MoE buffers are sized by tokens x top-k whatever the routing, so a skewed full step (every
     prompt the same tokens, hence the same experts) fits in what the profile left beside the KV cache."""

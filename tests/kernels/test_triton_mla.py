@@ -176,3 +176,17 @@ def _new_entries(batch: LatentBatch, specs) -> torch.Tensor:
     """This step's cache entries [tokens, 1, latent + rope], as the cache holds them now."""
     dim = batch.q.shape[-1]
     return batch.cache.view(-1, batch.cache.shape[-1])[_slots(batch, specs), :dim].unsqueeze(1).clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need CUDA (the interpreter takes minutes)")
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite, DeepSeek-V3
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_mla_attention_at_deepseek_shapes(heads, cache_dtype):
+    """Latent 512 + rope 64: 32 decodes up to 4k context (split-KV) and a mixed step with two 512-token chunks."""
+    gen = torch.Generator().manual_seed(0)
+    decodes = [(int(n), 1) for n in torch.randint(1, 4097, (32,), generator=gen)]
+    for specs, splits in ((decodes, 4), (decodes + [(1536, 512), (700, 700)], 1)):
+        batch = LatentBatch(specs, heads, 512, 64, 16, torch.bfloat16)
+        batch.cache = batch.cache.to(cache_dtype)
+        _check(batch.to(DEVICE), splits, TOL[torch.bfloat16])

@@ -124,8 +124,6 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekV2ForCausalLM(_MoeForCausalLM):
-    cuda_graphs_supported = False  # no CUDA path for the latent cache yet
-
     def __init__(self, config) -> None:
         super().__init__(config)
         self.model.fused_decode = False  # the C decode stack knows Llama attention only
@@ -261,9 +259,9 @@ class LightningIndexer(nn.Module):
 
 class SparseMLAAttention(MLAAttention):
     """MLA reading only the tokens the lightning indexer picks for each query (DeepSeek Sparse Attention).
-    The layer writes its cache and attends itself, request by request: the attention gathers k latents
-    per query, so its cost grows with index_topk, not with the context; with a context of at most
-    index_topk tokens it equals dense MLA."""
+    The layer writes its cache and attends itself (torch on the CPU, Triton on CUDA): the attention gathers
+    k latents per query, so its cost grows with index_topk, not with the context (the indexer still scores
+    every past token, over its small keys); with a context of at most index_topk tokens it equals dense MLA."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -274,21 +272,40 @@ class SparseMLAAttention(MLAAttention):
                               latent=True, extra_dim=self.indexer.dim)
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
-        tokens, heads = x.shape[0], self.num_heads
         q_resid, query, key = self.absorbed_query_and_key(rope, x)
         entry = torch.cat((key, self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
-        meta = get_attention_metadata()
+        index_q, index_w = self.indexer.queries(q_resid, x, rope)
+        sparse = self._sparse_on_gpu if x.is_cuda else self._sparse_on_cpu
+        return self.output(sparse(query, entry, index_q, index_w, get_attention_metadata()))
+
+    def _sparse_on_gpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+                       meta) -> torch.Tensor:
+        """Triton: device tensors only, so decode steps replay from CUDA graphs."""
+        from pressroom.kernels.triton import cache as cache_kernels
+        from pressroom.kernels.triton import dsa
+        kv_cache = self.attn.kv_cache
+        cache_kernels.write_kv(kv_cache, entry.unsqueeze(1), None, meta.slot_mapping)
+        token_req, token_pos = dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, query.shape[0])
+        logits = dsa.indexer_logits(index_q, index_w, kv_cache[0], meta.block_tables, token_req, token_pos,
+                                    self.rank + self.rope_dim)
+        chosen = dsa.select_top_k(logits, self.indexer.topk)
+        mixed = query.new_empty(*query.shape[:2], self.rank)
+        return dsa.sparse_mla_attention(query, kv_cache[0], meta.block_tables, token_req, chosen, self.attn.scale,
+                                        mixed, self.rank)
+
+    def _sparse_on_cpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+                       meta) -> torch.Tensor:
+        """Torch, request by request over the host's query starts."""
         cache = self.attn.kv_cache.view(-1, entry.shape[-1])
         cache.index_copy_(0, meta.slot_mapping, entry.to(cache.dtype))
-        index_q, index_w = self.indexer.queries(q_resid, x, rope)
-        mixed = torch.empty(tokens, heads, self.rank, dtype=x.dtype, device=x.device)
+        mixed = query.new_empty(*query.shape[:2], self.rank)
         loc, lens = meta.query_start_loc, meta.seq_lens_host
         block_size = self.attn.kv_cache.shape[2]
         for i in range(len(loc) - 1):
             start, end, context = loc[i], loc[i + 1], lens[i]
             if start == end:
                 continue
-            pos = torch.arange(context, device=x.device)
+            pos = torch.arange(context)
             past = cache[meta.block_tables[i][pos // block_size] * block_size + pos % block_size]
             positions = torch.arange(context - (end - start), context)
             chosen, causal = self.indexer.select(index_q[start:end], index_w[start:end],
@@ -296,8 +313,8 @@ class SparseMLAAttention(MLAAttention):
             keys = past[:, :self.rank + self.rope_dim][chosen].to(query.dtype)  # [queries, k, rank + rope]
             scores = torch.einsum("qhd,qkd->qhk", query[start:end].float(), keys.float()) * self.attn.scale
             probs = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
-            mixed[start:end] = torch.einsum("qhk,qkr->qhr", probs, keys[..., :self.rank].float()).to(x.dtype)
-        return self.output(mixed)
+            mixed[start:end] = torch.einsum("qhk,qkr->qhr", probs, keys[..., :self.rank].float()).to(query.dtype)
+        return mixed
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
