@@ -97,3 +97,14 @@ def test_sparse_mla_choosing_every_visible_token_is_dense_mla():
     mla.mla_attention(step.query, step.cache, step.block_tables, step.seq_lens, step.qsl, 21, step.scale, dense,
                       LATENT)
     torch.testing.assert_close(sparse.cpu(), dense.cpu(), atol=2e-5, rtol=2e-5)
+
+
+def test_choose_positions_in_runs_equals_one_pass(monkeypatch):
+    """Scores made a few queries at a time (a small SCORE_BYTES) choose what one pass chooses."""
+    step = Step().to(DEVICE)
+    req, pos = step.positions()
+    args = (step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    whole = dsa.select_top_k(dsa.indexer_logits(*args), 12)
+    width = step.block_tables.shape[1] * BLOCK
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * width * 5)  # runs of 5 queries
+    assert torch.equal(dsa.choose_positions(*args, 12), whole)

@@ -79,6 +79,27 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     return out
 
 
+# A prompt step scores every query against the widest context of the step: its fp32 scores are made this many
+# bytes at a time (16k prompt tokens over a 128k-token table would take 8 GiB at once).
+SCORE_BYTES = 512 << 20
+
+
+def choose_positions(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                     token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int, top_k: int) -> torch.Tensor:
+    """Each query's `top_k` best visible positions [T, k] (-1: none), its scores made and reduced in runs of
+    queries whose scores fit SCORE_BYTES."""
+    tokens = q.shape[0]
+    width = block_tables.shape[1] * cache.shape[1]
+    chosen = torch.empty(tokens, min(top_k, width), dtype=torch.int64, device=q.device)
+    run = max(1, SCORE_BYTES // (4 * width))
+    for start in range(0, tokens, run):
+        end = min(tokens, start + run)
+        logits = indexer_logits(q[start:end], weights[start:end], cache, block_tables, token_req[start:end],
+                                token_pos[start:end], index_offset)
+        chosen[start:end] = select_top_k(logits, top_k)
+    return chosen
+
+
 def select_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """The `top_k` best positions per query [T, k] (k = min(top_k, width)); -1 where fewer are visible."""
     values, chosen = logits.topk(min(top_k, logits.shape[1]), dim=-1)

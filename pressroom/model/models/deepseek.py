@@ -286,9 +286,8 @@ class SparseMLAAttention(MLAAttention):
         kv_cache = self.attn.kv_cache
         cache_kernels.write_kv(kv_cache, entry.unsqueeze(1), None, meta.slot_mapping)
         token_req, token_pos = dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, query.shape[0])
-        logits = dsa.indexer_logits(index_q, index_w, kv_cache[0], meta.block_tables, token_req, token_pos,
-                                    self.rank + self.rope_dim)
-        chosen = dsa.select_top_k(logits, self.indexer.topk)
+        chosen = dsa.choose_positions(index_q, index_w, kv_cache[0], meta.block_tables, token_req, token_pos,
+                                      self.rank + self.rope_dim, self.indexer.topk)
         mixed = query.new_empty(*query.shape[:2], self.rank)
         return dsa.sparse_mla_attention(query, kv_cache[0], meta.block_tables, token_req, chosen, self.attn.scale,
                                         mixed, self.rank)
