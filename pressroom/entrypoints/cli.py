@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.spec import add_spec_bench_args
     add_spec_bench_args(_subparser(bench_sub, "spec", "adaptive speculative budget vs no speculation vs fixed K "
                                                       "at several concurrencies (draft model, synthetic acceptance)"))
+    from pressroom.benchmarks.sparse import add_sparse_bench_args
+    add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
+                                                                    "decode attention time against context length"))
     return parser
 
 
@@ -257,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             from pressroom.benchmarks import spec
             spec.run(args)
             return 0
+        if args.command == "bench" and args.bench_command == "sparse-attention":
+            from pressroom.benchmarks import sparse
+            return sparse.main(args)
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve
             return 0 if serve.run(args)["completed"] else 1
