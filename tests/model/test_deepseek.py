@@ -3,7 +3,9 @@ engine's log line saying so; HF parity of the whole model is in tests/engine/tes
 from __future__ import annotations
 
 import logging
+import re
 
+import pytest
 import torch
 
 from pressroom import LLM, SamplingParams
@@ -24,6 +26,30 @@ def test_the_cache_holds_one_latent_per_token_and_layer(tiny_model_dir, caplog):
     out = llm.generate([{"prompt_token_ids": list(range(5, 40))}],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_per_head_caching_gives_the_same_tokens_at_many_times_the_bytes(arch, tiny_model_dir, caplog, monkeypatch):
+    """PRESSROOM_MLA_DISABLE=1 (vLLM's VLLM_MLA_DISABLE): keys and values expanded from the latent and cached
+    per head. Greedy tokens equal the latent cache's; the log line's bytes per token grow by
+    heads x 2 x (nope + rope) / (rank + rope)."""
+    from conftest import tiny_config
+    cfg = tiny_config(arch)
+    prompts = [{"prompt_token_ids": list(range(5, 60))}, {"prompt_token_ids": list(range(300, 320))}]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    per_token, tokens = {}, {}
+    for mode in ("latent", "per-head"):
+        monkeypatch.setenv("PRESSROOM_MLA_DISABLE", "1" if mode == "per-head" else "0")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pressroom"):
+            llm = LLM(tiny_model_dir(arch), dtype="float32", kv_cache_memory_gib=0.01)
+        per_token[mode] = int(re.search(r"(\d+) bytes per token", caplog.text).group(1))
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        del llm
+    assert tokens["per-head"] == tokens["latent"]
+    head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert per_token["per-head"] == cfg.num_hidden_layers * cfg.num_attention_heads * 2 * head_dim * 4
+    assert per_token["latent"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
 def test_deepseek_runs_in_bf16_on_the_cpu(tiny_model_dir):

@@ -12,6 +12,7 @@ shared key to (even dims, odd dims), so the rotate-half kernels compute the same
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -78,6 +79,15 @@ class MLAAttention(nn.Module):
         """The compressed query (None without q_lora_rank), each head's query in latent space with its
         rotated rope part [tokens, heads, rank + rope], and the token's cache entry [tokens, rank + rope]
         (the normalised latent and the rotated shared key)."""
+        q_resid, q_nope, q_pe, latent, k_pe = self.project(rope, x)
+        w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [heads, tokens, rank]
+        return q_resid, torch.cat((q_latent.transpose(0, 1), q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1)
+
+    def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The compressed query (None without q_lora_rank), each head's query parts [tokens, heads, nope] and
+        [tokens, heads, rope] (rotated), the normalised latent [tokens, rank] and the rotated shared key
+        [tokens, rope]."""
         tokens, heads = x.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
         q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
@@ -87,10 +97,7 @@ class MLAAttention(nn.Module):
         # q's and the shared key's rope parts rotated in one pass, as one stack of heads
         pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
         pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
-        w_uk = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [heads, tokens, rank]
-        query = torch.cat((q_latent.transpose(0, 1), pe[:, :heads]), dim=-1)
-        return q_resid, query, torch.cat((latent, pe[:, heads]), dim=-1)
+        return q_resid, q[..., :self.nope], pe[:, :heads], latent, pe[:, heads]
 
     def output(self, mixed: torch.Tensor) -> torch.Tensor:
         """Attention's mix of latents [tokens, heads, rank] through each head's W_UV, then o_proj."""
@@ -98,6 +105,26 @@ class MLAAttention(nn.Module):
         w_uv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, self.nope:]
         out = torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v_dim]
         return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+
+
+class PerHeadMLAAttention(MLAAttention):
+    """MLA run as ordinary multi-head attention (PRESSROOM_MLA_DISABLE=1, as vLLM's VLLM_MLA_DISABLE): each
+    head's key and value expanded from the latent and cached per head, the values zero-padded to the key
+    width (the cache has one width). For measuring what the latent cache saves; the outputs are the same."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.head_dim = self.nope + self.rope_dim
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_heads, self.attn.scale)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        _, q_nope, q_pe, latent, k_pe = self.project(rope, x)
+        kv = torch.matmul(latent, self.kv_b_proj.weight.t()).view(tokens, heads, self.nope + self.v_dim)
+        key = torch.cat((kv[..., :self.nope], k_pe.unsqueeze(1).expand(tokens, heads, self.rope_dim)), dim=-1)
+        value = torch.nn.functional.pad(kv[..., self.nope:], (0, self.head_dim - self.v_dim))
+        out = self.attn(torch.cat((q_nope, q_pe), dim=-1), key, value).view(tokens, heads, self.head_dim)
+        return self.o_proj(out[..., :self.v_dim].reshape(tokens, heads * self.v_dim))
 
 
 class DeepseekMoE(nn.Module):
@@ -148,6 +175,8 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
         return DeepseekMoE(c, self._num_experts(), self.router_config())
 
     def make_attention(self, layer: int) -> nn.Module:
+        if os.environ.get("PRESSROOM_MLA_DISABLE") == "1":
+            return PerHeadMLAAttention(self.config)
         return MLAAttention(self.config)
 
     def make_rotary(self) -> RotaryEmbedding:
