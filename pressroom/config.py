@@ -189,7 +189,7 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
-SPEC_METHODS = ("ngram", "draft_model", "dflash2")
+SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp")
 # Methods whose drafts are made on the device from the device's own verified tokens, so step N+1 can be
 # prepared before step N's tokens reach the host. ngram looks up host token histories; dflash2's
 # proposer reads host token ids (anchors, selector path) each step.
@@ -202,7 +202,9 @@ class SpeculativeConfig:
     and step; the target verifies them all in its forward pass, keeping its own distribution."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft_model: a smaller model with the target's tokenizer; dflash2: a drafter
+    # draft_model: a smaller model with the target's tokenizer; dflash2: a drafter; mtp: the checkpoint holding
+    # the MTP layer (default: the target's own)
+    model: str | None = None
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
     # Each step verifies, per request, only the drafts expected to pay for their share of the step
@@ -397,6 +399,9 @@ class EngineArgs:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative is not None and speculative.method == "mtp" and not speculative.model:
+            from pressroom.model.loader import resolve_model_path
+            speculative.model = resolve_model_path(self.model)  # the target's own checkpoint holds the MTP layer
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))

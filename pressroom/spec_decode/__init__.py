@@ -27,6 +27,9 @@ def make_proposer(config: SpeculativeConfig | None, target: ModelRunner) -> Prop
     if config.method == "draft_model":
         from pressroom.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(config, target)
+    if config.method == "mtp":
+        from pressroom.spec_decode.mtp import MTPProposer
+        return MTPProposer(config, target)
     if config.method == "dflash2":
         from pressroom.spec_decode.dflash2 import DFlash2Proposer
         return DFlash2Proposer(config, target)
