@@ -192,7 +192,7 @@ class ParallelConfig:
 SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp")
 # Methods whose drafts are made on the device from the device's own verified tokens, so step N+1 can be
 # prepared before step N's tokens reach the host. ngram looks up host token histories; dflash2's
-# proposer reads host token ids (anchors, selector path) each step.
+# proposer reads host token ids (anchors, selector path) each step; mtp catches up from host token ids.
 ASYNC_SPEC_METHODS = ("draft_model",)
 
 
