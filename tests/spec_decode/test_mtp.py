@@ -149,3 +149,15 @@ def test_mtp_sampling_keeps_the_target_distribution(tmp_path):
 def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="no next-token-prediction layer"):
         LLM(tiny_model_dir("deepseek_v3"), dtype="float32", kv_cache_memory_gib=0.05, speculative_config=MTP)
+
+
+def test_mtp_under_the_adaptive_budget_keeps_greedy_output(mtp_model):
+    """The default budget profiles the MTP layer's step cost at start-up and plans drafts from it."""
+    prompts = random_prompts(3, low=4, high=30, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True)
+    plain = _gen(LLM(mtp_model, **engine), prompts, params)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **engine)
+    assert _gen(llm, prompts, params) == plain
+    costs = llm.engine.runner.proposer.profile_decode_steps([1, 4])
+    assert [n for n, _ in costs] == [1, 4] and all(t > 0 for _, t in costs)
