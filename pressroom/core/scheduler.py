@@ -87,7 +87,8 @@ class Scheduler:
         # Async scheduling with a device-side drafter (set by the engine): every sampling step leaves this
         # many placeholder drafts for the next one (their ids stay on the device), and each request keeps
         # room for the drafter's writes past its scheduled tokens.
-        self.async_drafts = 0
+        self.async_drafts = 0  # drafts a device drafter makes per step (async scheduling): placeholders
+        self.lookahead = 0  # slots a request keeps past its step for a drafter's writes into its blocks
         # Requests of a failed step, in the order they run alone (see suspect()).
         self.suspects: dict[str, Request] = {}
         self._solo_turn = False
@@ -187,7 +188,7 @@ class Scheduler:
             cost = self._cost(n, req.num_computed_tokens) + len(drafts)
             n += len(drafts)
             old_len = len(self.kv.req_blocks.get(req.request_id, ()))
-            while not self.kv.allocate_slots(req, n + self.async_drafts):
+            while not self.kv.allocate_slots(req, n + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted_now = True
@@ -282,7 +283,7 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
             n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
-            if not self.kv.allocate_slots(req, n + self.async_drafts, hits):
+            if not self.kv.allocate_slots(req, n + self.lookahead, hits):
                 skipped.append(entry)
                 break
             req.num_computed_tokens = num_hit

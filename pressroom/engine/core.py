@@ -87,7 +87,7 @@ class EngineCore:
         self.cuda_graphs = self.executor.compile_or_warm_up_model()
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.scheduler.async_drafts = spec.lookahead
+        self.scheduler.lookahead, self.scheduler.async_drafts = spec.lookahead, spec.device_drafts
         if config.speculative is not None and config.speculative.adaptive_token_budget:
             self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
 

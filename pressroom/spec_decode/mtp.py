@@ -3,31 +3,35 @@ decoder layers, drafts with the target's own final hidden states.
 
 The MTP layer at position j reads the target's final (normed) hidden state h_j and the embedding of the
 next token x_{j+1}: eh_proj([enorm(embed(x_{j+1})); hnorm(h_j)]) goes through one decoder layer (MLA and
-the MoE, with a KV cache of its own in as many blocks as the target's) and the shared LM head after
-shared_head.norm, predicting x_{j+2}. So after the target verified tokens x_0..x_m, the MTP positions up
-to m - 1 are fed with the target's hidden states (handed over after every step as features), the last of
-them gives the first draft, and each further draft feeds the layer's own output hidden state back in at
-the next position (one layer reused for every draft position, as vLLM does). Positions computed from the
-layer's own hidden states are recomputed from the target's once the target has verified them.
+the MoE) and the shared LM head after shared_head.norm, predicting x_{j+2}. Its KV cache is a tensor of
+its own in the target's block tables: MTP position j sits in the target's slot for position j, and the
+scheduler keeps K slots past each request's step for the draft positions. After the target verified tokens
+x_0..x_m, every MTP position up to m - 1 has been fed the target's hidden states (handed over after every
+step as features), the last gives the first draft, and each further draft feeds the layer's own output back
+in at the next position (one layer reused for every draft position, as vLLM does); those positions are
+computed again from the target's hidden states once the target has verified them.
 
 Drafts are drawn as the draft model's are (argmax for greedy requests, from q otherwise, q handed to the
-lossless rejection sampler); the speculative budget weighs the layer's measured step cost.
+lossless rejection sampler); the speculative budget weighs the layer's measured step cost. Checkpoints with
+several MTP layers (num_nextn_predict_layers > 1) draft with the first only.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from pressroom.config import SpeculativeConfig
-from pressroom.core.outputs import SchedulerOutput
-from pressroom.core.request import Request
 from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.loader import iter_safetensors
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
-from pressroom.spec_decode.draft_model import DraftModelProposer
+from pressroom.sampling_params import SamplingParams
+from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
-from pressroom.worker.proposer import Draft, DraftRequest
+from pressroom.worker.proposer import Draft, DraftRequest, Proposer
+from pressroom.worker.sampler import probabilities
 
 
 class MultiTokenPredictor(nn.Module):
@@ -142,113 +146,159 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
     return predictor.eval()
 
 
-class MTPProposer(DraftModelProposer):
-    """The draft model's machinery (own cache, catch-up, single-token draft steps), over the MTP layer's
-    sequence: its position j holds token x_{j+1} (the request's tokens shifted by one) and reads the
-    target's hidden state h_j (or, past the verified tokens, its own)."""
+class MTPProposer(Proposer):
+    """Drafts with the MTP layer over the target's block tables: MTP position j of a request sits in the
+    target's slot for position j, in a cache tensor of the layer's own (as many blocks as the target's), and
+    the scheduler keeps K slots past each request's step for the draft positions."""
 
-    works_on_device = False  # the hidden states it continues from are handed over on the host side
+    works_on_device = False  # it continues from hidden states handed over on the host side
+    shares_block_tables = True
 
-    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:  # no super(): no model to load
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         self.predictor = build_predictor(config, target)
-        self.max_len = getattr(target.model.config, "max_position_embeddings", None) or 4096
-        self.hf_config = target.model.config
-        self.runner = ModelRunner(self.predictor, target.block_size, target.dtype, seed=1, device=target.device)
-        self.kv = None
-        self.target = target
-        self.requests: dict[str, Request] = {}
-        self.behind: dict[str, int] = {}
-        self.generator = torch.Generator(device=target.device).manual_seed(1)
+        self.hidden_size = target.model.config.hidden_size
         self.final_norm = target.model.model.norm
+        self.runner = ModelRunner(self.predictor, target.block_size, target.dtype, seed=1, device=target.device,
+                                  kv_dtype=target.kv_dtype)
+        self.target = target
+        self.generator = torch.Generator(device=target.device).manual_seed(1)
         self.pending: dict[str, list[torch.Tensor]] = {}  # target features not yet fed to the MTP layer
-        self.fed: dict[str, int] = {}  # MTP positions computed from the target's hidden states
-        self.last_hidden: dict[str, torch.Tensor] = {}  # the layer's newest output, per drafting request
+
+    # ---- what the runner hands over ----
 
     def aux_layers(self) -> tuple[int, ...]:
-        return (self.hf_config.num_hidden_layers - 1,)
+        return (self.predictor.config.num_hidden_layers - 1,)
 
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
         self.pending.setdefault(req_id, []).append(rows)
 
-    def forget(self, req_ids) -> None:
-        req_ids = list(req_ids)
+    def forget(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
             self.pending.pop(rid, None)
-            self.fed.pop(rid, None)
-            self.last_hidden.pop(rid, None)
-        super().forget(req_ids)
 
-    def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        """None: each pass's hidden states come from the host."""
+    # ---- costs and set-up ----
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
+        self._ensure_cache()
+        return self.runner.profile_step_costs(counts, 1)
+
+    def _ensure_cache(self) -> None:
+        if not self.runner.kv_caches:  # the target's blocks; its tables' width includes the lookahead
+            self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
+                                            self.target.max_blocks_per_seq * self.target.block_size)
+
+    # ---- drafting ----
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
-        wanted = [r for r in requests if r.max_drafts > 0 and len(r.token_ids) + self.k <= self.max_len]
-        if not wanted:
+        """Every request with new target hidden states catches up (so none piles them up); those that want
+        drafts then get up to K, the first from the catch-up's last position."""
+        caught = [r for r in requests if r.req_id in self.pending]
+        if not caught:
             return {}
         self._ensure_cache()
-        shifted = [DraftRequest(r.req_id, r.token_ids[1:], r.max_drafts, r.params) for r in wanted]
-        k = min(self.k, max(r.max_drafts for r in wanted))
-        drafts: dict[str, list[int]] = {r.req_id: [] for r in wanted}
-        probs: dict[str, list[torch.Tensor]] = {r.req_id: [] for r in wanted}
-        sched = self._catch_up(shifted)
-        inputs = self._target_hidden(shifted, sched)
-        active = shifted
-        for step in range(k):
-            states, logits = self._step(sched, inputs)
-            by_id = {r.req_id: r for r in active}
-            for state, row in zip(states, logits):
-                token, q = self._draw(row, by_id[state.req_id])
-                state.token_ids.append(token)
-                drafts[state.req_id].append(token)
-                if q is not None:
-                    probs[state.req_id].append(q)
-            active = [r for r in active if len(drafts[r.req_id]) < min(k, r.max_drafts)]
-            if step + 1 == k or not active:
-                break
-            sched = self._one_more(active)
-            inputs = {r.req_id: self.last_hidden[r.req_id] for r in active}
-        return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None)
-                for rid, ids in drafts.items() if ids}
+        caught.sort(key=lambda r: self._pending_rows(r.req_id) != 1)  # decodes first, as the backends want
+        tables = self._tables(caught)
+        last = self._catch_up(caught, tables)
+        wanted = [i for i, r in enumerate(caught) if r.max_drafts > 0]
+        if not wanted:
+            return {}
+        rows = self._dev(torch.tensor(wanted))
+        tables, last = tables[rows], last[rows]
+        reqs = [caught[i] for i in wanted]
+        k = min(self.k, max(r.max_drafts for r in reqs))
+        token, q = self._draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs])
+        drafts, probs = [token], [q]
+        first = torch.tensor([len(r.token_ids) - 1 for r in reqs])  # the MTP position after the catch-up's
+        for j in range(1, k):
+            # rows still drafting continue; the others keep their last draft as a filler, cut off below
+            last = self._draft_step(drafts[-1], last, first + j - 1, tables)
+            token, q = self._draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs])
+            drafts.append(token)
+            probs.append(q)
+        ids = torch.stack(drafts, dim=1).tolist()
+        out = {}
+        for i, r in enumerate(reqs):
+            n = min(k, r.max_drafts)
+            out[r.req_id] = Draft(ids[i][:n], None if r.params.greedy else torch.stack([p[i] for p in probs[:n]]))
+        return out
 
-    def _valid_prefix(self, req: Request, token_ids: list[int]) -> int:
-        """Also no further than the positions fed with the target's hidden states: the rest used the layer's."""
-        return min(super()._valid_prefix(req, token_ids), self.fed.get(req.request_id, 0))
+    def _pending_rows(self, req_id: str) -> int:
+        return sum(rows.shape[0] for rows in self.pending[req_id])
 
-    def _target_hidden(self, requests: list[DraftRequest], sched: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Per request, the target's normed hidden state at each MTP position the catch-up schedules: the
-        features handed over since the last proposal end at the request's newest position; positions
-        before them (a prefix the target's cache already held) continue from zeros."""
-        inputs = {}
-        for r in requests:
-            count = sched.num_scheduled_tokens[r.req_id]
-            end = len(r.token_ids)  # MTP positions fed after this step: every shifted token's
-            rows = self.pending.pop(r.req_id, [])
-            known = torch.cat(rows)[-count:] if rows else None
-            have = 0 if known is None else known.shape[0]
-            hidden = self.final_norm(known) if known is not None else None
-            if have < count:
-                pad = torch.zeros(count - have, self.hf_config.hidden_size, dtype=self.target.dtype,
-                                  device=self.target.device)
-                hidden = pad if hidden is None else torch.cat((pad, hidden))
-            inputs[r.req_id] = hidden
-            self.fed[r.req_id] = end
-        return inputs
+    def _catch_up(self, caught: list[DraftRequest], tables: torch.Tensor) -> torch.Tensor:
+        """For a request of m tokens whose last P target hidden states came since its last catch-up: MTP
+        positions m-1-P..m-2, position j reading token x_{j+1} and the target's normed hidden state h_j
+        (positions before were fed at earlier catch-ups, or, first time round, lie in a prefix the target's
+        cache held: the MTP entries its blocks hold are taken as they are). Returns the layer's output at
+        each request's last position."""
+        ids, positions, hidden, loc, lens = [], [], [], [0], []
+        for r in caught:
+            rows = torch.cat(self.pending.pop(r.req_id))
+            end = len(r.token_ids) - 1
+            start = end - rows.shape[0]
+            ids.extend(r.token_ids[start + 1:end + 1])
+            positions.extend(range(start, end))
+            hidden.append(self.final_norm(rows))
+            loc.append(loc[-1] + end - start)
+            lens.append(end)
+        counts = torch.tensor(loc[1:]) - torch.tensor(loc[:-1])
+        owners = torch.repeat_interleave(torch.arange(len(caught)), counts)
+        positions_t = torch.tensor(positions)
+        meta = self._meta(tables, owners, positions_t, loc, lens, num_decodes=int((counts == 1).sum()))
+        out = self._run(torch.tensor(ids), positions_t, torch.cat(hidden), meta)
+        return out[self._dev(torch.tensor(loc[1:]) - 1)]
 
-    def _step(self, sched: SchedulerOutput, inputs: dict[str, torch.Tensor]):
-        """One MTP pass: each request's positions read their rows of `inputs`; returns the states that
-        reached their end and their logits, and keeps each one's last output hidden state."""
-        runner = self.runner
-        runner._update_states(sched)
-        batch = runner._prepare(sched)
-        self.predictor.previous_hidden = torch.cat([inputs[s.req_id] for s in batch.order])
+    def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    tables: torch.Tensor) -> torch.Tensor:
+        """One draft position per row (host `positions`): the previous draft and the layer's own previous
+        output; returns the layer's output."""
+        n = positions.shape[0]
+        lens = (positions + 1).tolist()
+        meta = self._meta(tables, torch.arange(n), positions, list(range(n + 1)), lens, num_decodes=n)
+        return self._run(tokens, positions, hidden, meta)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta) -> torch.Tensor:
+        self.predictor.previous_hidden = hidden
         try:
-            hidden = runner.run_model(batch.input_ids, batch.positions, batch.meta)
+            return self.runner.run_model(self._dev(ids), self._dev(positions), meta)
         finally:
             self.predictor.previous_hidden = None
-        rows = runner._sampling_rows(batch, sched)
-        last = runner._last_hidden(batch, hidden, rows)
-        for (_, state), h in zip(rows, last):
-            self.last_hidden[state.req_id] = h.unsqueeze(0)
-        return [s for _, s in rows], self.predictor.compute_logits(last).float()
+
+    def _tables(self, wanted: list[DraftRequest]) -> torch.Tensor:
+        """The target's block tables of the requests (its blocks hold the lookahead slots too)."""
+        blocks = [self.target.states[r.req_id].block_ids for r in wanted]
+        table = torch.zeros(len(blocks), max(len(b) for b in blocks), dtype=self.runner.attn_builder.index_dtype)
+        for i, b in enumerate(blocks):
+            table[i, :len(b)] = torch.tensor(b)
+        return self._dev(table)
+
+    def _meta(self, tables: torch.Tensor, owners: torch.Tensor, positions: torch.Tensor, loc: list[int],
+              lens: list[int], num_decodes: int):
+        bs = self.target.block_size
+        blocks = tables[self._dev(owners), self._dev(positions // bs)].long()
+        builder = self.runner.attn_builder
+        return builder.build(num_decodes=num_decodes, slot_mapping=blocks * bs + self._dev(positions % bs),
+                             block_tables=tables, seq_lens=self._dev(torch.tensor(lens, dtype=builder.index_dtype)),
+                             query_start_loc=loc, seq_lens_host=lens,
+                             max_query_len=max(b - a for a, b in zip(loc, loc[1:])))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, self.target.device)
+
+    def _draw_rows(self, logits: torch.Tensor, params: list[SamplingParams]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft per row: the argmax for greedy rows, a draw from q otherwise (q kept; zero rows for greedy)."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            return tokens, None
+        index = self._dev(torch.tensor(sampled))
+        q_rows = probabilities([params[i] for i in sampled], logits[index])
+        noise = torch.empty_like(q_rows).exponential_(generator=self.generator)
+        tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
+        return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)

@@ -69,6 +69,9 @@ class Proposer(ABC):
     # Sampled drafts come with the distribution they were drawn from (`Draft.probs`); False: the proposal
     # is deterministic and verification takes q as one-hot.
     gives_probabilities: ClassVar[bool] = True
+    # Its cache uses the target's block tables (the same block ids, in a tensor of its own) and writes up to
+    # K positions past a request's step: the scheduler keeps those slots allocated.
+    shares_block_tables: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:

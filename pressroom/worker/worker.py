@@ -36,7 +36,8 @@ class ModelSpec:
     vocab_size: int
     max_position: int  # the longest context the model supports (inside its sliding window)
     kv_bytes_per_block: int  # the target's cache and a draft model's, per block
-    lookahead: int  # slots a request keeps past its step for a device drafter's writes
+    lookahead: int  # slots a request keeps past its step for a drafter's writes into the target's blocks
+    device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
 
 
 @dataclass(slots=True)
@@ -78,8 +79,11 @@ class Worker:
         per_block = runner.kv_cache_bytes_per_block()
         if runner.proposer is not None:  # a draft model's cache has as many blocks
             per_block += runner.proposer.kv_bytes_per_block()
-        lookahead = spec.num_speculative_tokens if runner.device_drafting else 0
-        return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead)
+        device_drafts = spec.num_speculative_tokens if runner.device_drafting else 0
+        shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
+        lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
+        return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead,
+                         device_drafts)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile

@@ -100,7 +100,10 @@ def test_greedy_output_with_mtp_equals_without(mtp_model):
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
     proposer = llm.engine.runner.proposer
     assert type(proposer).__name__ == "MTPProposer"
-    assert proposer.runner.kv_caches and proposer.runner.kv_caches[0].shape[0] == 1  # its own latent cache
+    # its own latent cache, in the target's block tables: as many blocks, and K slots kept past each step
+    mtp_cache, target_cache = proposer.runner.kv_caches[0], llm.engine.runner.kv_caches[0]
+    assert mtp_cache.shape[0] == 1 and mtp_cache.shape[1] == target_cache.shape[1]
+    assert llm.engine.scheduler.lookahead == 3 and llm.engine.scheduler.async_drafts == 0
 
 
 def test_the_first_draft_equals_the_mtp_layer_computed_with_hfs_modules(mtp_model, monkeypatch):
