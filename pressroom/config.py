@@ -399,9 +399,6 @@ class EngineArgs:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         speculative = SpeculativeConfig.from_value(self.speculative_config)
-        if speculative is not None and speculative.method == "mtp" and not speculative.model:
-            from pressroom.model.loader import resolve_model_path
-            speculative.model = resolve_model_path(self.model)  # the target's own checkpoint holds the MTP layer
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,8 +71,10 @@ class Worker:
         runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
                              config.device, sched.async_scheduling, config.cache.cache_dtype,
                              max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens)
-        runner.set_proposer(self._make_proposer(config.speculative, runner))
         spec = config.speculative
+        if spec is not None and spec.method == "mtp" and not spec.model:  # the target's checkpoint holds the layer
+            spec = replace(spec, model=loaded.source)
+        runner.set_proposer(self._make_proposer(spec, runner))
         if spec is not None and spec.rejection_sample_method == "synthetic":
             runner.synthetic_rates = spec.synthetic_acceptance_rates
         self.model_runner = runner
