@@ -70,15 +70,18 @@ def test_select_top_k_marks_what_is_not_visible():
     assert dsa.select_top_k(logits, 9).shape == (2, 4)
 
 
-@pytest.mark.parametrize("dtype, top_k", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float32, 100)])
-def test_sparse_mla_equals_the_reference(dtype, top_k):
+@pytest.mark.parametrize("dtype, top_k, splits", [(torch.float32, 12, 1), (torch.bfloat16, 12, 1),
+                                                  (torch.float32, 100, 1), (torch.float32, 100, 3),
+                                                  (torch.bfloat16, 100, 2), (torch.float32, 12, 4)])
+def test_sparse_mla_equals_the_reference(dtype, top_k, splits):
+    """Split runs of the chosen positions merge to the same output (4 splits of 12: some runs empty)."""
     step = Step().to(DEVICE)
     req, pos = step.positions()
     logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
     chosen = dsa.select_top_k(logits, top_k)
     query, cache = step.query.to(dtype), step.cache.to(dtype)
     out = torch.full((query.shape[0], HEADS, LATENT), 7.0, dtype=dtype, device=DEVICE)
-    dsa.sparse_mla_attention(query, cache, step.block_tables, req, chosen, step.scale, out, LATENT)
+    dsa.sparse_mla_attention(query, cache, step.block_tables, req, chosen, step.scale, out, LATENT, splits)
     expected = dsa.sparse_mla_reference(query.cpu(), cache.cpu(), step.block_tables.cpu(), req.cpu(), chosen.cpu(),
                                         step.scale, LATENT)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
@@ -108,3 +111,19 @@ def test_choose_positions_in_runs_equals_one_pass(monkeypatch):
     width = step.block_tables.shape[1] * BLOCK
     monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * width * 5)  # runs of 5 queries
     assert torch.equal(dsa.choose_positions(*args, 12), whole)
+
+
+def test_a_lone_decode_splits_its_chosen_positions():
+    assert dsa.sparse_splits(1, 1, 2048, 32) == 16  # one token would leave all but one SM idle
+    assert dsa.sparse_splits(512, 1, 2048, 32) == 1
+    assert dsa.sparse_splits(1, 1, 40, 32) == 1  # too few positions to cut
+
+
+def test_padding_tokens_with_nothing_chosen_get_zeros_through_the_merge():
+    step = Step(pad_tokens=3).to(DEVICE)
+    req, pos = step.positions()
+    chosen = dsa.select_top_k(dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req,
+                                                 pos, LATENT + ROPE), 12)
+    out = torch.full((step.query.shape[0], HEADS, LATENT), 7.0, device=DEVICE)
+    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, chosen, step.scale, out, LATENT, 3)
+    assert bool((out[-3:] == 0).all()) and not out.isnan().any()
