@@ -210,8 +210,8 @@ class DraftModelProposer(Proposer):
             return None
         meta, ids, positions, pick = self._mirror_batch(step, mirrored)
         hidden = self.runner.run_model(ids, self._rotary(positions), meta)
-        token, q = self._draw_rows(self.runner.model.compute_logits(hidden[pick]).float(),
-                                   [step.params[j] for j in mirrored])
+        token, q = draw_rows(self.runner.model.compute_logits(hidden[pick]).float(),
+                             [step.params[j] for j in mirrored], self.generator)
         dev, n = ids.device, len(step.sampled)
         where = None if len(mirrored) == n else to_device(torch.tensor(mirrored), dev)
         token, q, base = (_spread(t, where, n) for t in (token, q, positions[pick]))
@@ -228,8 +228,8 @@ class DraftModelProposer(Proposer):
             position = _rows(base, idx) + j
             meta = self._decode_meta(_rows(tables, idx), position, [bound[r] + j for r in active])
             hidden = self.runner.run_model(_rows(drafts[-1], idx), self._rotary(position), meta)
-            token, q = self._draw_rows(self.runner.model.compute_logits(hidden).float(),
-                                       [step.params[r] for r in active])
+            token, q = draw_rows(self.runner.model.compute_logits(hidden).float(),
+                                 [step.params[r] for r in active], self.generator)
             if idx is not None:  # rows that stopped keep a filler draft, never verified
                 token = drafts[-1].index_copy(0, idx, token)
                 q = None if probs[-1] is None else probs[-1].index_copy(0, idx, q) if q is not None else probs[-1]
@@ -331,18 +331,20 @@ class DraftModelProposer(Proposer):
         and verification keeps the output exact either way."""
         return positions.clamp(max=self.max_len - 1)
 
-    def _draw_rows(self, logits: torch.Tensor,
-                   params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft per row: the argmax for greedy rows, a draw from q otherwise (q kept, zero for greedy rows)."""
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return tokens, None
-        index = to_device(torch.tensor(sampled), logits.device)
-        q_rows = probabilities([params[i] for i in sampled], logits[index])
-        noise = torch.empty_like(q_rows).exponential_(generator=self.generator)
-        tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
-        return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)
+
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row: the argmax for greedy rows, a draw from q otherwise; q is kept for verification
+    (zero rows for greedy ones; None when every row is greedy)."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens, None
+    index = to_device(torch.tensor(sampled), logits.device)
+    q_rows = probabilities([params[i] for i in sampled], logits[index])
+    noise = torch.empty_like(q_rows).exponential_(generator=generator)
+    tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
+    return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)
 
 
 def _rows(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:

@@ -27,11 +27,10 @@ from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.loader import iter_safetensors
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
-from pressroom.sampling_params import SamplingParams
+from pressroom.spec_decode.draft_model import draw_rows
 from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Draft, DraftRequest, Proposer
-from pressroom.worker.sampler import probabilities
 
 
 class MultiTokenPredictor(nn.Module):
@@ -92,7 +91,7 @@ class MultiTokenPredictor(nn.Module):
             if rest in own:
                 target_name, shard = own[rest], None
             else:
-                name, tensor = self.target._deinterleave_rope(name, tensor)
+                name, tensor = self.target.deinterleave_rope(name, tensor)
                 target_name, shard = self.target.checkpoint_target(name)
                 target_name = "layer." + target_name[len(prefix):]
             param = params.get(target_name)
@@ -124,7 +123,7 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
     if not getattr(model.config, "num_nextn_predict_layers", 0):
         raise ValueError(f'speculative_config method "mtp" needs a checkpoint with next-token-prediction layers '
                          f"(num_nextn_predict_layers > 0); {type(model).__name__}'s config has none.")
-    if not hasattr(model, "_deinterleave_rope"):
+    if not hasattr(model, "deinterleave_rope"):
         raise ValueError(f'speculative_config method "mtp" serves DeepSeek-V3-style checkpoints; '
                          f"{type(model).__name__} has no MTP layers pressroom can load.")
     previous = torch.get_default_dtype()
@@ -157,7 +156,6 @@ class MTPProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         self.predictor = build_predictor(config, target)
-        self.hidden_size = target.model.config.hidden_size
         self.final_norm = target.model.model.norm
         self.runner = ModelRunner(self.predictor, target.block_size, target.dtype, seed=1, device=target.device,
                                   kv_dtype=target.kv_dtype)
@@ -197,7 +195,7 @@ class MTPProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
         """Every request with new target hidden states catches up (so none piles them up); those that want
         drafts then get up to K, the first from the catch-up's last position."""
-        caught = [r for r in requests if r.req_id in self.pending]
+        caught = [r for r in requests if r.req_id in self.pending and self._pending_rows(r.req_id)]
         if not caught:
             return {}
         self._ensure_cache()
@@ -211,13 +209,13 @@ class MTPProposer(Proposer):
         tables, last = tables[rows], last[rows]
         reqs = [caught[i] for i in wanted]
         k = min(self.k, max(r.max_drafts for r in reqs))
-        token, q = self._draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs])
+        token, q = draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs], self.generator)
         drafts, probs = [token], [q]
         first = torch.tensor([len(r.token_ids) - 1 for r in reqs])  # the MTP position after the catch-up's
         for j in range(1, k):
             # rows still drafting continue; the others keep their last draft as a filler, cut off below
             last = self._draft_step(drafts[-1], last, first + j - 1, tables)
-            token, q = self._draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs])
+            token, q = draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs], self.generator)
             drafts.append(token)
             probs.append(q)
         ids = torch.stack(drafts, dim=1).tolist()
@@ -289,16 +287,3 @@ class MTPProposer(Proposer):
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.target.device)
-
-    def _draw_rows(self, logits: torch.Tensor, params: list[SamplingParams]
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft per row: the argmax for greedy rows, a draw from q otherwise (q kept; zero rows for greedy)."""
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return tokens, None
-        index = self._dev(torch.tensor(sampled))
-        q_rows = probabilities([params[i] for i in sampled], logits[index])
-        noise = torch.empty_like(q_rows).exponential_(generator=self.generator)
-        tokens = tokens.index_copy(0, index, (q_rows / noise).argmax(dim=-1))
-        return tokens, logits.new_zeros(logits.shape).index_copy_(0, index, q_rows)

@@ -209,7 +209,7 @@ def test_multiproc_executor_matches_in_process_and_keeps_the_device_out_of_this_
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_greedy_tokens_equal_hf(arch, tmp_path):
     """Mixtures of experts on CUDA (the Triton fused-MoE kernels, decodes replayed from CUDA graphs) against
-    HF on the CPU."""
+    HF on the CPU: 64 greedy tokens equal, prompt logprobs within 1e-3."""
     import transformers
     from conftest import tiny_config
     torch.manual_seed(1234)
@@ -218,7 +218,18 @@ def test_moe_greedy_tokens_equal_hf(arch, tmp_path):
     prompts = random_prompts(6, low=4, high=80, seed=7)
     llm = _llm(str(tmp_path))
     assert llm.engine.runner.graphs is not None
-    assert _tokens(llm, prompts) == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    _assert_greedy_and_prompt_logprobs_equal_hf(llm, hf, prompts)
+
+
+def _assert_greedy_and_prompt_logprobs_equal_hf(llm: LLM, hf, prompts: list[list[int]]) -> None:
+    """64 greedy tokens equal HF's, prompt logprobs within 1e-3 (HF on the CPU, fp32)."""
+    from conftest import hf_prompt_logprobs
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 64)
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf, prompt))) < 1e-3
 
 
 @pytest.mark.parametrize("arch, low, high", [("deepseek_v2", 4, 80), ("deepseek_v3", 4, 80),
@@ -228,19 +239,14 @@ def test_deepseek_greedy_tokens_and_prompt_logprobs_equal_hf(arch, low, high, tm
     V3.2, DSA with index_topk 32 under 100-160-token prompts (the indexer and sparse MLA kernels), against HF
     on the CPU: greedy tokens equal, prompt logprobs within 1e-3."""
     import transformers
-    from conftest import hf_prompt_logprobs, tiny_config
+    from conftest import tiny_config
     torch.manual_seed(1234)
     transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).save_pretrained(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     prompts = random_prompts(4, low=low, high=high, seed=11)
     llm = _llm(str(tmp_path))
     assert llm.engine.runner.graphs is not None
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 64)
-        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
-        assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf, prompt))) < 1e-3
+    _assert_greedy_and_prompt_logprobs_equal_hf(llm, hf, prompts)
 
 
 def test_deepseek_fp8_latent_cache_doubles_capacity_and_costs_only_its_rounding(tmp_path, monkeypatch):

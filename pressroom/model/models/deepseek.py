@@ -194,7 +194,7 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
         return [name] if ".self_attn." in name else super().checkpoint_parts(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._deinterleave_rope(name, t) for name, t in self._main_model(weights))
+        return super().load_weights(self.deinterleave_rope(name, t) for name, t in self._main_model(weights))
 
     def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (numbered after the last decoder
@@ -209,7 +209,7 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
                 continue
             yield name, tensor
 
-    def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    def deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Rows of an interleaved rope part reordered to (even dims, odd dims): q's per head, the shared
         key's after the latent."""
         rope = self.config.qk_rope_head_dim
