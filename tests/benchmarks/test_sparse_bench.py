@@ -34,3 +34,13 @@ def test_a_bad_context_list_is_refused(tiny_dsa, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "sparse-attention", "--model", str(tiny_dsa), "--device", "cpu", "--contexts", "0,x"])
     assert "expected positive integers" in capsys.readouterr().err
+
+
+def test_a_saved_report_is_plotted_without_running(tiny_dsa, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib draws the plot; it is not among the test dependencies")
+    report = tmp_path / "sparse.json"
+    assert main(["bench", "sparse-attention", "--model", str(tiny_dsa), "--device", "cpu", "--contexts", "48,96",
+                 "--output-json", str(report)]) == 0
+    png = tmp_path / "sparse.png"
+    assert main(["bench", "sparse-attention", "--from-json", str(report), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
