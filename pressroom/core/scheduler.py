@@ -85,10 +85,11 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         self.spec_budget: AdaptiveBudget | None = None  # set by the engine when speculating adaptively
         # Async scheduling with a device-side drafter (set by the engine): every sampling step leaves this
-        # many placeholder drafts for the next one (their ids stay on the device), and each request keeps
-        # room for the drafter's writes past its scheduled tokens.
-        self.async_drafts = 0  # drafts a device drafter makes per step (async scheduling): placeholders
-        self.lookahead = 0  # slots a request keeps past its step for a drafter's writes into its blocks
+        # many placeholder drafts for the next one (their ids stay on the device).
+        self.async_drafts = 0
+        # Slots each request keeps past its scheduled tokens for a drafter that writes into its blocks (a
+        # device drafter, or MTP in the target's block tables; set by the engine).
+        self.lookahead = 0
         # Requests of a failed step, in the order they run alone (see suspect()).
         self.suspects: dict[str, Request] = {}
         self._solo_turn = False
