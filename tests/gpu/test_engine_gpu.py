@@ -285,6 +285,21 @@ def test_deepseek_fp8_latent_cache_doubles_capacity_and_costs_only_its_rounding(
         f"mean logprob change: {to_oracle:.4f} from the oracle, {to_plain:.4f} from bf16"
 
 
+def test_mtp_greedy_equals_no_speculation_on_cuda(tmp_path):
+    """MTP drafting on CUDA (the layer eager, the target with graphs), its cache in the target's block tables:
+    greedy output equals the plain engine's, and drafts were made and verified."""
+    from conftest import save_with_mtp_layer
+    save_with_mtp_layer(tmp_path)
+    prompts = random_prompts(4, low=4, high=60, seed=3)
+    plain = _llm(str(tmp_path))
+    expected = _tokens(plain, prompts)
+    del plain
+    llm = _llm(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                                  "adaptive_token_budget": False})
+    assert _tokens(llm, prompts) == expected
+    assert llm.engine.stats().spec.num_draft_tokens > 0
+
+
 def test_moe_profile_leaves_room_for_a_batch_routed_to_one_expert(tmp_path):
     """The fused-MoE buffers are sized by tokens x top-k whatever the routing, so a skewed full step (every
     prompt the same tokens, hence the same experts) fits in what the profile left beside the KV cache."""
