@@ -44,13 +44,10 @@ def build_layers(config, device: torch.device, dtype: torch.dtype, seed: int):
     backend = TritonAttentionBackend() if device.type == "cuda" else TorchAttentionBackend()
     for layer in layers.values():
         for name, param in layer.named_parameters():
-            if "norm" in name:
-                param.data.fill_(1.0)
+            if "norm" in name:  # RMSNorm and the indexer's LayerNorm: unit weights, zero bias
+                param.data.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 param.data.normal_(0.0, 0.02)
-        for name, buf in layer.named_buffers():
-            if "norm" in name:
-                buf.fill_(1.0)
         layer.to(device=device, dtype=dtype)
         layer.attn.backend = backend
     rotary = rotary_from_config(config, config.qk_rope_head_dim).to(device)

@@ -90,6 +90,13 @@ def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_of
     qk = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
     if MASKED:
         qk = tl.where(pos[None, :] < row_lim[:, None], qk, float("-inf"))
+    return _softmax_step(qk, v, m, l, acc, UPCAST, PRECISION)
+
+
+@triton.jit
+def _softmax_step(qk, v, m, l, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax in the exp2 domain: fold scores qk [rows, n] (log2 units, -inf where hidden) and their
+    values v [n, d] into the running max m, sum l and output acc."""
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])

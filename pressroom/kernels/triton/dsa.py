@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from pressroom.kernels.triton import interpreting
-from pressroom.kernels.triton.attention import _LOG2E, _dot
+from pressroom.kernels.triton.attention import _LOG2E
+from pressroom.kernels.triton.mla import _latent_query, _latent_step
 
 _INTERPRETED = interpreting()
 
@@ -126,16 +127,8 @@ def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_pt
     split = tl.program_id(2)
     h_ok = heads < num_heads
     req = tl.load(token_req_ptr + token)
-    offs_lat = tl.arange(0, LATENT_PAD)
-    offs_pe = tl.arange(0, ROPE_PAD)
-    lat_ok = offs_lat < LATENT_DIM
-    pe_ok = offs_pe < ROPE_DIM
-    q_row = q_ptr + token * stride_qt + heads * stride_qh
-    q_lat = tl.load(q_row[:, None] + offs_lat[None, :], mask=h_ok[:, None] & lat_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row[:, None] + LATENT_DIM + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)
-    if FP8_CACHE:
-        q_lat = tl.clamp(q_lat.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        q_pe = tl.clamp(q_pe.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q_lat, q_pe = _latent_query(q_ptr + token * stride_qt + heads * stride_qh, h_ok, LATENT_DIM, LATENT_PAD,
+                                ROPE_DIM, ROPE_PAD, FP8_CACHE)
     table = block_tables_ptr + req * stride_bt
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -148,18 +141,10 @@ def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_pt
         ok = pos >= 0
         blocks = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
         entry = cache_ptr + blocks.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-        latent = tl.load(entry[:, None] + offs_lat[None, :], mask=ok[:, None] & lat_ok[None, :],
-                         other=0.0).to(q_lat.dtype)
-        key_pe = tl.load(entry[:, None] + LATENT_DIM + offs_pe[None, :], mask=ok[:, None] & pe_ok[None, :],
-                         other=0.0).to(q_lat.dtype)
-        qk = _dot(q_lat, tl.trans(latent), UPCAST, PRECISION) + _dot(q_pe, tl.trans(key_pe), UPCAST, PRECISION)
-        qk = tl.where(ok[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, UPCAST, PRECISION)
-    io_mask = h_ok[:, None] & lat_ok[None, :]
+        m, l, acc = _latent_step(q_lat, q_pe, m, l, acc, entry, ok, ok[None, :], scale_log2, LATENT_DIM, LATENT_PAD,
+                                 ROPE_DIM, ROPE_PAD, True, UPCAST, PRECISION)
+    offs_lat = tl.arange(0, LATENT_PAD)
+    io_mask = h_ok[:, None] & (offs_lat < LATENT_DIM)[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_lat[None, :],

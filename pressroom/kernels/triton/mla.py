@@ -28,6 +28,7 @@ from pressroom.kernels.triton.attention import (
     _locate,
     _merge_splits_kernel,
     _query_rows,
+    _softmax_step,
     _split_tokens,
 )
 
@@ -35,8 +36,44 @@ _INTERPRETED = interpreting()
 
 
 @triton.jit
-def _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, lat_ok, pe_ok, scale_log2,
-                        stride_cb, stride_cs, LATENT_DIM: tl.constexpr, LATENT_PAD: tl.constexpr,
+def _latent_query(q_row, row_ok, LATENT_DIM: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE_DIM: tl.constexpr,
+                  ROPE_PAD: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """Each row's latent-space query [rows, LATENT_PAD] and rope part [rows, ROPE_PAD] from its q row pointer."""
+    offs_lat = tl.arange(0, LATENT_PAD)
+    offs_pe = tl.arange(0, ROPE_PAD)
+    q_lat = tl.load(q_row[:, None] + offs_lat[None, :], mask=row_ok[:, None] & (offs_lat < LATENT_DIM)[None, :],
+                    other=0.0)
+    q_pe = tl.load(q_row[:, None] + LATENT_DIM + offs_pe[None, :],
+                   mask=row_ok[:, None] & (offs_pe < ROPE_DIM)[None, :], other=0.0)
+    if FP8_CACHE:  # fp16 dots: FP8 widens to fp16 in one instruction per pair, to bf16 it takes several
+        q_lat = tl.clamp(q_lat.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_pe = tl.clamp(q_pe.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q_lat, q_pe
+
+
+@triton.jit
+def _latent_step(q_lat, q_pe, m, l, acc, entry, ok, visible, scale_log2, LATENT_DIM: tl.constexpr,
+                 LATENT_PAD: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr, MASKED: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over the cache entries at `entry` [n] (pointers; `ok`: which to read, zeros
+    elsewhere, not stale cache: 0 * nan is nan): scores q_lat . latent + q_pe . key_pe, hidden where not
+    `visible` [rows, n] (MASKED), and the latents as the values."""
+    offs_lat = tl.arange(0, LATENT_PAD)
+    offs_pe = tl.arange(0, ROPE_PAD)
+    latent = tl.load(entry[:, None] + offs_lat[None, :], mask=ok[:, None] & (offs_lat < LATENT_DIM)[None, :],
+                     other=0.0).to(q_lat.dtype)
+    key_pe = tl.load(entry[:, None] + LATENT_DIM + offs_pe[None, :], mask=ok[:, None] & (offs_pe < ROPE_DIM)[None, :],
+                     other=0.0).to(q_lat.dtype)
+    qk = (_dot(q_lat, tl.trans(latent), UPCAST, PRECISION) + _dot(q_pe, tl.trans(key_pe), UPCAST, PRECISION)) \
+        * scale_log2
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    return _softmax_step(qk, latent, m, l, acc, UPCAST, PRECISION)
+
+
+@triton.jit
+def _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, scale_log2, stride_cb,
+                        stride_cs, LATENT_DIM: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE_DIM: tl.constexpr,
                         ROPE_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                         MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step over context positions [start, start + TILE_N)."""
@@ -48,21 +85,8 @@ def _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache
         in_ctx = pos >= 0
         blocks = tl.load(table + pos // BLOCK_SIZE)
     entry = cache_ptr + blocks.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-    # zeros, not stale cache, past the context: 0 * nan is nan
-    latent = tl.load(entry[:, None] + tl.arange(0, LATENT_PAD)[None, :], mask=in_ctx[:, None] & lat_ok[None, :],
-                     other=0.0).to(q_lat.dtype)
-    key_pe = tl.load(entry[:, None] + LATENT_DIM + tl.arange(0, ROPE_PAD)[None, :],
-                     mask=in_ctx[:, None] & pe_ok[None, :], other=0.0).to(q_lat.dtype)
-    qk = _dot(q_lat, tl.trans(latent), UPCAST, PRECISION) + _dot(q_pe, tl.trans(key_pe), UPCAST, PRECISION)
-    qk = qk * scale_log2
-    if MASKED:
-        qk = tl.where(pos[None, :] < row_lim[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m, tl.max(qk, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, UPCAST, PRECISION)
-    return m_new, l, acc
+    return _latent_step(q_lat, q_pe, m, l, acc, entry, in_ctx, pos[None, :] < row_lim[:, None], scale_log2,
+                        LATENT_DIM, LATENT_PAD, ROPE_DIM, ROPE_PAD, MASKED, UPCAST, PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "blocks_per_req", "stride_bt"],
@@ -90,16 +114,8 @@ def _mla_attention_kernel(
         return
     q_idx, tokens, heads, row_ok = _query_rows(q_start, q_len, q_block, head_block, BLOCK_H, BLOCK_H, BLOCK_M)
     row_ok = row_ok & (heads < num_heads)
-    offs_lat = tl.arange(0, LATENT_PAD)
-    offs_pe = tl.arange(0, ROPE_PAD)
-    lat_ok = offs_lat < LATENT_DIM
-    pe_ok = offs_pe < ROPE_DIM
-    q_row = q_ptr + tokens * stride_qt + heads * stride_qh
-    q_lat = tl.load(q_row[:, None] + offs_lat[None, :], mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row[:, None] + LATENT_DIM + offs_pe[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
-    if FP8_CACHE:  # fp16 dots: FP8 widens to fp16 in one instruction per pair, to bf16 it takes several
-        q_lat = tl.clamp(q_lat.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        q_pe = tl.clamp(q_pe.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q_lat, q_pe = _latent_query(q_ptr + tokens * stride_qt + heads * stride_qh, row_ok, LATENT_DIM, LATENT_PAD,
+                                ROPE_DIM, ROPE_PAD, FP8_CACHE)
 
     # The queries are the last q_len positions of the context; row i sees positions < prefix + i + 1.
     prefix = seq_len - q_len
@@ -117,15 +133,16 @@ def _mla_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_PAD], tl.float32)
     for start in range(lo, full_end, TILE_N):
-        m, l, acc = _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, lat_ok, pe_ok,
-                                        scale_log2, stride_cb, stride_cs, LATENT_DIM, LATENT_PAD, ROPE_PAD,
+        m, l, acc = _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, scale_log2,
+                                        stride_cb, stride_cs, LATENT_DIM, LATENT_PAD, ROPE_DIM, ROPE_PAD,
                                         BLOCK_SIZE, TILE_N, False, UPCAST, PRECISION)
     for start in range(full_end, hi, TILE_N):
-        m, l, acc = _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, lat_ok, pe_ok,
-                                        scale_log2, stride_cb, stride_cs, LATENT_DIM, LATENT_PAD, ROPE_PAD,
+        m, l, acc = _attend_latent_tile(q_lat, q_pe, m, l, acc, start, hi, row_lim, table, cache_ptr, scale_log2,
+                                        stride_cb, stride_cs, LATENT_DIM, LATENT_PAD, ROPE_DIM, ROPE_PAD,
                                         BLOCK_SIZE, TILE_N, True, UPCAST, PRECISION)
 
-    io_mask = row_ok[:, None] & lat_ok[None, :]
+    offs_lat = tl.arange(0, LATENT_PAD)
+    io_mask = row_ok[:, None] & (offs_lat < LATENT_DIM)[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_lat[None, :],
