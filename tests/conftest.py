@@ -96,6 +96,24 @@ def save_with_mtp_layer(path: Path, vocab_size: int | None = None, init: float |
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+def scattered_paged_layout(specs, block_size: int, gen: torch.Generator, spare_blocks: int = 3,
+                           spare_columns: int = 1):
+    """The layout of a paged batch for (context length, query tokens) specs, each request's blocks scattered
+    through a pool of their total plus `spare_blocks`: block_tables (int32, `spare_columns` beyond the
+    longest), seq_lens and query_start_loc (int32), and the pool's size."""
+    needed = [-(-ctx // block_size) for ctx, _ in specs]
+    num_blocks = sum(needed) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(specs), max(needed) + spare_columns, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(needed):
+        block_tables[b, :n] = order[used:used + n]
+        used += n
+    seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
+    query_start_loc = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0).int()
+    return block_tables, seq_lens, query_start_loc, num_blocks
+
+
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
     return embedded_model_path()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scattered_paged_layout
 
 pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
 
@@ -22,17 +23,10 @@ SPECS = [(50, 1), (9, 1), (40, 6), (21, 21)]
 class Step:
     def __init__(self, specs=SPECS, seed: int = 0, pad_tokens: int = 2) -> None:
         gen = torch.Generator().manual_seed(seed)
-        needed = [-(-ctx // BLOCK) for ctx, _ in specs]
-        order = torch.randperm(sum(needed) + 2, generator=gen)
-        self.block_tables = torch.zeros(len(specs), max(needed) + 2, dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(needed):
-            self.block_tables[b, :n] = order[used:used + n]
-            used += n
-        self.seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
-        self.qsl = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0).int()
+        self.block_tables, self.seq_lens, self.qsl, num_blocks = scattered_paged_layout(
+            specs, BLOCK, gen, spare_blocks=2, spare_columns=2)
         tokens = int(self.qsl[-1]) + pad_tokens
-        self.cache = torch.randn(len(order), BLOCK, 1, LATENT + ROPE + INDEX_DIM, generator=gen)
+        self.cache = torch.randn(num_blocks, BLOCK, 1, LATENT + ROPE + INDEX_DIM, generator=gen)
         self.index_q = torch.randn(tokens, INDEX_HEADS, INDEX_DIM, generator=gen)
         self.index_w = torch.randn(tokens, INDEX_HEADS, generator=gen)
         self.query = torch.randn(tokens, HEADS, LATENT + ROPE, generator=gen)

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import scattered_paged_layout
 
 pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
 
@@ -42,16 +43,8 @@ class Batch:
     def __init__(self, specs, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  pad_tokens: int = 2, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        needed = [-(-ctx // block_size) for ctx, _ in specs]
-        num_blocks = sum(needed) + 3
-        order = torch.randperm(num_blocks, generator=gen)
-        self.block_tables = torch.zeros(len(specs), max(needed) + 1, dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(needed):
-            self.block_tables[b, :n] = order[used:used + n]
-            used += n
-        self.seq_lens = torch.tensor([ctx for ctx, _ in specs], dtype=torch.int32)
-        self.query_start_loc = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0).int()
+        self.block_tables, self.seq_lens, self.query_start_loc, num_blocks = scattered_paged_layout(
+            specs, block_size, gen)
         self.max_query_len = max(q for _, q in specs)
         tokens = int(self.query_start_loc[-1]) + pad_tokens
         self.kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
