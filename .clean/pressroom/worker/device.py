@@ -9,6 +9,6 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    if torch.device(device).type != "cuda":
-        return t
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)  # already on a device (a draft fed back): no host copy to stage
     return t.pin_memory().to(device, non_blocking=True)

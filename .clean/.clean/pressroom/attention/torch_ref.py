@@ -1,0 +1,179 @@
+"""Paged attention in plain torch: the CPU backend and the reference the GPU kernels are tested against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
+from pressroom.kernels import cpu as cpu_kernels
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A latent cache (one plane) takes the keys only: its values are a prefix of them."""
+    _, _, _, heads, dim = kv_cache.shape
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    if kv_cache.shape[0] == 2:
+        kv_cache[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def cache_planes(kv_cache: torch.Tensor, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches [blocks, block_size, kv_heads, dim]: a latent cache's values are a view
+    of its keys' first v_dim dimensions."""
+    if kv_cache.shape[0] == 1:
+        return kv_cache[0], kv_cache[0][..., :v_dim]
+    return kv_cache[0], kv_cache[1]
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              v_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence's first `length` tokens: [kv_heads, length, dim] each."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[:-(-length // block_size)]
+    key_cache, value_cache = cache_planes(kv_cache, v_dim or kv_cache.shape[-1])
+    k = key_cache[blocks].flatten(0, 1)[:length]
+    v = value_cache[blocks].flatten(0, 1)[:length]
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def _fresh_run_end(loc: list[int], lens: list[int], i: int) -> int:
+    """End of the run of requests from i that are whole, uncached chunks of one common length."""
+    n = loc[i + 1] - loc[i]
+    j = i
+    while j < len(loc) - 1 and loc[j + 1] - loc[j] == n and lens[j] == n:
+        j += 1
+    return max(j, i + 1)
+
+
+# A request with at most this many query tokens after a cached context (a verification of up to 15
+# drafts, a short chunk) is split into single-token rows for the decode path: row j attends to its
+# context up to and including its own token, which is exactly the causal mask, and all rows share one
+# batched call.
+_ROWS_MAX_QUERY = 16
+
+
+@dataclass(slots=True)
+class _Plan:
+    rows: torch.Tensor | None  # flat token index of each decode-like row; None: the first num_decodes tokens
+    num_rows: int
+    tables: torch.Tensor  # [rows, max_blocks]
+    lens: torch.Tensor  # [rows] context length each row attends to
+    max_len: int
+    min_len: int
+    chunks: list[int]  # requests left to the prefill path
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    loc, lens, nd = meta.query_start_loc, meta.seq_lens_host, meta.num_decodes
+    short = [i for i in range(nd, len(loc) - 1)
+             if loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
+    chunks = sorted(set(range(nd, len(loc) - 1)) - set(short))
+    if not short:
+        row_lens = lens[:nd]
+        return _Plan(None, nd, meta.block_tables[:nd], meta.seq_lens[:nd], max(row_lens, default=0),
+                     min(row_lens, default=0), chunks)
+    reqs, index, row_lens = list(range(nd)), list(range(nd)), list(lens[:nd])
+    for i in short:
+        q = loc[i + 1] - loc[i]
+        reqs += [i] * q
+        index += range(loc[i], loc[i + 1])
+        row_lens += range(lens[i] - q + 1, lens[i] + 1)
+    return _Plan(torch.tensor(index), len(index), meta.block_tables[torch.tensor(reqs)],
+                 torch.tensor(row_lens, dtype=meta.seq_lens.dtype), max(row_lens), min(row_lens), chunks)
+
+
+class TorchAttentionBackend:
+    """Decodes (and short queries after a cached context, split into rows) batched over padded, masked
+    contexts; prefill chunks one request at a time, except runs of uncached equal-length prompts,
+    which share one call."""
+
+    def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
+                              max_blocks_per_seq: int) -> AttentionMetadataBuilder:
+        """int64 indices, one split per decode; the step's `_plan` is made by the first layer that runs."""
+        return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.plan is None:
+            meta.plan = _plan(meta)
+        plan: _Plan = meta.plan
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if plan.num_rows:
+            v_dim = v.shape[-1]
+            if plan.rows is None:
+                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim)
+            else:
+                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        chunks = plan.chunks
+        c = 0
+        while c < len(chunks):
+            i = chunks[c]
+            j = _fresh_run_end(loc, lens, i)
+            run = j - i
+            if run > 1 and chunks[c:c + run] == list(range(i, j)):  # equal-length prompts, nothing cached
+                start, end = loc[i], loc[j]
+                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale)
+                c += run
+                continue
+            start, end = loc[i], loc[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+                                           meta.block_tables[i], lens[i], scale)
+            c += 1
+        return out
+
+    def _fresh_batch(self, q, k, v, count: int, scale: float) -> torch.Tensor:
+        def heads_first(x):
+            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).flatten(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                v_dim: int) -> torch.Tensor:
+        """All single-token rows at once over their padded, masked contexts."""
+        n = plan.num_rows
+        block_size, heads, dim = kv_cache.shape[2:]
+        max_len = plan.max_len
+        tables = plan.tables[:, :-(-max_len // block_size)]
+        key_cache, value_cache = cache_planes(kv_cache, v_dim)
+        k = key_cache[tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
+        v = value_cache[tables].reshape(n, -1, heads, v_dim)[:, :max_len].transpose(1, 2)
+        mask = None
+        if plan.min_len < max_len:  # ragged contexts: hide each one's padding
+            mask = (torch.arange(max_len) < plan.lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+        """One chunk of one prompt: causal over the chunk, full over its cached prefix."""
+        n = q.shape[0]
+        if seq_len == n:  # nothing cached before the chunk: attend to the fresh k, v directly
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            return o.transpose(0, 1)
+        keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
+        prefix = seq_len - n
+        mask = torch.arange(seq_len)[None, :] <= (torch.arange(n)[:, None] + prefix)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                v_dim: int) -> torch.Tensor:
+        if kv_cache.shape[0] == 1:  # a latent cache: keys and values of different widths in one plane
+            return super()._decode(q, kv_cache, plan, scale, v_dim)
+        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
+        return out.to(q.dtype)
+
+
+def make_cpu_backend(cache_dtype: torch.dtype) -> TorchAttentionBackend:
+    usable = cache_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+    return CpuAttentionBackend() if usable else TorchAttentionBackend()

@@ -1,0 +1,85 @@
+"""The CUDA attention backend: Triton kernels for the KV-cache write and the paged attention of a mixed batch
+(per-head keys and values, or MLA's latent cache).
+
+One launch serves every request of the step (decodes and prefill chunks with a cached prefix), and
+it reads only device tensors from the metadata, so the same call is captured into CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
+from pressroom.kernels.triton.attention import paged_attention
+from pressroom.kernels.triton.cache import write_kv
+from pressroom.kernels.triton.mla import mla_attention
+
+# Split a decode's context across programs until about this many per multiprocessor run per kernel
+# launch: a batch of few long decodes otherwise leaves most of the GPU's multiprocessors idle.
+_PROGRAMS_PER_SM = 2
+_DEFAULT_SMS = 132  # where no CUDA device answers (the Triton interpreter on the CPU): an H100/H200's count
+_MAX_SPLITS = 16
+_MIN_BLOCKS_PER_SPLIT = 4
+
+
+def num_kv_splits(num_decodes: int, num_kv_heads: int, max_blocks_per_seq: int,
+                  target_programs: int = _PROGRAMS_PER_SM * _DEFAULT_SMS) -> int:
+    """Depends on the batch shape (and the device) only, so a captured graph and an eager step of that
+    size agree. `target_programs`: programs a launch should reach (the builder's: from the SM count)."""
+    if num_decodes == 0:
+        return 1
+    wanted = -(-target_programs // (num_decodes * num_kv_heads))
+    return max(1, min(wanted, _MAX_SPLITS, max_blocks_per_seq // _MIN_BLOCKS_PER_SPLIT))
+
+
+def multiprocessor_count(device: torch.device | str) -> int:
+    """The device's SM count; a default where it is no CUDA device (the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """int32 index tensors and the device-side query starts the kernels read; split-KV counts from the
+    padded decode count, the KV heads and this device's own multiprocessor count (read once, here)."""
+
+    index_dtype = torch.int32
+    needs_device_query_start_loc = True
+
+    def __init__(self, device: torch.device | str, num_kv_heads: int, max_blocks_per_seq: int) -> None:
+        super().__init__(device, num_kv_heads, max_blocks_per_seq)
+        self.target_programs = _PROGRAMS_PER_SM * multiprocessor_count(self.device)
+
+    def num_kv_splits(self, num_decodes: int) -> int:
+        return num_kv_splits(self.padded_decodes(num_decodes), self.num_kv_heads, self.max_blocks_per_seq,
+                             self.target_programs)
+
+
+class TritonAttentionBackend:
+    def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
+                              max_blocks_per_seq: int) -> TritonMetadataBuilder:
+        return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
+        write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if latent:
+            def attend(q, tables, lens, starts, max_query_len, out, splits=1):
+                return mla_attention(q, kv_cache[0], tables, lens, starts, max_query_len, scale, out, v.shape[-1],
+                                     splits)
+        else:
+            def attend(q, tables, lens, starts, max_query_len, out, splits=1):
+                return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits)
+        tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device
+        decodes = meta.num_decodes
+        if meta.max_query_len == 1 or not 0 < decodes < tables.shape[0]:
+            splits = meta.num_kv_splits if meta.max_query_len == 1 else 1
+            return attend(q, tables, lens, starts, meta.max_query_len, out, splits)
+        # A mixed step (decodes first, then prompt chunks): two launches, each with its own tile shape, so
+        # the decodes do not pay for the 64-row tiles the chunks want. The decodes are the first tokens:
+        # their launch sees only those, so a split-KV workspace is sized by them, not by the chunks.
+        attend(q[:decodes], tables[:decodes], lens[:decodes], starts[:decodes + 1], 1, out[:decodes],
+               meta.num_kv_splits)
+        return attend(q, tables[decodes:], lens[decodes:], starts[decodes:], meta.max_query_len, out)

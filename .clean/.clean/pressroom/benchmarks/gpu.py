@@ -1,0 +1,578 @@
+"""`pressroom bench gpu`: pressroom, HF transformers and the card's own ceilings, in one process, one JSON.
+
+Ceilings first (copy bandwidth, bf16 matmul rate), then pressroom on dummy weights at a real model's
+shapes, then HF transformers on the very same weights. Each figure is set against a physical bound:
+batch-1 decode against the weight-streaming roofline, batched generation against the matmul rate.
+Runs on the CPU too (tiny model, tiny workloads), so CI checks the plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pressroom.benchmarks.workload import Workload, machine, random_prompts
+from pressroom.config import KV_CACHE_DTYPE_CHOICES
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "configs" / "llama-3.1-8b"
+WORKLOADS = ("decode", "throughput", "prefill")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WARMUP_REPS, TIMED_REPS = 3, 10
+DECODE_READ_NOTE = ("bytes one batch-1 decode step reads: every weight except the input embedding table (one row of "
+                    "it is read per token) and the routed experts the token did not select (top_k of num_experts per "
+                    "MoE layer); the LM head counts in full even when tied; KV-cache reads not counted")
+WARMUP_NOTE = ("pressroom: --warmup-requests requests of the workload, untimed, then the prefix cache reset; "
+               "HF: one untimed batch of the timed shape per batch size; ceilings: 3 untimed reps, mean of 10")
+FLOPS_NOTE = ("throughput: 2 x active non-embedding params x (prompt + output tokens) + 2 x LM-head params x output "
+              "tokens; prefill: 2 x active non-embedding params x prompt tokens + 2 x LM-head params x prompts; "
+              "active: a mixture of experts counts the top_k routed experts a token uses, not all of them; "
+              "attention score FLOPs not counted")
+# pressroom stacks these HF matrices row-wise, in this order.
+UNSTACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# pressroom's stacked expert tensors under transformers' (>= 5) names: the same [experts, out, in] layout.
+HF_EXPERTS = {"experts.w13": "experts.gate_up_proj", "experts.w2": "experts.down_proj"}
+
+
+@dataclass(slots=True)
+class Ceilings:
+    copy_bytes_per_s: float  # read + write bytes
+    copy_buffer_bytes: int
+    matmul_flops_per_s: float
+    matmul_size: int
+    timer: str
+
+
+@dataclass(slots=True)
+class ModelSize:
+    total_params: int  # unique parameters (a tied LM head counts once)
+    embedding_params: int
+    lm_head_params: int
+    non_embedding_params: int  # everything but the input embedding and the LM head
+    tied_word_embeddings: bool
+    routed_expert_params: int  # all routed experts of every MoE layer (0: a dense model)
+    active_non_embedding_params: int  # what one token computes with: the non-embedding params less the
+    # routed experts it does not select
+    bytes_per_param: int
+    decode_read_bytes: int
+    decode_read_note: str = DECODE_READ_NOTE
+
+
+@dataclass(slots=True)
+class Run:
+    backend: str
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    input_tokens_per_s: float
+    batch_size: int | None = None  # HF only: requests per generate call
+
+
+# ---- ceilings ----
+
+def mean_seconds(fn: Callable[[], object], device: torch.device, warmup: int = WARMUP_REPS,
+                 reps: int = TIMED_REPS) -> float:
+    """Mean time of `reps` calls after `warmup`; CUDA events on a GPU, so host overhead is not counted."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.fmean(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / mean_seconds(lambda: dst.copy_(src), device)
+
+
+def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / mean_seconds(lambda: torch.mm(a, b, out=c), device)
+
+
+def measure_ceilings(device: torch.device, copy_bytes: int, matmul_size: int, dtype: torch.dtype) -> Ceilings:
+    ceilings = Ceilings(copy_bandwidth(device, copy_bytes), copy_bytes, matmul_rate(device, matmul_size, dtype),
+                        matmul_size, "cuda events" if device.type == "cuda" else "perf_counter")
+    free_device_memory(device)  # the engine sizes its KV cache from what is free
+    return ceilings
+
+
+# ---- model shapes and FLOPs ----
+
+def model_size(hf_config, dtype: torch.dtype) -> ModelSize:
+    """Parameter counts of pressroom's model for this config, built on the meta device (no memory)."""
+    from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from pressroom.model.registry import resolve_architecture
+    with torch.device("meta"):
+        model = resolve_architecture(hf_config)(hf_config)
+    total = sum(p.numel() for p in model.parameters())
+    embed = next(m for m in model.modules() if type(m) is VocabParallelEmbedding).weight
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead)).weight
+    tied = head is embed
+    non_embedding = total - embed.numel() - (0 if tied else head.numel())
+    routed, unselected = routed_expert_params(model)
+    active = non_embedding - unselected
+    itemsize = dtype.itemsize
+    return ModelSize(total, embed.numel(), head.numel(), non_embedding, tied, routed, active, itemsize,
+                     (active + head.numel()) * itemsize)
+
+
+def routed_expert_params(model: nn.Module) -> tuple[int, int]:
+    """All routed experts' parameters, and those a token leaves unselected ((E - top_k) / E of them)."""
+    from pressroom.model.layers.fused_moe import FusedMoE
+    routed = unselected = 0
+    for block in model.modules():
+        experts, router = getattr(block, "experts", None), getattr(block, "router", None)
+        if isinstance(experts, FusedMoE) and router is not None:
+            params = experts.w13.numel() + experts.w2.numel()
+            routed += params
+            unselected += params * (experts.num_experts - router.top_k) // experts.num_experts
+    return routed, unselected
+
+
+def model_flops(size: ModelSize, body_tokens: int, lm_head_positions: int) -> float:
+    """Matmul FLOPs: every token through the layers (the experts it selects), only the sampled positions
+    through the LM head."""
+    return 2.0 * size.active_non_embedding_params * body_tokens + 2.0 * size.lm_head_params * lm_head_positions
+
+
+def workload_flops(name: str, size: ModelSize, run: Run) -> float:
+    """Prefill's one output token is sampled, never fed back: the layers see the prompts only. Generation
+    counts prompt and output tokens through the layers (the usual 2 x params x tokens rule)."""
+    body = run.input_tokens if name == "prefill" else run.input_tokens + run.output_tokens
+    return model_flops(size, body, run.output_tokens)
+
+
+# ---- workloads ----
+
+def build_workloads(args, vocab_size: int) -> dict[str, Workload]:
+    shapes = {"decode": (1, args.decode_input_len, args.decode_output_len),
+              "throughput": (args.num_prompts, args.input_len, args.output_len),
+              "prefill": (args.prefill_prompts, args.prefill_len, 1)}
+    # A different seed per workload, so no workload's prompts are another's prefix.
+    return {name: Workload(random_prompts(n, length, vocab_size, args.seed + i), out, ignore_eos=True)
+            for i, (name, (n, length, out)) in enumerate(shapes.items()) if name in args.workloads}
+
+
+def required_model_len(workloads: dict[str, Workload]) -> int:
+    return max(max(len(p) for p in w.prompts) + w.output_len for w in workloads.values())
+
+
+# ---- pressroom ----
+
+def pressroom_kwargs(args, max_model_len: int) -> tuple[dict, list[str]]:
+    """Engine arguments for this run, and those this engine build does not know yet (left out)."""
+    from pressroom.config import EngineArgs
+    wanted = {"model": str(args.model), "load_format": "dummy", "dtype": args.dtype, "device": args.device,
+              "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
+              "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype}
+    if args.kv_cache_memory_gib is not None:
+        wanted["kv_cache_memory_gib"] = args.kv_cache_memory_gib
+    known = EngineArgs.names()
+    return {k: v for k, v in wanted.items() if k in known}, sorted(set(wanted) - known)
+
+
+def build_llm(kwargs: dict, device: torch.device):
+    """The engine and its time to ready (weights, KV cache, and CUDA-graph capture where there is one)."""
+    from pressroom import LLM
+    sync(device)
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    sync(device)
+    return llm, time.perf_counter() - start
+
+
+def run_pressroom(llm, workload: Workload, warmup_requests: int, device: torch.device) -> Run:
+    from pressroom import SamplingParams
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    generate(workload.prompts[:warmup_requests], workload.output_len)
+    reset_prefix_cache(llm)  # the timed pass must compute every prompt
+    sync(device)
+    start = time.perf_counter()
+    outputs = generate(workload.prompts, workload.output_len)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return make_run("pressroom", workload.prompts, produced, elapsed)
+
+
+def reset_prefix_cache(llm) -> None:
+    reset = getattr(llm, "reset_prefix_cache", None) or llm.engine.kv_cache.reset_prefix_cache
+    reset()
+
+
+# ---- HF transformers on pressroom's weights ----
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """pressroom's parameters under HF names: stacked qkv / gate_up matrices split back into their parts
+    (views, no copies, where the weight is held plainly; rows a model reordered at load, such as
+    DeepSeek's rope rows, back in the checkpoint's order). Tensor parallelism must be 1."""
+    modules = dict(model.named_modules())
+    to_checkpoint = getattr(model, "to_checkpoint_layout", None)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, kind = name.rpartition(".")
+        module = modules[module_name]
+        tensor = plain_tensor(module, kind, param)
+        if to_checkpoint is not None:
+            tensor = to_checkpoint(name, tensor)
+        expert_name = next((hf for ours, hf in HF_EXPERTS.items() if name.endswith(ours)), None)
+        if expert_name is not None:
+            state[name.rsplit(".", 2)[0] + "." + expert_name] = tensor
+            continue
+        parent, _, leaf = module_name.rpartition(".")
+        if leaf not in UNSTACKED:
+            state[name] = tensor
+            continue
+        if getattr(module, "tp_size", 1) != 1:
+            raise ValueError("Copying weights to HF needs tensor_parallel_size 1.")
+        for part, piece in zip(UNSTACKED[leaf], tensor.split(stacked_sizes(module), dim=0), strict=True):
+            state[f"{parent}.{part}.{kind}"] = piece
+    return state
+
+
+def plain_tensor(module: nn.Module, kind: str, param: nn.Parameter) -> torch.Tensor:
+    """The parameter's values in plain layout; bf16 CPU linears keep theirs only oneDNN-blocked."""
+    blocked = getattr(module, "onednn", None)
+    if kind == "weight" and blocked is not None and param.numel() == 0:
+        return blocked.to_dense()
+    return param.data
+
+
+def stacked_sizes(module: nn.Module) -> list[int]:
+    from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    if isinstance(module, QKVParallelLinear):
+        kv = module.num_kv_heads * module.head_dim
+        return [module.num_heads * module.head_dim, kv, kv]
+    if isinstance(module, MergedColumnParallelLinear):
+        return list(module.output_sizes)
+    raise TypeError(f"{type(module).__name__} is not a stacked linear layer.")
+
+
+def load_into_hf(hf_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy every HF parameter from `state` (and the buffers it names, such as DeepSeek-V3's router
+    correction bias); names and shapes must match one to one."""
+    params = dict(hf_model.named_parameters(remove_duplicate=False))
+    params.update((n, b) for n, b in hf_model.named_buffers() if n in state)
+    missing, extra = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+    if missing or extra:
+        raise ValueError(f"pressroom and HF parameters differ: HF lacks {extra[:3]}, pressroom lacks {missing[:3]}.")
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.shape != state[name].shape:
+                raise ValueError(f"{name}: pressroom has {tuple(state[name].shape)}, HF {tuple(param.shape)}.")
+            param.copy_(state[name])
+
+
+def build_hf(model_path: Path, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    load_into_hf(model, state)
+    model.generation_config.eos_token_id = None  # ignore EOS: every request runs to its length
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate(model: nn.Module, prompts: list[list[int]], output_len: int, device: torch.device) -> int:
+    """Greedy generate for one batch of equal-length prompts; returns the output tokens produced."""
+    ids = torch.tensor(prompts, device=device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                         min_new_tokens=output_len, do_sample=False)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+
+def run_hf(model: nn.Module, workload: Workload, batch_size: int, max_requests: int, device: torch.device) -> Run:
+    prompts = workload.prompts[:max_requests]
+    batch_size = min(batch_size, len(prompts))
+    # Warm-up: one untimed batch of the timed shape. A short one is not enough: the first pass through each
+    # new sequence length ran HF about 3x slower per token on the H200 (attention kernels picked per shape).
+    hf_generate(model, prompts[:batch_size], workload.output_len, device)
+    sync(device)
+    start = time.perf_counter()
+    produced = sum(hf_generate(model, prompts[i:i + batch_size], workload.output_len, device)
+                   for i in range(0, len(prompts), batch_size))
+    sync(device)
+    return make_run("hf", prompts, produced, time.perf_counter() - start, batch_size)
+
+
+def run_hf_workloads(model: nn.Module, workloads: dict[str, Workload], args, device: torch.device
+                     ) -> dict[str, list[Run]]:
+    runs: dict[str, list[Run]] = {}
+    if "decode" in workloads:
+        runs["decode"] = [run_hf(model, workloads["decode"], 1, 1, device)]
+    if "throughput" in workloads:
+        runs["throughput"] = [run_hf(model, workloads["throughput"], b, args.hf_max_requests, device)
+                              for b in args.hf_batch_sizes]
+    if "prefill" in workloads:
+        w = workloads["prefill"]
+        runs["prefill"] = [run_hf(model, w, args.hf_prefill_batch_size, len(w.prompts), device)]
+    return runs
+
+
+# ---- the whole run ----
+
+def make_run(backend: str, prompts: list[list[int]], produced: int, elapsed: float,
+             batch_size: int | None = None) -> Run:
+    inputs = sum(len(p) for p in prompts)
+    return Run(backend, len(prompts), inputs, produced, round(elapsed, 4), round(produced / elapsed, 2),
+               round(inputs / elapsed, 2), batch_size)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's retries (it freed its cache, a device-wide sync, to fit an allocation) and
+    its cudaFree calls so far: either inside a timed run stalls the pipeline."""
+    if device.type != "cuda":
+        return {"alloc_retries": 0, "device_frees": 0}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_frees": stats.get("num_device_free", 0)}
+
+
+def peak_bytes(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no GPU; use --device cpu with a tiny model to test.")
+    if name not in ("cuda", "cpu"):
+        raise ValueError(f"--device must be cuda or cpu, got {name!r}.")
+    return torch.device(name)
+
+
+def run(args) -> dict:
+    from pressroom.model.loader import load_hf_config
+    device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    hf_config = load_hf_config(str(args.model))
+    size = model_size(hf_config, dtype)
+    workloads = build_workloads(args, hf_config.vocab_size)
+    copy_bytes = int((args.copy_gib or (4.0 if device.type == "cuda" else 0.25)) * (1 << 30))
+    matmul_n = args.matmul_size or (8192 if device.type == "cuda" else 1024)
+    ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
+    kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
+    llm, ready_s = build_llm(kwargs, device)
+    ours, allocator = {}, {}
+    for name, w in workloads.items():
+        before = allocator_counts(device)
+        ours[name] = run_pressroom(llm, w, args.warmup_requests, device)
+        allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
+        print(f"pressroom {name}: {ours[name].output_tokens_per_s:.1f} output tok/s "
+              f"({ours[name].input_tokens_per_s:.1f} input tok/s)", flush=True)  # kept if a later phase fails
+    state = None if args.skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
+    del llm
+    free_device_memory(device)
+    hf_runs, memory, hf_info = run_hf_phase(state, workloads, args, device, dtype) if state else ({}, {}, {})
+    report = {"benchmark": "gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_machine(device),
+              "device": device.type, "model": str(args.model), "dtype": args.dtype, "engine_args": kwargs,
+              "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3), "hf": hf_info,
+              "model_size": asdict(size), "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
+              "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
+              "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,
+                                                  ceilings) for name in workloads}}
+    report["ratios"] = summary_ratios(report["workloads"])
+    print_report(report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def run_hf_phase(state: dict[str, torch.Tensor], workloads: dict[str, Workload], args, device: torch.device,
+                 dtype: torch.dtype) -> tuple[dict[str, list[Run]], dict[str, int], dict[str, str | None]]:
+    """HF on pressroom's weights; `state` is emptied once copied, so the engine's last tensors go too.
+    Also which transformers ran, and its MoE experts implementation (grouped_mm where it can)."""
+    import transformers
+    memory = {"after_engine_freed_bytes": allocated_bytes(device)}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    hf_model = build_hf(Path(args.model), state, device, dtype)
+    state.clear()
+    info = {"transformers": transformers.__version__,
+            "experts_implementation": getattr(hf_model.config, "_experts_implementation", None)}
+    runs = run_hf_workloads(hf_model, workloads, args, device)
+    memory["hf_peak_bytes"] = peak_bytes(device)
+    del hf_model
+    free_device_memory(device)
+    return runs, memory, info
+
+
+def device_machine(device: torch.device) -> dict:
+    info = machine()
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return info
+
+
+def workload_report(name: str, workload: Workload, ours: Run, hf: list[Run] | None, size: ModelSize,
+                    ceilings: Ceilings) -> dict:
+    """Figures, the physical bound and the ratios of one workload. Prefill compares prompt tokens/s
+    (its bound ratio is the model FLOP utilisation); the others compare output tokens/s."""
+    key = "input_tokens_per_s" if name == "prefill" else "output_tokens_per_s"
+    bound_name, bound = workload_bound(name, ours, size, ceilings)
+    best_hf = max(hf, key=lambda r: getattr(r, key)) if hf else None
+    section = {"num_requests": len(workload.prompts), "input_len": len(workload.prompts[0]),
+               "output_len": workload.output_len, "compared": key, "bound": bound_name,
+               "bound_tokens_per_s": round(bound, 2), "pressroom": asdict(ours),
+               "hf": asdict(best_hf) if best_hf else None,
+               "pressroom_over_bound": round(getattr(ours, key) / bound, 4),
+               "hf_over_bound": round(getattr(best_hf, key) / bound, 4) if best_hf else None,
+               "pressroom_over_hf": round(getattr(ours, key) / getattr(best_hf, key), 3) if best_hf else None}
+    if name == "decode":
+        return section
+    flops = workload_flops(name, size, ours)
+    section["flops"] = flops
+    if name == "throughput":
+        section["flops_per_output_token"] = flops / ours.output_tokens
+        section["hf_by_batch_size"] = [asdict(r) for r in hf or []]
+    else:
+        section["pressroom_mfu"] = section["pressroom_over_bound"]
+        section["hf_mfu"] = section["hf_over_bound"]
+    return section
+
+
+def workload_bound(name: str, run: Run, size: ModelSize, ceilings: Ceilings) -> tuple[str, float]:
+    if name == "decode":
+        return "copy bandwidth / decode_read_bytes", ceilings.copy_bytes_per_s / size.decode_read_bytes
+    flops = workload_flops(name, size, run)
+    if name == "throughput":
+        return "matmul rate / FLOPs per output token", ceilings.matmul_flops_per_s * run.output_tokens / flops
+    return "matmul rate / FLOPs per prompt token (ratio = MFU)", ceilings.matmul_flops_per_s * run.input_tokens / flops
+
+
+def summary_ratios(sections: dict[str, dict]) -> dict[str, float | None]:
+    ratios = {}
+    for name, s in sections.items():
+        ratios[f"{name}.pressroom/hf"] = s["pressroom_over_hf"]
+        ratios[f"{name}.pressroom/bound"] = s["pressroom_over_bound"]
+        ratios[f"{name}.hf/bound"] = s["hf_over_bound"]
+    return ratios
+
+
+def print_report(report: dict) -> None:
+    c = report["ceilings"]
+    print(f"\n== bench gpu: {Path(report['model']).name} ({report['dtype']}) on {report['device']} ==")
+    print(f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.3f} TB/s (read+write), "
+          f"matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({c['matmul_size']}^3, {c['timer']})")
+    print(f"pressroom time to ready: {report['time_to_ready_s']:.1f} s")
+    print(f"{'workload':<11}{'tokens/s of':>12}{'pressroom':>12}{'hf':>12}{'bound':>12}{'pr/hf':>8}"
+          f"{'pr/bound':>10}{'hf/bound':>10}")
+    for name, s in report["workloads"].items():
+        key = s["compared"]
+        hf = s["hf"][key] if s["hf"] else None
+        print(f"{name:<11}{key.split('_')[0]:>12}{s['pressroom'][key]:>12.1f}{_fmt(hf, 12, '.1f')}"
+              f"{s['bound_tokens_per_s']:>12.1f}{_fmt(s['pressroom_over_hf'], 8, '.2f')}"
+              f"{s['pressroom_over_bound']:>10.3f}{_fmt(s['hf_over_bound'], 10, '.3f')}")
+
+
+def _fmt(value: float | None, width: int, spec: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+# ---- command line ----
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"workloads must come from {', '.join(WORKLOADS)}; got {text!r}")
+    return names
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated; got {text!r}")
+    return values
+
+
+def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a config.json directory (dummy weights)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda, or cpu to test the plumbing with a tiny model")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="the weights' dtype (pressroom and HF)")
+    p.add_argument("--workloads", type=_names, default=list(WORKLOADS), help="comma-separated subset of "
+                   + ",".join(WORKLOADS))
+    p.add_argument("--decode-input-len", type=int, default=32, help="batch-1 decode: prompt length")
+    p.add_argument("--decode-output-len", type=int, default=256, help="batch-1 decode: output length")
+    p.add_argument("--num-prompts", type=int, default=1000, help="throughput requests")
+    p.add_argument("--input-len", type=int, default=512, help="throughput prompt length")
+    p.add_argument("--output-len", type=int, default=256, help="throughput output length")
+    p.add_argument("--prefill-prompts", type=int, default=16, help="prefill: prompts, one output token each")
+    p.add_argument("--prefill-len", type=int, default=2048, help="prefill: prompt length")
+    p.add_argument("--warmup-requests", type=int, default=4, help="untimed requests before each pressroom pass")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the dummy weights")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="below the engine's 0.92 so HF still fits after the engine is freed")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV-cache size in GiB (default: the engine's; on CUDA from --gpu-memory-utilization)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once at most (default: the engine's, 1024 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="tokens one engine step computes at most")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
+    p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256],
+                   help="comma-separated batch sizes HF's throughput runs at")
+    p.add_argument("--hf-max-requests", type=int, default=256, help="throughput requests HF runs per batch size")
+    p.add_argument("--hf-prefill-batch-size", type=int, default=16,
+                   help="prompts per HF prefill batch (8: two batches)")
+    p.add_argument("--copy-gib", type=float, default=None,
+                   help="the copy ceiling's buffer in GiB (default: 4 on cuda, 0.25 on cpu)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="n of the matmul ceiling's n^3 matmul (default: 8192 on cuda, 1024 on cpu)")
+    p.add_argument("--output-json", default=None, help="write the report here too (default: print only)")

@@ -1,0 +1,431 @@
+"""Engine configuration: one flat `EngineArgs` (vLLM's names) resolved into validated sub-configs."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from pressroom.platforms import cuda_available
+from pressroom.platforms.cpu import cpu_info, log_cpu_path
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "none")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
+VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}.")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 halves the weight bytes each step streams, but only CPUs with AVX512-BF16/AMX multiply it
+        # natively; elsewhere fp32 is faster (pressroom/platforms/cpu.py says why per tier).
+        return torch.bfloat16 if device == "cuda" else cpu_info().default_dtype()
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+# vLLM's kv_cache_dtype names. FP8 entries are stored with a scale of 1 (vLLM's default without
+# calibrated scales), saturated at the format's largest value.
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto") or an FP8 format (CUDA only)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_KV_CACHE_DTYPES)}; got {name!r}.")
+    if device != "cuda":
+        raise ValueError(f"kv_cache_dtype {name!r} needs the CUDA backend (--device cuda); the CPU backend "
+                         "stores the KV cache in the model's dtype (kv_cache_dtype auto).")
+    return _KV_CACHE_DTYPES[name]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+    max_model_len: int | None = None
+    seed: int = 0
+    # auto: on the CPU, GGUF Q4 matrices and a Q8_0 LM head also stay as shipped; none: dequantize all.
+    quantization: str = "auto"
+    skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks of dummy-weight shapes)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # CPU: the KV cache's size. CUDA: None = what a memory profile leaves of gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = 2 << 30
+    num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
+    gpu_memory_utilization: float = 0.92
+    cache_dtype: torch.dtype | None = None  # None: the model's dtype
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_blocks}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}.")
+
+
+@dataclass(slots=True)
+class CompilationConfig:
+    """CUDA graphs: decode steps of up to `max_cudagraph_capture_size` requests replay a captured graph."""
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_cudagraph_capture_size <= MAX_CUDAGRAPH_CAPTURE_SIZE:
+            raise ValueError(f"max_cudagraph_capture_size must lie in [1, {MAX_CUDAGRAPH_CAPTURE_SIZE}], "
+                             f"got {self.max_cudagraph_capture_size}.")
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """Padded batch sizes to capture: 1, 2, 4, 8, then every 8 (vLLM's ladder), up to the limit."""
+        limit = min(self.max_cudagraph_capture_size, max_num_seqs)
+        ladder = [1, 2, 4] + list(range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8))
+        sizes = [s for s in ladder if s < limit]
+        return sizes + [limit]
+
+    def graph_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
+                     max_query_len: int = 1) -> dict[int, list[int]]:
+        """What to capture (see worker/cuda_graphs.py): {1: padded request counts of decode steps} and,
+        where steps verify drafts (queries of up to `max_query_len` tokens), {max_query_len: padded token
+        counts of those steps}, on a ladder that pads by at most ~12%, up to the step's token budget."""
+        shapes = {1: self.capture_sizes(max_num_seqs)}
+        if max_query_len > 1:
+            top = min(max_num_batched_tokens, VARLEN_GRAPH_MAX_TOKENS,
+                      min(self.max_cudagraph_capture_size, max_num_seqs) * max_query_len)
+            ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 1025, 32), *range(1088, 4097, 64)]
+            shapes[max_query_len] = [n for n in ladder if n < top] + [top]
+        return shapes
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    policy: str = "fcfs"
+    max_model_len: int = 0  # copied from the model config once known
+    # Schedule and prepare step N+1 while the device runs step N (tokens come back one step late).
+    async_scheduling: bool = False
+    # vLLM's: a prompt with more tokens left than this gets at most this many per step (0: no limit), so a
+    # long prompt leaves the rest of the step to other requests and bounds a step's time.
+    long_prefill_token_threshold: int = 0
+    # Cost-based prefill chunks: a chunk of n prompt tokens after c computed ones counts
+    # n * (1 + c / prefill_cost_context) against max_num_batched_tokens and long_prefill_token_threshold,
+    # since its attention grows with c: a long prompt's later chunks shrink. 0: every token counts 1.
+    # The CPU defaults to both (EngineArgs); CUDA to neither, as vLLM.
+    prefill_cost_context: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("long_prefill_token_threshold", "prefill_cost_context"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
+
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # "uni": the worker runs in the engine core's process; "mp": one worker process per rank.
+    # None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                             f"got {self.distributed_executor_backend!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp")
+# Methods whose drafts are made on the device from the device's own verified tokens, so step N+1 can be
+# prepared before step N's tokens reach the host. ngram looks up host token histories; dflash2's
+# proposer reads host token ids (anchors, selector path) each step; mtp catches up from host token ids.
+ASYNC_SPEC_METHODS = ("draft_model",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys. A proposer drafts up to `num_speculative_tokens` per request
+    and step; the target verifies them all in its forward pass, keeping its own distribution."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # draft_model: a smaller model with the target's tokenizer; dflash2: a drafter; mtp: the checkpoint holding
+    # the MTP layer (default: the target's own)
+    model: str | None = None
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
+    prompt_lookup_max: int = 4  # ngram: longest, tried first
+    # Each step verifies, per request, only the drafts expected to pay for their share of the step
+    # (spec_decode/budget.py); off: always every draft, up to num_speculative_tokens.
+    adaptive_token_budget: bool = True
+    # "synthetic": drafts are accepted with these conditional per-position probabilities whatever the
+    # target says (not lossless): the system cost of speculation at real sizes with dummy weights.
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}; "
+                             f"got {self.method!r}.")
+        if self.method == "draft_model" and not self.model:  # dflash2 without one: the embedded model's drafter
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
+        if self.rejection_sample_method not in ("standard", "synthetic"):
+            raise ValueError("rejection_sample_method must be standard or synthetic, got "
+                             f"{self.rejection_sample_method!r}.")
+        rates = self.synthetic_acceptance_rates
+        if self.rejection_sample_method == "synthetic" and (not rates or any(not 0 <= r <= 1 for r in rates)):
+            raise ValueError("rejection_sample_method synthetic needs synthetic_acceptance_rates: one probability "
+                             "in [0, 1] per draft position (the last repeats).")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+
+    @classmethod
+    def from_value(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A dict, a JSON string (the CLI's --speculative-config) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object / dict.")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown speculative_config key(s): {', '.join(sorted(unknown))}.")
+        return cls(**value)
+
+
+def resolve_async_scheduling(asked: bool | None, device: str, speculative: SpeculativeConfig | None) -> bool:
+    """None: on for CUDA (the CPU has nothing to overlap with) unless the speculative method drafts on
+    the host. True with such a method is refused."""
+    overlaps = speculative is None or speculative.method in ASYNC_SPEC_METHODS
+    if asked and not overlaps:
+        raise ValueError(f'Speculative method "{speculative.method}" drafts from host-side token ids, so it '
+                         "runs with synchronous scheduling; drop async_scheduling=True, or use "
+                         f"method {' or '.join(ASYNC_SPEC_METHODS)}.")
+    return asked if asked is not None else device == "cuda" and overlaps
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compilation: CompilationConfig
+    device: str = "cpu"
+    speculative: SpeculativeConfig | None = None
+    num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
+
+
+DTYPE_CHOICES = ("auto", *_DTYPES)
+KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
+
+
+def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    """An `EngineArgs` field: its default, plus the help and choices its CLI flag shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+CPU_TOKENS_PER_THREAD = 128  # a 512-token prefill step of SmolLM2-135M took ~1.9 s on one core
+CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries every running decode and a prefill chunk
+# SchedulerConfig.prefill_cost_context on the CPU: the context at which a prompt token's attention costs as much
+# as the rest of its forward pass, so a step's time stays about that of its first chunk. Measured with the
+# embedded SmolLM2-135M (fp32, AVX2, one torch thread, CPU time of engine steps): a chunk's time per token was
+# 5.4 ms at context 0 and 27 ms (256-token chunks) to 30 ms (512) at 4,096, i.e. ~4-4.8 ms plus 5.3-5.9 us per
+# context token: 660-900, the context term rising a little faster past 2k. A plain regression over all contexts
+# says ~500, but with 512 the steps' work shrank below their fixed cost (chunks of 128 units took 0.55-0.65 s a
+# step at every context up to 1.8k, ~0.3 s of it per step whatever its size) and an 8,000-token prompt beside
+# a stream took 490 s against 228 s in 512-token chunks. With 1024, in one run of both (tests/engine/
+# test_scheduling.py, one thread): the prompt in 421 s against 330 s, the stream's worst gap 2.8 s against 38.6 s.
+# (Counting FLOPs would say ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the
+# CPU's attention, over a gathered and masked context, runs far below matmul speed.)
+CPU_PREFILL_COST_CONTEXT = 1024
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """A GPU takes a 16k-token step in well under a second; a CPU takes about 4 ms per token per core, so
+    its budget follows its threads (on 2 cores, one 8,000-token prompt in a 16k step froze every other
+    stream for minutes). Not below 512: at 256, as many as the CPU's running decodes, prefills got only
+    the leftovers and 256 concurrent streams took 3x as long."""
+    if device == "cuda":
+        return 16384
+    return max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * torch.get_num_threads())
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every knob a user may set, flat, with vLLM's names. Each field declares its own help and choices:
+    the CLI's engine flags are derived from them (entrypoints/cli.py, add_engine_args)."""
+    model: str | None = _arg(None, "HF model directory (config.json, *.safetensors) or .gguf file; model hubs are "
+                                   "not fetched (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _arg(None, "tokenizer directory or .gguf file (default: the model's)")
+    load_format: str = _arg("auto", "weights to load: auto (by the model path), safetensors, gguf, or dummy "
+                                    "(random weights at the config's shapes, for benchmarks)", LOAD_FORMATS)
+    dtype: str = _arg("auto", "weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with native "
+                              "bf16 (AVX512-BF16 or AMX); float32 on other CPUs", DTYPE_CHOICES)
+    quantization: str = _arg("auto", "auto: on the CPU, a GGUF's Q4 matrices (and a Q8_0 LM head) also stay "
+                                     "as shipped for steps of at most 8 tokens; none: dequantize them all",
+                             QUANTIZATIONS)
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
+                                           "max_position_embeddings, lowered to what the KV cache holds)")
+    seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV-cache blocks of prompt prefixes seen before")
+    kv_cache_dtype: str = _arg("auto", "KV-cache element type; auto: the model's dtype; fp8 (= fp8_e4m3) or "
+                                       "fp8_e5m2: CUDA only, scale 1", KV_CACHE_DTYPE_CHOICES)
+    kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU 2, or "
+                                                   "PRESSROOM_CPU_KVCACHE_SPACE; on CUDA what a memory profile "
+                                                   "leaves of --gpu-memory-utilization)")
+    num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory budget")
+    max_num_batched_tokens: int | None = _arg(None, "tokens one engine step computes at most (prefill chunks + "
+                                                    "decodes); default: 16384 on CUDA; on the CPU 128 per torch "
+                                                    "thread, at least 512: a long prompt is prefilled in chunks "
+                                                    "and running streams get a token between them")
+    long_prefill_token_threshold: int | None = _arg(None, "a prompt with more tokens left than this gets at most "
+                                                          "this many per step (counted as cost where "
+                                                          "--prefill-cost-context is set), leaving the rest of the "
+                                                          "step to other requests; 0: no limit (default: 0 on "
+                                                          "CUDA; on the CPU 128 per torch thread)")
+    prefill_cost_context: int | None = _arg(None, "cost-based prefill chunks: n prompt tokens after c computed ones "
+                                                  "count n * (1 + c / this) against the step's budget and "
+                                                  "--long-prefill-token-threshold, so a long prompt's later chunks "
+                                                  "shrink and a step's time stays bounded; 0: tokens count alone "
+                                                  f"(default: 0 on CUDA, {CPU_PREFILL_COST_CONTEXT} on the CPU)")
+    max_num_seqs: int | None = _arg(None, "requests running at once at most (default: 1024 on CUDA, vLLM's for "
+                                          "large GPUs; 256 on the CPU)")
+    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
+                                  SCHEDULING_POLICIES)
+    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 is supported yet)")
+    distributed_executor_backend: str | None = _arg(
+        None, "where workers run: uni (in the engine core's process) or mp (one process per rank); "
+        "default: uni for one rank", EXECUTOR_BACKENDS)
+    device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
+    num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
+    gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
+                                               "activations, KV cache), in (0, 1]")
+    enforce_eager: bool = _arg(False, "no CUDA graphs: every step runs eagerly")
+    max_cudagraph_capture_size: int = _arg(512, "largest decode batch replayed from a captured CUDA graph "
+                                                f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts and outputs are token ids only")
+    async_scheduling: bool | None = _arg(None, "schedule and prepare step N+1 while the device runs step N "
+                                               "(default: on for CUDA unless the speculative method drafts on "
+                                               "the host; off on the CPU, with nothing to overlap)")
+    speculative_config: dict | str | None = _arg(None, 'speculative decoding: a JSON object of vLLM keys, e.g. '
+                                                       '{"method": "ngram", "num_speculative_tokens": 3}; methods: '
+                                                       f"{', '.join(SPEC_METHODS)} (default: off)")
+
+    def _prefill_chunking(self, device: str) -> dict[str, int]:
+        """CUDA: tokens count alone and no prompt is limited (vLLM's defaults). The CPU: a long prompt's chunk
+        gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with its attention
+        (CPU_PREFILL_COST_CONTEXT), so streams running beside it keep their pace."""
+        threshold, context = self.long_prefill_token_threshold, self.prefill_cost_context
+        if device == "cuda":
+            return {"long_prefill_token_threshold": threshold or 0, "prefill_cost_context": context or 0}
+        return {"long_prefill_token_threshold": CPU_TOKENS_PER_THREAD * torch.get_num_threads()
+                if threshold is None else threshold,
+                "prefill_cost_context": CPU_PREFILL_COST_CONTEXT if context is None else context}
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        unknown = set(kwargs) - cls.names()
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        memory = self.kv_cache_memory_gib
+        if memory is None and device == "cpu":
+            memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
+        dtype = resolve_dtype(self.dtype, device)
+        if device == "cpu":
+            log_cpu_path(str(self.dtype), dtype)
+        return EngineConfig(
+            model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
+                              dtype=dtype, max_model_len=self.max_model_len,
+                              seed=self.seed, quantization=self.quantization,
+                              skip_tokenizer_init=self.skip_tokenizer_init),
+            cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
+                              num_blocks=self.num_gpu_blocks_override,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
+                                      or default_max_num_batched_tokens(device),
+                                      max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
+                                      policy=self.scheduling_policy,
+                                      **self._prefill_chunking(device),
+                                      async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
+                                                                                speculative)),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager,
+                                          max_cudagraph_capture_size=self.max_cudagraph_capture_size),
+            device=device,
+            speculative=speculative,
+            num_threads=self.num_threads or None,
+        )

@@ -1,0 +1,427 @@
+"""One token budget per step, shared by every request; no prefill or decode phases.
+
+Each step, running requests get their next tokens first (1 for a decode, a chunk for a long
+prompt), then waiting requests are admitted in priority order while budget and blocks last.
+When blocks run out, the worst running request is preempted and later recomputed.
+
+A prompt gets at most `long_prefill_token_threshold` of a step (vLLM's knob), so a long one leaves room for
+others. With `prefill_cost_context` set, the step's budget and that threshold count cost, not tokens: a prompt
+chunk's attention grows with the context already computed, so a long prompt's later chunks count for more and
+shrink. The CPU sets both
+by default, so a step's time stays bounded while a long prompt is prefilled; CUDA neither.
+
+Progress is booked when a step is scheduled: a step that reaches the end of a request's tokens
+leaves output placeholders, one per token it may emit (1 + its drafts), given back when its tokens
+come back. So the next step can be scheduled before the previous one's tokens are known (async
+scheduling), or right after (sync). With speculative decoding under async scheduling the booking is
+optimistic (every draft accepted); the runner shifts the next step's positions by the rejections it
+finds on the device, and the scheduler gives the rejected progress back when the step resolves.
+
+The requests of a step that failed become suspects (`suspect`): each is recomputed from scratch and runs
+alone until one of its steps samples, so a second failure names its culprit. Meanwhile the other requests
+go on in steps of their own, taking turns with the suspect's.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pressroom.config import SchedulerConfig
+from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.outputs import (
+    PLACEHOLDER_DRAFT,
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pressroom.core.request import Request, RequestStatus
+from pressroom.spec_decode.budget import AdaptiveBudget
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec: SpecDecodingStats | None = None
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Counters with vLLM's meaning: mean acceptance length = 1 + accepted / drafts."""
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple, int, Request]] = []  # heap
+        self.running: list[Request] = []
+        self._tiebreak = itertools.count()
+        self._seen_by_runner: set[str] = set()
+        self._stale: set[str] = set()
+        self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
+        self.spec_budget: AdaptiveBudget | None = None  # set by the engine when speculating adaptively
+        # Async scheduling with a device-side drafter (set by the engine): every sampling step leaves this
+        # many placeholder drafts for the next one (their ids stay on the device).
+        self.async_drafts = 0
+        # Slots each request keeps past its scheduled tokens for a drafter that writes into its blocks (a
+        # device drafter, or MTP in the target's block tables; set by the engine).
+        self.lookahead = 0
+        # Requests of a failed step, in the order they run alone (see suspect()).
+        self.suspects: dict[str, Request] = {}
+        self._solo_turn = False
+
+    # ---- request table ----
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting = [e for e in self.waiting if e[2] is not req]
+                heapq.heapify(self.waiting)
+            self._finish(req, status)
+
+    def suspect(self, request_ids: list[str]) -> None:
+        """Requests of a step that failed: each is preempted (recomputed from scratch, its tokens so far kept,
+        its runner state dropped) and then runs alone until one of its steps samples; if that step fails
+        too, the engine ends it as the culprit."""
+        reqs = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        for req in sorted(reqs, key=self._key):
+            if req.status == RequestStatus.RUNNING:
+                self._preempt(req)
+            req.follows = None  # alone, it cannot wait for a sibling's prompt: that sibling may be waiting
+            self.suspects[req.request_id] = req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        spec = self.spec_stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
+                              self.kv.stats.queries, self.kv.stats.hits,
+                              SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                                list(spec.accepted_per_pos)))
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step. While suspects are left, steps take turns: the first suspect alone, then the
+        other requests without it (when there are others), so the requests that did not fail keep going."""
+        if not self.suspects:
+            return self._schedule()
+        first = next(iter(self.suspects.values()))
+        self._solo_turn = not self._solo_turn or not self._others_left()
+        if self._solo_turn:
+            return self._schedule_among(lambda r: r is first)
+        return self._schedule_among(lambda r: r.request_id not in self.suspects)
+
+    def _others_left(self) -> bool:
+        return any(r.request_id not in self.suspects for r in self.running) or \
+            any(e[2].request_id not in self.suspects for e in self.waiting)
+
+    def _schedule_among(self, keep: Callable[[Request], bool]) -> SchedulerOutput:
+        """A step of the requests `keep` picks; the others sit this step out untouched."""
+        running, waiting = self.running, self.waiting
+        self.running = [r for r in running if keep(r)]
+        self.waiting = [e for e in waiting if keep(e[2])]
+        heapq.heapify(self.waiting)
+        try:
+            return self._schedule()
+        finally:
+            self.running += [r for r in running if not keep(r)]
+            self.waiting += [e for e in waiting if not keep(e[2])]
+            heapq.heapify(self.waiting)
+
+    def _schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        sampling: list[Request] = []  # requests whose step ends at their last token: they draft after it
+        preempted_now = False
+
+        # Best first, so a victim (the worst) is never one already scheduled this step.
+        self.running.sort(key=self._key)
+        if self.spec_budget is not None:
+            self.spec_budget.tick()
+            # Async drafting with a planning budget: the placeholders are the plan's, priced already.
+            if not (self.async_drafts and self.spec_budget.draft_costs is not None):
+                self._trim_drafts(budget)
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
+            if n == 0:
+                continue
+            drafts = self._drafts_that_fit(req, n, budget)
+            cost = self._cost(n, req.num_computed_tokens) + len(drafts)
+            n += len(drafts)
+            old_len = len(self.kv.req_blocks.get(req.request_id, ()))
+            while not self.kv.allocate_slots(req, n + self.lookahead):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled[req.request_id] = n
+            if drafts:
+                spec_tokens[req.request_id] = drafts
+            budget = max(0, budget - cost)
+            new_blocks = self.kv.block_ids(req.request_id)[old_len:]
+            cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            if self._book(req, n, len(drafts)):
+                sampling.append(req)
+
+        # Admitting new work in a step that had to preempt would just thrash.
+        if not preempted_now:
+            self._admit_waiting(budget, scheduled, new_reqs, sampling)
+
+        stale, self._stale = self._stale, set()
+        return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens,
+                               self._plan_drafts(sampling))
+
+    def _plan_drafts(self, sampling: list[Request]) -> dict[str, int]:
+        """Where drafting costs a forward pass per draft position (a draft model), how many drafts each
+        request sampling this step should draft for the next, planned before any drafting: at high
+        concurrency none, so the drafter is not run for drafts the next step would not verify."""
+        budget = self.spec_budget
+        if budget is None or budget.draft_costs is None or not sampling:
+            return {}
+        def room(r: Request) -> int:
+            # Async: the step's placeholders count as if every draft were accepted (the next step's are
+            # placed now); sync: the runner caps the drafts by the exact room once the tokens are known.
+            in_flight = r.num_output_placeholders if self.async_drafts else 0
+            return r.sampling_params.max_tokens - r.num_output_tokens - in_flight - 1
+
+        allowed = {r.request_id: max(0, min(budget.k, room(r))) for r in sampling}
+        base = min(self.config.max_num_batched_tokens,
+                   sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running))
+        contexts = {r.request_id: r.num_computed_tokens for r in sampling}
+        limits = budget.plan(allowed, max(1, base), contexts, sum(r.num_computed_tokens for r in self.running))
+        if self.async_drafts:  # the placeholders the next step verifies at most
+            for r in sampling:
+                r.spec_token_ids = r.spec_token_ids[:limits[r.request_id]]
+        return limits
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        results = []
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
+            new_ids = out.sampled_token_ids.get(rid, [])
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if new_ids:
+                req.num_output_placeholders -= 1 + len(drafts or ())
+                if self.suspects:
+                    self.suspects.pop(rid, None)  # a step of its own sampled: it is cleared
+            if drafts:  # give back the slots of rejected drafts: their KV is overwritten later
+                accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.observe(len(drafts), accepted)
+                if self.spec_budget is not None:
+                    self.spec_budget.observe(rid, len(drafts), accepted, req.spec_confidences[:len(drafts)])
+            if not self.async_drafts:  # else the next step's drafts are placeholders, booked at schedule time
+                req.spec_token_ids = out.draft_token_ids.get(rid, [])
+                req.spec_confidences = out.draft_confidences.get(rid, [])
+            kept = self._append_tokens(req, new_ids)
+            prompt_lps = out.prompt_logprobs.get(rid)
+            if not kept and prompt_lps is None:
+                continue
+            lps = out.logprobs.get(rid)
+            results.append(EngineCoreOutput(
+                rid, kept, req.status.finish_reason, req.stop_reason,
+                lps[:len(kept)] if lps is not None else None, prompt_lps, max(req.num_cached_tokens, 0)))
+            if req.status.finished:
+                self._free(req)
+        return results
+
+    # ---- internals ----
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                       sampling: list[Request]) -> None:
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            entry = heapq.heappop(self.waiting)
+            req = entry[2]
+            if not req.is_ready():
+                skipped.append(entry)
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = 0
+            n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
+            if not self.kv.allocate_slots(req, n + self.lookahead, hits):
+                skipped.append(entry)
+                break
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = n
+            budget = max(0, budget - self._cost(n, num_hit))
+            new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
+                                           req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
+                                           req.eos_token_id))
+            if self._book(req, n, 0):
+                sampling.append(req)
+            self._seen_by_runner.add(req.request_id)
+        for entry in skipped:
+            heapq.heappush(self.waiting, entry)
+
+    def _trim_drafts(self, budget: int) -> None:
+        """Keeps, per running request, the drafts the adaptive budget expects to pay off this step."""
+        offered = {r.request_id: len(r.spec_token_ids) for r in self.running if r.spec_token_ids}
+        if not offered:
+            return
+        base = sum(self._prefill_chunk(self._num_new_tokens(r, budget), r.num_computed_tokens, budget)
+                   for r in self.running)
+        room = self.config.max_num_seqs - len(self.running)  # only these waiting prompts may join this step
+        base += sum(e[2].num_tokens for e in heapq.nsmallest(max(0, room), self.waiting))  # capped below
+        contexts = {r.request_id: r.num_computed_tokens for r in self.running}
+        confidences = {r.request_id: r.spec_confidences for r in self.running if r.spec_confidences}
+        chosen = self.spec_budget.choose(offered, max(1, min(base, budget)), contexts, sum(contexts.values()),
+                                         confidences)
+        for r in self.running:
+            if r.request_id in chosen:
+                r.spec_token_ids = r.spec_token_ids[:chosen[r.request_id]]
+
+    def _drafts_that_fit(self, req: Request, n: int, budget: int) -> list[int]:
+        """A decode's drafts, cut to the step budget, the context length and its remaining max_tokens."""
+        if not req.spec_token_ids or n != 1:
+            return []
+        # Placeholders count as outputs: under async scheduling they bound what the step in flight emits.
+        room = min(budget - 1, self.config.max_model_len - req.num_computed_tokens - 1,
+                   req.sampling_params.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1)
+        return req.spec_token_ids[:max(0, room)]
+
+    def _cost(self, n: int, context: int) -> int:
+        """What n tokens computed after `context` ones count against the step budget: n * (1 + context / K)
+        for a prompt chunk with cost-based chunking on (K = prefill_cost_context; see config.py for how it
+        was measured), else n. A single token (a decode) counts 1: its attention is a memory-bound kernel
+        whose total the KV cache's size bounds."""
+        k = self.config.prefill_cost_context
+        return n if not k or n <= 1 else -(-n * (k + context) // k)
+
+    def _prefill_chunk(self, n: int, context: int, budget: int) -> int:
+        """The most of a prompt's next n tokens (n <= budget) whose cost (`_cost`) fits the budget and
+        long_prefill_token_threshold; at least one, so a prompt progresses in every step that has budget."""
+        if n <= 1:
+            return n
+        threshold = self.config.long_prefill_token_threshold
+        limit = min(budget, threshold) if threshold else budget
+        k = self.config.prefill_cost_context
+        return max(1, min(n, limit * k // (k + context) if k else limit))
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        if req.num_output_placeholders and req.num_output_tokens + req.num_output_placeholders >= \
+                req.sampling_params.max_tokens:
+            return 0  # the token in flight is its last one
+        n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+        return max(0, min(n, budget, self.config.max_model_len - req.num_computed_tokens))
+
+    def _append_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
+        kept = []
+        for token in new_ids:
+            req.output_token_ids.append(token)
+            kept.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.status = status
+                break
+        return kept
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token still in flight is dropped; recomputation samples it again
+        req.spec_token_ids, req.spec_confidences = [], []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_in_runner(req)
+        self._enqueue(req)
+
+    def _key(self, req: Request) -> tuple[int, float]:
+        return req.sort_key() if self.config.policy == "priority" else (0, req.arrival_time)
+
+    def _enqueue(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (self._key(req), next(self._tiebreak), req))
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.suspects.pop(req.request_id, None)
+        if self.spec_budget is not None:
+            self.spec_budget.forget(req.request_id)
+        self.kv.free(req)
+        self._forget_in_runner(req)
+        self.requests.pop(req.request_id, None)
+
+    def _forget_in_runner(self, req: Request) -> None:
+        if req.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(req.request_id)
+            self._stale.add(req.request_id)
+
+    def _book(self, req: Request, n: int, num_drafts: int) -> bool:
+        """Counts a scheduled step's tokens as computed (its drafts as accepted); one that reaches the end
+        emits up to 1 + num_drafts tokens, and under async drafting leaves placeholder drafts. True: the
+        step samples."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens < req.num_tokens + req.num_output_placeholders:
+            return False
+        req.num_output_placeholders += 1 + num_drafts
+        if self.async_drafts:
+            req.spec_token_ids = [PLACEHOLDER_DRAFT] * self.async_drafts
+        return True

@@ -1,0 +1,258 @@
+"""The asynchronous engine the server runs: the front-end here, the engine core in its own process.
+
+The front-end (an LLMEngine over a CoreClient: tokenization, validation, detokenization, stop strings,
+output assembly) lives in the API process. One output thread receives the core's step outputs, turns
+them into RequestOutputs and hands each to its caller's event loop with `call_soon_threadsafe`; the
+same lock serialises it with adds and aborts from the event loops. A consumer that stops iterating (a
+client that disconnects, a cancelled task) aborts its request, which frees its KV blocks in the core.
+
+When the core dies or fails, every stream ends with EngineDeadError at once and later requests are
+refused with it; `is_running` turns false. A fault confined to one request's outputs (its detokenization,
+stop strings, output assembly) ends that request alone, with finish_reason "error" (LLMEngine.process_outputs).
+
+The core sends a message after every step and a heartbeat once a second when idle; `unhealthy_reason` says
+the engine is stalled when none has come for longer than the caller's threshold. `abort_all` ends every
+request in flight with an error (the server's graceful shutdown, when its grace period is over).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pressroom.config import EngineArgs, EngineConfig
+from pressroom.core.scheduler import SchedulerStats
+from pressroom.engine.core_client import CoreClient, EngineDeadError
+from pressroom.engine.llm_engine import LLMEngine, PromptType
+from pressroom.outputs import RequestOutput
+from pressroom.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
+
+logger = logging.getLogger("pressroom")
+
+_ABORTED = object()  # the request was aborted by someone other than its consumer
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config, make_core=CoreClient)  # a start-up error is raised here, in the caller
+        self._client: CoreClient = self.engine.core
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._stats = SchedulerStats()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._refusal: str | None = None  # set by abort_all: why new requests are refused
+        self._last_heard = time.monotonic()  # when the core last sent anything (outputs or a heartbeat)
+        self._thread = threading.Thread(target=self._output_loop, name="pressroom-output", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(args.create_engine_config())
+
+    # ---- what the front-end knows ----
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def startup_seconds(self) -> float:
+        return self.engine.startup_seconds
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self._client.info.cuda_graphs
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize_prompt(prompt)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._closed
+
+    @property
+    def seconds_since_heard(self) -> float:
+        """Seconds since the core last sent anything: step outputs, or its once-a-second idle heartbeat."""
+        return time.monotonic() - self._last_heard
+
+    def unhealthy_reason(self, stall_timeout: float | None = None) -> str | None:
+        """None while the engine can serve; else why not: its core failed or was shut down, or (with
+        `stall_timeout`) nothing has been heard from it for longer than that many seconds, so its loop is
+        stuck (one step can take seconds, so the threshold must be longer than the longest step)."""
+        if self._error is not None:
+            return str(self._error)
+        if self._closed or not self._thread.is_alive():
+            return "The engine is shut down."
+        if self._refusal is not None:
+            return self._refusal
+        silent = self.seconds_since_heard
+        if stall_timeout is not None and stall_timeout > 0 and silent > stall_timeout:
+            return (f"The engine loop has made no progress for {silent:.1f} s (the engine core sends outputs after "
+                    f"every step and a heartbeat every second; the stall threshold is {stall_timeout:g} s).")
+        return None
+
+    # ---- requests ----
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                       priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; ValueError if the engine rejects it (nothing else changes)."""
+        outputs = await self.add_request(request_id, prompt, params, priority, session_id)
+        async for out in outputs:
+            yield out
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                          priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
+        iterate or close: leaving the stream before the request finishes aborts it."""
+        self._check_alive()
+        if self._refusal is not None:
+            raise EngineDeadError(self._refusal)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
+            self._streams[request_id] = stream  # (add_request undoes itself if it raises: nothing to clean)
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty():  # outputs are cumulative: the newest one says it all
+                    if not isinstance(item, RequestOutput) or item.finished:
+                        break
+                    item = stream.queue.get_nowait()
+                if item is _ABORTED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and idempotent; a consumer still iterating sees its stream end."""
+        if self._closed or self._error is not None:
+            return
+        with self._lock:
+            self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _call_soon(stream.loop, stream.queue.put_nowait, _ABORTED)
+
+    def abort_all(self, message: str) -> int:
+        """Ends every request in flight: the core drops them, and each stream raises EngineDeadError(message)
+        (the server's handlers turn it into a 503, or an SSE error event after a finish_reason "abort"
+        chunk). Later requests are refused with the same error. Thread-safe; returns how many were ended."""
+        if self._closed or self._error is not None:
+            return 0
+        with self._lock:
+            self._refusal = message
+            self.engine.abort_request(list(self.engine.parents))
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            _call_soon(stream.loop, stream.queue.put_nowait, EngineDeadError(message))
+        return len(streams)
+
+    async def stats(self) -> SchedulerStats:
+        """The core's latest figures (it sends them with every step, and once a second when idle)."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the core; requests still in flight end with EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout)
+        self._client.shutdown(timeout)
+        self._fail_all(EngineDeadError("The engine is shut down."))
+
+    # ---- the output thread ----
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(str(self._error)) from self._error
+        if self._closed:
+            raise EngineDeadError("The engine is shut down.")
+
+    def _output_loop(self) -> None:
+        try:
+            while not self._closed:
+                step = self._client.recv()
+                if step is None:
+                    continue
+                self._last_heard = time.monotonic()
+                if step.stats is not None:
+                    self._stats = step.stats
+                with self._lock:  # a fault in one request's outputs ends that request alone (in process_outputs)
+                    outputs = self.engine.process_outputs(step)
+                self._deliver(outputs)
+        except BaseException as e:  # noqa: BLE001 — every waiting caller must hear of it
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the engine's output thread failed")
+                e = EngineDeadError(f"The engine's output thread failed: {e!r}")
+            logger.error("%s", e)
+            self._error = e
+            self._fail_all(e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            _call_soon(stream.loop, stream.queue.put_nowait, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass

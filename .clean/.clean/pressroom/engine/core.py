@@ -1,0 +1,308 @@
+"""The engine core: the scheduler and the executor, token ids in and token ids out (no text).
+
+It runs in-process under the offline `LLM`, and in a process of its own under the server
+(engine/core_client.py), where a busy loop feeds it requests and ships its outputs over ZMQ.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from pressroom.config import EngineConfig
+from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
+from pressroom.core.request import Request, RequestStatus
+from pressroom.core.scheduler import Scheduler, SchedulerStats
+from pressroom.executor import FATAL_ERRORS, make_executor
+from pressroom.sampling_params import SamplingParams
+from pressroom.spec_decode.budget import AdaptiveBudget
+from pressroom.worker.worker import ModelSpec
+
+logger = logging.getLogger("pressroom")
+
+MAX_FAILED_STEPS = 3  # in a row: past that the fault is the engine's, not a request's
+
+
+@dataclass(slots=True)
+class CoreRequest:
+    """One sequence to generate (a request with n > 1 becomes n of these)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    follows: str | None = None  # a sibling whose prompt is computed first (it fills the prefix cache)
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    """One step's results."""
+    outputs: list[EngineCoreOutput]
+    scheduled: list[str]  # requests the step scheduled afresh (their queue time ends)
+    stats: SchedulerStats | None = None  # sent along by the core process, for /metrics
+
+
+@dataclass(slots=True)
+class CoreInfo:
+    """What the front-end needs to know of the core it talks to."""
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    model_path: str
+    startup_seconds: float
+    cuda_graphs: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        """`eos_token_id`: the tokenizer's, which the front-end loaded (the core never needs a tokenizer)."""
+        start = time.perf_counter()
+        self.config, self.eos_token_id = config, eos_token_id
+        self.executor = make_executor(config)
+        try:
+            self._start(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.requests: dict[str, Request] = {}
+        self._inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self._failed_steps = 0  # faults in a row (see step)
+        self._unexplained = False  # the last fault was a batch's, whose culprit is not found yet
+        if config.device == "cuda" and config.speculative is None:  # (speculation's steps: its CUDA graphs)
+            self._warm_up_step_shapes()
+        _relax_gc()
+        self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
+                             self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs)
+
+    def _start(self, config: EngineConfig) -> None:
+        spec = self.model_spec = self.executor.load_model()
+        num_blocks = self._num_blocks(spec)
+        self.max_model_len = self._max_model_len(spec, num_blocks)
+        config.scheduler.max_model_len = self.max_model_len
+        self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead)
+        self._log_capacity(num_blocks)
+        self.cuda_graphs = self.executor.compile_or_warm_up_model()
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler.lookahead, self.scheduler.async_drafts = spec.lookahead, spec.device_drafts
+        if config.speculative is not None and config.speculative.adaptive_token_budget:
+            self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
+
+    # ---- set-up ----
+
+    def _num_blocks(self, spec: ModelSpec) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks + 1  # block 0 is the padding block
+        budget = self.executor.determine_available_memory()
+        if budget < 2 * spec.kv_bytes_per_block:
+            raise ValueError(f"Only {budget / (1 << 30):.2f} GiB is left for the KV cache, less than two blocks; "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens.")
+        return budget // spec.kv_bytes_per_block
+
+    def _adaptive_budget(self, max_drafts: int) -> AdaptiveBudget:
+        costs = self.executor.profile_step_costs(max_drafts, self.max_model_len)
+        logger.info("step costs for the speculative budget: decodes %s; verifications %s; attention %.3g us "
+                    "per query per context token", _curve(costs.decode), _curve(costs.verify),
+                    1e6 * costs.per_context_token)
+        if costs.drafts is not None:
+            logger.info("drafting one more position: %s; the first: %s", _curve(costs.drafts),
+                        costs.first_draft and _curve(costs.first_draft))
+        if costs.block_passes is not None:
+            logger.info("block drafter passes: %s", _curve(costs.block_passes))
+        return AdaptiveBudget(max_drafts, costs.verify, costs.decode, costs.per_context_token, costs.drafts,
+                              first_draft_costs=costs.first_draft, block_costs=costs.block_passes)
+
+    def _log_capacity(self, num_blocks: int) -> None:
+        tokens = (num_blocks - 1) * self.config.cache.block_size
+        kv_dtype = self.config.cache.cache_dtype or self.config.model.dtype
+        per_token = self.model_spec.kv_bytes_per_block // self.config.cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes per token); max concurrency %.1fx "
+                    "at max_model_len %d", num_blocks, self.config.cache.block_size, tokens,
+                    str(kv_dtype).removeprefix("torch."), per_token, tokens / self.max_model_len, self.max_model_len)
+
+    def _max_model_len(self, spec: ModelSpec, num_blocks: int) -> int:
+        limit, asked = spec.max_position, self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} tokens.")
+        length = asked or limit
+        capacity = (num_blocks - 1) * self.config.cache.block_size - spec.lookahead
+        if length > capacity:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more", length, capacity)
+            length = capacity
+        return length
+
+    def _warm_up_step_shapes(self) -> None:
+        """Runs a few real steps of throw-away requests so that Triton compiles the attention kernel's
+        variants before the first client comes: each (rows per program, request-count class, direct or
+        prefix-sum program lookup) is a kernel of its own, and in an 8 s profile of the served H200 benchmark
+        half the core's samples were compiling them. A mixed step of n requests (n - 1 decodes, one prompt
+        chunk of q tokens) for each class of n and q; then, for each class of m, a step of m prompt chunks
+        (one long, the rest 2 tokens: the prefix-sum lookup, which a served run's uneven chunks take)."""
+        start = time.perf_counter()
+        sched = self.config.scheduler
+        counts = [n for n in (1, 2, 65, 129, 257, 513, 1025) if n <= sched.max_num_seqs]
+        queries = [q for q in (2, 3, 5, 9, 17, 33, 64) if q < sched.max_num_batched_tokens - max(counts)]
+        params = SamplingParams(temperature=0.0, max_tokens=len(queries) + 2, ignore_eos=True)
+        ids = itertools.count()
+        for n in counts:
+            decodes = [f"warm-up-{next(ids)}" for _ in range(n - 1)]
+            for rid in decodes:
+                self.add_request(CoreRequest(rid, [1], params, 0.0))
+            self.step()  # the decodes' one-token prompts
+            for q in queries:
+                k = next(ids)  # a prompt of its own: a prefix-cache hit would shorten the chunk
+                prompt = [(k * 101 + j) % (self.model_spec.vocab_size - 1) + 1 for j in range(q)]
+                rid = f"warm-up-{k}"
+                self.add_request(CoreRequest(rid, prompt, params, 0.0))
+                self.step()
+                self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self.finish_requests(decodes, RequestStatus.FINISHED_ABORTED)
+        chunked = [m for m in counts[1:] if queries and queries[-1] + 2 * m <= sched.max_num_batched_tokens]
+        for m in chunked:
+            rids = []
+            for length in [queries[-1]] + [2] * (m - 1):
+                k = next(ids)
+                rids.append(f"warm-up-{k}")
+                prompt = [(k * 101 + j) % (self.model_spec.vocab_size - 1) + 1 for j in range(length)]
+                self.add_request(CoreRequest(rids[-1], prompt, params, 0.0))
+            self.step()
+            self.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+        if self._inflight is not None:
+            self._update(self._inflight[0], self._inflight[1].resolve())
+            self._inflight = None
+        self.step()  # an empty step: the runner forgets the finished requests
+        self.kv_cache.reset_prefix_cache()
+        self.kv_cache.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        logger.info("warmed up %d step shapes in %.1fs", len(counts) * (len(queries) + 1) + len(chunked),
+                    time.perf_counter() - start)
+
+    # ---- requests ----
+
+    def add_request(self, request: CoreRequest) -> None:
+        lead = self.requests.get(request.follows) if request.follows is not None else None
+        req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
+                      request.arrival_time, request.priority, follows=lead)
+        self.requests[request.req_id] = req
+        self.scheduler.add_request(req)
+
+    def try_add_request(self, request: CoreRequest) -> EngineCoreOutput | None:
+        """add_request for a core in its own process: a request it cannot take ends alone, with
+        finish_reason "error" (returned), instead of taking the core down."""
+        try:
+            self.add_request(request)
+        except Exception:  # noqa: BLE001 — whatever it was, it was this request's
+            logger.exception("request %s could not be added; it ends with finish_reason \"error\"", request.req_id)
+            self.finish_requests([request.req_id], RequestStatus.FINISHED_ERROR)
+            return _error_output(request.req_id)
+        return None
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """Ends requests the front-end is done with (aborted, or stopped by a stop string)."""
+        self.scheduler.finish_requests(req_ids, status)
+        for rid in req_ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step ----
+
+    def step(self) -> CoreOutputs:
+        """Schedules and runs one step. With async scheduling the step is launched and the previous
+        one's results are returned, so the host's work overlaps the device's.
+
+        A step that raises and ran one request ends it (finish_reason "error"). One that ran several (with
+        the step in flight, under async scheduling) makes them suspects: each is recomputed and runs alone
+        until a step of its samples, and a suspect whose solo step fails is the culprit, ended the same way;
+        the others go on. While suspects are left, each step is resolved before the next is scheduled, so
+        a failure names its own step's requests.
+
+        A worker's death ends the engine, and so do MAX_FAILED_STEPS faults in a row (no step with work
+        succeeding between them: a broken device). A failed batch and the culprit found right after it
+        count as one fault: three culprits in a row end the engine, and so does a failed batch whose
+        first three suspects fail alone too."""
+        isolating = bool(self.scheduler.suspects)
+        sched = self.scheduler.schedule()
+        scheduled = [new.req_id for new in sched.new_requests]
+        inflight = self._inflight  # None while isolating: those steps are resolved at once
+        try:
+            result = self.executor.execute_model(sched)
+            if isinstance(result, AsyncModelRunnerOutput) and not isolating:
+                self._inflight = (sched, result)
+                outputs = self._update(inflight[0], inflight[1].resolve()) if inflight is not None else []
+            else:
+                if isinstance(result, AsyncModelRunnerOutput):
+                    result = result.resolve()  # isolating: a failure must name this step's requests
+                outputs = self._update(sched, result)
+        except FATAL_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
+            failed = [sched] + ([inflight[0]] if inflight is not None else [])
+            return CoreOutputs(self._fail_step(failed, e), scheduled)
+        if not sched.is_empty:
+            self._failed_steps, self._unexplained = 0, False
+        return CoreOutputs(outputs, scheduled)
+
+    def _fail_step(self, failed: list[SchedulerOutput], error: Exception) -> list[EngineCoreOutput]:
+        """Ends the step's request if it ran one (the culprit), else makes its requests suspects."""
+        req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens if rid in self.requests})
+        culprit = len(req_ids) == 1
+        self._count_fault(culprit, error)
+        self._inflight = None
+        self.executor.discard_inflight()
+        self.kv_cache.reset_prefix_cache()  # the step may have left its blocks' KV half-written
+        if not culprit:
+            logger.warning("a step of %d requests failed; each runs alone until it samples, to find the culprit: "
+                           "%s", len(req_ids), ", ".join(req_ids[:8]), exc_info=error)
+            self.scheduler.suspect(req_ids)
+            return []
+        logger.error("a step of request %s failed; it ends with finish_reason \"error\"", req_ids[0], exc_info=error)
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        return [_error_output(req_ids[0])]
+
+    def _count_fault(self, culprit: bool, error: Exception) -> None:
+        """Raises on the MAX_FAILED_STEPS-th fault in a row. A culprit found right after a failed batch
+        is that batch's fault, not a new one."""
+        if not (culprit and self._unexplained):
+            self._failed_steps += 1
+        self._unexplained = not culprit
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} steps in a row failed; the last: {error!r}") from error
+
+    def _update(self, sched: SchedulerOutput, runner_out) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.requests.pop(out.req_id, None)
+        return outputs
+
+    def shutdown(self) -> None:
+        """Drops the scheduler's state and has the executor free the workers' models and device memory."""
+        self._inflight = None
+        self.requests.clear()
+        self.executor.shutdown()
+
+
+def _error_output(req_id: str) -> EngineCoreOutput:
+    return EngineCoreOutput(req_id, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason)
+
+
+def _relax_gc() -> None:
+    """Cyclic-GC passes over the engine's many long-lived objects took half of the host's time per step
+    at 1,000 requests (benchmarks/host_overhead.py): collect the young generation 14x less often, and the
+    old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
+    a deleted engine's cycles, and its GPU memory, alive)."""
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, 10_000), max(middle, 20), max(old, 100))
+
+
+def _curve(costs: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs)

@@ -1,0 +1,179 @@
+"""The engine core in a process of its own, and the client the API process reaches it through.
+
+As in vLLM v1, the API process keeps HTTP, tokenization and detokenization, and the core process runs
+the scheduler and the model in a busy loop, so neither waits on the other's GIL. They talk over two
+ZMQ sockets (ipc): the client PUSHes requests and finishes, the core PUSHes each step's outputs (and,
+when idle, a heartbeat with its stats once a second). Messages are msgspec msgpack, kind and payload
+in two frames.
+
+The core dies with its parent (PR_SET_PDEATHSIG, and a parent-pid check in the loop); when it fails
+it says why before it exits, and the client reports a death it was not told of within half a second.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from pressroom.config import EngineConfig
+from pressroom.core.request import RequestStatus
+from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pressroom.executor.process import allow_children, die_with_parent
+
+logger = logging.getLogger("pressroom")
+
+_ADD, _FINISH, _SHUTDOWN = b"add", b"finish", b"shutdown"
+_READY, _OUTPUTS, _FAILED = b"ready", b"out", b"failed"
+HEARTBEAT_SECONDS = 1.0
+_POLL_MS = 500
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core failed or was shut down; no request can be served."""
+
+
+class CoreClient:
+    """Starts the core process and speaks for it: `add_request` and `finish_requests` as EngineCore has
+    them, and `recv` for its outputs. Not thread-safe: the caller serialises its calls."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pressroom-core-")
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._zmq = zmq.Context()
+        self._input = self._zmq.socket(zmq.PUSH)
+        self._input.bind(in_addr)
+        self._output = self._zmq.socket(zmq.PULL)
+        self._output.bind(out_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._outputs = msgspec.msgpack.Decoder(CoreOutputs)
+        spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
+        args = (config, eos_token_id, in_addr, out_addr, os.getpid())
+        self.process = spawn.Process(target=run_engine_core, args=args, name="pressroom-engine-core", daemon=True)
+        self.process.start()
+        try:
+            self.info: CoreInfo = self._wait_ready(start_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout: float) -> CoreInfo:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._output.poll(_POLL_MS):
+                kind, payload = self._output.recv_multipart()
+                if kind == _READY:
+                    return msgspec.msgpack.decode(payload, type=CoreInfo)
+                if kind == _FAILED:
+                    raise _startup_error(msgspec.msgpack.decode(payload, type=str))
+            elif not self.process.is_alive():
+                code = self.process.exitcode
+                raise RuntimeError(f"The engine core process exited while starting (exit code {code}).")
+        raise RuntimeError(f"The engine core did not start within {timeout:.0f} s.")
+
+    def add_request(self, request: CoreRequest) -> None:
+        self._input.send_multipart([_ADD, self._encoder.encode(request)])
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        self._input.send_multipart([_FINISH, self._encoder.encode((req_ids, status.name))])
+
+    def recv(self, timeout_ms: int = _POLL_MS) -> CoreOutputs | None:
+        """The core's next message, or None after `timeout_ms` of silence; EngineDeadError once it is gone."""
+        if not self._output.poll(timeout_ms):
+            if not self.process.is_alive():
+                raise EngineDeadError(f"The engine core process died (exit code {self.process.exitcode}).")
+            return None
+        kind, payload = self._output.recv_multipart()
+        if kind == _FAILED:
+            raise EngineDeadError(f"The engine core failed: {msgspec.msgpack.decode(payload, type=str)}")
+        return self._outputs.decode(payload)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Asks the core to stop, then makes sure: it is killed if it has not exited within `timeout`."""
+        if self.process.is_alive():
+            try:
+                self._input.send_multipart([_SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _startup_error(message: str) -> Exception:
+    # A configuration the engine rejects stays a ValueError for the caller, as it is in-process.
+    kind, _, text = message.partition(": ")
+    return ValueError(text) if kind == "ValueError" else RuntimeError(f"The engine core failed to start: {message}")
+
+
+# ---- the core process ----
+
+def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str, out_addr: str,
+                    parent_pid: int) -> None:
+    die_with_parent()
+    allow_children()  # the multiprocess executor's workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(in_addr)
+    out.connect(out_addr)
+    encoder = msgspec.msgpack.Encoder()
+    core = None
+    try:
+        core = EngineCore(config, eos_token_id)
+        out.send_multipart([_READY, encoder.encode(core.info)])
+        _busy_loop(core, inp, out, encoder, parent_pid)
+    except BaseException as e:  # noqa: BLE001 — the client must hear why, whatever it was
+        logger.exception("engine core failed")
+        out.send_multipart([_FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
+    finally:
+        if core is not None:
+            core.shutdown()
+        inp.close(linger=0)
+        out.close(linger=2000)  # let a last message leave
+        ctx.term()
+
+
+def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
+    requests = msgspec.msgpack.Decoder(CoreRequest)
+    finishes = msgspec.msgpack.Decoder(tuple[list[str], str])
+    last_sent = time.monotonic()
+    while True:
+        busy = core.has_unfinished_requests()
+        if inp.poll(0 if busy else int(HEARTBEAT_SECONDS * 1000)):
+            busy = True  # after messages, report at once (an abort's freed blocks show in the stats)
+            while True:
+                try:
+                    kind, payload = inp.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if kind == _SHUTDOWN:
+                    return
+                if kind == _ADD:
+                    rejected = core.try_add_request(requests.decode(payload))
+                    if rejected is not None:
+                        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([rejected], []))])
+                elif kind == _FINISH:
+                    ids, status = finishes.decode(payload)
+                    core.finish_requests(ids, RequestStatus[status])
+        if core.has_unfinished_requests():
+            step = core.step()
+            step.stats = core.stats()
+            out.send_multipart([_OUTPUTS, encoder.encode(step)])
+            last_sent = time.monotonic()
+        elif busy or time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
+            out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([], [], core.stats()))])
+            last_sent = time.monotonic()
+        if os.getppid() != parent_pid:
+            return

@@ -1,0 +1,355 @@
+"""The engine's front: prompts in, RequestOutputs out.
+
+It tokenizes and validates a request (before touching any state, so a bad request never disturbs the
+others), hands its sequences to the engine core (engine/core.py: scheduler and model runner) as token
+ids, and turns the core's per-step token ids into cumulative RequestOutputs: incremental
+detokenization, stop strings, logprobs, n > 1 siblings. The core is in this process (`LLM`), or in one
+of its own behind a client with the same methods (engine/core_client.py, under the server).
+
+A fault while handling one request's outputs (any exception type, a tokenizer's panic included) ends that
+request alone: its samples finish with finish_reason "error" (vLLM's), the core drops them, and the other
+requests go on. A request that fails while being added leaves nothing behind.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pressroom.config import EngineArgs, EngineConfig
+from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
+from pressroom.core.request import RequestStatus
+from pressroom.core.scheduler import SchedulerStats
+from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pressroom.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("pressroom")
+
+MAX_LOGPROBS = 20
+PromptType = str | list[int] | dict
+ERROR = "error"  # the finish reason of a request whose output handling failed (vLLM's FinishReason.ERROR)
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit)  # a per-request fault is any other exception (pyo3 panics too)
+
+
+@dataclass(slots=True)
+class _Child:
+    """Output-side state of one sample of a request."""
+    index: int
+    detok: IncrementalDetokenizer | None
+    request_id: str = ""  # the engine-internal id the scheduler knows it by
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    session_id: str | None = None
+
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, make_core: Callable[[EngineConfig, int | None], Any] = EngineCore) -> None:
+        """`make_core(config, eos_token_id)`: the engine core, built here in this process by default, or a
+        client of one running elsewhere (engine/core_client.py). The tokenizer is loaded here, once: the
+        core only needs its end-of-sequence id."""
+        self.config = config
+        path = resolve_model_path(config.model.model)
+        self.hf_config = load_hf_config(path)
+        skip = config.model.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(config.model.tokenizer or path)
+        core = make_core(config, _eos_token_id(self.tokenizer, self.hf_config))
+        self.core = core
+        info: CoreInfo = core.info
+        self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
+        self.model_path, self.startup_seconds = info.model_path, info.startup_seconds
+        self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
+                    config.device, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # The in-process core's parts (tests and benchmarks look at them).
+    @property
+    def runner(self):
+        return self.core.executor.driver_worker.model_runner
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def model(self):
+        return self.core.executor.driver_worker.model
+
+    @property
+    def kv_cache(self):
+        return self.core.kv_cache
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    # ---- requests ----
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, session_id: str | None = None) -> None:
+        """`session_id` (optional) groups requests of one conversation or user; it comes back on every
+        RequestOutput of this request. It does not change scheduling."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = self._with_think_markers(params)
+        self._validate(request_id, token_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [_Child(i, self._detokenizer(token_ids, params), f"{next(self._ids)}",
+                           logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+                    for i in range(params.n)]
+        parent = _Parent(request_id, text, token_ids, params, children, RequestMetrics(arrival),
+                         prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+                         session_id=session_id)
+        self.parents[request_id] = parent
+        try:
+            lead = None
+            for child in children:
+                child_params = params if params.n == 1 else params.clone(
+                    n=1, seed=None if params.seed is None else params.seed + child.index)
+                self.child_to_parent[child.request_id] = (parent, child)
+                self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead))
+                lead = lead or child.request_id
+        except BaseException:
+            self.abort_request(request_id)  # the siblings already handed to the core go too
+            raise
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) exactly as add_request would see them (BOS per the model)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("This engine was started with skip_tokenizer_init: give prompts as token ids.")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=self._add_bos()) if prompt else []
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"A prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}.")
+
+    def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
+        """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""
+        if self.tokenizer is None:
+            return None
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (start, end)]
+        unk = self.tokenizer.unk_token_id
+        if any(i is None or i == unk or i < 0 for i in ids):
+            return None
+        return [ids[0]], [ids[1]]
+
+    def _with_think_markers(self, params: SamplingParams) -> SamplingParams:
+        """A thinking budget without marker ids gets the tokenizer's `<think>` / `</think>`."""
+        if params.thinking_token_budget is None or params.think_end_token_ids:
+            return params
+        markers = self.think_marker_ids()
+        if markers is None:
+            raise ValueError("thinking_token_budget needs think_end_token_ids: this tokenizer has no "
+                             "`<think>` / `</think>` tokens.")
+        start = markers[0] if params.think_start_token_ids is None else params.think_start_token_ids
+        return params.clone(think_start_token_ids=start, think_end_token_ids=markers[1])
+
+    def _add_bos(self) -> bool:
+        return bool(getattr(self.hf_config, "add_bos_token", True))
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if not token_ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten the prompt.")
+        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"Prompt token ids must lie in [0, {self.vocab_size}) and be integers.")
+        if params.stop_strings and self.decode is None:
+            raise ValueError("Stop strings need a tokenizer; this engine was started with skip_tokenizer_init.")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
+        for name in ("think_start_token_ids", "think_end_token_ids"):
+            if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or []):
+                raise ValueError(f"{name} must lie in [0, {self.vocab_size}).")
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize or self.decode is None:
+            return None
+        return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, params.stop_strings,
+                                      params.include_stop_str_in_output, params.min_tokens)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            child_ids = [c.request_id for c in parent.children]
+            self.core.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self.child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step of the in-process core and reports every request that moved."""
+        return self.process_outputs(self.core.step())
+
+    def process_outputs(self, step: CoreOutputs) -> list[RequestOutput]:
+        """RequestOutputs of the requests that moved in `step`. A request whose handling raises (here: its
+        detokenization, stop strings, logprobs or output assembly) is reported finished with finish_reason
+        "error" and dropped from the core; the others are unaffected."""
+        now = time.monotonic()
+        for req_id in step.scheduled:
+            entry = self.child_to_parent.get(req_id)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
+        moved: dict[str, _Parent] = {}
+        outputs = []
+        for out in step.outputs:
+            entry = self.child_to_parent.get(out.req_id)  # None once its request finished, was aborted or failed
+            if entry is None:
+                continue
+            try:
+                self._absorb(entry[0], entry[1], out, now)
+            except _NOT_CAUGHT:
+                raise
+            except BaseException as e:  # noqa: BLE001 — one request's fault, whatever its type, is its own
+                moved.pop(entry[0].request_id, None)
+                outputs.append(self._fail(entry[0], e, now))
+                continue
+            moved[entry[0].request_id] = entry[0]
+        for parent in moved.values():
+            try:
+                finished = parent.finished()
+                if finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._finish_or_report(parent, finished, now))
+            except _NOT_CAUGHT:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                outputs.append(self._fail(parent, e, now))
+        return outputs
+
+    def _fail(self, parent: _Parent, error: BaseException, now: float) -> RequestOutput:
+        """Ends a request whose output handling raised: every sample finishes with "error", the core drops
+        the unfinished ones, and its final RequestOutput carries what could still be assembled."""
+        logger.error("request %s failed while its output was processed; it is ended with finish_reason "
+                     "\"error\" (other requests go on)", parent.request_id, exc_info=error)
+        unfinished = [c.request_id for c in parent.children if c.finish_reason is None]
+        for child in parent.children:
+            child.finish_reason, child.stop_reason = ERROR, None
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_to_parent.pop(child.request_id, None)
+        parent.metrics.finished_time = now
+        if unfinished:
+            self.core.finish_requests(unfinished, RequestStatus.FINISHED_ABORTED)
+        try:
+            return self._request_output(parent, True)
+        except _NOT_CAUGHT:
+            raise
+        except BaseException:  # noqa: BLE001 — the fault was in the assembly itself: report no text
+            outputs = [CompletionOutput(c.index, "", list(c.token_ids), finish_reason=ERROR) for c in parent.children]
+            return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
+                                 None, parent.num_cached_tokens, parent.metrics, parent.session_id)
+
+    def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
+        if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
+            parent.prompt_logprobs.extend(self._position_logprobs(lp) for lp in out.prompt_logprobs)
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_token_ids and parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = now
+        last = len(out.new_token_ids) - 1
+        for k, token in enumerate(out.new_token_ids):
+            child.token_ids.append(token)
+            if out.logprobs is not None:
+                position = self._position_logprobs(out.logprobs[k])
+                child.logprobs.append(position)
+                child.cumulative_logprob += position[token].logprob
+            stop_token = k == last and out.finish_reason == "stop" and not parent.params.include_stop_str_in_output
+            if child.detok is not None and not stop_token and child.detok.add(token) is not None:
+                self._stop_on_string(parent, child)
+                break
+        if out.new_token_ids:
+            parent.metrics.last_token_time = now
+        if out.finish_reason is not None and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+
+    def _stop_on_string(self, parent: _Parent, child: _Child) -> None:
+        child.finish_reason, child.stop_reason = "stop", child.detok.stopped_by
+        self.core.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _position_logprobs(self, top: TopLogprobs | None) -> PositionLogprobs | None:
+        if top is None:
+            return None
+        ids, lps, ranks = top
+        decode = self.decode or (lambda ids, skip: None)
+        return {t: Logprob(lp, rank, decode([t], False)) for t, lp, rank in zip(ids, lps, ranks)}
+
+    def _finish_or_report(self, parent: _Parent, finished: bool, now: float) -> RequestOutput:
+        if finished:
+            parent.metrics.finished_time = now
+            self.parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self.child_to_parent.pop(child.request_id, None)
+        return self._request_output(parent, finished)
+
+    def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        outputs = [CompletionOutput(c.index, c.detok.visible_text(c.finish_reason is not None) if c.detok else "",
+                                    list(c.token_ids), c.cumulative_logprob,
+                                    list(c.logprobs) if c.logprobs is not None else None,
+                                    c.finish_reason, c.stop_reason)
+                   for c in parent.children]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos

@@ -1,0 +1,298 @@
+"""`pressroom generate | chat | serve | train-drafter | bench`: every engine argument is a flag with vLLM's
+spelling, derived from its `EngineArgs` field; every flag's help shows its default and choices."""
+from __future__ import annotations
+
+import time
+
+STARTED = time.monotonic()  # before the heavy imports: `pressroom serve` reports time to ready from here
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import fields  # noqa: E402
+from typing import Any, get_args, get_type_hints  # noqa: E402
+
+from pressroom.config import EngineArgs  # noqa: E402
+from pressroom.logger import FORMAT, configure_logging  # noqa: E402
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help ends with its default; a None default is left out (the help says what it means)
+    and a list is shown comma-separated, as it is typed."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        # "%(default)" already there: BooleanOptionalAction appends its own (Python < 3.13)
+        if action.default is None or action.default is argparse.SUPPRESS or "%(default)" in help_text:
+            return help_text
+        return f"{help_text} (default: {_default_text(action.default)})".strip()
+
+
+def _default_text(default: Any) -> str:
+    """A default as help shows it: %-escaped (help strings are %-formatted), lists comma-separated."""
+    text = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+    return text.replace("%", "%%")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field, all from the field: name, type (its annotation), default, help, choices."""
+    group = parser.add_argument_group("engine arguments (EngineArgs)")
+    hints = get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _flag_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                               help=f.metadata["help"])
+
+
+def _flag_type(hint: Any) -> type:
+    """What a flag's value parses to: the annotation's one type besides None, or str where str is among
+    several (a JSON string standing for a dict, as --speculative-config)."""
+    members = [t for t in get_args(hint) or (hint,) if t is not type(None)]
+    if str in members:
+        return str
+    (kind,) = members
+    return kind
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    return {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (the SamplingParams of every prompt)")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample among the most likely tokens whose probabilities sum to this, in (0, 1]")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    group.add_argument("--request-seed", type=int, default=None,
+                       help="SamplingParams.seed: each prompt's draws keyed by this seed and the output position, "
+                            "so they do not depend on batching (default: unseeded, drawn from the engine's "
+                            "generator, which --seed seeds)")
+
+
+def _subparser(sub: argparse._SubParsersAction, name: str, summary: str,
+               usage: str | None = "%(prog)s [options]") -> argparse.ArgumentParser:
+    """A subcommand whose --help shows every flag's default, under a short usage line (not ~40 flags);
+    usage None: argparse's own (a parent's usage becomes its subcommands' prog)."""
+    return sub.add_parser(name, help=summary, description=summary, usage=usage, formatter_class=HelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pressroom", description="An LLM inference and serving engine.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
+                        help="pressroom's log level (start-up lines and periodic stats are INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = _subparser(sub, "generate", "generate completions for prompts", "%(prog)s PROMPT [PROMPT ...] [options]")
+    gen.add_argument("prompts", nargs="+", help="prompts, completed one by one in the output")
+    _sampling_args(gen)
+    add_engine_args(gen)
+
+    chat = _subparser(sub, "chat", "interactive chat in the terminal, streaming tokens")
+    chat.add_argument("--system", default=None, help="system message (default: none)")
+    _sampling_args(chat)
+    chat.set_defaults(max_tokens=512, temperature=0.7)
+    add_engine_args(chat)
+
+    _add_serve_args(_subparser(sub, "serve", "an OpenAI-compatible HTTP server", "%(prog)s [MODEL] [options]"))
+    _add_train_drafter_args(_subparser(sub, "train-drafter",
+                                       "distil a DFlash2 drafter from the target's own greedy generations"))
+
+    bench = _subparser(sub, "bench", "benchmarks with vLLM's bench semantics", usage=None)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_bench_run_args(_subparser(bench_sub, "throughput", "offline throughput: every prompt submitted at once"),
+                        input_len=128)
+    _add_bench_run_args(_subparser(bench_sub, "latency", "the latency of one batch, end to end"), input_len=32)
+    from pressroom.benchmarks.serve import add_cli_args as add_serve_bench_args
+    add_serve_bench_args(_subparser(bench_sub, "serve", "load an OpenAI-compatible server over HTTP "
+                                                        "(vLLM's bench serve)"))
+    from pressroom.benchmarks.gpu import add_gpu_bench_args
+    add_gpu_bench_args(_subparser(bench_sub, "gpu", "pressroom vs HF transformers vs the GPU's copy and matmul "
+                                                    "ceilings, dummy weights at a real model's shapes"))
+    from pressroom.benchmarks.spec import add_spec_bench_args
+    add_spec_bench_args(_subparser(bench_sub, "spec", "adaptive speculative budget vs no speculation vs fixed K "
+                                                      "at several concurrencies (draft model, synthetic acceptance)"))
+    from pressroom.benchmarks.sparse import add_sparse_bench_args
+    add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
+                                                                    "decode attention time against context length"))
+    return parser
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names clients use; the first is reported (default: the model)")
+    server.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health (default: no key)")
+    server.add_argument("--disable-metrics-auth", action="store_true",
+                        help="let /metrics answer without the API key (for scrapers that cannot send one)")
+    server.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
+    server.add_argument("--body-read-timeout", type=float, default=30.0,
+                        help="seconds a client has to send a request's whole body (a 408 after), and a new "
+                        "connection its first request's headers (closed after); 0: no limit")
+    server.add_argument("--max-concurrent-requests", type=int, default=512,
+                        help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a `chat_template` in chat and tokenize requests (rendered sandboxed, with "
+                             "time and size limits, either way)")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds to let in-flight requests finish on SIGTERM; those still running then are "
+                             "ended with an error (a stream: a finish_reason \"abort\" chunk, an error event and "
+                             "[DONE]; otherwise a 503)")
+    server.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                        help="/health answers 503 when the engine core has sent nothing (step outputs, or its "
+                             "heartbeat every second when idle) for this many seconds: its loop is stuck. Keep it "
+                             "above the longest engine step (a long prefill on a CPU takes seconds); 0: never")
+    server.add_argument("--metrics-prefix", default="pressroom:",
+                        help="prefix of /metrics names, e.g. vllm: for existing vLLM dashboards")
+    server.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                        help="split <think>...</think> into reasoning_content (auto: when the model's chat "
+                             "template or vocabulary has the markers)")
+    server.add_argument("--reasoning-start-str", default="<think>", help="the reasoning span's start marker")
+    server.add_argument("--reasoning-end-str", default="</think>", help="the reasoning span's end marker")
+    logs = serve.add_argument_group("logging")
+    logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    logs.add_argument("--log-stats-interval", type=float, default=10.0,
+                      help="seconds between periodic stats log lines (0: none)")
+    logs.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+                      help="uvicorn's own log level")
+    logs.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log")
+    add_engine_args(serve)
+
+
+def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
+    data = tr.add_argument_group("data")
+    data.add_argument("--dataset-path", required=True,
+                      help="prompts: JSONL ({\"prompt\": ...}) or text, one per line")
+    data.add_argument("--output", required=True, help="directory for the drafter (dflash2.json, model.safetensors)")
+    data.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    data.add_argument("--num-prompts", type=int, default=256, help="prompts read from the dataset at most")
+    data.add_argument("--max-tokens", type=int, default=128, help="generated tokens per prompt")
+    data.add_argument("--held-out-path", default=None,
+                      help="prompts for the acceptance report, never trained on (default: 10%% of the dataset's)")
+    data.add_argument("--ignore-eos", action="store_true", help="generate past EOS (serving stops at it)")
+    data.add_argument("--record-batch", type=int, default=32, help="prompts generated together while recording")
+    drafter = tr.add_argument_group("drafter")
+    drafter.add_argument("--draft-block-size", type=int, default=8, help="K: tokens the drafter proposes per pass")
+    drafter.add_argument("--target-layers", default=None,
+                         help="comma-separated target layers whose hidden states the drafter reads (default: "
+                              "three across the depth)")
+    drafter.add_argument("--num-layers", type=int, default=1, help="the drafter's transformer layers")
+    drafter.add_argument("--num-heads", type=int, default=8, help="the drafter's attention heads")
+    drafter.add_argument("--rank", type=int, default=32, help="the selector's transition rank")
+    drafter.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                         help="dtype of the saved weights")
+    training = tr.add_argument_group("training")
+    training.add_argument("--steps", type=int, default=1000, help="optimizer steps for the drafter")
+    training.add_argument("--batch-size", type=int, default=32, help="training examples per step")
+    training.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (warm-up, cosine decay)")
+    training.add_argument("--scorer-steps", type=int, default=None,
+                          help="CRF steps for the selector, the drafter frozen (default: steps / 4)")
+    add_engine_args(tr)
+
+
+def _peer_dtypes(value: str) -> str:
+    bad = [d for d in value.split(",") if d.strip() not in ("float32", "bfloat16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: the vllm peer runs float32 or bfloat16")
+    return value
+
+
+def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
+    from pressroom.benchmarks.bench import BACKENDS
+    b.add_argument("--backend", default="pressroom",
+                   help=f"comma-separated, run back to back: {', '.join(BACKENDS)}")
+    b.add_argument("--input-len", type=int, default=input_len,
+                   help="prompt tokens (a dataset's prompts are cut to this)")
+    b.add_argument("--output-len", type=int, default=128, help="output tokens per prompt")
+    b.add_argument("--num-prompts", type=int, default=32, help="prompts (throughput; latency runs --batch-size)")
+    b.add_argument("--batch-size", type=int, default=1, help="prompts in the timed batch (latency)")
+    b.add_argument("--dataset-path", default=None,
+                   help="JSONL ({\"prompt\": ...}) or text file, one per line (default: random prompts)")
+    b.add_argument("--chat", action="store_true", help="send each dataset prompt as a user turn of the chat template")
+    b.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    b.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs first")
+    b.add_argument("--num-iters", type=int, default=3, help="timed runs (latency)")
+    b.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"], help="the hf backend's dtype")
+    b.add_argument("--peer-dtype", default="bfloat16", type=_peer_dtypes,
+                   help="the vllm backend's dtype: float32, bfloat16, or both comma-separated (one run each)")
+    b.add_argument("--llamacpp-isa", default="avx2", choices=["avx2", "native"],
+                   help="the llamacpp backend's build (benchmarks/llama_cpp/setup.sh with LLAMA_ISA=...)")
+    b.add_argument("--output-json", default=None, help="write the report here too (default: print only)")
+    add_engine_args(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=FORMAT)  # other libraries: warnings only
+    configure_logging(args.log_level)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            from pressroom.entrypoints.chat import run_chat
+            return run_chat(args, engine_kwargs(args))
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "train-drafter":
+            from pressroom.spec_decode.train import run_cli
+            run_cli(args, engine_kwargs(args))
+            return 0
+        if args.command == "bench" and args.bench_command == "gpu":
+            from pressroom.benchmarks import gpu
+            gpu.run(args)
+            return 0
+        if args.command == "bench" and args.bench_command == "spec":
+            from pressroom.benchmarks import spec
+            spec.run(args)
+            return 0
+        if args.command == "bench" and args.bench_command == "sparse-attention":
+            from pressroom.benchmarks import sparse
+            return sparse.main(args)
+        if args.command == "bench" and args.bench_command == "serve":
+            from pressroom.benchmarks import serve
+            return 0 if serve.run(args)["completed"] else 1
+        if args.command == "bench":
+            from pressroom.benchmarks import bench
+            args.command = args.bench_command
+            bench.run(args, engine_kwargs(args))
+            return 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _generate(args) -> int:
+    from pressroom import LLM
+    llm = LLM(**engine_kwargs(args))
+    from pressroom.entrypoints.chat import sampling_params
+    for out in llm.generate(args.prompts, sampling_params(args)):
+        print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+def _serve(args) -> int:
+    from pressroom.entrypoints.openai.server import run_server
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
+    args.model = args.model_tag or args.model
+    return run_server(args, engine_kwargs(args), STARTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

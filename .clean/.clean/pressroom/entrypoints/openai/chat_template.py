@@ -1,0 +1,254 @@
+"""Chat prompts from client input, away from the engine: the template is rendered to text in worker processes
+(template_worker.py) under a time, size and memory limit, and the text is tokenized with fixed arguments on a
+small thread pool of the API process.
+
+`chat_template_kwargs` are template variables only (as vLLM resolves them): the tokenizer's own arguments
+(padding, truncation, max_length, return_tensors, ...) never come from a request. A request's own
+`chat_template` needs a server started with --trust-request-chat-template.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pressroom.entrypoints.openai import template_worker
+from pressroom.entrypoints.openai.errors import APIError
+
+logger = logging.getLogger("pressroom")
+
+T = TypeVar("T")
+
+RENDER_TIMEOUT_S = 3.0  # a model's own template renders in milliseconds; a loop bomb gets a 400 after this
+WORKER_MEMORY_BYTES = 2 << 30  # a template's allocations beyond this fail in the worker (MemoryError: a 400)
+RENDER_WORKERS = 2
+TOKENIZER_THREADS = 2
+WAIT_FOR_WORKER_S = 10.0  # every worker busy this long: the server is overloaded (503), not the request wrong
+
+# apply_chat_template's and the tokenizer's own arguments: a request that sets one through chat_template_kwargs
+# gets a 400 naming it (they allocated terabytes or panicked the Rust tokenizer when passed through).
+TOKENIZER_ARGUMENTS = frozenset({
+    "conversation", "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "sanitize_control_tokens",
+    "add_special_tokens", "padding_side", "pad_to_multiple_of", "stride", "is_split_into_words", "text",
+    "text_pair", "split_special_tokens", "return_attention_mask", "return_token_type_ids", "return_length",
+    "return_overflowing_tokens", "return_special_tokens_mask", "return_offsets_mapping", "verbose",
+})
+RESERVED_VARIABLES = ("messages",)  # filled from the request's own field
+FLAG_VARIABLES = ("add_generation_prompt", "continue_final_message")  # may override the request's fields, as in vLLM
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as template variables; a 400 naming any key that is not one."""
+    variables = dict(kwargs or {})
+    for key in variables:
+        where = f"chat_template_kwargs.{key}"
+        if key in TOKENIZER_ARGUMENTS:
+            hint = " (send `chat_template` as a request field)" if key == "chat_template" else ""
+            raise APIError(400, f"`{where}` is a tokenizer argument, not a chat template variable; the server "
+                                f"sets the tokenizer's arguments itself{hint}.", param=where)
+        if key in RESERVED_VARIABLES:
+            raise APIError(400, f"`{where}` is not allowed: the conversation is the request's `messages`.",
+                           param=where)
+        if key in FLAG_VARIABLES and not isinstance(variables[key], bool):
+            raise APIError(400, f"`{where}` must be a boolean.", param=where)
+    return variables
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers gives them to a template: keys whose value is None dropped, and reasoning under
+    each name templates read it by."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class _Worker:
+    """One template_worker.py process; one job at a time."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, max_bytes: int, max_chars: int) -> _Worker:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", str(Path(template_worker.__file__)), str(max_bytes), str(max_chars),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=max(4 * max_chars, 1 << 24))
+        return cls(process)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def ask(self, job: bytes, timeout: float) -> dict:
+        self.process.stdin.write(job)
+        await self.process.stdin.drain()
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
+        if not line:
+            raise ConnectionError("the template worker exited")
+        return json.loads(line)
+
+    async def stop(self) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        await self.process.wait()
+
+
+class TemplateRenderer:
+    """A few template worker processes. A render that overruns RENDER_TIMEOUT_S kills its worker (a replacement
+    starts), so a template that loops, recurses or allocates costs the server one worker for that long at most."""
+
+    def __init__(self, max_chars: int, workers: int = RENDER_WORKERS, timeout_s: float = RENDER_TIMEOUT_S,
+                 max_bytes: int = WORKER_MEMORY_BYTES) -> None:
+        self.max_chars, self.size, self.timeout_s, self.max_bytes = max_chars, workers, timeout_s, max_bytes
+        self._idle: asyncio.Queue[_Worker] | None = None  # made in the serving event loop
+        self._workers: set[_Worker] = set()
+
+    async def start(self) -> None:
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self.size):
+                self._idle.put_nowait(await self._spawn())
+
+    async def close(self) -> None:
+        workers, self._workers = list(self._workers), set()
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        self._idle = None
+
+    async def render(self, template: str, messages: list[dict], variables: dict[str, Any],
+                     add_generation_prompt: bool, continue_final_message: bool) -> str:
+        job = _job(template, messages, variables, add_generation_prompt, continue_final_message)
+        await self.start()
+        try:
+            worker = await asyncio.wait_for(self._idle.get(), WAIT_FOR_WORKER_S)
+        except TimeoutError:
+            raise APIError(503, "Every chat template worker is busy; retry shortly.", "service_unavailable") from None
+        reply = await self._ask(worker, job)
+        if "error" in reply:
+            raise APIError(400, f"The chat template failed: {reply['error']}", param="messages")
+        return reply["text"]
+
+    async def _ask(self, worker: _Worker, job: bytes) -> dict:
+        """The worker's reply; the worker goes back to the pool, or is replaced if it overran or died."""
+        try:
+            reply = await worker.ask(job, self.timeout_s)
+        except BaseException as e:  # a timeout, a dead worker, or the request cancelled mid-render
+            asyncio.ensure_future(self._replace(worker))
+            if isinstance(e, TimeoutError):
+                raise APIError(400, f"The chat template took longer than {self.timeout_s:g} s to render.",
+                               param="messages") from None
+            if isinstance(e, (ConnectionError, OSError, ValueError)):
+                raise APIError(400, "The chat template could not be rendered (its worker failed).",
+                               param="messages") from None
+            raise
+        self._idle.put_nowait(worker)
+        return reply
+
+    async def _spawn(self) -> _Worker:
+        worker = await _Worker.start(self.max_bytes, self.max_chars)
+        self._workers.add(worker)
+        return worker
+
+    async def _replace(self, worker: _Worker) -> None:
+        self._workers.discard(worker)
+        idle = self._idle
+        await worker.stop()
+        if idle is not None and idle is self._idle:  # not closed meanwhile
+            idle.put_nowait(await self._spawn())
+
+
+def _job(template: str, messages: list[dict], variables: dict[str, Any], add_generation_prompt: bool,
+         continue_final_message: bool) -> bytes:
+    job = {"template": template, "messages": messages, "variables": variables,
+           "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+    try:
+        return json.dumps(job).encode() + b"\n"  # newlines in strings are escaped: one job, one line
+    except (RecursionError, ValueError):
+        raise APIError(400, "The messages or chat_template_kwargs nest too deeply.", param="messages") from None
+
+
+class Preprocessor:
+    """Prompt work of the API process: chat templates in worker processes, tokenizer calls on a small thread
+    pool (never on the engine loop, never on the event loop)."""
+
+    def __init__(self, tokenizer, max_chars: int, trust_request_chat_template: bool = False,
+                 renderer: TemplateRenderer | None = None) -> None:
+        self.tokenizer = tokenizer
+        # the template's special-token variables (bos_token, ...), as plain JSON for the workers
+        special = getattr(tokenizer, "special_tokens_map", None) or {}
+        self.special_tokens = json.loads(json.dumps(dict(special), default=str))
+        self.trust_request_chat_template = trust_request_chat_template
+        self.renderer = renderer or TemplateRenderer(max_chars)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pressroom-tokenizer")
+
+    async def start(self) -> None:
+        await self.renderer.start()
+
+    async def close(self) -> None:
+        await self.renderer.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """`fn`, tokenizer work on a request's input, on the tokenizer threads. Its failure is the client's
+        (a 400): a ValueError, TypeError or KeyError with its message; any other exception, a panic of the
+        Rust tokenizer (pyo3's PanicException, a BaseException) included, with a generic one."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+        except (ValueError, TypeError, KeyError, OverflowError) as e:
+            raise APIError(400, _client_message(e)) from None
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 — whatever the tokenizer raised on this input, it is this input's
+            logger.warning("the tokenizer failed on a request's input: %s: %s", type(e).__name__, _client_message(e))
+            raise APIError(400, "The tokenizer could not process the request's input.") from None
+
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                       kwargs: dict[str, Any] | None, request_template: str | None = None) -> list[int]:
+        """Token ids of the conversation rendered by the chat template (the model's, or the request's when the
+        server trusts request templates)."""
+        variables = template_variables(kwargs)
+        add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = variables.pop("continue_final_message", continue_final_message)
+        template = self._template(request_template)
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # continuing the last message: no new assistant header after it
+        text = await self.renderer.render(template, template_messages(messages), self.special_tokens | variables,
+                                          add_generation_prompt, continue_final_message)
+        tok = self.tokenizer
+        return await self.run(lambda: list(tok.encode(text, add_special_tokens=False)))
+
+    def _template(self, request_template: str | None) -> str:
+        if request_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "This server does not accept a chat template from the request (start it with "
+                                    "--trust-request-chat-template to allow that).", param="chat_template")
+            return request_template
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one, as transformers picks it
+            template = template.get("default")
+        if not isinstance(template, str) or not template:
+            raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.",
+                           param="messages")
+        return template
+
+
+def _client_message(e: Exception) -> str:
+    """An exception's message for a client: its first line, at most 300 characters, without object reprs
+    (which carry install paths)."""
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if " object at 0x" in message or "/site-packages/" in message or "PreTrainedTokenizer" in message:
+        message = f"{type(e).__name__} while processing the request's input"
+    return message[:300]

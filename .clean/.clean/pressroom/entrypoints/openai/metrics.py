@@ -1,0 +1,177 @@
+"""Prometheus metrics with vLLM's names under a configurable prefix (`pressroom:` or `vllm:`).
+
+Per-request figures are observed on the output streams as they pass through the server; scheduler
+gauges and counters are a snapshot read on the engine thread at scrape time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pressroom.core.scheduler import SchedulerStats
+from pressroom.outputs import RequestOutput
+
+logger = logging.getLogger("pressroom")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# No `*_created` series (a creation timestamp beside every counter and histogram): they add a series per
+# counter to every scrape with nothing a dashboard plots. prometheus_client's switch is process-wide.
+disable_created_metrics()
+
+
+class ServerMetrics:
+    """`log_requests`: an INFO line per finished engine request (off with --disable-log-requests)."""
+
+    def __init__(self, prefix: str, model_name: str, log_requests: bool = True) -> None:
+        self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
+        self.registry = CollectorRegistry()
+        self.stats = SchedulerStats()
+        self.total_prompt_tokens = self.total_generation_tokens = 0  # for the log line
+        # Only model_name (and finished_reason) label series. A request's session id goes to its log line,
+        # never to a label: session ids are unbounded, and one time series per session would grow the
+        # registry (and every scrape) without limit.
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(prefix + name, doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(prefix + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
+        self.request_success = counter("request_success", "Finished requests by finish reason.",
+                                       ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.").labels(model_name)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.").labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.").labels(model_name)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.").labels(model_name)
+        self.registry.register(_SchedulerCollector(self))
+
+    def render(self, stats: SchedulerStats) -> bytes:
+        self.stats = stats
+        return generate_latest(self.registry)
+
+    async def observe(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Passes `stream` through, recording token counts and latencies; closing it closes `stream`."""
+        seen, last, finished = 0, None, False
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    now = time.monotonic()
+                    tokens = sum(len(c.token_ids) for c in out.outputs)
+                    if tokens > seen:
+                        self.generation_tokens.inc(tokens - seen)
+                        self.total_generation_tokens += tokens - seen
+                        if last is None and out.metrics is not None:
+                            self.ttft.observe((out.metrics.first_token_time or now) - out.metrics.arrival_time)
+                        elif last is not None:
+                            gap = (now - last) / (tokens - seen)
+                            for _ in range(tokens - seen):
+                                self.itl.observe(gap)
+                        seen, last = tokens, now
+                    if out.finished:
+                        finished = True
+                        self._finished(out, now)
+                    yield out
+        finally:
+            if not finished:  # the client went away, or the engine died: vLLM counts it as an abort
+                self.request_success.labels(self.model_name, "abort").inc()
+
+    def _finished(self, out: RequestOutput, now: float) -> None:
+        if self.log_requests:
+            _log_finished(out, now)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.total_prompt_tokens += len(out.prompt_token_ids)
+        if out.metrics is not None:
+            self.e2e.observe((out.metrics.finished_time or now) - out.metrics.arrival_time)
+            if out.metrics.first_scheduled_time is not None:
+                self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
+        # One count per request (vLLM's), with its first choice's reason.
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
+        self.request_success.labels(self.model_name, reason).inc()
+
+    async def log_periodically(self, read_stats, interval: float) -> None:
+        """vLLM's periodic line: batch, KV usage, throughput and prefix-cache hit rate since the last one."""
+        prev_prompt, prev_gen, prev_q, prev_h = 0.0, 0.0, 0, 0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                stats = await read_stats()
+            except Exception:  # noqa: BLE001 — the engine is gone; nothing left to report
+                return
+            prompt, gen = self.total_prompt_tokens, self.total_generation_tokens
+            queries, hits = stats.prefix_cache_queries - prev_q, stats.prefix_cache_hits - prev_h
+            if prompt == prev_prompt and gen == prev_gen and not stats.num_running and not stats.num_waiting:
+                continue  # idle: stay quiet
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                        (prompt - prev_prompt) / interval, (gen - prev_gen) / interval, stats.num_running,
+                        stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+            prev_prompt, prev_gen = prompt, gen
+            prev_q, prev_h = stats.prefix_cache_queries, stats.prefix_cache_hits
+
+
+def _log_finished(out: RequestOutput, now: float) -> None:
+    generated = sum(len(c.token_ids) for c in out.outputs)
+    m = out.metrics
+    e2e = ((m.finished_time or now) - m.arrival_time) if m is not None else 0.0
+    queued = (m.first_scheduled_time - m.arrival_time) if m is not None and m.first_scheduled_time else 0.0
+    ttft = (m.first_token_time - m.arrival_time) if m is not None and m.first_token_time else 0.0
+    logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, "
+                "queued %.3fs, TTFT %.3fs, e2e %.3fs", out.request_id, out.session_id or "-",
+                len(out.prompt_token_ids), generated, ",".join(c.finish_reason or "abort" for c in out.outputs),
+                queued, ttft, e2e)
+
+
+class _SchedulerCollector:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m, s = self.metrics, self.metrics.stats
+        families = [
+            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", s.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage),
+            (CounterMetricFamily, "num_preemptions", "Preemptions since start.", s.num_preemptions),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s.prefix_cache_hits),
+        ]
+        spec = s.spec
+        if spec is not None and spec.num_drafts:
+            families += [
+                (CounterMetricFamily, "spec_decode_num_drafts", "Request-steps that verified drafts.", spec.num_drafts),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 spec.num_draft_tokens),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec.num_accepted_tokens),
+            ]
+        for kind, name, doc, value in families:
+            family = kind(m.prefix + name, doc, labels=["model_name"])
+            family.add_metric([m.model_name], value)
+            yield family
+        if spec is not None and spec.num_drafts:
+            family = CounterMetricFamily(m.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
+            for pos, count in enumerate(spec.accepted_per_pos):
+                family.add_metric([m.model_name, str(pos)], count)
+            yield family

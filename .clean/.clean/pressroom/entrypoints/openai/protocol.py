@@ -1,0 +1,359 @@
+"""Request and response bodies of the OpenAI API, with vLLM's extra sampling fields.
+
+Requests are validated twice: pydantic checks shapes and types (a 400 naming the field), and
+`to_sampling_params` builds a SamplingParams, whose own checks give the range errors. Unknown fields are
+ignored, except those in a request's `unsupported_fields`: OpenAI or vLLM features that pressroom does not
+implement, which get a 400 naming the field rather than an answer that silently went without them.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pressroom.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# A field that is in use (per its test on the raw JSON value) but not implemented: (test, why it is refused).
+Unsupported = dict[str, tuple[Callable[[Any], bool], str]]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not fatal
+    unsupported_fields: ClassVar[Unsupported] = {}
+
+    @classmethod
+    def unsupported_field(cls, data: dict[str, Any]) -> tuple[str, str] | None:
+        """The first field of `data` that asks for a feature pressroom lacks, with why; None if none does."""
+        for name, (in_use, why) in cls.unsupported_fields.items():
+            if name in data and in_use(data[name]):
+                return name, why
+        return None
+
+
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+def _nonempty(value: Any) -> bool:
+    return bool(value)
+
+
+def _not_none_choice(value: Any) -> bool:
+    return value not in (None, "none")
+
+
+def _not_text_format(value: Any) -> bool:
+    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _not_text_only(value: Any) -> bool:
+    return value is not None and value != ["text"]
+
+
+_STRUCTURED_OUTPUT = "structured (guided) output is not supported yet"
+_SAMPLING_UNSUPPORTED: Unsupported = {
+    "response_format": (_not_text_format, 'only {"type": "text"} is supported; JSON mode and JSON schemas '
+                                          "are not implemented yet"),
+    **{name: (_given, _STRUCTURED_OUTPUT) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                       "guided_grammar", "structured_outputs")},
+    "use_beam_search": (_nonempty, "beam search is not supported"),
+    "prompt_embeds": (_given, "prompt embeddings are not supported"),
+}
+_TOOLS = "tool and function calling is not supported yet"
+_CHAT_UNSUPPORTED: Unsupported = {
+    "tools": (_nonempty, _TOOLS),
+    "tool_choice": (_not_none_choice, _TOOLS),
+    "functions": (_nonempty, _TOOLS),
+    "function_call": (_not_none_choice, _TOOLS),
+    "parallel_tool_calls": (_given, _TOOLS),
+    "audio": (_given, "audio output is not supported"),
+    "modalities": (_not_text_only, 'only ["text"] output is supported'),
+    "prediction": (_given, "predicted outputs are not supported"),
+    "web_search_options": (_given, "web search is not supported"),
+}
+
+
+# ---- errors ----
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+# ---- requests ----
+
+class _SamplingRequest(OpenAIModel):
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int | None = None
+    session_id: str | None = Field(None, max_length=256)  # or the X-Session-Id header
+
+    def _params(self, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **extra,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default, not the context
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def null_is_the_default(cls, max_tokens: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template as given
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+        return content
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part["text"] for part in self.content)
+        return self.content or ""
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables only; tokenizer arguments get a 400
+    reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
+    thinking_token_budget: int | None = Field(None, ge=0)
+
+    def to_sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, logprobs, thinking_token_budget=self.thinking_token_budget, **extra)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` when given
+        (the field wins over a key of the same name in chat_template_kwargs)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # as in chat: needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pressroom"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

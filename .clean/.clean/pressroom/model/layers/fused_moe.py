@@ -1,0 +1,139 @@
+"""Mixture-of-experts: the router's expert choice and the experts' SwiGLU MLPs over the chosen tokens.
+
+`select_experts` turns router logits into each token's top-k experts and their weights, for the router
+variants real checkpoints use: softmax top-k with or without renormalising (Mixtral, Qwen2/3-MoE), and
+sigmoid scores with a correction bias, grouped top-k and a routed scaling factor (DeepSeek-V3, GLM-4.5,
+Kimi). `FusedMoE` holds the experts' weights stacked ([experts, 2 * inter, hidden] for gate and up,
+[experts, hidden, inter] for down) for the range of experts this rank owns, and computes only the
+experts some token chose: the tokens are sorted by expert, each expert runs once over its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A stacked parameter's part: gate (w1), up (w3) and down (w2), as Mixtral names them.
+GATE, UP, DOWN = "w1", "w3", "w2"
+
+
+@dataclass(slots=True, frozen=True)
+class RouterConfig:
+    top_k: int
+    scoring: str = "softmax"  # or "sigmoid"
+    renormalize: bool = True  # the chosen weights sum to one
+    num_groups: int = 1  # grouped top-k: experts in groups, only the best topk_groups groups compete
+    topk_groups: int = 1
+    group_score: str = "top2_sum"  # a group's score: its two best experts' sum (DeepSeek-V3) or its "max" (V2)
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}; use 'softmax' or 'sigmoid'.")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unknown group score {self.group_score!r}; use 'top2_sum' or 'max'.")
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"topk_group ({self.topk_groups}) is larger than n_group ({self.num_groups}).")
+
+
+def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's chosen experts ([tokens, top_k], int64) and their weights (fp32). The correction bias
+    (sigmoid routers) steers which experts are chosen, never their weights."""
+    if logits.is_cuda and cfg.num_groups == 1:  # one Triton launch instead of a handful of torch ones
+        from pressroom.kernels.triton.fused_moe import route_topk
+        return route_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize, cfg.routed_scaling_factor,
+                          correction_bias)
+    return select_experts_torch(logits, cfg, correction_bias)
+
+
+def select_experts_torch(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.num_groups > 1:
+        best = 2 if cfg.group_score == "top2_sum" else 1
+        choice = _mask_unchosen_groups(choice, cfg.num_groups, cfg.topk_groups, best)
+    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def _mask_unchosen_groups(choice: torch.Tensor, num_groups: int, topk_groups: int, best: int) -> torch.Tensor:
+    """A group's score is the sum of its `best` best experts (DeepSeek-V3: 2, V2: 1, the max); experts
+    outside the best `topk_groups` groups cannot be chosen."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(min(best, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer. `expert_range` ([start, end) of the global expert ids): the experts
+    this rank holds; a token routed elsewhere contributes nothing here (expert parallelism sums ranks)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 expert_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        start, end = expert_range or (0, num_experts)
+        if not 0 <= start < end <= num_experts:
+            raise ValueError(f"expert range [{start}, {end}) is not inside the model's {num_experts} experts.")
+        self.num_experts, self.start, self.end = num_experts, start, end
+        self.owns_all = (start, end) == (0, num_experts)
+        self.hidden, self.intermediate = hidden, intermediate
+        local = end - start
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
+        """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
+        this rank's range are skipped."""
+        part, expert = shard
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
+        if not self.start <= expert < self.end:
+            return
+        i, inter = expert - self.start, self.intermediate
+        expected = (self.hidden, inter) if part == DOWN else (inter, self.hidden)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {expert}'s {part} has shape {tuple(loaded.shape)} where the model config "
+                             f"implies {expected}; the checkpoint and config.json disagree.")
+        if part == DOWN:
+            target = self.w2.data[i]
+        else:
+            target = self.w13.data[i].narrow(0, 0 if part == GATE else inter, inter)
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
+        if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
+            from pressroom.kernels.triton.fused_moe import fused_moe
+            local = ids if self.owns_all else torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
+            return fused_moe(x.contiguous(), self.w13, self.w2, weights, local, all_local=self.owns_all)
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        sorted_ids = flat_ids[order]
+        tokens = order // ids.shape[1]
+        scale = weights.reshape(-1)[order]
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        begin = 0
+        for expert, count in zip(experts.tolist(), counts.tolist()):
+            rows = slice(begin, begin + count)
+            begin += count
+            if not self.start <= expert < self.end:
+                continue
+            local = expert - self.start
+            idx = tokens[rows]
+            gate, up = F.linear(x[idx], self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[local])
+            out.index_add_(0, idx, y * scale[rows].unsqueeze(1).to(y.dtype))
+        return out

@@ -1,0 +1,157 @@
+"""Find a model, read its config and tokenizer, build it in the target dtype and fill its weights.
+
+Sources: an HF directory (config.json, *.safetensors, sharded or not), a single GGUF file, or
+`load_format="dummy"` (random weights for a config, for benchmarks of large shapes). Weights go
+straight into the model's parameters through per-parameter loaders, never via a full HF copy.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pressroom.config import ModelConfig
+from pressroom.model import gguf_file
+from pressroom.model.layers.embedding import ParallelLMHead
+from pressroom.model.layers.linear import LinearBase
+from pressroom.model.layers.quant import int4_kernel_available
+from pressroom.model.registry import resolve_architecture
+
+logger = logging.getLogger("pressroom")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    hf_config: object
+    source: str  # the resolved path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if not model:
+        return gguf_file.embedded_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ValueError(f"Model path {model!r} does not exist. Pass a local HF model directory or a .gguf file "
+                         "(model hubs are not fetched), or leave --model out for the embedded SmolLM2.")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"Model directory {model!r} has no config.json.")
+    return path
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path)
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+    if _is_gguf(path):
+        values = gguf_file.read_gguf_config(path)
+        return AutoConfig.for_model(**values)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"Could not read {os.path.join(path, 'config.json')}: {e}") from e
+
+
+def load_tokenizer(path: str):
+    if _is_gguf(path):
+        return gguf_file.load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    files = _safetensors_files(path)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"Checkpoint file {file!r} is truncated or corrupt: {e}") from e
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"Checkpoint index {index!r} is corrupt: {e}") from e
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"Model directory {path!r} has no *.safetensors weights "
+                         "(use load_format='dummy' for random ones).")
+    files = [os.path.join(path, n) for n in names]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ValueError(f"Checkpoint shard(s) missing: {', '.join(missing)}.")
+    return files
+
+
+def _fill_dummy(model: nn.Module, seed: int) -> None:
+    """Uniform random weights drawn in place on the model's device (an 8B model fills in a second on a GPU)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.data.uniform_(-0.05, 0.05, generator=gen)
+
+
+def _keep_4bit(config: ModelConfig, device: str) -> bool:
+    return config.quantization == "auto" and device == "cpu" and int4_kernel_available()
+
+
+def _prepack(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            module.prepack_onednn()
+
+
+def _pack_int4(model: nn.Module) -> None:
+    packed = sum(m.pack_int4() for m in model.modules() if isinstance(m, LinearBase))
+    logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them", packed)
+
+
+def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
+    path = resolve_model_path(config.model)
+    fmt = config.load_format
+    if fmt == "gguf" and not _is_gguf(path) or fmt == "safetensors" and _is_gguf(path):
+        raise ValueError(f"load_format={fmt!r} does not match {path!r}.")
+    hf_config = load_hf_config(path)
+    model_cls = resolve_architecture(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if fmt == "dummy":
+        _fill_dummy(model, config.seed)
+    else:
+        keep_4bit = _keep_4bit(config, device)
+        weights = gguf_file.iter_gguf_weights(path, keep_4bit) if _is_gguf(path) else iter_safetensors(path)
+        loaded = model.load_weights(weights)
+        missing = sorted(model.expected_weights() - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint at {path!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
+        if keep_4bit:
+            _pack_int4(model)
+    _prepack(model)
+    model.eval()
+    return LoadedModel(model, hf_config, path)

@@ -1,0 +1,353 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) over a latent KV cache, and a mixture of experts
+with DeepSeek's routers, shared experts and `first_k_dense_replace` dense layers.
+
+MLA caches one vector per token and layer: the normalised KV latent (`kv_lora_rank`) and the rotated
+shared key part (`qk_rope_head_dim`). Attention runs in the absorbed form for every step: each head's
+W_UK (from kv_b_proj) folds into its query, so scores read the latent directly, and the attention
+output (a mix of latents) goes through each head's W_UV afterwards. To the attention backend this is
+multi-query attention with one KV head whose values are the first `kv_lora_rank` dimensions of its keys.
+
+DeepSeek rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes the rope rows of q and of the
+shared key to (even dims, odd dims), so the rotate-half kernels compute the same rotation.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pressroom.attention.backend import get_attention_metadata
+from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
+from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
+from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
+from pressroom.model.models.moe import _MoeForCausalLM
+
+_LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if get_tp_size() > 1:
+            raise ValueError("DeepSeek models do not run with tensor parallelism yet; use tensor_parallel_size=1.")
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        self.num_heads = heads
+        self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        bias = bool(getattr(config, "attention_bias", False))
+        q_out = heads * (self.nope + self.rope_dim)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank:
+            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_out)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
+        # W_UK and W_UV of every head, used as batched matrices (absorbed), never as a linear layer
+        self.kv_b_proj = nn.Module()
+        self.kv_b_proj.weight = nn.Parameter(torch.empty(heads * (self.nope + self.v_dim), self.rank),
+                                             requires_grad=False)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
+        self.attn = Attention(heads, self.rank + self.rope_dim, 1, self._softmax_scale(config),
+                              v_head_dim=self.rank, latent=True)
+
+    def _softmax_scale(self, config) -> float:
+        scale = (self.nope + self.rope_dim) ** -0.5
+        rope = _rope_parameters(config)
+        if rope.get("rope_type", rope.get("type", "default")) == "yarn" and rope.get("mscale_all_dim"):
+            scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        return scale
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        _, query, key = self.absorbed_query_and_key(rope, x)
+        return self.output(self.attn(query, key.unsqueeze(1)).view(x.shape[0], self.num_heads, self.rank))
+
+    def absorbed_query_and_key(self, rope: RopeTables, x: torch.Tensor
+                               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The compressed query (None without q_lora_rank), each head's query in latent space with its
+        rotated rope part [tokens, heads, rank + rope], and the token's cache entry [tokens, rank + rope]
+        (the normalised latent and the rotated shared key)."""
+        q_resid, q_nope, q_pe, latent, k_pe = self.project(rope, x)
+        w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [heads, tokens, rank]
+        return q_resid, torch.cat((q_latent.transpose(0, 1), q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1)
+
+    def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The compressed query (None without q_lora_rank), each head's query parts [tokens, heads, nope] and
+        [tokens, heads, rope] (rotated), the normalised latent [tokens, rank] and the rotated shared key
+        [tokens, rope]."""
+        tokens, heads = x.shape[0], self.num_heads
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
+        q = q.view(tokens, heads, self.nope + self.rope_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        # q's and the shared key's rope parts rotated in one pass, as one stack of heads
+        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
+        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
+        return q_resid, q[..., :self.nope], pe[:, :heads], latent, pe[:, heads]
+
+    def output(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Attention's mix of latents [tokens, heads, rank] through each head's W_UV, then o_proj."""
+        tokens, heads = mixed.shape[:2]
+        w_uv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, self.nope:]
+        out = torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v_dim]
+        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+
+
+class PerHeadMLAAttention(MLAAttention):
+    """MLA run as ordinary multi-head attention (PRESSROOM_MLA_DISABLE=1, as vLLM's VLLM_MLA_DISABLE): each
+    head's key and value expanded from the latent and cached per head, the values zero-padded to the key
+    width (the cache has one width). For measuring what the latent cache saves; the outputs are the same."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.head_dim = self.nope + self.rope_dim
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_heads, self.attn.scale)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        _, q_nope, q_pe, latent, k_pe = self.project(rope, x)
+        kv = torch.matmul(latent, self.kv_b_proj.weight.t()).view(tokens, heads, self.nope + self.v_dim)
+        key = torch.cat((kv[..., :self.nope], k_pe.unsqueeze(1).expand(tokens, heads, self.rope_dim)), dim=-1)
+        value = torch.nn.functional.pad(kv[..., self.nope:], (0, self.head_dim - self.v_dim))
+        out = self.attn(torch.cat((q_nope, q_pe), dim=-1), key, value).view(tokens, heads, self.head_dim)
+        return self.o_proj(out[..., :self.v_dim].reshape(tokens, heads * self.v_dim))
+
+
+class DeepseekMoE(nn.Module):
+    """Router (with DeepSeek-V3's correction bias where it scores by sigmoid), routed experts and the
+    always-on shared experts."""
+
+    def __init__(self, config, num_experts: int, router: RouterConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.router = router
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        if router.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.experts = FusedMoE(num_experts, hidden, inter)
+        shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = LlamaMLP(hidden, inter * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, ids = select_experts(self.gate(x), self.router, bias)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV2ForCausalLM(_MoeForCausalLM):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model.fused_decode = False  # the C decode stack knows Llama attention only
+
+    def _num_experts(self) -> int:
+        c = self.config
+        return getattr(c, "n_routed_experts", None) or c.num_experts
+
+    def router_config(self) -> RouterConfig:
+        c = self.config
+        method = getattr(c, "topk_method", None) or "greedy"
+        grouped = method == "group_limited_greedy"
+        # DeepSeek-V2's router never renormalises its top-k weights
+        return RouterConfig(top_k=c.num_experts_per_tok, scoring="softmax", renormalize=False,
+                            num_groups=c.n_group if grouped else 1, topk_groups=c.topk_group if grouped else 1,
+                            group_score="max", routed_scaling_factor=c.routed_scaling_factor)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        c = self.config
+        if layer < (getattr(c, "first_k_dense_replace", 0) or 0):
+            return None
+        return DeepseekMoE(c, self._num_experts(), self.router_config())
+
+    def make_attention(self, layer: int) -> nn.Module:
+        if os.environ.get("PRESSROOM_MLA_DISABLE") == "1":
+            return PerHeadMLAAttention(self.config)
+        return MLAAttention(self.config)
+
+    def make_rotary(self) -> RotaryEmbedding:
+        return rotary_from_config(self.config, self.config.qk_rope_head_dim)
+
+    def rope_interleaved(self) -> bool:
+        return True
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        if ".self_attn." in name:  # MLA's projections load as they are (Llama's q/k/v stacking does not apply)
+            return name, None
+        return super().checkpoint_target(name)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        return [name] if ".self_attn." in name else super().checkpoint_parts(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self.deinterleave_rope(name, t) for name, t in self._main_model(weights))
+
+    def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint without its multi-token-prediction layers (numbered after the last decoder
+        layer; no drafter uses them yet); FP8 block-quantized checkpoints are refused by name."""
+        layers = self.config.num_hidden_layers
+        for name, tensor in weights:
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(f"{name}: this checkpoint stores FP8 block-quantized weights, which pressroom "
+                                 "does not load yet; use a bf16 conversion of it.")
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
+                continue
+            yield name, tensor
+
+    def deinterleave_rope(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Rows of an interleaved rope part reordered to (even dims, odd dims): q's per head, the shared
+        key's after the latent."""
+        rope = self.config.qk_rope_head_dim
+        return name, self._reorder_rope_rows(name, tensor, torch.cat((torch.arange(0, rope, 2),
+                                                                       torch.arange(1, rope, 2))))
+
+    def to_checkpoint_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A parameter in the checkpoint's row order (the rope rows interleaved again), for copying out."""
+        rope = self.config.qk_rope_head_dim
+        return self._reorder_rope_rows(name, tensor, torch.arange(rope).view(2, -1).t().reshape(-1))
+
+    def _reorder_rope_rows(self, name: str, tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        if not self.rope_interleaved():
+            return tensor
+        c = self.config
+        rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            heads = tensor.reshape(c.num_attention_heads, nope + rope, -1)
+            return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(tensor.shape)
+        if ".self_attn.kv_a_proj_with_mqa." in name:
+            rank = c.kv_lora_rank
+            return torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
+        return tensor
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    def router_config(self) -> RouterConfig:
+        c = self.config
+        return RouterConfig(top_k=c.num_experts_per_tok, scoring="sigmoid", renormalize=bool(c.norm_topk_prob),
+                            num_groups=c.n_group or 1, topk_groups=c.topk_group or 1, group_score="top2_sum",
+                            routed_scaling_factor=c.routed_scaling_factor)
+
+    def rope_interleaved(self) -> bool:
+        return bool(getattr(self.config, "rope_interleave", True))
+
+
+class LightningIndexer(nn.Module):
+    """DSA's indexer (DeepSeek-V3.2): its own small keys per token (kept in the layer's cache after the
+    latent) and per-query head weights; a query's score for a past token is the weighted sum over the
+    indexer heads of relu(q . k), and attention reads only the `index_topk` best tokens."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim)
+        self.wk = ColumnParallelLinear(config.hidden_size, self.dim)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads)
+
+    def keys(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """[tokens, dim]: rotated (rotate-half, on the first qk_rope_head_dim dimensions)."""
+        k = self.k_norm(self.wk(x)).unsqueeze(1).contiguous()
+        return rope.rotary.rotate(k, rope.cos, rope.sin).squeeze(1)
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries [tokens, heads, dim] and head weights [tokens, heads] (scaled by heads^-0.5)."""
+        q = self.wq_b(q_resid).view(-1, self.heads, self.dim).contiguous()
+        q = rope.rotary.rotate(q, rope.cos, rope.sin)
+        weights = self.weights_proj(x).float() * self.heads ** -0.5
+        return q.float(), weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For queries at `positions` over a context's keys [context, dim]: each query's chosen tokens
+        [queries, k] (k = min(index_topk, context)) and whether each is causal (a query near the start
+        has fewer than k past tokens)."""
+        # the checkpoints' own order of operations: a near-tie at the k-th place must fall the same way
+        scores = torch.relu(torch.matmul(q, keys.float().t()) * self.dim ** -0.5)  # [queries, heads, context]
+        index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
+        causal = torch.arange(keys.shape[0]) <= positions[:, None]
+        index = index.masked_fill(~causal, float("-inf"))
+        chosen = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return chosen, causal.gather(1, chosen)
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA reading only the tokens the lightning indexer picks for each query (DeepSeek Sparse Attention).
+    The layer writes its cache and attends itself (torch on the CPU, Triton on CUDA): the attention gathers
+    k latents per query, so its cost grows with index_topk, not with the context (the indexer still scores
+    every past token, over its small keys); with a context of at most index_topk tokens it equals dense MLA."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        if not self.q_lora_rank:
+            raise ValueError("DeepSeek sparse attention needs q_lora_rank: its indexer reads the compressed query.")
+        self.indexer = LightningIndexer(config)
+        self.attn = Attention(self.num_heads, self.rank + self.rope_dim, 1, self.attn.scale, v_head_dim=self.rank,
+                              latent=True, extra_dim=self.indexer.dim)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        q_resid, query, key = self.absorbed_query_and_key(rope, x)
+        entry = torch.cat((key, self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
+        index_q, index_w = self.indexer.queries(q_resid, x, rope)
+        sparse = self._sparse_on_gpu if x.is_cuda else self._sparse_on_cpu
+        return self.output(sparse(query, entry, index_q, index_w, get_attention_metadata()))
+
+    def _sparse_on_gpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+                       meta) -> torch.Tensor:
+        """Triton: device tensors only, so decode steps replay from CUDA graphs."""
+        from pressroom.kernels.triton import cache as cache_kernels
+        from pressroom.kernels.triton import dsa
+        kv_cache = self.attn.kv_cache
+        cache_kernels.write_kv(kv_cache, entry.unsqueeze(1), None, meta.slot_mapping)
+        token_req, token_pos = dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, query.shape[0])
+        chosen = dsa.choose_positions(index_q, index_w, kv_cache[0], meta.block_tables, token_req, token_pos,
+                                      self.rank + self.rope_dim, self.indexer.topk)
+        mixed = query.new_empty(*query.shape[:2], self.rank)
+        return dsa.sparse_mla_attention(query, kv_cache[0], meta.block_tables, token_req, chosen, self.attn.scale,
+                                        mixed, self.rank)
+
+    def _sparse_on_cpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
+                       meta) -> torch.Tensor:
+        """Torch, request by request over the host's query starts."""
+        cache = self.attn.kv_cache.view(-1, entry.shape[-1])
+        cache.index_copy_(0, meta.slot_mapping, entry.to(cache.dtype))
+        mixed = query.new_empty(*query.shape[:2], self.rank)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        block_size = self.attn.kv_cache.shape[2]
+        for i in range(len(loc) - 1):
+            start, end, context = loc[i], loc[i + 1], lens[i]
+            if start == end:
+                continue
+            pos = torch.arange(context)
+            past = cache[meta.block_tables[i][pos // block_size] * block_size + pos % block_size]
+            positions = torch.arange(context - (end - start), context)
+            chosen, causal = self.indexer.select(index_q[start:end], index_w[start:end],
+                                                 past[:, self.rank + self.rope_dim:], positions)
+            keys = past[:, :self.rank + self.rope_dim][chosen].to(query.dtype)  # [queries, k, rank + rope]
+            scores = torch.einsum("qhd,qkd->qhk", query[start:end].float(), keys.float()) * self.attn.scale
+            probs = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
+            mixed[start:end] = torch.einsum("qhk,qkr->qhr", probs, keys[..., :self.rank].float()).to(query.dtype)
+        return mixed
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    def make_attention(self, layer: int) -> nn.Module:
+        return SparseMLAAttention(self.config)
+
+    def rope_interleaved(self) -> bool:
+        return True  # V3.2's MLA always rotates interleaved pairs; its indexer rotates halves

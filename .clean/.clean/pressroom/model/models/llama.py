@@ -1,0 +1,237 @@
+"""The Llama family on one set of layers: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pressroom.attention.backend import get_attention_metadata
+from pressroom.model.layers import cpu_decode
+from pressroom.model.layers.activation import SiluAndMul
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.layers.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class RopeTables:
+    rotary: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotary_from_config(config, rotary_dim: int | None = None) -> RotaryEmbedding:
+    """The config's rope (base and scaling) over `rotary_dim` dimensions (default: its head_dim)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or (rope if rope.get("rope_type", "default") != "default" else None)
+    dim = rotary_dim or _head_dim(config)
+    return RotaryEmbedding(dim, dim, config.max_position_embeddings, base, scaling)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qk_norm: bool) -> None:
+        super().__init__()
+        self.head_dim = _head_dim(config)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, n_kv, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
+        if self.q_norm is not None and qk.is_cuda:  # one launch for both norms, no concatenation
+            from pressroom.kernels.triton.norm import qk_rms_norm
+            qk = qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
+        elif self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
+        return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qk_norm: bool, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
+        """`mlp`: the feed-forward block (default: the dense SwiGLU MLP), e.g. a mixture of experts;
+        `attn`: the attention block (default: Llama's), e.g. multi-head latent attention."""
+        super().__init__()
+        self.self_attn = attn if attn is not None else LlamaAttention(config, qk_norm)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope, x, residual):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qk_norm: bool, make_mlp: Callable[[int], nn.Module | None] | None = None,
+                 make_attention: Callable[[int], nn.Module | None] | None = None,
+                 rotary: RotaryEmbedding | None = None) -> None:
+        """`make_mlp(layer index)`, `make_attention(layer index)`: that layer's feed-forward and attention
+        blocks, None for Llama's; `rotary`: the position embedding (default: from the config's head_dim)."""
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qk_norm, make_mlp(i) if make_mlp else None,
+                              make_attention(i) if make_attention else None)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = rotary or rotary_from_config(config)
+        # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
+        self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
+        self._decode_stack: cpu_decode.CpuDecodeStack | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states; with `aux_layers` (a drafter's conditioning), also the output of each of those
+        layers (the residual stream, HF's hidden_states[i + 1]), in that order."""
+        x, residual = self.embed_tokens(input_ids), None
+        rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
+        stack = None if aux_layers else self._fused_decode_stack(input_ids)  # the C stack taps no layer
+        if stack is not None:
+            return stack.run(x, rope.cos, rope.sin, get_attention_metadata()).to(x.dtype)
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual)
+            if i in aux_layers:
+                taps[i] = x + residual
+        x, _ = self.norm(x, residual)
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    def _fused_decode_stack(self, input_ids: torch.Tensor) -> cpu_decode.CpuDecodeStack | None:
+        if self.fused_decode is False:
+            return None
+        if not cpu_decode.applies(get_attention_metadata(), input_ids):
+            return None
+        if self.fused_decode is None:
+            self.fused_decode = cpu_decode.CpuDecodeStack.supports(self)
+            if not self.fused_decode:
+                return None
+        if self._decode_stack is None or not self._decode_stack.is_current(self):
+            self._decode_stack = cpu_decode.CpuDecodeStack.build(self)
+        return self._decode_stack
+
+
+# checkpoint name part -> (our stacked parameter, shard id)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    cuda_graphs_supported = True  # its forward has no host sync or data-dependent control flow
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qk_norm, self.make_mlp, self.make_attention, self.make_rotary())
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(input_ids, positions, aux_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """A layer's feed-forward block where it is not the dense MLP (mixture-of-experts families)."""
+        return None
+
+    def make_attention(self, layer: int) -> nn.Module | None:
+        """A layer's attention block where it is not Llama's (multi-head latent attention)."""
+        return None
+
+    def make_rotary(self) -> RotaryEmbedding | None:
+        """The rotary embedding where the config's head_dim does not say it (None: from the config)."""
+        return None
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and its shard id (None: the whole parameter)."""
+        for part, (stacked, shard_id) in _STACKED.items():
+            if part in name:
+                return name.replace(part, stacked), shard_id
+        return name, None
+
+    def expected_weights(self) -> set[str]:
+        """Every checkpoint tensor name this model needs (stacked parameters need each part)."""
+        expected = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            expected.update(self.checkpoint_parts(name))
+        return expected
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        """The checkpoint tensors a parameter is loaded from."""
+        return [name.replace(stacked, part) for part, (stacked, _) in _STACKED.items() if stacked in name] or [name]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard = self.checkpoint_target(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is None:
+                    _plain_load(param, tensor, name)
+                else:
+                    loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            loaded.add(name)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+def _plain_load(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+                         f"the model expects {tuple(param.shape)}.")
+    param.data.copy_(tensor)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

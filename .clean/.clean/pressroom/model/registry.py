@@ -1,0 +1,41 @@
+"""Architecture name -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                "deepseek_v32": "DeepseekV32ForCausalLM"}
+
+
+def resolve_architecture(hf_config) -> type[nn.Module]:
+    names = list(getattr(hf_config, "architectures", None) or [])
+    names.append(_MODEL_TYPES.get(getattr(hf_config, "model_type", ""), ""))
+    for name in names:
+        if name in _ARCHITECTURES:
+            if name == "Qwen2ForCausalLM":
+                hf_config.attention_bias = True  # Qwen2 always biases q, k and v
+            elif name == "Qwen2MoeForCausalLM":
+                hf_config.attention_bias = bool(getattr(hf_config, "qkv_bias", True))
+            return _ARCHITECTURES[name]
+    raise ValueError(f"Model architecture {names[0] or hf_config.model_type!r} is not supported; "
+                     f"supported: {', '.join(_ARCHITECTURES)}.")
+

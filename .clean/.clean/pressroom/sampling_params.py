@@ -1,0 +1,124 @@
+"""Sampling parameters, with vLLM's names so users' scripts carry over."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each engine step reports for a request (vLLM's names)."""
+    CUMULATIVE = 0  # everything so far, every step (streaming consumers)
+    FINAL_ONLY = 2  # nothing until it finishes (LLM.generate: no per-step copies of growing outputs)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # Reasoning models: once this many tokens were generated inside the thinking span without its end
+    # marker, the sampler forces `think_end_token_ids` next, then generation goes on with the answer.
+    # The span opens after `think_start_token_ids` (in the prompt, as a chat template that opens `<think>`
+    # puts it, or in the output); with no start ids the output starts inside the span. LLMEngine fills
+    # both from the tokenizer's `<think>` / `</think>` when the budget is set and they are left out.
+    thinking_token_budget: int | None = None
+    think_start_token_ids: list[int] | None = None
+    think_end_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.think_start_token_ids is not None:
+            self.think_start_token_ids = list(self.think_start_token_ids)
+        if self.think_end_token_ids is not None:
+            self.think_end_token_ids = list(self.think_end_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}."),
+            (0 <= self.temperature < math.inf,
+             f"temperature must be non-negative, got {self.temperature} (and finite)."),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}."),
+            (self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}."),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}."),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
+            (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}."),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}."),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}."),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}."),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}."),
+            (all(isinstance(s, str) and s for s in self.stop_strings),
+             "stop strings must not be empty, and must be strings."),
+            (all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers."),
+            (self.thinking_token_budget is None or (type(self.thinking_token_budget) is int
+                                                    and self.thinking_token_budget >= 0),
+             f"thinking_token_budget must be a non-negative integer, got {self.thinking_token_budget}."),
+            (self.think_end_token_ids is None or (len(self.think_end_token_ids) > 0 and all(
+                type(t) is int for t in self.think_end_token_ids)),
+             "think_end_token_ids must be a non-empty list of integers."),
+            (all(type(t) is int for t in self.think_start_token_ids or []),
+             "think_start_token_ids must be integers."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stop_strings"}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _normalise_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """JSON clients send token ids as strings; accept them, reject what is not a finite number."""
+    if not bias:
+        return None
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id, value = int(token), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias maps token ids to numbers; got {token!r}: {value!r}.") from None
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite, got {value} for token {token_id}.")
+        out[token_id] = value
+    return out

@@ -1,0 +1,333 @@
+"""Adaptive speculative token budget: how many drafts each request verifies this step.
+
+Verifying a draft costs a token of the step (more time once the step is compute-bound) and pays
+off only if it survives. With per-position acceptance estimates a_1, a_2, ... (conditional: a_j is
+the chance the j-th draft is accepted given the ones before it were), the j-th draft of a request
+survives with probability s_j = a_1 * ... * a_j, and a step of N base tokens (one per decode, plus
+prefill chunks) emits sum(1 + sum_j s_j) tokens in T(N + drafts) seconds, T read off a step-cost
+curve profiled at start-up. Drafts are added greedily, best survival first, while tokens per
+second still rise: a memory-bound step (T flat) takes every likely draft, a compute-bound one (T
+proportional to tokens) takes drafts only when s_j > N * dT / T, so at high concurrency none. Each
+verified draft also attends to its request's whole context, priced per context token (measured).
+The shared estimates, over all requests, are counts of drafts verified and accepted per position,
+decayed each step (so they forget with time, not with traffic, and a high-concurrency step's many
+observations do not wash out the past), with an optimistic bonus that shrinks as a position is
+observed: a position the budget stopped drafting is not stuck at a low guess forever. Each request
+also keeps its own moving average (its content, e.g. code being copied, moves it away from the rest),
+blended in as it observes more.
+
+`choose` runs once the drafts exist (their cost is spent). `plan` runs before drafting, so a drafter
+that pays per draft (a draft model: one forward pass per draft position, over the requests drafting
+that deep) can draft only what will be verified: it also counts that cost, from a draft step curve.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_EMA = 0.1  # weight of each new observation of one request's own acceptance
+_OWN_PRIOR = 16  # a request's own estimate counts as much as the shared one after this many observations
+_PRIOR = 0.7  # the guess before any observation, worth _PRIOR_WEIGHT of them
+_PRIOR_WEIGHT = 4.0
+_DECAY = 0.99  # per step, on the shared counts: about the last 100 steps count
+_EXPLORE = 0.3  # optimism: rate + _EXPLORE / sqrt(1 + observations) while planning
+_PROBE_EVERY = 16  # a request whose drafts were skipped this many steps in a row verifies one (to keep learning)
+_PROBE_EVERY_MAX = 512  # each probe that was not worth it doubles the wait, up to this (probes cost at high load)
+# The shared estimates learn from any request's probe, so a batch needs about as many probes per step at
+# any size: past this many requests, each one's wait grows with the batch.
+_PROBE_ROWS = 16
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Shared per-position acceptance: decayed counts of verified drafts, of accepted ones, and of the
+    drafter's stated confidence over the verified drafts that came with one."""
+    trials: list[float]
+    hits: list[float]
+    stated: list[float]
+    stated_n: list[float]
+
+    @classmethod
+    def empty(cls, k: int) -> _Counts:
+        return cls([0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k)
+
+    def observe(self, num_draft: int, num_accepted: int, confidences: list[float] | None) -> None:
+        """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
+        for j in range(min(num_accepted + 1, num_draft)):
+            self.trials[j] += 1.0
+            self.hits[j] += float(j < num_accepted)
+            if confidences and j < len(confidences):
+                self.stated[j] += confidences[j]
+                self.stated_n[j] += 1.0
+
+    def decay(self, factor: float) -> None:
+        for counts in (self.trials, self.hits, self.stated, self.stated_n):
+            counts[:] = [c * factor for c in counts]
+
+    def assume(self, rates: list[float], weight: float = 1e6) -> None:
+        """As if `weight` drafts had been verified at each position with these acceptance rates."""
+        self.trials = [weight] * len(rates)
+        self.hits = [r * weight for r in rates]
+
+    @property
+    def rates(self) -> list[float]:
+        return [(h + _PRIOR_WEIGHT * _PRIOR) / (t + _PRIOR_WEIGHT) for h, t in zip(self.hits, self.trials)]
+
+    @property
+    def optimistic(self) -> list[float]:
+        return [min(1.0, r + _EXPLORE / (1.0 + t) ** 0.5) for r, t in zip(self.rates, self.trials)]
+
+    @property
+    def said(self) -> list[float]:
+        return [(c + _PRIOR_WEIGHT * _PRIOR) / (n + _PRIOR_WEIGHT) for c, n in zip(self.stated, self.stated_n)]
+
+
+@dataclass(slots=True)
+class _Estimates:
+    """One request's own per-position acceptance: moving averages over its verified drafts."""
+    rates: list[float]
+    seen: list[int] = field(default_factory=list)  # observations per position (own estimates blend in)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
+        for j in range(min(num_accepted + 1, num_draft)):
+            hit = 1.0 if j < num_accepted else 0.0
+            self.rates[j] += _EMA * (hit - self.rates[j])
+            self.seen[j] += 1
+
+
+class AdaptiveBudget:
+    def __init__(self, max_drafts: int, verify_costs: list[tuple[int, float]],
+                 decode_costs: list[tuple[int, float]] | None = None, attention_cost: float = 0.0,
+                 draft_costs: list[tuple[int, float]] | None = None,
+                 first_draft_costs: list[tuple[int, float]] | None = None,
+                 block_costs: list[tuple[int, float]] | None = None) -> None:
+        """Step costs measured at start-up, (tokens in a step, seconds) at a short context: steps that
+        verify drafts, and (optional) plain decode steps, which may run a cheaper path. `attention_cost`:
+        seconds per query token per context token it attends to, added on top of the curves.
+        `draft_costs` (optional, for `plan`): one drafter forward pass over that many single-token rows;
+        `first_draft_costs`: where the first draft position costs a pass of another shape (a draft model
+        mirroring the target under async scheduling runs two tokens per request it drafts for), its curve."""
+        self.k = max_drafts
+        self.costs = sorted(verify_costs)
+        self.decode_costs = sorted(decode_costs) if decode_costs and len(decode_costs) > 1 else None
+        self.draft_costs = sorted(draft_costs) if draft_costs and len(draft_costs) > 1 else None
+        self.first_draft_costs = sorted(first_draft_costs) if first_draft_costs and len(first_draft_costs) > 1 else None
+        # A block drafter's own pass over that many requests (dflash2): paid once per drafting request,
+        # whatever its depth, on top of the per-position `draft_costs`.
+        self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
+        self.attention_cost = attention_cost
+        # Also what a drafter's confidences said over the same verified drafts: a drafter that says 0.9
+        # where 0.6 survive is scaled by 0.6 / 0.9 there (confidence calibration).
+        self.shared = _Counts.empty(max_drafts)
+        self.own: dict[str, _Estimates] = {}
+        self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
+        self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
+        self.probing: set[str] = set()  # requests `plan` gave a probe draft, for `choose` to keep
+
+    # ---- learning ----
+
+    def tick(self) -> None:
+        """Once per step: the shared counts fade."""
+        self.shared.decay(_DECAY)
+
+    def observe(self, req_id: str, num_draft: int, num_accepted: int, confidences: list[float] | None = None) -> None:
+        """A verified draft: `confidences`, the drafter's own per-token estimates for it, if it gave any."""
+        self.shared.observe(num_draft, num_accepted, confidences)
+        own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
+        own.observe(num_draft, num_accepted)
+
+    def forget(self, req_id: str) -> None:
+        self.own.pop(req_id, None)
+        self.skipped.pop(req_id, None)
+        self.probe_every.pop(req_id, None)
+        self.probing.discard(req_id)
+
+    def calibrated(self, confidences: list[float]) -> list[float]:
+        """A drafter's confidences rescaled per position by how often its drafts there survived against
+        how sure it said it was (both over the same verified positions)."""
+        rates, said = self.shared.rates, self.shared.said
+        return [min(1.0, c * rates[j] / max(said[j], 1e-3)) for j, c in enumerate(confidences[:self.k])]
+
+    def acceptance(self, req_id: str) -> list[float]:
+        """Per-position conditional acceptance to plan with for this request: its own moving average
+        blended with the shared (optimistic) estimate, its own weighing more as it observes more."""
+        return self._acceptance_matrix([req_id])[0].tolist()
+
+    # ---- choosing ----
+
+    def step_time(self, tokens: int, curve: list[tuple[int, float]] | None = None) -> float:
+        """Linear interpolation of a profiled curve (extrapolated from its end points)."""
+        curve = curve or self.costs
+        i = min(max(bisect.bisect_left(curve, (tokens,)), 1), len(curve) - 1)
+        (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def choose(self, drafts: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
+               base_context: int = 0, confidences: dict[str, list[float]] | None = None) -> dict[str, int]:
+        """How many of its offered drafts each request verifies, for a step of `base_tokens` without drafts
+        whose queries attend to `base_context` tokens in all; `contexts`: each request's context length.
+        `confidences` (confidence-scheduled verification): a drafter's own per-token estimates for this
+        very draft, used instead of the acceptance history where given."""
+        contexts, confidences = contexts or {}, confidences or {}
+        attn = self.attention_cost
+        survival: dict[str, list[float]] = {}
+        heap = []
+        history = self._acceptance_matrix(list(drafts)).tolist()
+        for (rid, offered), rates in zip(drafts.items(), history):
+            stated = confidences.get(rid)
+            survival[rid] = s = _survival(self.calibrated(stated) if stated else rates, offered)
+            if s:
+                heapq.heappush(heap, (-s[0], rid))
+        chosen = {rid: 0 for rid in drafts}
+        tokens, emitted, context = base_tokens, float(base_tokens), float(base_context)
+        rate = emitted / (self.step_time(tokens) + attn * context)
+        while heap:
+            neg, rid = heapq.heappop(heap)
+            more = context + contexts.get(rid, 0)
+            better = (emitted - neg) / (self.step_time(tokens + 1) + attn * more)
+            if better <= rate:
+                continue  # not this one; a less likely draft with a shorter context may still pay
+            tokens, emitted, context, rate = tokens + 1, emitted - neg, more, better
+            chosen[rid] += 1
+            if chosen[rid] < len(survival[rid]):
+                heapq.heappush(heap, (-survival[rid][chosen[rid]], rid))
+        if self.decode_costs is not None and tokens > base_tokens:
+            plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
+            if plain >= rate:  # verifying runs a slower path than plain decodes: not worth it here
+                chosen = {rid: 0 for rid in drafts}
+        return self._probe(chosen, drafts)
+
+    def plan(self, allowed: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
+             base_context: int = 0) -> dict[str, int]:
+        """How many drafts each request should have drafted for the next step (at most `allowed`), before
+        any drafting. Candidates (request, position) in order of survival: the best prefix of that order,
+        counting verification as `choose` does plus one draft step per position over the requests
+        drafting that deep. A prefix, not one draft at a time: at high concurrency a draft step is worth
+        running for many requests or for none, and single additions would never open it. A second order,
+        position by position (every request's first draft, then every second one, ...), is tried too and
+        the better kept: by survival alone, a few requests whose estimates run high put their deeper
+        drafts among the others' first ones and open a draft step for just those few. Call once per
+        step: a request planned no drafts for long gets one (its probe), as in `choose`."""
+        contexts = contexts or {}
+        rids = list(allowed)
+        if not rids:
+            return {}
+        survival = np.cumprod(self._acceptance_matrix(rids), axis=1)  # [requests, K]
+        limit = np.array([allowed[r] for r in rids])
+        row, depth = np.nonzero(np.arange(self.k)[None, :] < limit[:, None])  # one candidate each
+        gain = survival[row, depth]
+        context = np.array([contexts.get(r, 0) for r in rids], dtype=float)[row]
+        name = np.argsort(np.argsort(np.array(rids)))[row]  # ties go by request id, deterministically
+        best_n, best_rate, best_order = 0, 0.0, None
+        for order in (np.lexsort((name, depth, -gain)), np.lexsort((name, -gain, depth))):
+            n, rate = self._best_prefix(gain[order], depth[order], context[order], base_tokens, base_context)
+            if rate > best_rate:
+                best_n, best_rate, best_order = n, rate, order
+        counts = np.bincount(row[best_order[:best_n]], minlength=len(rids)) if best_n else np.zeros(len(rids), int)
+        planned = {rid: int(c) for rid, c in zip(rids, counts)}
+        return self._probe_planned(planned, allowed)
+
+    def _acceptance_matrix(self, rids: list[str]) -> np.ndarray:
+        """`acceptance` of each request, [requests, K] (the shared estimate computed once for all)."""
+        shared = np.array(self.shared.optimistic)
+        out = np.tile(shared, (len(rids), 1))
+        for i, rid in enumerate(rids):
+            own = self.own.get(rid)
+            if own is not None:
+                n = np.array(own.seen, dtype=float)
+                out[i] = (n * np.array(own.rates) + _OWN_PRIOR * shared) / (n + _OWN_PRIOR)
+        return out
+
+    def _best_prefix(self, gain: np.ndarray, depth: np.ndarray, context: np.ndarray, base_tokens: int,
+                     base_context: int) -> tuple[int, float]:
+        """The best prefix of the candidates (survival, draft position, context of each, in order) and its
+        tokens per second (0 drafts: plain decoding's), from the rates of every prefix at once."""
+        attn = self.attention_cost
+        plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
+        if not len(gain):
+            return 0, plain
+        m = np.arange(1, len(gain) + 1)
+        emitted = base_tokens + np.cumsum(gain)
+        seconds = _interp(self.costs, base_tokens + m) + attn * (base_context + np.cumsum(context))
+        if self.draft_costs is not None:
+            rows = np.zeros(len(gain))  # requests drafting this candidate's position, itself included
+            for j in range(self.k):
+                at = depth == j
+                rows[at] = np.arange(1, int(at.sum()) + 1)
+            step = _marginal(self.draft_costs, rows)
+            first = depth == 0
+            if self.first_draft_costs is not None:
+                step[first] = _marginal(self.first_draft_costs, rows[first])
+            if self.block_costs is not None:  # a request's first position also opens its block pass
+                step[first] += _marginal(self.block_costs, rows[first])
+            seconds += np.cumsum(step)
+        rates = emitted / seconds
+        best = int(rates.argmax())
+        return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+
+    def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
+        """Counts steps planned without drafts; at the limit one draft is planned (a probe, which `choose`
+        then keeps even where it would skip it) and the wait doubles."""
+        for rid, k in planned.items():
+            if not allowed[rid]:
+                continue
+            if k:
+                self.skipped[rid] = 0
+                self.probe_every.pop(rid, None)
+                continue
+            self.skipped[rid] = self.skipped.get(rid, 0) + 1
+            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            if self.skipped[rid] >= wait * _crowding(len(planned)):
+                planned[rid], self.skipped[rid] = 1, 0
+                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+                self.probing.add(rid)
+        return planned
+
+    def _probe(self, chosen: dict[str, int], offered: dict[str, int]) -> dict[str, int]:
+        """Estimates only move where drafts are verified; a request left out for long gets one draft
+        checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed. Each
+        probe doubles the wait before the next, until drafts are chosen on their merit again."""
+        for rid, k in chosen.items():
+            if rid in self.probing:  # planned as a probe: verified whatever this step's verdict
+                self.probing.discard(rid)
+                chosen[rid] = max(k, min(1, offered[rid]))
+                continue
+            if k:
+                self.probe_every.pop(rid, None)
+            if k or not offered[rid]:
+                self.skipped[rid] = 0
+                continue
+            self.skipped[rid] = self.skipped.get(rid, 0) + 1
+            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            if self.skipped[rid] >= wait * _crowding(len(chosen)):
+                chosen[rid], self.skipped[rid] = 1, 0
+                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+        return chosen
+
+
+def _crowding(rows: int) -> int:
+    """How much longer each request waits between probes in a batch of `rows` requests."""
+    return max(1, rows // _PROBE_ROWS)
+
+
+def _survival(rates: list[float], n: int) -> list[float]:
+    """Chance the first 1..n drafts all survive, from conditional per-position acceptance rates."""
+    return list(itertools.accumulate(rates[:n], operator.mul))
+
+
+def _interp(curve: list[tuple[int, float]], tokens: np.ndarray) -> np.ndarray:
+    """`AdaptiveBudget.step_time` over an array: linear, extrapolated from the end segments."""
+    xs, ys = np.array([x for x, _ in curve], dtype=float), np.array([y for _, y in curve])
+    i = np.clip(np.searchsorted(xs, tokens, side="left"), 1, len(xs) - 1)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def _marginal(curve: list[tuple[int, float]], rows: np.ndarray) -> np.ndarray:
+    """What the rows-th row adds to a pass over rows - 1 (the whole pass for the first)."""
+    return _interp(curve, rows) - np.where(rows > 1, _interp(curve, np.maximum(rows - 1, 1)), 0.0)

@@ -1,0 +1,289 @@
+"""Multi-token prediction (MTP): DeepSeek's next-token-prediction layer, shipped in the checkpoint after the
+decoder layers, drafts with the target's own final hidden states.
+
+The MTP layer at position j reads the target's final (normed) hidden state h_j and the embedding of the
+next token x_{j+1}: eh_proj([enorm(embed(x_{j+1})); hnorm(h_j)]) goes through one decoder layer (MLA and
+the MoE) and the shared LM head after shared_head.norm, predicting x_{j+2}. Its KV cache is a tensor of
+its own in the target's block tables: MTP position j sits in the target's slot for position j, and the
+scheduler keeps K slots past each request's step for the draft positions. After the target verified tokens
+x_0..x_m, every MTP position up to m - 1 has been fed the target's hidden states (handed over after every
+step as features), the last gives the first draft, and each further draft feeds the layer's own output back
+in at the next position (one layer reused for every draft position, as vLLM does); those positions are
+computed again from the target's hidden states once the target has verified them.
+
+Drafts are drawn as the draft model's are (argmax for greedy requests, from q otherwise, q handed to the
+lossless rejection sampler); the speculative budget weighs the layer's measured step cost. Checkpoints with
+several MTP layers (num_nextn_predict_layers > 1) draft with the first only.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pressroom.config import SpeculativeConfig
+from pressroom.model.layers.linear import ColumnParallelLinear
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.loader import iter_safetensors
+from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
+from pressroom.spec_decode.draft_model import draw_rows
+from pressroom.worker.device import to_device
+from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.proposer import Draft, DraftRequest, Proposer
+
+
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's first MTP layer over the target's embedding, rotary and LM head (shared, not copied).
+    `previous_hidden` [tokens, hidden] is set by the proposer before each forward pass: the hidden state
+    each token position continues from (zeros where it is None: the cost profiles)."""
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        config = target.config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.index = config.num_hidden_layers  # the MTP layer's number in the checkpoint
+        self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
+        self.layer = LlamaDecoderLayer(config, False, target.make_mlp(self.index), target.make_attention(self.index))
+        self.shared_head_norm = RMSNorm(hidden, eps)
+        self._target = (target,)  # a tuple: the target's modules are not this module's (its caches stay its own)
+        self.previous_hidden: torch.Tensor | None = None
+        self.cuda_graphs_supported = False  # previous_hidden is set from the host before each pass
+
+    @property
+    def target(self) -> nn.Module:
+        return self._target[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer's output hidden state (before shared_head.norm) at each position."""
+        model = self.target.model
+        embedded = model.embed_tokens(input_ids)
+        embedded = embedded.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # as vLLM: position 0 has no past
+        previous = self.previous_hidden
+        if previous is None:
+            previous = torch.zeros_like(embedded)
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(previous.to(embedded.dtype))), dim=-1))
+        rope = RopeTables(model.rotary, *model.rotary.cos_sin(positions))
+        x, residual = self.layer(rope, x, None)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(self.shared_head_norm(hidden))
+
+    def load_mtp_weights(self, weights) -> set[str]:
+        """The MTP layer's tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
+        handling (expert stacking, rope row order); its copies of the embedding and LM head are skipped
+        (DeepSeek's are the target's). Returns the names loaded."""
+        prefix = f"model.layers.{self.index}."
+        own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "shared_head.norm.weight": "shared_head_norm.weight"}
+        shared = ("embed_tokens.weight", "shared_head.head.weight")
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix):]
+            if rest in shared:
+                continue
+            if rest in own:
+                target_name, shard = own[rest], None
+            else:
+                name, tensor = self.target.deinterleave_rope(name, tensor)
+                target_name, shard = self.target.checkpoint_target(name)
+                target_name = "layer." + target_name[len(prefix):]
+            param = params.get(target_name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the MTP layer.")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the MTP layer expects "
+                                     f"{tuple(param.shape)}.")
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            loaded.add(rest)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """Checkpoint names (after `model.layers.{index}.`) every parameter needs."""
+        names = set()
+        for name, _ in self.named_parameters():
+            if name.startswith("layer."):
+                full = f"model.layers.{self.index}.{name[len('layer.'):]}"
+                names.update(part[len(f"model.layers.{self.index}."):] for part in self.target.checkpoint_parts(full))
+        return names | {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
+
+
+def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiTokenPredictor:
+    model = target.model
+    if not getattr(model.config, "num_nextn_predict_layers", 0):
+        raise ValueError(f'speculative_config method "mtp" needs a checkpoint with next-token-prediction layers '
+                         f"(num_nextn_predict_layers > 0); {type(model).__name__}'s config has none.")
+    if not hasattr(model, "deinterleave_rope"):
+        raise ValueError(f'speculative_config method "mtp" serves DeepSeek-V3-style checkpoints; '
+                         f"{type(model).__name__} has no MTP layers pressroom can load.")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(target.dtype)
+    try:
+        with torch.device(target.device):
+            predictor = MultiTokenPredictor(model)
+    finally:
+        torch.set_default_dtype(previous)
+    loaded = predictor.load_mtp_weights(iter_safetensors(config.model))
+    if not loaded:
+        raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
+                         f"prediction layer (model.layers.{predictor.index}.*), though its config says "
+                         f"num_nextn_predict_layers={model.config.num_nextn_predict_layers}; use a checkpoint "
+                         "that ships it.")
+    missing = sorted(predictor.expected_weights() - loaded)
+    if missing:
+        raise ValueError(f"The checkpoint's MTP layer lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
+    return predictor.eval()
+
+
+class MTPProposer(Proposer):
+    """Drafts with the MTP layer over the target's block tables: MTP position j of a request sits in the
+    target's slot for position j, in a cache tensor of the layer's own (as many blocks as the target's), and
+    the scheduler keeps K slots past each request's step for the draft positions."""
+
+    works_on_device = False  # it continues from hidden states handed over on the host side
+    shares_block_tables = True
+
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
+        self.k = config.num_speculative_tokens
+        self.predictor = build_predictor(config, target)
+        self.final_norm = target.model.model.norm
+        self.runner = ModelRunner(self.predictor, target.block_size, target.dtype, seed=1, device=target.device,
+                                  kv_dtype=target.kv_dtype)
+        self.target = target
+        self.generator = torch.Generator(device=target.device).manual_seed(1)
+        self.pending: dict[str, list[torch.Tensor]] = {}  # target features not yet fed to the MTP layer
+
+    # ---- what the runner hands over ----
+
+    def aux_layers(self) -> tuple[int, ...]:
+        return (self.predictor.config.num_hidden_layers - 1,)
+
+    def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
+        self.pending.setdefault(req_id, []).append(rows)
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.pending.pop(rid, None)
+
+    # ---- costs and set-up ----
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
+        self._ensure_cache()
+        return self.runner.profile_step_costs(counts, 1)
+
+    def _ensure_cache(self) -> None:
+        if not self.runner.kv_caches:  # the target's blocks; its tables' width includes the lookahead
+            self.runner.initialize_kv_cache(self.target.kv_caches[0].shape[1],
+                                            self.target.max_blocks_per_seq * self.target.block_size)
+
+    # ---- drafting ----
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Draft]:
+        """Every request with new target hidden states catches up (so none piles them up); those that want
+        drafts then get up to K, the first from the catch-up's last position."""
+        caught = [r for r in requests if r.req_id in self.pending and self._pending_rows(r.req_id)]
+        if not caught:
+            return {}
+        self._ensure_cache()
+        caught.sort(key=lambda r: self._pending_rows(r.req_id) != 1)  # decodes first, as the backends want
+        tables = self._tables(caught)
+        last = self._catch_up(caught, tables)
+        wanted = [i for i, r in enumerate(caught) if r.max_drafts > 0]
+        if not wanted:
+            return {}
+        rows = self._dev(torch.tensor(wanted))
+        tables, last = tables[rows], last[rows]
+        reqs = [caught[i] for i in wanted]
+        k = min(self.k, max(r.max_drafts for r in reqs))
+        token, q = draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs], self.generator)
+        drafts, probs = [token], [q]
+        first = torch.tensor([len(r.token_ids) - 1 for r in reqs])  # the MTP position after the catch-up's
+        for j in range(1, k):
+            # rows still drafting continue; the others keep their last draft as a filler, cut off below
+            last = self._draft_step(drafts[-1], last, first + j - 1, tables)
+            token, q = draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs], self.generator)
+            drafts.append(token)
+            probs.append(q)
+        ids = torch.stack(drafts, dim=1).tolist()
+        out = {}
+        for i, r in enumerate(reqs):
+            n = min(k, r.max_drafts)
+            out[r.req_id] = Draft(ids[i][:n], None if r.params.greedy else torch.stack([p[i] for p in probs[:n]]))
+        return out
+
+    def _pending_rows(self, req_id: str) -> int:
+        return sum(rows.shape[0] for rows in self.pending[req_id])
+
+    def _catch_up(self, caught: list[DraftRequest], tables: torch.Tensor) -> torch.Tensor:
+        """For a request of m tokens whose last P target hidden states came since its last catch-up: MTP
+        positions m-1-P..m-2, position j reading token x_{j+1} and the target's normed hidden state h_j
+        (positions before were fed at earlier catch-ups, or, first time round, lie in a prefix the target's
+        cache held: the MTP entries its blocks hold are taken as they are). Returns the layer's output at
+        each request's last position."""
+        ids, positions, hidden, loc, lens = [], [], [], [0], []
+        for r in caught:
+            rows = torch.cat(self.pending.pop(r.req_id))
+            end = len(r.token_ids) - 1
+            start = end - rows.shape[0]
+            ids.extend(r.token_ids[start + 1:end + 1])
+            positions.extend(range(start, end))
+            hidden.append(self.final_norm(rows))
+            loc.append(loc[-1] + end - start)
+            lens.append(end)
+        counts = torch.tensor(loc[1:]) - torch.tensor(loc[:-1])
+        owners = torch.repeat_interleave(torch.arange(len(caught)), counts)
+        positions_t = torch.tensor(positions)
+        meta = self._meta(tables, owners, positions_t, loc, lens, num_decodes=int((counts == 1).sum()))
+        out = self._run(torch.tensor(ids), positions_t, torch.cat(hidden), meta)
+        return out[self._dev(torch.tensor(loc[1:]) - 1)]
+
+    def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    tables: torch.Tensor) -> torch.Tensor:
+        """One draft position per row (host `positions`): the previous draft and the layer's own previous
+        output; returns the layer's output."""
+        n = positions.shape[0]
+        lens = (positions + 1).tolist()
+        meta = self._meta(tables, torch.arange(n), positions, list(range(n + 1)), lens, num_decodes=n)
+        return self._run(tokens, positions, hidden, meta)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta) -> torch.Tensor:
+        self.predictor.previous_hidden = hidden
+        try:
+            return self.runner.run_model(self._dev(ids), self._dev(positions), meta)
+        finally:
+            self.predictor.previous_hidden = None
+
+    def _tables(self, wanted: list[DraftRequest]) -> torch.Tensor:
+        """The target's block tables of the requests (its blocks hold the lookahead slots too)."""
+        blocks = [self.target.states[r.req_id].block_ids for r in wanted]
+        table = torch.zeros(len(blocks), max(len(b) for b in blocks), dtype=self.runner.attn_builder.index_dtype)
+        for i, b in enumerate(blocks):
+            table[i, :len(b)] = torch.tensor(b)
+        return self._dev(table)
+
+    def _meta(self, tables: torch.Tensor, owners: torch.Tensor, positions: torch.Tensor, loc: list[int],
+              lens: list[int], num_decodes: int):
+        bs = self.target.block_size
+        blocks = tables[self._dev(owners), self._dev(positions // bs)].long()
+        builder = self.runner.attn_builder
+        return builder.build(num_decodes=num_decodes, slot_mapping=blocks * bs + self._dev(positions % bs),
+                             block_tables=tables, seq_lens=self._dev(torch.tensor(lens, dtype=builder.index_dtype)),
+                             query_start_loc=loc, seq_lens_host=lens,
+                             max_query_len=max(b - a for a, b in zip(loc, loc[1:])))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, self.target.device)

@@ -1,0 +1,137 @@
+"""CUDA graphs: one captured forward pass per step shape, replayed instead of launching every kernel.
+
+Two families. Decode graphs (query length 1) are keyed by the padded number of requests R: a step of
+n <= R single-token requests pads to R. Varlen graphs serve steps whose queries are up to Q tokens
+each (verifications of up to Q - 1 drafts, mixed with plain decodes; short prefill chunks too) and are
+keyed by the padded number of tokens T, with room for min(T, max_rows) requests: a step of t <= T
+tokens pays for T, not for every request padded to Q. Padding requests have no query tokens and a
+context length of 0, so they attend to nothing; padding tokens (past the step's last) belong to no
+request and write no KV (slot -1). The paged-attention launch depends only on the request count, the
+token count and Q, so one graph serves any context lengths and query lengths. Every graph shares one
+memory pool, captured largest first.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder, forward_context
+
+logger = logging.getLogger("pressroom")
+
+GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded requests or padded tokens)
+
+
+class CudaGraphs:
+    def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
+                 builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = ()) -> None:
+        """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
+        (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
+        `builder`: the attention backend's metadata builder, which from here on splits a decode step as
+        the graph of its padded size does; `aux_layers`: target layers a drafter conditions on, whose
+        outputs every graph also returns."""
+        self.model, self.builder, self.max_rows = model, builder, max_rows
+        self.aux_layers = aux_layers
+        self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes}
+        if len([q for q in self.shapes if q > 1]) > 1:
+            raise ValueError("CUDA graphs hold one varlen family (one max query length).")
+        self.varlen_q = max((q for q in self.shapes if q > 1), default=0)
+        builder.split_as_graphs(self.shapes.get(1, []))
+        max_reqs = max(self.rows(q, s[-1]) for q, s in self.shapes.items())
+        max_tokens = max(s[-1] for s in self.shapes.values())
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_reqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # With aux layers: each one's output, as each graph leaves them.
+        self.aux: dict[GraphKey, list[torch.Tensor]] = {}
+
+    def rows(self, q: int, size: int) -> int:
+        """Requests the graph (q, size) holds: `size` for decodes; for varlen, as many as its tokens allow."""
+        return size if q == 1 else min(size, self.max_rows)
+
+    @property
+    def max_decodes(self) -> int:
+        return self.shapes[1][-1] if 1 in self.shapes else 0
+
+    def padded_size(self, num_decodes: int) -> int:
+        """The request count of the decode graph a step of `num_decodes` single-token requests replays."""
+        sizes = self.shapes[1]
+        return sizes[bisect.bisect_left(sizes, num_decodes)]
+
+    def key_for(self, num_reqs: int, max_query_len: int, num_tokens: int) -> GraphKey | None:
+        """The graph a step replays; None where none was captured that large (the step runs eager)."""
+        if max_query_len == 1 and num_reqs <= self.max_decodes:
+            return 1, self.padded_size(num_reqs)
+        sizes = self.shapes.get(self.varlen_q)
+        if sizes and max_query_len <= self.varlen_q and num_reqs <= self.max_rows and num_tokens <= sizes[-1]:
+            return self.varlen_q, sizes[bisect.bisect_left(sizes, num_tokens)]
+        return None
+
+    def _meta(self, q: int, size: int) -> AttentionMetadata:
+        rows = self.rows(q, size)
+        return self.builder.build(
+            num_decodes=rows if q == 1 else 0, slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:rows], seq_lens=self.seq_lens[:rows],
+            query_start_loc=[], seq_lens_host=[], max_query_len=q,
+            query_start_loc_device=self.query_start_loc[:rows + 1])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        keys = sorted(((q, s) for q, sizes in self.shapes.items() for s in sizes), key=lambda k: -k[1])
+        for q, n in keys:  # n: the graph's tokens
+            rows = self.rows(q, n)
+            self.query_start_loc[:rows + 1].copy_(torch.arange(rows + 1, dtype=torch.int32).clamp_(max=n))
+            meta = self._meta(q, n)
+            with forward_context(meta):
+                self._forward(n)  # compiles kernels outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[q, n], self.aux[q, n] = self._forward(n)
+            self.graphs[q, n] = graph
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        shapes = ", ".join(f"decodes: {len(s)} sizes up to {s[-1]} requests" if q == 1 else
+                           f"queries up to {q} tokens: {len(s)} sizes up to {s[-1]} tokens"
+                           for q, s in self.shapes.items())
+        logger.info("captured %d CUDA graphs (%s) in %.1fs, %.2f GiB", len(keys), shapes,
+                    time.perf_counter() - start, used / (1 << 30))
+
+    def _forward(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if not self.aux_layers:
+            return self.model(self.input_ids[:n], self.positions[:n]), []
+        return self.model(self.input_ids[:n], self.positions[:n], self.aux_layers)
+
+    def replay(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the step's tokens from the graph `key` (from `key_for`), and the aux layers'
+        outputs side by side where the graphs were captured with some."""
+        q, size = key
+        rows, tokens = self.rows(q, size), size
+        n, t = len(meta.query_start_loc) - 1, input_ids.shape[0]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:tokens].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:rows].fill_(0)
+        self.query_start_loc[:n + 1].copy_(meta.query_start_loc_device)
+        self.query_start_loc[n + 1:rows + 1].fill_(t)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.graphs[key].replay()
+        # Features are concatenated here, not in the graph: a fresh tensor outlives the next replay.
+        features = torch.cat([a[:t] for a in self.aux[key]], dim=-1) if self.aux_layers else None
+        return self.outputs[key][:t], features

@@ -1,0 +1,175 @@
+"""One rank's worker: it owns the device, the model, its KV cache and the model runner.
+
+The executor (executor/) drives workers through the calls tensor parallelism needs, in this order:
+`load_model`, `determine_available_memory`, `initialize_kv_cache`, `compile_or_warm_up_model`, then
+`execute_model` once per step, and `shutdown`. Everything that touches the device's memory (the
+profile, the cache, CUDA graphs, freeing it all) happens here, so nothing above worker/ calls torch.cuda.
+Its answers are plain data that can cross a process boundary.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from pressroom.config import EngineConfig, SpeculativeConfig
+from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pressroom.model.loader import load_model
+from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.proposer import Proposer
+
+logger = logging.getLogger("pressroom")
+
+CUDA_GRAPH_RESERVE = 1 << 30  # graphs' memory pool is allocated after the KV cache; measured and logged at capture
+PROFILE_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+ProposerFactory = Callable[[SpeculativeConfig | None, ModelRunner], Proposer | None]
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """What the engine core needs to know of the loaded model to size its cache and requests."""
+    model_path: str
+    vocab_size: int
+    max_position: int  # the longest context the model supports (inside its sliding window)
+    kv_bytes_per_block: int  # the target's cache and a draft model's, per block
+    lookahead: int  # slots a request keeps past its step for a drafter's writes into the target's blocks
+    device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Measured step times the adaptive speculative budget weighs (seconds, per token count)."""
+    verify: list[tuple[int, float]]
+    decode: list[tuple[int, float]]
+    per_context_token: float
+    drafts: list[tuple[int, float]] | None
+    first_draft: list[tuple[int, float]] | None
+    block_passes: list[tuple[int, float]] | None
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, make_proposer: ProposerFactory, rank: int = 0) -> None:
+        """`make_proposer` builds the drafter the speculative config names (spec_decode/ implements
+        drafters; worker/ only knows their interface)."""
+        self.config, self.rank, self._make_proposer = config, rank, make_proposer
+        if config.num_threads:  # a worker in a process of its own does not inherit the caller's setting
+            torch.set_num_threads(config.num_threads)
+        self.model_runner: ModelRunner | None = None
+        self.model: torch.nn.Module | None = None
+        self.hf_config = None
+
+    def load_model(self) -> ModelSpec:
+        config = self.config
+        loaded = load_model(config.model, config.device)
+        self.model, self.hf_config = loaded.model, loaded.hf_config
+        hf_config = self.hf_config
+        sched = config.scheduler
+        runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
+                             config.device, sched.async_scheduling, config.cache.cache_dtype,
+                             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens)
+        spec = config.speculative
+        if spec is not None and spec.method == "mtp" and not spec.model:  # the target's checkpoint holds the layer
+            spec = replace(spec, model=loaded.source)
+        runner.set_proposer(self._make_proposer(spec, runner))
+        if spec is not None and spec.rejection_sample_method == "synthetic":
+            runner.synthetic_rates = spec.synthetic_acceptance_rates
+        self.model_runner = runner
+        per_block = runner.kv_cache_bytes_per_block()
+        if runner.proposer is not None:  # a draft model's cache has as many blocks
+            per_block += runner.proposer.kv_bytes_per_block()
+        device_drafts = spec.num_speculative_tokens if runner.device_drafting else 0
+        shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
+        lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
+        return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead,
+                         device_drafts)
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile
+        leaves (vLLM's rule): gpu_memory_utilization of the card, minus the weights and the activation
+        peak of a max_num_batched_tokens forward pass (both in the profiled peak), memory outside
+        torch's allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs."""
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        peak = self.model_runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                                     _max_position(self.hf_config))
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = (total - free) - torch.cuda.memory_reserved()
+        graphs = 0 if self.config.compilation.enforce_eager else CUDA_GRAPH_RESERVE
+        budget = int(total * cache.gpu_memory_utilization) - peak - outside_torch - graphs
+        logger.info("memory profile: %.2f GiB of %.2f GiB usable; weights + activation peak %.2f GiB, outside "
+                    "torch %.2f GiB, CUDA graph reserve %.2f GiB -> KV cache %.2f GiB",
+                    total * cache.gpu_memory_utilization / (1 << 30), total / (1 << 30), peak / (1 << 30),
+                    outside_torch / (1 << 30), graphs / (1 << 30), budget / (1 << 30))
+        return budget
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """`max_model_len`: the longest sequence a block table must hold (lookahead slots included)."""
+        self.model_runner.initialize_kv_cache(num_blocks, max_model_len)
+
+    def compile_or_warm_up_model(self) -> bool:
+        """Captures CUDA graphs for decode steps and, with speculation, verification steps (up to 1 + K
+        query tokens per request); a draft model captures its own passes. Whether graphs are in use."""
+        config = self.config
+        if config.device != "cuda" or config.compilation.enforce_eager:
+            return False
+        runner = self.model_runner
+        if not runner.model.cuda_graphs_supported:
+            logger.warning("%s runs without CUDA graphs: its forward is not graph-safe yet",
+                           type(runner.model).__name__)
+            return False
+        sched, spec, compilation = config.scheduler, config.speculative, config.compilation
+        k = spec.num_speculative_tokens if spec is not None else 0
+        runner.capture_cudagraphs(
+            compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs)
+        if runner.proposer is not None:
+            runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
+        return True
+
+    def profile_step_costs(self, max_drafts: int, max_model_len: int) -> StepCosts:
+        """Two step shapes up to the largest decode step (max_num_seqs requests, each with every draft):
+        plain decodes and verifications (1 + K query tokens per request), one more verification at a long
+        context (attention grows with the context each query reads), and the drafter's own passes."""
+        sched, runner = self.config.scheduler, self.model_runner
+        largest = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
+        ladder = [n for n in PROFILE_LADDER if n < largest] + [largest]
+        counts = [n for n in ladder if n <= sched.max_num_seqs]
+        decode = runner.profile_step_costs(counts, 1)
+        verify = runner.profile_step_costs(ladder, 1 + max_drafts)
+        bs, rows = self.config.cache.block_size, min(64, largest)  # rows is on the ladder: measured at short context
+        long_ctx = max(2 * bs, min(1024, max_model_len // 2) // bs * bs)
+        long_t = runner.profile_step_costs([rows], 1 + max_drafts, long_ctx)[0][1]
+        per_context_token = max(0.0, (long_t - dict(verify)[rows]) / (rows * (long_ctx - bs)))
+        proposer = runner.proposer
+        drafts = proposer.profile_decode_steps(counts)  # each draft position has a cost of its own
+        first = proposer.profile_first_draft_steps(counts) if drafts is not None else None  # mirroring under async
+        return StepCosts(verify, decode, per_context_token, drafts, first, proposer.profile_block_passes(counts))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
+
+    def discard_inflight(self) -> None:
+        """Drops the async carry-over (the last launched step and its tokens on the device) after a step
+        failed: the requests it held are ended, and a stale output must not be resolved again."""
+        self.model_runner.pending = self.model_runner.prev = None
+
+    def shutdown(self) -> None:
+        """Drops the model and its caches and returns the device's memory. The model's modules hold cycles
+        (parameters keep their layer's bound weight loaders), so nothing is freed until a collection: one
+        runs here rather than whenever the collector gets to it."""
+        self.model_runner = self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _max_position(hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
+    return limit

@@ -1,0 +1,54 @@
+"""Greedy tokens and prompt logprobs equal HF transformers' on the same weights (fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
+
+from pressroom import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, prompt_logprobs=0)
+
+
+def _check(llm: LLM, hf_model, prompts: list[list[int]]) -> None:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 64)
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        theirs = hf_prompt_logprobs(hf_model, prompt)
+        assert out.prompt_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                                  "deepseek_v2", "deepseek_v2_yarn", "deepseek_v3"])
+def test_tiny_random_models_match_hf(arch, tiny_model_dir):
+    import transformers
+    path = tiny_model_dir(arch)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
+    _check(llm, hf_model, random_prompts(3, seed=hash(arch) % 1000))
+
+
+def test_embedded_model_matches_hf(embedded_path, smollm_tokenizer):
+    import os
+
+    import transformers
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(embedded_path), gguf_file=os.path.basename(embedded_path), dtype=torch.float32)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1)
+    texts = ["The quick brown fox", "def fibonacci(n):\n    "]
+    chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                                add_generation_prompt=True, tokenize=False)
+    prompts = [smollm_tokenizer.encode(t) for t in texts + [chat]]
+    _check(llm, hf_model, prompts)
+
+
+def test_sparse_attention_matches_hf_past_its_top_k(tiny_model_dir):
+    """DeepSeek-V3.2's sparse attention with index_topk 32 over 100-160-token prompts: the indexer really
+    drops tokens (prefill and every decode), and tokens and prompt logprobs still equal HF's."""
+    import transformers
+    path = tiny_model_dir("deepseek_v32")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
+    _check(llm, hf_model, random_prompts(2, low=100, high=160, seed=32))

@@ -1,0 +1,189 @@
+"""Load and disconnects on the embedded model: a real `pressroom serve` subprocess on loopback.
+
+Bounded count and time: 256 concurrent short streams, then 50 streaming clients that go away mid-generation
+(half close their connection after the first chunk, half are SIGKILLed with their sockets open). Every KV
+block must come back, as /metrics reports, and the server must keep serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import openai
+import pytest
+from serving import serve
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@contextlib.contextmanager
+def _serve(log_path):
+    """`pressroom serve` with no model argument: the embedded SmolLM2."""
+    with serve(["serve", "--kv-cache-memory-gib", "0.25"], log_path) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _serve(tmp_path_factory.mktemp("load") / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+
+
+def _metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _wait_drained(url: str, seconds: float) -> dict[str, float]:
+    """/metrics once nothing runs, waits or holds a KV block; fails after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = _metrics(url)
+        if (m["pressroom:num_requests_running"] == 0 and m["pressroom:num_requests_waiting"] == 0
+                and m["pressroom:kv_cache_usage_perc"] == 0):
+            return m
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "num_requests" in k or "kv_cache" in k}
+        time.sleep(0.1)
+
+
+def _still_serves(url: str, model: str) -> None:
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Still there?", "max_tokens": 4,
+                                                  "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_256_concurrent_streams_complete_without_leaks(server, model):
+    n, max_tokens = 256, 8
+    peak = {"running": 0.0}
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(model=model, prompt=f"Request {i}: the weather today is",
+                                                 max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        usage, finish = None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        return usage.completion_tokens, finish
+
+    async def watch(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=10) as http:
+            while not stop.is_set():
+                text = (await http.get(f"{server}/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith("pressroom:num_requests_running{"):
+                        peak["running"] = max(peak["running"], float(line.rsplit(" ", 1)[1]))
+                await asyncio.sleep(0.05)
+
+    async def main():
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            try:
+                return await asyncio.gather(*[one(client, i) for i in range(n)])
+            finally:
+                stop.set()
+                await watcher
+
+    start = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - start
+    assert results == [(max_tokens, "length")] * n  # all complete, no errors
+    assert peak["running"] > 32, peak  # they really ran together (max_num_seqs is 256)
+    m = _wait_drained(server, 10)  # no leaked blocks
+    assert m["pressroom:kv_cache_usage_perc"] == 0 and m["pressroom:num_requests_running"] == 0
+    assert elapsed < 90, elapsed
+    _still_serves(server, model)
+
+
+# A child process holding streams open until it is SIGKILLed: the kernel closes its sockets, no goodbye.
+_KILLED_CLIENT = textwrap.dedent("""
+    import asyncio, sys, httpx
+    url, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    async def hold(i, got):
+        body = {"model": model, "prompt": f"Killed client {i} writes", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}
+        client = httpx.AsyncClient(timeout=60)
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    got.release()
+                    await asyncio.sleep(3600)
+    async def main():
+        got = asyncio.Semaphore(0)
+        tasks = [asyncio.create_task(hold(i, got)) for i in range(n)]
+        for _ in range(n):
+            await got.acquire()
+        print("ready", flush=True)
+        await asyncio.gather(*tasks)
+    asyncio.run(main())
+""")
+
+
+def test_50_killed_streaming_clients_return_every_block(server, model):
+    n_closed, n_killed = 25, 25
+    _wait_drained(server, 10)
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, server, model, str(n_killed)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        async def main():
+            clients = [httpx.AsyncClient(timeout=60) for _ in range(n_closed)]  # one connection each
+            streams = []
+            try:
+                async def open_one(i: int):
+                    body = {"model": model, "prompt": f"Closed client {i} writes", "max_tokens": 1500,
+                            "ignore_eos": True, "stream": True}
+                    cm = clients[i].stream("POST", f"{server}/v1/completions", json=body)
+                    r = await cm.__aenter__()
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data:"):
+                            break  # the first chunk: generation is under way
+                    streams.append((cm, lines))  # both kept: a dropped line iterator would close the stream now
+
+                await asyncio.gather(*[open_one(i) for i in range(n_closed)])
+                ready = await asyncio.wait_for(asyncio.to_thread(killed.stdout.readline), 60)
+                assert ready.strip() == "ready"
+                async with httpx.AsyncClient(timeout=10) as http:
+                    from prometheus_client.parser import text_string_to_metric_families
+                    text = (await http.get(f"{server}/metrics")).text
+                    m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+                # all 50 are in the engine mid-generation, holding blocks
+                in_engine = m["pressroom:num_requests_running"] + m["pressroom:num_requests_waiting"]
+                assert in_engine == n_closed + n_killed, m
+                assert m["pressroom:kv_cache_usage_perc"] > 0, m
+                os.kill(killed.pid, signal.SIGKILL)
+                for cm, lines in streams:  # closed after the first chunk: the connection goes, mid-stream
+                    await lines.aclose()
+                    await cm.__aexit__(None, None, None)
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        start = time.monotonic()
+        asyncio.run(main())
+        killed.wait(10)
+        # 50 x 1500 tokens would take minutes; aborted, every block is back within seconds
+        m = _wait_drained(server, 10)
+        assert time.monotonic() - start < 60
+        assert m["pressroom:kv_cache_usage_perc"] == 0
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    _still_serves(server, model)

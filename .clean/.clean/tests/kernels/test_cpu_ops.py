@@ -1,0 +1,44 @@
+"""Each C kernel equals its torch reference (HF's rounding order) in fp32 and bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pressroom.kernels import cpu
+from pressroom.model.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: layers use their torch path")
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    x, res = torch.randn(7, 96, generator=gen).to(dtype), torch.randn(7, 96, generator=gen).to(dtype)
+    w = torch.rand(96, generator=gen).to(dtype)
+    ref = (F.rms_norm(x.float(), (96,), eps=1e-6).to(dtype) * w)
+    assert _close(cpu.rms_norm(x, w, 1e-6, None), ref, tol)
+    summed = x + res
+    ref2 = (F.rms_norm(summed.float(), (96,), eps=1e-6).to(dtype) * w)
+    res_c = res.clone()
+    out = cpu.rms_norm(x, w, 1e-6, res_c)
+    assert torch.equal(res_c, summed) and _close(out, ref2, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype, tol):
+    rope = RotaryEmbedding(32, 32, 64, 10000.0)
+    gen = torch.Generator().manual_seed(2)
+    stacked = torch.randn(6, 5, 32, generator=gen).to(dtype)  # 3 q/k heads + 2 untouched "v" heads
+    positions = torch.tensor([0, 3, 9, 10, 40, 63])
+    cos, sin = rope.cos_sin(positions)
+    ref = rope.rotate_reference(stacked[:, :3].clone(), cos, sin)
+    untouched = stacked[:, 3:].clone()
+    cpu.rotary_(stacked[:, :3], cos, sin, 32)
+    assert _close(stacked[:, :3], ref, tol)
+    assert torch.equal(stacked[:, 3:], untouched)

@@ -1,0 +1,123 @@
+"""DSA's kernels equal their torch references (the CPU through Triton's interpreter; CUDA as they are): each
+token's request and position, the lightning indexer's scores over a paged cache, the top-k selection, and
+sparse MLA over the chosen positions, which equals dense MLA where every visible token is chosen."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import scattered_paged_layout
+
+pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
+
+from pressroom.kernels import triton as triton_kernels
+from pressroom.kernels.triton import dsa, mla
+
+pytestmark = pytest.mark.skipif(not triton_kernels.available(),
+                                reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LATENT, ROPE, INDEX_DIM, INDEX_HEADS, HEADS, BLOCK = 32, 8, 16, 4, 4, 8
+# (context after this step, query tokens): two decodes, a chunk behind a cached prefix, a fresh prompt
+SPECS = [(50, 1), (9, 1), (40, 6), (21, 21)]
+
+
+class Step:
+    def __init__(self, specs=SPECS, seed: int = 0, pad_tokens: int = 2) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.block_tables, self.seq_lens, self.qsl, num_blocks = scattered_paged_layout(
+            specs, BLOCK, gen, spare_blocks=2, spare_columns=2)
+        tokens = int(self.qsl[-1]) + pad_tokens
+        self.cache = torch.randn(num_blocks, BLOCK, 1, LATENT + ROPE + INDEX_DIM, generator=gen)
+        self.index_q = torch.randn(tokens, INDEX_HEADS, INDEX_DIM, generator=gen)
+        self.index_w = torch.randn(tokens, INDEX_HEADS, generator=gen)
+        self.query = torch.randn(tokens, HEADS, LATENT + ROPE, generator=gen)
+        self.scale = (LATENT + ROPE) ** -0.5
+
+    def to(self, device: str) -> Step:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+    def positions(self):
+        return dsa.token_positions(self.qsl, self.seq_lens, self.query.shape[0])
+
+
+def test_token_positions_name_each_tokens_request_and_place():
+    req, pos = Step().positions()
+    assert req.tolist() == [0, 1] + [2] * 6 + [3] * 21 + [0, 0]
+    assert pos.tolist() == [49, 8] + list(range(34, 40)) + list(range(21)) + [-1, -1]
+
+
+def test_indexer_logits_equal_the_reference():
+    step = Step().to(DEVICE)
+    req, pos = step.positions()
+    actual = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    expected = dsa.indexer_logits_reference(step.index_q.cpu(), step.index_w.cpu(), step.cache.cpu(),
+                                            step.block_tables.cpu(), req.cpu(), pos.cpu(), LATENT + ROPE)
+    assert torch.equal(actual.cpu().isinf(), expected.isinf())  # exactly the invisible positions are -inf
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_select_top_k_marks_what_is_not_visible():
+    logits = torch.tensor([[0.5, 2.0, float("-inf"), 1.0], [float("-inf"), 3.0, float("-inf"), float("-inf")]])
+    assert dsa.select_top_k(logits, 3).tolist() == [[1, 3, 0], [1, -1, -1]]
+    assert dsa.select_top_k(logits, 9).shape == (2, 4)
+
+
+@pytest.mark.parametrize("dtype, top_k, splits", [(torch.float32, 12, 1), (torch.bfloat16, 12, 1),
+                                                  (torch.float32, 100, 1), (torch.float32, 100, 3),
+                                                  (torch.bfloat16, 100, 2), (torch.float32, 12, 4)])
+def test_sparse_mla_equals_the_reference(dtype, top_k, splits):
+    """Split runs of the chosen positions merge to the same output (4 splits of 12: some runs empty)."""
+    step = Step().to(DEVICE)
+    req, pos = step.positions()
+    logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    chosen = dsa.select_top_k(logits, top_k)
+    query, cache = step.query.to(dtype), step.cache.to(dtype)
+    out = torch.full((query.shape[0], HEADS, LATENT), 7.0, dtype=dtype, device=DEVICE)
+    dsa.sparse_mla_attention(query, cache, step.block_tables, req, chosen, step.scale, out, LATENT, splits)
+    expected = dsa.sparse_mla_reference(query.cpu(), cache.cpu(), step.block_tables.cpu(), req.cpu(), chosen.cpu(),
+                                        step.scale, LATENT)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_sparse_mla_choosing_every_visible_token_is_dense_mla():
+    """With k at least the context, DSA equals dense MLA (the kernel and its reference both)."""
+    step = Step(pad_tokens=0).to(DEVICE)
+    req, pos = step.positions()
+    logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    chosen = dsa.select_top_k(logits, 64)
+    sparse = torch.empty(step.query.shape[0], HEADS, LATENT, device=DEVICE)
+    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, chosen, step.scale, sparse, LATENT)
+    dense = torch.empty_like(sparse)
+    mla.mla_attention(step.query, step.cache, step.block_tables, step.seq_lens, step.qsl, 21, step.scale, dense,
+                      LATENT)
+    torch.testing.assert_close(sparse.cpu(), dense.cpu(), atol=2e-5, rtol=2e-5)
+
+
+def test_choose_positions_in_runs_equals_one_pass(monkeypatch):
+    """Scores made a few queries at a time (a small SCORE_BYTES) choose what one pass chooses."""
+    step = Step().to(DEVICE)
+    req, pos = step.positions()
+    args = (step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    whole = dsa.select_top_k(dsa.indexer_logits(*args), 12)
+    width = step.block_tables.shape[1] * BLOCK
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * width * 5)  # runs of 5 queries
+    assert torch.equal(dsa.choose_positions(*args, 12), whole)
+
+
+def test_a_lone_decode_splits_its_chosen_positions():
+    assert dsa.sparse_splits(1, 1, 2048, 32) == 16  # one token would leave all but one SM idle
+    assert dsa.sparse_splits(512, 1, 2048, 32) == 1
+    assert dsa.sparse_splits(1, 1, 40, 32) == 1  # too few positions to cut
+
+
+def test_padding_tokens_with_nothing_chosen_get_zeros_through_the_merge():
+    step = Step(pad_tokens=3).to(DEVICE)
+    req, pos = step.positions()
+    chosen = dsa.select_top_k(dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req,
+                                                 pos, LATENT + ROPE), 12)
+    out = torch.full((step.query.shape[0], HEADS, LATENT), 7.0, device=DEVICE)
+    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, chosen, step.scale, out, LATENT, 3)
+    assert bool((out[-3:] == 0).all()) and not out.isnan().any()

@@ -1,0 +1,97 @@
+"""The CPU decode fast path (model/layers/cpu_decode.py, kernels/csrc/decode_stack.c) computes what the
+layer-by-layer path computes, and only takes the steps it can."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pressroom import LLM, SamplingParams
+from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
+from pressroom.kernels import cpu
+from pressroom.model.layers.cpu_decode import CpuDecodeStack, applies
+from pressroom.model.models.llama import RopeTables
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the fast path needs the C kernels")
+
+PROMPTS = [{"prompt_token_ids": list(range(100, 132))}, {"prompt_token_ids": list(range(500, 517))}]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def llm(request):
+    return LLM(kv_cache_memory_gib=0.05, dtype=request.param)
+
+
+def _first_layers(model, k: int, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The layer-by-layer path through the first k layers, then the final norm."""
+    x, residual = model.embed_tokens(ids), None
+    rope = RopeTables(model.rotary, cos, sin)
+    for layer in model.layers[:k]:
+        x, residual = layer(rope, x, residual)
+    return model.norm(x, residual)[0].float()
+
+
+def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
+    """On a real decode step of two sequences, the fused stack cut to its first k layers equals the Python
+    layers (both write the same cache slots: the second writer rewrites what the first wrote)."""
+    model = llm.engine.model.model
+    errors: dict[int, float] = {}
+    forward = model.forward
+
+    def compare_then_forward(input_ids, positions, *args, **kwargs):
+        meta = get_attention_metadata()
+        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not errors:
+            stack = CpuDecodeStack.build(model)
+            cos, sin = model.rotary.cos_sin(positions)
+            full = stack.layer_ptrs
+            for k in (1, 2):
+                stack.layer_ptrs = full[:k].contiguous()
+                fused = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
+                ref = _first_layers(model, k, input_ids, cos, sin)
+                errors[k] = ((fused - ref).abs().max() / ref.abs().max()).item()
+        return forward(input_ids, positions, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", compare_then_forward)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    # fp32: the same kernels in the same order (silu's exp differs in the last bits). bf16: the Python path
+    # rounds every activation to bf16, the fused one keeps fp32.
+    tolerance = 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
+    assert errors.keys() == {1, 2} and max(errors.values()) < tolerance, errors
+
+
+def test_greedy_decoding_takes_the_fast_path_and_agrees(llm):
+    if llm.engine.config.model.dtype != torch.float32:
+        pytest.skip("bf16: the layer-by-layer path rounds activations to bf16, so long generations diverge")
+    model = llm.engine.model.model
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0)
+    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert model.fused_decode and model._decode_stack is not None
+    model.fused_decode, model._decode_stack = False, None
+    try:
+        layered = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        model.fused_decode = None
+    assert model._decode_stack is None  # the comparison really ran the other path
+    assert fused == layered
+
+
+def _meta(num_decodes: int, query_lens: list[int]) -> AttentionMetadata:
+    tokens = sum(query_lens)
+    loc = [0]
+    for n in query_lens:
+        loc.append(loc[-1] + n)
+    return AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                             slot_mapping=torch.arange(tokens), block_tables=torch.zeros(len(query_lens), 2,
+                                                                                          dtype=torch.int64),
+                             seq_lens=torch.tensor(query_lens) + 5, query_start_loc=loc,
+                             seq_lens_host=[n + 5 for n in query_lens])
+
+
+def test_only_all_decode_steps_of_few_tokens_apply():
+    assert applies(_meta(3, [1, 1, 1]), torch.zeros(3, dtype=torch.long))
+    assert not applies(_meta(2, [1, 1, 4]), torch.zeros(6, dtype=torch.long))  # a prefill chunk rides along
+    assert not applies(_meta(9, [1] * 9), torch.zeros(9, dtype=torch.long))  # past the 4-bit kernels' rows
+
+
+def test_a_dense_model_is_not_supported():
+    dense = LLM(kv_cache_memory_gib=0.05, quantization="none", dtype="float32")
+    assert not CpuDecodeStack.supports(dense.engine.model.model)

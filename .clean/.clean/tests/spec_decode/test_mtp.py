@@ -1,0 +1,132 @@
+"""MTP drafting with a DeepSeek checkpoint's next-token-prediction layer: greedy output equals no speculation,
+sampled output keeps the target's distribution, and a checkpoint without the layer is refused clearly."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompts, save_with_mtp_layer
+from test_spec_engine import _assert_next3_distribution, _gen
+
+from pressroom import LLM, SamplingParams
+
+
+@torch.inference_mode()
+def reference_first_draft(path: Path, tokens: list[int]) -> int:
+    """The MTP layer's first draft after `tokens` (prompt and the target's first token), computed with HF's
+    modules on the checkpoint: the target's normed hidden states h_j of the prompt, then at each position j
+    eh_proj([enorm(embed(x_{j+1})) (zero at position 0); hnorm(h_j)]) through HF's decoder layer L (causal),
+    shared_head.norm and the LM head at the last position."""
+    import transformers
+    from safetensors.torch import load_file
+    weights = load_file(path / "model.safetensors")
+    config = transformers.AutoConfig.from_pretrained(path)
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = layers + 1
+    full = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    prefix = f"model.layers.{layers}."
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * weights[prefix + name]
+
+    prompt = torch.tensor([tokens[:-1]])
+    h = full.model.norm(full.model(prompt, output_hidden_states=True).hidden_states[layers])  # [1, m, hidden]
+    embedded = full.model.embed_tokens(torch.tensor([tokens[1:]]))
+    embedded[:, 0] = 0.0
+    x = torch.cat((rms(embedded, "enorm.weight"), rms(h, "hnorm.weight")), dim=-1)
+    x = x @ weights[prefix + "eh_proj.weight"].t()
+    m = x.shape[1]
+    positions = torch.arange(m)[None]
+    mask = torch.full((m, m), float("-inf")).triu(1)[None, None]
+    out = full.model.layers[layers](x, attention_mask=mask, position_ids=positions,
+                                    position_embeddings=full.model.rotary_emb(x, positions))
+    out = out[0] if isinstance(out, tuple) else out
+    return int(full.lm_head(rms(out[0, -1], "shared_head.norm.weight")).argmax())
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_token_budget": False}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp")
+    save_with_mtp_layer(path)
+    return str(path)
+
+
+def test_greedy_output_with_mtp_equals_without(mtp_model):
+    prompts = random_prompts(5, low=4, high=60, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False)
+    plain = _gen(LLM(mtp_model, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True), prompts, params)
+    llm = LLM(mtp_model, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True,
+              speculative_config=MTP)
+    assert _gen(llm, prompts, params) == plain
+    stats = llm.engine.stats().spec
+    assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
+    proposer = llm.engine.runner.proposer
+    assert type(proposer).__name__ == "MTPProposer"
+    # its own latent cache, in the target's block tables: as many blocks, and K slots kept past each step
+    mtp_cache, target_cache = proposer.runner.kv_caches[0], llm.engine.runner.kv_caches[0]
+    assert mtp_cache.shape[0] == 1 and mtp_cache.shape[1] == target_cache.shape[1]
+    assert llm.engine.scheduler.lookahead == 3 and llm.engine.scheduler.async_drafts == 0
+
+
+def test_the_first_draft_equals_the_mtp_layer_computed_with_hfs_modules(mtp_model, monkeypatch):
+    """What the proposer drafts first after a prompt is the argmax of the MTP layer as HF's own modules compute
+    it on the checkpoint: the layer, its weights' rope order, the feature hand-over and positions are right
+    (the greedy test above would pass with any drafts at all)."""
+    from pressroom.spec_decode.mtp import MTPProposer
+    seen = []
+    propose = MTPProposer.propose
+
+    def recording(self, requests):
+        drafts = propose(self, requests)
+        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
+        return drafts
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    llm = LLM(mtp_model, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True, speculative_config=MTP)
+    for prompt in random_prompts(3, low=5, high=40, seed=4):
+        seen.clear()
+        _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False))
+        tokens, drafts = seen[0]
+        assert len(tokens) == len(prompt) + 1
+        assert drafts[0] == reference_first_draft(Path(mtp_model), tokens)
+
+
+def test_mtp_with_a_cached_prefix_and_chunked_prompts_keeps_greedy_output(mtp_model):
+    """The target computes only a prompt's uncached tail (its hidden states for the prefix never come), and
+    long prompts arrive in chunks: the MTP layer still catches up, and the output stays exact."""
+    prefix = random_prompts(1, low=70, high=71, seed=9)[0]
+    prompts = [prefix + tail for tail in random_prompts(3, low=3, high=12, seed=10)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True, max_num_batched_tokens=32,
+                  enable_prefix_caching=True)
+    plain = _gen(LLM(mtp_model, **engine), prompts, params)
+    llm = LLM(mtp_model, speculative_config=MTP, **engine)
+    assert [_gen(llm, [p], params)[0] for p in prompts] == plain  # one by one: the later ones hit the cache
+
+
+def test_mtp_sampling_keeps_the_target_distribution(tmp_path):
+    path = tmp_path / "mtp32"
+    path.mkdir()
+    hf = save_with_mtp_layer(path, vocab_size=32, init=0.6, seed=5)
+    _assert_next3_distribution(str(path), hf, {"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="no next-token-prediction layer"):
+        LLM(tiny_model_dir("deepseek_v3"), dtype="float32", kv_cache_memory_gib=0.05, speculative_config=MTP)
+
+
+def test_mtp_under_the_adaptive_budget_keeps_greedy_output(mtp_model):
+    """The default budget profiles the MTP layer's step cost at start-up and plans drafts from it."""
+    prompts = random_prompts(3, low=4, high=30, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True)
+    plain = _gen(LLM(mtp_model, **engine), prompts, params)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **engine)
+    assert _gen(llm, prompts, params) == plain
+    costs = llm.engine.runner.proposer.profile_decode_steps([1, 4])
+    assert [n for n, _ in costs] == [1, 4] and all(t > 0 for _, t in costs)

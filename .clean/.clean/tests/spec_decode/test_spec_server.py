@@ -1,0 +1,37 @@
+"""`pressroom serve --speculative-config JSON`: same greedy text as without, and vLLM's spec metrics."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+from serving import serve
+
+
+def _metrics(url: str) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, s.labels.get("position", "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_server_speculates_and_reports_it(tiny_model_dir, tmp_path):
+    prompt = "one two three four one two three four one two three four one two"
+    args = ["serve", tiny_model_dir("llama"), "--served-model-name", "tiny", "--dtype", "float32",
+            "--kv-cache-memory-gib", "0.05"]
+    texts = []
+    for extra in ([], ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                             "adaptive_token_budget": False})]):
+        with serve(args + extra, tmp_path / f"server{len(extra)}.log") as (url, _):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            texts.append(out.choices[0].text)
+            m = _metrics(url)
+    assert texts[0] == texts[1]
+    drafts = m[("pressroom:spec_decode_num_drafts_total", "")]
+    accepted = m[("pressroom:spec_decode_num_accepted_tokens_total", "")]
+    assert drafts > 0 and m[("pressroom:spec_decode_num_draft_tokens_total", "")] >= accepted
+    assert m[("pressroom:spec_decode_num_accepted_tokens_per_pos_total", "0")] <= drafts
+    per_pos = sum(v for (name, pos), v in m.items() if name.endswith("accepted_tokens_per_pos_total"))
+    assert per_pos == accepted

@@ -1,0 +1,77 @@
+"""`pressroom train-drafter`'s pieces: recording the target's features along its own greedy output,
+training that lowers the loss and lengthens held-out acceptance, and a saved drafter that serves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+from transformers import AutoModelForCausalLM
+
+from pressroom import LLM, SamplingParams
+from pressroom.spec_decode.dflash2 import DFlash2Config, save_drafter
+from pressroom.spec_decode.train import record, train
+
+
+@pytest.mark.slow
+def test_record_train_save_and_serve(tiny_model_dir, tmp_path):
+    target = tiny_model_dir("llama")
+    llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.1, enable_prefix_caching=False)
+    prompts = random_prompts(24, low=4, high=12, seed=51)
+    seqs = record(llm, prompts, max_tokens=40, layers=(0, 1), batch=16, ignore_eos=True)
+    assert all(s.features.shape == (len(s.tokens), 2 * 64) for s in seqs)
+    # The features are the target's own: recording twice gives the same rows, equal to HF's hidden states.
+    again = record(llm, prompts[:2], max_tokens=40, layers=(0, 1), ignore_eos=True)
+    assert torch.allclose(again[0].features, seqs[0].features, rtol=1e-4, atol=1e-3)  # other batch, same rows
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([seqs[0].tokens]), output_hidden_states=True).hidden_states
+    assert torch.allclose(seqs[0].features[:, :64], states[1][0], atol=1e-3)  # layer 0's output
+
+    cfg = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=2, conv_kernel_size=2, conv_group_size=16,
+                        top_m=4, rank=8)
+    drafter, report = train(llm.engine.model, seqs, cfg, steps=300, batch_size=32, progress=False, scorer_steps=100)
+    assert report["first_loss"] > 10.0  # slots start near uniform logits: ln(49152) = 10.8
+    assert report["last_loss"] < report["first_loss"] - 1.0
+    assert report["scorer_last_loss"] < report["scorer_first_loss"]  # the selector learns the true paths
+    # It fits what it saw; held-out acceptance is reported (a random tiny model's text does not generalise).
+    assert report["train_after"]["argmax"] > report["train_before"]["argmax"] + 0.05
+    assert report["train_after"]["selector"] >= report["train_after"]["argmax"] - 0.05
+    assert report["held_out_examples"] > 0 and "selector" in report["held_out_after"]
+
+    path = str(tmp_path / "drafter")
+    save_drafter(drafter, path)
+    spec = LLM(target, dtype="float32", kv_cache_memory_gib=0.1,
+               speculative_config={"method": "dflash2", "model": path, "num_speculative_tokens": 4,
+                                   "adaptive_token_budget": False})
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seen = prompts[:8]  # continuations it trained on, so some drafts are accepted
+    plain = llm.generate([{"prompt_token_ids": p} for p in seen], params, use_tqdm=False)
+    outs = spec.generate([{"prompt_token_ids": p} for p in seen], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = spec.engine.stats().spec
+    assert stats.num_accepted_tokens > 0
+
+
+def test_cli_writes_a_drafter_that_loads(tiny_model_dir, tmp_path):
+    import json
+
+    from pressroom.entrypoints.cli import main
+    from pressroom.spec_decode.dflash2 import load_drafter
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count with me: {i} {i + 1} {i + 2}"}) for i in range(6)))
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", "--model", tiny_model_dir("llama"), "--dtype", "float32", "--dataset-path", str(data),
+                 "--output", str(out), "--max-tokens", "12", "--steps", "5", "--draft-block-size", "4",
+                 "--num-heads", "2", "--kv-cache-memory-gib", "0.05"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 5 and report["train_examples"] > 0
+    assert load_drafter(str(out)).cfg.block_size == 4
+
+
+def test_record_refuses_settings_that_would_miss_positions(tiny_model_dir):
+    target = tiny_model_dir("llama")
+    for settings, reason in (({"enable_prefix_caching": True}, "prefix_caching"),
+                             ({"enable_prefix_caching": False, "async_scheduling": True}, "async_scheduling")):
+        llm = LLM(target, dtype="float32", kv_cache_memory_gib=0.05, **settings)
+        with pytest.raises(ValueError, match=reason):
+            record(llm, [[1, 2, 3]], max_tokens=4, layers=(0,))
