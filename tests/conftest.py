@@ -61,10 +61,12 @@ def tiny_config(arch: str):
     raise KeyError(arch)
 
 
-def save_with_mtp_layer(path: Path, vocab_size: int | None = None, init: float | None = None, seed: int = 7):
-    """A tiny DeepSeek-V3 checkpoint with one MTP layer after its decoder layers, as DeepSeek ships them:
-    the layer's decoder weights under model.layers.{L}, plus enorm, hnorm, eh_proj, shared_head.norm and
-    copies of the embedding and LM head. Returns the HF model without the MTP layer (the oracle)."""
+def save_with_mtp_layer(path: Path, vocab_size: int | None = None, init: float | None = None, seed: int = 7,
+                        mtp_layers: int = 1):
+    """A tiny DeepSeek-V3 checkpoint with `mtp_layers` MTP layers after its decoder layers, as DeepSeek ships
+    them: each layer's decoder weights under model.layers.{L + i}, plus enorm, hnorm, eh_proj,
+    shared_head.norm and copies of the embedding and LM head. Returns the HF model without the MTP layers
+    (the oracle)."""
     import json
 
     import transformers
@@ -75,23 +77,24 @@ def save_with_mtp_layer(path: Path, vocab_size: int | None = None, init: float |
     if init:
         cfg.initializer_range = init
     layers = cfg.num_hidden_layers
-    cfg.num_hidden_layers = layers + 1  # the extra layer becomes the MTP layer's decoder block
+    cfg.num_hidden_layers = layers + mtp_layers  # the extra layers become the MTP layers' decoder blocks
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     weights = load_file(path / "model.safetensors")
     hidden, gen = cfg.hidden_size, torch.Generator().manual_seed(seed)
-    prefix = f"model.layers.{layers}."
     # the final norm's weights not all ones, so hnorm(final_norm(h)) differs from hnorm(h)
     weights["model.norm.weight"] = 1 + 0.3 * torch.randn(hidden, generator=gen)
-    weights |= {prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
-                prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
-                prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=gen),
-                prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
-                prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
-                prefix + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone()}
+    for i in range(mtp_layers):
+        prefix = f"model.layers.{layers + i}."
+        weights |= {prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                    prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                    prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=gen),
+                    prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                    prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+                    prefix + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone()}
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=mtp_layers)
     (path / "config.json").write_text(json.dumps(config))
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 

@@ -8,12 +8,14 @@ its own in the target's block tables: MTP position j sits in the target's slot f
 scheduler keeps K slots past each request's step for the draft positions. After the target verified tokens
 x_0..x_m, every MTP position up to m - 1 has been fed the target's hidden states (handed over after every
 step as features), the last gives the first draft, and each further draft feeds the layer's own output back
-in at the next position (one layer reused for every draft position, as vLLM does); those positions are
-computed again from the target's hidden states once the target has verified them.
+in at the next position; those positions are computed again from the target's hidden states once the
+target has verified them.
 
-Drafts are drawn as the draft model's are (argmax for greedy requests, from q otherwise, q handed to the
-lossless rejection sampler); the speculative budget weighs the layer's measured step cost. Checkpoints with
-several MTP layers (num_nextn_predict_layers > 1) draft with the first only.
+With several MTP layers (num_nextn_predict_layers = L), draft j (from 0) comes from layer j mod L, so a
+checkpoint with fewer layers than drafts reuses them in turn (one layer: that layer for every draft, as
+vLLM). Every layer catches up on the target's hidden states, so each one's cache holds every verified
+position. Drafts are drawn as the draft model's are (argmax for greedy requests, from q otherwise, q
+handed to the lossless rejection sampler); the speculative budget weighs a layer's measured step cost.
 """
 from __future__ import annotations
 
@@ -33,22 +35,41 @@ from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 
+class MTPModule(nn.Module):
+    """One of the checkpoint's MTP layers (`model.layers.{index}.*`): its norms, eh_proj, decoder layer and
+    shared_head.norm; the embedding and LM head are the target's."""
+
+    def __init__(self, target: nn.Module, index: int) -> None:
+        super().__init__()
+        config = target.config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.index = index
+        self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
+        self.layer = LlamaDecoderLayer(config, False, target.make_mlp(index), target.make_attention(index))
+        self.shared_head_norm = RMSNorm(hidden, eps)
+
+
+# checkpoint names (after `model.layers.{index}.`) of an MTP module's own tensors, and their parameters
+_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "shared_head.norm.weight": "shared_head_norm.weight"}
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek's copies of the target's
+
+
 class MultiTokenPredictor(nn.Module):
-    """The checkpoint's first MTP layer over the target's embedding, rotary and LM head (shared, not copied).
-    `previous_hidden` [tokens, hidden] is set by the proposer before each forward pass: the hidden state
-    each token position continues from (zeros where it is None: the cost profiles)."""
+    """The checkpoint's MTP layers over the target's embedding, rotary and LM head (shared, not copied). The
+    proposer sets, before each forward pass, `active` (which layer runs) and `previous_hidden` [tokens,
+    hidden]: the hidden state each token position continues from (zeros where it is None: the cost
+    profiles). Each layer has its own KV cache; only the active one's is read and written in a pass."""
 
     def __init__(self, target: nn.Module) -> None:
         super().__init__()
         config = target.config
-        hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
-        self.index = config.num_hidden_layers  # the MTP layer's number in the checkpoint
-        self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
-        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
-        self.layer = LlamaDecoderLayer(config, False, target.make_mlp(self.index), target.make_attention(self.index))
-        self.shared_head_norm = RMSNorm(hidden, eps)
+        first = config.num_hidden_layers  # the first MTP layer's number in the checkpoint
+        self.mtp = nn.ModuleList(MTPModule(target, first + i) for i in range(config.num_nextn_predict_layers))
         self._target = (target,)  # a tuple: the target's modules are not this module's (its caches stay its own)
+        self.active = 0
         self.previous_hidden: torch.Tensor | None = None
         self.cuda_graphs_supported = False  # previous_hidden is set from the host before each pass
 
@@ -57,46 +78,46 @@ class MultiTokenPredictor(nn.Module):
         return self._target[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The layer's output hidden state (before shared_head.norm) at each position."""
-        model = self.target.model
+        """The active layer's output hidden state (before shared_head.norm) at each position."""
+        model, mtp = self.target.model, self.mtp[self.active]
         embedded = model.embed_tokens(input_ids)
         embedded = embedded.masked_fill((positions == 0).unsqueeze(-1), 0.0)  # as vLLM: position 0 has no past
         previous = self.previous_hidden
         if previous is None:
             previous = torch.zeros_like(embedded)
-        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(previous.to(embedded.dtype))), dim=-1))
+        x = mtp.eh_proj(torch.cat((mtp.enorm(embedded), mtp.hnorm(previous.to(embedded.dtype))), dim=-1))
         rope = RopeTables(model.rotary, *model.rotary.cos_sin(positions))
-        x, residual = self.layer(rope, x, None)
+        x, residual = mtp.layer(rope, x, None)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(self.shared_head_norm(hidden))
+        return self.target.lm_head(self.mtp[self.active].shared_head_norm(hidden))
 
     def load_mtp_weights(self, weights) -> set[str]:
-        """The MTP layer's tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
-        handling (expert stacking, rope row order); its copies of the embedding and LM head are skipped
-        (DeepSeek's are the target's). Returns the names loaded."""
-        prefix = f"model.layers.{self.index}."
-        own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-               "shared_head.norm.weight": "shared_head_norm.weight"}
-        shared = ("embed_tokens.weight", "shared_head.head.weight")
+        """The MTP layers' tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
+        handling (expert stacking, rope row order); their copies of the embedding and LM head are skipped.
+        Returns the checkpoint names loaded."""
         params = dict(self.named_parameters())
+        prefixes = {f"model.layers.{m.index}.": i for i, m in enumerate(self.mtp)}
         loaded = set()
         for name, tensor in weights:
-            if not name.startswith(prefix):
+            parts = name.split(".")
+            prefix = ".".join(parts[:3]) + "."
+            if prefix not in prefixes:
                 continue
             rest = name[len(prefix):]
-            if rest in shared:
+            if rest in _SHARED:
                 continue
-            if rest in own:
-                target_name, shard = own[rest], None
+            here = f"mtp.{prefixes[prefix]}."
+            if rest in _OWN:
+                target_name, shard = here + _OWN[rest], None
             else:
                 name, tensor = self.target.deinterleave_rope(name, tensor)
                 target_name, shard = self.target.checkpoint_target(name)
-                target_name = "layer." + target_name[len(prefix):]
+                target_name = here + "layer." + target_name[len(prefix):]
             param = params.get(target_name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the MTP layer.")
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the MTP layers.")
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 if param.shape != tensor.shape:
@@ -105,17 +126,18 @@ class MultiTokenPredictor(nn.Module):
                 param.data.copy_(tensor)
             else:
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-            loaded.add(rest)
+            loaded.add(name)
         return loaded
 
     def expected_weights(self) -> set[str]:
-        """Checkpoint names (after `model.layers.{index}.`) every parameter needs."""
+        """Checkpoint names every parameter needs."""
         names = set()
-        for name, _ in self.named_parameters():
-            if name.startswith("layer."):
-                full = f"model.layers.{self.index}.{name[len('layer.'):]}"
-                names.update(part[len(f"model.layers.{self.index}."):] for part in self.target.checkpoint_parts(full))
-        return names | {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
+        for m in self.mtp:
+            prefix = f"model.layers.{m.index}."
+            names.update(prefix + own for own in _OWN)
+            for name, _ in m.layer.named_parameters():
+                names.update(self.target.checkpoint_parts(prefix + name))
+        return names
 
 
 def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiTokenPredictor:
@@ -136,12 +158,12 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
     loaded = predictor.load_mtp_weights(iter_safetensors(config.model))
     if not loaded:
         raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
-                         f"prediction layer (model.layers.{predictor.index}.*), though its config says "
+                         f"prediction layer (model.layers.{predictor.mtp[0].index}.*), though its config says "
                          f"num_nextn_predict_layers={model.config.num_nextn_predict_layers}; use a checkpoint "
                          "that ships it.")
     missing = sorted(predictor.expected_weights() - loaded)
     if missing:
-        raise ValueError(f"The checkpoint's MTP layer lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
+        raise ValueError(f"The checkpoint's MTP layers lack {len(missing)} tensor(s), e.g. {missing[:3]}.")
     return predictor.eval()
 
 
@@ -214,6 +236,7 @@ class MTPProposer(Proposer):
         first = torch.tensor([len(r.token_ids) - 1 for r in reqs])  # the MTP position after the catch-up's
         for j in range(1, k):
             # rows still drafting continue; the others keep their last draft as a filler, cut off below
+            self.predictor.active = j % len(self.predictor.mtp)
             last = self._draft_step(drafts[-1], last, first + j - 1, tables)
             token, q = draw_rows(self.predictor.compute_logits(last).float(), [r.params for r in reqs], self.generator)
             drafts.append(token)
@@ -232,8 +255,8 @@ class MTPProposer(Proposer):
         """For a request of m tokens whose last P target hidden states came since its last catch-up: MTP
         positions m-1-P..m-2, position j reading token x_{j+1} and the target's normed hidden state h_j
         (positions before were fed at earlier catch-ups, or, first time round, lie in a prefix the target's
-        cache held: the MTP entries its blocks hold are taken as they are). Returns the layer's output at
-        each request's last position."""
+        cache held: the MTP entries its blocks hold are taken as they are), through every MTP layer. Returns
+        layer 0's output at each request's last position."""
         ids, positions, hidden, loc, lens = [], [], [], [0], []
         for r in caught:
             rows = torch.cat(self.pending.pop(r.req_id))
@@ -248,7 +271,10 @@ class MTPProposer(Proposer):
         owners = torch.repeat_interleave(torch.arange(len(caught)), counts)
         positions_t = torch.tensor(positions)
         meta = self._meta(tables, owners, positions_t, loc, lens, num_decodes=int((counts == 1).sum()))
-        out = self._run(torch.tensor(ids), positions_t, torch.cat(hidden), meta)
+        ids_t, hidden_t = torch.tensor(ids), torch.cat(hidden)
+        for layer in reversed(range(len(self.predictor.mtp))):  # layer 0 last: its output gives the first draft
+            self.predictor.active = layer
+            out = self._run(ids_t, positions_t, hidden_t, meta)
         return out[self._dev(torch.tensor(loc[1:]) - 1)]
 
     def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

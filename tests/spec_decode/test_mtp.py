@@ -130,3 +130,36 @@ def test_mtp_under_the_adaptive_budget_keeps_greedy_output(mtp_model):
     assert _gen(llm, prompts, params) == plain
     costs = llm.engine.runner.proposer.profile_decode_steps([1, 4])
     assert [n for n, _ in costs] == [1, 4] and all(t > 0 for _, t in costs)
+
+
+def test_two_mtp_layers_draft_in_turn_and_keep_greedy_output(tmp_path, monkeypatch):
+    """A checkpoint with two MTP layers: both load (each its own weights and cache), every layer catches up
+    on the target's hidden states, draft j comes from layer j mod 2, and greedy output stays exact."""
+    from pressroom.spec_decode.mtp import MTPProposer, MultiTokenPredictor
+    save_with_mtp_layer(tmp_path, mtp_layers=2)
+    passes, draft_steps = [], []
+    forward, draft_step = MultiTokenPredictor.forward, MTPProposer._draft_step
+
+    def recording_forward(self, input_ids, positions):
+        passes.append(self.active)
+        return forward(self, input_ids, positions)
+
+    def recording_draft_step(self, *args):
+        draft_steps.append(self.predictor.active)
+        return draft_step(self, *args)
+
+    monkeypatch.setattr(MultiTokenPredictor, "forward", recording_forward)
+    monkeypatch.setattr(MTPProposer, "_draft_step", recording_draft_step)
+    prompts = random_prompts(3, low=4, high=40, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True)
+    plain = _gen(LLM(str(tmp_path), **engine), prompts, params)
+    llm = LLM(str(tmp_path), speculative_config=MTP, **engine)
+    passes.clear()  # the start-up's cost profiles
+    assert _gen(llm, prompts, params) == plain
+    predictor = llm.engine.runner.proposer.predictor
+    assert len(predictor.mtp) == 2 and len(llm.engine.runner.proposer.runner.kv_caches) == 2
+    assert not torch.equal(predictor.mtp[0].eh_proj.weight, predictor.mtp[1].eh_proj.weight)
+    # K = 3: drafts 1 and 2 come from layers 1 and 0; the catch-ups ran both layers (1, then 0)
+    assert draft_steps and set(draft_steps) == {0, 1} and draft_steps[:2] == [1, 0]
+    assert passes.count(1) > draft_steps.count(1)
