@@ -263,6 +263,95 @@ def resolve_async_scheduling(asked: bool | None, device: str, speculative: Specu
     return asked if asked is not None else device == "cuda" and overlaps
 
 
+OFFLOAD_CONNECTORS = ("OffloadingConnector",)
+
+
+@dataclass(slots=True)
+class OffloadTierSpec:
+    """A secondary KV-offload tier: "fs" (a directory, `path`, capped at `max_bytes`) or "module" (an
+    out-of-tree `SecondaryTier`, `module_path` + `class_name`, built with `options`)."""
+    kind: str
+    path: str | None = None
+    max_bytes: int | None = None
+    module_path: str | None = None
+    class_name: str | None = None
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind == "fs" and not self.path:
+            raise ValueError('a KV offload tier of type "fs" needs a "path".')
+        if self.kind == "module" and not (self.module_path and self.class_name):
+            raise ValueError('a KV offload tier of type "module" needs "module_path" and "class_name".')
+        if self.kind not in ("fs", "module"):
+            raise ValueError(f'unknown KV offload tier type {self.kind!r}; use "fs" or "module".')
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError("a KV offload tier's size cap must not be negative.")
+
+
+@dataclass(slots=True)
+class OffloadConfig:
+    """Tiered KV offload: the CPU tier's bytes and the secondary tiers behind it, in order."""
+    cpu_bytes: int
+    secondary: list[OffloadTierSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes <= 0:
+            raise ValueError("the KV offload CPU tier needs a positive size (--kv-offloading-size, GiB).")
+
+    @classmethod
+    def from_args(cls, size_gib: float | None, disk_path: str | None, disk_gib: float | None,
+                  transfer: dict | str | None) -> OffloadConfig | None:
+        """From pressroom's flags, or vLLM's --kv-transfer-config (OffloadingConnector; its extra config's
+        cpu_bytes_to_use and secondary_tiers: [{"type": "fs", "path", "max_bytes"} | {"type": "module",
+        "module_path", "class_name", ...options}])."""
+        tiers = [OffloadTierSpec("fs", disk_path, None if disk_gib is None else int(disk_gib * (1 << 30)))] \
+            if disk_path else []
+        cpu = None if size_gib is None else int(size_gib * (1 << 30))
+        if transfer is not None:
+            extra = _offload_extra_config(transfer)
+            if "cpu_bytes_to_use" in extra:
+                cpu = int(extra["cpu_bytes_to_use"])
+            tiers += [_tier_from_dict(t) for t in extra.get("secondary_tiers", [])]
+        if cpu is None and not tiers:
+            return None
+        if cpu is None:
+            raise ValueError("KV offload tiers need the CPU tier in front of them: set --kv-offloading-size "
+                             "(GiB) or cpu_bytes_to_use.")
+        return cls(cpu, tiers)
+
+
+def _offload_extra_config(transfer: dict | str) -> dict:
+    if isinstance(transfer, str):
+        try:
+            transfer = json.loads(transfer)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+    if not isinstance(transfer, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object.")
+    connector = transfer.get("kv_connector")
+    if connector not in OFFLOAD_CONNECTORS:
+        raise ValueError(f"kv_connector {connector!r} is not supported; use {', '.join(OFFLOAD_CONNECTORS)}.")
+    if transfer.get("kv_role", "kv_both") != "kv_both":
+        raise ValueError('the OffloadingConnector runs with kv_role "kv_both".')
+    extra = transfer.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_connector_extra_config must be a JSON object.")
+    return extra
+
+
+def _tier_from_dict(entry: dict) -> OffloadTierSpec:
+    if not isinstance(entry, dict) or "type" not in entry:
+        raise ValueError('each secondary_tiers entry must be an object with a "type" ("fs" or "module").')
+    rest = {k: v for k, v in entry.items() if k != "type"}
+    if entry["type"] == "fs":
+        unknown = set(rest) - {"path", "max_bytes"}
+        if unknown:
+            raise ValueError(f'unknown keys for an "fs" tier: {", ".join(sorted(unknown))}.')
+        return OffloadTierSpec("fs", rest.get("path"), rest.get("max_bytes"))
+    module_path, class_name = rest.pop("module_path", None), rest.pop("class_name", None)
+    return OffloadTierSpec(str(entry["type"]), module_path=module_path, class_name=class_name, options=rest)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -273,6 +362,7 @@ class EngineConfig:
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
+    offload: OffloadConfig | None = None
 
 
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -372,6 +462,18 @@ class EngineArgs:
                                                        '{"method": "ngram", "num_speculative_tokens": 3}; methods: '
                                                        f"{', '.join(SPEC_METHODS)} (default: off)")
 
+    kv_offloading_size: float | None = _arg(None, "GiB of host memory for the KV offload CPU tier: blocks the "
+                                                  "device cache releases are kept there and reloaded on a prefix "
+                                                  "hit (default: off)")
+    kv_offloading_disk_path: str | None = _arg(None, "a directory for the KV offload disk tier behind the CPU "
+                                                     "tier; it survives restarts (needs --kv-offloading-size)")
+    kv_offloading_disk_size: float | None = _arg(None, "GiB cap of the disk tier, least recently used out "
+                                                       "first (default: no cap)")
+    kv_transfer_config: dict | str | None = _arg(None, "vLLM's form of the offload settings, e.g. "
+                                                       '{"kv_connector": "OffloadingConnector", "kv_role": '
+                                                       '"kv_both", "kv_connector_extra_config": '
+                                                       '{"cpu_bytes_to_use": 4000000000}}')
+
     def _prefill_chunking(self, device: str) -> dict[str, int]:
         """CUDA: tokens count alone and no prompt is limited (vLLM's defaults). The CPU: a long prompt's chunk
         gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with its attention
@@ -428,4 +530,16 @@ class EngineArgs:
             device=device,
             speculative=speculative,
             num_threads=self.num_threads or None,
+            offload=self._offload_config(),
         )
+
+    def _offload_config(self) -> OffloadConfig | None:
+        offload = OffloadConfig.from_args(self.kv_offloading_size, self.kv_offloading_disk_path,
+                                          self.kv_offloading_disk_size, self.kv_transfer_config)
+        if offload is not None and not self.enable_prefix_caching:
+            raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
+                             "(drop --no-enable-prefix-caching).")
+        if offload is not None and (self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"):
+            raise ValueError("KV offloading runs with the worker in the engine core's process for now "
+                             "(tensor_parallel_size 1, distributed_executor_backend uni).")
+        return offload

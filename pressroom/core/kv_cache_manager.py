@@ -1,7 +1,12 @@
-"""Which blocks each request owns, prefix-cache lookups, and the hit counters."""
+"""Which blocks each request owns, prefix-cache lookups, and the hit counters.
+
+With KV offload on (`offload`, a kv_offload.TieredKVStore), a prefix lookup goes on in the tiers past the
+device's hits, and a request's released blocks are queued for storing; the scheduler hands both kinds of
+copy to the model runner with its next step (`take_transfers`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pressroom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pressroom.core.request import Request
@@ -18,8 +23,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, offload: Any = None) -> None:
         self.block_size = block_size
+        self.offload = offload
+        self._stores: list[tuple[int, str]] = []  # (device block, chunk key) to copy out before reuse
+        self._loads: list[tuple[int, Any]] = []  # (device block, host chunk) to copy in before the forward
+        self._storing: set[str] = set()
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -48,11 +57,23 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def offloaded_chunks(self, request: Request, num_device_hits: int) -> list[Any] | None:
+        """The chunks the offload tiers hold for the prompt's blocks after its device hits (host tensors,
+        in order; what they do not hold is computed), or None while some are still being read from a
+        secondary tier: the request should wait, the batch goes on."""
+        if self.offload is None or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        chunks, waiting = self.offload.lookup([h.hex() for h in hashes[num_device_hits:]])
+        return None if waiting else chunks
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = ()) -> bool:
-        """Reserve room for `num_new_tokens` more; False (and nothing changed) if the pool is too small."""
+                       new_computed_blocks: list[KVBlock] = (), loaded_chunks: list[Any] = ()) -> bool:
+        """Reserve room for `num_new_tokens` more; False (and nothing changed) if the pool is too small.
+        `loaded_chunks` follow the device hits: fresh blocks take them before the step's forward pass."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_hit_blocks = len(new_computed_blocks) + len(loaded_chunks)
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - free_hits:
@@ -60,12 +81,16 @@ class KVCacheManager:
         self.pool.touch(list(new_computed_blocks))
         blocks.extend(new_computed_blocks)
         if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+            fresh = self.pool.allocate(num_needed)
+            self._loads.extend((b.block_id, chunk) for b, chunk in zip(fresh, loaded_chunks))
+            blocks.extend(fresh)
         # Only blocks whose tokens are all known: an input still in flight (async scheduling) waits.
         self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
         return True
 
     def free(self, request: Request) -> None:
+        if self.offload is not None:
+            self._queue_stores(request)
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.release(blocks[::-1])
         self.req_hashes.pop(request.request_id, None)
@@ -73,6 +98,24 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+    def take_transfers(self) -> tuple[list[tuple[int, str]], list[tuple[int, Any]]]:
+        """The copies the next step runs first: stores (device block -> CPU tier), then loads."""
+        stores, loads, self._stores, self._loads = self._stores, self._loads, [], []
+        self._storing.clear()
+        return stores, loads
+
+    def _queue_stores(self, request: Request) -> None:
+        """A released request's full blocks whose KV is computed and that no tier holds yet."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(len(blocks), min(request.num_computed_tokens, request.num_tokens - 1) // self.block_size)
+        for block, block_hash in zip(blocks[:num_full], self._hashes(request, num_full)):
+            key = block_hash.hex()
+            if key not in self._storing and not self.offload.holds(key):
+                self._storing.add(key)
+                self._stores.append((block.block_id, key))
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> None:
         if not self.enable_caching:

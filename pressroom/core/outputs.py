@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from pressroom.sampling_params import SamplingParams
 
@@ -43,6 +44,10 @@ class SchedulerOutput:
     # How many drafts each request that samples this step should have drafted for its next one (the
     # adaptive budget's plan, where drafting has a cost of its own: a draft model); absent: all K.
     draft_limits: dict[str, int] = field(default_factory=dict)
+    # KV offload copies the runner makes before the forward pass, in this order: device blocks out to the
+    # CPU tier (block id, chunk key), then host chunks into fresh device blocks (block id, host tensor).
+    kv_stores: list[tuple[int, str]] = field(default_factory=list)
+    kv_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -39,6 +39,7 @@ from pressroom.core.outputs import (
     SchedulerOutput,
 )
 from pressroom.core.request import Request, RequestStatus
+from pressroom.kv_offload.manager import OffloadStats
 from pressroom.spec_decode.budget import AdaptiveBudget
 
 
@@ -51,6 +52,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec: SpecDecodingStats | None = None
+    offload: OffloadStats | None = None
 
 
 @dataclass(slots=True)
@@ -131,7 +133,8 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.kv.stats.queries, self.kv.stats.hits,
                               SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                                list(spec.accepted_per_pos)))
+                                                list(spec.accepted_per_pos)),
+                              self.kv.offload.snapshot() if self.kv.offload is not None else None)
 
     # ---- one step ----
 
@@ -211,8 +214,9 @@ class Scheduler:
             self._admit_waiting(budget, scheduled, new_reqs, sampling)
 
         stale, self._stale = self._stale, set()
+        stores, loads = self.kv.take_transfers()
         return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens,
-                               self._plan_drafts(sampling))
+                               self._plan_drafts(sampling), stores, loads)
 
     def _plan_drafts(self, sampling: list[Request]) -> dict[str, int]:
         """Where drafting costs a forward pass per draft position (a draft model), how many drafts each
@@ -282,9 +286,14 @@ class Scheduler:
                 skipped.append(entry)
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
+            loaded = self.kv.offloaded_chunks(req, len(hits))
+            if loaded is None:  # its prefix is on its way from a secondary offload tier
+                skipped.append(entry)
+                continue
+            num_hit += len(loaded) * self.kv.block_size
             req.num_computed_tokens = 0
             n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
-            if not self.kv.allocate_slots(req, n + self.lookahead, hits):
+            if not self.kv.allocate_slots(req, n + self.lookahead, hits, loaded):
                 skipped.append(entry)
                 break
             req.num_computed_tokens = num_hit

@@ -85,13 +85,34 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead)
         self._log_capacity(num_blocks)
         self.cuda_graphs = self.executor.compile_or_warm_up_model()
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_offload = self._make_offload(spec)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                       self.kv_offload)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.scheduler.lookahead, self.scheduler.async_drafts = spec.lookahead, spec.device_drafts
         if config.speculative is not None and config.speculative.adaptive_token_budget:
             self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
 
     # ---- set-up ----
+
+    def _make_offload(self, spec: ModelSpec):
+        """The KV offload tiers (None when off); the worker copies blocks in and out of them."""
+        offload = self.config.offload
+        if offload is None:
+            return None
+        from pressroom.kv_offload.layout import model_fingerprint
+        from pressroom.kv_offload.manager import TieredKVStore
+        model, cache = self.config.model, self.config.cache
+        kv_dtype = cache.cache_dtype or model.dtype
+        fingerprint = model_fingerprint(spec.model_path, model.load_format, model.seed, model.dtype, kv_dtype,
+                                        cache.block_size, spec.kv_chunk_shape)
+        store = TieredKVStore(offload, fingerprint, spec.kv_chunk_shape, kv_dtype,
+                              pin_memory=self.config.device == "cuda")
+        self.executor.collective_rpc("attach_kv_offload", store)
+        logger.info("KV offload: CPU tier %.2f GiB (%d chunks of %d tokens)%s", offload.cpu_bytes / (1 << 30),
+                    offload.cpu_bytes // store.chunk_bytes, cache.block_size,
+                    "".join(f", then {label}" for label in store.labels[1:]))
+        return store
 
     def _num_blocks(self, spec: ModelSpec) -> int:
         cache = self.config.cache
@@ -143,6 +164,14 @@ class EngineCore:
         chunk of q tokens) for each class of n and q; then, for each class of m, a step of m prompt chunks
         (one long, the rest 2 tokens: the prefix-sum lookup, which a served run's uneven chunks take)."""
         start = time.perf_counter()
+        offload, self.kv_cache.offload = self.kv_cache.offload, None  # throw-away KV is not worth keeping
+        try:
+            self._run_warm_up_steps()
+        finally:
+            self.kv_cache.offload = offload
+        logger.info("warmed up step shapes in %.1fs", time.perf_counter() - start)
+
+    def _run_warm_up_steps(self) -> None:
         sched = self.config.scheduler
         counts = [n for n in (1, 2, 65, 129, 257, 513, 1025) if n <= sched.max_num_seqs]
         queries = [q for q in (2, 3, 5, 9, 17, 33, 64) if q < sched.max_num_batched_tokens - max(counts)]
@@ -178,8 +207,6 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
         self.kv_cache.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
-        logger.info("warmed up %d step shapes in %.1fs", len(counts) * (len(queries) + 1) + len(chunked),
-                    time.perf_counter() - start)
 
     # ---- requests ----
 
@@ -285,9 +312,13 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
-        """Drops the scheduler's state and has the executor free the workers' models and device memory."""
+        """Drops the scheduler's state and has the executor free the workers' models and device memory;
+        the offload tiers finish their queued writes first (a restart finds them)."""
         self._inflight = None
         self.requests.clear()
+        if getattr(self, "kv_offload", None) is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
         self.executor.shutdown()
 
 

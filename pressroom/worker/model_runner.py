@@ -184,6 +184,7 @@ class ModelRunner:
         self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
         self.input_batch: InputBatch | None = None  # made at the first step after initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
+        self.kv_offload = None  # a kv_offload.TieredKVStore: takes the blocks each step copies out
 
     # ---- set-up ----
 
@@ -344,6 +345,8 @@ class ModelRunner:
         schedules the next step meanwhile) and keeps the step's tokens on the device as the next step's
         inputs. Nothing else in the step depends on the scheduling mode."""
         self._update_states(sched)
+        if sched.kv_stores or sched.kv_loads:
+            self._copy_offloaded_kv(sched.kv_stores, sched.kv_loads)
         if sched.is_empty:
             self.prev = None  # the scheduler books the previous step's results before the next one
             self.pending = PendingOutput.done(ModelRunnerOutput({}))
@@ -355,6 +358,42 @@ class ModelRunner:
             self.prev = emission.device_step(self.device) if self.async_scheduling else None
             self._propose_next(batch, sched, emission, features)
         return self.pending if self.async_scheduling else self.pending.resolve()
+
+    def kv_chunk_shape(self) -> tuple[int, ...]:
+        """One block's KV over every attention layer, as the offload tiers hold it: [layers, planes,
+        block_size, kv_heads, head_dim]."""
+        shapes = {layer.cache_shape(1, self.block_size) for layer in self.attention_layers}
+        if len(shapes) != 1:
+            raise ValueError("KV offloading needs every attention layer's cache in one shape; this model's "
+                             "layers differ.")
+        planes, _, block, heads, dim = shapes.pop()
+        return (len(self.attention_layers), planes, block, heads, dim)
+
+    def _copy_offloaded_kv(self, stores: list[tuple[int, str]], loads: list[tuple[int, torch.Tensor]]) -> None:
+        """Blocks out to the offload CPU tier, then chunks into fresh blocks, ahead of the step's forward pass
+        on the same stream: a block released last step may be overwritten by this one."""
+        if stores:
+            ids = torch.tensor([b for b, _ in stores], device=self.device)
+            # [layers, planes, n, block, heads, dim] -> one chunk per block, in the canonical layout
+            out = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
+            ready = None
+            if torch.device(self.device).type == "cuda":  # one pinned staging buffer; its chunks are views of it
+                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                host.copy_(out, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                chunks = host.unbind(0)
+            else:  # each chunk its own memory, so the CPU tier's byte count is what it holds
+                chunks = [c.clone() for c in out.unbind(0)]
+            for (_, key), chunk in zip(stores, chunks):
+                self.kv_offload.put(key, chunk, ready)
+            self.kv_offload.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
+        if loads:
+            ids = torch.tensor([b for b, _ in loads], device=self.device)
+            batch = torch.stack([chunk for _, chunk in loads]).to(self.device, non_blocking=True)
+            for layer, cache in enumerate(self.kv_caches):
+                cache.index_copy_(1, ids, batch[:, layer].transpose(0, 1))
+            self.kv_offload.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:

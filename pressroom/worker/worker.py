@@ -38,6 +38,7 @@ class ModelSpec:
     kv_bytes_per_block: int  # the target's cache and a draft model's, per block
     lookahead: int  # slots a request keeps past its step for a drafter's writes into the target's blocks
     device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
+    kv_chunk_shape: tuple[int, ...] | None = None  # one block over every layer, as KV offload tiers hold it
 
 
 @dataclass(slots=True)
@@ -84,8 +85,13 @@ class Worker:
         device_drafts = spec.num_speculative_tokens if runner.device_drafting else 0
         shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
         lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
+        chunk = runner.kv_chunk_shape() if config.offload is not None else None
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead,
-                         device_drafts)
+                         device_drafts, chunk)
+
+    def attach_kv_offload(self, store) -> None:
+        """The offload store (kv_offload.TieredKVStore) the runner copies released blocks into."""
+        self.model_runner.kv_offload = store
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile

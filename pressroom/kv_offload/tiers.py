@@ -1,0 +1,260 @@
+"""Where offloaded chunks live: the primary CPU tier (host tensors, LRU in a byte budget) and secondary
+tiers behind it, which hold opaque blobs (header + payload, see layout.py) and work asynchronously.
+
+A secondary tier implements `SecondaryTier`: `lookup` answers from the tier's own index at once; `store`
+and `load` start work and return; `poll` hands back what finished since the last call. The filesystem
+tier is one; an out-of-tree tier is named by module path and class (`load_tier`).
+"""
+from __future__ import annotations
+
+import errno
+import importlib
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pressroom")
+
+
+@dataclass(slots=True)
+class TierResult:
+    """A finished store or load: `blob` is the bytes loaded (None for a store, or a load that failed)."""
+    kind: str  # "store" or "load"
+    key: str
+    ok: bool
+    blob: bytes | None = None
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+class SecondaryTier(ABC):
+    """A tier behind the CPU tier. Keys are chunk hashes in hex, blobs are opaque bytes; a tier may drop
+    any chunk at any time (a lookup that said yes may be followed by a failed load: the engine computes).
+    An out-of-tree tier is built as `cls(fingerprint=<16 bytes>, **options)`: the fingerprint names the
+    model and cache layout, for tiers that keep several models apart."""
+    kind = "custom"
+
+    @abstractmethod
+    def lookup(self, key: str) -> bool:
+        """Whether the tier holds the chunk, from its index (no I/O on the engine's loop)."""
+
+    @abstractmethod
+    def store(self, key: str, blob: bytes) -> None:
+        """Starts writing a chunk; returns at once."""
+
+    @abstractmethod
+    def load(self, key: str) -> None:
+        """Starts reading a chunk; returns at once."""
+
+    @abstractmethod
+    def poll(self) -> list[TierResult]:
+        """Stores and loads finished since the last call."""
+
+    def discard(self, key: str) -> None:  # noqa: B027 — optional: a tier may keep what it cannot check
+        """Forget a chunk the engine found corrupt (best effort)."""
+
+    def close(self) -> None:  # noqa: B027 — optional: a tier without queued writes has nothing to finish
+        """Finish pending writes; called once at shutdown."""
+
+
+def load_tier(module_path: str, class_name: str, options: dict) -> SecondaryTier:
+    """An out-of-tree tier: `module_path.class_name(**options)`."""
+    try:
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"KV offload tier {module_path}.{class_name} cannot be loaded: {e}") from e
+    tier = cls(**options)
+    if not isinstance(tier, SecondaryTier):
+        raise ValueError(f"KV offload tier {module_path}.{class_name} does not implement "
+                         "pressroom.kv_offload.tiers.SecondaryTier.")
+    return tier
+
+
+class _ThreadedTier(SecondaryTier):
+    """A tier whose stores and loads run on a small thread pool, their results queued for `poll`."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-{self.kind}")
+        self._done: list[TierResult] = []
+        self._lock = threading.Lock()
+
+    def store(self, key: str, blob: bytes) -> None:
+        self._pool.submit(self._timed, "store", key, self._write, blob)
+
+    def load(self, key: str) -> None:
+        self._pool.submit(self._timed, "load", key, self._read)
+
+    def poll(self) -> list[TierResult]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _timed(self, kind: str, key: str, fn, *args) -> None:
+        start = time.perf_counter()
+        try:
+            blob = fn(key, *args)
+            ok = True
+        except Exception as e:  # noqa: BLE001 — a failed transfer is a miss, never the engine's error
+            blob, ok = None, False
+            self._failed(kind, key, e)
+        nbytes = len(blob) if blob is not None else (len(args[0]) if args else 0)
+        with self._lock:
+            self._done.append(TierResult(kind, key, ok, blob if kind == "load" else None,
+                                         time.perf_counter() - start, nbytes if ok else 0))
+
+    def _failed(self, kind: str, key: str, error: Exception) -> None:
+        logger.debug("KV offload %s tier: %s of %s failed: %s", self.kind, kind, key, error)
+
+    @abstractmethod
+    def _write(self, key: str, blob: bytes) -> None: ...
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes: ...
+
+
+# errors that mean the disk cannot take writes at all: the tier turns itself off
+_FATAL_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
+class FileTier(_ThreadedTier):
+    """One file per chunk under `path/<fingerprint>/`, written atomically (a temporary file, then a rename),
+    LRU-evicted past `max_bytes`. The index is the directory's listing at start-up (oldest first), so a
+    new process finds what an earlier one wrote. An unwritable path or a full disk turns the tier off with
+    one warning; lookups then say no."""
+    kind = "fs"
+    suffix = ".kv"
+
+    def __init__(self, path: str, fingerprint: bytes, max_bytes: int | None = None, threads: int = 2) -> None:
+        super().__init__(threads)
+        self.root = Path(path) / fingerprint.hex()
+        self.max_bytes = max_bytes
+        self.enabled = True
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bytes = 0
+        self._index_lock = threading.Lock()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            self._turn_off(f"cannot write to {self.root}: {e}")
+            return
+        self._scan()
+
+    def _scan(self) -> None:
+        files = []
+        for entry in os.scandir(self.root):
+            if entry.name.endswith(self.suffix) and entry.is_file():
+                st = entry.stat()
+                files.append((st.st_mtime, entry.name[:-len(self.suffix)], st.st_size))
+        for _, key, size in sorted(files):
+            self._index[key] = size
+            self._bytes += size
+        if files:
+            logger.info("KV offload fs tier: %d chunks (%.1f MiB) found in %s", len(files), self._bytes / 2**20,
+                        self.root)
+
+    def lookup(self, key: str) -> bool:
+        with self._index_lock:
+            return self.enabled and key in self._index
+
+    def store(self, key: str, blob: bytes) -> None:
+        if self.enabled and (self.max_bytes is None or len(blob) <= self.max_bytes):
+            super().store(key, blob)
+
+    def discard(self, key: str) -> None:
+        self._forget(key)
+        (self.root / (key + self.suffix)).unlink(missing_ok=True)
+
+    def _write(self, key: str, blob: bytes) -> None:
+        if not self.enabled:
+            raise OSError("the fs tier is off")
+        final = self.root / (key + self.suffix)
+        tmp = self.root / f".{key}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, final)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in _FATAL_WRITE_ERRNOS:
+                self._turn_off(f"writing {final} failed: {e}")
+            raise
+        with self._index_lock:
+            self._bytes += len(blob) - self._index.pop(key, 0)
+            self._index[key] = len(blob)
+            victims = self._over_cap()
+        for victim in victims:
+            (self.root / (victim + self.suffix)).unlink(missing_ok=True)
+
+    def _over_cap(self) -> list[str]:
+        victims = []
+        while self.max_bytes is not None and self._bytes > self.max_bytes and self._index:
+            victim, size = self._index.popitem(last=False)
+            self._bytes -= size
+            victims.append(victim)
+        return victims
+
+    def _read(self, key: str) -> bytes:
+        blob = (self.root / (key + self.suffix)).read_bytes()
+        with self._index_lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        return blob
+
+    def _forget(self, key: str) -> None:
+        with self._index_lock:
+            self._bytes -= self._index.pop(key, 0)
+
+    def _turn_off(self, why: str) -> None:
+        if self.enabled:
+            logger.warning("KV offload fs tier turned off: %s; requests go on without it", why)
+        self.enabled = False
+
+
+class CPUTier:
+    """The primary tier: chunks as host tensors (pinned on CUDA), least recently used first out of a byte
+    budget. Chunks leaving it are still in the secondary tiers (written through)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._chunks: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        chunk = self._chunks.get(key)
+        if chunk is not None:
+            self._chunks.move_to_end(key)
+        return chunk
+
+    def put(self, key: str, chunk: torch.Tensor) -> bool:
+        size = chunk.numel() * chunk.element_size()
+        if size > self.max_bytes:
+            return False
+        old = self._chunks.pop(key, None)
+        if old is not None:
+            self._bytes -= old.numel() * old.element_size()
+        while self._bytes + size > self.max_bytes:
+            _, victim = self._chunks.popitem(last=False)
+            self._bytes -= victim.numel() * victim.element_size()
+        self._chunks[key] = chunk
+        self._bytes += size
+        return True

@@ -1,0 +1,44 @@
+"""KV offload through the engine: outputs with the CPU and disk tiers equal outputs without offload, while
+blocks really leave the device cache and come back from both tiers."""
+from __future__ import annotations
+
+import random
+
+from pressroom import LLM, SamplingParams
+
+CHUNK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny llama: layers, k/v, block, kv heads, head dim, fp32
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+
+
+def shared_prefix_prompts(n: int, prefixes: int, prefix_len: int, seed: int) -> list[list[int]]:
+    """n prompts, each one of `prefixes` shared prefixes plus a short tail of its own, in random order."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 500) for _ in range(prefix_len)] for _ in range(prefixes)]
+    return [heads[rng.randrange(prefixes)] + [rng.randrange(1, 500) for _ in range(rng.randrange(2, 9))]
+            for _ in range(n)]
+
+
+def _gen(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def engine(model: str, **kw) -> LLM:
+    # 24 blocks of 16 tokens: two 96-token prefixes at most stay on the device
+    return LLM(model, dtype="float32", skip_tokenizer_init=True, num_gpu_blocks_override=24,
+               max_num_seqs=2, **kw)
+
+
+def test_outputs_through_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(60, prefixes=8, prefix_len=96, seed=1)
+    plain = _gen(engine(model), prompts)
+    # the CPU tier holds ~20 chunks of the 48 the prefixes fill: the rest come back from disk
+    llm = engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path))
+    assert _gen(llm, prompts) == plain
+    stats = llm.engine.stats().offload
+    cpu, disk = stats.tiers["0:cpu"], stats.tiers["1:fs"]
+    assert cpu.chunk_hits > 0 and disk.chunk_hits > 0, (cpu, disk)
+    assert disk.write_bytes > 0 and disk.read_bytes > 0
+    assert stats.total_bytes["device_to_cpu"] > 0 and stats.total_bytes["cpu_to_device"] > 0
+    assert not any(t.corrupt_chunks for t in stats.tiers.values())
