@@ -1,0 +1,108 @@
+"""Faults in the disk tier never change outputs or raise: corrupt, truncated and foreign chunk files are
+detected and recomputed (and counted), a file that vanishes between lookup and load is a miss, an
+unwritable path or a full disk turns the tier off, and a cap below one request's size is harmless."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from test_offload_engine import CHUNK_BYTES, _gen, engine, shared_prefix_prompts
+
+from pressroom.kv_offload import tiers
+
+PROMPTS = shared_prefix_prompts(16, prefixes=4, prefix_len=96, seed=2)
+CPU_GIB = 4 * CHUNK_BYTES / (1 << 30)  # 4 chunks: a prefix's 6 come back from disk
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> list[list[int]]:
+    return _gen(engine(tiny_model_dir("llama")), PROMPTS)
+
+
+def write_tier(model: str, path: Path) -> list[Path]:
+    """Runs the prompts once with the disk tier at `path`; returns its chunk files."""
+    llm = engine(model, kv_offloading_size=CPU_GIB, kv_offloading_disk_path=str(path))
+    _gen(llm, PROMPTS)
+    llm.shutdown()
+    files = sorted(path.glob("*/*.kv"))
+    assert files
+    return files
+
+
+def read_back(model: str, path: Path, **kw):
+    llm = engine(model, kv_offloading_size=CPU_GIB, kv_offloading_disk_path=str(path), **kw)
+    outputs = _gen(llm, PROMPTS)
+    return outputs, llm.engine.stats().offload.tiers["1:fs"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt bytes", "truncated", "another model's"])
+def test_bad_chunk_files_are_recomputed_and_counted(damage, plain, tiny_model_dir, tmp_path, caplog):
+    model = tiny_model_dir("llama")
+    files = write_tier(model, tmp_path)
+    if damage == "another model's":
+        other = write_tier(tiny_model_dir("qwen2"), tmp_path / "other")
+        for f in files:  # the other model's chunk under this model's names
+            f.write_bytes(other[0].read_bytes())
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if damage == "corrupt bytes":
+            data[len(data) // 2] ^= 0xFF
+        elif damage == "truncated":
+            data = data[:len(data) // 3]
+        if damage != "another model's":
+            f.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="pressroom"):
+        outputs, fs = read_back(model, tmp_path)
+    assert outputs == plain
+    assert fs.corrupt_chunks > 0  # (hits may follow: the run stores the recomputed blocks again)
+    assert sum("not served" in r.message for r in caplog.records) == 1  # warned once
+
+
+def test_a_file_deleted_between_lookup_and_load_is_a_miss(plain, tiny_model_dir, tmp_path, monkeypatch):
+    model = tiny_model_dir("llama")
+    write_tier(model, tmp_path)
+    load = tiers.FileTier.load
+
+    def vanishing(self, key):
+        (self.root / (key + self.suffix)).unlink(missing_ok=True)
+        return load(self, key)
+
+    monkeypatch.setattr(tiers.FileTier, "load", vanishing)
+    outputs, fs = read_back(model, tmp_path)
+    assert outputs == plain
+    assert fs.failed_jobs > 0
+
+
+@pytest.mark.parametrize("where", ["/sys/pressroom-kv-offload", "under a file"])
+def test_an_unwritable_path_turns_the_tier_off(where, plain, tiny_model_dir, tmp_path, caplog):
+    if where == "under a file":
+        (tmp_path / "file").write_text("")
+        where = str(tmp_path / "file" / "kv")
+    with caplog.at_level(logging.WARNING, logger="pressroom"):
+        outputs, fs = read_back(tiny_model_dir("llama"), Path(where))
+    assert outputs == plain
+    assert fs.write_bytes == 0
+    assert any("fs tier turned off" in r.message for r in caplog.records)
+
+
+def test_a_full_disk_turns_the_tier_off(plain, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tiers.os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="pressroom"):
+        outputs, fs = read_back(tiny_model_dir("llama"), tmp_path)
+    assert outputs == plain
+    assert fs.write_bytes == 0 and not list(tmp_path.glob("*/*.kv"))
+    assert sum("fs tier turned off" in r.message for r in caplog.records) == 1
+
+
+def test_a_disk_cap_below_one_request_keeps_outputs(plain, tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    outputs, fs = read_back(model, tmp_path, kv_offloading_disk_size=2.5 * (CHUNK_BYTES + 64) / (1 << 30))
+    assert outputs == plain
+    held = sum(f.stat().st_size for f in tmp_path.glob("*/*.kv"))
+    assert fs.write_bytes > held and held <= 2.5 * (CHUNK_BYTES + 64)
