@@ -336,7 +336,17 @@ def _offload_extra_config(transfer: dict | str) -> dict:
     extra = transfer.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise ValueError("kv_connector_extra_config must be a JSON object.")
+    unknown = set(extra) - _OFFLOAD_EXTRA_KEYS
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {', '.join(sorted(unknown))}; pressroom reads "
+                         f"{', '.join(sorted(_OFFLOAD_EXTRA_KEYS))}.")
+    if extra.get("spec_name", "CPUOffloadingSpec") not in ("CPUOffloadingSpec", "TieringOffloadingSpec"):
+        raise ValueError('spec_name must be "CPUOffloadingSpec" or "TieringOffloadingSpec".')
     return extra
+
+
+# vLLM's keys; block_size is accepted and ignored: a chunk here is always one KV-cache block
+_OFFLOAD_EXTRA_KEYS = {"cpu_bytes_to_use", "spec_name", "secondary_tiers", "block_size"}
 
 
 def _tier_from_dict(entry: dict) -> OffloadTierSpec:

@@ -2,8 +2,10 @@
 blocks really leave the device cache and come back from both tiers."""
 from __future__ import annotations
 
+import json
 import random
 
+import pytest
 from pressroom import LLM, SamplingParams
 
 CHUNK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny llama: layers, k/v, block, kv heads, head dim, fp32
@@ -42,3 +44,34 @@ def test_outputs_through_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp
     assert disk.write_bytes > 0 and disk.read_bytes > 0
     assert stats.total_bytes["device_to_cpu"] > 0 and stats.total_bytes["cpu_to_device"] > 0
     assert not any(t.corrupt_chunks for t in stats.tiers.values())
+
+
+def test_an_out_of_tree_tier_by_module_path_in_vllms_config_shape(tiny_model_dir):
+    """vLLM's --kv-transfer-config form, with the test tier (tests/kv_offload/memory_tier.py) behind the CPU
+    tier: chunks go to it and come back from it, outputs unchanged."""
+    import memory_tier
+    model = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(40, prefixes=6, prefix_len=96, seed=3)
+    plain = _gen(engine(model), prompts)
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {
+                  "cpu_bytes_to_use": 12 * CHUNK_BYTES, "spec_name": "TieringOffloadingSpec",
+                  "secondary_tiers": [{"type": "module", "module_path": "memory_tier", "class_name": "MemoryTier",
+                                       "name": "engine-test"}]}}
+    llm = engine(model, kv_transfer_config=json.dumps(config))
+    assert _gen(llm, prompts) == plain
+    tier = llm.engine.stats().offload.tiers["1:memory"]
+    assert tier.chunk_hits > 0 and tier.write_bytes > 0 and memory_tier.STORES["engine-test"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, "not supported"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"secondary_tiers": [{"type": "fs", "path": "/tmp/x"}]}}, "CPU tier in front"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "module", "module_path": "no_such_module",
+                                                          "class_name": "Tier"}]}}, "cannot be loaded"),
+])
+def test_bad_offload_configs_are_refused_clearly(config, message, tiny_model_dir):
+    with pytest.raises(ValueError, match=message):
+        engine(tiny_model_dir("llama"), kv_transfer_config=config)

@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.outputs import RequestOutput
@@ -169,9 +169,50 @@ class _SchedulerCollector:
             family = kind(m.prefix + name, doc, labels=["model_name"])
             family.add_metric([m.model_name], value)
             yield family
+        if s.offload is not None:
+            yield from _offload_families(m.prefix, m.model_name, s.offload)
         if spec is not None and spec.num_drafts:
             family = CounterMetricFamily(m.prefix + "spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
             for pos, count in enumerate(spec.accepted_per_pos):
                 family.add_metric([m.model_name, str(pos)], count)
             yield family
+
+
+_TIER_COUNTERS = (
+    ("kv_offload_tiering_chunk_queries", "KV chunks looked up in the tier.", "chunk_queries"),
+    ("kv_offload_tiering_chunk_hits", "KV chunks found in the tier and served.", "chunk_hits"),
+    ("kv_offload_tiering_read_bytes", "Bytes read from the tier.", "read_bytes"),
+    ("kv_offload_tiering_write_bytes", "Bytes written to the tier.", "write_bytes"),
+    ("kv_offload_tiering_corrupt_chunks", "Chunks read but not served (truncated, corrupt, another model's).",
+     "corrupt_chunks"),
+    ("kv_offload_tiering_failed_jobs", "Stores and loads that did not complete.", "failed_jobs"),
+)
+
+
+def _offload_families(prefix: str, model_name: str, offload):
+    """vLLM 0.28's KV offload metrics: per tier ("index:kind") counters and transfer-time histograms, and
+    the bytes moved between the device and the CPU tier by transfer type."""
+    from pressroom.kv_offload.manager import TIME_BUCKETS
+    for name, doc, attr in _TIER_COUNTERS:
+        family = CounterMetricFamily(prefix + name, doc, labels=["model_name", "tier"])
+        for tier, stats in offload.tiers.items():
+            family.add_metric([model_name, tier], getattr(stats, attr))
+        yield family
+    for direction in ("read", "write"):
+        family = HistogramMetricFamily(prefix + f"kv_offload_tiering_{direction}_time_seconds",
+                                       f"Seconds one chunk's {direction} took in the tier.",
+                                       labels=["model_name", "tier"])
+        for tier, stats in offload.tiers.items():
+            hist = getattr(stats, f"{direction}_time")
+            cumulative, running = [], 0
+            for bound, count in zip((*map(str, TIME_BUCKETS), "+Inf"), hist.buckets):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([model_name, tier], cumulative, hist.total)
+        yield family
+    family = CounterMetricFamily(prefix + "kv_offload_total_bytes", "Bytes moved between the device's KV cache "
+                                 "and the CPU tier.", labels=["model_name", "transfer_type"])
+    for kind, nbytes in offload.total_bytes.items():
+        family.add_metric([model_name, kind], nbytes)
+    yield family
