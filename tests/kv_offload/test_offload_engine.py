@@ -31,11 +31,11 @@ def engine(model: str, **kw) -> LLM:
                max_num_seqs=2, **kw)
 
 
-def test_outputs_through_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
+def test_1000_requests_through_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama")
-    prompts = shared_prefix_prompts(60, prefixes=8, prefix_len=96, seed=1)
+    prompts = shared_prefix_prompts(1000, prefixes=12, prefix_len=96, seed=1)
     plain = _gen(engine(model), prompts)
-    # the CPU tier holds ~20 chunks of the 48 the prefixes fill: the rest come back from disk
+    # the CPU tier holds 20 chunks of the 72 the prefixes fill: the rest come back from disk
     llm = engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path))
     assert _gen(llm, prompts) == plain
     stats = llm.engine.stats().offload

@@ -1,0 +1,33 @@
+"""KV offload on CUDA: 1,000 shared-prefix requests through the pinned CPU tier and the disk tier give the
+greedy fp32 outputs of a run without offload, with blocks really moving both ways."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200 machine)")]
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kv_offload"))
+from test_offload_engine import CHUNK_BYTES, _gen, shared_prefix_prompts  # noqa: E402
+
+from pressroom import LLM  # noqa: E402
+
+
+def cuda_engine(model: str, **kw) -> LLM:
+    return LLM(model, dtype="float32", skip_tokenizer_init=True, num_gpu_blocks_override=24, max_num_seqs=2,
+               device="cuda", **kw)
+
+
+def test_1000_requests_through_pinned_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(1000, prefixes=12, prefix_len=96, seed=1)
+    plain = _gen(cuda_engine(model), prompts)
+    llm = cuda_engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path))
+    assert _gen(llm, prompts) == plain
+    stats = llm.engine.stats().offload
+    assert stats.tiers["0:cpu"].chunk_hits > 0 and stats.tiers["1:fs"].chunk_hits > 0
+    assert stats.total_bytes["device_to_cpu"] > 0 and stats.total_bytes["cpu_to_device"] > 0
