@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from pressroom import LLM, SamplingParams
 
 CHUNK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny llama: layers, k/v, block, kv heads, head dim, fp32
