@@ -79,19 +79,41 @@ class MLAAttention(nn.Module):
         """The compressed query (None without q_lora_rank), each head's query in latent space with its
         rotated rope part [tokens, heads, rank + rope], and the token's cache entry [tokens, rank + rope]
         (the normalised latent and the rotated shared key)."""
+        if x.is_cuda and rope.rotary.rotary_dim == self.rope_dim:
+            return self.absorbed_query_and_key_in_one_kernel(rope, x)
         q_resid, q_nope, q_pe, latent, k_pe = self.project(rope, x)
-        w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [heads, tokens, rank]
+        q_latent = self._absorb(q_nope)
         return q_resid, torch.cat((q_latent.transpose(0, 1), q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1)
+
+    def absorbed_query_and_key_in_one_kernel(self, rope: RopeTables, x: torch.Tensor
+                                             ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """absorbed_query_and_key with everything after the projections and the W_UK bmm in one Triton
+        launch (the latent's norm, both rotations, both concatenations): batch-1 decode is launch-bound.
+        Needs the rope tables to cover all qk_rope_head_dim dims."""
+        from pressroom.kernels.triton.mla_prepare import mla_prepare
+        q_resid, q = self._query(x)
+        norm = self.kv_a_layernorm
+        query, entry = mla_prepare(q, self._absorb(q[..., :self.nope]), self.kv_a_proj_with_mqa(x), norm.weight,
+                                   norm.eps, rope.cos, rope.sin)
+        return q_resid, query, entry
+
+    def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """Each head's nope query [tokens, heads, nope] through its W_UK: [heads, tokens, rank]."""
+        w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        return torch.bmm(q_nope.transpose(0, 1), w_uk)
+
+    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The compressed query (None without q_lora_rank) and the query [tokens, heads, nope + rope]."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
+        return q_resid, q.view(x.shape[0], self.num_heads, self.nope + self.rope_dim)
 
     def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The compressed query (None without q_lora_rank), each head's query parts [tokens, heads, nope] and
         [tokens, heads, rope] (rotated), the normalised latent [tokens, rank] and the rotated shared key
         [tokens, rope]."""
-        tokens, heads = x.shape[0], self.num_heads
-        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
-        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
-        q = q.view(tokens, heads, self.nope + self.rope_dim)
+        heads = self.num_heads
+        q_resid, q = self._query(x)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         # q's and the shared key's rope parts rotated in one pass, as one stack of heads
