@@ -1,1 +1,0 @@
-"""The OpenAI-compatible HTTP server (`pressroom serve`)."""
