@@ -22,11 +22,20 @@ def cuda_engine(model: str, **kw) -> LLM:
                device="cuda", **kw)
 
 
-def test_1000_requests_through_pinned_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
-    model = tiny_model_dir("llama")
+def tiny_llama(path: Path) -> str:
+    """The tiny llama without a tokenizer (the GPU machine has no embedded GGUF to take one from)."""
+    import transformers
+    from conftest import TINY_SHAPE
+    torch.manual_seed(1234)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_SHAPE)).save_pretrained(path)
+    return str(path)
+
+
+def test_1000_requests_through_pinned_cpu_and_disk_tiers_equal_no_offload(tmp_path):
+    model = tiny_llama(tmp_path / "model")
     prompts = shared_prefix_prompts(1000, prefixes=12, prefix_len=96, seed=1)
     plain = _gen(cuda_engine(model), prompts)
-    llm = cuda_engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path))
+    llm = cuda_engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path / "kv"))
     assert _gen(llm, prompts) == plain
     stats = llm.engine.stats().offload
     assert stats.tiers["0:cpu"].chunk_hits > 0 and stats.tiers["1:fs"].chunk_hits > 0
