@@ -35,7 +35,8 @@ def test_1000_requests_through_pinned_cpu_and_disk_tiers_equal_no_offload(tmp_pa
     model = tiny_llama(tmp_path / "model")
     prompts = shared_prefix_prompts(1000, prefixes=12, prefix_len=96, seed=1)
     plain = _gen(cuda_engine(model), prompts)
-    llm = cuda_engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30), kv_offloading_disk_path=str(tmp_path / "kv"))
+    llm = cuda_engine(model, kv_offloading_size=20 * CHUNK_BYTES / (1 << 30),
+                      kv_offloading_disk_path=str(tmp_path / "kv"))
     assert _gen(llm, prompts) == plain
     stats = llm.engine.stats().offload
     assert stats.tiers["0:cpu"].chunk_hits > 0 and stats.tiers["1:fs"].chunk_hits > 0
