@@ -59,19 +59,36 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
 
 
 def test_greedy_decoding_takes_the_fast_path_and_agrees(llm):
+    """Greedy tokens of the fast path and the layer-by-layer path agree until a near tie. The 4-bit kernels
+    round each block of 32 activations to int8 on both paths; the fast path's silu differs in the last bits,
+    which flips some of those roundings, and from the embedded model's ninth layer on the paths differ by
+    ~3e-4 relative (AVX2 and AVX-512 alike): enough to flip a token whose two best logprobs are within a few
+    hundredths (measured: 0.015 and 0.003 apart where the prompts below flip on AVX-512). A flip where both
+    paths were sure of their token is a real disagreement."""
     if llm.engine.config.model.dtype != torch.float32:
         pytest.skip("bf16: the layer-by-layer path rounds activations to bf16, so long generations diverge")
     model = llm.engine.model.model
-    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0)
-    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0, logprobs=2)
+    fused = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     assert model.fused_decode and model._decode_stack is not None
     model.fused_decode, model._decode_stack = False, None
     try:
-        layered = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        layered = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     finally:
         model.fused_decode = None
     assert model._decode_stack is None  # the comparison really ran the other path
-    assert fused == layered
+    for f, ref in zip(fused, layered):
+        differ = [i for i, (a, b) in enumerate(zip(f.token_ids, ref.token_ids)) if a != b]
+        if not differ:
+            continue
+        i = differ[0]
+        margins = [_top2_margin(out.logprobs[i]) for out in (f, ref)]
+        assert i > 0 and min(margins) < 0.05, (i, ref.logprobs[i], f.logprobs[i])
+
+
+def _top2_margin(logprobs: dict) -> float:
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1]
 
 
 def _meta(num_decodes: int, query_lens: list[int]) -> AttentionMetadata:
