@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.spec import add_spec_bench_args
     add_spec_bench_args(_subparser(bench_sub, "spec", "adaptive speculative budget vs no speculation vs fixed K "
                                                       "at several concurrencies (draft model, synthetic acceptance)"))
+    from pressroom.benchmarks.offload import add_offload_bench_args
+    add_offload_bench_args(_subparser(bench_sub, "offload", "tiered KV offload: no offload vs the CPU tier vs CPU + "
+                                                            "disk on a shared-document workload"))
     from pressroom.benchmarks.sparse import add_sparse_bench_args
     add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
                                                                     "decode attention time against context length"))
@@ -260,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             from pressroom.benchmarks import spec
             spec.run(args)
             return 0
+        if args.command == "bench" and args.bench_command == "offload":
+            from pressroom.benchmarks import offload
+            return offload.main(args)
         if args.command == "bench" and args.bench_command == "sparse-attention":
             from pressroom.benchmarks import sparse
             return sparse.main(args)
