@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 from pressroom.benchmarks.workload import machine
+from pressroom.config import resolve_device
 
 CONFIGS = ("none", "cpu", "cpu+disk")
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 
 def make_requests(args) -> list[list[int]]:
@@ -87,6 +89,7 @@ def run_config(args, config: str, prompts: list[list[int]], cpu_gib: float, disk
 
 def run(args) -> dict:
     prompts = make_requests(args)
+    device = resolve_device(args.device)
     working_set = args.num_documents * args.document_len
     disk = Path(args.kv_offloading_disk_path or tempfile.mkdtemp(prefix="pressroom-offload-bench-"))
     shutil.rmtree(disk, ignore_errors=True)  # a warm disk tier from an earlier run would flatter the figures
@@ -107,7 +110,7 @@ def run(args) -> dict:
                        "throughput_vs_recompute": round(by[config]["output_tokens_per_s"]
                                                         / base["output_tokens_per_s"], 3)}
               for config in ("cpu", "cpu+disk") if config in by and base is not None}
-    return {"model": args.model, "device": args.device, "machine": machine(), "dtype": args.dtype,
+    return {"model": args.model or EMBEDDED_NAME, "device": device, "machine": machine(), "dtype": args.dtype,
             "workload": {"documents": args.num_documents, "document_len": args.document_len,
                          "requests": args.num_requests, "question_len": args.question_len,
                          "output_len": args.output_len, "max_concurrency": args.max_concurrency,
