@@ -160,26 +160,28 @@ def configs(value: str) -> list[str]:
 
 def add_offload_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
-    parser.add_argument("--load-format", default="auto", help="auto, or dummy for random weights")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--load-format", default="auto", help="auto, or dummy for random weights at the config's "
+                                                              "shapes")
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: as `pressroom serve` picks)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the engine runs")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--configs", type=configs, default=list(CONFIGS), help="comma-separated: none,cpu,cpu+disk")
-    parser.add_argument("--num-documents", type=int, default=24)
+    parser.add_argument("--num-documents", type=int, default=24, help="distinct shared documents")
     parser.add_argument("--document-len", type=int, default=512, help="tokens per shared document")
-    parser.add_argument("--num-requests", type=int, default=120)
+    parser.add_argument("--num-requests", type=int, default=120, help="requests, each a random document")
     parser.add_argument("--question-len", type=int, default=16, help="each request's own tokens after its document")
-    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=8, help="output tokens per request (EOS ignored)")
     parser.add_argument("--max-concurrency", type=int, default=4, help="requests in flight at once")
     parser.add_argument("--device-cache-tokens", type=int, default=4096,
                         help="the device KV cache's size in tokens (the working set should be several times it)")
     parser.add_argument("--kv-offloading-size", type=float, default=None,
                         help="CPU tier GiB (default: --cpu-tier-fraction of the working set)")
-    parser.add_argument("--cpu-tier-fraction", type=float, default=0.5)
+    parser.add_argument("--cpu-tier-fraction", type=float, default=0.5,
+                        help="the CPU tier's share of the working set's KV bytes, when no size is given")
     parser.add_argument("--kv-offloading-disk-path", default=None, help="disk tier directory (default: a temporary "
                                                                         "one; emptied before the run)")
     parser.add_argument("--vocab-limit", type=int, default=40000, help="document token ids are below this")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the documents, the order and dummy weights")
+    parser.add_argument("--output-json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="a PNG of mean TTFT and throughput per configuration")
     parser.add_argument("--from-json", default=None, help="plot a saved report instead of running")

@@ -73,6 +73,7 @@ class TieredKVStore:
         self._cascade = ThreadPoolExecutor(1, thread_name_prefix="kv-cascade")
         self._lock = threading.Lock()  # the cascade thread and the engine loop both count
         self._warned: set[str] = set()
+        self._in_flight: dict[str, object] = {}  # key -> the CUDA event its device-to-host copy completes
 
     def _make_tier(self, spec) -> SecondaryTier:
         if spec.kind == "fs":
@@ -91,6 +92,9 @@ class TieredKVStore:
             chunk = self.cpu.get(key)
             if chunk is None:
                 break
+            copied = self._in_flight.pop(key, None)
+            if copied is not None:  # its copy out of the device may still be running: host reads wait for it
+                copied.synchronize()
             ready.append(chunk)
         rest = keys[len(ready):]
         if self._start_loads(rest):
@@ -146,6 +150,8 @@ class TieredKVStore:
         self.cpu.put(key, chunk)
         self._unreadable.discard(key)
         self._origin.pop(key, None)
+        if ready is not None:
+            self._in_flight[key] = ready
         if self.secondary:
             self._cascade.submit(self._write_through, key, chunk, ready)
 
@@ -163,7 +169,10 @@ class TieredKVStore:
     # ---- housekeeping ----
 
     def poll(self) -> None:
-        """Takes in the secondary tiers' finished work: loaded chunks are checked and go to the CPU tier."""
+        """Takes in the secondary tiers' finished work: loaded chunks are checked and go to the CPU tier.
+        Device copies that have completed are forgotten."""
+        if self._in_flight:
+            self._in_flight = {k: e for k, e in self._in_flight.items() if not e.query()}
         for i, tier in enumerate(self.secondary):
             for result in tier.poll():
                 self._take(i, tier, result)
