@@ -111,8 +111,8 @@ class TieredKVStore:
             if key in self._loading:
                 waiting = True
                 continue
-            if key in self._origin:  # promoted, then pushed out of the CPU tier before it was served
-                break
+            if self._origin.pop(key, None) is not None:  # promoted, then pushed out before it was served:
+                break  # computed this time (no second wait); a later request may read it again
             tier = self._holder(key)
             if tier is None:
                 break
