@@ -188,9 +188,10 @@ class TieredKVStore:
                     stats.failed_jobs += 1
             return
         self._loading.pop(result.key, None)
-        if not result.ok or result.blob is None:
+        if not result.ok or result.blob is None:  # e.g. the file went away after the lookup
             stats.failed_jobs += 1
             self._unreadable.add(result.key)
+            tier.discard(result.key)
             return
         try:
             chunk = decode_chunk(self.fingerprint, result.blob, self.dtype, self.chunk_shape)
