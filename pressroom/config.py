@@ -196,6 +196,18 @@ SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp")
 ASYNC_SPEC_METHODS = ("draft_model",)
 
 
+def json_object(value: dict | str, name: str) -> dict:
+    """A config given as a dict or as a JSON string (its CLI flag's form)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object / dict.")
+    return value
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys. A proposer drafts up to `num_speculative_tokens` per request
@@ -239,13 +251,7 @@ class SpeculativeConfig:
         """A dict, a JSON string (the CLI's --speculative-config) or None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object / dict.")
+        value = json_object(value, "speculative_config")
         unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"Unknown speculative_config key(s): {', '.join(sorted(unknown))}.")
@@ -321,13 +327,7 @@ class OffloadConfig:
 
 
 def _offload_extra_config(transfer: dict | str) -> dict:
-    if isinstance(transfer, str):
-        try:
-            transfer = json.loads(transfer)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
-    if not isinstance(transfer, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object.")
+    transfer = json_object(transfer, "kv_transfer_config")
     connector = transfer.get("kv_connector")
     if connector not in OFFLOAD_CONNECTORS:
         raise ValueError(f"kv_connector {connector!r} is not supported; use {', '.join(OFFLOAD_CONNECTORS)}.")

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pressroom.benchmarks.workload import machine
+from pressroom.benchmarks.workload import machine, report_from_args
 from pressroom.config import resolve_device
 
 CONFIGS = ("none", "cpu", "cpu+disk")
@@ -138,14 +138,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-    else:
-        report = run(args)
-        if args.output_json:
-            Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot:
-        plot(report, args.plot)
+    report = report_from_args(args, run, plot)
     print(json.dumps(report["ratios"]))
     return 0
 

@@ -18,7 +18,7 @@ import torch
 
 from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.benchmarks.gpu import mean_seconds, positive_ints, resolve_device
-from pressroom.benchmarks.workload import machine
+from pressroom.benchmarks.workload import machine, report_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "configs" / "deepseek-v2-lite-dsa"
@@ -158,14 +158,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-    else:
-        report = run(args)
-        if args.output_json:
-            Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot:
-        plot(report, args.plot)
+    report = report_from_args(args, run, plot)
     print(json.dumps({"dsa_growth": report["dsa_growth"], "dense_growth": report["dense_growth"]}))
     return 0
 

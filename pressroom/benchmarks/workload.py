@@ -6,6 +6,7 @@ import os
 import platform
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(slots=True)
@@ -72,3 +73,16 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def report_from_args(args, run, plot) -> dict:
+    """A bench's report: loaded from --from-json, or run (and saved to --output-json); plotted to --plot."""
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+    else:
+        report = run(args)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    return report
