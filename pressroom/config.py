@@ -11,6 +11,7 @@ import torch
 
 from pressroom.platforms import cuda_available
 from pressroom.platforms.cpu import cpu_info, log_cpu_path
+from pressroom.pooling_params import PoolingParams
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -20,6 +21,11 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --runner: generate (completions, chat) or pooling (embeddings, /pooling, /score, /rerank); auto: pooling
+# for an encoder-only checkpoint (it cannot generate), generate otherwise. --task embed is the older spelling.
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed")
+ENCODER_MODEL_TYPES = ("bert",)  # bidirectional attention: a prompt is computed whole, in one step
 DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
 VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
@@ -75,8 +81,16 @@ class ModelConfig:
     # auto: on the CPU, GGUF Q4 matrices and a Q8_0 LM head also stay as shipped; none: dequantize all.
     quantization: str = "auto"
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks of dummy-weight shapes)
+    runner: str = "generate"  # generate or pooling (resolved: never auto)
+    pooler: PoolingParams | None = None  # --pooler-config: overrides the model's pooling defaults
+    encoder_only: bool = False  # a BERT-family checkpoint: pooling only, each prompt whole in one step
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS[1:]:
+            raise ValueError(f"runner must be generate or pooling; got {self.runner!r}.")
+        if self.encoder_only and self.runner != "pooling":
+            raise ValueError("An encoder-only model (BERT family) cannot generate; serve it with --runner pooling "
+                             "(or leave --runner at auto).")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
         if self.quantization not in QUANTIZATIONS:
@@ -400,6 +414,18 @@ CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries eve
 CPU_PREFILL_COST_CONTEXT = 1024
 
 
+def _is_encoder_checkpoint(model: str | None) -> bool:
+    """Whether `model` is an HF directory whose config.json names an encoder-only family (BERT)."""
+    path = os.path.join(os.path.expanduser(model), "config.json") if model else ""
+    if not path or not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f).get("model_type") in ENCODER_MODEL_TYPES
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False  # the loader reports a bad config.json with its own error
+
+
 def default_max_num_batched_tokens(device: str) -> int:
     """A GPU takes a 16k-token step in well under a second; a CPU takes about 4 ms per token per core, so
     its budget follows its threads (on 2 cores, one 8,000-token prompt in a 16k step froze every other
@@ -472,6 +498,13 @@ class EngineArgs:
                                                        '{"method": "ngram", "num_speculative_tokens": 3}; methods: '
                                                        f"{', '.join(SPEC_METHODS)} (default: off)")
 
+    runner: str = _arg("auto", "generate: completions and chat; pooling: embeddings and vLLM's /pooling, /score, "
+                               "/rerank (last-token or mean pooling over a decoder; an encoder's own pooling); "
+                               "auto: pooling for an encoder-only (BERT-family) model, else generate", RUNNERS)
+    task: str = _arg("auto", "vLLM's older spelling of --runner: embed = --runner pooling", TASKS)
+    pooler_config: dict | str | None = _arg(None, 'pooling defaults, e.g. {"pooling_type": "MEAN", "normalize": '
+                                                  'true}; pooling_type LAST, MEAN or CLS (default: the model\'s '
+                                                  "sentence-transformers config, else LAST, normalised)")
     kv_offloading_size: float | None = _arg(None, "GiB of host memory for the KV offload CPU tier: blocks the "
                                                   "device cache releases are kept there and reloaded on a prefix "
                                                   "hit (default: off)")
@@ -521,7 +554,7 @@ class EngineArgs:
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                               dtype=dtype, max_model_len=self.max_model_len,
                               seed=self.seed, quantization=self.quantization,
-                              skip_tokenizer_init=self.skip_tokenizer_init),
+                              skip_tokenizer_init=self.skip_tokenizer_init, **self._runner_fields()),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
                               num_blocks=self.num_gpu_blocks_override,
@@ -542,6 +575,26 @@ class EngineArgs:
             num_threads=self.num_threads or None,
             offload=self._offload_config(),
         )
+
+    def _runner_fields(self) -> dict[str, Any]:
+        encoder = _is_encoder_checkpoint(self.model)
+        runner = self.runner
+        if self.task != "auto":
+            implied = "pooling" if self.task == "embed" else "generate"
+            if runner not in ("auto", implied):
+                raise ValueError(f"--task {self.task} contradicts --runner {runner}; give one of them.")
+            runner = implied
+        if runner == "auto":
+            runner = "pooling" if encoder else "generate"
+        pooler = None
+        if self.pooler_config is not None:
+            values = json_object(self.pooler_config, "pooler_config")
+            unknown = set(values) - {"pooling_type", "normalize", "dimensions"}
+            if unknown:
+                raise ValueError(f"pooler_config has unknown key(s) {', '.join(sorted(unknown))}; known: "
+                                 "pooling_type, normalize, dimensions.")
+            pooler = PoolingParams(**values)
+        return {"runner": runner, "pooler": pooler, "encoder_only": encoder}
 
     def _offload_config(self) -> OffloadConfig | None:
         offload = OffloadConfig.from_args(self.kv_offloading_size, self.kv_offloading_disk_path,

@@ -5,7 +5,8 @@ from collections.abc import Sequence
 
 from pressroom.config import EngineArgs
 from pressroom.engine.llm_engine import LLMEngine, PromptType
-from pressroom.outputs import RequestOutput
+from pressroom.outputs import PoolingRequestOutput, RequestOutput
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, str]]
@@ -51,6 +52,25 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One vector per prompt (`out.outputs.embedding`), pooled as the model's config says unless
+        `pooling_params` override it; needs a model started with runner="pooling" (an encoder's default)."""
+        prompts = _as_list(prompts)
+        params = _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        ids: list[str] = []
+        try:
+            for p, pp in zip(prompts, params):
+                ids.append(self._next_id())
+                self.engine.add_pooling_request(ids[-1], p, pp)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    encode = embed  # vLLM's generic pooling call
+
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -69,12 +89,15 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
-        if self.engine is None:
-            raise RuntimeError("This LLM was shut down; create a new one.")
-        rid = str(self._counter)
-        self._counter += 1
+        rid = self._next_id()
         self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority)
         return rid
+
+    def _next_id(self) -> str:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        self._counter += 1
+        return str(self._counter - 1)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -49,3 +49,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     session_id: str | None = None  # the caller's session (e.g. the server's X-Session-Id), as given
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's vector (vLLM's PoolingOutput; `embedding` is EmbeddingOutput's name for it)."""
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    finish_reason: str | None = "stop"  # "error" where the engine failed while computing it

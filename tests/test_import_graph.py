@@ -18,7 +18,7 @@ FORBIDDEN = {
     "model": {"worker", "core", "engine"},
 }
 # Config and the public message types import only what sits below them.
-LEAVES = {"config", "sampling_params", "outputs"}
+LEAVES = {"config", "sampling_params", "outputs", "pooling_params"}
 BELOW_LEAVES = {"platforms", "logger"} | LEAVES
 
 

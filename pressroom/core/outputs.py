@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
 
@@ -18,6 +18,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    pooling: PoolingParams | None = None  # a pooling request: its prompt's vector, no sampling
 
 
 @dataclass(slots=True)
@@ -45,9 +46,10 @@ class SchedulerOutput:
     # adaptive budget's plan, where drafting has a cost of its own: a draft model); absent: all K.
     draft_limits: dict[str, int] = field(default_factory=dict)
     # KV offload copies the runner makes before the forward pass, in this order: device blocks out to the
-    # CPU tier (block id, chunk key), then host chunks into fresh device blocks (block id, host tensor).
+    # CPU tier (block id, chunk key), then CPU tier slots lent to the step into fresh device blocks
+    # (block id, slot).
     kv_stores: list[tuple[int, str]] = field(default_factory=list)
-    kv_loads: list[tuple[int, Any]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -68,6 +70,8 @@ class ModelRunnerOutput:
     # per-token confidence where it gives one.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidences: dict[str, list[float]] = field(default_factory=dict)
+    # Per pooling request whose prompt this step finished, its vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput(ABC):
@@ -88,3 +92,4 @@ class EngineCoreOutput:
     logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)

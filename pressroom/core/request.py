@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
 
@@ -55,6 +56,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # A pooling request: prefill only, it finishes with its prompt's vector. `whole_prompt`: an encoder's
+    # (bidirectional attention), computed in one step or not at all.
+    pooling: PoolingParams | None = None
+    whole_prompt: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -247,6 +247,9 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted since this step was scheduled: drop its tokens
+            if req.pooling is not None:
+                results += self._finish_pooled(req, out.pooled.get(rid))
+                continue
             new_ids = out.sampled_token_ids.get(rid, [])
             drafts = sched.scheduled_spec_decode_tokens.get(rid)
             if new_ids:
@@ -276,6 +279,14 @@ class Scheduler:
 
     # ---- internals ----
 
+    def _finish_pooled(self, req: Request, pooled: list[float] | None) -> list[EngineCoreOutput]:
+        """A pooling request ends with the step that finishes its prompt (its vector); earlier chunks say nothing."""
+        if pooled is None:
+            return []
+        req.status = RequestStatus.FINISHED_STOPPED
+        self._free(req)
+        return [EngineCoreOutput(req.request_id, [], req.status.finish_reason, pooled=pooled)]
+
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData],
                        sampling: list[Request]) -> None:
         skipped = []
@@ -285,14 +296,23 @@ class Scheduler:
             if not req.is_ready():
                 skipped.append(entry)
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            loaded = self.kv.offloaded_chunks(req, len(hits))
+            if req.pooling is None:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                loaded = self.kv.offloaded_chunks(req, len(hits))
+            else:  # pooling reads the hidden states of every prompt token: no prefix hits
+                hits, num_hit, loaded = [], 0, ()
             if loaded is None:  # its prefix is on its way from a secondary offload tier
                 skipped.append(entry)
                 continue
             num_hit += len(loaded) * self.kv.block_size
             req.num_computed_tokens = 0
-            n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
+            if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
+                if req.num_tokens > budget:
+                    skipped.append(entry)
+                    continue
+                n = req.num_tokens
+            else:
+                n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
             if not self.kv.allocate_slots(req, n + self.lookahead, hits, loaded):
                 skipped.append(entry)
                 break
@@ -305,7 +325,7 @@ class Scheduler:
             budget = max(0, budget - self._cost(n, num_hit))
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
-                                           req.eos_token_id))
+                                           req.eos_token_id, req.pooling))
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)

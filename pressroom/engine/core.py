@@ -17,6 +17,7 @@ from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, Sch
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.executor import FATAL_ERRORS, make_executor
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.worker.worker import ModelSpec
@@ -35,6 +36,7 @@ class CoreRequest:
     arrival_time: float
     priority: int = 0
     follows: str | None = None  # a sibling whose prompt is computed first (it fills the prefix cache)
+    pooling: PoolingParams | None = None  # resolved pooling: prefill only, the request ends with its vector
 
 
 @dataclass(slots=True)
@@ -118,11 +120,20 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks + 1  # block 0 is the padding block
+        if spec.kv_bytes_per_block == 0:  # an encoder keeps no KV: blocks only count a step's tokens
+            return self._bookkeeping_blocks(spec)
         budget = self.executor.determine_available_memory()
         if budget < 2 * spec.kv_bytes_per_block:
             raise ValueError(f"Only {budget / (1 << 30):.2f} GiB is left for the KV cache, less than two blocks; "
                              "raise gpu_memory_utilization or lower max_num_batched_tokens.")
         return budget // spec.kv_bytes_per_block
+
+    def _bookkeeping_blocks(self, spec: ModelSpec) -> int:
+        """Blocks for a model without a KV cache: enough for the largest step (a block per request plus the
+        step's tokens) and for one prompt of the model's longest length; they cost no memory."""
+        sched, size = self.config.scheduler, self.config.cache.block_size
+        tokens = max(sched.max_num_batched_tokens + sched.max_num_seqs * size, spec.max_position)
+        return -(-tokens // size) + 2
 
     def _adaptive_budget(self, max_drafts: int) -> AdaptiveBudget:
         costs = self.executor.profile_step_costs(max_drafts, self.max_model_len)
@@ -213,7 +224,8 @@ class EngineCore:
     def add_request(self, request: CoreRequest) -> None:
         lead = self.requests.get(request.follows) if request.follows is not None else None
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
-                      request.arrival_time, request.priority, follows=lead)
+                      request.arrival_time, request.priority, follows=lead, pooling=request.pooling,
+                      whole_prompt=request.pooling is not None and self.config.model.encoder_only)
         self.requests[request.req_id] = req
         self.scheduler.add_request(req)
 

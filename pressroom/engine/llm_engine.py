@@ -26,7 +26,17 @@ from pressroom.core.scheduler import SchedulerStats
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
-from pressroom.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from pressroom.model.pooling import model_pooling_defaults
+from pressroom.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pressroom")
@@ -61,6 +71,8 @@ class _Parent:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     session_id: str | None = None
+    pooling: PoolingParams | None = None  # a pooling request (resolved), which ends with `pooled`
+    pooled: list[float] | None = None
 
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
@@ -85,6 +97,7 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
+        self.pooling_defaults = self._pooling_defaults(path) if config.model.runner == "pooling" else None
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
 
@@ -112,12 +125,21 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.core.shutdown()
 
+    def _pooling_defaults(self, path: str) -> PoolingParams:
+        """The model's pooling (its sentence-transformers config, else vLLM's defaults), under --pooler-config."""
+        model_defaults = model_pooling_defaults(path, self.config.model.encoder_only)
+        return (self.config.model.pooler or PoolingParams()).resolved(model_defaults)
+
     # ---- requests ----
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, session_id: str | None = None) -> None:
         """`session_id` (optional) groups requests of one conversation or user; it comes back on every
         RequestOutput of this request. It does not change scheduling."""
+        if self.pooling_defaults is not None:
+            raise ValueError("This model is served for pooling only (runner pooling): it answers embeddings, "
+                             "/pooling, /score and /rerank, not generation. Start it with --runner generate "
+                             "(a decoder) to generate.")
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
         params = self._with_think_markers(params)
@@ -144,6 +166,45 @@ class LLMEngine:
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
             raise
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, pooling: PoolingParams | None = None,
+                            priority: int = 0, arrival_time: float | None = None) -> None:
+        """A prefill-only request that finishes with its prompt's pooled vector (a PoolingRequestOutput)."""
+        if self.pooling_defaults is None:
+            raise ValueError("This model does not pool: it was started to generate. Start it with --runner pooling "
+                             "(or --task embed) for embeddings, /pooling, /score and /rerank.")
+        resolved = (pooling or PoolingParams()).resolved(self.pooling_defaults)
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_pooling(request_id, token_ids, resolved)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        child = _Child(0, None, f"{next(self._ids)}")
+        parent = _Parent(request_id, text, token_ids, params, [child], RequestMetrics(arrival), pooling=resolved)
+        self.parents[request_id] = parent
+        self.child_to_parent[child.request_id] = (parent, child)
+        try:
+            self.core.add_request(CoreRequest(child.request_id, token_ids, params, arrival, priority, pooling=resolved))
+        except BaseException:
+            self.abort_request(request_id)
+            raise
+
+    def _validate_pooling(self, request_id: str, token_ids: list[int], pooling: PoolingParams) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if not token_ids:
+            raise ValueError("The input is empty; give at least one token.")
+        limit = self.max_model_len
+        if self.config.model.encoder_only:  # computed whole, in one step
+            limit = min(limit, self.config.scheduler.max_num_batched_tokens)
+        if len(token_ids) > limit:
+            raise ValueError(f"The input is {len(token_ids)} tokens long; this model pools at most {limit} "
+                             "(max_model_len, and for an encoder max_num_batched_tokens); shorten it.")
+        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"Input token ids must lie in [0, {self.vocab_size}) and be integers.")
+        width = self.hf_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise ValueError(f"dimensions={pooling.dimensions} exceeds this model's embedding size of {width}.")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) exactly as add_request would see them (BOS per the model)."""
@@ -298,6 +359,8 @@ class LLMEngine:
                                  None, parent.num_cached_tokens, parent.metrics, parent.session_id)
 
     def _absorb(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> None:
+        if out.pooled is not None:
+            parent.pooled = out.pooled
         if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
             parent.prompt_logprobs.extend(self._position_logprobs(lp) for lp in out.prompt_logprobs)
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
@@ -338,7 +401,11 @@ class LLMEngine:
                 self.child_to_parent.pop(child.request_id, None)
         return self._request_output(parent, finished)
 
-    def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+    def _request_output(self, parent: _Parent, finished: bool) -> RequestOutput | PoolingRequestOutput:
+        if parent.pooling is not None:
+            reason = parent.children[0].finish_reason
+            return PoolingRequestOutput(parent.request_id, parent.prompt_token_ids, PoolingOutput(parent.pooled or []),
+                                        finished, parent.metrics, reason)
         outputs = [CompletionOutput(c.index, c.detok.visible_text(c.finish_reason is not None) if c.detok else "",
                                     list(c.token_ids), c.cumulative_logprob,
                                     list(c.logprobs) if c.logprobs is not None else None,

@@ -24,9 +24,11 @@ from pressroom.core.outputs import (
     TopLogprobs,
 )
 from pressroom.model.layers.attention import Attention
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
 from pressroom.worker.input_batch import InputBatch
+from pressroom.worker.pooler import Pooler, PoolRow
 from pressroom.worker.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample, sample_on_device, top_logprobs
@@ -43,6 +45,7 @@ class CachedRequestState:
     eos_token_id: int | None
     # Tokens steps in flight may emit, not yet appended to token_ids (async scheduling): 1 + drafts each.
     num_inflight: int = 0
+    pooling: PoolingParams | None = None  # a pooling request: pooled after its prompt, never sampled
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
@@ -185,6 +188,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made at the first step after initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
         self.kv_offload = None  # a kv_offload.TieredKVStore: takes the blocks each step copies out
+        self.pooler = Pooler()
 
     # ---- set-up ----
 
@@ -353,7 +357,9 @@ class ModelRunner:
         else:
             batch = self._prepare(sched)
             hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
+            pooled = self._pool(batch, sched, hidden)
             emission = self._emit(batch, sched, hidden)
+            emission.pending.output.pooled = pooled
             self.pending = emission.pending
             self.prev = emission.device_step(self.device) if self.async_scheduling else None
             self._propose_next(batch, sched, emission, features)
@@ -369,31 +375,46 @@ class ModelRunner:
         planes, _, block, heads, dim = shapes.pop()
         return (len(self.attention_layers), planes, block, heads, dim)
 
-    def _copy_offloaded_kv(self, stores: list[tuple[int, str]], loads: list[tuple[int, torch.Tensor]]) -> None:
-        """Blocks out to the offload CPU tier, then chunks into fresh blocks, ahead of the step's forward pass
-        on the same stream: a block released last step may be overwritten by this one."""
-        if stores:
-            ids = torch.tensor([b for b, _ in stores], device=self.device)
+    def _copy_offloaded_kv(self, stores: list[tuple[int, str]], loads: list[tuple[int, int]]) -> None:
+        """Blocks out to the offload CPU tier, then lent CPU slots into fresh blocks, ahead of the step's
+        forward pass on the same stream: a block released last step may be overwritten by this one. On
+        CUDA the slots are pinned and the copies asynchronous; their event returns the slots' loans."""
+        store = self.kv_offload
+        on_cuda = torch.device(self.device).type == "cuda"
+        reserved = [(block, key, store.reserve(key)) for block, key in stores]
+        reserved = [r for r in reserved if r[2] is not None]  # no slot free of loans: not kept
+        if reserved:
+            ids = torch.tensor([b for b, _, _ in reserved], device=self.device)
             # [layers, planes, n, block, heads, dim] -> one chunk per block, in the canonical layout
             out = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
-            ready = None
-            if torch.device(self.device).type == "cuda":  # one pinned staging buffer; its chunks are views of it
-                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-                host.copy_(out, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-                chunks = host.unbind(0)
-            else:  # each chunk its own memory, so the CPU tier's byte count is what it holds
-                chunks = [c.clone() for c in out.unbind(0)]
-            for (_, key), chunk in zip(stores, chunks):
-                self.kv_offload.put(key, chunk, ready)
-            self.kv_offload.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
+            slots = [s for _, _, s in reserved]
+            if on_cuda:
+                out = out.contiguous()
+                for i, slot in enumerate(slots):
+                    store.cpu.slab[slot].copy_(out[i], non_blocking=True)
+            else:
+                store.cpu.slab.index_copy_(0, torch.tensor(slots), out)
+            store.stored([k for _, k, _ in reserved], slots, self._copy_event() if on_cuda else None)
+            store.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
         if loads:
             ids = torch.tensor([b for b, _ in loads], device=self.device)
-            batch = torch.stack([chunk for _, chunk in loads]).to(self.device, non_blocking=True)
+            slots = [s for _, s in loads]
+            if on_cuda:
+                batch = torch.empty((len(slots), *store.chunk_shape), dtype=store.dtype, device=self.device)
+                for i, slot in enumerate(slots):
+                    batch[i].copy_(store.cpu.slab[slot], non_blocking=True)
+            else:
+                batch = store.cpu.slab.index_select(0, torch.tensor(slots))
             for layer, cache in enumerate(self.kv_caches):
                 cache.index_copy_(1, ids, batch[:, layer].transpose(0, 1))
-            self.kv_offload.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
+            store.loaded(slots, self._copy_event() if on_cuda else None)
+            store.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
+
+    @staticmethod
+    def _copy_event():
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -402,10 +423,11 @@ class ModelRunner:
             self.next_drafts.pop(rid, None)
         if self.proposer is not None and sched.finished_req_ids:
             self.proposer.forget(sched.finished_req_ids)
+        self.pooler.forget(sched.finished_req_ids)
         for new in sched.new_requests:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, new.eos_token_id)
+                list(new.block_ids), new.num_computed_tokens, new.eos_token_id, pooling=new.pooling)
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -510,8 +532,16 @@ class ModelRunner:
     def _sampling_rows(self, batch: StepBatch, sched: SchedulerOutput) -> list[tuple[int, CachedRequestState]]:
         """(index in the batch, state) of each request whose step reaches the end of its known tokens."""
         counts = sched.num_scheduled_tokens
-        return [(i, s) for i, s in enumerate(batch.order)
-                if s.num_computed_tokens + counts[s.req_id] >= len(s.token_ids) + s.num_inflight]
+        return [(i, s) for i, s in enumerate(batch.order) if s.pooling is None
+                and s.num_computed_tokens + counts[s.req_id] >= len(s.token_ids) + s.num_inflight]
+
+    def _pool(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """The vectors of the pooling requests whose prompts this step finished (worker/pooler.py)."""
+        counts = sched.num_scheduled_tokens
+        rows = [PoolRow(s.req_id, s.pooling, batch.query_ends[i] - counts[s.req_id], batch.query_ends[i],
+                        s.num_computed_tokens, s.num_prompt_tokens)
+                for i, s in enumerate(batch.order) if s.pooling is not None]
+        return self.pooler.pool(hidden, rows) if rows else {}
 
     def _last_hidden(self, batch: StepBatch, hidden: torch.Tensor, rows: list[tuple[int, CachedRequestState]]):
         index = torch.tensor([batch.query_ends[i] - 1 for i, _ in rows])

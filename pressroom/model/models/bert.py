@@ -1,0 +1,162 @@
+"""The BERT encoder (sentence-transformers' MiniLM and kin): bidirectional attention, no KV cache, pooling only.
+
+A step's prompts arrive whole and flattened, as every step's tokens do; the linear layers run on the flat
+tokens (no padding), and only attention pads them into [sequences, longest, heads, dim] for SDPA with a
+key mask. The sequence boundaries come from the step's attention metadata (`query_start_loc`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.attention.backend import get_attention_metadata
+from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+# Checkpoint tensors no embedding needs: the NSP pooler head, MLM heads, a buffer of position ids.
+_SKIPPED_PREFIXES = ("pooler.", "cls.")
+_QKV_PARTS = {"attention.self.query.": "q", "attention.self.key.": "k", "attention.self.value.": "v"}
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class PaddedBatch:
+    """Where each flat token sits in a [sequences, longest] grid, and which grid cells are real tokens."""
+    __slots__ = ("num_seqs", "longest", "dest", "key_mask")
+
+    def __init__(self, positions: torch.Tensor, query_start_loc: list[int]) -> None:
+        lengths = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        self.num_seqs, self.longest = len(lengths), max(lengths)
+        self.dest = self.key_mask = None
+        if min(lengths) != self.longest:  # equal lengths: the flat batch already is the grid
+            dev = positions.device
+            lens = torch.tensor(lengths, device=dev)
+            owner = torch.repeat_interleave(torch.arange(self.num_seqs, device=dev), lens)
+            self.dest = owner * self.longest + positions
+            self.key_mask = (torch.arange(self.longest, device=dev) < lens[:, None])[:, None, None, :]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, ...] -> [sequences, longest, ...]"""
+        if self.dest is None:
+            return x.view(self.num_seqs, self.longest, *x.shape[1:])
+        grid = x.new_zeros(self.num_seqs * self.longest, *x.shape[1:])
+        grid.index_copy_(0, self.dest, x)
+        return grid.view(self.num_seqs, self.longest, *x.shape[1:])
+
+    def unpad(self, grid: torch.Tensor) -> torch.Tensor:
+        flat = grid.reshape(self.num_seqs * self.longest, *grid.shape[2:])
+        return flat if self.dest is None else flat.index_select(0, self.dest)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.head_dim = heads, hidden // heads
+        eps = config.layer_norm_eps
+        self.qkv = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True)
+        self.attn_out = RowParallelLinear(hidden, hidden, bias=True)
+        self.attn_norm = _LayerNorm(hidden, eps)
+        self.up = ColumnParallelLinear(hidden, config.intermediate_size, bias=True)
+        self.down = RowParallelLinear(config.intermediate_size, hidden, bias=True)
+        self.out_norm = _LayerNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, grid: PaddedBatch) -> torch.Tensor:
+        q, k, v = (grid.pad(t.reshape(-1, self.num_heads, self.head_dim)).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=grid.key_mask)
+        attn = grid.unpad(attn.transpose(1, 2)).reshape(x.shape)
+        x = self.attn_norm(x + self.attn_out(attn))
+        return self.out_norm(x + self.down(F.gelu(self.up(x))))
+
+
+class BertModel(nn.Module):
+    """Hidden states of the last layer, one row per token; pooling is the runner's (worker/pooler.py)."""
+    cuda_graphs_supported = False  # its attention pads by host-side lengths
+    encoder_only = True
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not "
+                             "supported; only absolute position embeddings are.")
+        if getattr(config, "hidden_act", "gelu") != "gelu":
+            raise ValueError(f"BERT with hidden_act={config.hidden_act!r} is not supported; only gelu is.")
+        self.config = config
+        hidden = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        for emb in (self.word_embeddings, self.position_embeddings, self.token_type_embeddings):
+            emb.weight.requires_grad_(False)
+        self.embed_norm = _LayerNorm(hidden, config.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        grid = PaddedBatch(positions, get_attention_metadata().query_start_loc)
+        # Every token is segment 0 (a single text), so the token-type embedding is one row added to all.
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, grid)
+        return x
+
+    # ---- weights ----
+
+    def checkpoint_target(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's parameter here, and its q/k/v shard; HF names, with or without `bert.`."""
+        name = name.removeprefix("bert.")
+        if name.startswith("embeddings."):
+            return name.removeprefix("embeddings.").replace("LayerNorm", "embed_norm"), None
+        name = name.replace("encoder.layer.", "layers.")
+        for part, shard in _QKV_PARTS.items():
+            if part in name:
+                return name.replace(part, "qkv."), shard
+        for old, new in (("attention.output.dense", "attn_out"), ("attention.output.LayerNorm", "attn_norm"),
+                         ("intermediate.dense", "up"), ("output.dense", "down"), ("output.LayerNorm", "out_norm")):
+            if old in name:
+                return name.replace(old, new), None
+        return name, None
+
+    def expected_weights(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if ".qkv." in name:
+                names.update(name.replace("qkv.", part) for part in _QKV_PARTS)
+            else:
+                names.add(name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads HF BERT tensors; returns the names of the parameters filled (as expected_weights names them)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            bare = name.removeprefix("bert.")
+            if bare.startswith(_SKIPPED_PREFIXES) or bare.endswith("position_ids"):
+                continue
+            target, shard = self.checkpoint_target(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel.")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
+                                 f"{tuple(param.shape)}.")
+            else:
+                param.data.copy_(tensor)
+            loaded.add(target.replace("qkv.", [p for p, s in _QKV_PARTS.items() if s == shard][0]) if shard else target)
+        return loaded

@@ -1,0 +1,30 @@
+"""Pooling parameters (vLLM's names): how a request's hidden states become one vector."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# LAST: the last token's hidden state (decoders: it has seen the whole prompt); MEAN: the average over
+# every prompt token (sentence-transformers' mean pooling); CLS: the first token's (BERT's [CLS]).
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """None fields take the model's defaults (its pooler config; for sentence-transformers checkpoints, their
+    Pooling and Normalize modules). `dimensions` keeps the first n dimensions (Matryoshka), normalised after."""
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            self.pooling_type = self.pooling_type.upper()
+            if self.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}; got {self.pooling_type!r}.")
+        if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}.")
+
+    def resolved(self, default: PoolingParams) -> PoolingParams:
+        """These params with every unset field taken from `default` (the model's)."""
+        return PoolingParams(self.pooling_type or default.pooling_type,
+                             default.normalize if self.normalize is None else self.normalize, self.dimensions)
