@@ -10,6 +10,7 @@ from typing import Any
 
 from pressroom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pressroom.core.request import Request
+from pressroom.kv_offload.manager import OffloadHit
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,7 +28,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.offload = offload
         self._stores: list[tuple[int, str]] = []  # (device block, chunk key) to copy out before reuse
-        self._loads: list[tuple[int, Any]] = []  # (device block, host chunk) to copy in before the forward
+        self._loads: list[tuple[int, int]] = []  # (device block, lent CPU slot) to copy in before the forward
         self._storing: set[str] = set()
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -57,33 +58,39 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def offloaded_chunks(self, request: Request, num_device_hits: int) -> list[Any] | None:
-        """The chunks the offload tiers hold for the prompt's blocks after its device hits (host tensors,
-        in order; what they do not hold is computed), or None while some are still being read from a
-        secondary tier: the request should wait, the batch goes on."""
+    def offloaded_chunks(self, request: Request, num_device_hits: int) -> OffloadHit | tuple | None:
+        """What the offload tiers hold of the prompt's blocks after its device hits (a kv_offload.OffloadHit:
+        the leading chunks, in order; what they do not hold is computed; () when offload is off), or None
+        while some are still being read from a secondary tier: the request should wait, the batch goes on.
+        A hit's CPU slots are on loan until `allocate_slots` takes it (or gives it back)."""
         if self.offload is None or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
+            return ()
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
-        chunks, waiting = self.offload.lookup([h.hex() for h in hashes[num_device_hits:]])
-        return None if waiting else chunks
+        return self.offload.lookup([h.hex() for h in hashes[num_device_hits:]])
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = (), loaded_chunks: list[Any] = ()) -> bool:
+                       new_computed_blocks: list[KVBlock] = (), loaded: OffloadHit | tuple = ()) -> bool:
         """Reserve room for `num_new_tokens` more; False (and nothing changed) if the pool is too small.
-        `loaded_chunks` follow the device hits: fresh blocks take them before the step's forward pass."""
+        `loaded` (an offloaded_chunks hit) follows the device hits: fresh blocks take its chunks before the
+        step's forward pass."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_hit_blocks = len(new_computed_blocks) + len(loaded_chunks)
+        num_hit_blocks = len(new_computed_blocks) + len(loaded)
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - free_hits:
+            if loaded:
+                self.offload.release(loaded)
             return False
         self.pool.touch(list(new_computed_blocks))
         blocks.extend(new_computed_blocks)
         if num_needed > 0:
             fresh = self.pool.allocate(num_needed)
-            self._loads.extend((b.block_id, chunk) for b, chunk in zip(fresh, loaded_chunks))
+            if loaded:
+                self._loads.extend((b.block_id, slot) for b, slot in zip(fresh, loaded.slots))
             blocks.extend(fresh)
+        if isinstance(loaded, OffloadHit):
+            self.offload.count_lookup(loaded)
         # Only blocks whose tokens are all known: an input still in flight (async scheduling) waits.
         self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
         return True
@@ -99,8 +106,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
-    def take_transfers(self) -> tuple[list[tuple[int, str]], list[tuple[int, Any]]]:
-        """The copies the next step runs first: stores (device block -> CPU tier), then loads."""
+    def take_transfers(self) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+        """The copies the next step runs first: stores (device block -> CPU tier, by chunk key), then
+        loads (a lent CPU slot -> device block)."""
         stores, loads, self._stores, self._loads = self._stores, self._loads, [], []
         self._storing.clear()
         return stores, loads

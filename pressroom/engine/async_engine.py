@@ -28,7 +28,8 @@ from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.engine.core_client import CoreClient, EngineDeadError
 from pressroom.engine.llm_engine import LLMEngine, PromptType
-from pressroom.outputs import RequestOutput
+from pressroom.outputs import PoolingRequestOutput, RequestOutput
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
@@ -125,8 +126,19 @@ class AsyncLLMEngine:
         async for out in outputs:
             yield out
 
+    async def encode(self, request_id: str, prompt: PromptType, pooling: PoolingParams | None = None,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's stream (one final PoolingRequestOutput); ValueError if the engine rejects it."""
+        return await self.add_request(request_id, prompt, None, priority, pooling=pooling)
+
+    @property
+    def runner(self) -> str:
+        """generate or pooling (config.ModelConfig.runner)."""
+        return self.engine.config.model.runner
+
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, session_id: str | None = None,
+                          pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
         iterate or close: leaving the stream before the request finishes aborts it."""
         self._check_alive()
@@ -134,7 +146,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(self._refusal)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
+            if pooling is not None:
+                self.engine.add_pooling_request(request_id, prompt, pooling, priority=priority)
+            else:
+                self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
             self._streams[request_id] = stream  # (add_request undoes itself if it raises: nothing to clean)
         return self._iterate(request_id, stream)
 

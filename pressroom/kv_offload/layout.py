@@ -56,8 +56,9 @@ def encode_chunk(fingerprint: bytes, chunk: torch.Tensor) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, fingerprint, len(payload), zlib.crc32(payload)) + payload
 
 
-def decode_chunk(fingerprint: bytes, blob: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The chunk in a blob, checked; raises CorruptChunk with the reason otherwise."""
+def checked_payload(fingerprint: bytes, blob: bytes, expected: int) -> memoryview:
+    """The payload of a blob whose header, length and checksum hold for this model's chunks of `expected`
+    bytes; raises CorruptChunk with the reason otherwise."""
     if len(blob) < HEADER_BYTES:
         raise CorruptChunk("shorter than its header (truncated)")
     magic, version, fp, length, crc = _HEADER.unpack_from(blob)
@@ -66,14 +67,17 @@ def decode_chunk(fingerprint: bytes, blob: bytes, dtype: torch.dtype, shape: tup
     if fp != fingerprint:
         raise CorruptChunk("written for another model or cache layout (fingerprint differs)")
     payload = memoryview(blob)[HEADER_BYTES:]
-    expected = int(np.prod(shape)) * dtype.itemsize
     if length != expected or len(payload) != length:
         raise CorruptChunk(f"payload of {len(payload)} bytes, header says {length}, the layout {expected} "
                            "(truncated)")
     if zlib.crc32(payload) != crc:
         raise CorruptChunk("checksum mismatch (corrupted bytes)")
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
+    return payload
+
+
+def copy_payload(payload: memoryview, chunk: torch.Tensor) -> None:
+    """Writes a checked payload's bytes into a (contiguous) host chunk."""
+    chunk.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
 
 
 def chunk_bytes(chunk: torch.Tensor) -> bytes:

@@ -1,10 +1,11 @@
 """The tier chain the block pool consults: the CPU tier first, then the secondary tiers in order.
 
 `TieredKVStore` lives beside the scheduler (in the engine core's process, with the worker in it): the
-scheduler asks it which chunks of a prompt it holds (`lookup`), the model runner hands it the blocks it
-copied out of the device cache (`put`) and reads chunks back in, and `poll`, once a step, collects the
-secondary tiers' finished work. Every chunk read from a secondary tier is checked (layout.py) before the
-CPU tier takes it; a bad one is dropped, counted and recomputed.
+scheduler asks it which chunks of a prompt it holds (`lookup`, which lends their CPU slots until the
+copies into the device are done), the model runner copies blocks out of the device cache into CPU slots
+(`reserve`, then `stored`) and lent slots back in (`loaded`), and `poll`, once a step, collects finished
+work. Every chunk read from a secondary tier is checked (layout.py) on a worker thread before the CPU
+tier takes it; a bad one is dropped, counted and recomputed.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pressroom.config import OffloadConfig
-from pressroom.kv_offload.layout import CorruptChunk, decode_chunk, encode_chunk
+from pressroom.kv_offload.layout import CorruptChunk, checked_payload, copy_payload, encode_chunk
 from pressroom.kv_offload.tiers import CPUTier, FileTier, SecondaryTier, TierResult, load_tier
 
 logger = logging.getLogger("pressroom")
@@ -36,6 +37,19 @@ class Histogram:
         self.buckets[i] += 1
         self.total += value
         self.count += 1
+
+
+@dataclass(slots=True)
+class OffloadHit:
+    """What the tiers hold of a prompt past its device hits: the leading chunks, their CPU slots (on loan
+    until the device has them, or until `TieredKVStore.release`), and whether the run ended before the
+    prompt's last full block."""
+    keys: list[str]
+    slots: list[int]
+    missed: bool
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 @dataclass(slots=True)
@@ -60,20 +74,23 @@ class TieredKVStore:
     def __init__(self, config: OffloadConfig, fingerprint: bytes, chunk_shape: tuple[int, ...],
                  dtype: torch.dtype, pin_memory: bool = False) -> None:
         self.fingerprint, self.chunk_shape, self.dtype = fingerprint, tuple(chunk_shape), dtype
-        self.pin_memory = pin_memory
-        self.chunk_bytes = max(1, int(torch.Size(chunk_shape).numel()) * dtype.itemsize)
-        self.cpu = CPUTier(config.cpu_bytes)
+        self.cpu = CPUTier(config.cpu_bytes, self.chunk_shape, dtype, pin_memory)
+        self.chunk_bytes = self.cpu.chunk_bytes
         self.secondary: list[SecondaryTier] = [self._make_tier(spec) for spec in config.secondary]
         self.labels = ["0:cpu"] + [f"{i + 1}:{t.kind}" for i, t in enumerate(self.secondary)]
         self.stats = OffloadStats({label: TierStats() for label in self.labels},
                                   {"device_to_cpu": 0, "cpu_to_device": 0})
-        self._loading: dict[str, int] = {}  # key -> secondary tier index reading it
+        self._loading: dict[str, int] = {}  # key -> secondary tier reading it (until checked and in a slot)
         self._origin: dict[str, int] = {}  # key -> tier a promoted chunk came from (for its hit count)
         self._unreadable: set[str] = set()  # chunks a tier said it had but could not serve
         self._cascade = ThreadPoolExecutor(1, thread_name_prefix="kv-cascade")
-        self._lock = threading.Lock()  # the cascade thread and the engine loop both count
+        # Checksums of promoted chunks run here, off the engine's loop (zlib lets go of the GIL).
+        self._checker = ThreadPoolExecutor(4, thread_name_prefix="kv-check") if self.secondary else None
+        self._checked: list[tuple[int, TierResult, str | None, bool]] = []  # tier, result, error, kept
+        self._lock = threading.Lock()  # the worker threads and the engine loop both count
         self._warned: set[str] = set()
-        self._in_flight: dict[str, object] = {}  # key -> the CUDA event its device-to-host copy completes
+        self._copies: list[tuple[object, list[int]]] = []  # (device copy's CUDA event, slots lent until it is done)
+        self._closed = False
 
     def _make_tier(self, spec) -> SecondaryTier:
         if spec.kind == "fs":
@@ -82,31 +99,33 @@ class TieredKVStore:
 
     # ---- the scheduler's side ----
 
-    def lookup(self, keys: list[str]) -> tuple[list[torch.Tensor], bool]:
-        """The chunks of the leading run of `keys` the CPU tier holds, and whether the run goes on in a
-        secondary tier: then those chunks are being read into the CPU tier and the caller should ask again
-        later (True) instead of computing them."""
+    def lookup(self, keys: list[str]) -> OffloadHit | None:
+        """The leading run of `keys` the CPU tier holds, their slots lent to the caller; or None when the
+        run goes on in a secondary tier: those chunks are being read into the CPU tier and the caller
+        should ask again later instead of computing them."""
         self.poll()
-        ready: list[torch.Tensor] = []
+        served: list[str] = []
+        slots: list[int] = []
         for key in keys:
-            chunk = self.cpu.get(key)
-            if chunk is None:
+            slot = None if key in self._loading else self.cpu.borrow(key)  # a promotion still being checked
+            if slot is None:
                 break
-            copied = self._in_flight.pop(key, None)
-            if copied is not None:  # its copy out of the device may still be running: host reads wait for it
-                copied.synchronize()
-            ready.append(chunk)
-        rest = keys[len(ready):]
-        if self._start_loads(rest):
-            return ready, True
-        self._count_lookup(keys[:len(ready)], missed=bool(rest))
-        return ready, False
+            served.append(key)
+            slots.append(slot)
+        if self._start_loads(keys[len(served):]):
+            self.cpu.release(slots)
+            return None
+        return OffloadHit(served, slots, len(served) < len(keys))
+
+    def release(self, hit: OffloadHit) -> None:
+        """Returns the slots of a lookup whose request was not admitted."""
+        self.cpu.release(hit.slots)
 
     def _start_loads(self, keys: list[str]) -> bool:
         """Reads the leading run of `keys` that secondary tiers hold into the CPU tier; True if any is on
         its way."""
         waiting = False
-        room = max(1, self.cpu.max_bytes // self.chunk_bytes // 2)  # promoted chunks must fit to be served
+        room = max(1, self.cpu.num_slots // 2)  # promoted chunks must fit to be served
         for key in keys[:room]:
             if key in self._loading:
                 waiting = True
@@ -126,17 +145,19 @@ class TieredKVStore:
             return None
         return next((i for i, t in enumerate(self.secondary) if t.lookup(key)), None)
 
-    def _count_lookup(self, served: list[str], missed: bool) -> None:
-        """Per tier: chunks asked of it and found in it. A promoted chunk counts where it was found."""
+    def count_lookup(self, hit: OffloadHit) -> None:
+        """Per tier: chunks asked of it and found in it, counted once per admitted request. A promoted
+        chunk counts where it was found."""
         tiers = self.stats.tiers
-        for key in served:
-            origin = self._origin.pop(key, -1) + 1  # 0: the CPU tier
-            for i in range(origin + 1):
-                tiers[self.labels[i]].chunk_queries += 1
-            tiers[self.labels[origin]].chunk_hits += 1
-        if missed:  # the chunk that ended the run was asked of every tier
-            for label in self.labels:
-                tiers[label].chunk_queries += 1
+        with self._lock:
+            for key in hit.keys:
+                origin = self._origin.pop(key, -1) + 1  # 0: the CPU tier
+                for i in range(origin + 1):
+                    tiers[self.labels[i]].chunk_queries += 1
+                tiers[self.labels[origin]].chunk_hits += 1
+            if hit.missed:  # the chunk that ended the run was asked of every tier
+                for label in self.labels:
+                    tiers[label].chunk_queries += 1
 
     def holds(self, key: str) -> bool:
         """Whether some tier has (or is about to have) the chunk: storing it again would be waste."""
@@ -144,38 +165,66 @@ class TieredKVStore:
 
     # ---- the model runner's side ----
 
-    def put(self, key: str, chunk: torch.Tensor, ready: object | None = None) -> None:
-        """A chunk copied out of the device cache (`ready`: the copy's CUDA event, if it is still in
-        flight). The CPU tier takes it; the secondary tiers get it in the background."""
-        self.cpu.put(key, chunk)
-        self._unreadable.discard(key)
-        self._origin.pop(key, None)
-        if ready is not None:
-            self._in_flight[key] = ready
+    def reserve(self, key: str) -> int | None:
+        """A CPU slot the runner copies a device block into (None: the tier has no slot free of loans)."""
+        return self.cpu.reserve(key)
+
+    def stored(self, keys: list[str], slots: list[int], copied: object | None = None) -> None:
+        """The runner has copied blocks into reserved slots (`copied`: the copies' CUDA event while they
+        may still be in flight). The secondary tiers get the chunks in the background."""
+        for key in keys:
+            self._unreadable.discard(key)
+            self._origin.pop(key, None)
         if self.secondary:
-            self._cascade.submit(self._write_through, key, chunk, ready)
+            self.cpu.borrow_slots(slots)  # the write-through reads them
+            for key, slot in zip(keys, slots):
+                self._cascade.submit(self._write_through, key, slot, copied)
+        self._return_after(copied, slots)
+
+    def loaded(self, slots: list[int], copied: object | None = None) -> None:
+        """The runner has copied lent slots into the device (`copied`: the copies' CUDA event)."""
+        self._return_after(copied, slots)
+
+    def _return_after(self, copied: object | None, slots: list[int]) -> None:
+        if copied is None:
+            self.cpu.release(slots)
+        else:
+            self._copies.append((copied, list(slots)))
 
     def count_device_transfer(self, kind: str, nbytes: int) -> None:
         with self._lock:
             self.stats.total_bytes[kind] += nbytes
 
-    def _write_through(self, key: str, chunk: torch.Tensor, ready: object | None) -> None:
-        if ready is not None:
-            ready.synchronize()
-        blob = encode_chunk(self.fingerprint, chunk)
+    def _write_through(self, key: str, slot: int, copied: object | None) -> None:
+        try:
+            if copied is not None:
+                copied.synchronize()
+            blob = encode_chunk(self.fingerprint, self.cpu.slab[slot])
+        finally:
+            self.cpu.release((slot,))
         for tier in self.secondary:
             tier.store(key, blob)
 
     # ---- housekeeping ----
 
     def poll(self) -> None:
-        """Takes in the secondary tiers' finished work: loaded chunks are checked and go to the CPU tier.
-        Device copies that have completed are forgotten."""
-        if self._in_flight:
-            self._in_flight = {k: e for k, e in self._in_flight.items() if not e.query()}
+        """Takes in finished work: device copies done return their slots; chunks the secondary tiers loaded
+        go to be checked, and checked ones become servable."""
+        if self._copies:
+            pending = []
+            for event, slots in self._copies:
+                if event.query():
+                    self.cpu.release(slots)
+                else:
+                    pending.append((event, slots))
+            self._copies = pending
         for i, tier in enumerate(self.secondary):
             for result in tier.poll():
                 self._take(i, tier, result)
+        with self._lock:
+            checked, self._checked = self._checked, []
+        for i, result, error, kept in checked:
+            self._admit_checked(i, result, error, kept)
 
     def _take(self, i: int, tier: SecondaryTier, result: TierResult) -> None:
         stats = self.stats.tiers[self.labels[i + 1]]
@@ -187,29 +236,51 @@ class TieredKVStore:
                 else:
                     stats.failed_jobs += 1
             return
-        self._loading.pop(result.key, None)
         if not result.ok or result.blob is None:  # e.g. the file went away after the lookup
+            self._loading.pop(result.key, None)
             stats.failed_jobs += 1
             self._unreadable.add(result.key)
             tier.discard(result.key)
             return
+        if self._closed:  # loads finished at shutdown serve no one
+            self._loading.pop(result.key, None)
+            return
+        self._checker.submit(self._check, i, result)
+
+    def _check(self, i: int, result: TierResult) -> None:
+        """On a checker thread: verifies a loaded blob and copies it into a CPU slot."""
+        error, kept = None, False
         try:
-            chunk = decode_chunk(self.fingerprint, result.blob, self.dtype, self.chunk_shape)
+            payload = checked_payload(self.fingerprint, result.blob, self.chunk_bytes)
+            slot = self.cpu.reserve(result.key)
+            if slot is not None:
+                try:
+                    copy_payload(payload, self.cpu.slab[slot])
+                finally:
+                    self.cpu.release((slot,))
+                kept = True
         except CorruptChunk as e:
+            error = str(e)
+        with self._lock:
+            self._checked.append((i, result, error, kept))
+
+    def _admit_checked(self, i: int, result: TierResult, error: str | None, kept: bool) -> None:
+        self._loading.pop(result.key, None)
+        label = self.labels[i + 1]
+        stats = self.stats.tiers[label]
+        if error is not None:
             stats.corrupt_chunks += 1
             self._unreadable.add(result.key)
-            tier.discard(result.key)
-            if self.labels[i + 1] not in self._warned:
-                self._warned.add(self.labels[i + 1])
+            self.secondary[i].discard(result.key)
+            if label not in self._warned:
+                self._warned.add(label)
                 logger.warning("KV offload tier %s: chunk %s not served (%s); its tokens are recomputed "
                                "(warned once per tier; counted in kv_offload_tiering_corrupt_chunks)",
-                               self.labels[i + 1], result.key, e)
+                               label, result.key, error)
             return
         stats.read_bytes += result.nbytes
         stats.read_time.observe(result.seconds)
-        if self.pin_memory:
-            chunk = chunk.pin_memory()
-        if self.cpu.put(result.key, chunk):
+        if kept:
             self._origin[result.key] = i
 
     def snapshot(self) -> OffloadStats:
@@ -227,4 +298,7 @@ class TieredKVStore:
         self._cascade.shutdown(wait=True)
         for tier in self.secondary:
             tier.close()
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
+        self._closed = True
         self.poll()

@@ -1,4 +1,4 @@
-"""Where offloaded chunks live: the primary CPU tier (host tensors, LRU in a byte budget) and secondary
+"""Where offloaded chunks live: the primary CPU tier (a slab of chunk slots in host memory, LRU) and secondary
 tiers behind it, which hold opaque blobs (header + payload, see layout.py) and work asynchronously.
 
 A secondary tier implements `SecondaryTier`: `lookup` answers from the tier's own index at once; `store`
@@ -225,36 +225,87 @@ class FileTier(_ThreadedTier):
 
 
 class CPUTier:
-    """The primary tier: chunks as host tensors (pinned on CUDA), least recently used first out of a byte
-    budget. Chunks leaving it are still in the secondary tiers (written through)."""
+    """The primary tier: a slab of chunk-sized slots in host memory (pinned on CUDA, so copies to and from
+    the device are asynchronous DMA), least recently used first out. A slot on loan (a device copy into or
+    out of it still in flight, a write-through still reading it, a load not yet issued) is never reused
+    until every loan is returned. Chunks leaving the tier are still in the secondary tiers (written
+    through). Thread-safe: promotions from secondary tiers fill slots from worker threads."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, chunk_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin_memory: bool = False) -> None:
+        self.chunk_bytes = max(1, int(torch.Size(chunk_shape).numel()) * dtype.itemsize)
+        self.num_slots = max_bytes // self.chunk_bytes
         self.max_bytes = max_bytes
-        self._chunks: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._bytes = 0
+        # One allocation up front: pinning memory chunk by chunk would stall every step that stores.
+        self.slab = torch.empty((self.num_slots, *chunk_shape), dtype=dtype, pin_memory=pin_memory)
+        self._slots: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._loans = [0] * self.num_slots
+        self._lock = threading.Lock()
 
     def __contains__(self, key: str) -> bool:
-        return key in self._chunks
+        with self._lock:
+            return key in self._slots
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        with self._lock:
+            return len(self._slots)
 
     def get(self, key: str) -> torch.Tensor | None:
-        chunk = self._chunks.get(key)
-        if chunk is not None:
-            self._chunks.move_to_end(key)
-        return chunk
+        """The chunk (a view of its slot), marked as just used; None if the tier does not hold it."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return None
+            self._slots.move_to_end(key)
+            return self.slab[slot]
+
+    def borrow(self, key: str) -> int | None:
+        """The chunk's slot, on loan to the caller until `release`; None if the tier does not hold it."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                self._slots.move_to_end(key)
+                self._loans[slot] += 1
+            return slot
+
+    def reserve(self, key: str) -> int | None:
+        """A slot for the key's chunk, on loan to the caller, who fills it; the least recently used free
+        slot is taken over. None when every slot is on loan: the chunk is not kept."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._free.pop() if self._free else self._evict()
+                if slot is None:
+                    return None
+            self._slots[key] = slot
+            self._slots.move_to_end(key)
+            self._loans[slot] += 1
+            return slot
+
+    def borrow_slots(self, slots) -> None:
+        """One more loan on slots the caller already holds."""
+        with self._lock:
+            for slot in slots:
+                self._loans[slot] += 1
+
+    def release(self, slots) -> None:
+        with self._lock:
+            for slot in slots:
+                self._loans[slot] -= 1
 
     def put(self, key: str, chunk: torch.Tensor) -> bool:
-        size = chunk.numel() * chunk.element_size()
-        if size > self.max_bytes:
+        """Copies a host chunk in; False if no slot is free of loans."""
+        slot = self.reserve(key)
+        if slot is None:
             return False
-        old = self._chunks.pop(key, None)
-        if old is not None:
-            self._bytes -= old.numel() * old.element_size()
-        while self._bytes + size > self.max_bytes:
-            _, victim = self._chunks.popitem(last=False)
-            self._bytes -= victim.numel() * victim.element_size()
-        self._chunks[key] = chunk
-        self._bytes += size
+        self.slab[slot].copy_(chunk)
+        self.release((slot,))
         return True
+
+    def _evict(self) -> int | None:
+        for key, slot in self._slots.items():
+            if self._loans[slot] == 0:
+                del self._slots[key]
+                return slot
+        return None

@@ -1,6 +1,7 @@
 """The offload tiers and the chunk format on their own: the header catches every kind of damage, the CPU
-tier keeps to its byte budget, the filesystem tier to its cap (oldest out) and finds an earlier process's
-files, and a chunk still being copied off the device is waited for before the host reads it."""
+tier keeps to its byte budget and never reuses a slot on loan, the filesystem tier keeps to its cap
+(oldest out) and finds an earlier process's files, and a chunk still being copied off the device is waited
+for before the host reads it."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from pressroom.config import OffloadConfig, OffloadTierSpec
-from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, decode_chunk, encode_chunk
+from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, checked_payload, copy_payload, encode_chunk
 from pressroom.kv_offload.manager import TieredKVStore
 from pressroom.kv_offload.tiers import CPUTier, FileTier
 
@@ -21,27 +22,38 @@ def chunk(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
 
 
+def decode(blob: bytes) -> torch.Tensor:
+    out = torch.empty(SHAPE)
+    copy_payload(checked_payload(FP, blob, out.numel() * 4), out)
+    return out
+
+
 def test_a_chunk_round_trips_and_every_damage_is_named():
     c = chunk(0)
     blob = encode_chunk(FP, c)
-    assert torch.equal(decode_chunk(FP, blob, torch.float32, SHAPE), c)
+    assert torch.equal(decode(blob), c)
     flipped = bytearray(blob)
     flipped[HEADER_BYTES + 5] ^= 1
     for bad, reason in ((bytes(flipped), "checksum"), (blob[:-7], "truncated"), (blob[:10], "truncated"),
                         (b"XXXX" + blob[4:], "not a version"), (encode_chunk(OTHER, c), "another model")):
         with pytest.raises(CorruptChunk, match=reason):
-            decode_chunk(FP, bad, torch.float32, SHAPE)
+            decode(bad)
 
 
-def test_the_cpu_tier_keeps_to_its_budget_least_recently_used_out():
+def test_the_cpu_tier_keeps_to_its_budget_least_recently_used_out_and_spares_slots_on_loan():
     size = chunk(0).numel() * 4
-    tier = CPUTier(3 * size)
+    tier = CPUTier(3 * size + size // 2, SHAPE, torch.float32)
+    assert tier.num_slots == 3
     for i in range(3):
-        tier.put(f"k{i}", chunk(i))
+        assert tier.put(f"k{i}", chunk(i))
     tier.get("k0")  # used: k1 is now the oldest
     tier.put("k3", chunk(3))
-    assert "k1" not in tier and {"k0", "k2", "k3"} <= {k for k in ("k0", "k1", "k2", "k3") if k in tier}
-    assert not tier.put("huge", torch.zeros(4 * size))
+    assert "k1" not in tier and all(k in tier for k in ("k0", "k2", "k3"))
+    assert torch.equal(tier.get("k2"), chunk(2)) and torch.equal(tier.get("k3"), chunk(3))
+    lent = [tier.borrow(k) for k in ("k0", "k2", "k3")]  # e.g. a load not yet copied to the device
+    assert not tier.put("k4", chunk(4)) and all(k in tier for k in ("k0", "k2", "k3"))
+    tier.release(lent[:1])
+    assert tier.put("k4", chunk(4)) and "k0" not in tier and torch.equal(tier.get("k2"), chunk(2))
 
 
 def _wait(tier: FileTier, n: int) -> list:
@@ -80,28 +92,58 @@ class RecordingEvent:
         return self.waited
 
 
-def test_a_chunk_still_being_copied_off_the_device_is_waited_for_before_it_is_served():
-    store = TieredKVStore(OffloadConfig(1 << 20), FP, SHAPE, torch.float32)
+def stored(store: TieredKVStore, key: str, c: torch.Tensor, event=None) -> int:
+    """What the model runner does with a block it copies out of the device."""
+    slot = store.reserve(key)
+    store.cpu.slab[slot].copy_(c)
+    store.stored([key], [slot], event)
+    return slot
+
+
+def test_a_chunk_still_being_copied_off_the_device_is_waited_for_before_the_host_reads_it(tmp_path):
+    config = OffloadConfig(2 * chunk(0).numel() * 4, [OffloadTierSpec("fs", str(tmp_path))])
+    store = TieredKVStore(config, FP, SHAPE, torch.float32)
     event = RecordingEvent()
-    store.put("k0", chunk(0), event)
-    served, waiting = store.lookup(["k0", "k1"])
-    assert not waiting and len(served) == 1 and event.waited
+    stored(store, "k0", chunk(0), event)
+    store.close()  # the write-through read the slot only after the copy's event
+    assert event.waited
+    assert torch.equal(decode((tmp_path / FP.hex() / "k0.kv").read_bytes()), chunk(0))
+
+
+def test_a_slot_is_on_loan_until_the_device_copy_is_done_and_a_lookup_lends_its_slots():
+    store = TieredKVStore(OffloadConfig(2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
+    event = RecordingEvent()
+    stored(store, "k0", chunk(0), event)
+    hit = store.lookup(["k0", "k1"])
+    assert hit.keys == ["k0"] and hit.missed
+    stored(store, "k1", chunk(1))  # copied at once (no event): not on loan
+    k2 = store.reserve("k2")  # takes k1's slot: k0, though older, is on loan (the copy and the lookup)
+    assert k2 is not None and "k1" not in store.cpu and "k0" in store.cpu
+    assert store.reserve("k3") is None  # k0 on loan, k2 reserved: nothing to take over
+    store.release(hit)
+    assert store.reserve("k3") is None  # the device copy still holds k0
+    event.waited = True
+    store.poll()
+    assert store.reserve("k3") is not None and "k0" not in store.cpu
+    store.count_lookup(hit)
+    assert store.snapshot().tiers["0:cpu"].chunk_hits == 1
     store.close()
 
 
 def test_promoted_chunks_count_as_hits_of_the_tier_they_came_from(tmp_path):
     config = OffloadConfig(1 << 20, [OffloadTierSpec("fs", str(tmp_path))])
     first = TieredKVStore(config, FP, SHAPE, torch.float32)
-    first.put("k0", chunk(0))
+    stored(first, "k0", chunk(0))
     first.close()
     store = TieredKVStore(config, FP, SHAPE, torch.float32)
-    served, waiting = store.lookup(["k0"])
-    assert served == [] and waiting  # on its way from disk
+    hit = store.lookup(["k0"])
+    assert hit is None  # on its way from disk
     deadline = time.monotonic() + 10
-    while waiting and time.monotonic() < deadline:
+    while hit is None and time.monotonic() < deadline:
         time.sleep(0.01)
-        served, waiting = store.lookup(["k0"])
-    assert torch.equal(served[0], chunk(0))
+        hit = store.lookup(["k0"])
+    assert torch.equal(store.cpu.slab[hit.slots[0]], chunk(0))
+    store.count_lookup(hit)
     tiers = store.snapshot().tiers
     assert tiers["1:fs"].chunk_hits == 1 and tiers["0:cpu"].chunk_hits == 0 and tiers["1:fs"].read_bytes > 0
     store.close()

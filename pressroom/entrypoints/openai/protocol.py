@@ -357,3 +357,107 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- pooling: /v1/embeddings (OpenAI), /pooling, /score, /rerank (vLLM) ----
+
+# One text, several texts, one prompt's token ids or several prompts' token ids (OpenAI's accepted shapes).
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIModel):
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # keep the first n dimensions, renormalised (Matryoshka)
+    user: str | None = None
+    normalize: bool | None = None  # vLLM's: None = the model's pooling config
+    priority: int | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: the same input, the model's pooled vector as `data`."""
+
+
+class ScoreRequest(OpenAIModel):
+    """vLLM's /score: text_1 against each text_2 (one to many), or pairwise when both are lists of equal length."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    priority: int | None = None
+
+
+class RerankRequest(OpenAIModel):
+    """vLLM's /rerank (Jina / Cohere shape): the documents ordered by relevance to the query."""
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # None or 0: every document
+    return_documents: bool = True
+    priority: int | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("embd"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("pool"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("score"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("rerank"))
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
