@@ -52,6 +52,7 @@ from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
 
 logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
@@ -227,6 +228,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
                                    stall_timeout=engine_stall_timeout)
     completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
     chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning)
+    pooling = OpenAIServingPooling(engine, names, stats, max_request_bytes, preprocessor)
 
     @asynccontextmanager
     async def lifespan(_):
@@ -280,6 +282,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
              responses=_responses(CompletionResponse, CompletionResponse))(completion.completions)
     app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest),
              responses=_responses(ChatCompletionResponse, ChatCompletionChunk))(chat.chat_completions)
+    for path, (method, body, response) in POOLING_ROUTES.items():
+        app.post(path, openapi_extra=_request_body(body), responses=_responses(response))(getattr(pooling, method))
+    _add_schemas(app, [(body, "validation") for _, body, _ in POOLING_ROUTES.values()])
     _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
