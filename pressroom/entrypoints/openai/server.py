@@ -10,9 +10,9 @@ little before uvicorn's own deadline would cut them. /health is 503 (with the re
 died, or has not been heard from for --engine-stall-timeout seconds.
 
 This module is the app: middleware (auth and backpressure, the body's deadline, the access log), routes with
-their OpenAPI schemas, the offline /docs and /redoc, exception handlers, lifespan. The handlers live in serving.py
-(shared base, small endpoints), serving_completion.py and serving_chat.py; chat templates and tokenizer calls in
-chat_template.py.
+their OpenAPI schemas, the offline /docs and /redoc, the chat page at / (static/), exception handlers, lifespan.
+The handlers live in serving.py (shared base, small endpoints), serving_completion.py and serving_chat.py; chat
+templates and tokenizer calls in chat_template.py.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
@@ -66,13 +68,17 @@ DEFAULT_ENGINE_STALL_TIMEOUT_S = 60.0
 # After --shutdown-timeout the server ends the requests still in flight itself; uvicorn cancels the handlers of
 # any still not done this much later (only a client that stopped reading its stream can hold one that long).
 SHUTDOWN_BACKSTOP_S = 2.0
+# The chat page at / (index.html) and its assets at /static/.
+STATIC_DIR = Path(__file__).with_name("static")
+# The page shows model output (as text only) and may hold an API key: nothing but this server, no framing.
+PAGE_CSP = "default-src 'self'; frame-ancestors 'none'"
 
 
 # ---- the app ----
 
 class _Guard:
-    """ASGI middleware: Bearer auth on every route but /health (and /metrics, if opened) when an API key is
-    set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
+    """ASGI middleware: Bearer auth on every route but /health, the chat page (and /metrics, if opened) when an
+    API key is set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
     without bound)."""
     GENERATION = ("/v1/completions", "/v1/chat/completions")
 
@@ -246,6 +252,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
     app.add_middleware(_BodyDeadline, timeout_s=body_read_timeout)
     open_paths = ("/health",) if metrics_auth else ("/health", "/metrics")
+    # the chat page needs no key to load: it asks for one and sends it with its API calls
+    open_paths += ("/", *(f"/static/{path.name}" for path in STATIC_DIR.iterdir()))
     app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests, open_paths=open_paths)
     if log_requests:
         app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
@@ -272,6 +280,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
         logger.exception("internal error")
         return error_response(500, f"Internal server error: {type(e).__name__}", "internal_server_error")
 
+    app.get("/", include_in_schema=False)(_chat_page)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.get("/health")(utility.health)
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)
@@ -289,6 +299,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
     return app
+
+
+async def _chat_page() -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
 
 
 # ---- running it ----
