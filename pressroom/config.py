@@ -426,13 +426,19 @@ def _is_encoder_checkpoint(model: str | None) -> bool:
         return False  # the loader reports a bad config.json with its own error
 
 
-def default_max_num_batched_tokens(device: str) -> int:
+ENCODER_BATCHED_TOKENS = 8192  # an encoder's step on the CPU: no streams wait on it, and larger matmuls run faster
+
+
+def default_max_num_batched_tokens(device: str, encoder_only: bool = False) -> int:
     """A GPU takes a 16k-token step in well under a second; a CPU takes about 4 ms per token per core, so
     its budget follows its threads (on 2 cores, one 8,000-token prompt in a 16k step froze every other
     stream for minutes). Not below 512: at 256, as many as the CPU's running decodes, prefills got only
-    the leftovers and 256 concurrent streams took 3x as long."""
+    the leftovers and 256 concurrent streams took 3x as long. An encoder serves no streams: its CPU steps are as
+    large as ENCODER_BATCHED_TOKENS (see docs/BENCHMARKS.md, "Embeddings")."""
     if device == "cuda":
         return 16384
+    if encoder_only:
+        return ENCODER_BATCHED_TOKENS
     return max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * torch.get_num_threads())
 
 
@@ -544,6 +550,7 @@ class EngineArgs:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         speculative = SpeculativeConfig.from_value(self.speculative_config)
+        runner = self._runner_fields()
         memory = self.kv_cache_memory_gib
         if memory is None and device == "cpu":
             memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
@@ -554,14 +561,14 @@ class EngineArgs:
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                               dtype=dtype, max_model_len=self.max_model_len,
                               seed=self.seed, quantization=self.quantization,
-                              skip_tokenizer_init=self.skip_tokenizer_init, **self._runner_fields()),
+                              skip_tokenizer_init=self.skip_tokenizer_init, **runner),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
                               num_blocks=self.num_gpu_blocks_override,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
-                                      or default_max_num_batched_tokens(device),
+                                      or default_max_num_batched_tokens(device, runner["encoder_only"]),
                                       max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
                                       policy=self.scheduling_policy,
                                       **self._prefill_chunking(device),

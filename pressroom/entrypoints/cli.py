@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.sparse import add_sparse_bench_args
     add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
                                                                     "decode attention time against context length"))
+    from pressroom.benchmarks.embed import add_embed_bench_args
+    add_embed_bench_args(_subparser(bench_sub, "embed", "embeddings throughput: pressroom vs sentence-transformers "
+                                                        "on the same texts and CPU"))
     return parser
 
 
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "sparse-attention":
             from pressroom.benchmarks import sparse
             return sparse.main(args)
+        if args.command == "bench" and args.bench_command == "embed":
+            from pressroom.benchmarks import embed
+            return embed.main(args)
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve
             return 0 if serve.run(args)["completed"] else 1

@@ -62,14 +62,13 @@ class Pooler:
 
     @staticmethod
     def _chunk_sums(hidden: torch.Tensor, rows: list[PoolRow]) -> torch.Tensor:
-        """[rows, hidden] fp32 sums of each row's tokens this step, in one gather and one index_add."""
-        lengths = np.array([r.end - r.first for r in rows])
-        index = np.concatenate([np.arange(r.first, r.end) for r in rows])
-        owner = np.repeat(np.arange(len(rows)), lengths)
-        dev = hidden.device
-        picked = hidden.index_select(0, torch.from_numpy(index).to(dev)).float()
-        sums = torch.zeros(len(rows), hidden.shape[1], device=dev)
-        return sums.index_add_(0, torch.from_numpy(owner).to(dev), picked)
+        """[rows, hidden] sums of each row's tokens this step: differences of one running sum at the rows' ends
+        (each row's tokens are contiguous). In fp64, so the differences lose nothing an fp32 sum would keep;
+        index_add (a scatter) took 3% of an encoder's step."""
+        running = torch.cat([hidden.new_zeros(1, hidden.shape[1], dtype=torch.float64),
+                             hidden.double().cumsum(0)])
+        index = torch.tensor(np.array([[r.first, r.end] for r in rows]), device=hidden.device)
+        return (running[index[:, 1]] - running[index[:, 0]]).float()
 
 
 def _finish(vec: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.backend import get_attention_metadata
-from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
 
 # Checkpoint tensors no embedding needs: the NSP pooler head, MLM heads, a buffer of position ids.
 _SKIPPED_PREFIXES = ("pooler.", "cls.")
@@ -32,13 +32,15 @@ class _LayerNorm(nn.Module):
 
 
 class PaddedBatch:
-    """Where each flat token sits in a [sequences, longest] grid, and which grid cells are real tokens."""
-    __slots__ = ("num_seqs", "longest", "dest", "key_mask")
+    """Where each flat token sits in a [sequences, longest] grid, and which grid cells are real tokens. The
+    grid's buffer is zeroed once per forward and shared by the layers: they write only the real cells, so the
+    padding stays zero (finite keys and values under the mask)."""
+    __slots__ = ("num_seqs", "longest", "dest", "key_mask", "_grid")
 
     def __init__(self, positions: torch.Tensor, query_start_loc: list[int]) -> None:
         lengths = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
         self.num_seqs, self.longest = len(lengths), max(lengths)
-        self.dest = self.key_mask = None
+        self.dest = self.key_mask = self._grid = None
         if min(lengths) != self.longest:  # equal lengths: the flat batch already is the grid
             dev = positions.device
             lens = torch.tensor(lengths, device=dev)
@@ -47,12 +49,13 @@ class PaddedBatch:
             self.key_mask = (torch.arange(self.longest, device=dev) < lens[:, None])[:, None, None, :]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, ...] -> [sequences, longest, ...]"""
+        """[tokens, width] -> [sequences, longest, width]"""
         if self.dest is None:
-            return x.view(self.num_seqs, self.longest, *x.shape[1:])
-        grid = x.new_zeros(self.num_seqs * self.longest, *x.shape[1:])
-        grid.index_copy_(0, self.dest, x)
-        return grid.view(self.num_seqs, self.longest, *x.shape[1:])
+            return x.view(self.num_seqs, self.longest, x.shape[1])
+        if self._grid is None or self._grid.shape[1] != x.shape[1] or self._grid.dtype != x.dtype:
+            self._grid = x.new_zeros(self.num_seqs * self.longest, x.shape[1])
+        self._grid.index_copy_(0, self.dest, x)
+        return self._grid.view(self.num_seqs, self.longest, x.shape[1])
 
     def unpad(self, grid: torch.Tensor) -> torch.Tensor:
         flat = grid.reshape(self.num_seqs * self.longest, *grid.shape[2:])
@@ -66,15 +69,16 @@ class BertLayer(nn.Module):
         self.num_heads, self.head_dim = heads, hidden // heads
         eps = config.layer_norm_eps
         self.qkv = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True)
-        self.attn_out = RowParallelLinear(hidden, hidden, bias=True)
+        # Column-parallel everywhere: one rank, and oneDNN then adds each bias inside the matmul.
+        self.attn_out = ColumnParallelLinear(hidden, hidden, bias=True)
         self.attn_norm = _LayerNorm(hidden, eps)
         self.up = ColumnParallelLinear(hidden, config.intermediate_size, bias=True)
-        self.down = RowParallelLinear(config.intermediate_size, hidden, bias=True)
+        self.down = ColumnParallelLinear(config.intermediate_size, hidden, bias=True)
         self.out_norm = _LayerNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, grid: PaddedBatch) -> torch.Tensor:
-        q, k, v = (grid.pad(t.reshape(-1, self.num_heads, self.head_dim)).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
+        shape = (grid.num_seqs, grid.longest, self.num_heads, self.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in grid.pad(self.qkv(x)).chunk(3, dim=-1))
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=grid.key_mask)
         attn = grid.unpad(attn.transpose(1, 2)).reshape(x.shape)
         x = self.attn_norm(x + self.attn_out(attn))
