@@ -3,10 +3,12 @@ from pressroom.config import EngineArgs
 from pressroom.engine.llm_engine import LLMEngine
 from pressroom.llm import LLM
 from pressroom.logger import configure_logging
-from pressroom.outputs import CompletionOutput, RequestOutput
+from pressroom.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
 configure_logging()
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+           "PoolingRequestOutput", "PoolingOutput", "__version__"]
