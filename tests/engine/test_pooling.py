@@ -48,6 +48,17 @@ def test_minilm_matches_sentence_transformers(minilm, st_embeddings):
     assert torch.allclose(got.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)  # the Normalize module
 
 
+def test_a_step_of_many_lengths_matches_sentence_transformers(minilm, minilm_path):
+    """48 texts of 1 to 90 words in one step: the encoder sorts them by length into several attention grids and
+    puts the tokens back in order; every vector must still be its own text's."""
+    from sentence_transformers import SentenceTransformer
+    words = "the model maps each sentence to one vector so that similar meanings land close".split()
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(1 + (37 * i) % 90)) for i in range(48)]
+    got = _vectors(minilm.embed(texts, use_tqdm=False))
+    want = SentenceTransformer(minilm_path, device="cpu").encode(texts, convert_to_tensor=True).float()
+    assert F.cosine_similarity(got, want, dim=1).min() >= 0.9999
+
+
 def test_minilm_pooling_defaults_come_from_its_sentence_transformers_config(minilm):
     assert minilm.engine.pooling_defaults == PoolingParams("MEAN", True)
 
