@@ -79,18 +79,20 @@ def load_tier(module_path: str, class_name: str, options: dict) -> SecondaryTier
 
 
 class _ThreadedTier(SecondaryTier):
-    """A tier whose stores and loads run on a small thread pool, their results queued for `poll`."""
+    """A tier whose stores and loads run on small thread pools of their own (a load, which a request waits
+    for, never queues behind the write-through's backlog), their results queued for `poll`."""
 
-    def __init__(self, threads: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-{self.kind}")
+    def __init__(self, threads: int = 2, read_threads: int = 4) -> None:
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-{self.kind}-write")
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kv-{self.kind}-read")
         self._done: list[TierResult] = []
         self._lock = threading.Lock()
 
     def store(self, key: str, blob: bytes) -> None:
-        self._pool.submit(self._timed, "store", key, self._write, blob)
+        self._writers.submit(self._timed, "store", key, self._write, blob)
 
     def load(self, key: str) -> None:
-        self._pool.submit(self._timed, "load", key, self._read)
+        self._readers.submit(self._timed, "load", key, self._read)
 
     def poll(self) -> list[TierResult]:
         with self._lock:
@@ -98,7 +100,8 @@ class _ThreadedTier(SecondaryTier):
         return done
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
 
     def _timed(self, kind: str, key: str, fn, *args) -> None:
         start = time.perf_counter()
