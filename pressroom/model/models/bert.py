@@ -36,12 +36,12 @@ class PaddedGroup:
     """Sequences of similar length, contiguous in the (sorted) flat batch, as one [sequences, longest] grid for
     attention. The grid's buffer is zeroed once per forward and shared by the layers: they write only the real
     cells, so the padding stays zero (finite keys and values under the mask)."""
-    __slots__ = ("start", "end", "num_seqs", "longest", "dest", "key_mask", "_grid")
+    __slots__ = ("start", "end", "num_seqs", "longest", "dest", "key_mask", "_grid", "_additive")
 
     def __init__(self, start: int, lengths: list[int], device: torch.device) -> None:
         self.start, self.end = start, start + sum(lengths)
         self.num_seqs, self.longest = len(lengths), max(lengths)
-        self.dest = self.key_mask = self._grid = None
+        self.dest = self.key_mask = self._grid = self._additive = None
         if min(lengths) != self.longest:  # equal lengths: the tokens already are the grid
             lens = np.array(lengths)
             owner = np.repeat(np.arange(len(lengths)), lens)
@@ -59,6 +59,14 @@ class PaddedGroup:
             self._grid = x.new_zeros(self.num_seqs * self.longest, x.shape[1])
         self._grid.index_copy_(0, self.dest, x)
         return self._grid.view(self.num_seqs, self.longest, x.shape[1])
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The key mask as 0 / -inf to add to the scores: torch's CPU SDPA ran 20% faster with it than with a
+        boolean mask (24 x 86-token sequences)."""
+        if self.key_mask is not None and (self._additive is None or self._additive.dtype != dtype):
+            zeros = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
+            self._additive = zeros.masked_fill(~self.key_mask, float("-inf"))
+        return self._additive
 
     def unpad(self, grid: torch.Tensor) -> torch.Tensor:
         flat = grid.reshape(self.num_seqs * self.longest, *grid.shape[2:])
@@ -125,9 +133,14 @@ class BertLayer(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
         shape = (group.num_seqs, group.longest, self.num_heads, self.head_dim)
-        q, k, v = (t.reshape(shape).transpose(1, 2) for t in group.pad(qkv).chunk(3, dim=-1))
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=group.key_mask)
-        return group.unpad(attn.transpose(1, 2))
+        grid = group.pad(qkv)
+        # On the CPU, torch's bf16 SDPA ran slower than its fp32 one (1.49 s against 1.18 s of a 1,024-text
+        # MiniLM run): attention there computes in fp32, the matmuls around it stay in bf16.
+        if grid.dtype == torch.bfloat16 and grid.device.type == "cpu":
+            grid = grid.float()
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in grid.chunk(3, dim=-1))
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=group.additive_mask(q.dtype))
+        return group.unpad(attn.transpose(1, 2)).to(qkv.dtype)
 
 
 class BertModel(nn.Module):
