@@ -73,7 +73,8 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self._failed_steps = 0  # faults in a row (see step)
         self._unexplained = False  # the last fault was a batch's, whose culprit is not found yet
-        if config.device == "cuda" and config.speculative is None:  # (speculation's steps: its CUDA graphs)
+        # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
+        if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
             self._warm_up_step_shapes()
         _relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,

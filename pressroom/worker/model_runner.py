@@ -256,8 +256,10 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         hidden = self.run_model(ids, positions, meta)
         rows = hidden[torch.arange(num_seqs, device=self.device) % num_tokens]
-        logits = self.model.compute_logits(rows).float()
-        torch.softmax(logits, dim=-1).sort(dim=-1)  # what top-p sampling of a full batch allocates
+        logits = None
+        if hasattr(self.model, "compute_logits"):  # an encoder has no LM head: it only pools
+            logits = self.model.compute_logits(rows).float()
+            torch.softmax(logits, dim=-1).sort(dim=-1)  # what top-p sampling of a full batch allocates
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del hidden, rows, logits
