@@ -386,31 +386,37 @@ class ModelRunner:
         reserved = [(block, key, store.reserve(key)) for block, key in stores]
         reserved = [r for r in reserved if r[2] is not None]  # no slot free of loans: not kept
         if reserved:
-            ids = torch.tensor([b for b, _, _ in reserved], device=self.device)
+            ids = self._device_ids([b for b, _, _ in reserved])
             # [layers, planes, n, block, heads, dim] -> one chunk per block, in the canonical layout
             out = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
             slots = [s for _, _, s in reserved]
             if on_cuda:
                 out = out.contiguous()
-                for i, slot in enumerate(slots):
-                    store.cpu.slab[slot].copy_(out[i], non_blocking=True)
+                for i, slot, n in _runs(slots):
+                    store.cpu.slab[slot:slot + n].copy_(out[i:i + n], non_blocking=True)
             else:
                 store.cpu.slab.index_copy_(0, torch.tensor(slots), out)
             store.stored([k for _, k, _ in reserved], slots, self._copy_event() if on_cuda else None)
             store.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
         if loads:
-            ids = torch.tensor([b for b, _ in loads], device=self.device)
+            ids = self._device_ids([b for b, _ in loads])
             slots = [s for _, s in loads]
             if on_cuda:
                 batch = torch.empty((len(slots), *store.chunk_shape), dtype=store.dtype, device=self.device)
-                for i, slot in enumerate(slots):
-                    batch[i].copy_(store.cpu.slab[slot], non_blocking=True)
+                for i, slot, n in _runs(slots):
+                    batch[i:i + n].copy_(store.cpu.slab[slot:slot + n], non_blocking=True)
             else:
                 batch = store.cpu.slab.index_select(0, torch.tensor(slots))
             for layer, cache in enumerate(self.kv_caches):
                 cache.index_copy_(1, ids, batch[:, layer].transpose(0, 1))
             store.loaded(slots, self._copy_event() if on_cuda else None)
             store.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
+
+    def _device_ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device without a synchronous copy (a pageable one would wait for the stream)."""
+        if torch.device(self.device).type != "cuda":
+            return torch.tensor(ids)
+        return torch.tensor(ids, pin_memory=True).to(self.device, non_blocking=True)
 
     @staticmethod
     def _copy_event():
@@ -766,3 +772,12 @@ class ModelRunner:
         for j, pos in enumerate(range(start, end)):
             result.append(top_logprobs(logprobs[j], s.token_ids[pos + 1], s.params.prompt_logprobs))
         return result
+
+
+def _runs(slots: list[int]):
+    """(position, first slot, length) of each run of consecutive slots: one copy per run, not per chunk."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield start, slots[start], i - start
+            start = i
