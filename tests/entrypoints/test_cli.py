@@ -93,7 +93,8 @@ def _shown(default) -> str:
 def test_the_walk_reaches_every_subcommand():
     assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
-                            ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload")}
+                            ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
+                            ("bench", "embed")}
 
 
 @pytest.mark.parametrize("path", PARSERS, ids=lambda p: " ".join(p) or "pressroom")
