@@ -17,6 +17,10 @@ scheduling), or right after (sync). With speculative decoding under async schedu
 optimistic (every draft accepted); the runner shifts the next step's positions by the rejections it
 finds on the device, and the scheduler gives the rejected progress back when the step resolves.
 
+Pooling requests (embeddings) are prompts without outputs: they take their share of the same budget, never
+take prefix-cache hits (every token's hidden state is pooled), and finish with the step that completes their
+prompt, carrying the runner's vector; an encoder's prompt (`whole_prompt`) is scheduled whole or waits.
+
 The requests of a step that failed become suspects (`suspect`): each is recomputed from scratch and runs
 alone until one of its steps samples, so a second failure names its culprit. Meanwhile the other requests
 go on in steps of their own, taking turns with the suspect's.
