@@ -386,7 +386,7 @@ class ModelRunner:
         reserved = [(block, key, store.reserve(key)) for block, key in stores]
         reserved = [r for r in reserved if r[2] is not None]  # no slot free of loans: not kept
         if reserved:
-            ids = self._device_ids([b for b, _, _ in reserved])
+            ids = to_device(torch.tensor([b for b, _, _ in reserved]), self.device)
             # [layers, planes, n, block, heads, dim] -> one chunk per block, in the canonical layout
             out = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
             slots = [s for _, _, s in reserved]
@@ -399,7 +399,7 @@ class ModelRunner:
             store.stored([k for _, k, _ in reserved], slots, self._copy_event() if on_cuda else None)
             store.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
         if loads:
-            ids = self._device_ids([b for b, _ in loads])
+            ids = to_device(torch.tensor([b for b, _ in loads]), self.device)
             slots = [s for _, s in loads]
             if on_cuda:
                 batch = torch.empty((len(slots), *store.chunk_shape), dtype=store.dtype, device=self.device)
@@ -411,12 +411,6 @@ class ModelRunner:
                 cache.index_copy_(1, ids, batch[:, layer].transpose(0, 1))
             store.loaded(slots, self._copy_event() if on_cuda else None)
             store.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
-
-    def _device_ids(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device without a synchronous copy (a pageable one would wait for the stream)."""
-        if torch.device(self.device).type != "cuda":
-            return torch.tensor(ids)
-        return torch.tensor(ids, pin_memory=True).to(self.device, non_blocking=True)
 
     @staticmethod
     def _copy_event():
