@@ -26,9 +26,9 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps $(EMBEDDED)
 	touch $@
 
-# The tests add pytest, the HF, sentence-transformers (with the real MiniLM) and openai-client oracles, Triton's CPU interpreter, and Playwright with Debian's
-# chromium for the chat page's browser test (Playwright's own browser download is not reachable; without apt the
-# test skips).
+# The tests add pytest, the HF, sentence-transformers (with the real MiniLM) and openai-client oracles,
+# Triton's CPU interpreter, and Playwright with Debian's chromium for the chat page's browser test
+# (Playwright's own browser download is not reachable; without apt the test skips).
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
 	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
