@@ -363,6 +363,7 @@ class ModelList(BaseModel):
 
 # One text, several texts, one prompt's token ids or several prompts' token ids (OpenAI's accepted shapes).
 PoolingInput = str | list[str] | list[int] | list[list[int]]
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # what crosses to the engine core as an int64
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -372,7 +373,7 @@ class EmbeddingRequest(OpenAIModel):
     dimensions: int | None = None  # keep the first n dimensions, renormalised (Matryoshka)
     user: str | None = None
     normalize: bool | None = None  # vLLM's: None = the model's pooling config
-    priority: int | None = None
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -384,7 +385,7 @@ class ScoreRequest(OpenAIModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    priority: int | None = None
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class RerankRequest(OpenAIModel):
@@ -394,7 +395,7 @@ class RerankRequest(OpenAIModel):
     documents: list[str]
     top_n: int | None = None  # None or 0: every document
     return_documents: bool = True
-    priority: int | None = None
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
 
 
 class EmbeddingData(BaseModel):
