@@ -63,7 +63,8 @@ def test_base64_matches_float(client, server):
                      timeout=60).json()
     for d, f in zip(raw["data"], floats.data):
         decoded = np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
-        assert np.array_equal(decoded, np.asarray(f.embedding, dtype=np.float32))
+        # two requests: their steps may batch the texts differently, which moves the last bits only
+        assert decoded.shape == (384,) and np.allclose(decoded, f.embedding, rtol=0, atol=1e-6)
     # the openai client asks for base64 by default and decodes it itself
     default = client.embeddings.create(model=MODEL, input=TEXTS[:3])
     assert np.allclose([d.embedding for d in default.data], [f.embedding for f in floats.data], atol=1e-7)
@@ -90,6 +91,7 @@ def test_token_id_inputs_and_dimensions(client, st_model):
     ({"input": "hi", "dimensions": 999}, "embedding size"),
     ({"input": " ".join(["word"] * 600)}, "tokens long"),
     ({"input": 3.5}, "input"),
+    ({"input": "hi", "priority": -(1 << 63) - 1}, "priority"),  # past int64: the fuzzer once got a 500
 ])
 def test_bad_embedding_input_is_a_400_naming_the_problem(server, body, words):
     r = httpx.post(f"{server}/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
