@@ -109,7 +109,7 @@ def test_pooling_route_gives_the_same_vectors(client, server):
     r = httpx.post(f"{server}/pooling", json={"model": MODEL, "input": TEXTS[:2]}, timeout=60).json()
     emb = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float").data
     assert [d["object"] for d in r["data"]] == ["pooling", "pooling"]
-    assert np.allclose([d["data"] for d in r["data"]], [e.embedding for e in emb], atol=1e-6)
+    assert np.allclose([d["data"] for d in r["data"]], [e.embedding for e in emb], atol=1e-5)
 
 
 def test_score_and_rerank_are_cosine_similarities_of_embeddings(server, st_model):
