@@ -15,6 +15,35 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of the kinds is set.
+
+    `json` is a JSON schema (a dict, or its text); `json_object` asks for any JSON object; `regex`,
+    `choice` (one of the strings) and `grammar` (EBNF, as xgrammar reads it) constrain the text itself.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {kinds or 'none'}.")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -44,6 +73,8 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: list[int] | None = None
     think_end_token_ids: list[int] | None = None
+    # Constrained decoding (xgrammar): the sampler masks every token the grammar forbids.
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, default_factory=list)
 
