@@ -1,0 +1,24 @@
+"""Tool-call parsers (`--tool-call-parser`, vLLM's names) and the JSON readers of forced tool choices.
+
+Every parser is a `ToolCallStream` subclass: fed an output's text deltas, it reports content and
+OpenAI-shaped tool-call deltas; `extract` runs one over a whole output.
+"""
+from __future__ import annotations
+
+from pressroom.entrypoints.openai.tool_parsers.base import Extraction, ToolCallStream, ToolDelta, assemble, extract
+from pressroom.entrypoints.openai.tool_parsers.forced import (
+    NamedToolStream,
+    RequiredToolStream,
+    named_schema,
+    required_schema,
+)
+from pressroom.entrypoints.openai.tool_parsers.hermes import HermesToolStream
+from pressroom.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolStream
+
+TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
+    "hermes": HermesToolStream,
+    "llama3_json": Llama3JsonToolStream,
+}
+
+__all__ = ["TOOL_PARSERS", "Extraction", "HermesToolStream", "Llama3JsonToolStream", "NamedToolStream", "RequiredToolStream", "ToolCallStream", "ToolDelta",
+           "assemble", "extract", "named_schema", "required_schema"]
