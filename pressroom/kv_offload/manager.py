@@ -5,20 +5,31 @@ scheduler asks it which chunks of a prompt it holds (`lookup`, which lends their
 copies into the device are done), the model runner copies blocks out of the device cache into CPU slots
 (`reserve`, then `stored`) and lent slots back in (`loaded`), and `poll`, once a step, collects finished
 work. Every chunk read from a secondary tier is checked (layout.py) on a worker thread before the CPU
-tier takes it; a bad one is dropped, counted and recomputed.
+tier takes it; a bad one is dropped, counted and recomputed. The file tier's chunks move without copies:
+written from the CPU slot they sit in, read straight into the slot they will be served from.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from pressroom.config import OffloadConfig
-from pressroom.kv_offload.layout import CorruptChunk, checked_payload, copy_payload, encode_chunk
-from pressroom.kv_offload.tiers import CPUTier, FileTier, SecondaryTier, TierResult, load_tier
+from pressroom.kv_offload.layout import (
+    HEADER_BYTES,
+    CorruptChunk,
+    check_header,
+    check_payload,
+    checked_payload,
+    chunk_parts,
+    copy_payload,
+    payload_view,
+)
+from pressroom.kv_offload.tiers import CPUTier, FileTier, SecondaryTier, TierResult, _ThreadedTier, load_tier
 
 logger = logging.getLogger("pressroom")
 
@@ -83,7 +94,7 @@ class TieredKVStore:
         self._loading: dict[str, int] = {}  # key -> secondary tier reading it (until checked and in a slot)
         self._origin: dict[str, int] = {}  # key -> tier a promoted chunk came from (for its hit count)
         self._unreadable: set[str] = set()  # chunks a tier said it had but could not serve
-        self._cascade = ThreadPoolExecutor(1, thread_name_prefix="kv-cascade")
+        self._cascade = ThreadPoolExecutor(2, thread_name_prefix="kv-cascade")
         # Checksums of promoted chunks run here, off the engine's loop (zlib lets go of the GIL).
         self._checker = ThreadPoolExecutor(4, thread_name_prefix="kv-check") if self.secondary else None
         self._checked: list[tuple[int, TierResult, str | None, bool]] = []  # tier, result, error, kept
@@ -130,13 +141,18 @@ class TieredKVStore:
             if key in self._loading:
                 waiting = True
                 continue
+            if key in self.cpu:  # already servable (and its slot perhaps lent): not read again
+                continue
             if self._origin.pop(key, None) is not None:  # promoted, then pushed out before it was served:
                 break  # computed this time (no second wait); a later request may read it again
             tier = self._holder(key)
             if tier is None:
                 break
             self._loading[key] = tier
-            self.secondary[tier].load(key)
+            if isinstance(self.secondary[tier], FileTier):
+                self._checker.submit(self._promote_file, tier, key)
+            else:
+                self.secondary[tier].load(key)
             waiting = True
         return waiting
 
@@ -196,14 +212,21 @@ class TieredKVStore:
             self.stats.total_bytes[kind] += nbytes
 
     def _write_through(self, key: str, slot: int, copied: object | None) -> None:
+        """On a cascade thread: the chunk goes from its slot (on loan until here is done) to every secondary
+        tier; threaded tiers write the slot's own bytes, others get a blob."""
         try:
             if copied is not None:
                 copied.synchronize()
-            blob = encode_chunk(self.fingerprint, self.cpu.slab[slot])
+            parts = chunk_parts(self.fingerprint, self.cpu.slab[slot])
+            blob = None
+            for tier in self.secondary:
+                if isinstance(tier, _ThreadedTier):
+                    tier.store_now(key, parts)
+                else:
+                    blob = blob or parts[0] + parts[1].tobytes()
+                    tier.store(key, blob)
         finally:
             self.cpu.release((slot,))
-        for tier in self.secondary:
-            tier.store(key, blob)
 
     # ---- housekeeping ----
 
@@ -220,13 +243,13 @@ class TieredKVStore:
             self._copies = pending
         for i, tier in enumerate(self.secondary):
             for result in tier.poll():
-                self._take(i, tier, result)
+                self._take(i, result)
         with self._lock:
             checked, self._checked = self._checked, []
         for i, result, error, kept in checked:
             self._admit_checked(i, result, error, kept)
 
-    def _take(self, i: int, tier: SecondaryTier, result: TierResult) -> None:
+    def _take(self, i: int, result: TierResult) -> None:
         stats = self.stats.tiers[self.labels[i + 1]]
         if result.kind == "store":
             with self._lock:
@@ -237,10 +260,7 @@ class TieredKVStore:
                     stats.failed_jobs += 1
             return
         if not result.ok or result.blob is None:  # e.g. the file went away after the lookup
-            self._loading.pop(result.key, None)
-            stats.failed_jobs += 1
-            self._unreadable.add(result.key)
-            tier.discard(result.key)
+            self._load_failed(i, result.key)
             return
         if self._closed:  # loads finished at shutdown serve no one
             self._loading.pop(result.key, None)
@@ -264,7 +284,41 @@ class TieredKVStore:
         with self._lock:
             self._checked.append((i, result, error, kept))
 
+    def _promote_file(self, i: int, key: str) -> None:
+        """On a checker thread: reads a file tier's chunk straight into a reserved CPU slot and checks it
+        there; a chunk that fails leaves the slot empty."""
+        start = time.perf_counter()
+        error, kept, ok, nbytes = None, False, True, 0
+        slot = self.cpu.reserve(key)
+        if slot is not None:
+            header = bytearray(HEADER_BYTES)
+            payload = payload_view(self.cpu.slab[slot])
+            try:
+                length = self.secondary[i].read_into(key, header, payload)
+                check_payload(payload, check_header(self.fingerprint, header, length, self.chunk_bytes))
+                kept, nbytes = True, HEADER_BYTES + length
+            except CorruptChunk as e:
+                error = str(e)
+            except OSError:  # e.g. the file went away after the lookup
+                ok = False
+            finally:
+                if not kept:
+                    self.cpu.drop(key)
+                self.cpu.release((slot,))
+        result = TierResult("load", key, ok, None, time.perf_counter() - start, nbytes)
+        with self._lock:
+            self._checked.append((i, result, error, kept))
+
+    def _load_failed(self, i: int, key: str) -> None:
+        self._loading.pop(key, None)
+        self.stats.tiers[self.labels[i + 1]].failed_jobs += 1
+        self._unreadable.add(key)
+        self.secondary[i].discard(key)
+
     def _admit_checked(self, i: int, result: TierResult, error: str | None, kept: bool) -> None:
+        if not result.ok:
+            self._load_failed(i, result.key)
+            return
         self._loading.pop(result.key, None)
         label = self.labels[i + 1]
         stats = self.stats.tiers[label]

@@ -15,6 +15,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,13 @@ class _ThreadedTier(SecondaryTier):
         self._lock = threading.Lock()
 
     def store(self, key: str, blob: bytes) -> None:
-        self._writers.submit(self._timed, "store", key, self._write, blob)
+        self._writers.submit(self._timed, "store", key, self._write, (blob,))
+
+    def store_now(self, key: str, parts: Sequence[bytes | memoryview]) -> None:
+        """Writes a chunk given as its parts (header, then a view of the payload) on the caller's thread:
+        the engine's write-through hands over views of CPU slots it holds on loan until this returns, so
+        the chunk is never copied into a blob. The result is polled as a store's."""
+        self._timed("store", key, self._write, parts)
 
     def load(self, key: str) -> None:
         self._readers.submit(self._timed, "load", key, self._read)
@@ -111,7 +118,7 @@ class _ThreadedTier(SecondaryTier):
         except Exception as e:  # noqa: BLE001 — a failed transfer is a miss, never the engine's error
             blob, ok = None, False
             self._failed(kind, key, e)
-        nbytes = len(blob) if blob is not None else (len(args[0]) if args else 0)
+        nbytes = len(blob) if blob is not None else (sum(len(p) for p in args[0]) if args else 0)
         with self._lock:
             self._done.append(TierResult(kind, key, ok, blob if kind == "load" else None,
                                          time.perf_counter() - start, nbytes if ok else 0))
@@ -120,10 +127,26 @@ class _ThreadedTier(SecondaryTier):
         logger.debug("KV offload %s tier: %s of %s failed: %s", self.kind, kind, key, error)
 
     @abstractmethod
-    def _write(self, key: str, blob: bytes) -> None: ...
+    def _write(self, key: str, parts: Sequence[bytes | memoryview]) -> None: ...
 
     @abstractmethod
     def _read(self, key: str) -> bytes: ...
+
+
+def _read_all(f, view: memoryview) -> int:
+    filled = 0
+    while filled < len(view):
+        n = f.readinto(view[filled:])
+        if not n:
+            break
+        filled += n
+    return filled
+
+
+def _write_all(f, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
 
 
 # errors that mean the disk cannot take writes at all: the tier turns itself off
@@ -174,21 +197,43 @@ class FileTier(_ThreadedTier):
             return self.enabled and key in self._index
 
     def store(self, key: str, blob: bytes) -> None:
-        if self.enabled and (self.max_bytes is None or len(blob) <= self.max_bytes):
+        if self._fits(len(blob)):
             super().store(key, blob)
+
+    def store_now(self, key: str, parts: Sequence[bytes | memoryview]) -> None:
+        if self._fits(sum(len(p) for p in parts)):
+            super().store_now(key, parts)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.enabled and (self.max_bytes is None or nbytes <= self.max_bytes)
+
+    def read_into(self, key: str, header: bytearray, payload: memoryview) -> int:
+        """Reads a chunk's header into `header` and its payload straight into `payload` (a CPU slot), for
+        the caller to check; returns the payload's length in the file (a short file: the bytes read)."""
+        with open(self.root / (key + self.suffix), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            filled = _read_all(f, memoryview(header))
+            if filled == len(header):
+                filled = _read_all(f, payload)
+        with self._index_lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        return filled if filled < len(payload) else max(0, size - len(header))
 
     def discard(self, key: str) -> None:
         self._forget(key)
         (self.root / (key + self.suffix)).unlink(missing_ok=True)
 
-    def _write(self, key: str, blob: bytes) -> None:
+    def _write(self, key: str, parts: Sequence[bytes | memoryview]) -> None:
         if not self.enabled:
             raise OSError("the fs tier is off")
         final = self.root / (key + self.suffix)
         tmp = self.root / f".{key}.{threading.get_ident()}.tmp"
+        size = sum(len(p) for p in parts)
         try:
-            with open(tmp, "wb") as f:
-                f.write(blob)
+            with open(tmp, "wb", buffering=0) as f:
+                for part in parts:
+                    _write_all(f, part)
             os.replace(tmp, final)
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -196,8 +241,8 @@ class FileTier(_ThreadedTier):
                 self._turn_off(f"writing {final} failed: {e}")
             raise
         with self._index_lock:
-            self._bytes += len(blob) - self._index.pop(key, 0)
-            self._index[key] = len(blob)
+            self._bytes += size - self._index.pop(key, 0)
+            self._index[key] = size
             victims = self._over_cap()
         for victim in victims:
             (self.root / (victim + self.suffix)).unlink(missing_ok=True)
@@ -285,6 +330,13 @@ class CPUTier:
             self._slots.move_to_end(key)
             self._loans[slot] += 1
             return slot
+
+    def drop(self, key: str) -> None:
+        """Forgets a chunk whose slot turned out not to hold it (a promotion that failed its check)."""
+        with self._lock:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
 
     def borrow_slots(self, slots) -> None:
         """One more loan on slots the caller already holds."""

@@ -64,13 +64,13 @@ def test_bad_chunk_files_are_recomputed_and_counted(damage, plain, tiny_model_di
 def test_a_file_deleted_between_lookup_and_load_is_a_miss(plain, tiny_model_dir, tmp_path, monkeypatch):
     model = tiny_model_dir("llama")
     write_tier(model, tmp_path)
-    load = tiers.FileTier.load
+    read_into = tiers.FileTier.read_into  # how the engine reads the file tier (straight into a CPU slot)
 
-    def vanishing(self, key):
+    def vanishing(self, key, header, payload):
         (self.root / (key + self.suffix)).unlink(missing_ok=True)
-        return load(self, key)
+        return read_into(self, key, header, payload)
 
-    monkeypatch.setattr(tiers.FileTier, "load", vanishing)
+    monkeypatch.setattr(tiers.FileTier, "read_into", vanishing)
     outputs, fs = read_back(model, tmp_path)
     assert outputs == plain
     assert fs.failed_jobs > 0
