@@ -17,6 +17,7 @@ from pressroom.logger import FORMAT, configure_logging  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers' registry (not imported: start-up)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -169,6 +170,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                              "template or vocabulary has the markers)")
     server.add_argument("--reasoning-start-str", default="<think>", help="the reasoning span's start marker")
     server.add_argument("--reasoning-end-str", default="</think>", help="the reasoning span's end marker")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide to call tools (tool_choice "auto", the default with tools); '
+                             "needs --tool-call-parser")
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="how tool calls are written in the model's output: hermes (<tool_call>{json}"
+                             "</tool_call>, Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON calls)")
     logs = serve.add_argument_group("logging")
     logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
@@ -303,6 +310,8 @@ def _serve(args) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
     args.model = args.model_tag or args.model
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
     return run_server(args, engine_kwargs(args), STARTED)
 
 

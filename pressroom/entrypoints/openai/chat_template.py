@@ -63,16 +63,32 @@ def template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as transformers gives them to a template: keys whose value is None dropped, and reasoning under
-    each name templates read it by."""
+    """Messages as transformers gives them to a template: keys whose value is None dropped, reasoning under
+    each name templates read it by, and tool calls' arguments as objects (templates write them with tojson)."""
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_with_argument_object(call) for call in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _with_argument_object(call: dict) -> dict:
+    """The call with its `function.arguments` JSON text decoded (text that is not a JSON object stays text)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (json.JSONDecodeError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class _Worker:
@@ -216,10 +232,11 @@ class Preprocessor:
             raise APIError(400, "The tokenizer could not process the request's input.") from None
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                       kwargs: dict[str, Any] | None, request_template: str | None = None) -> list[int]:
+                       kwargs: dict[str, Any] | None, request_template: str | None = None,
+                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of the conversation rendered by the chat template (the model's, or the request's when the
-        server trusts request templates)."""
-        variables = template_variables(kwargs)
+        server trusts request templates); `tools`, the request's tool definitions, are its `tools` variable."""
+        variables = template_variables(kwargs) | ({"tools": tools} if tools else {})
         add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = variables.pop("continue_final_message", continue_final_message)
         template = self._template(request_template)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from pressroom.sampling_params import SamplingParams
 
@@ -71,13 +71,10 @@ _SAMPLING_UNSUPPORTED: Unsupported = {
     "use_beam_search": (_nonempty, "beam search is not supported"),
     "prompt_embeds": (_given, "prompt embeddings are not supported"),
 }
-_TOOLS = "tool and function calling is not supported yet"
+_FUNCTIONS = "the deprecated `functions` API is not implemented; send `tools` and `tool_choice`"
 _CHAT_UNSUPPORTED: Unsupported = {
-    "tools": (_nonempty, _TOOLS),
-    "tool_choice": (_not_none_choice, _TOOLS),
-    "functions": (_nonempty, _TOOLS),
-    "function_call": (_not_none_choice, _TOOLS),
-    "parallel_tool_calls": (_given, _TOOLS),
+    "functions": (_nonempty, _FUNCTIONS),
+    "function_call": (_not_none_choice, _FUNCTIONS),
     "audio": (_given, "audio output is not supported"),
     "modalities": (_not_text_only, 'only ["text"] output is supported'),
     "prediction": (_given, "predicted outputs are not supported"),
@@ -172,10 +169,49 @@ class CompletionRequest(_SamplingRequest):
         return self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
+# ---- tools (OpenAI's shapes) ----
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template as given
+    model_config = ConfigDict(extra="allow")  # name and the like reach the template as given
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -209,6 +245,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables only; tokenizer arguments get a 400
     reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
     thinking_token_budget: int | None = Field(None, ge=0)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -237,6 +276,7 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     chat_template: str | None = None  # as in chat: needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # given to the chat template, as in chat
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -303,6 +343,29 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _WithoutNulls(BaseModel):
+    """Serialized without its unset (None) fields: a streamed tool call's deltas carry only what they say."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """OpenAI's streamed call: the first delta of call `index` has its id, type, name and empty arguments;
+    the next ones only fragments of the arguments, which concatenate to the whole arguments text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -326,6 +389,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -55,6 +55,7 @@ from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
+from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
 
 logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
@@ -212,6 +213,16 @@ def _add_schemas(app: FastAPI, models: list[tuple[type[BaseModel], JsonSchemaMod
     app.openapi = openapi
 
 
+def _auto_tool_parser(name: str | None, enabled: bool) -> type[ToolCallStream] | None:
+    if enabled and name is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+    if name is not None and name not in TOOL_PARSERS:
+        raise ValueError(f"Unknown tool call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}.")
+    if enabled:
+        logger.info("automatic tool choice: the %s tool call parser", name)
+    return TOOL_PARSERS[name] if enabled else None
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
               api_key: str | None = None, max_concurrent_requests: int | None = DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -219,8 +230,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
               reasoning_start: str = "<think>", reasoning_end: str = "</think>",
               trust_request_chat_template: bool = False, metrics_auth: bool = True,
               body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
-              engine_stall_timeout: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S) -> FastAPI:
+              engine_stall_timeout: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
+    `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls of tool_choice "auto", which
+    needs `enable_auto_tool_choice`.
     `log_requests`: the access line per HTTP request and the line per finished engine request.
     `metrics_auth`: /metrics needs the API key too (when one is set).
     `engine_stall_timeout`: /health turns 503 after this many seconds without a word from the engine core
@@ -233,7 +247,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
     utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor,
                                    stall_timeout=engine_stall_timeout)
     completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
-    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning)
+    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning,
+                             _auto_tool_parser(tool_call_parser, enable_auto_tool_choice))
     pooling = OpenAIServingPooling(engine, names, stats, max_request_bytes, preprocessor)
 
     @asynccontextmanager
@@ -380,7 +395,9 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
                     log_requests=not getattr(args, "disable_log_requests", False),
                     reasoning_parser=getattr(args, "reasoning_parser", None),
                     reasoning_start=getattr(args, "reasoning_start_str", None) or "<think>",
-                    reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>")
+                    reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>",
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
     app_lifespan = app.router.lifespan_context
 
     @asynccontextmanager

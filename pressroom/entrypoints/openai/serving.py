@@ -133,7 +133,8 @@ class OpenAIServing:
         return await self.preprocessor.run(fn)
 
     async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
-                        kwargs: dict | None, request_template: str | None) -> list[int]:
+                        kwargs: dict | None, request_template: str | None,
+                        tools: list[dict] | None = None) -> list[int]:
         if self.engine.tokenizer is None:
             raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init); chat needs one.")
         try:
@@ -141,7 +142,7 @@ class OpenAIServing:
         except RecursionError:
             raise APIError(400, _TOO_DEEP, param="messages") from None
         return await self.preprocessor.chat_ids(conversation, add_generation_prompt, continue_final, kwargs,
-                                                request_template)
+                                                request_template, tools)
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          prompt_ids: list[int], prompt_param: str) -> SamplingParams:
@@ -250,8 +251,9 @@ class OpenAIServingUtility(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
         if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
             ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.template_kwargs, req.chat_template)
+                                       req.template_kwargs, req.chat_template, tools)
         else:
             tok = self.engine.tokenizer
             if tok is None:

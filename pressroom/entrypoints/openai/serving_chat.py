@@ -1,5 +1,6 @@
-"""/v1/chat/completions: the chat template, n choices whole or streamed, logprobs, usage, and (with a
-reasoning parser) the split of the output into `reasoning_content` and `content`."""
+"""/v1/chat/completions: the chat template, n choices whole or streamed, logprobs, usage, (with a reasoning
+parser) the split of the output into `reasoning_content` and `content`, and tool calls read out of the content
+(tools.py decides how, per request)."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
+from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
     ChatChoice,
@@ -22,12 +24,13 @@ from pressroom.entrypoints.openai.protocol import (
     ChatResponseMessage,
     CompletionTokensDetails,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
     random_id,
 )
-from pressroom.entrypoints.openai.reasoning import ReasoningParser
+from pressroom.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
@@ -42,16 +45,22 @@ from pressroom.entrypoints.openai.serving import (
     usage_of,
     with_disconnect,
 )
-from pressroom.outputs import PositionLogprobs, RequestOutput
+from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
+from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
+from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pressroom")
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
-                 preprocessor: Preprocessor, reasoning: ReasoningParser | None = None) -> None:
+                 preprocessor: Preprocessor, reasoning: ReasoningParser | None = None,
+                 auto_tool_parser: type[ToolCallStream] | None = None) -> None:
+        """`auto_tool_parser`: the --tool-call-parser of tool_choice "auto" (None: "auto" is a 400)."""
         super().__init__(engine, names, stats, max_request_bytes, preprocessor)
         self.reasoning = reasoning
+        self.auto_tool_parser = auto_tool_parser
         if reasoning is not None:
             logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
 
@@ -60,9 +69,10 @@ class OpenAIServingChat(OpenAIServing):
         self._check_model(req.model)
         priority = request_priority(request, req.priority)
         session_id = request_session_id(request, req.session_id)
+        tools = plan_tools(req, self.auto_tool_parser)
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   req.template_kwargs, req.chat_template)
-        params = self._sampling_params(req, req.requested_max_tokens, ids, "messages")
+                                   req.template_kwargs, req.chat_template, tools.template_tools)
+        params = self._with_tool_schema(self._sampling_params(req, req.requested_max_tokens, ids, "messages"), tools)
         parser = self.reasoning
         opens = parser is not None and parser.prompt_opens(ids)
         if parser is not None:
@@ -74,17 +84,33 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
         model = req.model or self.names[0]
         if req.stream:
-            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens))
+            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))
         out = (await with_disconnect(request, collect_finals(streams)))[0]
-        choices = []
-        for c in out.outputs:
-            reasoning, content = parser.split(c.text, opens) if parser is not None else (None, c.text)
-            choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
-                logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        choices = [self._choice(c, req, opens, tools) for c in out.outputs]
         return JSONResponse(ChatCompletionResponse(id=rid, model=model, choices=choices,
                                                    usage=self._chat_usage(out, opens)).model_dump())
+
+    @staticmethod
+    def _with_tool_schema(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+        """A forced tool choice constrains the output to its calls' JSON schema."""
+        if tools.schema is None:
+            return params
+        if params.structured_outputs is not None:
+            raise APIError(400, "A required or named `tool_choice` constrains the output to the tool calls' JSON; "
+                                "it cannot be combined with response_format or structured_outputs.",
+                           param="tool_choice")
+        return params.clone(structured_outputs=StructuredOutputsParams(json=tools.schema))
+
+    def _choice(self, c: CompletionOutput, req: ChatCompletionRequest, opens: bool, tools: ToolPlan) -> ChatChoice:
+        reasoning, content = self.reasoning.split(c.text, opens) if self.reasoning is not None else (None, c.text)
+        calls = None
+        if tools.make_stream is not None:
+            found = extract(tools.make_stream(), content)
+            content, calls = found.content, found.calls or None
+        return ChatChoice(
+            index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+            logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
+            finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
 
     def _chat_usage(self, out: RequestOutput, opens: bool) -> UsageInfo:
         usage = usage_of([out])
@@ -106,7 +132,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _chat_chunks(self, rid: str, model: str, req: ChatCompletionRequest,
-                           stream: AsyncIterator[RequestOutput], opens: bool = False) -> AsyncIterator[str]:
+                           stream: AsyncIterator[RequestOutput], opens: bool = False,
+                           tools: ToolPlan | None = None) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
@@ -116,6 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                      for i in range(req.n)])
         sent_text, sent_lp, done = [0] * req.n, [0] * req.n, [False] * req.n
         splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
+        callers = [tools.make_stream() for _ in range(req.n)] if tools and tools.make_stream else None
         final = None
         try:
             async for _, out in merge_streams([stream]):
@@ -132,33 +160,58 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     sent_text[c.index] = len(c.text)
                     done[c.index] = c.finish_reason is not None
-                    if splitters is None:
-                        deltas = [DeltaMessage(content=delta)]
-                    else:  # reasoning first, then content; a marker split across chunks is held back until whole
-                        reasoning, content = splitters[c.index].feed(delta)
-                        if done[c.index]:
-                            r_rest, c_rest = splitters[c.index].finish()
-                            reasoning, content = reasoning + r_rest, content + c_rest
-                        if not (reasoning or content or done[c.index] or (logprobs and logprobs.content)):
-                            continue  # all held back (a possible marker): nothing to send yet
-                        deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
-                        if content or not deltas:
-                            deltas.append(DeltaMessage(content=content))
+                    # reasoning first, then content, then calls; a marker or a call split across chunks is
+                    # held back until whole
+                    reasoning, content, calls = _split_delta(delta, done[c.index], splitters, callers, c.index)
+                    if not (reasoning or content or calls or done[c.index] or (logprobs and logprobs.content)):
+                        continue  # all held back: nothing to send yet
+                    deltas = _delta_messages(reasoning, content, calls)
+                    finish = _finish_reason(c.finish_reason, callers is not None and callers[c.index].calls_begun > 0)
                     for k, d in enumerate(deltas):
                         last = k == len(deltas) - 1
                         yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
-                                                     finish_reason=c.finish_reason if last else None,
+                                                     finish_reason=finish if last else None,
                                                      stop_reason=c.stop_reason if last else None)])
                 if out.finished:
                     final = out
         except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
             for i in range(req.n):  # each open choice gets its finish reason; the error event follows (_sse)
-                if not done[i]:
-                    held = splitters[i].finish() if splitters is not None else ("", "")  # what a marker held back
-                    delta = DeltaMessage(reasoning_content=held[0] or None, content=held[1])
-                    yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=ABORT)])
+                if not done[i]:  # what a marker or a call held back goes first
+                    deltas = _delta_messages(*_split_delta("", True, splitters, callers, i))
+                    for k, d in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=ABORT if last else None)])
             raise
         if final is not None:
             raise_if_failed([final])  # a choice ended with "error": the error event follows (_sse)
         if req.stream_options and req.stream_options.include_usage and final is not None:
             yield chunk([], self._chat_usage(final, opens))
+
+
+def _split_delta(delta: str, done: bool, splitters: list[ReasoningStream] | None,
+                 callers: list[ToolCallStream] | None, i: int) -> tuple[str, str, list[DeltaToolCall]]:
+    """(reasoning, content, tool-call deltas) of choice i's new text; `done`: its output ended (flush)."""
+    reasoning, content = "", delta
+    if splitters is not None:
+        reasoning, content = splitters[i].feed(delta)
+        if done:
+            r_rest, c_rest = splitters[i].finish()
+            reasoning, content = reasoning + r_rest, content + c_rest
+    calls: list[DeltaToolCall] = []
+    if callers is not None:
+        parts = [callers[i].feed(content)] + ([callers[i].finish()] if done else [])
+        content, calls = "".join(p.content for p in parts), [c for p in parts for c in p.calls]
+    return reasoning, content, calls
+
+
+def _delta_messages(reasoning: str, content: str, calls: list[DeltaToolCall]) -> list[DeltaMessage]:
+    """One delta per chunk: the reasoning, the content (always one, if nothing else), then each tool-call delta."""
+    deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+    if content or not (deltas or calls):
+        deltas.append(DeltaMessage(content=content))
+    return deltas + [DeltaMessage(tool_calls=[call]) for call in calls]
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that stopped after calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason

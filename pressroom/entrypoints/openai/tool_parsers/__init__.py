@@ -20,5 +20,6 @@ TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
     "llama3_json": Llama3JsonToolStream,
 }
 
-__all__ = ["TOOL_PARSERS", "Extraction", "HermesToolStream", "Llama3JsonToolStream", "NamedToolStream", "RequiredToolStream", "ToolCallStream", "ToolDelta",
-           "assemble", "extract", "named_schema", "required_schema"]
+__all__ = ["TOOL_PARSERS", "Extraction", "HermesToolStream", "Llama3JsonToolStream", "NamedToolStream",
+           "RequiredToolStream", "ToolCallStream", "ToolDelta", "assemble", "extract", "named_schema",
+           "required_schema"]
