@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 @dataclass(slots=True)
@@ -19,6 +23,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling: PoolingParams | None = None  # a pooling request: its prompt's vector, no sampling
+    grammar: CompiledGrammar | None = None  # structured outputs: the runner masks its logits by it
 
 
 @dataclass(slots=True)

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +65,8 @@ class Request:
     # (bidirectional attention), computed in one step or not at all.
     pooling: PoolingParams | None = None
     whole_prompt: bool = False
+    # Structured outputs: its grammar's compile (core/structured_outputs.py); it waits in the queue until done.
+    grammar: Future[CompiledGrammar] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,6 +43,7 @@ from pressroom.core.outputs import (
     SchedulerOutput,
 )
 from pressroom.core.request import Request, RequestStatus
+from pressroom.core.structured_outputs import grammar_ready
 from pressroom.kv_offload.manager import OffloadStats
 from pressroom.spec_decode.budget import AdaptiveBudget
 
@@ -297,7 +298,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             entry = heapq.heappop(self.waiting)
             req = entry[2]
-            if not req.is_ready():
+            if not req.is_ready() or not grammar_ready(req.grammar):  # a sibling's prompt; a grammar compiling
                 skipped.append(entry)
                 continue
             if req.pooling is None:
@@ -329,7 +330,8 @@ class Scheduler:
             budget = max(0, budget - self._cost(n, num_hit))
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
-                                           req.eos_token_id, req.pooling))
+                                           req.eos_token_id, req.pooling,
+                                           req.grammar.result() if req.grammar is not None else None))
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)

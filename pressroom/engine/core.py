@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 from pressroom.config import EngineConfig
@@ -16,7 +17,9 @@ from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
+from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.executor import FATAL_ERRORS, make_executor
+from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.spec_decode.budget import AdaptiveBudget
@@ -73,6 +76,10 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self._failed_steps = 0  # faults in a row (see step)
         self._unexplained = False  # the last fault was a batch's, whose culprit is not found yet
+        model = config.model
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(model.tokenizer or resolve_model_path(model.model)),
+                                        self.model_spec.vocab_size, eos_token_id)
+        self._compiling: dict[str, float] = {}  # request id -> when it stops waiting for its grammar
         # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
             self._warm_up_step_shapes()
@@ -227,6 +234,9 @@ class EngineCore:
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
                       request.arrival_time, request.priority, follows=lead, pooling=request.pooling,
                       whole_prompt=request.pooling is not None and self.config.model.encoder_only)
+        if request.params.structured_outputs is not None:
+            req.grammar = self.grammars.compile(request.params.structured_outputs)
+            self._compiling[req.request_id] = time.monotonic() + COMPILE_TIMEOUT_S
         self.requests[request.req_id] = req
         self.scheduler.add_request(req)
 
@@ -269,6 +279,7 @@ class EngineCore:
         succeeding between them: a broken device). A failed batch and the culprit found right after it
         count as one fault: three culprits in a row end the engine, and so does a failed batch whose
         first three suspects fail alone too."""
+        failed = self._check_compiles() if self._compiling else []
         isolating = bool(self.scheduler.suspects)
         sched = self.scheduler.schedule()
         scheduled = [new.req_id for new in sched.new_requests]
@@ -285,11 +296,31 @@ class EngineCore:
         except FATAL_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
-            failed = [sched] + ([inflight[0]] if inflight is not None else [])
-            return CoreOutputs(self._fail_step(failed, e), scheduled)
+            steps = [sched] + ([inflight[0]] if inflight is not None else [])
+            return CoreOutputs(failed + self._fail_step(steps, e), scheduled)
         if not sched.is_empty:
             self._failed_steps, self._unexplained = 0, False
-        return CoreOutputs(outputs, scheduled)
+        return CoreOutputs(failed + outputs, scheduled)
+
+    def _check_compiles(self) -> list[EngineCoreOutput]:
+        """Ends the requests whose grammar failed to compile or took too long (finish_reason "error"); when
+        nothing else can run, waits briefly for a compile instead of spinning."""
+        now, ended = time.monotonic(), []
+        for rid, deadline in list(self._compiling.items()):
+            req = self.requests.get(rid)
+            if req is None or req.grammar.done() and compile_error(req.grammar) is None:
+                del self._compiling[rid]
+                continue
+            why = compile_error(req.grammar) or (now > deadline and f"not compiled within {COMPILE_TIMEOUT_S:g} s")
+            if why:
+                logger.error("request %s: its structured output's grammar failed: %s", rid, why)
+                del self._compiling[rid]
+                self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                ended.append(_error_output(rid))
+        if self._compiling and not self.scheduler.running and len(self._compiling) == len(self.scheduler.waiting):
+            futures.wait([self.requests[rid].grammar for rid in self._compiling], timeout=0.005,
+                         return_when=futures.FIRST_COMPLETED)
+        return ended
 
     def _fail_step(self, failed: list[SchedulerOutput], error: Exception) -> list[EngineCoreOutput]:
         """Ends the step's request if it ran one (the culprit), else makes its requests suspects."""
@@ -329,6 +360,8 @@ class EngineCore:
         the offload tiers finish their queued writes first (a restart finds them)."""
         self._inflight = None
         self.requests.clear()
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.shutdown()
         if getattr(self, "kv_offload", None) is not None:
             self.kv_offload.close()
             self.kv_offload = None

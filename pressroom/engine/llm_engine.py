@@ -23,6 +23,7 @@ from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
 from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
+from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
@@ -37,7 +38,7 @@ from pressroom.outputs import (
     RequestOutput,
 )
 from pressroom.pooling_params import PoolingParams
-from pressroom.sampling_params import RequestOutputKind, SamplingParams
+from pressroom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pressroom")
 
@@ -267,6 +268,18 @@ class LLMEngine:
         for name in ("think_start_token_ids", "think_end_token_ids"):
             if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or []):
                 raise ValueError(f"{name} must lie in [0, {self.vocab_size}).")
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params.structured_outputs)
+
+    def _validate_structured_outputs(self, structured: StructuredOutputsParams) -> None:
+        """Parses the schema, regex or grammar here (no tokenizer needed), so a bad one is a ValueError before
+        anything is queued; the core compiles it against the tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("Structured outputs need a tokenizer; this engine was started with skip_tokenizer_init.")
+        if self.config.parallel.distributed_executor_backend != "uni":
+            raise ValueError("Structured outputs run with the in-process executor (distributed_executor_backend "
+                             "uni) for now.")
+        check_structured_outputs(structured)
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize or self.decode is None:

@@ -27,6 +27,7 @@ from pressroom.model.layers.attention import Attention
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
+from pressroom.worker.grammar import RequestGrammar, constrain
 from pressroom.worker.input_batch import InputBatch
 from pressroom.worker.pooler import Pooler, PoolRow
 from pressroom.worker.proposer import DraftRequest, Proposer, TargetStep
@@ -46,6 +47,7 @@ class CachedRequestState:
     # Tokens steps in flight may emit, not yet appended to token_ids (async scheduling): 1 + drafts each.
     num_inflight: int = 0
     pooling: PoolingParams | None = None  # a pooling request: pooled after its prompt, never sampled
+    grammar: RequestGrammar | None = None  # structured outputs: the matcher that masks its logits
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
@@ -429,7 +431,9 @@ class ModelRunner:
         for new in sched.new_requests:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, new.eos_token_id, pooling=new.pooling)
+                list(new.block_ids), new.num_computed_tokens, new.eos_token_id, pooling=new.pooling,
+                grammar=None if new.grammar is None else
+                RequestGrammar.start(new.grammar, new.eos_token_id, new.num_prompt_tokens))
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -564,6 +568,7 @@ class ModelRunner:
             self._verify(batch, drafts, hidden, verifying, out)
         if plain:
             logits = self.model.compute_logits(self._last_hidden(batch, hidden, plain)).float()
+            self._constrain(logits, [s for _, s in plain])
             rows = [s.sampling_row() if needs_host_history(s.params) else SamplingRow(s.params, [], [], s.eos_token_id)
                     for _, s in plain]  # token histories are copied only where the sampler reads them
             tokens, lps = sample(logits, rows, self.generator)
@@ -579,6 +584,7 @@ class ModelRunner:
         """Checks each request's drafts against the target's logits at its 1 + k positions (one LM-head
         call for all of them)."""
         all_logits = self.model.compute_logits(self._verify_hidden(batch, hidden, verifying, drafts)).float()
+        self._constrain(all_logits, [s for _, s in verifying], drafts)
         start = 0
         for _, s in verifying:
             n = len(drafts[s.req_id]) + 1
@@ -668,11 +674,13 @@ class ModelRunner:
         states = [s for _, s in sampling]
         if not any(num_drafts):
             logits = self.model.compute_logits(self._last_hidden(batch, hidden, sampling)).float()
+            self._constrain(logits, states)
             rows = [SamplingRow(s.params, [], [], s.eos_token_id) for s in states]
             tokens, counts = sample_on_device(logits, rows, self.generator).unsqueeze(1), None
         else:
             spec = {s.req_id: [0] * k for s, k in zip(states, num_drafts)}
             logits = self.model.compute_logits(self._verify_hidden(batch, hidden, sampling, spec)).float()
+            self._constrain(logits, states, {s.req_id: self._host_drafts(sched, s) for s in states})
             kmax = max(num_drafts)
             at = [batch.query_ends[i] - k + min(j, k - 1) if k else 0
                   for (i, _), k in zip(sampling, num_drafts) for j in range(kmax)]
@@ -698,6 +706,25 @@ class ModelRunner:
         out = self._sample_on_host(batch, sched, hidden, sampling, drafts)
         return Emission(PendingOutput.done(out), sampling, [len(drafts.get(s.req_id, ())) for _, s in sampling],
                         emitted=[out.sampled_token_ids[s.req_id] for _, s in sampling])
+
+    def _constrain(self, logits: torch.Tensor, states: list[CachedRequestState],
+                   drafts: dict[str, list[int]] | None = None) -> None:
+        """Masks the tokens each structured request's grammar forbids, at each of its 1 + k logits rows (k: its
+        drafts). Under async scheduling the step in flight is resolved first: the matchers advance on its
+        tokens (the device is busy with this step's forward meanwhile, so little is lost)."""
+        if all(s.grammar is None for s in states):
+            return
+        if self.pending is not None:
+            self.pending.resolve()
+        constrain(logits, [(s.grammar, s.token_ids, drafts.get(s.req_id, ()) if drafts else ()) for s in states])
+
+    def _host_drafts(self, sched: SchedulerOutput, s: CachedRequestState) -> list[int]:
+        """The drafts a request verifies this step: their ids where its grammar must see them (fetched from the
+        device under async drafting), else placeholders that only count."""
+        drafts = sched.scheduled_spec_decode_tokens.get(s.req_id, [])
+        if s.grammar is None or not drafts or drafts[0] != PLACEHOLDER_DRAFT:
+            return drafts
+        return self.next_drafts[s.req_id][:len(drafts)].tolist()
 
     def _draft_q(self, sampling: list[tuple[int, CachedRequestState]], num_drafts: list[int]) -> torch.Tensor | None:
         """[rows, kmax, vocab]: q of each sampled (not greedy) row's drafts; None when no such row has drafts
