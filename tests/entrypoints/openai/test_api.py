@@ -248,12 +248,8 @@ def test_reasoning_effort_reaches_the_chat_template(client, effort_model_dir):
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 UNSUPPORTED = [  # (endpoint, fields, the field the 400 names)
-    ("chat", {"tools": [TOOL]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("chat", {"functions": [TOOL["function"]]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"parallel_tool_calls": True}, "parallel_tool_calls"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"response_format": SCHEMA}, "response_format"),
     ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
@@ -297,11 +293,15 @@ def test_unsupported_field_is_a_400_naming_it(server, client, endpoint, fields, 
     assert error["param"] == param and f"`{param}`" in error["message"] and error["type"] == "invalid_request_error"
 
 
-def test_openai_client_tools_argument_is_a_400(client):
+@pytest.mark.parametrize("choice", ["auto", None], ids=["auto", "default"])
+def test_auto_tool_choice_needs_the_server_flags(client, choice):
+    """As in vLLM: "auto" (the default with tools) needs --enable-auto-tool-choice and --tool-call-parser."""
+    extra = {} if choice is None else {"tool_choice": choice}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=[TOOL],
-                                       tool_choice="auto")
-    assert e.value.body["param"] == "tools"
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=[TOOL], **extra)
+    assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=[TOOL], tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
 
 
 @pytest.mark.parametrize("endpoint,fields", HARMLESS, ids=[e for e, _ in HARMLESS])
