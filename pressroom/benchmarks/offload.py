@@ -6,7 +6,9 @@ Documents are random token sequences (dummy or real weights alike); each request
 question of its own, in random order, sent with a fixed number in flight (a closed loop, as `vllm bench serve
 --max-concurrency`). TTFT counts from a request's submission to its first token; throughput is output tokens
 over the run's wall time. The CPU tier gets the same byte budget in both offload configurations (by default
-half the working set), so the disk tier's share shows in the third.
+half the working set), so the disk tier's share shows in the third. A fourth configuration, `no-eviction`, is
+asked for by name: no offload and a device cache that holds the whole working set, the ceiling any tier could
+reach on the same requests.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pressroom.benchmarks.workload import machine, report_from_args
 from pressroom.config import resolve_device
 
 CONFIGS = ("none", "cpu", "cpu+disk")
+REFERENCE_CONFIGS = ("no-eviction",)  # run only when named
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 
@@ -37,13 +40,21 @@ def make_requests(args) -> list[list[int]]:
 def engine_args(args, config: str, cpu_gib: float, disk: Path) -> dict:
     kwargs = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype, "device": args.device,
               "skip_tokenizer_init": True, "seed": args.seed, "max_num_seqs": args.max_concurrency,
-              "num_gpu_blocks_override": args.device_cache_tokens // 16, "enforce_eager": args.enforce_eager,
+              "num_gpu_blocks_override": device_cache_tokens(args, config) // 16, "enforce_eager": args.enforce_eager,
               "max_model_len": args.document_len + args.question_len + args.output_len}
-    if config != "none":
+    if config not in ("none", "no-eviction"):
         kwargs["kv_offloading_size"] = cpu_gib
     if config == "cpu+disk":
         kwargs["kv_offloading_disk_path"] = str(disk)
     return kwargs
+
+
+def device_cache_tokens(args, config: str) -> int:
+    if config != "no-eviction":
+        return args.device_cache_tokens
+    # every document, plus the requests in flight (their questions and outputs, and a block's rounding each)
+    per_request = args.question_len + args.output_len + 2 * 16
+    return args.num_documents * (args.document_len + 16) + args.max_concurrency * per_request
 
 
 def run_config(args, config: str, prompts: list[list[int]], cpu_gib: float, disk: Path) -> tuple[dict, int]:
@@ -95,7 +106,7 @@ def run(args) -> dict:
     shutil.rmtree(disk, ignore_errors=True)  # a warm disk tier from an earlier run would flatter the figures
     rows, cpu_gib = [], args.kv_offloading_size
     for config in args.configs:
-        if config != "none" and cpu_gib is None:
+        if config in CONFIGS[1:] and cpu_gib is None:
             raise ValueError("give --kv-offloading-size, or run the none configuration first (it measures the "
                              "KV bytes per token that size the CPU tier by default)")
         row, per_token = run_config(args, config, prompts, cpu_gib or 0.0, disk)
@@ -109,7 +120,7 @@ def run(args) -> dict:
     ratios = {config: {"ttft_vs_recompute": round(by[config]["mean_ttft_ms"] / base["mean_ttft_ms"], 3),
                        "throughput_vs_recompute": round(by[config]["output_tokens_per_s"]
                                                         / base["output_tokens_per_s"], 3)}
-              for config in ("cpu", "cpu+disk") if config in by and base is not None}
+              for config in ("cpu", "cpu+disk", "no-eviction") if config in by and base is not None}
     return {"model": args.model or EMBEDDED_NAME, "device": device, "machine": machine(), "dtype": args.dtype,
             "workload": {"documents": args.num_documents, "document_len": args.document_len,
                          "requests": args.num_requests, "question_len": args.question_len,
@@ -145,9 +156,10 @@ def main(args) -> int:
 
 def configs(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = set(names) - set(CONFIGS)
+    unknown = set(names) - set(CONFIGS) - set(REFERENCE_CONFIGS)
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"configurations are {', '.join(CONFIGS)}; got {value!r}")
+        raise argparse.ArgumentTypeError(f"configurations are {', '.join(CONFIGS + REFERENCE_CONFIGS)}; "
+                                         f"got {value!r}")
     return names
 
 
@@ -158,7 +170,9 @@ def add_offload_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: as `pressroom serve` picks)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the engine runs")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--configs", type=configs, default=list(CONFIGS), help="comma-separated: none,cpu,cpu+disk")
+    parser.add_argument("--configs", type=configs, default=list(CONFIGS),
+                        help="comma-separated: none,cpu,cpu+disk (the default), and no-eviction (the device cache "
+                             "holds the working set: the ceiling of any tier)")
     parser.add_argument("--num-documents", type=int, default=24, help="distinct shared documents")
     parser.add_argument("--document-len", type=int, default=512, help="tokens per shared document")
     parser.add_argument("--num-requests", type=int, default=120, help="requests, each a random document")
