@@ -28,14 +28,19 @@ from pressroom.sampling_params import StructuredOutputsParams
 # request waits for its compile before it ends with an error (xgrammar cannot cancel one; the LRU keeps its
 # result for the next request with the same source).
 MAX_SOURCE_CHARS = 64 * 1024
+# Repetition bounds ({m,n} in a regex, a schema's pattern or EBNF): xgrammar expands them, and a schema pattern
+# of [a-z]{1,30000} took a minute to parse (one of {1,1000}: 0.05 s).
+MAX_REPEAT, MAX_REPEAT_TOTAL = 1000, 4000
 COMPILE_TIMEOUT_S = 60.0
 CACHE_SIZE = 256
+# Whitespace between JSON tokens, where any is allowed: a small model can otherwise emit newlines until max_tokens.
+MAX_JSON_WHITESPACE = 20
 COMPILE_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
 class GrammarSource:
-    """What is compiled, and the cache's key: `kind` is json (a schema's text), regex, ebnf or json_object."""
+    """What is compiled, and the cache's key: `kind` is json (a schema's text), regex or ebnf."""
     kind: str
     text: str
     any_whitespace: bool = True
@@ -48,8 +53,8 @@ def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
     if kind == "json":
         text = params.json if isinstance(params.json, str) else json.dumps(params.json)
         return GrammarSource("json", text, any_ws)
-    if kind == "json_object":
-        return GrammarSource("json_object", "", any_ws)
+    if kind == "json_object":  # any JSON object (OpenAI's JSON mode)
+        return GrammarSource("json", '{"type": "object"}', any_ws)
     if kind == "choice":  # JSON's string escapes are the EBNF literal's
         return GrammarSource("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
     if kind == "regex":
@@ -63,17 +68,28 @@ def check(params: StructuredOutputsParams) -> GrammarSource:
     if len(source.text) > MAX_SOURCE_CHARS:
         raise ValueError(f"The structured output's {source.kind} is {len(source.text)} characters long; the limit "
                          f"is {MAX_SOURCE_CHARS}.")
+    _check_repetitions(source)
     _parse(source)
     return source
+
+
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_repetitions(source: GrammarSource) -> None:
+    bounds = [int(n) for match in _REPEAT.finditer(source.text) for n in match.groups() if n]
+    if bounds and (max(bounds) > MAX_REPEAT or sum(bounds) > MAX_REPEAT_TOTAL):
+        raise ValueError(f"The structured output's {_NAMES[source.kind]} repeats too much: each {{m,n}} bound must be "
+                         f"at most {MAX_REPEAT}, and all of them together at most {MAX_REPEAT_TOTAL}.")
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _parse(source: GrammarSource) -> xgr.Grammar:
     try:
         if source.kind == "json":
-            return xgr.Grammar.from_json_schema(source.text, any_whitespace=source.any_whitespace)
-        if source.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            whitespace = MAX_JSON_WHITESPACE if source.any_whitespace else None
+            return xgr.Grammar.from_json_schema(source.text, any_whitespace=source.any_whitespace,
+                                                max_whitespace_cnt=whitespace)
         if source.kind == "regex":
             return xgr.Grammar.from_regex(source.text)
         return xgr.Grammar.from_ebnf(source.text)
@@ -81,7 +97,7 @@ def _parse(source: GrammarSource) -> xgr.Grammar:
         raise ValueError(f"Invalid structured output {_NAMES[source.kind]}: {_reason(e)}") from None
 
 
-_NAMES = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "ebnf": "grammar (EBNF)"}
+_NAMES = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar (EBNF)"}
 # xgrammar's messages start with a timestamp, its source location and the failed check's expression.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 

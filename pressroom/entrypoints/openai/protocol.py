@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from pressroom.sampling_params import SamplingParams
+from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -54,20 +54,13 @@ def _not_none_choice(value: Any) -> bool:
     return value not in (None, "none")
 
 
-def _not_text_format(value: Any) -> bool:
-    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _not_text_only(value: Any) -> bool:
     return value is not None and value != ["text"]
 
 
-_STRUCTURED_OUTPUT = "structured (guided) output is not supported yet"
+_GUIDED = "vLLM's older guided_* fields are not read; send `structured_outputs` (json, regex, choice, grammar)"
 _SAMPLING_UNSUPPORTED: Unsupported = {
-    "response_format": (_not_text_format, 'only {"type": "text"} is supported; JSON mode and JSON schemas '
-                                          "are not implemented yet"),
-    **{name: (_given, _STRUCTURED_OUTPUT) for name in ("guided_json", "guided_regex", "guided_choice",
-                                                       "guided_grammar", "structured_outputs")},
+    **{name: (_given, _GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     "use_beam_search": (_nonempty, "beam search is not supported"),
     "prompt_embeds": (_given, "prompt embeddings are not supported"),
 }
@@ -102,6 +95,29 @@ class StreamOptions(OpenAIModel):
 
 # ---- requests ----
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None  # the schema is always followed strictly
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` field: exactly one of json (a schema), regex, choice, grammar (EBNF) or
+    json_object."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` would shadow BaseModel's
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(OpenAIModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -125,6 +141,26 @@ class _SamplingRequest(OpenAIModel):
     user: str | None = None
     priority: int | None = None
     session_id: str | None = Field(None, max_length=256)  # or the X-Session-Id header
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """`response_format` (OpenAI's) or `structured_outputs` (vLLM's) as one constraint; ValueError for both."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError("Give response_format or structured_outputs, not both.")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object,
+                                           disable_any_whitespace=so.disable_any_whitespace)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise ValueError('response_format {"type": "json_schema"} needs json_schema.schema.')
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     def _params(self, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
         return SamplingParams(
@@ -146,6 +182,7 @@ class _SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured_outputs(),
             **extra,
         )
 

@@ -7,6 +7,7 @@ serving_completion.py and serving_chat.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 import pressroom
+from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
@@ -170,6 +172,9 @@ class OpenAIServing:
         record.request_id, record.session_id = rid, session_id
         record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
         record.completion_tokens = 0
+        for _, params in requests:  # parsed on the tokenizer threads; the engine's own check then finds it cached
+            if params.structured_outputs is not None:
+                await self._run(functools.partial(check_structured_outputs, params.structured_outputs))
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(requests):
