@@ -41,3 +41,20 @@ def test_1000_requests_through_pinned_cpu_and_disk_tiers_equal_no_offload(tmp_pa
     stats = llm.engine.stats().offload
     assert stats.tiers["0:cpu"].chunk_hits > 0 and stats.tiers["1:fs"].chunk_hits > 0
     assert stats.total_bytes["device_to_cpu"] > 0 and stats.total_bytes["cpu_to_device"] > 0
+
+
+def test_chunks_the_cpu_backend_wrote_serve_the_cuda_engine(tmp_path):
+    """The on-tier layout is the backend's neither: a disk tier the CPU engine filled serves a CUDA engine's
+    prefixes (same weights, dtype and block size), and its outputs stay those of CUDA without offload."""
+    model = tiny_llama(tmp_path / "model")
+    prompts = shared_prefix_prompts(60, prefixes=6, prefix_len=96, seed=2)
+    disk = str(tmp_path / "kv")
+    offload = {"kv_offloading_size": 8 * CHUNK_BYTES / (1 << 30), "kv_offloading_disk_path": disk}
+    writer = LLM(model, dtype="float32", skip_tokenizer_init=True, num_gpu_blocks_override=24, max_num_seqs=2,
+                 device="cpu", **offload)
+    _gen(writer, prompts)
+    writer.shutdown()
+    plain = _gen(cuda_engine(model), prompts)
+    reader = cuda_engine(model, **offload)
+    assert _gen(reader, prompts) == plain
+    assert reader.engine.stats().offload.tiers["1:fs"].chunk_hits > 0
