@@ -20,9 +20,6 @@ from pressroom.worker.device import to_device
 
 logger = logging.getLogger("pressroom")
 
-MAX_ROLLBACK = 64  # drafts a matcher may take back in one step (more than any num_speculative_tokens in use)
-
-
 @dataclass(slots=True)
 class RequestGrammar:
     matcher: xgr.GrammarMatcher
@@ -33,7 +30,7 @@ class RequestGrammar:
     @classmethod
     def start(cls, compiled: xgr.CompiledGrammar, eos_token_id: int | None, num_prompt_tokens: int
               ) -> RequestGrammar:
-        return cls(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK), eos_token_id, num_prompt_tokens)
+        return cls(xgr.GrammarMatcher(compiled), eos_token_id, num_prompt_tokens)  # rollback is unbounded
 
     def catch_up(self, token_ids: list[int]) -> None:
         """Accepts the request's tokens emitted since the last call. After termination (the stop token was

@@ -633,11 +633,19 @@ class ModelRunner:
         for s in states:
             self.draft_probs.pop(s.req_id, None)
         for rid, draft in self.proposer.propose(requests).items():
-            out.draft_token_ids[rid] = draft.token_ids
+            out.draft_token_ids[rid] = self._grammar_prefix(self.states[rid], draft.token_ids)
             if draft.confidences is not None:
                 out.draft_confidences[rid] = draft.confidences
             if draft.probs is not None:
                 self.draft_probs[rid] = draft.probs
+
+    @staticmethod
+    def _grammar_prefix(s: CachedRequestState, drafts: list[int]) -> list[int]:
+        """A structured request's drafts up to the first its grammar forbids (verifying past it is wasted)."""
+        if s.grammar is None or s.grammar.broken:
+            return drafts
+        s.grammar.catch_up(s.token_ids)
+        return drafts[:s.grammar.valid_prefix(drafts)]
 
     @staticmethod
     def _num_outputs(s: CachedRequestState) -> int:
