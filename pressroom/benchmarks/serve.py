@@ -61,6 +61,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="requests/s, arrivals a Poisson process (inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: no cap)")
     parser.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos extra")
+    parser.add_argument("--structured-outputs", type=json.loads, default=None,
+                        help='sent as vLLM\'s structured_outputs with every request (JSON, e.g. \'{"json": {...}}\')')
     parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     parser.add_argument("--num-warmups", type=int, default=1,
@@ -99,6 +101,8 @@ def _payload(args, model: str, prompt: str, max_tokens: int) -> dict:
         body["max_tokens"] = max_tokens
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.structured_outputs is not None:
+        body["structured_outputs"] = args.structured_outputs
     return body
 
 

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.embed import add_embed_bench_args
     add_embed_bench_args(_subparser(bench_sub, "embed", "embeddings throughput: pressroom vs sentence-transformers "
                                                         "on the same texts and CPU"))
+    from pressroom.benchmarks.structured import add_structured_bench_args
+    add_structured_bench_args(_subparser(bench_sub, "structured", "structured outputs vs unconstrained output tok/s "
+                                                                  "through one server (a fixed JSON schema)"))
     return parser
 
 
@@ -282,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "embed":
             from pressroom.benchmarks import embed
             return embed.main(args)
+        if args.command == "bench" and args.bench_command == "structured":
+            from pressroom.benchmarks import structured
+            structured.run(args)
+            return 0
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve
             return 0 if serve.run(args)["completed"] else 1

@@ -94,7 +94,7 @@ def test_the_walk_reaches_every_subcommand():
     assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
                             ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
-                            ("bench", "embed")}
+                            ("bench", "embed"), ("bench", "structured")}
 
 
 @pytest.mark.parametrize("path", PARSERS, ids=lambda p: " ".join(p) or "pressroom")
