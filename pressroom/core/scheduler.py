@@ -21,6 +21,9 @@ Pooling requests (embeddings) are prompts without outputs: they take their share
 take prefix-cache hits (every token's hidden state is pooled), and finish with the step that completes their
 prompt, carrying the runner's vector; an encoder's prompt (`whole_prompt`) is scheduled whole or waits.
 
+A request with structured outputs waits in the queue until its grammar has compiled (its `grammar` future, on the
+engine core's compile threads; vLLM's WAITING_FOR_FSM); the others are admitted past it meanwhile.
+
 The requests of a step that failed become suspects (`suspect`): each is recomputed from scratch and runs
 alone until one of its steps samples, so a second failure names its culprit. Meanwhile the other requests
 go on in steps of their own, taking turns with the suspect's.
