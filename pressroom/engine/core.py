@@ -63,7 +63,8 @@ class CoreInfo:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
-        """`eos_token_id`: the tokenizer's, which the front-end loaded (the core never needs a tokenizer)."""
+        """`eos_token_id`: the tokenizer's, which the front-end loaded (the core loads one only to compile
+        structured outputs' grammars, on their threads, at the first such request)."""
         start = time.perf_counter()
         self.config, self.eos_token_id = config, eos_token_id
         self.executor = make_executor(config)
