@@ -190,10 +190,13 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1.")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError("tensor_parallel_size > 1 needs one process per rank: distributed_executor_backend "
+                             "mp (or leave it unset).")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
                              f"got {self.distributed_executor_backend!r}.")
@@ -485,7 +488,8 @@ class EngineArgs:
                                           "large GPUs; 256 on the CPU)")
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
                                   SCHEDULING_POLICIES)
-    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 is supported yet)")
+    tensor_parallel_size: int = _arg(1, "ranks to shard the model over, one worker process each (GPUs on CUDA, "
+                                        "processes sharing the cores on the CPU)")
     distributed_executor_backend: str | None = _arg(
         None, "where workers run: uni (in the engine core's process) or mp (one process per rank); "
         "default: uni for one rank", EXECUTOR_BACKENDS)

@@ -8,6 +8,7 @@ initialise the cache, warm up, execute steps, shut down. Every rank runs every c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
@@ -35,7 +36,9 @@ class Executor(ABC):
         """Frees every rank's device memory and ends worker processes; idempotent."""
 
     def load_model(self) -> ModelSpec:
-        return self.collective_rpc("load_model")[0]
+        """The driver's spec, with the largest per-block KV bytes of any rank (heads may split unevenly)."""
+        specs = self.collective_rpc("load_model")
+        return replace(specs[0], kv_bytes_per_block=max(s.kv_bytes_per_block for s in specs))
 
     def determine_available_memory(self) -> int:
         return min(self.collective_rpc("determine_available_memory"))

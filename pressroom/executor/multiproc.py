@@ -69,12 +69,13 @@ class MultiprocExecutor(Executor):
         self._results.bind(results_addr)
         self._inputs, self.processes = [], []
         spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
+        dist_init = f"file://{self._dir}/tensor-parallel"  # where the ranks meet to form their process group
         for rank in range(self.world_size):
             sock = self._zmq.socket(zmq.PUSH)
             addr = f"ipc://{self._dir}/rank{rank}"
             sock.bind(addr)
             self._inputs.append(sock)
-            proc = spawn.Process(target=run_worker, args=(config, rank, addr, results_addr, os.getpid()),
+            proc = spawn.Process(target=run_worker, args=(config, rank, addr, results_addr, os.getpid(), dist_init),
                                  name=f"pressroom-worker-{rank}", daemon=True)
             proc.start()
             self.processes.append(proc)
@@ -177,7 +178,8 @@ def _unpickled_error(payload: bytes, rank: int, method: str) -> BaseException:
 
 # ---- the worker process ----
 
-def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int) -> None:
+def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int,
+               distributed_init_method: str | None = None) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
     ctx = zmq.Context()
@@ -187,7 +189,7 @@ def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str, par
     tag = str(rank).encode()
     try:
         out.send_multipart([tag, _READY, b""])
-        _serve(Worker(config, make_proposer, rank), inp, out, tag, parent_pid)
+        _serve(Worker(config, make_proposer, rank, distributed_init_method), inp, out, tag, parent_pid)
     finally:
         inp.close(linger=0)
         out.close(linger=2000)  # let a last answer leave

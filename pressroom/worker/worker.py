@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,7 @@ import torch
 
 from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pressroom.model.loader import load_model
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Proposer
@@ -53,12 +55,21 @@ class StepCosts:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, make_proposer: ProposerFactory, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, make_proposer: ProposerFactory, rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         """`make_proposer` builds the drafter the speculative config names (spec_decode/ implements
-        drafters; worker/ only knows their interface)."""
+        drafters; worker/ only knows their interface). With several ranks, every rank's worker joins the
+        tensor-parallel group at `distributed_init_method` before it builds its model."""
         self.config, self.rank, self._make_proposer = config, rank, make_proposer
+        world = config.parallel.world_size
         if config.num_threads:  # a worker in a process of its own does not inherit the caller's setting
             torch.set_num_threads(config.num_threads)
+        elif world > 1 and config.device == "cpu":  # ranks share the cores rather than each taking them all
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if world > 1:
+            if config.device == "cuda":
+                torch.cuda.set_device(rank)
+            init_tensor_parallel(rank, world, config.device, distributed_init_method)
         self.model_runner: ModelRunner | None = None
         self.model: torch.nn.Module | None = None
         self.hf_config = None
@@ -168,6 +179,7 @@ class Worker:
         (parameters keep their layer's bound weight loaders), so nothing is freed until a collection: one
         runs here rather than whenever the collector gets to it."""
         self.model_runner = self.model = None
+        destroy_tensor_parallel()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pressroom.attention.backend import AttentionMetadata
+from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import cpu
 from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix
 
@@ -30,6 +31,8 @@ class CpuDecodeStack:
     def supports(model) -> bool:
         """Whether a LlamaModel's layers can take this path at all (asked once)."""
         if not cpu.available() or not model.layers or model.rotary.rotary_dim != model.layers[0].self_attn.head_dim:
+            return False
+        if get_tp_size() > 1:  # the C stack has no all-reduce between its layers
             return False
         norms = [n for l in model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
         return all(_eligible(layer) for layer in model.layers) and len({n.eps for n in [*norms, model.norm]}) == 1

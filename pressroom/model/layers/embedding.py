@@ -24,14 +24,23 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Q8Weight, shard_id=None) -> None:
         if isinstance(loaded, Q8Weight):
-            # The 8-bit form serves the LM head's decode-sized steps (one rank only: no vocab shards).
-            self.q8 = loaded if self.tp_size == 1 and cpu.available() else None
+            # The 8-bit form serves the LM head's decode-sized steps: this rank's rows of it, padded to the
+            # shard's size as the dense weight is (each vocabulary row is computed as one rank would).
+            self.q8 = self._q8_shard(loaded) if cpu.available() else None
             loaded = loaded.dequantize()
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         if shard.shape[1] != param.shape[1] or shard.shape[0] > param.shape[0]:
             raise ValueError(f"embedding has shape {tuple(loaded.shape)}; the model expects "
                              f"({self.vocab_size}, {param.shape[1]}).")
         param.data[:shard.shape[0]].copy_(shard)
+
+    def _q8_shard(self, full: Q8Weight) -> Q8Weight:
+        if self.tp_size == 1:
+            return full
+        q, scale = full.q[self.vocab_start:self.vocab_start + self.shard_size], \
+            full.scale[self.vocab_start:self.vocab_start + self.shard_size]
+        pad = self.shard_size - q.shape[0]
+        return Q8Weight(F.pad(q, (0, 0, 0, pad)).contiguous(), F.pad(scale, (0, 0, 0, pad)).contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -56,8 +65,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and hidden.numel() <= INT4_MAX_ROWS * hidden.shape[-1]:
-            return self.q8.matmul(hidden)[..., :self.vocab_size]
-        if self.onednn is not None:
+            logits = self.q8.matmul(hidden)
+        elif self.onednn is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
         else:
             logits = F.linear(hidden, self.weight)

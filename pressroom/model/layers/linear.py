@@ -111,36 +111,57 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._store_rows(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Query, key and value projections in one matrix; KV heads replicate when ranks outnumber them."""
+def head_split(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int, int, int]:
+    """This rank's attention heads as (first query head, query heads, first KV head, KV heads).
+
+    KV heads are dealt out whole, as evenly as they go (3 over 2 ranks: 2 and 1), each with its group of
+    query heads, so a rank attends with nothing from another; with fewer KV heads than ranks each KV head
+    is replicated on tp_size / num_kv_heads ranks, which split its query heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads do not share {num_kv_heads} KV heads evenly.")
+    if num_kv_heads >= tp_size:
+        base, extra = divmod(num_kv_heads, tp_size)
+        kv_count, kv_start = base + (rank < extra), rank * base + min(rank, extra)
+        group = num_heads // num_kv_heads
+        return kv_start * group, kv_count * group, kv_start, kv_count
+    if tp_size % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over {tp_size} ranks.")
+    q_count = _divide(num_heads, tp_size)
+    return rank * q_count, q_count, rank // (tp_size // num_kv_heads), 1
+
+
+class QKVParallelLinear(LinearBase):
+    """Query, key and value projections in one matrix, this rank's heads only (`head_split`)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        tp = get_tp_size()
-        self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp)
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = head_split(
+            num_heads, num_kv_heads, self.tp_size, self.tp_rank)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        if shard_id == "q":
-            heads = self.num_heads * self.tp_size
-        else:
-            heads = self.num_kv_heads * self.tp_size // self.kv_replicas
-        _check_full(loaded, (heads * self.head_dim, *param.shape[1:]))
-        self._store_rows(param, offset, loaded.narrow(0, rank * size, size))
+        q_size, kv_size, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        offset, size, start, heads = {
+            "q": (0, q_size, self.q_start * d, self.total_heads),
+            "k": (q_size, kv_size, self.kv_start * d, self.total_kv_heads),
+            "v": (q_size + kv_size, kv_size, self.kv_start * d, self.total_kv_heads)}[shard_id]
+        _check_full(loaded, (heads * d, *param.shape[1:]))
+        self._store_rows(param, offset, loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial sums are all-reduced."""
+    """Input features split across ranks; partial sums are all-reduced. `input_slice` (start, length): this
+    rank's input features when they are not an even split (an attention output over uneven heads)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 input_slice: tuple[int, int] | None = None) -> None:
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(_divide(in_features, self.tp_size), out_features, bias)
+        if input_slice is None:
+            size = _divide(in_features, self.tp_size)
+            input_slice = (self.tp_rank * size, size)
+        self.in_total, self.in_start = in_features, input_slice[0]
+        super().__init__(input_slice[1], out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction.
@@ -153,9 +174,8 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: not sharded
             _copy(param.data, loaded)
             return
-        size = param.shape[1]
-        _check_full(loaded, (param.shape[0], size * self.tp_size))
-        self._store_rows(param, 0, loaded.narrow(1, self.tp_rank * size, size))
+        _check_full(loaded, (param.shape[0], self.in_total))
+        self._store_rows(param, 0, loaded.narrow(1, self.in_start, param.shape[1]))
 
 
 def onednn_prepack(weight: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.backend import get_attention_metadata
+from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
 
 # Checkpoint tensors no embedding needs: the NSP pooler head, MLM heads, a buffer of position ids.
@@ -113,6 +114,8 @@ class PaddedBatch:
 class BertLayer(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
+        if get_tp_size() > 1:
+            raise ValueError("BERT models do not run with tensor parallelism; use tensor_parallel_size=1.")
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads, self.head_dim = heads, hidden // heads
         eps = config.layer_norm_eps
