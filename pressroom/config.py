@@ -188,6 +188,7 @@ class ParallelConfig:
     # "uni": the worker runs in the engine core's process; "mp": one worker process per rank.
     # None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False  # MoE layers split whole experts over the ranks
 
     def __post_init__(self) -> None:
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
@@ -493,6 +494,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(
         None, "where workers run: uni (in the engine core's process) or mp (one process per rank); "
         "default: uni for one rank", EXECUTOR_BACKENDS)
+    enable_expert_parallel: bool = _arg(False, "mixture-of-experts layers split whole experts over the "
+                                               "tensor-parallel ranks instead of each expert's matrices")
     device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
     gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
@@ -578,7 +581,8 @@ class EngineArgs:
                                       **self._prefill_chunking(device),
                                       async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
                                                                                 speculative)),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                    self.enable_expert_parallel),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,

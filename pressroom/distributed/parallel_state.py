@@ -8,23 +8,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_RANK, _SIZE = 0, 1
+_RANK, _SIZE, _EXPERT_PARALLEL = 0, 1, False
 
 
-def init_tensor_parallel(rank: int, world_size: int, device: str, init_method: str) -> None:
-    """Joins this process to the tensor-parallel group (every rank calls it, with the same `init_method`)."""
-    global _RANK, _SIZE
+def init_tensor_parallel(rank: int, world_size: int, device: str, init_method: str,
+                         expert_parallel: bool = False) -> None:
+    """Joins this process to the tensor-parallel group (every rank calls it, with the same `init_method`).
+    `expert_parallel`: mixture-of-experts layers split their experts over the ranks instead of each
+    expert's matrices."""
+    global _RANK, _SIZE, _EXPERT_PARALLEL
     if world_size > 1:
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    _RANK, _SIZE = rank, world_size
+    _RANK, _SIZE, _EXPERT_PARALLEL = rank, world_size, expert_parallel
 
 
 def destroy_tensor_parallel() -> None:
-    global _RANK, _SIZE
+    global _RANK, _SIZE, _EXPERT_PARALLEL
     if dist.is_initialized():
         dist.destroy_process_group()
-    _RANK, _SIZE = 0, 1
+    _RANK, _SIZE, _EXPERT_PARALLEL = 0, 1, False
+
+
+def expert_parallel() -> bool:
+    return _EXPERT_PARALLEL and _SIZE > 1
 
 
 def get_tp_size() -> int:

@@ -69,7 +69,8 @@ class Worker:
         if world > 1:
             if config.device == "cuda":
                 torch.cuda.set_device(rank)
-            init_tensor_parallel(rank, world, config.device, distributed_init_method)
+            init_tensor_parallel(rank, world, config.device, distributed_init_method,
+                                 config.parallel.enable_expert_parallel)
         self.model_runner: ModelRunner | None = None
         self.model: torch.nn.Module | None = None
         self.hf_config = None
@@ -99,6 +100,10 @@ class Worker:
         chunk = runner.kv_chunk_shape() if config.offload is not None else None
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead,
                          device_drafts, chunk)
+
+    def parameter_count(self) -> int:
+        """Parameters this rank holds (its shards, and what every rank replicates)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     def attach_kv_offload(self, store) -> None:
         """The offload store (kv_offload.TieredKVStore) the runner copies released blocks into."""

@@ -14,19 +14,30 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokeniz
 
 
 def _generate(model: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    return _generate_and_count(model, prompts, **kw)[0]
+
+
+def _generate_and_count(model: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], list[int]]:
+    """The greedy tokens, and the parameters each rank holds."""
     llm = LLM(model, dtype="float32", device="cpu", skip_tokenizer_init=True, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        counts = llm.engine.core.executor.collective_rpc("parameter_count")
+        return [list(o.outputs[0].token_ids) for o in outs], counts
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# Each run spawns two worker processes (some 10 s on two cores): CI runs one of each kind, test-slow the rest.
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_two_ranks_give_the_tokens_of_one(arch, tiny_model_dir):
     model = tiny_model_dir(arch)
     prompts = random_prompts(6, seed=3)
-    assert _generate(model, prompts, tensor_parallel_size=2) == _generate(model, prompts)
+    two, counts = _generate_and_count(model, prompts, tensor_parallel_size=2)
+    one, (whole,) = _generate_and_count(model, prompts)
+    assert two == one
+    # each rank holds about half: only the norms are replicated
+    assert all(0.45 * whole < c < 0.55 * whole for c in counts) and sum(counts) >= whole, (counts, whole)
 
 
 def test_the_embedded_model_splits_its_heads_unevenly(embedded_path):
@@ -52,3 +63,16 @@ def test_head_splits_that_cannot_work_are_refused():
         head_split(9, 3, 4, 0)
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 needs one process per rank"):
         EngineArgs(model="x", tensor_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
+
+
+@pytest.mark.parametrize("arch, expert_parallel", [
+    ("qwen3_moe", False), pytest.param("qwen3_moe", True, marks=pytest.mark.slow), ("qwen2_moe", True)])
+def test_mixture_of_experts_over_two_ranks(arch, expert_parallel, tiny_model_dir):
+    """Experts sliced (tensor parallel) or dealt out whole (expert parallel); Qwen2-MoE adds its gated shared
+    expert and a dense layer."""
+    model = tiny_model_dir(arch)
+    prompts = random_prompts(4, seed=7)
+    two, counts = _generate_and_count(model, prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    one, (whole,) = _generate_and_count(model, prompts)
+    assert two == one
+    assert all(c < 0.6 * whole for c in counts), (counts, whole)  # the experts, most of the weights, split

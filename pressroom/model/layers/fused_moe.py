@@ -77,17 +77,25 @@ def _mask_unchosen_groups(choice: torch.Tensor, num_groups: int, topk_groups: in
 
 class FusedMoE(nn.Module):
     """The routed experts of one layer. `expert_range` ([start, end) of the global expert ids): the experts
-    this rank holds; a token routed elsewhere contributes nothing here (expert parallelism sums ranks)."""
+    this rank holds; a token routed elsewhere contributes nothing here (expert parallelism sums ranks).
+    `inter_shard` (rank, ranks): the slice of every expert's intermediate features this rank holds (tensor
+    parallelism: each rank's output is a partial sum, too)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 expert_range: tuple[int, int] | None = None) -> None:
+                 expert_range: tuple[int, int] | None = None, inter_shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
         start, end = expert_range or (0, num_experts)
         if not 0 <= start < end <= num_experts:
             raise ValueError(f"expert range [{start}, {end}) is not inside the model's {num_experts} experts.")
+        rank, ranks = inter_shard
+        if intermediate % ranks:
+            raise ValueError(f"the experts' {intermediate} intermediate features do not split over {ranks} ranks; "
+                             "try expert parallelism (enable_expert_parallel).")
         self.num_experts, self.start, self.end = num_experts, start, end
         self.owns_all = (start, end) == (0, num_experts)
-        self.hidden, self.intermediate = hidden, intermediate
+        self.full_intermediate = intermediate
+        intermediate //= ranks
+        self.hidden, self.intermediate, self.inter_start = hidden, intermediate, rank * intermediate
         local = end - start
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
@@ -101,16 +109,16 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
         if not self.start <= expert < self.end:
             return
-        i, inter = expert - self.start, self.intermediate
-        expected = (self.hidden, inter) if part == DOWN else (inter, self.hidden)
+        i, inter, full = expert - self.start, self.intermediate, self.full_intermediate
+        expected = (self.hidden, full) if part == DOWN else (full, self.hidden)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert}'s {part} has shape {tuple(loaded.shape)} where the model config "
                              f"implies {expected}; the checkpoint and config.json disagree.")
         if part == DOWN:
-            target = self.w2.data[i]
+            self.w2.data[i].copy_(loaded.narrow(1, self.inter_start, inter))
         else:
             target = self.w13.data[i].narrow(0, 0 if part == GATE else inter, inter)
-        target.copy_(loaded)
+            target.copy_(loaded.narrow(0, self.inter_start, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""

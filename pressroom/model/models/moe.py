@@ -8,7 +8,7 @@ import re
 import torch
 from torch import nn
 
-from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.distributed.parallel_state import expert_parallel, get_tp_rank, get_tp_size, tp_all_reduce
 from pressroom.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE, RouterConfig, select_experts
 from pressroom.model.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -17,13 +17,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, num_experts: int, intermediate: int, router: RouterConfig,
                  shared_intermediate: int = 0, gated_shared: bool = False) -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError("mixture-of-experts models do not run with tensor parallelism yet; "
-                             "use tensor_parallel_size=1.")
         self.router = router
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # replicated: every rank routes every token
         self.gate.weight.requires_grad_(False)
-        self.experts = FusedMoE(num_experts, hidden, intermediate)
+        self.experts = _rank_experts(num_experts, hidden, intermediate)
         self.shared_expert = LlamaMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = None
         if gated_shared:
@@ -32,13 +29,26 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        out = tp_all_reduce(self.experts(x, weights, ids))  # each rank's experts, or slices of them
+        if self.shared_expert is not None:  # tensor-parallel as a dense MLP: reduced inside
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def _rank_experts(num_experts: int, hidden: int, intermediate: int) -> FusedMoE:
+    """This rank's experts: with expert parallelism a contiguous range of whole experts (as even as they go),
+    otherwise every expert's slice of intermediate features."""
+    tp, rank = get_tp_size(), get_tp_rank()
+    if not expert_parallel():
+        return FusedMoE(num_experts, hidden, intermediate, inter_shard=(rank, tp))
+    if num_experts < tp:
+        raise ValueError(f"{num_experts} experts cannot be spread over {tp} ranks; turn expert parallelism off.")
+    base, extra = divmod(num_experts, tp)
+    start = rank * base + min(rank, extra)
+    return FusedMoE(num_experts, hidden, intermediate, expert_range=(start, start + base + (rank < extra)))
 
 
 # checkpoint expert tensor -> (FusedMoE parameter, part)
