@@ -189,8 +189,12 @@ class ParallelConfig:
     # None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False  # MoE layers split whole experts over the ranks
+    data_parallel_size: int = 1  # engine cores behind one front-end, each with its tensor-parallel ranks
+    data_parallel_rank: int = 0  # this core's (set per core by engine/dp_client.py)
 
     def __post_init__(self) -> None:
+        if type(self.data_parallel_size) is not int or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}.")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
         if self.distributed_executor_backend is None:
@@ -496,6 +500,9 @@ class EngineArgs:
         "default: uni for one rank", EXECUTOR_BACKENDS)
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts layers split whole experts over the "
                                                "tensor-parallel ranks instead of each expert's matrices")
+    data_parallel_size: int = _arg(1, "engine cores behind one API server (pressroom serve), each a copy of the "
+                                      "model on tensor_parallel_size ranks; requests are balanced by load and "
+                                      "shared prefix, or pinned with data_parallel_rank")
     device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
     gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
@@ -582,7 +589,7 @@ class EngineArgs:
                                       async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
                                                                                 speculative)),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                    self.enable_expert_parallel),
+                                    self.enable_expert_parallel, self.data_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,
@@ -617,7 +624,8 @@ class EngineArgs:
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
                              "(drop --no-enable-prefix-caching).")
-        if offload is not None and (self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"):
-            raise ValueError("KV offloading runs with the worker in the engine core's process for now "
-                             "(tensor_parallel_size 1, distributed_executor_backend uni).")
+        if offload is not None and (self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+                                    or self.data_parallel_size > 1):
+            raise ValueError("KV offloading runs with one engine core whose worker is in its process for now "
+                             "(tensor_parallel_size 1, data_parallel_size 1, distributed_executor_backend uni).")
         return offload

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
-from pressroom.core.scheduler import SchedulerStats
+from pressroom.core.scheduler import SchedulerStats, SpecDecodingStats
 from pressroom.engine.core_client import CoreClient, EngineDeadError
+from pressroom.engine.dp_client import DPCoreClient
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
@@ -47,11 +48,12 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config, make_core=CoreClient)  # a start-up error is raised here, in the caller
-        self._client: CoreClient = self.engine.core
+        make_core = DPCoreClient if config.parallel.data_parallel_size > 1 else CoreClient
+        self.engine = LLMEngine(config, make_core=make_core)  # a start-up error is raised here, in the caller
+        self._client: CoreClient | DPCoreClient = self.engine.core
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._stats = SchedulerStats()
+        self._stats = [SchedulerStats() for _ in range(config.parallel.data_parallel_size)]  # per engine core
         self._error: BaseException | None = None
         self._closed = False
         self._refusal: str | None = None  # set by abort_all: why new requests are refused
@@ -120,9 +122,11 @@ class AsyncLLMEngine:
     # ---- requests ----
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                       priority: int = 0, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, session_id: str | None = None, data_parallel_rank: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; ValueError if the engine rejects it (nothing else changes)."""
-        outputs = await self.add_request(request_id, prompt, params, priority, session_id)
+        outputs = await self.add_request(request_id, prompt, params, priority, session_id,
+                                         data_parallel_rank=data_parallel_rank)
         async for out in outputs:
             yield out
 
@@ -138,7 +142,8 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                           priority: int = 0, session_id: str | None = None,
-                          pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                          pooling: PoolingParams | None = None, data_parallel_rank: int | None = None
+                          ) -> AsyncIterator[RequestOutput]:
         """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
         iterate or close: leaving the stream before the request finishes aborts it."""
         self._check_alive()
@@ -149,7 +154,8 @@ class AsyncLLMEngine:
             if pooling is not None:
                 self.engine.add_pooling_request(request_id, prompt, pooling, priority=priority)
             else:
-                self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id)
+                self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id,
+                                        data_parallel_rank=data_parallel_rank)
             self._streams[request_id] = stream  # (add_request undoes itself if it raises: nothing to clean)
         return self._iterate(request_id, stream)
 
@@ -201,8 +207,13 @@ class AsyncLLMEngine:
         return len(streams)
 
     async def stats(self) -> SchedulerStats:
-        """The core's latest figures (it sends them with every step, and once a second when idle)."""
-        return self._stats
+        """The core's latest figures (it sends them with every step, and once a second when idle); with
+        several engine cores, their sums (KV usage: their mean)."""
+        return merge_stats(self._stats)
+
+    async def engine_stats(self) -> list[SchedulerStats]:
+        """Each engine core's latest figures, by data-parallel rank."""
+        return list(self._stats)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the core; requests still in flight end with EngineDeadError."""
@@ -229,7 +240,7 @@ class AsyncLLMEngine:
                     continue
                 self._last_heard = time.monotonic()
                 if step.stats is not None:
-                    self._stats = step.stats
+                    self._stats[step.engine_index] = step.stats
                 with self._lock:  # a fault in one request's outputs ends that request alone (in process_outputs)
                     outputs = self.engine.process_outputs(step)
                 self._deliver(outputs)
@@ -259,6 +270,25 @@ class AsyncLLMEngine:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             _call_soon(stream.loop, stream.queue.put_nowait, error)
+
+
+def merge_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
+    """Several cores' figures as one: counts summed, KV usage averaged. (KV offload runs with one core.)"""
+    if len(per_engine) == 1:
+        return per_engine[0]
+    specs = [s.spec for s in per_engine if s.spec is not None]
+    spec = None
+    if specs:
+        positions = max(len(s.accepted_per_pos) for s in specs)
+        spec = SpecDecodingStats(sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+                                 sum(s.num_accepted_tokens for s in specs),
+                                 [sum(s.accepted_per_pos[i] for s in specs if i < len(s.accepted_per_pos))
+                                  for i in range(positions)])
+    return SchedulerStats(sum(s.num_running for s in per_engine), sum(s.num_waiting for s in per_engine),
+                          sum(s.kv_cache_usage for s in per_engine) / len(per_engine),
+                          sum(s.num_preemptions for s in per_engine),
+                          sum(s.prefix_cache_queries for s in per_engine), sum(s.prefix_cache_hits for s in per_engine),
+                          spec)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -40,6 +40,7 @@ class CoreRequest:
     priority: int = 0
     follows: str | None = None  # a sibling whose prompt is computed first (it fills the prefix cache)
     pooling: PoolingParams | None = None  # resolved pooling: prefill only, the request ends with its vector
+    data_parallel_rank: int | None = None  # the engine core that must serve it (None: the client balances)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class CoreOutputs:
     outputs: list[EngineCoreOutput]
     scheduled: list[str]  # requests the step scheduled afresh (their queue time ends)
     stats: SchedulerStats | None = None  # sent along by the core process, for /metrics
+    engine_index: int = 0  # which data-parallel engine core sent it
 
 
 @dataclass(slots=True)

@@ -43,7 +43,10 @@ class CoreClient:
     """Starts the core process and speaks for it: `add_request` and `finish_requests` as EngineCore has
     them, and `recv` for its outputs. Not thread-safe: the caller serialises its calls."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0,
+                 wait: bool = True) -> None:
+        """`wait` False: returns once the process is started; `wait_ready` then waits for it (several cores
+        start side by side)."""
         self._dir = tempfile.mkdtemp(prefix="pressroom-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._zmq = zmq.Context()
@@ -57,8 +60,18 @@ class CoreClient:
         args = (config, eos_token_id, in_addr, out_addr, os.getpid())
         self.process = spawn.Process(target=run_engine_core, args=args, name="pressroom-engine-core", daemon=True)
         self.process.start()
+        self.info: CoreInfo | None = None
+        if wait:
+            self.wait_ready(start_timeout)
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        """Where the core's messages arrive (for a poller over several cores)."""
+        return self._output
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
         try:
-            self.info: CoreInfo = self._wait_ready(start_timeout)
+            self.info = self._wait_ready(timeout)
         except BaseException:
             self.shutdown()
             raise

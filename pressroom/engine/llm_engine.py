@@ -84,6 +84,9 @@ class LLMEngine:
         """`make_core(config, eos_token_id)`: the engine core, built here in this process by default, or a
         client of one running elsewhere (engine/core_client.py). The tokenizer is loaded here, once: the
         core only needs its end-of-sequence id."""
+        if config.parallel.data_parallel_size > 1 and make_core is EngineCore:
+            raise ValueError("data_parallel_size > 1 runs behind the server (pressroom serve --data-parallel-size "
+                             "N); the offline LLM drives one engine core.")
         self.config = config
         path = resolve_model_path(config.model.model)
         self.hf_config = load_hf_config(path)
@@ -134,9 +137,12 @@ class LLMEngine:
     # ---- requests ----
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, session_id: str | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, session_id: str | None = None,
+                    data_parallel_rank: int | None = None) -> None:
         """`session_id` (optional) groups requests of one conversation or user; it comes back on every
-        RequestOutput of this request. It does not change scheduling."""
+        RequestOutput of this request. It does not change scheduling. `data_parallel_rank`: the engine core
+        that serves it (with data_parallel_size > 1; None: the least busy, or the one holding its prefix)."""
+        self._check_data_parallel_rank(data_parallel_rank)
         if self.pooling_defaults is not None:
             raise ValueError("This model is served for pooling only (runner pooling): it answers embeddings, "
                              "/pooling, /score and /rerank, not generation. Start it with --runner generate "
@@ -162,11 +168,17 @@ class LLMEngine:
                 child_params = params if params.n == 1 else params.clone(
                     n=1, seed=None if params.seed is None else params.seed + child.index)
                 self.child_to_parent[child.request_id] = (parent, child)
-                self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead))
+                self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
+                                                  data_parallel_rank=data_parallel_rank))
                 lead = lead or child.request_id
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
             raise
+
+    def _check_data_parallel_rank(self, rank: int | None) -> None:
+        size = self.config.parallel.data_parallel_size
+        if rank is not None and (type(rank) is not int or not 0 <= rank < size):
+            raise ValueError(f"data_parallel_rank must be an engine core's index, 0 to {size - 1}; got {rank!r}.")
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, pooling: PoolingParams | None = None,
                             priority: int = 0, arrival_time: float | None = None) -> None:

@@ -66,9 +66,9 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         elif world > 1 and config.device == "cpu":  # ranks share the cores rather than each taking them all
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if config.device == "cuda" and (world > 1 or config.parallel.data_parallel_rank):
+            torch.cuda.set_device(config.parallel.data_parallel_rank * world + rank)  # each core its own GPUs
         if world > 1:
-            if config.device == "cuda":
-                torch.cuda.set_device(rank)
             init_tensor_parallel(rank, world, config.device, distributed_init_method,
                                  config.parallel.enable_expert_parallel)
         self.model_runner: ModelRunner | None = None

@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pressroom.core.scheduler import SchedulerStats
+from pressroom.engine.async_engine import merge_stats
 from pressroom.outputs import RequestOutput
 
 logger = logging.getLogger("pressroom")
@@ -41,7 +42,7 @@ class ServerMetrics:
     def __init__(self, prefix: str, model_name: str, log_requests: bool = True) -> None:
         self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
         self.registry = CollectorRegistry()
-        self.stats = SchedulerStats()
+        self.stats: list[SchedulerStats] = [SchedulerStats()]  # per engine core (data-parallel rank)
         self.total_prompt_tokens = self.total_generation_tokens = 0  # for the log line
         # Only model_name (and finished_reason) label series. A request's session id goes to its log line,
         # never to a label: session ids are unbounded, and one time series per session would grow the
@@ -64,7 +65,8 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.").labels(model_name)
         self.registry.register(_SchedulerCollector(self))
 
-    def render(self, stats: SchedulerStats) -> bytes:
+    def render(self, stats: list[SchedulerStats]) -> bytes:
+        """The exposition text, scheduler figures from `stats`: each engine core's, by data-parallel rank."""
         self.stats = stats
         return generate_latest(self.registry)
 
@@ -145,17 +147,18 @@ class _SchedulerCollector:
         self.metrics = metrics
 
     def collect(self):
-        m, s = self.metrics, self.metrics.stats
-        families = [
-            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", s.num_running),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage),
-            (CounterMetricFamily, "num_preemptions", "Preemptions since start.", s.num_preemptions),
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             s.prefix_cache_queries),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             s.prefix_cache_hits),
-        ]
+        """Scheduler figures per engine core (vLLM's `engine` label: the data-parallel rank)."""
+        m = self.metrics
+        for kind, name, doc, attr in _ENGINE_FAMILIES:
+            family = kind(m.prefix + name, doc, labels=["model_name", "engine"])
+            for index, s in enumerate(m.stats):
+                family.add_metric([m.model_name, str(index)], getattr(s, attr))
+            yield family
+        yield from self._spec_and_offload(merge_stats(m.stats))
+
+    def _spec_and_offload(self, s: SchedulerStats):
+        m = self.metrics
+        families = []
         spec = s.spec
         if spec is not None and spec.num_drafts:
             families += [
@@ -178,6 +181,16 @@ class _SchedulerCollector:
                 family.add_metric([m.model_name, str(pos)], count)
             yield family
 
+
+_ENGINE_FAMILIES = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage"),
+    (CounterMetricFamily, "num_preemptions", "Preemptions since start.", "num_preemptions"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+)
 
 _TIER_COUNTERS = (
     ("kv_offload_tiering_chunk_queries", "KV chunks looked up in the tier.", "chunk_queries"),

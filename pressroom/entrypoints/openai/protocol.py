@@ -141,6 +141,7 @@ class _SamplingRequest(OpenAIModel):
     user: str | None = None
     priority: int | None = None
     session_id: str | None = Field(None, max_length=256)  # or the X-Session-Id header
+    data_parallel_rank: int | None = None  # the engine core to serve it (vLLM's); or the X-data-parallel-rank header
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 

@@ -165,7 +165,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
 
     async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
-                       priority: int, session_id: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+                       priority: int, session_id: str | None = None, data_parallel_rank: int | None = None
+                       ) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
         request's access record gets its id, session and token counts (completion tokens as they come)."""
         record = access_record(request)
@@ -179,7 +180,8 @@ class OpenAIServing:
         try:
             for i, (prompt, params) in enumerate(requests):
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
-                added = await self.engine.add_request(req_id, prompt, params, priority, session_id)
+                added = await self.engine.add_request(req_id, prompt, params, priority, session_id,
+                                                      data_parallel_rank=data_parallel_rank)
                 streams.append(_count_completion_tokens(self.stats.observe(added), record))
         except BaseException as e:
             for s in streams:
@@ -240,7 +242,7 @@ class OpenAIServingUtility(OpenAIServing):
 
     async def metrics(self) -> Response:
         try:
-            stats = await self.engine.stats()
+            stats = await self.engine.engine_stats()
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from None
         return Response(self.stats.render(stats), media_type=METRICS_CONTENT_TYPE)
@@ -339,6 +341,20 @@ def request_priority(request: Request, field: int | None) -> int:
             except ValueError:
                 raise APIError(400, f"{name} must be an integer, got {header!r}.", param=name) from None
     return 0 if field is None else field
+
+
+def request_data_parallel_rank(request: Request, field: int | None) -> int | None:
+    """The `data_parallel_rank` field, else the X-data-parallel-rank header (None: the engine balances)."""
+    if field is not None:
+        return field
+    header = request.headers.get("x-data-parallel-rank")
+    if header is None:
+        return None
+    try:
+        return int(header)
+    except ValueError:
+        raise APIError(400, f"X-data-parallel-rank must be an integer, got {header!r}.",
+                       param="X-data-parallel-rank") from None
 
 
 def request_session_id(request: Request, field: str | None) -> str | None:

@@ -38,6 +38,7 @@ from pressroom.entrypoints.openai.serving import (
     finite_logprob,
     merge_streams,
     raise_if_failed,
+    request_data_parallel_rank,
     request_priority,
     request_session_id,
     sse_data,
@@ -81,7 +82,8 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id)
+        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id,
+                                      request_data_parallel_rank(request, req.data_parallel_rank))
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))

@@ -23,6 +23,7 @@ from pressroom.entrypoints.openai.serving import (
     finite_logprob,
     merge_streams,
     raise_if_failed,
+    request_data_parallel_rank,
     request_priority,
     request_session_id,
     sse_data,
@@ -57,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         rid = random_id("cmpl")
         streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
                                                      for (text, ids), sp in zip(prompts, params)],
-                                      priority, session_id)
+                                      priority, session_id, request_data_parallel_rank(request, req.data_parallel_rank))
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))
