@@ -13,10 +13,11 @@ requests go on. A request that fails while being added leaves nothing behind.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
@@ -153,6 +154,10 @@ class LLMEngine:
         self._validate(request_id, token_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(token_ids))
+        if params.structured_outputs is not None and isinstance(params.structured_outputs.json, dict):
+            # to the core as its text: msgpack cannot carry every JSON number (integers past 64 bits)
+            schema = json.dumps(params.structured_outputs.json)
+            params = params.clone(structured_outputs=replace(params.structured_outputs, json=schema))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [_Child(i, self._detokenizer(token_ids, params), f"{next(self._ids)}",
                            logprobs=[] if params.logprobs is not None else None,

@@ -97,6 +97,7 @@ def constrain(logits: torch.Tensor, rows: list[tuple[RequestGrammar | None, list
             if not grammar.broken:
                 constrained += grammar.fill(bitmask, first, drafts)
         first += 1 + len(drafts)
-    if constrained:
+    if constrained:  # both staged through pinned memory: a pageable copy would wait for the step in flight
+        rows = to_device(torch.tensor(constrained, dtype=torch.int32), logits.device)
         xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), vocab_size=logits.shape[1],
-                                        indices=constrained)
+                                        indices=rows)

@@ -181,6 +181,13 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_reason(server, fields, word
         assert words in r.json()["error"]["message"], r.text
 
 
+def test_a_schema_with_integers_past_64_bits_is_served(server):
+    """The schema crosses to the engine core as text: msgpack cannot carry such numbers (the fuzzer's 500)."""
+    r = httpx.post(f"{server}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 4, "structured_outputs": {"json": {"enum": [10 ** 30]}}})
+    assert r.status_code == 200, r.text
+
+
 def test_guided_fields_point_to_structured_outputs(server):
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi", "guided_regex": "a+"})
     assert r.status_code == 400 and "structured_outputs" in r.json()["error"]["message"]
