@@ -179,14 +179,14 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # "uni": the worker runs in the engine core's process; "mp": one worker process per rank.
-    # None: "uni" for one rank, "mp" for more.
+    # "uni": the worker runs in the engine core's process; "mp": one worker process per rank; "ray": one
+    # Ray actor per rank. None: "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False  # MoE layers split whole experts over the ranks
     data_parallel_size: int = 1  # engine cores behind one front-end, each with its tensor-parallel ranks
@@ -201,7 +201,7 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError("tensor_parallel_size > 1 needs one process per rank: distributed_executor_backend "
-                             "mp (or leave it unset).")
+                             "mp or ray (or leave it unset).")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
                              f"got {self.distributed_executor_backend!r}.")
@@ -496,8 +496,9 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "ranks to shard the model over, one worker process each (GPUs on CUDA, "
                                         "processes sharing the cores on the CPU)")
     distributed_executor_backend: str | None = _arg(
-        None, "where workers run: uni (in the engine core's process) or mp (one process per rank); "
-        "default: uni for one rank", EXECUTOR_BACKENDS)
+        None, "where workers run: uni (in the engine core's process), mp (one process per rank) or ray (one Ray "
+        "actor per rank, across the nodes of the cluster RAY_ADDRESS names, or of a local one); default: uni for "
+        "one rank, mp for more", EXECUTOR_BACKENDS)
     enable_expert_parallel: bool = _arg(False, "mixture-of-experts layers split whole experts over the "
                                                "tensor-parallel ranks instead of each expert's matrices")
     data_parallel_size: int = _arg(1, "engine cores behind one API server (pressroom serve), each a copy of the "
@@ -624,7 +625,8 @@ class EngineArgs:
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
                              "(drop --no-enable-prefix-caching).")
-        if offload is not None and (self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+        if offload is not None and (self.tensor_parallel_size > 1
+                                    or self.distributed_executor_backend not in (None, "uni")
                                     or self.data_parallel_size > 1):
             raise ValueError("KV offloading runs with one engine core whose worker is in its process for now "
                              "(tensor_parallel_size 1, data_parallel_size 1, distributed_executor_backend uni).")

@@ -8,7 +8,11 @@ FATAL_ERRORS = (WorkerDiedError,)  # failures that end the engine, not just the 
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """`distributed_executor_backend` "uni": the worker runs in this process; "mp": one process per rank."""
+    """`distributed_executor_backend` "uni": the worker runs in this process; "mp": one process per rank;
+    "ray": one Ray actor per rank, on the nodes of a Ray cluster."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from pressroom.executor.ray_executor import RayExecutor
+        return RayExecutor(config)
     if config.parallel.distributed_executor_backend == "mp":
         from pressroom.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor(config)
