@@ -389,6 +389,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run(args) -> dict:
+    if args.executors:
+        return run_executors(args)
     from pressroom.model.loader import load_hf_config
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     hf_config = load_hf_config(str(args.model))
@@ -419,6 +421,39 @@ def run(args) -> dict:
                                                   ceilings) for name in workloads}}
     report["ratios"] = summary_ratios(report["workloads"])
     print_report(report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def run_executors(args) -> dict:
+    """pressroom alone, once per executor (`--executors uni,mp`), the same workloads in one run: what a worker
+    in a process of its own costs against the in-process one. Each engine is shut down before the next."""
+    from pressroom.model.loader import load_hf_config
+    device = resolve_device(args.device)
+    workloads = build_workloads(args, load_hf_config(str(args.model)).vocab_size)
+    kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
+    figures: dict[str, dict[str, dict]] = {}
+    for backend in args.executors:
+        llm, ready_s = build_llm(kwargs | {"distributed_executor_backend": backend}, device)
+        figures[backend] = {"time_to_ready_s": round(ready_s, 3)}
+        for name, w in workloads.items():
+            r = run_pressroom(llm, w, args.warmup_requests, device)
+            figures[backend][name] = {"output_tokens_per_s": round(r.output_tokens_per_s, 2),
+                                      "input_tokens_per_s": round(r.input_tokens_per_s, 2)}
+            print(f"{backend} {name}: {r.output_tokens_per_s:.1f} output tok/s", flush=True)
+        llm.shutdown()
+        del llm
+        free_device_memory(device)
+    base = args.executors[0]
+    ratios = {backend: {name: round(figures[backend][name]["output_tokens_per_s"]
+                                    / figures[base][name]["output_tokens_per_s"], 4) for name in workloads}
+              for backend in args.executors[1:]}
+    report = {"benchmark": "gpu-executors", "date": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": device_machine(device), "device": device.type, "model": str(args.model),
+              "engine_args": kwargs, "engine_args_not_supported": dropped, "executors": figures,
+              f"ratios_vs_{base}": ratios}
+    print(json.dumps(ratios))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return report
@@ -518,6 +553,14 @@ def _fmt(value: float | None, width: int, spec: str) -> str:
 
 # ---- command line ----
 
+def _executors(text: str) -> list[str]:
+    from pressroom.config import EXECUTOR_BACKENDS
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if len(names) < 2 or any(n not in EXECUTOR_BACKENDS for n in names):
+        raise argparse.ArgumentTypeError(f"give two or more of {', '.join(EXECUTOR_BACKENDS)}; got {text!r}")
+    return names
+
+
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in WORKLOADS]
@@ -575,4 +618,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="the copy ceiling's buffer in GiB (default: 4 on cuda, 0.25 on cpu)")
     p.add_argument("--matmul-size", type=int, default=None,
                    help="n of the matmul ceiling's n^3 matmul (default: 8192 on cuda, 1024 on cpu)")
+    p.add_argument("--executors", type=_executors, default=None,
+                   help="compare executors in one run, e.g. uni,mp: pressroom's workloads once per executor "
+                        "(no HF phase), the later ones' output tok/s as ratios of the first's")
     p.add_argument("--output-json", default=None, help="write the report here too (default: print only)")

@@ -67,6 +67,17 @@ def test_skip_hf_and_one_workload(tiny_model_dir, tmp_path):
     assert section["decode"]["pressroom"]["output_tokens"] == 4
 
 
+def test_executors_side_by_side(tiny_model_dir, tmp_path):
+    out = tmp_path / "executors.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",
+            "--executors", "uni,mp", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["executors"]) == {"uni", "mp"}
+    assert all(report["executors"][e]["decode"]["output_tokens_per_s"] > 0 for e in ("uni", "mp"))
+    assert report["ratios_vs_uni"]["mp"]["decode"] > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir, arch, dtype):
