@@ -20,6 +20,7 @@ from pressroom.worker.device import to_device
 
 logger = logging.getLogger("pressroom")
 
+
 @dataclass(slots=True)
 class RequestGrammar:
     matcher: xgr.GrammarMatcher
