@@ -41,7 +41,7 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/pressroom serve
 
-# The suite CI runs (9-12 minutes on 2 cores). Tests marked slow (minutes each: a long prompt
+# The suite CI runs (about 17 minutes on 2 cores). Tests marked slow (minutes each: a long prompt
 # prefilled beside a stream, the embedded model speculating, a drafter trained) run with test-slow.
 test: install-test
 	$(PY) -m pytest -q -m "not gpu and not slow" tests

@@ -31,6 +31,7 @@ def _generate(llm: LLM, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.slow  # a two-node Ray cluster and two engines: about 20 s on two cores
 def test_tp2_over_two_ray_nodes_equals_one_rank(two_nodes, tiny_model_dir):
     model, prompts = tiny_model_dir("llama"), random_prompts(4, seed=11)
     one = LLM(model, dtype="float32", device="cpu", skip_tokenizer_init=True)

@@ -28,7 +28,8 @@ def _generate_and_count(model: str, prompts: list[list[int]], **kw) -> tuple[lis
         llm.shutdown()
 
 
-# Each run spawns two worker processes (some 10 s on two cores): CI runs one of each kind, test-slow the rest.
+# Each run spawns two worker processes (some 10 s on two cores): CI runs a dense and an MoE model, test-slow the
+# rest (Qwen3, the embedded model's uneven split, Qwen3-MoE sliced and expert-parallel).
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_two_ranks_give_the_tokens_of_one(arch, tiny_model_dir):
     model = tiny_model_dir(arch)
@@ -40,6 +41,7 @@ def test_two_ranks_give_the_tokens_of_one(arch, tiny_model_dir):
     assert all(0.45 * whole < c < 0.55 * whole for c in counts) and sum(counts) >= whole, (counts, whole)
 
 
+@pytest.mark.slow  # three engines of the embedded model, two of them over two ranks: 35 s on two cores
 def test_the_embedded_model_splits_its_heads_unevenly(embedded_path):
     # quantization none: the dense fp32 weights. (The 4-bit kernels round activations to int8 per block, so
     # a sum split across ranks may round differently; that path is checked for running, not for equality.)
@@ -66,7 +68,8 @@ def test_head_splits_that_cannot_work_are_refused():
 
 
 @pytest.mark.parametrize("arch, expert_parallel", [
-    ("qwen3_moe", False), pytest.param("qwen3_moe", True, marks=pytest.mark.slow), ("qwen2_moe", True)])
+    pytest.param("qwen3_moe", False, marks=pytest.mark.slow), pytest.param("qwen3_moe", True, marks=pytest.mark.slow),
+    ("qwen2_moe", True)])
 def test_mixture_of_experts_over_two_ranks(arch, expert_parallel, tiny_model_dir):
     """Experts sliced (tensor parallel) or dealt out whole (expert parallel); Qwen2-MoE adds its gated shared
     expert and a dense layer."""
