@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
@@ -75,8 +76,8 @@ class RayExecutor(Executor):
         self._group = placement_group([dict(unit) for _ in range(world)])
         ray.get(self._group.ready(), timeout=300)
         actor = ray.remote(RayWorker)
-        threads = config.num_threads or 1  # a CPU rank has one core of its bundle unless told otherwise
-        rank_config = config if config.num_threads else _with_threads(config, threads)
+        # a rank has the one core of its bundle unless told otherwise
+        rank_config = config if config.num_threads else replace(config, num_threads=1)
         self.actors = [
             actor.options(num_cpus=unit.get("CPU", 0), num_gpus=unit.get("GPU", 0),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, i)).remote(rank_config, i)
@@ -119,8 +120,3 @@ class RayExecutor(Executor):
             self._group = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def _with_threads(config: EngineConfig, threads: int) -> EngineConfig:
-    from dataclasses import replace
-    return replace(config, num_threads=threads)
