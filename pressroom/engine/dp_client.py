@@ -19,7 +19,7 @@ import zmq
 from pressroom.config import EngineConfig
 from pressroom.core.request import RequestStatus
 from pressroom.engine.core import CoreOutputs, CoreRequest
-from pressroom.engine.core_client import CoreClient
+from pressroom.engine.core_client import CoreClient, EngineDeadError
 
 AFFINITY_TOKENS = 64  # the opening tokens that name a shared prefix
 AFFINITY_SLACK = 4  # how many requests busier than the least busy core an affine core may be
@@ -100,8 +100,9 @@ class DPCoreClient:
                         if out.finish_reason is not None:
                             self._forget(out.req_id)
                 return step
-        for client in self.clients:
-            client.recv(0)  # raises EngineDeadError for a core that died silently
+        for rank, client in enumerate(self.clients):
+            if not client.process.is_alive():  # (not recv: a message arriving just now would be lost)
+                raise EngineDeadError(f"Engine core {rank} died (exit code {client.process.exitcode}).")
         return None
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -3,15 +3,17 @@ an error instead of hanging, and no process (engine core, the other rank) outliv
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
-import httpx
-
-from tests.engine.test_core_process import _alive, _children, _core_pid, _start, _stream, _wait_gone
+from tests.engine.test_core_process import (
+    _alive,
+    _children,
+    _core_pid,
+    _start,
+    _wait_gone,
+    kill_and_wait_for_503,
+    streams_in_flight,
+)
 
 
 def _worker_pids(core_pid: int) -> list[int]:
@@ -24,18 +26,8 @@ def test_a_killed_rank_fails_the_server_fast_and_leaves_no_process(tiny_model_di
         core = _core_pid(proc.pid)
         ranks = _worker_pids(core)
         assert len(ranks) == 2, ranks
-        results = [{} for _ in range(3)]
-        started = [threading.Event() for _ in results]
-        threads = [threading.Thread(target=_stream, args=(url, e, r)) for e, r in zip(started, results)]
-        for t in threads:
-            t.start()
-        for e, r in zip(started, results):
-            assert e.wait(60) and "ended" not in r, r
-        os.kill(ranks[1], signal.SIGKILL)
-        killed = time.monotonic()
-        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-            assert time.monotonic() - killed < 5, "/health still 200 five seconds after a rank died"
-            time.sleep(0.05)
+        threads, results = streams_in_flight(url)
+        killed = kill_and_wait_for_503(ranks[1], url, "a rank")
         for t in threads:
             t.join(10)
         for r in results:

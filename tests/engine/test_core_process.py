@@ -96,6 +96,28 @@ def _stream(url: str, first_chunk: threading.Event, result: dict, chat: bool = F
     first_chunk.set()
 
 
+def streams_in_flight(url: str, n: int = 3) -> tuple[list[threading.Thread], list[dict]]:
+    """`n` long streams, each past its first chunk (still running) when this returns."""
+    results = [{} for _ in range(n)]
+    started = [threading.Event() for _ in results]
+    threads = [threading.Thread(target=_stream, args=(url, e, r)) for e, r in zip(started, results)]
+    for t in threads:
+        t.start()
+    for e, r in zip(started, results):
+        assert e.wait(60) and "ended" not in r, r
+    return threads, results
+
+
+def kill_and_wait_for_503(pid: int, url: str, what: str) -> float:
+    """SIGKILLs `pid`; asserts /health turns 503 within 5 s; returns when it was killed."""
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() - killed < 5, f"/health still 200 five seconds after {what} died"
+        time.sleep(0.05)
+    return killed
+
+
 @pytest.fixture
 def server(tiny_model_dir, tmp_path):
     proc, url = _start(tiny_model_dir("llama"), tmp_path / "server.log")
@@ -108,18 +130,8 @@ def server(tiny_model_dir, tmp_path):
 def test_a_dead_core_fails_every_request_and_health_within_seconds(server):
     proc, url = server
     core = _core_pid(proc.pid)
-    results = [{} for _ in range(3)]
-    started = [threading.Event() for _ in results]
-    threads = [threading.Thread(target=_stream, args=(url, e, r)) for e, r in zip(started, results)]
-    for t in threads:
-        t.start()
-    for e, r in zip(started, results):
-        assert e.wait(60) and "ended" not in r, r
-    os.kill(core, signal.SIGKILL)
-    killed = time.monotonic()
-    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() - killed < 5, "/health still 200 five seconds after the core died"
-        time.sleep(0.05)
+    threads, results = streams_in_flight(url)
+    killed = kill_and_wait_for_503(core, url, "the core")
     for t in threads:
         t.join(10)
     for r in results:
