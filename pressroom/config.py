@@ -528,7 +528,7 @@ class EngineArgs:
                                                   "sentence-transformers config, else LAST, normalised)")
     kv_offloading_size: float | None = _arg(None, "GiB of host memory for the KV offload CPU tier: blocks the "
                                                   "device cache releases are kept there and reloaded on a prefix "
-                                                  "hit (default: off)")
+                                                  "hit (default: off); per engine core under data parallelism")
     kv_offloading_disk_path: str | None = _arg(None, "a directory for the KV offload disk tier behind the CPU "
                                                      "tier; it survives restarts (needs --kv-offloading-size)")
     kv_offloading_disk_size: float | None = _arg(None, "GiB cap of the disk tier, least recently used out "
@@ -625,9 +625,8 @@ class EngineArgs:
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
                              "(drop --no-enable-prefix-caching).")
-        if offload is not None and (self.tensor_parallel_size > 1
-                                    or self.distributed_executor_backend not in (None, "uni")
-                                    or self.data_parallel_size > 1):
-            raise ValueError("KV offloading runs with one engine core whose worker is in its process for now "
-                             "(tensor_parallel_size 1, data_parallel_size 1, distributed_executor_backend uni).")
+        if offload is not None and self.distributed_executor_backend == "ray":
+            raise ValueError("KV offloading shares its CPU tier with the ranks through the engine core's memory, "
+                             "so the ranks must run on its machine: use distributed_executor_backend 'mp' "
+                             "(Ray may place them on other nodes).")
         return offload

@@ -2,13 +2,15 @@
 
 With KV offload on (`offload`, a kv_offload.TieredKVStore), a prefix lookup goes on in the tiers past the
 device's hits, and a request's released blocks are queued for storing; the scheduler hands both kinds of
-copy to the model runner with its next step (`take_transfers`)."""
+copy to the workers with its next step (`take_transfers`) and tells the store when that step's output is
+back (`transfers_done`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from pressroom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pressroom.core.outputs import KVTransfers
 from pressroom.core.request import Request
 from pressroom.kv_offload.manager import OffloadHit
 
@@ -106,12 +108,29 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
-    def take_transfers(self) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
-        """The copies the next step runs first: stores (device block -> CPU tier, by chunk key), then
-        loads (a lent CPU slot -> device block)."""
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies the next step runs first (None: none): stores (device block -> a CPU slot reserved
+        for its chunk), then loads (a lent CPU slot -> device block)."""
+        if not self._stores and not self._loads:
+            return None
         stores, loads, self._stores, self._loads = self._stores, self._loads, [], []
         self._storing.clear()
-        return stores, loads
+        return self.offload.start_transfers(stores, loads)
+
+    def transfers_done(self, transfers: KVTransfers | None, ok: bool = True) -> None:
+        """A step's output is back (`ok`), or the step failed: the offload store takes back its slots."""
+        if transfers is None:
+            return
+        if ok:
+            self.offload.finish_transfers(transfers)
+        else:
+            self.offload.abandon_transfers(transfers)
+
+    @property
+    def has_transfers(self) -> bool:
+        """Copies queued for a step, or made by one whose output is not back yet: the engine keeps
+        stepping until they are done, so chunks reach the tiers even when no request follows."""
+        return bool(self._stores or self._loads or self.offload is not None and self.offload.in_flight)
 
     def _queue_stores(self, request: Request) -> None:
         """A released request's full blocks whose KV is computed and that no tier holds yet."""

@@ -37,6 +37,17 @@ PLACEHOLDER_DRAFT = -1  # a scheduled draft whose id is still on the device (asy
 
 
 @dataclass(slots=True)
+class KVTransfers:
+    """One step's KV offload copies, made before its forward pass in this order: device blocks out to
+    CPU-tier slots reserved for them, then slots lent to the step into fresh device blocks; both as
+    (block id, slot). Every rank copies its own KV heads. The slots are on loan until the step's output
+    comes back (`step` names the loan in the offload store)."""
+    step: int
+    stores: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
@@ -50,11 +61,8 @@ class SchedulerOutput:
     # How many drafts each request that samples this step should have drafted for its next one (the
     # adaptive budget's plan, where drafting has a cost of its own: a draft model); absent: all K.
     draft_limits: dict[str, int] = field(default_factory=dict)
-    # KV offload copies the runner makes before the forward pass, in this order: device blocks out to the
-    # CPU tier (block id, chunk key), then CPU tier slots lent to the step into fresh device blocks
-    # (block id, slot).
-    kv_stores: list[tuple[int, str]] = field(default_factory=list)
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # KV offload copies the runner makes before the forward pass (None: none this step).
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -222,9 +222,8 @@ class Scheduler:
             self._admit_waiting(budget, scheduled, new_reqs, sampling)
 
         stale, self._stale = self._stale, set()
-        stores, loads = self.kv.take_transfers()
         return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens,
-                               self._plan_drafts(sampling), stores, loads)
+                               self._plan_drafts(sampling), self.kv.take_transfers())
 
     def _plan_drafts(self, sampling: list[Request]) -> dict[str, int]:
         """Where drafting costs a forward pass per draft position (a draft model), how many drafts each
@@ -250,6 +249,7 @@ class Scheduler:
         return limits
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        self.kv.transfers_done(sched.kv_transfers)
         results = []
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)

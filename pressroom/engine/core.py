@@ -5,7 +5,6 @@ It runs in-process under the offline `LLM`, and in a process of its own under th
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -19,6 +18,7 @@ from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.executor import FATAL_ERRORS, make_executor
+from pressroom.executor.process import relax_gc
 from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
@@ -86,7 +86,7 @@ class EngineCore:
         # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
             self._warm_up_step_shapes()
-        _relax_gc()
+        relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
                              self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs)
 
@@ -119,9 +119,8 @@ class EngineCore:
         kv_dtype = cache.cache_dtype or model.dtype
         fingerprint = model_fingerprint(spec.model_path, model.load_format, model.seed, model.dtype, kv_dtype,
                                         cache.block_size, spec.kv_chunk_shape)
-        store = TieredKVStore(offload, fingerprint, spec.kv_chunk_shape, kv_dtype,
-                              pin_memory=self.config.device == "cuda")
-        self.executor.collective_rpc("attach_kv_offload", store)
+        store = TieredKVStore(offload, fingerprint, spec.kv_chunk_shape, kv_dtype, pin=self.config.device == "cuda")
+        self.executor.collective_rpc("attach_kv_offload", store.cpu.handle)
         logger.info("KV offload: CPU tier %.2f GiB (%d chunks of %d tokens)%s", offload.cpu_bytes / (1 << 30),
                     offload.cpu_bytes // store.chunk_bytes, cache.block_size,
                     "".join(f", then {label}" for label in store.labels[1:]))
@@ -261,7 +260,8 @@ class EngineCore:
             self.requests.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or KV offload copies not done (steps run until chunks reach the tiers)."""
+        return bool(self.requests) or self.kv_cache.has_transfers
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -328,6 +328,8 @@ class EngineCore:
     def _fail_step(self, failed: list[SchedulerOutput], error: Exception) -> list[EngineCoreOutput]:
         """Ends the step's request if it ran one (the culprit), else makes its requests suspects."""
         req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens if rid in self.requests})
+        for sched in failed:
+            self.kv_cache.transfers_done(sched.kv_transfers, ok=False)
         culprit = len(req_ids) == 1
         self._count_fault(culprit, error)
         self._inflight = None
@@ -373,15 +375,6 @@ class EngineCore:
 
 def _error_output(req_id: str) -> EngineCoreOutput:
     return EngineCoreOutput(req_id, [], finish_reason=RequestStatus.FINISHED_ERROR.finish_reason)
-
-
-def _relax_gc() -> None:
-    """Cyclic-GC passes over the engine's many long-lived objects took half of the host's time per step
-    at 1,000 requests (benchmarks/host_overhead.py): collect the young generation 14x less often, and the
-    old ones rarely. Only raised, never lowered; cycles are still collected (gc.freeze would keep
-    a deleted engine's cycles, and its GPU memory, alive)."""
-    young, middle, old = gc.get_threshold()
-    gc.set_threshold(max(young, 10_000), max(middle, 20), max(old, 100))
 
 
 def _curve(costs: list[tuple[int, float]]) -> str:

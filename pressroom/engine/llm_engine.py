@@ -316,7 +316,8 @@ class LLMEngine:
                 self.child_to_parent.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        """Requests not finished, or the core's KV offload copies not done."""
+        return bool(self.parents) or self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)

@@ -27,7 +27,7 @@ import zmq
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.executor.abstract import Executor, WorkerDiedError
-from pressroom.executor.process import die_with_parent
+from pressroom.executor.process import die_with_parent, relax_gc
 from pressroom.spec_decode import make_proposer
 from pressroom.worker.worker import Worker
 
@@ -181,6 +181,7 @@ def _unpickled_error(payload: bytes, rank: int, method: str) -> BaseException:
 def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int,
                distributed_init_method: str | None = None) -> None:
     die_with_parent()
+    relax_gc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.executor.abstract import Executor, WorkerDiedError
+from pressroom.executor.process import relax_gc
 
 logger = logging.getLogger("pressroom")
 
@@ -27,6 +28,7 @@ class RayWorker:
     """The actor: a Worker built once the group's address is known (rank 0's node)."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
+        relax_gc()
         self.config, self.rank, self.worker = config, rank, None
 
     def node_and_free_port(self) -> tuple[str, int, str]:

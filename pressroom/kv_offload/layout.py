@@ -1,8 +1,9 @@
 """The canonical on-tier layout of a chunk (one KV block) and its integrity header.
 
-A chunk's payload is the block's KV for every attention layer, as [layers, planes (k, v; 1 for a latent
-cache), block_size, kv_heads, head_dim] in the KV dtype, row-major: the layout of the device cache's
-block, whichever backend wrote it. Files and secondary tiers hold header + payload; the header carries a
+A chunk's payload is the block's KV for every attention layer and every KV head of the model, head-major:
+[kv_heads, layers, planes (k, v; 1 for a latent cache), block_size, head_dim] in the KV dtype, row-major,
+whichever backend wrote it and whatever its tensor-parallel size (a rank's heads are one contiguous range
+of the chunk). Files and secondary tiers hold header + payload; the header carries a
 format version, the model fingerprint, the payload's length and its XXH3-64 checksum, so a truncated,
 corrupt or foreign chunk is recognised before it is served. (XXH3 hashes at memory speed; CRC-32, the first
 version's checksum, cost more than the disk reads it guarded on the H200.)
@@ -19,7 +20,7 @@ import torch
 import xxhash
 
 MAGIC = b"PRKV"
-VERSION = 2
+VERSION = 3  # 3: head-major chunks
 _HEADER = struct.Struct("<4sH16sQQ")  # magic, version, fingerprint, payload length, xxh3-64
 HEADER_BYTES = _HEADER.size
 

@@ -1,11 +1,13 @@
 """The tier chain the block pool consults: the CPU tier first, then the secondary tiers in order.
 
-`TieredKVStore` lives beside the scheduler (in the engine core's process, with the worker in it): the
-scheduler asks it which chunks of a prompt it holds (`lookup`, which lends their CPU slots until the
-copies into the device are done), the model runner copies blocks out of the device cache into CPU slots
-(`reserve`, then `stored`) and lent slots back in (`loaded`), and `poll`, once a step, collects finished
-work. Every chunk read from a secondary tier is checked (layout.py) on a worker thread before the CPU
-tier takes it; a bad one is dropped, counted and recomputed. The file tier's chunks move without copies:
+`TieredKVStore` lives beside the scheduler, in the engine core's process: the scheduler asks it which
+chunks of a prompt it holds (`lookup`, which lends their CPU slots), and each step's copies get their
+slots here (`start_transfers`: slots reserved for blocks leaving the device, lent slots to copy in). The
+workers, in this process or their own, copy their KV heads between the device and the shared slab
+(slab.py) before the step's forward pass; when the step's output is back, every rank's copies are done
+and the slots' loans return (`finish_transfers`). `poll`, once a step, collects finished work. Every
+chunk read from a secondary tier is checked (layout.py) on a worker thread before the CPU tier takes it;
+a bad one is dropped, counted and recomputed. The file tier's chunks move without copies:
 written from the CPU slot they sit in, read straight into the slot they will be served from.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pressroom.config import OffloadConfig
+from pressroom.core.outputs import KVTransfers
 from pressroom.kv_offload.layout import (
     HEADER_BYTES,
     CorruptChunk,
@@ -83,9 +86,10 @@ class OffloadStats:
 
 class TieredKVStore:
     def __init__(self, config: OffloadConfig, fingerprint: bytes, chunk_shape: tuple[int, ...],
-                 dtype: torch.dtype, pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, pin: bool = False) -> None:
+        """`pin`: the workers page-lock their mappings of the CPU tier (CUDA)."""
         self.fingerprint, self.chunk_shape, self.dtype = fingerprint, tuple(chunk_shape), dtype
-        self.cpu = CPUTier(config.cpu_bytes, self.chunk_shape, dtype, pin_memory)
+        self.cpu = CPUTier(config.cpu_bytes, self.chunk_shape, dtype, pin)
         self.chunk_bytes = self.cpu.chunk_bytes
         self.secondary: list[SecondaryTier] = [self._make_tier(spec) for spec in config.secondary]
         self.labels = ["0:cpu"] + [f"{i + 1}:{t.kind}" for i, t in enumerate(self.secondary)]
@@ -100,7 +104,8 @@ class TieredKVStore:
         self._checked: list[tuple[int, TierResult, str | None, bool]] = []  # tier, result, error, kept
         self._lock = threading.Lock()  # the worker threads and the engine loop both count
         self._warned: set[str] = set()
-        self._copies: list[tuple[object, list[int]]] = []  # (device copy's CUDA event, slots lent until it is done)
+        self._step = 0
+        self.in_flight: dict[int, tuple[list[str], list[int], list[int]]] = {}  # step -> keys, their slots, lent
         self._closed = False
 
     def _make_tier(self, spec) -> SecondaryTier:
@@ -179,44 +184,59 @@ class TieredKVStore:
         """Whether some tier has (or is about to have) the chunk: storing it again would be waste."""
         return key in self.cpu or key in self._loading or self._holder(key) is not None
 
-    # ---- the model runner's side ----
+    # ---- one step's copies ----
 
-    def reserve(self, key: str) -> int | None:
-        """A CPU slot the runner copies a device block into (None: the tier has no slot free of loans)."""
-        return self.cpu.reserve(key)
-
-    def stored(self, keys: list[str], slots: list[int], copied: object | None = None) -> None:
-        """The runner has copied blocks into reserved slots (`copied`: the copies' CUDA event while they
-        may still be in flight). The secondary tiers get the chunks in the background."""
+    def start_transfers(self, stores: list[tuple[int, str]], loads: list[tuple[int, int]]) -> KVTransfers | None:
+        """The copies the next step makes: `stores` (device block, chunk key) get CPU slots reserved here
+        (a chunk with no slot free of loans is not kept); `loads` (device block, slot) come with slots a
+        lookup lent. Every slot stays on loan until `finish_transfers` (the step's output is back: every
+        rank's copies are done) or `abandon_transfers` (the step failed)."""
+        reserved = [(block, key, self.cpu.reserve(key)) for block, key in stores]
+        reserved = [r for r in reserved if r[2] is not None]
+        if not reserved and not loads:
+            return None
+        self._step += 1
+        transfers = KVTransfers(self._step, [(block, slot) for block, _, slot in reserved], list(loads))
+        keys = [key for _, key, _ in reserved]
+        self.in_flight[self._step] = (keys, [s for _, s in transfers.stores], [s for _, s in loads])
         for key in keys:
             self._unreadable.discard(key)
             self._origin.pop(key, None)
-        if self.secondary:
-            self.cpu.borrow_slots(slots)  # the write-through reads them
-            for key, slot in zip(keys, slots):
-                self._cascade.submit(self._write_through, key, slot, copied)
-        self._return_after(copied, slots)
-
-    def loaded(self, slots: list[int], copied: object | None = None) -> None:
-        """The runner has copied lent slots into the device (`copied`: the copies' CUDA event)."""
-        self._return_after(copied, slots)
-
-    def _return_after(self, copied: object | None, slots: list[int]) -> None:
-        if copied is None:
-            self.cpu.release(slots)
-        else:
-            self._copies.append((copied, list(slots)))
-
-    def count_device_transfer(self, kind: str, nbytes: int) -> None:
         with self._lock:
-            self.stats.total_bytes[kind] += nbytes
+            self.stats.total_bytes["device_to_cpu"] += len(keys) * self.chunk_bytes
+            self.stats.total_bytes["cpu_to_device"] += len(loads) * self.chunk_bytes
+        return transfers
 
-    def _write_through(self, key: str, slot: int, copied: object | None) -> None:
+    def finish_transfers(self, transfers: KVTransfers) -> None:
+        """A step's copies are done: its loads' slots go back, its stored chunks are servable and go on to
+        the secondary tiers in the background. Once per step; a second call does nothing."""
+        entry = self.in_flight.pop(transfers.step, None)
+        if entry is None:
+            return
+        keys, stored, lent = entry
+        self.cpu.release(lent)
+        if self.secondary:
+            for key, slot in zip(keys, stored):  # the reservation's loan passes to the write-through
+                self._cascade.submit(self._write_through, key, slot)
+        else:
+            self.cpu.release(stored)
+
+    def abandon_transfers(self, transfers: KVTransfers) -> None:
+        """A step failed: its copies may not have run. Its stored chunks are forgotten (their slots hold
+        nothing known), its loads' slots go back."""
+        entry = self.in_flight.pop(transfers.step, None)
+        if entry is None:
+            return
+        keys, stored, lent = entry
+        self.cpu.release(lent)
+        for key in keys:
+            self.cpu.drop(key)
+        self.cpu.release(stored)
+
+    def _write_through(self, key: str, slot: int) -> None:
         """On a cascade thread: the chunk goes from its slot (on loan until here is done) to every secondary
         tier; threaded tiers write the slot's own bytes, others get a blob."""
         try:
-            if copied is not None:
-                copied.synchronize()
             parts = chunk_parts(self.fingerprint, self.cpu.slab[slot])
             blob = None
             for tier in self.secondary:
@@ -231,16 +251,8 @@ class TieredKVStore:
     # ---- housekeeping ----
 
     def poll(self) -> None:
-        """Takes in finished work: device copies done return their slots; chunks the secondary tiers loaded
-        go to be checked, and checked ones become servable."""
-        if self._copies:
-            pending = []
-            for event, slots in self._copies:
-                if event.query():
-                    self.cpu.release(slots)
-                else:
-                    pending.append((event, slots))
-            self._copies = pending
+        """Takes in finished work: chunks the secondary tiers loaded go to be checked, and checked ones
+        become servable."""
         for i, tier in enumerate(self.secondary):
             for result in tier.poll():
                 self._take(i, result)
@@ -356,3 +368,4 @@ class TieredKVStore:
             self._checker.shutdown(wait=True)
         self._closed = True
         self.poll()
+        self.cpu.close()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from pressroom.kv_offload.slab import create_slab
+
 logger = logging.getLogger("pressroom")
 
 
@@ -171,7 +173,7 @@ class FileTier(_ThreadedTier):
         self._index_lock = threading.Lock()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".probe"
+            probe = self.root / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
@@ -228,7 +230,7 @@ class FileTier(_ThreadedTier):
         if not self.enabled:
             raise OSError("the fs tier is off")
         final = self.root / (key + self.suffix)
-        tmp = self.root / f".{key}.{threading.get_ident()}.tmp"
+        tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"  # engines may share the path
         size = sum(len(p) for p in parts)
         try:
             with open(tmp, "wb", buffering=0) as f:
@@ -273,22 +275,22 @@ class FileTier(_ThreadedTier):
 
 
 class CPUTier:
-    """The primary tier: a slab of chunk-sized slots in host memory (pinned on CUDA, so copies to and from
-    the device are asynchronous DMA), least recently used first out. A slot on loan (a device copy into or
-    out of it still in flight, a write-through still reading it, a load not yet issued) is never reused
-    until every loan is returned. Chunks leaving the tier are still in the secondary tiers (written
-    through). Thread-safe: promotions from secondary tiers fill slots from worker threads."""
+    """The primary tier: a slab of chunk-sized slots in shared host memory (slab.py: every worker maps it,
+    page-locked on CUDA), least recently used first out. A slot on loan (a step's device copy into or out
+    of it not yet done, a write-through still reading it, a load not yet issued) is never reused until
+    every loan is returned. Chunks leaving the tier are still in the secondary tiers (written through).
+    Thread-safe: promotions from secondary tiers fill slots from worker threads."""
 
-    def __init__(self, max_bytes: int, chunk_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, max_bytes: int, chunk_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> None:
         self.chunk_bytes = max(1, int(torch.Size(chunk_shape).numel()) * dtype.itemsize)
         self.num_slots = max_bytes // self.chunk_bytes
         self.max_bytes = max_bytes
-        # One allocation up front: pinning memory chunk by chunk would stall every step that stores.
-        self.slab = torch.empty((self.num_slots, *chunk_shape), dtype=dtype, pin_memory=pin_memory)
+        # One allocation up front: workers map (and pin) it once, not chunk by chunk on every step.
+        self.slab, self.handle, self._fd = create_slab((self.num_slots, *chunk_shape), dtype, pin)
         self._slots: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._loans = [0] * self.num_slots
+        self._orphans: set[int] = set()  # slots dropped while on loan: free once the last loan returns
         self._lock = threading.Lock()
 
     def __contains__(self, key: str) -> bool:
@@ -332,10 +334,15 @@ class CPUTier:
             return slot
 
     def drop(self, key: str) -> None:
-        """Forgets a chunk whose slot turned out not to hold it (a promotion that failed its check)."""
+        """Forgets a chunk whose slot turned out not to hold it (a promotion that failed its check, a step
+        that failed before its copy out of the device was done)."""
         with self._lock:
             slot = self._slots.pop(key, None)
-            if slot is not None:
+            if slot is None:
+                return
+            if self._loans[slot]:
+                self._orphans.add(slot)
+            else:
                 self._free.append(slot)
 
     def borrow_slots(self, slots) -> None:
@@ -348,6 +355,15 @@ class CPUTier:
         with self._lock:
             for slot in slots:
                 self._loans[slot] -= 1
+                if not self._loans[slot] and slot in self._orphans:
+                    self._orphans.discard(slot)
+                    self._free.append(slot)
+
+    def close(self) -> None:
+        """Workers keep their mappings; the fd they opened it by goes."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def put(self, key: str, chunk: torch.Tensor) -> bool:
         """Copies a host chunk in; False if no slot is free of loans."""

@@ -23,12 +23,16 @@ from pressroom.core.outputs import (
     SchedulerOutput,
     TopLogprobs,
 )
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size
+from pressroom.kv_offload.slab import SlabHandle
 from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.linear import QKVParallelLinear, head_split
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
 from pressroom.worker.grammar import RequestGrammar, constrain
 from pressroom.worker.input_batch import InputBatch
+from pressroom.worker.offload_copier import HeadRange, OffloadCopier
 from pressroom.worker.pooler import Pooler, PoolRow
 from pressroom.worker.proposer import DraftRequest, Proposer, TargetStep
 from pressroom.worker.rejection_sampler import verify, verify_on_device
@@ -86,6 +90,7 @@ class PendingOutput(AsyncModelRunnerOutput):
     spans: list[int] | None = None  # per row, the tokens it had in flight (1 + drafts); None: one each
     copied: torch.cuda.Event | None = None
     resolved: bool = False
+    transferred: torch.cuda.Event | None = None  # the step's KV offload copies (their slots return with the output)
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> PendingOutput:
@@ -103,6 +108,9 @@ class PendingOutput(AsyncModelRunnerOutput):
 
     def resolve(self) -> ModelRunnerOutput:
         """Waits for the tokens, appends them to the runner's request states (in step order)."""
+        if self.transferred is not None:
+            self.transferred.synchronize()
+            self.transferred = None
         if self.resolved:
             return self.output
         if self.copied is not None:
@@ -189,7 +197,7 @@ class ModelRunner:
         self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
         self.input_batch: InputBatch | None = None  # made at the first step after initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
-        self.kv_offload = None  # a kv_offload.TieredKVStore: takes the blocks each step copies out
+        self.kv_offload: OffloadCopier | None = None  # KV offload on: the steps' copies to and from the CPU tier
         self.pooler = Pooler()
 
     # ---- set-up ----
@@ -353,8 +361,7 @@ class ModelRunner:
         schedules the next step meanwhile) and keeps the step's tokens on the device as the next step's
         inputs. Nothing else in the step depends on the scheduling mode."""
         self._update_states(sched)
-        if sched.kv_stores or sched.kv_loads:
-            self._copy_offloaded_kv(sched.kv_stores, sched.kv_loads)
+        transferred = None if sched.kv_transfers is None else self.kv_offload.run(self.kv_caches, sched.kv_transfers)
         if sched.is_empty:
             self.prev = None  # the scheduler books the previous step's results before the next one
             self.pending = PendingOutput.done(ModelRunnerOutput({}))
@@ -367,58 +374,37 @@ class ModelRunner:
             self.pending = emission.pending
             self.prev = emission.device_step(self.device) if self.async_scheduling else None
             self._propose_next(batch, sched, emission, features)
+        self.pending.transferred = transferred
         return self.pending if self.async_scheduling else self.pending.resolve()
 
     def kv_chunk_shape(self) -> tuple[int, ...]:
-        """One block's KV over every attention layer, as the offload tiers hold it: [layers, planes,
-        block_size, kv_heads, head_dim]."""
+        """One block's KV over every attention layer and every KV head of the model, as the offload tiers
+        hold it (head-major: worker/offload_copier.py): [kv_heads, layers, planes, block_size, head_dim]."""
         shapes = {layer.cache_shape(1, self.block_size) for layer in self.attention_layers}
         if len(shapes) != 1:
             raise ValueError("KV offloading needs every attention layer's cache in one shape; this model's "
                              "layers differ.")
-        planes, _, block, heads, dim = shapes.pop()
-        return (len(self.attention_layers), planes, block, heads, dim)
+        planes, _, block, _, dim = shapes.pop()
+        return (self.kv_head_range().total, len(self.attention_layers), planes, block, dim)
 
-    def _copy_offloaded_kv(self, stores: list[tuple[int, str]], loads: list[tuple[int, int]]) -> None:
-        """Blocks out to the offload CPU tier, then lent CPU slots into fresh blocks, ahead of the step's
-        forward pass on the same stream: a block released last step may be overwritten by this one. On
-        CUDA the slots are pinned and the copies asynchronous; their event returns the slots' loans."""
-        store = self.kv_offload
-        on_cuda = torch.device(self.device).type == "cuda"
-        reserved = [(block, key, store.reserve(key)) for block, key in stores]
-        reserved = [r for r in reserved if r[2] is not None]  # no slot free of loans: not kept
-        if reserved:
-            ids = to_device(torch.tensor([b for b, _, _ in reserved]), self.device)
-            # [layers, planes, n, block, heads, dim] -> one chunk per block, in the canonical layout
-            out = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).permute(2, 0, 1, 3, 4, 5)
-            slots = [s for _, _, s in reserved]
-            if on_cuda:
-                out = out.contiguous()
-                for i, slot, n in _runs(slots):
-                    store.cpu.slab[slot:slot + n].copy_(out[i:i + n], non_blocking=True)
-            else:
-                store.cpu.slab.index_copy_(0, torch.tensor(slots), out)
-            store.stored([k for _, k, _ in reserved], slots, self._copy_event() if on_cuda else None)
-            store.count_device_transfer("device_to_cpu", out.numel() * out.element_size())
-        if loads:
-            ids = to_device(torch.tensor([b for b, _ in loads]), self.device)
-            slots = [s for _, s in loads]
-            if on_cuda:
-                batch = torch.empty((len(slots), *store.chunk_shape), dtype=store.dtype, device=self.device)
-                for i, slot, n in _runs(slots):
-                    batch[i:i + n].copy_(store.cpu.slab[slot:slot + n], non_blocking=True)
-            else:
-                batch = store.cpu.slab.index_select(0, torch.tensor(slots))
-            for layer, cache in enumerate(self.kv_caches):
-                cache.index_copy_(1, ids, batch[:, layer].transpose(0, 1))
-            store.loaded(slots, self._copy_event() if on_cuda else None)
-            store.count_device_transfer("cpu_to_device", batch.numel() * batch.element_size())
+    def kv_head_range(self) -> HeadRange:
+        """This rank's KV heads among the model's (all of them without tensor parallelism)."""
+        heads = self.attention_layers[0].num_kv_heads
+        if get_tp_size() == 1:
+            return HeadRange(0, heads, heads)
+        qkv = next((m for m in self.model.modules() if isinstance(m, QKVParallelLinear)), None)
+        if qkv is None or qkv.num_kv_heads != heads:
+            raise ValueError("KV offloading with tensor parallelism needs a model whose attention projects "
+                             "keys and values per KV head (QKVParallelLinear); this one does not.")
+        rank = get_tp_rank()
+        # a replicated KV head is written by the first rank that holds it
+        previous = head_split(qkv.total_heads, qkv.total_kv_heads, get_tp_size(), rank - 1) if rank else None
+        writes = previous is None or previous[2] != qkv.kv_start
+        return HeadRange(qkv.kv_start, heads, qkv.total_kv_heads, writes)
 
-    @staticmethod
-    def _copy_event():
-        event = torch.cuda.Event()
-        event.record()
-        return event
+    def attach_kv_offload(self, handle: SlabHandle) -> None:
+        """Maps the offload CPU tier's slab; each step's copies go through it from here on."""
+        self.kv_offload = OffloadCopier(handle, self.kv_head_range(), self.device)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -801,12 +787,3 @@ class ModelRunner:
         for j, pos in enumerate(range(start, end)):
             result.append(top_logprobs(logprobs[j], s.token_ids[pos + 1], s.params.prompt_logprobs))
         return result
-
-
-def _runs(slots: list[int]):
-    """(position, first slot, length) of each run of consecutive slots: one copy per run, not per chunk."""
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            yield start, slots[start], i - start
-            start = i

@@ -105,9 +105,9 @@ class Worker:
         """Parameters this rank holds (its shards, and what every rank replicates)."""
         return sum(p.numel() for p in self.model.parameters())
 
-    def attach_kv_offload(self, store) -> None:
-        """The offload store (kv_offload.TieredKVStore) the runner copies released blocks into."""
-        self.model_runner.kv_offload = store
+    def attach_kv_offload(self, handle) -> None:
+        """Maps the KV offload CPU tier (a kv_offload.slab.SlabHandle) for the runner's copies."""
+        self.model_runner.attach_kv_offload(handle)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile
@@ -183,6 +183,8 @@ class Worker:
         """Drops the model and its caches and returns the device's memory. The model's modules hold cycles
         (parameters keep their layer's bound weight loaders), so nothing is freed until a collection: one
         runs here rather than whenever the collector gets to it."""
+        if self.model_runner is not None and self.model_runner.kv_offload is not None:
+            self.model_runner.kv_offload.close()
         self.model_runner = self.model = None
         destroy_tensor_parallel()
         gc.collect()

@@ -58,3 +58,19 @@ def test_chunks_the_cpu_backend_wrote_serve_the_cuda_engine(tmp_path):
     reader = cuda_engine(model, **offload)
     assert _gen(reader, prompts) == plain
     assert reader.engine.stats().offload.tiers["1:fs"].chunk_hits > 0
+
+
+def test_ranks_in_worker_processes_copy_through_their_page_locked_mapping(tmp_path):
+    """The CPU tier is the engine core's shared memory; a worker process maps and page-locks it (the
+    in-process worker's mapping is checked for page-locking, the worker process for outputs)."""
+    model = tiny_llama(tmp_path / "model")
+    prompts = shared_prefix_prompts(300, prefixes=12, prefix_len=96, seed=4)
+    plain = _gen(cuda_engine(model), prompts)
+    offload = {"kv_offloading_size": 20 * CHUNK_BYTES / (1 << 30)}
+    inproc = cuda_engine(model, **offload)
+    assert inproc.engine.core.executor.driver_worker.model_runner.kv_offload.slab.is_pinned()
+    inproc.shutdown()
+    llm = cuda_engine(model, distributed_executor_backend="mp", **offload)
+    assert _gen(llm, prompts) == plain
+    assert llm.engine.stats().offload.tiers["0:cpu"].chunk_hits > 0
+    llm.shutdown()

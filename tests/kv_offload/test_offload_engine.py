@@ -76,3 +76,27 @@ def test_an_out_of_tree_tier_by_module_path_in_vllms_config_shape(tiny_model_dir
 def test_bad_offload_configs_are_refused_clearly(config, message, tiny_model_dir):
     with pytest.raises(ValueError, match=message):
         engine(tiny_model_dir("llama"), kv_transfer_config=config)
+
+
+def test_chunks_are_the_same_whatever_the_tensor_parallel_size(tiny_model_dir, tmp_path):
+    """Two ranks (worker processes, gloo) copy their KV heads into and out of the shared CPU tier: outputs
+    equal no offload; then a single-rank engine serves from the disk chunks the two ranks wrote, and two
+    ranks serve from chunks one rank wrote."""
+    model = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(150, prefixes=12, prefix_len=96, seed=5)
+    plain = _gen(engine(model), prompts)
+    cpu_gib = 20 * CHUNK_BYTES / (1 << 30)
+
+    def served(path, **kw) -> dict:
+        llm = engine(model, kv_offloading_size=cpu_gib, kv_offloading_disk_path=str(path), **kw)
+        try:
+            assert _gen(llm, prompts) == plain
+            return llm.engine.stats().offload.tiers
+        finally:
+            llm.shutdown()
+
+    two = served(tmp_path / "by-two", tensor_parallel_size=2)
+    assert two["0:cpu"].chunk_hits > 0 and two["1:fs"].chunk_hits > 0 and two["1:fs"].write_bytes > 0
+    assert served(tmp_path / "by-two")["1:fs"].chunk_hits > 0  # one rank reads what two wrote
+    served(tmp_path / "by-one")
+    assert served(tmp_path / "by-one", tensor_parallel_size=2)["1:fs"].chunk_hits > 0

@@ -1,7 +1,7 @@
 """The offload tiers and the chunk format on their own: the header catches every kind of damage, the CPU
 tier keeps to its byte budget and never reuses a slot on loan, the filesystem tier keeps to its cap
-(oldest out) and finds an earlier process's files, and a chunk still being copied off the device is waited
-for before the host reads it."""
+(oldest out) and finds an earlier process's files, and a step's slots stay on loan (and its chunks unwritten
+to the secondary tiers) until the step's output is back."""
 from __future__ import annotations
 
 import time
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pressroom.config import OffloadConfig, OffloadTierSpec
+from pressroom.core.outputs import KVTransfers
 from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, checked_payload, copy_payload, encode_chunk
 from pressroom.kv_offload.manager import TieredKVStore
 from pressroom.kv_offload.tiers import CPUTier, FileTier
@@ -81,59 +82,64 @@ def test_the_file_tier_caps_its_bytes_and_a_new_process_finds_its_files(tmp_path
     assert not FileTier(str(tmp_path), OTHER).lookup("k1")  # another fingerprint, another directory
 
 
-class RecordingEvent:
-    def __init__(self) -> None:
-        self.waited = False
-
-    def synchronize(self) -> None:
-        self.waited = True
-
-    def query(self) -> bool:
-        return self.waited
-
-
-def stored(store: TieredKVStore, key: str, c: torch.Tensor, event=None) -> int:
-    """What the model runner does with a block it copies out of the device."""
-    slot = store.reserve(key)
+def store_chunk(store: TieredKVStore, key: str, c: torch.Tensor, finish: bool = True) -> KVTransfers:
+    """A step that stores a chunk: the engine reserves its slot, a worker fills it, the step's output comes
+    back (`finish`)."""
+    transfers = store.start_transfers([(7, key)], [])
+    (_, slot), = transfers.stores
     store.cpu.slab[slot].copy_(c)
-    store.stored([key], [slot], event)
-    return slot
+    if finish:
+        store.finish_transfers(transfers)
+    return transfers
 
 
-def test_a_chunk_still_being_copied_off_the_device_is_waited_for_before_the_host_reads_it(tmp_path):
+def test_a_stored_chunk_is_written_through_only_once_its_step_is_done(tmp_path):
     config = OffloadConfig(2 * chunk(0).numel() * 4, [OffloadTierSpec("fs", str(tmp_path))])
     store = TieredKVStore(config, FP, SHAPE, torch.float32)
-    event = RecordingEvent()
-    stored(store, "k0", chunk(0), event)
-    store.close()  # the write-through read the slot only after the copy's event
-    assert event.waited
+    transfers = store_chunk(store, "k0", chunk(0), finish=False)
+    time.sleep(0.05)
+    assert not (tmp_path / FP.hex() / "k0.kv").exists()  # the device copy may still be running
+    store.finish_transfers(transfers)
+    store.finish_transfers(transfers)  # a second call does nothing (the loan is not returned twice)
+    store.close()
     assert torch.equal(decode((tmp_path / FP.hex() / "k0.kv").read_bytes()), chunk(0))
 
 
-def test_a_slot_is_on_loan_until_the_device_copy_is_done_and_a_lookup_lends_its_slots():
+def test_slots_are_on_loan_until_their_step_is_done_and_a_lookup_lends_its_slots():
     store = TieredKVStore(OffloadConfig(2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
-    event = RecordingEvent()
-    stored(store, "k0", chunk(0), event)
+    first = store_chunk(store, "k0", chunk(0), finish=False)
     hit = store.lookup(["k0", "k1"])
     assert hit.keys == ["k0"] and hit.missed
-    stored(store, "k1", chunk(1))  # copied at once (no event): not on loan
-    k2 = store.reserve("k2")  # takes k1's slot: k0, though older, is on loan (the copy and the lookup)
+    store_chunk(store, "k1", chunk(1))  # its step done: not on loan
+    k2 = store.start_transfers([(2, "k2")], [])  # takes k1's slot: k0, though older, is on loan
     assert k2 is not None and "k1" not in store.cpu and "k0" in store.cpu
-    assert store.reserve("k3") is None  # k0 on loan, k2 reserved: nothing to take over
+    assert store.start_transfers([(3, "k3")], []) is None  # k0 and k2 on loan: nothing to take over
     store.release(hit)
-    assert store.reserve("k3") is None  # the device copy still holds k0
-    event.waited = True
-    store.poll()
-    assert store.reserve("k3") is not None and "k0" not in store.cpu
+    assert store.start_transfers([(3, "k3")], []) is None  # k0's own step is not done
+    store.finish_transfers(first)
+    assert store.start_transfers([(3, "k3")], []) is not None and "k0" not in store.cpu
     store.count_lookup(hit)
     assert store.snapshot().tiers["0:cpu"].chunk_hits == 1
+    assert store.snapshot().total_bytes == {"device_to_cpu": 4 * chunk(0).numel() * 4, "cpu_to_device": 0}
+    store.close()
+
+
+def test_a_failed_steps_stores_are_forgotten_and_its_loans_return():
+    store = TieredKVStore(OffloadConfig(2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
+    store_chunk(store, "k0", chunk(0))
+    hit = store.lookup(["k0"])
+    failed = store.start_transfers([(1, "k1")], [(2, hit.slots[0])])
+    store.abandon_transfers(failed)
+    assert "k1" not in store.cpu and "k0" in store.cpu  # k1's slot holds nothing known
+    assert store.start_transfers([(3, "k2"), (4, "k3")], []) is not None  # both slots free of loans again
+    assert list(store.in_flight) == [3]  # only the last step is still out
     store.close()
 
 
 def test_promoted_chunks_count_as_hits_of_the_tier_they_came_from(tmp_path):
     config = OffloadConfig(1 << 20, [OffloadTierSpec("fs", str(tmp_path))])
     first = TieredKVStore(config, FP, SHAPE, torch.float32)
-    stored(first, "k0", chunk(0))
+    store_chunk(first, "k0", chunk(0))
     first.close()
     store = TieredKVStore(config, FP, SHAPE, torch.float32)
     hit = store.lookup(["k0"])
