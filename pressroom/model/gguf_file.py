@@ -2,6 +2,7 @@
 
 Only dense decoder architectures that map 1:1 onto HF's Llama / Qwen2 / Qwen3 modules are
 supported; everything is dequantized to float32 so the rest of the engine never sees GGML types.
+Weights come as LazyWeights: a tensor-parallel rank reads and dequantizes only the rows and columns it holds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from pressroom.model.layers.quant import Q4Weight, Q8Weight
+from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -155,68 +157,126 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     return _build_config(_open(path))
 
 
-def iter_gguf_weights(path: str, keep_4bit: bool = False) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
-    """Yield (HF parameter name, float32 tensor in HF layout), one tensor at a time.
+def iter_gguf_weights(path: str, keep_4bit: bool = False, tally: ReadTally | None = None
+                      ) -> Iterator[tuple[str, LazyWeight]]:
+    """Yield (HF parameter name, LazyWeight in HF layout), one tensor at a time; loaded, it is float32.
 
-    With keep_4bit, Q4_0 / Q4_1 projection matrices come as exact `Q4Weight`s instead, and a Q8_0
-    embedding or LM head as an exact `Q8Weight`.
+    Nothing is read until a weight loader loads it, and then only the rows and columns it narrowed to:
+    quant blocks run along a row, so whole rows, and columns at block boundaries, slice cleanly; an
+    expert of a stacked expert tensor is rows of it. With keep_4bit, Q4_0 / Q4_1 projection matrices load
+    as exact `Q4Weight`s instead, and a Q8_0 embedding or LM head as an exact `Q8Weight`.
     """
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
     # Name every tensor up front: an unmappable one should fail before any weight is consumed.
     named = [(_hf_names(info, file), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
-    return _iter_weights(file, _build_config(file), named, keep_4bit)
+    return _iter_weights(file, _build_config(file), named, keep_4bit, tally)
 
 
-def _iter_weights(
-    file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]], keep_4bit: bool
-) -> Iterator[tuple[str, torch.Tensor | Q4Weight | Q8Weight]]:
+def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]],
+                  keep_4bit: bool, tally: ReadTally | None) -> Iterator[tuple[str, LazyWeight]]:
     for names, info in named:
         if len(info.shape) == 3:  # experts stacked in one tensor: one HF matrix each (the experts stay dense)
-            yield from zip(names, _dequantize(file, info).unbind(0))
+            _, rows, cols = info.shape
+            for expert, name in enumerate(names):
+                yield name, _lazy(_StoredWeight(file, info, name, tally, rows, cols, first_row=expert * rows))
             continue
         hf_name = names[0]
+        cols = info.shape[-1]
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64))
         if hf_name.endswith("shared_expert_gate.weight"):  # GGUF keeps this [1, hidden] matrix as a vector
-            yield hf_name, _dequantize(file, info).reshape(1, -1)
+            yield hf_name, _lazy(_StoredWeight(file, info, hf_name, tally, 1, cols))
             continue
+        form = "dense"
         if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _HEAD_NAMES:
-            weight = _read_q8(file, info)
+            form = "q8"
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
-            weight = _read_q4(file, info)
-            if file.spec.permuted_qk:
-                weight = weight.map_rows(lambda t, name=hf_name: _unpermute_qk(t, name, config))
-        else:
-            weight = _dequantize(file, info)
-            if file.spec.permuted_qk:
-                weight = _unpermute_qk(weight, hf_name, config)
-        yield hf_name, weight
+            form = "q4"
+        heads = _rotary_heads(hf_name, config) if file.spec.permuted_qk else 0
+        stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads)
+        yield hf_name, _lazy(stored, vector=len(info.shape) == 1)
 
 
 _Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 _HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head, tied to the embedding or not
 
 
-def _read_q8(file: _GgufFile, info: _TensorInfo) -> Q8Weight:
-    """Unpack Q8_0 blocks (f16 d, 32 signed bytes) without rounding."""
-    rows, cols = info.shape
-    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
-    blocks = raw.reshape(rows, cols // 32, 34)
+def _lazy(stored: _StoredWeight, vector: bool = False) -> LazyWeight:
+    return LazyWeight((stored.cols,) if vector else (stored.rows, stored.cols), torch.float32, stored)
+
+
+@dataclass(slots=True, frozen=True)
+class _StoredWeight:
+    """One GGUF tensor (or one expert's rows of a stacked one) as rows of quant blocks: called with a
+    LazyWeight's index, it reads the blocks holding those rows and columns, and decodes only them."""
+    file: _GgufFile
+    info: _TensorInfo
+    name: str  # the HF name, for the tally
+    tally: ReadTally | None
+    rows: int
+    cols: int
+    first_row: int = 0  # of the stored tensor's rows: an expert's place in its stack
+    form: str = "dense"  # or "q4" (a Q4Weight), "q8" (a Q8Weight)
+    heads: int = 0  # llama.cpp's rotary row order to undo within each of this many heads (0: none)
+
+    def __call__(self, index: Index) -> torch.Tensor | Q4Weight | Q8Weight:
+        if len(index) == 1:  # a vector: one row of blocks (biases and norms; dense)
+            ((c0, c1),) = index
+            if self.heads:  # the permutation runs along the vector: undo it on the whole (small) vector
+                return _undo_rotary_permute(self._decode(0, 1, 0, self.cols).reshape(-1), self.heads)[c0:c1]
+            return self._decode(0, 1, c0, c1).reshape(-1)
+        (r0, r1), (c0, c1) = index
+        # The rotary permutation moves rows within a head: read whole heads, undo it, then keep the rows asked.
+        period = self.rows // self.heads if self.heads else 1
+        start, stop = r0 // period * period, -(-r1 // period) * period
+        part = self._decode(start, stop, c0, c1)
+        if self.heads:
+            heads = (stop - start) // period
+            undo = lambda t: _undo_rotary_permute(t, heads)  # noqa: E731
+            part = part.map_rows(undo) if isinstance(part, Q4Weight) else undo(part)
+        return part if (start, stop) == (r0, r1) else part.narrow(0, r0 - start, r1 - r0)
+
+    def _decode(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | Q4Weight | Q8Weight:
+        """Rows [r0, r1) and columns [c0, c1), from only the quant blocks that hold them."""
+        block, type_size = gguf.GGML_QUANT_SIZES[self.info.ggml_type]
+        b0, b1, row_blocks = c0 // block, -(-c1 // block), self.cols // block
+        row_bytes = row_blocks * type_size
+        raw = np.frombuffer(self.file.buffer, dtype=np.uint8, count=(r1 - r0) * row_bytes,
+                            offset=self.info.offset + (self.first_row + r0) * row_bytes).reshape(r1 - r0, row_bytes)
+        if (b0, b1) != (0, row_blocks):
+            raw = np.ascontiguousarray(raw[:, b0 * type_size:b1 * type_size])
+        if self.tally is not None:
+            self.tally.add(self.name, raw.size)
+        if self.form == "q4":
+            part = _unpack_q4(raw, self.info.ggml_type)
+        elif self.form == "q8":
+            part = _unpack_q8(raw)
+        else:
+            part = _dequantize(raw, self.file, self.info)
+        skip, width = c0 - b0 * block, c1 - c0
+        return part if (skip, width) == (0, part.shape[1]) else part.narrow(1, skip, width)
+
+
+def _unpack_q8(raw: np.ndarray) -> Q8Weight:
+    """Unpack Q8_0 blocks (f16 d, 32 signed bytes; raw: [rows, bytes]) without rounding."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 34)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
 
 
-def _read_q4(file: _GgufFile, info: _TensorInfo) -> Q4Weight:
-    """Unpack Q4_0 / Q4_1 blocks (f16 d, [f16 m,] 16 bytes of nibbles: low halves first) without rounding."""
-    with_min = info.ggml_type == gguf.GGMLQuantizationType.Q4_1
-    rows, cols = info.shape
+def _unpack_q4(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> Q4Weight:
+    """Unpack Q4_0 / Q4_1 blocks (f16 d, [f16 m,] 16 bytes of nibbles: low halves first; raw: [rows, bytes])
+    without rounding."""
+    with_min = ggml_type == gguf.GGMLQuantizationType.Q4_1
+    rows = raw.shape[0]
     block_bytes = 20 if with_min else 18
-    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
-    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    blocks = raw.reshape(rows, -1, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if with_min else None
     nibbles = blocks[..., block_bytes - 16:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
     low = m if with_min else -8 * d  # Q4_0 stores q - 8
     return Q4Weight(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(low))
 
@@ -489,12 +549,10 @@ def _rope_scaling(file: _GgufFile) -> dict[str, Any] | None:
 # --- tensors -------------------------------------------------------------------------------
 
 
-def _dequantize(file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
-    raw = np.frombuffer(file.buffer, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
-    # gguf's dequantizers work row-wise on (..., row_bytes) byte arrays, as GGUFReader hands them over.
-    rows = info.shape[:-1] if len(info.shape) > 1 else (1,)
+def _dequantize(raw: np.ndarray, file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
+    """Rows of quant blocks ([rows, bytes], as gguf's row-wise dequantizers take them) as float32 [rows, cols]."""
     try:
-        values = gguf.quants.dequantize(raw.reshape(*rows, -1), info.ggml_type)
+        values = gguf.quants.dequantize(raw, info.ggml_type)
     except NotImplementedError as exc:
         raise ValueError(f"GGUF file {file.path}: tensor {info.name} has unsupported type "
                          f"{info.ggml_type.name}") from exc
@@ -502,7 +560,7 @@ def _dequantize(file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
     values = values.astype(np.float32, copy=False)
     if not values.flags.writeable:
         values = values.copy()
-    return torch.from_numpy(values.reshape(info.shape))
+    return torch.from_numpy(values)
 
 
 def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:
@@ -533,14 +591,14 @@ def _hf_name(gguf_name: str, path: str) -> str:
     raise ValueError(f"GGUF file {path} has tensor {gguf_name!r} with no known HF counterpart")
 
 
-def _unpermute_qk(weight: torch.Tensor, hf_name: str, config: dict[str, Any]) -> torch.Tensor:
+def _rotary_heads(hf_name: str, config: dict[str, Any]) -> int:
     # llama.cpp stores each head's rotary pairs interleaved (x0,x1),(x2,x3)...; HF keeps them as
     # two halves (rotate_half). Rows of q use n_heads groups, rows of k use n_kv_heads groups.
     if ".self_attn.q_proj." in hf_name:
-        return _undo_rotary_permute(weight, config["num_attention_heads"])
+        return config["num_attention_heads"]
     if ".self_attn.k_proj." in hf_name:
-        return _undo_rotary_permute(weight, config["num_key_value_heads"])
-    return weight
+        return config["num_key_value_heads"]
+    return 0
 
 
 def _undo_rotary_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from pressroom.model import gguf_file
 from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.layers.quant import int4_kernel_available
+from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 from pressroom.model.registry import resolve_architecture
 
 logger = logging.getLogger("pressroom")
@@ -30,6 +31,8 @@ class LoadedModel:
     model: nn.Module
     hf_config: object
     source: str  # the resolved path
+    # bytes this process read from the checkpoint, by tensor name: with tensor parallelism, its slices only
+    reads: ReadTally = field(default_factory=ReadTally)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -69,16 +72,44 @@ def load_tokenizer(path: str):
         raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, tally: ReadTally | None = None) -> Iterator[tuple[str, LazyWeight]]:
+    """Every tensor of the checkpoint as a LazyWeight: weight loaders narrow it to this rank's part, and
+    only that part is read (`PySafeSlice` indexing); a whole tensor comes from `get_tensor`, as ever."""
     from safetensors import SafetensorError, safe_open
-    files = _safetensors_files(path)
-    for file in files:
+    for file in _safetensors_files(path):
         try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            handle = safe_open(file, framework="pt")  # closed when its last LazyWeight is gone
+            names = list(handle.keys())
+            for name in names:
+                yield name, _lazy_safetensor(handle, handle.get_slice(name), file, name, tally)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"Checkpoint file {file!r} is truncated or corrupt: {e}") from e
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+def _lazy_safetensor(handle, part, file: str, name: str, tally: ReadTally | None) -> LazyWeight:
+    shape = tuple(part.get_shape())
+    whole = tuple((0, n) for n in shape)
+
+    def read(index: Index) -> torch.Tensor:
+        from safetensors import SafetensorError
+        try:
+            tensor = handle.get_tensor(name) if index == whole else part[tuple(slice(a, b) for a, b in index)]
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"Checkpoint file {file!r} is truncated or corrupt: {e}") from e
+        if tally is not None:
+            tally.add(name, tensor.numel() * tensor.element_size())
+        return tensor
+
+    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+    if dtype is None:  # a rarer type: ask the tensor (a view of the mapped file, nothing read)
+        dtype = handle.get_tensor(name).dtype
+    return LazyWeight(shape, dtype, read)
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -141,11 +172,13 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             model = model_cls(hf_config)
     finally:
         torch.set_default_dtype(previous)
+    reads = ReadTally()
     if fmt == "dummy":
         _fill_dummy(model, config.seed)
     else:
         keep_4bit = _keep_4bit(config, device)
-        weights = gguf_file.iter_gguf_weights(path, keep_4bit) if _is_gguf(path) else iter_safetensors(path)
+        weights = gguf_file.iter_gguf_weights(path, keep_4bit, reads) if _is_gguf(path) else \
+            iter_safetensors(path, reads)
         loaded = model.load_weights(weights)
         missing = sorted(model.expected_weights() - loaded)
         if missing:
@@ -154,4 +187,4 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             _pack_int4(model)
     _prepack(model)
     model.eval()
-    return LoadedModel(model, hf_config, path)
+    return LoadedModel(model, hf_config, path, reads)

@@ -27,6 +27,7 @@ from torch import nn
 from pressroom.config import SpeculativeConfig
 from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.lazy_weight import materialize
 from pressroom.model.loader import iter_safetensors
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
 from pressroom.spec_decode.draft_model import draw_rows
@@ -123,7 +124,7 @@ class MultiTokenPredictor(nn.Module):
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the MTP layer expects "
                                      f"{tuple(param.shape)}.")
-                param.data.copy_(tensor)
+                param.data.copy_(materialize(tensor))
             else:
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
             loaded.add(name)

@@ -101,7 +101,8 @@ def test_smollm2_config(smollm2_path: str) -> None:
 def test_smollm2_weights_match_transformers(smollm2_path: str) -> None:
     reference = _transformers_reference_weights(smollm2_path)
     seen: set[str] = set()
-    for name, tensor in iter_gguf_weights(smollm2_path):
+    for name, lazy in iter_gguf_weights(smollm2_path):
+        tensor = lazy.load()
         assert name not in seen, f"duplicate {name}"
         seen.add(name)
         assert tensor.dtype == torch.float32, name
@@ -120,9 +121,35 @@ def test_smollm2_qk_rows_are_unpermuted(smollm2_path: str, smollm2_reader: gguf.
     stored = next(t for t in smollm2_reader.tensors if t.name == "blk.0.attn_k.weight")
     raw = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).copy())
     # Stop at the first layer's k_proj rather than dequantizing the whole model.
-    ours = next(t for n, t in iter_gguf_weights(smollm2_path) if n == "model.layers.0.self_attn.k_proj.weight")
+    ours = next(t for n, t in iter_gguf_weights(smollm2_path) if n == "model.layers.0.self_attn.k_proj.weight").load()
     assert not torch.equal(raw, ours)
     assert torch.equal(_rotary_permute(ours, 3), raw)
+
+
+@pytest.mark.parametrize("keep_4bit", [False, True])
+def test_a_narrowed_weight_reads_what_the_whole_one_holds(smollm2_path: str, keep_4bit: bool) -> None:
+    """Parts of a lazy GGUF weight, read alone, equal the same part of the whole: rows cut inside a head of
+    llama.cpp's permuted q/k rows, and columns (dense: anywhere; 4-bit: at block boundaries)."""
+    from pressroom.model.lazy_weight import ReadTally
+    tally = ReadTally()
+    weights = dict(iter_gguf_weights(smollm2_path, keep_4bit=keep_4bit, tally=tally))
+    name = "model.layers.0.self_attn.k_proj.weight"  # [3 KV heads * 64, 576], permuted rows
+    whole = weights[name].load()
+    cols = (64, 128) if keep_4bit else (7, 100)
+    part = weights[name].narrow(0, 5, 70).narrow(1, *cols).load()
+    expected = whole.narrow(0, 5, 70).narrow(1, *cols)
+    if keep_4bit:
+        assert all(torch.equal(getattr(part, f), getattr(expected, f)) for f in ("q", "scale", "min"))
+    else:
+        assert torch.equal(part, expected)
+    # read: the whole once, then only the two heads (128 rows) holding rows 5..74, in the blocks holding the columns
+    from pressroom.model import gguf_file
+    file = gguf_file._open(smollm2_path)
+    info = next(i for i in file.tensors if i.name == "blk.0.attn_k.weight")
+    block, type_size = gguf.GGML_QUANT_SIZES[info.ggml_type]
+    start, length = cols
+    blocks = -(-(start + length) // block) - start // block
+    assert tally.by_name[name] == info.n_bytes + 128 * blocks * type_size
 
 
 def test_smollm2_tokenizer_round_trip(smollm2_tokenizer) -> None:
@@ -325,7 +352,7 @@ def test_synthetic_round_trip(tmp_path, arch: str, tied: bool) -> None:
     assert config["attention_bias"] is (arch == "qwen2")
     assert config["rope_theta"] == 1_000_000.0
 
-    loaded = dict(iter_gguf_weights(path))
+    loaded = {name: lazy.load() for name, lazy in iter_gguf_weights(path)}
     assert set(loaded) == set(expected)
     for name, tensor in expected.items():
         assert loaded[name].shape == tensor.shape, name

@@ -99,3 +99,74 @@ def test_onednn_prepacked_linear_matches_plain_with_bias():
         pytest.skip("this torch build has no oneDNN prepacking")
     assert layer.weight.numel() == 0  # the plain copy is dropped
     assert torch.allclose(layer(x).float(), plain.float(), atol=0.05, rtol=0.02)
+
+
+# ---- tensor parallelism: each rank reads only its slices of the checkpoint ----
+
+def _load_as(monkeypatch, path: str, rank: int, size: int, eager: bool = False, expert_parallel: bool = False):
+    """`load_model` as rank `rank` of `size` runs it (loading needs no process group, so in this process), with
+    the plain weights kept (no oneDNN prepacking) to compare. eager: every tensor read whole, then narrowed by
+    the weight loaders, as before lazy loading."""
+    from pressroom.config import ModelConfig
+    from pressroom.distributed import parallel_state
+    from pressroom.model import gguf_file, loader
+    monkeypatch.setattr(parallel_state, "_RANK", rank)
+    monkeypatch.setattr(parallel_state, "_SIZE", size)
+    monkeypatch.setattr(parallel_state, "_EXPERT_PARALLEL", expert_parallel)
+    monkeypatch.setattr(loader, "_prepack", lambda model: None)
+    with monkeypatch.context() as patch:
+        if eager:
+            for module, name in ((loader, "iter_safetensors"), (gguf_file, "iter_gguf_weights")):
+                lazy = getattr(module, name)
+                patch.setattr(module, name, lambda *a, lazy=lazy: ((n, w.load()) for n, w in lazy(*a)))
+        return loader.load_model(ModelConfig(model=path, dtype=torch.float32), "cpu")
+
+
+def _checkpoint_bytes(path: str) -> int:
+    if path.endswith(".gguf"):
+        from pressroom.model import gguf_file
+        return sum(info.n_bytes for info in gguf_file._open(path).tensors)  # the file's tensor table
+    from safetensors import safe_open
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        return sum(f.get_slice(n)[:].nbytes for n in f.keys())
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(source, tiny_model_dir, embedded_path, monkeypatch):
+    """At TP=2 a sharded tensor's bytes are read once over the two ranks (each its slice), a replicated one (the
+    norms) by both; what rank 1 (the one at nonzero offsets) loads equals what it loads reading every tensor
+    whole, as before. The tiny Llama splits evenly; the embedded Q4_1 GGUF (Q4 projections, a Q8_0 tied
+    embedding, llama.cpp's permuted q/k rows) splits its 3 KV heads 2:1."""
+    path = tiny_model_dir("llama") if source == "safetensors" else embedded_path
+    ranks = [_load_as(monkeypatch, path, rank, 2) for rank in range(2)]
+    eager = _load_as(monkeypatch, path, 1, 2, eager=True)
+    eager_params = dict(eager.model.named_parameters())
+    for name, param in ranks[1].model.named_parameters():
+        assert torch.equal(param, eager_params[name]), name
+    whole = eager.reads.by_name  # every tensor read whole
+    total = sum(whole.values())
+    assert total == _checkpoint_bytes(path)
+    replicated = {name for name in whole if "norm" in name}
+    reads = [r.reads.by_name for r in ranks]
+    for name, n_bytes in whole.items():
+        read = [r.get(name, 0) for r in reads]
+        if name in replicated:
+            assert read == [n_bytes, n_bytes], name
+        else:
+            assert sum(read) == n_bytes and min(read) > 0, (name, read, n_bytes)
+    half = (total - sum(whole[name] for name in replicated)) / 2 + sum(whole[name] for name in replicated)
+    assert all(abs(r.reads.total - half) < 0.05 * total for r in ranks), ([r.reads.total for r in ranks], half)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_rank_reads_no_expert_it_does_not_hold(expert_parallel, tiny_model_dir, monkeypatch):
+    """Expert parallelism: each expert's matrices are read by the rank that holds the expert, and not at all by
+    the other; sliced experts: each rank reads half of every expert."""
+    path = tiny_model_dir("qwen2_moe")
+    whole = _load_as(monkeypatch, path, 0, 1).reads.by_name
+    ranks = [_load_as(monkeypatch, path, r, 2, expert_parallel=expert_parallel).reads.by_name for r in range(2)]
+    experts = [name for name in whole if ".experts." in name]
+    assert len(experts) == 6 * 3  # one sparse layer: 6 experts' gate, up and down
+    for name in experts:
+        read = [r.get(name, 0) for r in ranks]
+        assert sorted(read) == ([0, whole[name]] if expert_parallel else [whole[name] // 2] * 2), (name, read)

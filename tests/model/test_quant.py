@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch 
 
 
 def test_q4_blocks_unpack_exactly_like_the_dequantizer(embedded_path):
-    dense = dict(gguf_file.iter_gguf_weights(embedded_path))
-    kept = dict(gguf_file.iter_gguf_weights(embedded_path, keep_4bit=True))
+    dense = {name: lazy.load() for name, lazy in gguf_file.iter_gguf_weights(embedded_path)}
+    kept = {name: lazy.load() for name, lazy in gguf_file.iter_gguf_weights(embedded_path, keep_4bit=True)}
     q4 = {k: v for k, v in kept.items() if isinstance(v, Q4Weight)}
     assert len(q4) == 30 * 7  # q, k, v, o, gate, up, down in each layer
     for name, weight in q4.items():

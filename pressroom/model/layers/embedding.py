@@ -9,6 +9,7 @@ from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_al
 from pressroom.kernels import cpu
 from pressroom.model.layers.linear import onednn_prepack
 from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
+from pressroom.model.lazy_weight import materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -22,25 +23,25 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.q8: Q8Weight | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Q8Weight, shard_id=None) -> None:
-        if isinstance(loaded, Q8Weight):
-            # The 8-bit form serves the LM head's decode-sized steps: this rank's rows of it, padded to the
-            # shard's size as the dense weight is (each vocabulary row is computed as one rank would).
-            self.q8 = self._q8_shard(loaded) if cpu.available() else None
-            loaded = loaded.dequantize()
-        shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
-        if shard.shape[1] != param.shape[1] or shard.shape[0] > param.shape[0]:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """This rank's rows of the vocabulary (narrowed before they are read, if `loaded` is lazy)."""
+        if len(loaded.shape) != 2 or loaded.shape[1] != param.shape[1]:
             raise ValueError(f"embedding has shape {tuple(loaded.shape)}; the model expects "
                              f"({self.vocab_size}, {param.shape[1]}).")
+        start = min(self.vocab_start, loaded.shape[0])
+        shard = materialize(loaded.narrow(0, start, min(self.shard_size, loaded.shape[0] - start)))
+        if isinstance(shard, Q8Weight):
+            # The 8-bit form serves the LM head's decode-sized steps: this rank's rows of it, padded to the
+            # shard's size as the dense weight is (each vocabulary row is computed as one rank would).
+            self.q8 = self._pad_q8(shard) if cpu.available() else None
+            shard = shard.dequantize()
         param.data[:shard.shape[0]].copy_(shard)
 
-    def _q8_shard(self, full: Q8Weight) -> Q8Weight:
-        if self.tp_size == 1:
-            return full
-        q, scale = full.q[self.vocab_start:self.vocab_start + self.shard_size], \
-            full.scale[self.vocab_start:self.vocab_start + self.shard_size]
-        pad = self.shard_size - q.shape[0]
-        return Q8Weight(F.pad(q, (0, 0, 0, pad)).contiguous(), F.pad(scale, (0, 0, 0, pad)).contiguous())
+    def _pad_q8(self, shard: Q8Weight) -> Q8Weight:
+        pad = self.shard_size - shard.q.shape[0]
+        if pad == 0:
+            return shard
+        return Q8Weight(F.pad(shard.q, (0, 0, 0, pad)).contiguous(), F.pad(shard.scale, (0, 0, 0, pad)).contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.model.lazy_weight import materialize
+
 # A stacked parameter's part: gate (w1), up (w3) and down (w2), as Mixtral names them.
 GATE, UP, DOWN = "w1", "w3", "w2"
 
@@ -103,7 +105,7 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
-        this rank's range are skipped."""
+        this rank's range are skipped unread, and of the others only this rank's slice is read."""
         part, expert = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
@@ -115,10 +117,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert}'s {part} has shape {tuple(loaded.shape)} where the model config "
                              f"implies {expected}; the checkpoint and config.json disagree.")
         if part == DOWN:
-            self.w2.data[i].copy_(loaded.narrow(1, self.inter_start, inter))
+            self.w2.data[i].copy_(materialize(loaded.narrow(1, self.inter_start, inter)))
         else:
             target = self.w13.data[i].narrow(0, 0 if part == GATE else inter, inter)
-            target.copy_(loaded.narrow(0, self.inter_start, inter))
+            target.copy_(materialize(loaded.narrow(0, self.inter_start, inter)))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""

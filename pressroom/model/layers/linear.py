@@ -1,7 +1,9 @@
 """Column- and row-parallel linear layers whose parameters load shard by shard.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies the slice this
-rank owns; stacked layers (qkv, gate_up) take their parts one checkpoint tensor at a time.
+rank owns; stacked layers (qkv, gate_up) take their parts one checkpoint tensor at a time. `loaded` is
+usually a LazyWeight: the loaders narrow it to this rank's slice first and materialize it last, so a rank
+reads only its slice of the checkpoint.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix, PackedInt4, Q4Weight, pack_rows
+from pressroom.model.lazy_weight import materialize
 from pressroom.platforms.cpu import cpu_info
 
 
@@ -62,7 +65,9 @@ class LinearBase(nn.Module):
         self._store_rows(param, 0, loaded)
 
     def _store_rows(self, param: nn.Parameter, row: int, loaded) -> None:
-        """Copy `loaded` into rows [row, row + n) of param; 4-bit parts are also kept for packing."""
+        """Copy `loaded` (read now, if lazy) into rows [row, row + n) of param; 4-bit parts are also kept
+        for packing."""
+        loaded = materialize(loaded)
         if isinstance(loaded, Q4Weight):
             if param is not self.weight:
                 raise ValueError("only weight matrices may come in 4 bits.")
@@ -197,7 +202,7 @@ def _check_full(loaded, expected: tuple[int, ...]) -> None:
                          f"{tuple(expected)}; the checkpoint and config.json disagree.")
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy(dst: torch.Tensor, src) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)} where the model expects {tuple(dst.shape)}.")
-    dst.copy_(src)
+    dst.copy_(materialize(src))

@@ -65,6 +65,13 @@ class Q8Weight:
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.repeat_interleave(GROUP, dim=1)
 
+    def narrow(self, dim: int, start: int, length: int) -> Q8Weight:
+        if dim == 0:
+            return Q8Weight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length))
+        if start % GROUP or length % GROUP:
+            raise ValueError("an 8-bit weight can only be split along its inputs at multiples of 32.")
+        return Q8Weight(self.q.narrow(1, start, length), self.scale.narrow(1, start // GROUP, length // GROUP))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return _c_matmul(x, lambda flat: cpu.q8_matmul(flat, self.q, self.scale))
 

@@ -16,6 +16,7 @@ from torch import nn
 from pressroom.attention.backend import get_attention_metadata
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from pressroom.model.lazy_weight import materialize
 
 # Checkpoint tensors no embedding needs: the NSP pooler head, MLM heads, a buffer of position ids.
 _SKIPPED_PREFIXES = ("pooler.", "cls.")
@@ -222,6 +223,6 @@ class BertModel(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                                  f"{tuple(param.shape)}.")
             else:
-                param.data.copy_(tensor)
+                param.data.copy_(materialize(tensor))
             loaded.add(target.replace("qkv.", [p for p, s in _QKV_PARTS.items() if s == shard][0]) if shard else target)
         return loaded

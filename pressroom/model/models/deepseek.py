@@ -25,6 +25,7 @@ from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_expe
 from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
+from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
 from pressroom.model.models.moe import _MoeForCausalLM
 
@@ -248,11 +249,14 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
             return tensor
         c = self.config
         rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
+        # These reorders need the whole tensor: it is read here (MLA is not tensor-parallel, so a rank
+        # would keep all of it anyway); other tensors pass through still lazy.
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            tensor = materialize(tensor)
             heads = tensor.reshape(c.num_attention_heads, nope + rope, -1)
             return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(tensor.shape)
         if ".self_attn.kv_a_proj_with_mqa." in name:
-            rank = c.kv_lora_rank
+            rank, tensor = c.kv_lora_rank, materialize(tensor)
             return torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
         return tensor
 

@@ -15,6 +15,7 @@ from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
+from pressroom.model.lazy_weight import materialize
 
 
 @dataclass(slots=True)
@@ -232,7 +233,7 @@ def _plain_load(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
                          f"the model expects {tuple(param.shape)}.")
-    param.data.copy_(tensor)
+    param.data.copy_(materialize(tensor))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
