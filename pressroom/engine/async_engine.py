@@ -273,7 +273,8 @@ class AsyncLLMEngine:
 
 
 def merge_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
-    """Several cores' figures as one: counts summed, KV usage averaged. (KV offload runs with one core.)"""
+    """Several cores' figures as one: counts summed, KV usage averaged. (KV offload's figures are each
+    core's own tiers': reported per core, not merged.)"""
     if len(per_engine) == 1:
         return per_engine[0]
     specs = [s.spec for s in per_engine if s.spec is not None]

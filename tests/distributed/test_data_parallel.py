@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import serve
 
+FILLER = "and then the quick brown fox jumps over the lazy dog " * 3  # two full blocks of 16 tokens
+
 
 def per_engine(url: str, name: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -21,8 +23,9 @@ def per_engine(url: str, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir, tmp_path_factory):
+    # with KV offload: each engine core has a CPU tier of its own
     args = ["serve", "--model", tiny_model_dir("llama"), "--dtype", "float32", "--data-parallel-size", "2",
-            "--kv-cache-memory-gib", "0.05"]
+            "--kv-cache-memory-gib", "0.05", "--kv-offloading-size", "0.01"]
     with serve(args, tmp_path_factory.mktemp("dp") / "server.log") as (url, _):
         yield url
 
@@ -34,7 +37,7 @@ def test_256_streams_keep_both_engines_busy(dp_server):
     model = httpx.get(f"{dp_server}/v1/models").json()["data"][0]["id"]
 
     async def one(i: int) -> str:
-        stream = await client.completions.create(model=model, prompt=f"request {i} says", max_tokens=4,
+        stream = await client.completions.create(model=model, prompt=f"request {i} says {FILLER}", max_tokens=4,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
@@ -48,6 +51,9 @@ def test_256_streams_keep_both_engines_busy(dp_server):
     served = {e: after[e] - before.get(e, 0) for e in after}
     assert set(served) == {"0", "1"}
     assert min(served.values()) > 0.3 * sum(served.values()), served  # both cores took a fair share
+    # each core asked its own CPU tier for the prompts' full blocks
+    asked = per_engine(dp_server, "pressroom:kv_offload_tiering_chunk_queries_total")
+    assert set(asked) == {"0", "1"} and min(asked.values()) > 0, asked
 
 
 @pytest.mark.parametrize("how", ["header", "field"])

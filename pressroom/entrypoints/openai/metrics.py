@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.engine.async_engine import merge_stats
+from pressroom.kv_offload.manager import TIME_BUCKETS, OffloadStats
 from pressroom.outputs import RequestOutput
 
 logger = logging.getLogger("pressroom")
@@ -172,8 +173,9 @@ class _SchedulerCollector:
             family = kind(m.prefix + name, doc, labels=["model_name"])
             family.add_metric([m.model_name], value)
             yield family
-        if s.offload is not None:
-            yield from _offload_families(m.prefix, m.model_name, s.offload)
+        offloads = [(str(i), e.offload) for i, e in enumerate(m.stats) if e.offload is not None]
+        if offloads:
+            yield from _offload_families(m.prefix, m.model_name, offloads)
         if spec is not None and spec.num_drafts:
             family = CounterMetricFamily(m.prefix + "spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
@@ -203,29 +205,32 @@ _TIER_COUNTERS = (
 )
 
 
-def _offload_families(prefix: str, model_name: str, offload):
-    """vLLM 0.28's KV offload metrics: per tier ("index:kind") counters and transfer-time histograms, and
-    the bytes moved between the device and the CPU tier by transfer type."""
-    from pressroom.kv_offload.manager import TIME_BUCKETS
+def _offload_families(prefix: str, model_name: str, offloads: list[tuple[str, OffloadStats]]):
+    """vLLM 0.28's KV offload metrics, per engine core (each has its own tiers): per tier ("index:kind")
+    counters and transfer-time histograms, and the bytes moved between the device and the CPU tier by
+    transfer type."""
     for name, doc, attr in _TIER_COUNTERS:
-        family = CounterMetricFamily(prefix + name, doc, labels=["model_name", "tier"])
-        for tier, stats in offload.tiers.items():
-            family.add_metric([model_name, tier], getattr(stats, attr))
+        family = CounterMetricFamily(prefix + name, doc, labels=["model_name", "engine", "tier"])
+        for engine, offload in offloads:
+            for tier, stats in offload.tiers.items():
+                family.add_metric([model_name, engine, tier], getattr(stats, attr))
         yield family
     for direction in ("read", "write"):
         family = HistogramMetricFamily(prefix + f"kv_offload_tiering_{direction}_time_seconds",
                                        f"Seconds one chunk's {direction} took in the tier.",
-                                       labels=["model_name", "tier"])
-        for tier, stats in offload.tiers.items():
-            hist = getattr(stats, f"{direction}_time")
-            cumulative, running = [], 0
-            for bound, count in zip((*map(str, TIME_BUCKETS), "+Inf"), hist.buckets):
-                running += count
-                cumulative.append((bound, running))
-            family.add_metric([model_name, tier], cumulative, hist.total)
+                                       labels=["model_name", "engine", "tier"])
+        for engine, offload in offloads:
+            for tier, stats in offload.tiers.items():
+                hist = getattr(stats, f"{direction}_time")
+                cumulative, running = [], 0
+                for bound, count in zip((*map(str, TIME_BUCKETS), "+Inf"), hist.buckets):
+                    running += count
+                    cumulative.append((bound, running))
+                family.add_metric([model_name, engine, tier], cumulative, hist.total)
         yield family
     family = CounterMetricFamily(prefix + "kv_offload_total_bytes", "Bytes moved between the device's KV cache "
-                                 "and the CPU tier.", labels=["model_name", "transfer_type"])
-    for kind, nbytes in offload.total_bytes.items():
-        family.add_metric([model_name, kind], nbytes)
+                                 "and the CPU tier.", labels=["model_name", "engine", "transfer_type"])
+    for engine, offload in offloads:
+        for kind, nbytes in offload.total_bytes.items():
+            family.add_metric([model_name, engine, kind], nbytes)
     yield family
