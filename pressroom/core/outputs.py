@@ -23,7 +23,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling: PoolingParams | None = None  # a pooling request: its prompt's vector, no sampling
-    grammar: CompiledGrammar | None = None  # structured outputs: the runner masks its logits by it
+    # structured outputs: the runner masks its logits by it (xgrammar's JSON of it for worker processes)
+    grammar: CompiledGrammar | str | None = None
 
 
 @dataclass(slots=True)

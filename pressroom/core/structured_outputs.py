@@ -111,15 +111,21 @@ class GrammarCompiler:
     so requests with one schema share one compile). The tokenizer is loaded on the pool at the first compile:
     an engine that never constrains never pays for it."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_id: int | None) -> None:
-        """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's)."""
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_id: int | None,
+                 portable: bool = False) -> None:
+        """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's). `portable`: the
+        workers are other processes, which a compiled grammar cannot reach (it does not pickle); compiles
+        then give xgrammar's JSON of it, serialized on the pool, which a worker reads back with the
+        tokenizer info (`tokenizer_info_json`)."""
         self._load_tokenizer, self._vocab_size, self._eos = load_tokenizer, vocab_size, eos_token_id
+        self.portable = portable
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pressroom-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self._compiler_lock = threading.Lock()
-        self._cache: OrderedDict[GrammarSource, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._cache: OrderedDict[GrammarSource, Future[xgr.CompiledGrammar | str]] = OrderedDict()
 
-    def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+    def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar | str]:
         """The compiled grammar, or its compile in progress; a new source starts compiling."""
         source = grammar_source(params)
         future = self._cache.get(source)
@@ -131,8 +137,14 @@ class GrammarCompiler:
         self._cache.move_to_end(source)
         return future
 
-    def _compile(self, source: GrammarSource) -> xgr.CompiledGrammar:
-        return self._xgr_compiler().compile_grammar(_parse(source))
+    def _compile(self, source: GrammarSource) -> xgr.CompiledGrammar | str:
+        compiled = self._xgr_compiler().compile_grammar(_parse(source))
+        return compiled.serialize_json() if self.portable else compiled
+
+    def tokenizer_info_json(self) -> str:
+        """The tokenizer info portable grammars are read with (built by the first compile)."""
+        self._xgr_compiler()
+        return self._info.serialize_json()
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
@@ -142,6 +154,7 @@ class GrammarCompiler:
                                                           stop_token_ids=stop)
                 # our LRU holds the compiled grammars: xgrammar's own cache would keep a second copy
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+                self._info = info
             return self._compiler
 
     def shutdown(self) -> None:

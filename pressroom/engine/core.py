@@ -81,7 +81,9 @@ class EngineCore:
         self._unexplained = False  # the last fault was a batch's, whose culprit is not found yet
         model = config.model
         self.grammars = GrammarCompiler(lambda: load_tokenizer(model.tokenizer or resolve_model_path(model.model)),
-                                        self.model_spec.vocab_size, eos_token_id)
+                                        self.model_spec.vocab_size, eos_token_id,
+                                        portable=config.parallel.distributed_executor_backend != "uni")
+        self._workers_read_grammars = False  # portable grammars: the workers have the tokenizer info
         self._compiling: dict[str, float] = {}  # request id -> when it stops waiting for its grammar
         # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
@@ -286,6 +288,9 @@ class EngineCore:
         isolating = bool(self.scheduler.suspects)
         sched = self.scheduler.schedule()
         scheduled = [new.req_id for new in sched.new_requests]
+        if self.grammars.portable and not self._workers_read_grammars and any(n.grammar for n in sched.new_requests):
+            self.executor.collective_rpc("set_grammar_tokenizer", self.grammars.tokenizer_info_json())
+            self._workers_read_grammars = True
         inflight = self._inflight  # None while isolating: those steps are resolved at once
         try:
             result = self.executor.execute_model(sched)

@@ -293,9 +293,6 @@ class LLMEngine:
         anything is queued; the core compiles it against the tokenizer."""
         if self.tokenizer is None:
             raise ValueError("Structured outputs need a tokenizer; this engine was started with skip_tokenizer_init.")
-        if self.config.parallel.distributed_executor_backend != "uni":
-            raise ValueError("Structured outputs run with the in-process executor (distributed_executor_backend "
-                             "uni) for now.")
         check_structured_outputs(structured)
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:

@@ -10,6 +10,7 @@ a draft the grammar forbids leaves its own row masked against it, so verificatio
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,31 @@ import xgrammar as xgr
 from pressroom.worker.device import to_device
 
 logger = logging.getLogger("pressroom")
+
+
+class GrammarReader:
+    """Compiled grammars as a worker process receives them: xgrammar's JSON (a compiled grammar does not
+    pickle), read back with the engine core's tokenizer info; the last few read are kept, so a schema many
+    requests share is read once. In the engine core's process grammars arrive compiled and pass through."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.tokenizer_info: xgr.TokenizerInfo | None = None
+        self._read: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._keep = keep
+
+    def set_tokenizer(self, info_json: str) -> None:
+        self.tokenizer_info = xgr.TokenizerInfo.deserialize_json(info_json)
+
+    def compiled(self, grammar: xgr.CompiledGrammar | str) -> xgr.CompiledGrammar:
+        if not isinstance(grammar, str):
+            return grammar
+        compiled = self._read.get(grammar)
+        if compiled is None:
+            compiled = self._read[grammar] = xgr.CompiledGrammar.deserialize_json(grammar, self.tokenizer_info)
+            if len(self._read) > self._keep:
+                self._read.popitem(last=False)
+        self._read.move_to_end(grammar)
+        return compiled
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from pressroom.model.layers.linear import QKVParallelLinear, head_split
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
-from pressroom.worker.grammar import RequestGrammar, constrain
+from pressroom.worker.grammar import GrammarReader, RequestGrammar, constrain
 from pressroom.worker.input_batch import InputBatch
 from pressroom.worker.offload_copier import HeadRange, OffloadCopier
 from pressroom.worker.pooler import Pooler, PoolRow
@@ -199,6 +199,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphs once captured
         self.kv_offload: OffloadCopier | None = None  # KV offload on: the steps' copies to and from the CPU tier
         self.pooler = Pooler()
+        self.grammars = GrammarReader()
 
     # ---- set-up ----
 
@@ -419,7 +420,7 @@ class ModelRunner:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, new.eos_token_id, pooling=new.pooling,
                 grammar=None if new.grammar is None else
-                RequestGrammar.start(new.grammar, new.eos_token_id, new.num_prompt_tokens))
+                RequestGrammar.start(self.grammars.compiled(new.grammar), new.eos_token_id, new.num_prompt_tokens))
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

@@ -105,6 +105,10 @@ class Worker:
         """Parameters this rank holds (its shards, and what every rank replicates)."""
         return sum(p.numel() for p in self.model.parameters())
 
+    def set_grammar_tokenizer(self, info_json: str) -> None:
+        """The tokenizer info structured outputs' grammars are read with (they come as xgrammar's JSON)."""
+        self.model_runner.grammars.set_tokenizer(info_json)
+
     def attach_kv_offload(self, handle) -> None:
         """Maps the KV offload CPU tier (a kv_offload.slab.SlabHandle) for the runner's copies."""
         self.model_runner.attach_kv_offload(handle)

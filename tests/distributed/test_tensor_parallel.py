@@ -3,12 +3,15 @@ rank, on tiny random Llama and Qwen3 models and on the embedded SmolLM2 (9 query
 an uneven split, 2 KV heads on rank 0 and 1 on rank 1)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import random_prompts
 
 from pressroom import LLM, SamplingParams
 from pressroom.config import EngineArgs
 from pressroom.model.layers.linear import head_split
+from pressroom.sampling_params import StructuredOutputsParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False)
 
@@ -79,3 +82,24 @@ def test_mixture_of_experts_over_two_ranks(arch, expert_parallel, tiny_model_dir
     one, (whole,) = _generate_and_count(model, prompts)
     assert two == one
     assert all(c < 0.6 * whole for c in counts), (counts, whole)  # the experts, most of the weights, split
+
+
+def test_structured_outputs_over_two_ranks(tiny_model_dir):
+    """Worker processes get each grammar as xgrammar's JSON (a compiled grammar does not pickle): the
+    constrained greedy texts of two ranks are one rank's, and they keep to their constraints."""
+    model = tiny_model_dir("llama")
+    cases = [StructuredOutputsParams(regex=r"[a-z]{2,6} \d{3}"), StructuredOutputsParams(choice=["red", "green"]),
+             StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                           "required": ["n"]}, disable_any_whitespace=True)]
+
+    def texts(**kw) -> list[str]:
+        llm = LLM(model, dtype="float32", device="cpu", **kw)
+        try:
+            params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=so) for so in cases]
+            return [o.outputs[0].text for o in llm.generate(["The answer is"] * len(cases), params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    two = texts(tensor_parallel_size=2)
+    assert two == texts()
+    assert re.fullmatch(r"[a-z]{2,6} \d{3}", two[0]) and two[1] in ("red", "green")
