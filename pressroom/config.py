@@ -19,7 +19,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "fp8")  # the built-in names; plug-ins add theirs (check_quantization)
+QUANTIZATION_ENTRY_POINTS = "pressroom.quantization"  # the entry-point group of installed quantization plug-ins
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: generate (completions, chat) or pooling (embeddings, /pooling, /score, /rerank); auto: pooling
 # for an encoder-only checkpoint (it cannot generate), generate otherwise. --task embed is the older spelling.
@@ -70,6 +71,18 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> 
     return _KV_CACHE_DTYPES[name]
 
 
+def check_quantization(name: str) -> None:
+    """A built-in method, an installed plug-in's entry point, or `module.path:ClassName` (imported at load)."""
+    if name in QUANTIZATIONS or ":" in name:
+        return
+    from importlib.metadata import entry_points
+    plugins = sorted(ep.name for ep in entry_points(group=QUANTIZATION_ENTRY_POINTS))
+    if name not in plugins:
+        raise ValueError(f"quantization must be one of {', '.join([*QUANTIZATIONS, *plugins])} (an installed "
+                         f"plug-in's name, entry point group {QUANTIZATION_ENTRY_POINTS!r}) or "
+                         f"module.path:ClassName; got {name!r}.")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str
@@ -78,7 +91,8 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     max_model_len: int | None = None
     seed: int = 0
-    # auto: on the CPU, GGUF Q4 matrices and a Q8_0 LM head also stay as shipped; none: dequantize all.
+    # auto: the checkpoint's own method, and on the CPU GGUF Q4 matrices and a Q8_0 LM head stay as shipped;
+    # none: dequantize all; else a method's name (model/quantization/registry.py)
     quantization: str = "auto"
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks of dummy-weight shapes)
     runner: str = "generate"  # generate or pooling (resolved: never auto)
@@ -93,8 +107,7 @@ class ModelConfig:
                              "(or leave --runner at auto).")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}.")
+        check_quantization(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
 
@@ -461,9 +474,12 @@ class EngineArgs:
                                     "(random weights at the config's shapes, for benchmarks)", LOAD_FORMATS)
     dtype: str = _arg("auto", "weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with native "
                               "bf16 (AVX512-BF16 or AMX); float32 on other CPUs", DTYPE_CHOICES)
-    quantization: str = _arg("auto", "auto: on the CPU, a GGUF's Q4 matrices (and a Q8_0 LM head) also stay "
-                                     "as shipped for steps of at most 8 tokens; none: dequantize them all",
-                             QUANTIZATIONS)
+    quantization: str = _arg("auto", "auto: the checkpoint's own quantization (config.json quantization_config), "
+                                     "and on the CPU a GGUF's Q4 matrices (and a Q8_0 LM head) also stay as shipped "
+                                     "for steps of at most 8 tokens; none: dequantize every weight; fp8: FP8 e4m3 "
+                                     "weights with per-channel scales computed at load (or an FP8 checkpoint's), "
+                                     "activations scaled per token; or a plug-in: an installed package's entry point "
+                                     "(group pressroom.quantization) by name, or module.path:ClassName")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
                                            "max_position_embeddings, lowered to what the KV cache holds)")
     seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")

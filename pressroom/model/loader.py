@@ -21,6 +21,7 @@ from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.layers.quant import int4_kernel_available
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
+from pressroom.model.quantization import QuantizationMethod, checkpoint_quantization, resolve_method
 from pressroom.model.registry import resolve_architecture
 
 logger = logging.getLogger("pressroom")
@@ -158,6 +159,22 @@ def _pack_int4(model: nn.Module) -> None:
     logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them", packed)
 
 
+def _attach_quantization(model: nn.Module, method: QuantizationMethod) -> None:
+    """Before loading: each linear layer the method quantizes takes its layer method (the rest stay dense)."""
+    count = 0
+    for prefix, module in model.named_modules():
+        if isinstance(module, LinearBase) and (layer_method := method.layer_method(module, prefix)) is not None:
+            module.set_quant_method(layer_method)
+            count += 1
+    logger.info("quantization %s: %d linear layers", method.name or type(method).__name__, count)
+
+
+def _finish_quantization(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
+
+
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     path = resolve_model_path(config.model)
     fmt = config.load_format
@@ -165,6 +182,10 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
         raise ValueError(f"load_format={fmt!r} does not match {path!r}.")
     hf_config = load_hf_config(path)
     model_cls = resolve_architecture(hf_config)
+    # dummy weights are random, never a checkpoint's quantized ones: a method quantizes them at load
+    method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config))
+    if method is not None:
+        method.check_device(device, config.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -172,6 +193,8 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             model = model_cls(hf_config)
     finally:
         torch.set_default_dtype(previous)
+    if method is not None and config.quantization != "none":  # none: the method only reads the checkpoint
+        _attach_quantization(model, method)
     reads = ReadTally()
     if fmt == "dummy":
         _fill_dummy(model, config.seed)
@@ -179,12 +202,15 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
         keep_4bit = _keep_4bit(config, device)
         weights = gguf_file.iter_gguf_weights(path, keep_4bit, reads) if _is_gguf(path) else \
             iter_safetensors(path, reads)
+        if method is not None:
+            weights = method.checkpoint_weights(model, weights)
         loaded = model.load_weights(weights)
         missing = sorted(model.expected_weights() - loaded)
         if missing:
             raise ValueError(f"Checkpoint at {path!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
         if keep_4bit:
             _pack_int4(model)
+    _finish_quantization(model)
     _prepack(model)
     model.eval()
     return LoadedModel(model, hf_config, path, reads)

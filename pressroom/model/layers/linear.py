@@ -14,6 +14,7 @@ from torch import nn
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix, PackedInt4, Q4Weight, pack_rows
 from pressroom.model.lazy_weight import materialize
+from pressroom.model.quantization.base import LinearMethod
 from pressroom.platforms.cpu import cpu_info
 
 
@@ -35,8 +36,16 @@ class LinearBase(nn.Module):
         self.q4_parts: list[tuple[int, Q4Weight]] = []
         self.int4: NibbleMatrix | PackedInt4 | None = None
         self.onednn: torch.Tensor | None = None
+        self.quant_method: LinearMethod | None = None  # a quantization method's: it holds and applies the weight
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Before loading: hand the weight to a quantization method (model/quantization/)."""
+        self.quant_method = method
+        method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         if self._use_int4(x):
             y = self.int4.matmul(x)
             return y + self.bias if self.bias is not None else y
@@ -50,8 +59,8 @@ class LinearBase(nn.Module):
     def prepack_onednn(self) -> bool:
         """On the CPU: hold the weight in oneDNN's blocked layout, so no call re-lays it out (bf16: 27%
         faster at 32 rows; fp32 on an AVX2 EPYC: 10-30% faster than torch's BLAS, and the same bits for a
-        row whatever the batch). The plain copy is dropped."""
-        if not onednn_prepack(self.weight):
+        row whatever the batch). The plain copy is dropped. A quantization method's weight is its own."""
+        if self.quant_method is not None or not onednn_prepack(self.weight):
             return False
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -68,6 +77,8 @@ class LinearBase(nn.Module):
         """Copy `loaded` (read now, if lazy) into rows [row, row + n) of param; 4-bit parts are also kept
         for packing."""
         loaded = materialize(loaded)
+        if param is self.weight and self.quant_method is not None and self.quant_method.store_rows(self, row, loaded):
+            return
         if isinstance(loaded, Q4Weight):
             if param is not self.weight:
                 raise ValueError("only weight matrices may come in 4 bits.")
@@ -170,7 +181,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction.
-        y = self.int4.matmul(x) if self._use_int4(x) else self._dense(x, None)
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, x, None)
+        else:
+            y = self.int4.matmul(x) if self._use_int4(x) else self._dense(x, None)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
