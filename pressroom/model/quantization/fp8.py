@@ -1,0 +1,198 @@
+"""FP8 e4m3 weights: quantized at load (`--quantization fp8`) or as an FP8 checkpoint ships them.
+
+Online: each linear layer loads dense (this rank's slice), then `process_weights_after_loading` quantizes it
+with one scale per output channel; activations are quantized per token at each call. A checkpoint with
+`quantization_config.quant_method == "fp8"` ships `X.weight` in FP8 beside `X.weight_scale` (one scale per
+tensor, or per output channel: [out] or [out, 1]) or `X.weight_scale_inv` (DeepSeek's 128x128 blocks:
+[ceil(out / 128), ceil(in / 128)], a multiplier despite its name). `checkpoint_weights` pairs each weight
+with its scale into one lazy tensor, so a tensor-parallel rank reads only its rows or columns and the scales
+that go with them.
+
+A layer holds `weight` (FP8 [out, in]) and `weight_scale` (fp32 [out, groups]): each row's scale per group
+of `group` inputs, the one form all three layouts take (a per-tensor scale repeated down the rows; a block's
+scale repeated over its 128 rows), so stacked parts (q, k, v) with scales of their own, and row slices that
+cut a block, need nothing special. Per-channel weights (one group) multiply through torch._scaled_mm on FP8
+GPUs; block weights, and every weight on the CPU, through the dequantizing reference (kernels/fp8.py).
+Static activation scales (`input_scale`) are not used: activations are always scaled per token (per token
+and 128-input group against block weights, DeepSeek's recipe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pressroom.kernels import fp8 as kernels
+from pressroom.kernels.fp8 import FP8
+from pressroom.model.lazy_weight import LazyWeight
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod
+
+_SCALES = (".weight_scale_inv", ".weight_scale")
+_DROPPED = (".input_scale",)  # static activation scales: activations are scaled per token instead
+
+
+@dataclass(slots=True)
+class Fp8Weight:
+    """Rows of an FP8 checkpoint weight with their scales in the per-row group form."""
+    q: torch.Tensor  # float8_e4m3fn [rows, cols]
+    scale: torch.Tensor  # float32 [rows, ceil(cols / group)]
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return kernels.dequantize(self.q, self.scale, self.group)
+
+
+class Fp8Method(QuantizationMethod):
+    name = "fp8"
+
+    def __init__(self, checkpoint_config: dict | None = None) -> None:
+        super().__init__(checkpoint_config)
+        self.serialized = checkpoint_config is not None  # the checkpoint ships FP8 weights
+        block = (checkpoint_config or {}).get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise ValueError(f"quantization_config.weight_block_size must be [rows, columns]; got {block!r}.")
+        self.block: tuple[int, int] | None = tuple(block) if block else None
+
+    def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None)
+
+    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
+        if not self.serialized:
+            yield from weights
+            return
+        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
+        for name, tensor in tensors.items():
+            if name.endswith(_SCALES + _DROPPED):
+                continue
+            if tensor.dtype != FP8:
+                yield name, tensor
+                continue
+            scale = _scale_of(tensors, name)
+            yield name, self._paired(tensor, scale, keep=_keeps_fp8(model, name), name=name)
+
+    def _paired(self, weight: LazyWeight, scale: LazyWeight, keep: bool, name: str) -> LazyWeight:
+        """The weight and its scale as one lazy tensor: an Fp8Weight of the rows and columns read (kept by an
+        FP8 layer), or those rows dequantized to fp32 (for any other parameter, or --quantization none)."""
+        rows, cols = weight.shape
+        scales = _ScaleLayout.of(scale.load(), rows, cols, self.block, name)
+
+        def read(index) -> Any:
+            (r0, r1), (c0, c1) = index
+            part = Fp8Weight(weight.narrow(0, r0, r1 - r0).narrow(1, c0, c1 - c0).load(),
+                             *scales.rows(r0, r1, c0, c1))
+            return part if keep else part.dequantize()
+
+        return LazyWeight((rows, cols), FP8 if keep else torch.float32, read)
+
+
+def _scale_of(tensors: dict[str, LazyWeight], name: str) -> LazyWeight:
+    base = name.removesuffix(".weight")
+    for suffix in _SCALES:
+        if base + suffix in tensors:
+            return tensors[base + suffix]
+    raise ValueError(f"{name} is stored in FP8 but the checkpoint has no {base}.weight_scale or "
+                     f"{base}.weight_scale_inv to scale it.")
+
+
+def _keeps_fp8(model: nn.Module, name: str) -> bool:
+    """Whether the parameter `name` loads into is a linear layer's weight that stays in FP8."""
+    target = model.checkpoint_target(name)[0] if hasattr(model, "checkpoint_target") else name
+    owner, _, attr = target.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return attr == "weight" and isinstance(getattr(module, "quant_method", None), Fp8LinearMethod)
+
+
+@dataclass(slots=True)
+class _ScaleLayout:
+    """One checkpoint scale tensor, read in the per-row group form for any rows and columns of its weight."""
+    scale: torch.Tensor  # float32: [rows, 1] (per tensor or per channel) or [row blocks, column blocks]
+    block: tuple[int, int] | None  # None: one group per row
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None, name: str) -> _ScaleLayout:
+        scale = scale.float()
+        if scale.numel() == 1:
+            return cls(scale.reshape(1, 1).expand(rows, 1), None)
+        if scale.numel() == rows and scale.dim() <= 2 and scale.shape[0] == rows:
+            return cls(scale.reshape(rows, 1), None)
+        if block is not None and tuple(scale.shape) == (-(-rows // block[0]), -(-cols // block[1])):
+            return cls(scale, block)
+        expected = "[1], [out], [out, 1]" + (f" or [{-(-rows // block[0])}, {-(-cols // block[1])}]" if block else "")
+        raise ValueError(f"{name}'s FP8 scale has shape {tuple(scale.shape)}; a weight of shape {(rows, cols)} "
+                         f"takes {expected} (block scales need quantization_config.weight_block_size).")
+
+    def rows(self, r0: int, r1: int, c0: int, c1: int) -> tuple[torch.Tensor, int]:
+        """Scales [r1 - r0, groups] and the group width for weight rows [r0, r1) and columns [c0, c1)."""
+        if self.block is None:
+            return self.scale[r0:r1].contiguous(), c1 - c0
+        block_rows, block_cols = self.block
+        if c0 % block_cols:
+            raise ValueError(f"an FP8 weight in {block_cols}-column blocks can only be split along its inputs at "
+                             f"multiples of {block_cols} (here at {c0}); use a tensor_parallel_size that keeps "
+                             "each rank's share of the inputs whole blocks.")
+        per_row = self.scale[torch.arange(r0, r1) // block_rows]
+        return per_row[:, c0 // block_cols: -(-c1 // block_cols)].contiguous(), block_cols
+
+
+class Fp8LinearMethod(LinearMethod):
+    """`serialized`: rows come in FP8 from the checkpoint; else the dense weight is quantized after loading.
+    `block_cols`: the checkpoint's block width (its scales' group), None for one scale per row."""
+
+    def __init__(self, serialized: bool, block_cols: int | None = None) -> None:
+        self.serialized, self.block_cols = serialized, block_cols
+
+    def create_weights(self, layer: nn.Module) -> None:
+        out, cols = layer.weight.shape
+        layer.register_buffer("weight_scale", None)
+        layer.weight_group = self.block_cols or cols
+        if self.serialized:
+            device = layer.weight.device
+            layer.weight.data = torch.empty(out, cols, dtype=FP8, device=device)
+            layer.weight_scale = torch.ones(out, -(-cols // layer.weight_group), device=device)
+
+    def store_rows(self, layer: nn.Module, row: int, loaded: Any) -> bool:
+        if not self.serialized:
+            return False
+        if not isinstance(loaded, Fp8Weight):  # a part the checkpoint left unquantized: one scale per row
+            loaded = Fp8Weight(*kernels.quantize(loaded, loaded.shape[1]), loaded.shape[1])
+        rows, groups = loaded.q.shape[0], layer.weight_scale.shape[1]
+        if loaded.scale.shape[1] == 1:  # one scale per row serves every group of the row
+            scale = loaded.scale.expand(rows, groups)
+        elif loaded.group == layer.weight_group:
+            scale = loaded.scale
+        else:
+            raise ValueError(f"FP8 scales in groups of {loaded.group} inputs cannot join a layer scaled in groups "
+                             f"of {layer.weight_group}.")
+        if tuple(loaded.q.shape) != (rows, layer.weight.shape[1]) or row + rows > layer.weight.shape[0]:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.q.shape)}, which does not fit rows "
+                             f"[{row}, {row + rows}) of a weight of shape {tuple(layer.weight.shape)}.")
+        layer.weight.data[row:row + rows].copy_(loaded.q)
+        layer.weight_scale[row:row + rows].copy_(scale)
+        return True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.serialized:
+            q, scale = kernels.quantize(layer.weight.data, layer.weight_group)
+            layer.weight.data, layer.weight_scale = q.contiguous(), scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        w, scale = layer.weight, layer.weight_scale
+        if scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
+            y = kernels.scaled_mm(flat, w, scale, bias)
+        else:
+            y = kernels.reference(flat, w, scale, layer.weight_group, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The weight the layer multiplies by, in fp32 (for tests and inspection)."""
+        return kernels.dequantize(layer.weight.data, layer.weight_scale, layer.weight_group)
