@@ -94,7 +94,7 @@ class TorchAttentionBackend:
         return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.plan is None:
             meta.plan = _plan(meta)
@@ -103,9 +103,9 @@ class TorchAttentionBackend:
         if plan.num_rows:
             v_dim = v.shape[-1]
             if plan.rows is None:
-                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim)
+                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim, window)
             else:
-                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim)
+                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim, window)
         loc, lens = meta.query_start_loc, meta.seq_lens_host
         chunks = plan.chunks
         c = 0
@@ -115,24 +115,26 @@ class TorchAttentionBackend:
             run = j - i
             if run > 1 and chunks[c:c + run] == list(range(i, j)):  # equal-length prompts, nothing cached
                 start, end = loc[i], loc[j]
-                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale)
+                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale, window)
                 c += run
                 continue
             start, end = loc[i], loc[i + 1]
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta.block_tables[i], lens[i], scale)
+                                           meta.block_tables[i], lens[i], scale, window)
             c += 1
         return out
 
-    def _fresh_batch(self, q, k, v, count: int, scale: float) -> torch.Tensor:
+    def _fresh_batch(self, q, k, v, count: int, scale: float, window: int | None) -> torch.Tensor:
         def heads_first(x):
             return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
-                                           scale=scale, enable_gqa=True)
+        n = q.shape[0] // count
+        mask = _causal_mask(n, n, window)
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).flatten(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                v_dim: int) -> torch.Tensor:
+                v_dim: int, window: int | None = None) -> torch.Tensor:
         """All single-token rows at once over their padded, masked contexts."""
         n = plan.num_rows
         block_size, heads, dim = kv_cache.shape[2:]
@@ -142,34 +144,53 @@ class TorchAttentionBackend:
         k = key_cache[tables].view(n, -1, heads, dim)[:, :max_len].transpose(1, 2)
         v = value_cache[tables].reshape(n, -1, heads, v_dim)[:, :max_len].transpose(1, 2)
         mask = None
+        positions = torch.arange(max_len)
         if plan.min_len < max_len:  # ragged contexts: hide each one's padding
-            mask = (torch.arange(max_len) < plan.lens[:, None])[:, None, None, :]
+            mask = positions < plan.lens[:, None]
+        if window is not None and max_len > window:  # and each row's keys before its window
+            seen = positions > plan.lens[:, None] - 1 - window
+            mask = seen if mask is None else mask & seen
+        if mask is not None:
+            mask = mask[:, None, None, :]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
-        """One chunk of one prompt: causal over the chunk, full over its cached prefix."""
+    def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+        """One chunk of one prompt: causal over the chunk, full over its cached prefix (both cut to the
+        window, if any)."""
         n = q.shape[0]
+        mask = _causal_mask(n, seq_len, window)
         if seq_len == n:  # nothing cached before the chunk: attend to the fresh k, v directly
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True,
-                                               scale=scale, enable_gqa=True)
-            return o.transpose(0, 1)
-        keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
-        prefix = seq_len - n
-        mask = torch.arange(seq_len)[None, :] <= (torch.arange(n)[:, None] + prefix)
+        else:
+            keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
+
+
+def _causal_mask(n: int, seq_len: int, window: int | None) -> torch.Tensor | None:
+    """Which of `seq_len` keys each of the last `n` queries sees: [n, seq_len] bool; None where that is
+    plain causal attention over fresh keys (SDPA's is_causal)."""
+    hides_past = window is not None and seq_len > window
+    if seq_len == n and not hides_past:
+        return None
+    query_pos = torch.arange(n)[:, None] + (seq_len - n)
+    key_pos = torch.arange(seq_len)[None, :]
+    mask = key_pos <= query_pos
+    return mask & (key_pos > query_pos - window) if hides_past else mask
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                v_dim: int) -> torch.Tensor:
-        if kv_cache.shape[0] == 1:  # a latent cache: keys and values of different widths in one plane
-            return super()._decode(q, kv_cache, plan, scale, v_dim)
+                v_dim: int, window: int | None = None) -> torch.Tensor:
+        # A latent cache has keys and values of different widths in one plane; the C kernel reads every key
+        # up to each row's length, so a window that hides some goes to the masked torch path.
+        if kv_cache.shape[0] == 1 or window is not None and plan.max_len > window:
+            return super()._decode(q, kv_cache, plan, scale, v_dim, window)
         out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
         return out.to(q.dtype)
 

@@ -61,7 +61,10 @@ class TritonAttentionBackend:
         return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        if window is not None:
+            raise ValueError("sliding-window attention (Gemma 3's local layers) runs on the CPU backend only so "
+                             "far: the Triton kernels do not mask by window yet; use --device cpu.")
         latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
         write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
         out = q.new_empty(*q.shape[:2], v.shape[-1])

@@ -1,7 +1,8 @@
 """Read GGUF checkpoints (llama.cpp's format) into HF-style configs, weights and tokenizers.
 
-Only dense decoder architectures that map 1:1 onto HF's Llama / Qwen2 / Qwen3 modules are
-supported; everything is dequantized to float32 so the rest of the engine never sees GGML types.
+Decoder architectures that map 1:1 onto HF's modules are supported (Llama, Qwen2/3 and their MoEs, Gemma 3's
+text model); everything is dequantized to float32 so the rest of the engine never sees GGML types, except
+4-bit and Q8_0 forms kept for the CPU's kernels (`keep_4bit`).
 Weights come as LazyWeights: a tensor-parallel rank reads and dequantizes only the rows and columns it holds.
 """
 
@@ -20,6 +21,7 @@ import gguf
 import numpy as np
 import torch
 
+from pressroom.model import gguf_quants
 from pressroom.model.layers.quant import Q4Weight, Q8Weight
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 
@@ -46,6 +48,10 @@ class _ArchSpec:
     expert_block: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     renormalize_top_k: bool = True
+    # GGUF block tensor names whose HF module differs from Llama's (`_BLOCK_NAMES`).
+    renamed_blocks: tuple[tuple[str, str], ...] = ()
+    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) folded in): taken off again.
+    norm_shift: float = 0.0
 
 
 _ARCHS: dict[str, _ArchSpec] = {
@@ -55,6 +61,10 @@ _ARCHS: dict[str, _ArchSpec] = {
     "qwen2moe": _ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, default_attention_bias=True,
                           renormalize_top_k=False),
     "qwen3moe": _ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False, default_attention_bias=False),
+    "gemma3": _ArchSpec("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, default_attention_bias=False,
+                        norm_shift=1.0, renamed_blocks=(("ffn_norm", "pre_feedforward_layernorm"),
+                                                        ("post_attention_norm", "post_attention_layernorm"),
+                                                        ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
 # llama.cpp writes Mixtral as a llama whose metadata counts experts.
 _MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
@@ -193,7 +203,8 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
             form = "q4"
         heads = _rotary_heads(hf_name, config) if file.spec.permuted_qk else 0
-        stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads)
+        shift = file.spec.norm_shift if hf_name.endswith("norm.weight") else 0.0
+        stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads, shift=shift)
         yield hf_name, _lazy(stored, vector=len(info.shape) == 1)
 
 
@@ -218,13 +229,15 @@ class _StoredWeight:
     first_row: int = 0  # of the stored tensor's rows: an expert's place in its stack
     form: str = "dense"  # or "q4" (a Q4Weight), "q8" (a Q8Weight)
     heads: int = 0  # llama.cpp's rotary row order to undo within each of this many heads (0: none)
+    shift: float = 0.0  # subtracted from a vector's values (Gemma's norms, stored as 1 + w)
 
     def __call__(self, index: Index) -> torch.Tensor | Q4Weight | Q8Weight:
         if len(index) == 1:  # a vector: one row of blocks (biases and norms; dense)
             ((c0, c1),) = index
             if self.heads:  # the permutation runs along the vector: undo it on the whole (small) vector
                 return _undo_rotary_permute(self._decode(0, 1, 0, self.cols).reshape(-1), self.heads)[c0:c1]
-            return self._decode(0, 1, c0, c1).reshape(-1)
+            vector = self._decode(0, 1, c0, c1).reshape(-1)
+            return vector - self.shift if self.shift else vector
         (r0, r1), (c0, c1) = index
         # The rotary permutation moves rows within a head: read whole heads, undo it, then keep the rows asked.
         period = self.rows // self.heads if self.heads else 1
@@ -476,7 +489,40 @@ def _build_config(file: _GgufFile) -> dict[str, Any]:
     experts = file.arch_meta("expert_count")
     if experts:
         config |= _moe_config(file, experts)
+    if file.spec.model_type == "gemma3_text":
+        config = _gemma3_config(file, config)
     return config
+
+
+# llama.cpp's fixed choices for Gemma 3 (llama-model.cpp), which its converter does not write into the file.
+_GEMMA3_SLIDING_PATTERN = 6  # every sixth layer global, the rest local
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is 1 / sqrt(hidden / heads), not of head_dim
+
+
+def _gemma3_config(file: _GgufFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's keys: layer types, the window, per-type rope, the attention scale, softcaps."""
+    layers, window = config["num_hidden_layers"], _required(file, "attention.sliding_window")
+    pattern = file.arch_meta("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):  # newer converters: one flag per layer, true where the layer is local
+        local = [bool(p) for p in pattern]
+    else:
+        local = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    rope_global = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    rope_global |= config.pop("rope_scaling", {})
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS \
+        else config["head_dim"]
+    del config["hidden_act"]
+    return config | {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(window),
+        "layer_types": ["sliding_attention" if is_local else "full_attention" for is_local in local],
+        "rope_parameters": {"full_attention": rope_global,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA}},
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": file.arch_meta("final_logit_softcapping"),
+        "attn_logit_softcapping": file.arch_meta("attn_logit_softcapping"),
+    }
 
 
 def _moe_config(file: _GgufFile, experts: int) -> dict[str, Any]:
@@ -551,6 +597,9 @@ def _rope_scaling(file: _GgufFile) -> dict[str, Any] | None:
 
 def _dequantize(raw: np.ndarray, file: _GgufFile, info: _TensorInfo) -> torch.Tensor:
     """Rows of quant blocks ([rows, bytes], as gguf's row-wise dequantizers take them) as float32 [rows, cols]."""
+    fast = gguf_quants.dequantize(raw, info.ggml_type)
+    if fast is not None:
+        return fast
     try:
         values = gguf.quants.dequantize(raw, info.ggml_type)
     except NotImplementedError as exc:
@@ -574,15 +623,16 @@ def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:
             return [f"{block}.experts.{e}.{name}.weight" for e in range(info.shape[0])]
         if part == "ffn_gate_inp":
             return [f"{block}.gate.weight"]
-    return [_hf_name(info.name, file.path)]
+    return [_hf_name(info.name, file.path, file.spec)]
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, spec: _ArchSpec) -> str:
     match = _BLOCK_RE.match(gguf_name)
     if match is not None:
         layer, part, kind = match.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = _BLOCK_NAMES | dict(spec.renamed_blocks) if spec.renamed_blocks else _BLOCK_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     else:
         stem, _, kind = gguf_name.rpartition(".")
         if stem in _TOP_NAMES and kind in ("weight", "bias"):

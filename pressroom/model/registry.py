@@ -5,6 +5,7 @@ from torch import nn
 
 from pressroom.model.models.bert import BertModel
 from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from pressroom.model.models.gemma3 import Gemma3ForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -19,6 +20,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
 }
@@ -26,7 +28,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "deepseek_v32": "DeepseekV32ForCausalLM",
+                "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "bert": "BertModel"}
 
 

@@ -36,7 +36,7 @@ class ModelSpec:
     """What the engine core needs to know of the loaded model to size its cache and requests."""
     model_path: str
     vocab_size: int
-    max_position: int  # the longest context the model supports (inside its sliding window)
+    max_position: int  # the longest context the model supports (inside its sliding window, unless it applies it)
     kv_bytes_per_block: int  # the target's cache and a draft model's, per block
     lookahead: int  # slots a request keeps past its step for a drafter's writes into the target's blocks
     device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
@@ -98,8 +98,8 @@ class Worker:
         shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
         lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
         chunk = runner.kv_chunk_shape() if config.offload is not None else None
-        return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config), per_block, lookahead,
-                         device_drafts, chunk)
+        return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config, self.model), per_block,
+                         lookahead, device_drafts, chunk)
 
     def parameter_count(self) -> int:
         """Parameters this rank holds (its shards, and what every rank replicates)."""
@@ -122,7 +122,7 @@ class Worker:
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         peak = self.model_runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                                     _max_position(self.hf_config))
+                                                     _max_position(self.hf_config, self.model))
         free, total = torch.cuda.mem_get_info()
         outside_torch = (total - free) - torch.cuda.memory_reserved()
         graphs = 0 if self.config.compilation.enforce_eager else CUDA_GRAPH_RESERVE
@@ -196,9 +196,10 @@ class Worker:
             torch.cuda.empty_cache()
 
 
-def _max_position(hf_config) -> int:
+def _max_position(hf_config, model) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)  # no sliding-window attention yet: stay inside the window
+    if window and getattr(hf_config, "use_sliding_window", True) and not getattr(model, "applies_sliding_window",
+                                                                                  False):
+        limit = min(limit, window)  # a model that ignores the window must stay inside it
     return limit

@@ -14,3 +14,11 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up over the stacked [gate | up] projection (Gemma's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

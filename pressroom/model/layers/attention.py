@@ -12,10 +12,13 @@ class Attention(nn.Module):
     and the values are their first `v_head_dim` dimensions, so the cache has one plane, not two."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 v_head_dim: int | None = None, latent: bool = False, extra_dim: int = 0) -> None:
+                 v_head_dim: int | None = None, latent: bool = False, extra_dim: int = 0,
+                 sliding_window: int | None = None) -> None:
         """`extra_dim`: values a latent cache keeps per token after the keys (DSA's indexer keys), which
-        only the layer that owns them reads."""
+        only the layer that owns them reads; `sliding_window`: a query at position p sees keys at positions
+        > p - sliding_window only (HF's and llama.cpp's convention), None: every earlier key."""
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.v_head_dim = v_head_dim or head_dim
         self.latent, self.extra_dim = latent, extra_dim
@@ -30,5 +33,6 @@ class Attention(nn.Module):
         (latent: None, the values are k's first v_head_dim dimensions) -> [tokens, heads * v_head_dim]."""
         if self.latent:
             v = k[..., :self.v_head_dim]
-        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale,
+                                   self.sliding_window)
         return out.flatten(1)

@@ -67,11 +67,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: nn.Module | None = None) -> None:
+        """`act`: the gated activation over [gate | up] (default: SwiGLU's)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
         self.down_proj = RowParallelLinear(intermediate, hidden)
-        self.act = SiluAndMul()
+        self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

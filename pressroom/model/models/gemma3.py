@@ -1,0 +1,144 @@
+"""Gemma 3's text model: local (sliding-window) and global attention layers, each kind with its own rope
+base; q/k norms; four norms a layer (before and after attention and the MLP); GELU-tanh gated MLP; the
+embedding scaled by sqrt(hidden); a tied LM head with optional final logit softcapping.
+
+Gemma's norms scale by (1 + w). The parameter holds 1 + w (added when a checkpoint's w is loaded), so the
+plain RMSNorm kernels run them unchanged.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pressroom.model.layers.activation import GeluTanhAndMul
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.layers.rotary import RotaryEmbedding
+from pressroom.model.lazy_weight import materialize
+from pressroom.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RopeTables
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint weight w means a scale of 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"norm weight has shape {tuple(loaded.shape)}; the model expects {tuple(param.shape)}.")
+        param.data.copy_(materialize(loaded).float() + 1.0)  # in fp32, as HF adds it
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is None:  # older configs: a period, every `pattern`-th layer global
+        pattern = getattr(config, "sliding_window_pattern", 6)
+        types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
+    return list(types)
+
+
+def _rope(config, layer_type: str) -> tuple[float, dict | None]:
+    """(base, scaling or None) of a layer type, from transformers 5's per-type rope_parameters or the older
+    rope_theta / rope_local_base_freq / rope_scaling."""
+    params = (getattr(config, "rope_parameters", None) or {}).get(layer_type)
+    if params is None:
+        local = layer_type == SLIDING
+        base = getattr(config, "rope_local_base_freq", 10000.0) if local else getattr(config, "rope_theta", 1e6)
+        return base, None if local else getattr(config, "rope_scaling", None)
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    return params["rope_theta"], scaling
+
+
+def _rotary(config, layer_type: str) -> RotaryEmbedding:
+    base, scaling = _rope(config, layer_type)
+    return RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings, base, scaling)
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config, layer_type: str) -> None:
+        super().__init__(config, qk_norm=True)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        window = config.sliding_window if layer_type == SLIDING else None
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.query_pre_attn_scalar ** -0.5,
+                              sliding_window=window)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str) -> None:
+        super().__init__()
+        self.local = layer_type == SLIDING
+        self.self_attn = Gemma3Attention(config, layer_type)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, GeluTanhAndMul())
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None):
+        """The layer's input is x + residual (x alone for the first); returns its output in the same split, so
+        each residual add is fused into the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(rope, x))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size ** 0.5
+        types = _layer_types(config)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t) for t in types)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_global = _rotary(config, "full_attention")
+        self.rotary_local = _rotary(config, SLIDING)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF rounds the scale to the weights' dtype first
+        local = RopeTables(self.rotary_local, *self.rotary_local.cos_sin(positions))
+        glob = RopeTables(self.rotary_global, *self.rotary_global.cos_sin(positions))
+        residual, taps = None, {}
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(local if layer.local else glob, x, residual)
+            if i in aux_layers:
+                taps[i] = x + residual
+        x, _ = self.norm(x, residual)
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Loads as the Llama family does (stacked qkv and gate_up, tied head); only the modules differ."""
+
+    applies_sliding_window = True  # its local layers mask by window: contexts may run past it
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attention logit softcapping (attn_logit_softcapping) is not supported; Gemma 3 "
+                             "checkpoints do not use it.")
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
