@@ -3,22 +3,16 @@ here in each scale layout (per tensor, per channel, 128x128 blocks, 48x32 blocks
 rows), against fp32 twins whose weights are the dequantized FP8 ones."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
+from fp8_checkpoint import LAYOUTS, PROMPTS, prompt_logprobs, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
-from pressroom import LLM, SamplingParams
+from pressroom import LLM
 from pressroom.kernels import fp8
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.quantization.fp8 import Fp8LinearMethod
 
-PROMPTS = [{"prompt_token_ids": [11, 402, 9, 3071, 77, 1500, 23, 8, 640, 5, 4410, 37]},
-           {"prompt_token_ids": [300, 2, 48000, 17, 9021, 333, 64, 1]}]
-LOGPROBS = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-LAYOUTS = {"tensor": None, "channel": None, "block": (128, 128), "block_48x32": (48, 32)}
 # Prompt logprobs of the tiny random Llama (fp32, logprobs of -8.5 to -14) with FP8 projections, against
 # - HF transformers on the dequantized weights with each projection's input rounded to FP8 per token as pressroom
 #   does: the same arithmetic summed in another order, so positions agree to fp32 rounding, except where an
@@ -27,63 +21,6 @@ ORACLE_TOLERANCE, ORACLE_FLIPS = 1e-4, 3
 # - its fp32 twin (the same weights, activations not rounded): this random model amplifies the ~3% error of
 #   each rounded activation through its layers (its residual stream grows to 15x its input) to up to 0.8 nats.
 TWIN_TOLERANCE = 1.0
-
-
-def _quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
-    """One weight as an FP8 checkpoint ships it: the values and the scale under the layout's name."""
-    if layout == "tensor":
-        scale = w.abs().max().clamp(min=1e-12) / fp8.FP8_MAX
-        return {"weight": (w / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), "weight_scale": scale,
-                "input_scale": torch.tensor(0.05)}  # a static activation scale: read past
-    if layout == "channel":
-        q, scale = fp8.quantize(w, w.shape[1])
-        return {"weight": q, "weight_scale": scale}
-    rows, cols = LAYOUTS[layout]
-    br, bc = -(-w.shape[0] // rows), -(-w.shape[1] // cols)
-    padded = torch.nn.functional.pad(w, (0, bc * cols - w.shape[1], 0, br * rows - w.shape[0]))
-    blocks = padded.view(br, rows, bc, cols)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fp8.FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
-    return {"weight": q.view(br * rows, bc * cols)[:w.shape[0], :w.shape[1]].contiguous(), "weight_scale_inv": scale}
-
-
-def _dequantize_tensor(parts: dict[str, torch.Tensor], layout: str) -> torch.Tensor:
-    q = parts["weight"].float()
-    if layout in ("tensor", "channel"):
-        return q * parts["weight_scale"]
-    rows, cols = LAYOUTS[layout]
-    scale = parts["weight_scale_inv"].repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-    return q * scale[:q.shape[0], :q.shape[1]]
-
-
-def write_fp8_checkpoint(src: str, dst, layout: str, twin=None) -> dict[str, torch.Tensor]:
-    """The checkpoint at `src` with every projection in FP8 (quantization_config as vLLM's fp8 reads it);
-    `twin`: also a plain fp32 copy with those weights dequantized. Returns the dequantized projections."""
-    shutil.copytree(src, dst)
-    weights, out, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
-    for name, w in weights.items():
-        if not name.endswith("_proj.weight"):
-            out[name] = w
-            continue
-        parts = _quantize_tensor(w, layout)
-        base = name.removesuffix("weight")
-        out |= {base + k: v for k, v in parts.items()}
-        dequantized[name] = _dequantize_tensor(parts, layout)
-    save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if layout == "tensor"
-                                     else "dynamic", **({"weight_block_size": list(LAYOUTS[layout])}
-                                                        if LAYOUTS[layout] else {})}
-    (dst / "config.json").write_text(json.dumps(config))
-    if twin is not None:
-        shutil.copytree(src, twin)
-        save_file(weights | dequantized, f"{twin}/model.safetensors", metadata={"format": "pt"})
-    return dequantized
-
-
-def prompt_logprobs(llm: LLM) -> torch.Tensor:
-    outs = llm.generate(PROMPTS, LOGPROBS, use_tqdm=False)
-    return torch.tensor([next(iter(p.values())).logprob for o in outs for p in o.prompt_logprobs[1:]])
 
 
 def hf_fp8_oracle(twin, group: int | None) -> torch.Tensor:
@@ -168,3 +105,12 @@ def test_an_fp8_checkpoint_refuses_another_method_and_a_missing_scale(tiny_model
     save_file(weights, f"{tmp_path}/fp8/model.safetensors")
     with pytest.raises(ValueError, match="up_proj.weight is stored in FP8 but the checkpoint has no"):
         _llm(tmp_path / "fp8")
+
+
+def test_block_scales_split_along_inputs_only_at_block_edges():
+    from pressroom.model.quantization.fp8 import _ScaleLayout
+    layout = _ScaleLayout.of(torch.arange(1.0, 7.0).view(3, 2), 80, 64, (32, 32), "w")
+    scale, group = layout.rows(16, 48, 32, 64)  # rows that cut two row blocks, the second column block
+    assert group == 32 and torch.equal(scale.flatten(), torch.tensor([2.0] * 16 + [4.0] * 16))
+    with pytest.raises(ValueError, match="only be split along its inputs at multiples of 32 .here at 16."):
+        layout.rows(0, 80, 16, 48)

@@ -221,12 +221,14 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
 
     def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (numbered after the last decoder
-        layer; no drafter uses them yet); FP8 block-quantized checkpoints are refused by name."""
+        layer; no drafter uses them yet); FP8 weights kept in FP8 are refused (--quantization none dequantizes)."""
         layers = self.config.num_hidden_layers
         for name, tensor in weights:
-            if name.endswith("weight_scale_inv"):
+            if name.endswith("weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn:
+                # MLA's rope rows are reordered on load, which FP8 blocks do not survive
                 raise ValueError(f"{name}: this checkpoint stores FP8 block-quantized weights, which pressroom "
-                                 "does not load yet; use a bf16 conversion of it.")
+                                 "keeps in FP8 only for Llama-family models yet; load it with --quantization none "
+                                 "(dequantized at load) or use a bf16 conversion of it.")
             parts = name.split(".")
             if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
                 continue
