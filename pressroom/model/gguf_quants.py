@@ -25,17 +25,21 @@ def dequantize(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> torch.T
         return None
     rows = raw.shape[0]
     _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(-1, type_size)
-    return decode(blocks).reshape(rows, -1)
+    return decode(_blocks(raw, type_size)).reshape(rows, -1)
 
 
 def unpack_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K rows ([rows, bytes]) as (q uint8 [rows, cols] in 0..15, scale, min float32 [rows, cols // 32]),
     w = q * scale + min exactly: scale = d * sc and min = -(dmin * m) per block of 32."""
     rows = raw.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(-1, 144)
-    q, scale, low = _q4_k_parts(blocks)
+    q, scale, low = _q4_k_parts(_blocks(raw, 144))
     return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+
+
+def _blocks(raw: np.ndarray, type_size: int) -> torch.Tensor:
+    # A read-only view of the mapped file is copied (its bytes only): torch wants memory it may write.
+    raw = np.ascontiguousarray(raw) if raw.flags.writeable else raw.copy()
+    return torch.from_numpy(raw).view(-1, type_size)
 
 
 # --- decoders: [blocks, type_size] uint8 -> [blocks, values] float32 ----------------------------------
