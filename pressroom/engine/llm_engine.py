@@ -313,8 +313,9 @@ class LLMEngine:
                 self.child_to_parent.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or the core's KV offload copies not done."""
-        return bool(self.parents) or self.core.has_unfinished_requests()
+        """Requests not finished, or an in-process core's KV offload copies not done (a core in its own
+        process steps until they are, on its own loop)."""
+        return bool(self.parents) or isinstance(self.core, EngineCore) and self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
