@@ -19,7 +19,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "none", "fp8")  # the built-in names; plug-ins add theirs (check_quantization)
+QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4")  # the built-in names; plug-ins add theirs (check_quantization)
 QUANTIZATION_ENTRY_POINTS = "pressroom.quantization"  # the entry-point group of installed quantization plug-ins
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: generate (completions, chat) or pooling (embeddings, /pooling, /score, /rerank); auto: pooling
@@ -478,8 +478,10 @@ class EngineArgs:
                                      "and on the CPU a GGUF's Q4 matrices (and a Q8_0 LM head) also stay as shipped "
                                      "for steps of at most 8 tokens; none: dequantize every weight; fp8: FP8 e4m3 "
                                      "weights with per-channel scales computed at load (or an FP8 checkpoint's), "
-                                     "activations scaled per token; or a plug-in: an installed package's entry point "
-                                     "(group pressroom.quantization) by name, or module.path:ClassName")
+                                     "activations scaled per token; mxfp4: MXFP4 weights (32-input blocks, "
+                                     "power-of-two scales) quantized at load, weight-only; or a plug-in: an "
+                                     "installed package's entry point (group pressroom.quantization) by name, or "
+                                     "module.path:ClassName")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
                                            "max_position_embeddings, lowered to what the KV cache holds)")
     seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")

@@ -192,7 +192,8 @@ def pressroom_kwargs(args, max_model_len: int) -> tuple[dict, list[str]]:
               "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
-              "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype}
+              "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
+              "quantization": args.quantization}
     if args.kv_cache_memory_gib is not None:
         wanted["kv_cache_memory_gib"] = args.kv_cache_memory_gib
     known = EngineArgs.names()
@@ -408,7 +409,9 @@ def run(args) -> dict:
         allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
         print(f"pressroom {name}: {ours[name].output_tokens_per_s:.1f} output tok/s "
               f"({ours[name].input_tokens_per_s:.1f} input tok/s)", flush=True)  # kept if a later phase fails
-    state = None if args.skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
+    # HF runs dense weights: a quantized engine's are not its to copy, so HF is skipped
+    skip_hf = args.skip_hf or args.quantization not in ("auto", "none")
+    state = None if skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
     del llm
     free_device_memory(device)
     hf_runs, memory, hf_info = run_hf_phase(state, workloads, args, device, dtype) if state else ({}, {}, {})
@@ -608,6 +611,8 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
+    p.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8, mxfp4: weights "
+                   "quantized at load; HF is then skipped); the bounds still count the --dtype weights' bytes")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
     p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256],
                    help="comma-separated batch sizes HF's throughput runs at")

@@ -11,10 +11,12 @@ that go with them.
 A layer holds `weight` (FP8 [out, in]) and `weight_scale` (fp32 [out, groups]): each row's scale per group
 of `group` inputs, the one form all three layouts take (a per-tensor scale repeated down the rows; a block's
 scale repeated over its 128 rows), so stacked parts (q, k, v) with scales of their own, and row slices that
-cut a block, need nothing special. Per-channel weights (one group) multiply through torch._scaled_mm on FP8
-GPUs; block weights, and every weight on the CPU, through the dequantizing reference (kernels/fp8.py).
-Static activation scales (`input_scale`) are not used: activations are always scaled per token (per token
-and 128-input group against block weights, DeepSeek's recipe).
+cut a block, need nothing special. On CUDA, steps of at most 16 tokens (decode) go through the weight-only Triton
+GEMV (kernels/triton/quant_gemv.py: FP8 read, dequantized in registers, bf16 activations as they are); larger
+per-channel steps through torch._scaled_mm on FP8 GPUs; larger block-scaled steps, and every weight on the CPU,
+through the dequantizing reference (kernels/fp8.py).
+Static activation scales (`input_scale`) are not used: where activations are quantized, they are scaled per
+token (per token and 128-input group against block weights, DeepSeek's recipe).
 """
 from __future__ import annotations
 
@@ -89,6 +91,13 @@ class Fp8Method(QuantizationMethod):
             return part if keep else part.dequantize()
 
         return LazyWeight((rows, cols), FP8 if keep else torch.float32, read)
+
+
+def _weight_only_fits(x: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
+    """Small steps (decode) read the FP8 weight through the weight-only Triton GEMV: activations stay in their
+    dtype. Larger ones quantize activations per token for _scaled_mm's FP8 tensor cores."""
+    from pressroom.kernels.triton.quant_gemv import SMALL_M, fp8_block_k
+    return x.shape[0] <= SMALL_M and fp8_block_k(group, scale.shape[1], 16) is not None
 
 
 def _scale_of(tensors: dict[str, LazyWeight], name: str) -> LazyWeight:
@@ -187,7 +196,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         w, scale = layer.weight, layer.weight_scale
-        if scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
+        if flat.is_cuda and _weight_only_fits(flat, scale, layer.weight_group):
+            from pressroom.kernels.triton.quant_gemv import fp8_linear
+            y = fp8_linear(flat, w, scale, layer.weight_group, bias)
+        elif scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
             y = kernels.scaled_mm(flat, w, scale, bias)
         else:
             y = kernels.reference(flat, w, scale, layer.weight_group, bias)
