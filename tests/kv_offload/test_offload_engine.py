@@ -83,7 +83,7 @@ def test_chunks_are_the_same_whatever_the_tensor_parallel_size(tiny_model_dir, t
     equal no offload; then a single-rank engine serves from the disk chunks the two ranks wrote, and two
     ranks serve from chunks one rank wrote."""
     model = tiny_model_dir("llama")
-    prompts = shared_prefix_prompts(150, prefixes=12, prefix_len=96, seed=5)
+    prompts = shared_prefix_prompts(80, prefixes=12, prefix_len=96, seed=5)
     plain = _gen(engine(model), prompts)
     cpu_gib = 20 * CHUNK_BYTES / (1 << 30)
 

@@ -25,10 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The embedded SmolLM2, no API key."""
-    with serve(["serve", "--kv-cache-memory-gib", "0.25"], tmp_path_factory.mktemp("page") / "server.log") as (url, _):
-        yield url
+def server(smol_server):
+    """The embedded SmolLM2, no API key (shared: conftest.py)."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")

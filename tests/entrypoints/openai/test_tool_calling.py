@@ -14,7 +14,6 @@ import json
 import httpx
 import openai
 import pytest
-from serving import serve
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city.",
@@ -52,11 +51,9 @@ TEMPLATE = {"chat_template": HERMES_TEMPLATE}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    args = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", "smol", "--enable-auto-tool-choice",
-            "--tool-call-parser", "hermes", "--trust-request-chat-template"]
-    with serve(args, tmp_path_factory.mktemp("tools") / "server.log") as (url, _):
-        yield url
+def server(smol_server):
+    """The embedded model with the hermes parser and request templates on (shared: conftest.py)."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")
