@@ -127,6 +127,20 @@ def smollm_tokenizer(embedded_path):
     return load_gguf_tokenizer(embedded_path)
 
 
+SMOL_ARGS = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", "smol", "--max-num-seqs", "32",
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory):
+    """One server of the embedded SmolLM2 that several modules share (a start costs some 10 s on 2 cores),
+    served as "smol": 32 sequences, tool calls read by the hermes parser, chat templates taken from requests
+    (the structured-output, tool-calling and chat-page tests)."""
+    from serving import serve
+    with serve(SMOL_ARGS, tmp_path_factory.mktemp("smol") / "server.log") as (url, _):
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
     """Returns a function arch -> directory holding a tiny random-weight HF checkpoint and a tokenizer."""
