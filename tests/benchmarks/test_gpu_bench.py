@@ -67,6 +67,15 @@ def test_skip_hf_and_one_workload(tiny_model_dir, tmp_path):
     assert section["decode"]["pressroom"]["output_tokens"] == 4
 
 
+def test_a_quantized_engine_is_benched_without_hf(tiny_model_dir, tmp_path):
+    out = tmp_path / "result.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",
+            "--quantization", "mxfp4", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["engine_args"]["quantization"] == "mxfp4" and report["workloads"]["decode"]["hf"] is None
+
+
 def test_executors_side_by_side(tiny_model_dir, tmp_path):
     out = tmp_path / "executors.json"
     argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",

@@ -102,3 +102,25 @@ def test_per_token_fp8_quantization_matches_the_torch_quantizer():
         carried = (got != want) & (got * 2 == want) & (want.abs().log2() == want.abs().log2().round())
         got = torch.where(carried, want, got)
     assert torch.equal(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 3, 17])  # the default paths: GEMV, skinny tl.dot, dequantize + F.linear
+def test_the_default_paths_are_dequantize_then_matmul(tokens):
+    from pressroom.kernels.triton import quant_gemv
+    x, w = _randn(tokens, 64, seed=9), _randn(24, 64, seed=10)
+    packed, scales = mxfp4.quantize(w)
+    got = quant_gemv.mxfp4_linear(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), mxfp4.reference(x, packed, scales), **TOL)
+    w_q, w_scale = fp8.quantize(w, 64)
+    got = quant_gemv.fp8_linear(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), 64)
+    torch.testing.assert_close(got.cpu(), x @ fp8.dequantize(w_q, w_scale, 64).t(), **TOL)
+
+
+@needs_triton
+def test_the_mxfp4_dequantize_kernel_equals_the_torch_one():
+    from pressroom.kernels.triton import quant_gemv
+    w = _randn(20, 96, seed=11) * torch.logspace(-4, 1, 96)
+    packed, scales = mxfp4.quantize(w)
+    got = quant_gemv.mxfp4_dequantize(packed.to(DEVICE), scales.to(DEVICE), torch.float32)
+    assert torch.equal(got.cpu(), mxfp4.dequantize(packed, scales))

@@ -14,7 +14,14 @@ a broadcast row; BLOCK_M >= 16 goes through tl.dot (tensor cores) on the dequant
   takes one scale per row.
 - MXFP4 `w` packed [N, K / 2] (even input in the low nibble) with E8M0 scales [N, K / 32] (kernels/mxfp4.py).
   The two nibbles of a byte meet the even and the odd inputs of x: two half-width products, no interleaving.
-  An E2M1 value times its block's power of two is built as fp32 bits directly (sign, exponent + scale, mantissa).
+  A nibble becomes fp16 bits (value * 2^-14) in five integer operations; one token sums each block's 32 products
+  before its scale multiplies them, tl.dot tiles scale the values first. Beyond SMALL_M tokens the weight is
+  dequantized to bf16 by one launch for cuBLAS.
+
+Measured on the H200 (docs/BENCHMARKS.md): the FP8 GEMV at one token runs 1.46-1.80x bf16 F.linear at
+Llama-3.1-8B's shapes with the sweep's tiles (now the defaults). The MXFP4 kernel as first measured (fp32 bits built
+with the scale, the scale gathered per byte) was ALU-bound at a fifth of bf16's speed; the unpacking above has not
+run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pressroom.kernels.fp8 import FP8, FP8_MAX
-
+FP8 = torch.float8_e4m3fn  # kernels/fp8.py's, restated: that module calls into this one
+FP8_MAX = torch.finfo(FP8).max
 SMALL_M = 16  # up to this many tokens the weight-only GEMV path beats _scaled_mm (decode; small verify steps)
 
 
@@ -38,16 +45,21 @@ class GemvConfig:
     num_stages: int = 2
 
 
-# picked on the H200 (benchmarks/gpu/quant_gemv.py sweeps these and prints the best per shape)
-FP8_DECODE = GemvConfig(1, 8, 512, 4)
-MXFP4_DECODE = GemvConfig(1, 8, 1024, 4)
-SKINNY = GemvConfig(16, 32, 256, 4, 3)
-LARGE = GemvConfig(64, 64, 64, 4, 3)
+# The best of benchmarks/gpu/quant_gemv.py's sweep on the H200 (docs/BENCHMARKS.md): one token, FP8: long tiles
+# (2,048 inputs) over 8 rows for qkv and o, 4 rows for the larger gate_up and down (more programs in flight).
+FP8_DECODE = GemvConfig(1, 8, 2048, 4)
+FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
+LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
+MXFP4_DECODE = GemvConfig(1, 4, 512, 4)  # best for the kernel before its cheaper unpacking: to sweep again
+SKINNY = GemvConfig(16, 32, 256, 4, 3)  # 2-16 tokens: within 1% of the sweep's best but at gate_up (11%)
+LARGE = GemvConfig(64, 64, 64, 4, 3)  # beyond 16 tokens: only where asked for (tests); callers use cuBLAS there
 
 
-def default_config(tokens: int, mxfp4: bool) -> GemvConfig:
+def default_config(tokens: int, n: int, k: int, mxfp4: bool) -> GemvConfig:
     if tokens == 1:
-        return MXFP4_DECODE if mxfp4 else FP8_DECODE
+        config = MXFP4_DECODE if mxfp4 else FP8_DECODE_LARGE if n * k >= LARGE_WEIGHT else FP8_DECODE
+        return GemvConfig(1, config.block_n, min(config.block_k, max(32, triton.next_power_of_2(k))),
+                          config.num_warps)
     return SKINNY if tokens <= SMALL_M else LARGE
 
 
@@ -95,16 +107,31 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
 
 
 @triton.jit
-def _e2m1_times_scale(nibble, exponent):
-    """E2M1 codes (int32, 0..15) times 2^exponent (int32: E8M0 - 127) as fp32, built from its bits: a normal
-    code (e > 0) is 2^(e - 1) * (1 + m / 2), the subnormal one 0.5; zero stays (signed) zero."""
-    sign = (nibble & 8).to(tl.uint32) << 28
-    e = (nibble >> 1) & 3
-    biased = tl.where(e > 0, e + 126, 126) + exponent
-    mantissa = tl.where(e > 0, (nibble & 1) << 22, 0)
-    keep = ((nibble & 7) != 0) & (biased > 0)  # zero codes; a product below fp32's normals flushes to zero
-    bits = tl.where(keep, sign | (biased.to(tl.uint32) << 23) | mantissa.to(tl.uint32), sign)
-    return bits.to(tl.float32, bitcast=True)
+def _e2m1(nibble):
+    """E2M1 codes (int32; bits above the low 4 ignored) -> value * 2^-14 in fp32, exactly: the code's magnitude
+    bits shifted into an fp16's exponent and mantissa (the subnormal 0.5 included), its sign into fp16's sign.
+    Five integer operations and one conversion per value (building fp32 bits with the scale took fifteen, and
+    the kernel ran at a fifth of bf16's speed on the H200)."""
+    bits = ((nibble & 7) << 9) | ((nibble & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e8m0_scale(exponent):
+    """E8M0 (uint8 loaded as int32) -> 2^(e - 127) * 2^14 (undoing _e2m1's 2^-14); e = 0 (2^-127) reads as 0."""
+    return (exponent << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _mxfp4_tile(w_rows, s_rows, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The tile of bytes [first, first + HALF) (first: a multiple of 16): (low-nibble values, high-nibble values)
+    [BLOCK_N, HALF] times 2^-14, and the blocks' scales [BLOCK_N, HALF / 16] times 2^14 (a block: 16 bytes)."""
+    byte = first + tl.arange(0, HALF)
+    w_mask = n_ok[:, None] & (byte < K // 2)[None, :]
+    packed = tl.load(w_rows + byte[None, :], mask=w_mask, other=0).to(tl.int32)
+    blocks = first // 16 + tl.arange(0, HALF // 16)
+    scale = tl.load(s_rows + blocks[None, :], mask=n_ok[:, None] & (blocks < K // 32)[None, :], other=0)
+    return _e2m1(packed), _e2m1(packed >> 4), _e8m0_scale(scale.to(tl.int32))
 
 
 @triton.jit
@@ -122,15 +149,36 @@ def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         byte = k0 // 2 + rb
-        w_mask = n_ok[:, None] & (byte < K // 2)[None, :]
-        packed = tl.load(w_rows + byte[None, :], mask=w_mask, other=0).to(tl.int32)
-        exponent = tl.load(s_rows + (byte // 16)[None, :], mask=w_mask, other=127).to(tl.int32) - 127
+        lo, hi, scale = _mxfp4_tile(w_rows, s_rows, k0 // 2, n_ok, K, BLOCK_N, HALF)
         x_mask = m_ok[:, None] & (2 * byte < K)[None, :]
         x_even = tl.load(x_rows + 2 * byte[None, :], mask=x_mask, other=0.0)
         x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
-        acc += _tile_product(x_even, _e2m1_times_scale(packed & 15, exponent), BLOCK_M, PRECISION)
-        acc += _tile_product(x_odd, _e2m1_times_scale(packed >> 4, exponent), BLOCK_M, PRECISION)
+        if BLOCK_M == 1:  # sum each block's 32 products, then scale the block sums
+            prod = lo * x_even.to(tl.float32) + hi * x_odd.to(tl.float32)
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, HALF // 16, 16)), axis=2)
+            acc += tl.sum(per_block * scale, axis=1)[None, :]
+        else:  # tl.dot needs the scaled weights: broadcast each block's scale over its 16 bytes
+            lo = tl.reshape(tl.reshape(lo, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+            hi = tl.reshape(tl.reshape(hi, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+            acc += _tile_product(x_even, lo, BLOCK_M, PRECISION) + _tile_product(x_odd, hi, BLOCK_M, PRECISION)
     _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_K // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    byte = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    n_ok = rn < N
+    lo, hi, scale = _mxfp4_tile(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, s_ptr + rn.to(tl.int64)[:, None]
+                                * stride_sn, tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF)
+    lo = tl.reshape(tl.reshape(lo, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+    hi = tl.reshape(tl.reshape(hi, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+    out = out_ptr + rn.to(tl.int64)[:, None] * stride_on + 2 * byte[None, :]
+    mask = n_ok[:, None] & (2 * byte < K)[None, :]
+    tl.store(out, lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + 1, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -154,7 +202,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int
                config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] times the FP8 weight w [N, K] with fp32 scales [N, ceil(K / group)], in x's dtype."""
     (m, k), n = x.shape, w.shape[0]
-    config = config or default_config(m, mxfp4=False)
+    config = config or default_config(m, n, k, mxfp4=False)
     block_k = fp8_block_k(group, scale.shape[1], config.block_k)
     if block_k is None:
         raise ValueError(f"FP8 scales in groups of {group} inputs have no tile width of 16 or more that divides them.")
@@ -169,11 +217,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int
 
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] times the MXFP4 weight (packed [N, K / 2], E8M0 scales [N, K / 32]), in x's dtype."""
+    """x [M, K] times the MXFP4 weight (packed [N, K / 2], E8M0 scales [N, K / 32]), in x's dtype. Beyond
+    SMALL_M tokens (prefill) the weight is dequantized to x's dtype for cuBLAS: compute-bound there, and the
+    tiled Triton GEMM measured 40x slower than bf16 at 512 tokens on the H200 (its unpacking per tile)."""
     (m, k), n = x.shape, packed.shape[0]
     if k % 32 or packed.shape[1] * 2 != k:
         raise ValueError(f"an MXFP4 weight packed as {tuple(packed.shape)} cannot multiply {k} inputs.")
-    config = config or default_config(m, mxfp4=True)
+    if config is None and m > SMALL_M:
+        return torch.nn.functional.linear(x, mxfp4_dequantize(packed, scales, x.dtype), bias)
+    config = config or default_config(m, n, k, mxfp4=True)
     x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
     _mxfp4_kernel[_grid(m, n, config)](
         x, packed, scales, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
@@ -181,6 +233,17 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=max(32, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The MXFP4 weight as [N, K] in `dtype`, in one launch (kernels/mxfp4.py's `dequantize`)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype, device=packed.device)
+    block_n, block_k = 16, min(256, triton.next_power_of_2(k))
+    _mxfp4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        packed, scales, out, n, k, packed.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 @triton.jit
