@@ -19,7 +19,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4")  # the built-in names; plug-ins add theirs (check_quantization)
+QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4", "nvfp4")  # built-in names; plug-ins add theirs (check_quantization)
 QUANTIZATION_ENTRY_POINTS = "pressroom.quantization"  # the entry-point group of installed quantization plug-ins
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: generate (completions, chat) or pooling (embeddings, /pooling, /score, /rerank); auto: pooling
@@ -479,7 +479,8 @@ class EngineArgs:
                                      "for steps of at most 8 tokens; none: dequantize every weight; fp8: FP8 e4m3 "
                                      "weights with per-channel scales computed at load (or an FP8 checkpoint's), "
                                      "activations scaled per token; mxfp4: MXFP4 weights (32-input blocks, "
-                                     "power-of-two scales) quantized at load, weight-only; or a plug-in: an "
+                                     "power-of-two scales) quantized at load, weight-only; nvfp4: likewise in 16-input "
+                                     "blocks with FP8 scales and a global one; or a plug-in: an "
                                      "installed package's entry point (group pressroom.quantization) by name, or "
                                      "module.path:ClassName")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "

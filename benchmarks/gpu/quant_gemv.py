@@ -15,7 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from gemv_rates import graph_seconds  # noqa: E402
 
-from pressroom.kernels import fp8, mxfp4  # noqa: E402
+from pressroom.kernels import fp8, mxfp4, nvfp4  # noqa: E402
 from pressroom.kernels.triton import quant_gemv  # noqa: E402
 from pressroom.kernels.triton.quant_gemv import GemvConfig  # noqa: E402
 
@@ -48,19 +48,21 @@ def shape_figures(name: str, n: int, k: int, rows: int) -> dict:
     w_bf16 = w.to(torch.bfloat16)
     w_q, w_scale = fp8.quantize(w, k)
     packed, scales = mxfp4.quantize(w)
+    nv = nvfp4.quantize(w)
     del w
     row = {"shape": name, "out": n, "in": k, "tokens": rows,
            "bf16_us": us(lambda: F.linear(x, w_bf16), rows),
            "fp8_scaled_mm_us": us(lambda: fp8.scaled_mm(x, w_q, w_scale), rows),
            "fp8_gemv_us": us(lambda: quant_gemv.fp8_linear(x, w_q, w_scale, k), rows),
-           "mxfp4_gemv_us": us(lambda: quant_gemv.mxfp4_linear(x, packed, scales), rows)}
+           "mxfp4_gemv_us": us(lambda: quant_gemv.mxfp4_linear(x, packed, scales), rows),
+           "nvfp4_gemv_us": us(lambda: quant_gemv.nvfp4_linear(x, *nv), rows)}
     sweep = DECODE_SWEEP if rows == 1 else SKINNY_SWEEP if rows <= 16 else []
     if sweep:
         t, c = best(lambda c: quant_gemv.fp8_linear(x, w_q, w_scale, k, config=c), sweep, rows)
         row["fp8_best_us"], row["fp8_best"] = t, _fields(c)
         t, c = best(lambda c: quant_gemv.mxfp4_linear(x, packed, scales, config=c), sweep, rows)
         row["mxfp4_best_us"], row["mxfp4_best"] = t, _fields(c)
-    for key in ("fp8_scaled_mm", "fp8_gemv", "mxfp4_gemv", "fp8_best", "mxfp4_best"):
+    for key in ("fp8_scaled_mm", "fp8_gemv", "mxfp4_gemv", "nvfp4_gemv", "fp8_best", "mxfp4_best"):
         if f"{key}_us" in row:
             row[f"{key}_speedup"] = round(row["bf16_us"] / row[f"{key}_us"], 3)
     row["bf16_TBps"] = round(n * k * 2 / row["bf16_us"] / 1e6, 3)
@@ -82,7 +84,7 @@ def main() -> None:
     print(json.dumps(act), flush=True)
     for m in (1, 16, 512):
         per_step = {key: sum(r[key] for r in rows if r["tokens"] == m)
-                    for key in ("bf16_us", "fp8_scaled_mm_us", "fp8_gemv_us", "mxfp4_gemv_us")}
+                    for key in ("bf16_us", "fp8_scaled_mm_us", "fp8_gemv_us", "mxfp4_gemv_us", "nvfp4_gemv_us")}
         print(f"M={m}: one layer's four projections " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items())
               + f"; speed-up fp8 gemv {per_step['bf16_us'] / per_step['fp8_gemv_us']:.2f}x, mxfp4 "
               f"{per_step['bf16_us'] / per_step['mxfp4_gemv_us']:.2f}x, fp8 _scaled_mm "

@@ -36,22 +36,29 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     exponent = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-E8M0_BIAS, E8M0_BIAS)
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS))
-    scaled = blocks / torch.exp2(exponent)
-    codes = torch.bucketize(scaled.abs(), _MIDPOINTS.to(w.device)).to(torch.uint8)  # nearest magnitude
+    packed = pack_e2m1((blocks / torch.exp2(exponent)).reshape(rows, cols))
+    return packed, (exponent.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
+
+
+def pack_e2m1(scaled: torch.Tensor) -> torch.Tensor:
+    """Values within [-6, 6] [rows, cols] -> the nearest E2M1 codes (ties to the smaller magnitude), two per byte
+    [rows, cols / 2], the even input in the low nibble."""
+    codes = torch.bucketize(scaled.abs(), _MIDPOINTS.to(scaled.device)).to(torch.uint8)
     codes |= (scaled < 0).to(torch.uint8) << 3
-    codes = codes.reshape(rows, cols)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed.contiguous(), (exponent.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 [rows, cols / 2] -> their values in fp32 [rows, cols]."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    return torch.cat([E2M1_VALUES, -E2M1_VALUES]).to(packed.device)[codes]
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed E2M1 [rows, cols / 2] with E8M0 scales [rows, cols / 32] -> [rows, cols] in `dtype` (exact: every
     value is a power of two times one of E2M1's)."""
-    rows = packed.shape[0]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows, -1).long()
-    signed = torch.cat([E2M1_VALUES, -E2M1_VALUES]).to(packed.device)[codes]
     scale = torch.exp2(scales.float() - E8M0_BIAS).repeat_interleave(BLOCK, dim=1)
-    return (signed * scale).to(dtype)
+    return (unpack_e2m1(packed) * scale).to(dtype)
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

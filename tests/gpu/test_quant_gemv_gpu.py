@@ -9,7 +9,7 @@ from conftest import TINY_SHAPE
 from fp8_checkpoint import PROMPTS
 
 from pressroom import LLM, SamplingParams
-from pressroom.kernels import fp8, mxfp4
+from pressroom.kernels import fp8, mxfp4, nvfp4
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200 machine)")]
@@ -53,6 +53,15 @@ def test_mxfp4_weight_only_gemm_at_llama_8b_shapes(out_features, in_features, to
     _check_bf16(quant_gemv.mxfp4_linear(x, packed, scales), want)
 
 
+@pytest.mark.parametrize("out_features, in_features", LLAMA_8B)
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_nvfp4_weight_only_gemm_at_llama_8b_shapes(out_features, in_features, tokens):
+    x, w = _operands(tokens, out_features, in_features)
+    weight = nvfp4.quantize(w)
+    want = x.float() @ nvfp4.dequantize(*weight).t()
+    _check_bf16(quant_gemv.nvfp4_linear(x, *weight), want)
+
+
 @pytest.mark.parametrize("tokens, in_features", [(1, 4096), (16, 4096), (512, 14336)])
 def test_per_token_fp8_kernel_equals_the_torch_quantizer(tokens, in_features):
     x, _ = _operands(tokens, 16, in_features)
@@ -87,19 +96,20 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
-def _run(path, device: str, **kw) -> tuple[torch.Tensor, list[list[int]]]:
+def _run(path, device: str, method: str, **kw) -> tuple[torch.Tensor, list[list[int]]]:
     llm = LLM(str(path), device=device, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.25,
-              quantization="mxfp4", **kw)
+              quantization=method, **kw)
     outs = llm.generate(PROMPTS, LOGPROBS, use_tqdm=False)
     logprobs = torch.tensor([next(iter(p.values())).logprob for o in outs for p in o.prompt_logprobs[1:]])
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     return logprobs, tokens
 
 
-def test_a_tiny_mxfp4_model_on_cuda_matches_the_cpu_reference(tiny_llama):
-    cuda, cuda_tokens = _run(tiny_llama, "cuda")  # decode steps replay CUDA graphs
-    eager, eager_tokens = _run(tiny_llama, "cuda", enforce_eager=True)
-    cpu, _ = _run(tiny_llama, "cpu")
+@pytest.mark.parametrize("method", ["mxfp4", "nvfp4"])
+def test_a_tiny_fp4_model_on_cuda_matches_the_cpu_reference(tiny_llama, method):
+    cuda, cuda_tokens = _run(tiny_llama, "cuda", method)  # decode steps replay CUDA graphs
+    eager, eager_tokens = _run(tiny_llama, "cuda", method, enforce_eager=True)
+    cpu, _ = _run(tiny_llama, "cpu", method)
     assert cuda_tokens == eager_tokens
     # weight-only on both, fp32 activations (the kernel's tl.dot in IEEE fp32): sums in another order only
     assert (cuda - cpu).abs().max() < 1e-3, (cuda - cpu).abs().max()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pressroom.kernels import fp8, mxfp4
+from pressroom.kernels import fp8, mxfp4, nvfp4
 from pressroom.kernels import triton as triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,3 +124,32 @@ def test_the_mxfp4_dequantize_kernel_equals_the_torch_one():
     packed, scales = mxfp4.quantize(w)
     got = quant_gemv.mxfp4_dequantize(packed.to(DEVICE), scales.to(DEVICE), torch.float32)
     assert torch.equal(got.cpu(), mxfp4.dequantize(packed, scales))
+
+
+def test_nvfp4_round_trip_keeps_each_value_within_its_block_step():
+    w = _randn(6, 64, seed=12) * torch.logspace(-2, 1, 64)
+    w[0, :16] = 0  # an all-zero block: a zero scale, zero values
+    packed, block_scale, global_scale = nvfp4.quantize(w)
+    assert packed.shape == (6, 32) and block_scale.dtype == fp8.FP8 and block_scale.shape == (6, 4)
+    back = nvfp4.dequantize(packed, block_scale, global_scale)
+    assert torch.equal(back[0, :16], torch.zeros(16))
+    scale = (block_scale.float() * global_scale).repeat_interleave(16, dim=1)
+    # half of E2M1's widest step (2, between 4 and 6) in units of the block scale, plus the clip at 6 that a block
+    # scale rounded down to FP8 causes (its largest magnitude up to 1/16 above 6)
+    assert ((back - w).abs() <= scale * (1 + 6 / 16) + 1e-12).all()
+    assert (back - w).norm() < 0.1 * w.norm()
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_nvfp4_weight_only_gemv_is_dequantize_then_matmul(tokens):
+    from pressroom.kernels.triton import quant_gemv
+    x, w = _randn(tokens, 96, seed=13), _randn(20, 96, seed=14)
+    packed, block_scale, global_scale = nvfp4.quantize(w)
+    args = [t.to(DEVICE) for t in (packed, block_scale, global_scale)]
+    want = nvfp4.reference(x, packed, block_scale, global_scale)
+    torch.testing.assert_close(quant_gemv.nvfp4_linear(x.to(DEVICE), *args).cpu(), want, **TOL)  # default paths
+    got = quant_gemv.nvfp4_linear(x.to(DEVICE), *args, config=_config(tokens))  # several tiles and programs
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    assert torch.equal(quant_gemv.nvfp4_dequantize(*args, torch.float32).cpu(),
+                       nvfp4.dequantize(packed, block_scale, global_scale))

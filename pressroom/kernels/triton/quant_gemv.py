@@ -17,6 +17,8 @@ a broadcast row; BLOCK_M >= 16 goes through tl.dot (tensor cores) on the dequant
   A nibble becomes fp16 bits (value * 2^-14) in five integer operations; one token sums each block's 32 products
   before its scale multiplies them, tl.dot tiles scale the values first. Beyond SMALL_M tokens the weight is
   dequantized to bf16 by one launch for cuBLAS.
+- NVFP4 (kernels/nvfp4.py): the same kernel with blocks of 16 inputs (8 bytes), each scaled by an FP8 e4m3 value
+  times the tensor's fp32 global scale (read from memory: no host sync, CUDA graphs keep it).
 
 Measured on the H200 (docs/BENCHMARKS.md): the FP8 GEMV at one token runs 1.46-1.80x bf16 F.linear at
 Llama-3.1-8B's shapes with the sweep's tiles (now the defaults). The MXFP4 kernel as first measured (fp32 bits built
@@ -123,21 +125,26 @@ def _e8m0_scale(exponent):
 
 
 @triton.jit
-def _mxfp4_tile(w_rows, s_rows, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-    """The tile of bytes [first, first + HALF) (first: a multiple of 16): (low-nibble values, high-nibble values)
-    [BLOCK_N, HALF] times 2^-14, and the blocks' scales [BLOCK_N, HALF / 16] times 2^14 (a block: 16 bytes)."""
+def _fp4_tile(w_rows, s_rows, g_ptr, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
+    """The tile of bytes [first, first + HALF) (first: a multiple of BB, the bytes of a scale block: 16 for MXFP4,
+    8 for NVFP4): (low-nibble values, high-nibble values) [BLOCK_N, HALF] times 2^-14, and the blocks' scales
+    [BLOCK_N, HALF / BB] times 2^14 (NVFP4: its FP8 block scale times the global scale at g_ptr)."""
     byte = first + tl.arange(0, HALF)
     w_mask = n_ok[:, None] & (byte < K // 2)[None, :]
     packed = tl.load(w_rows + byte[None, :], mask=w_mask, other=0).to(tl.int32)
-    blocks = first // 16 + tl.arange(0, HALF // 16)
-    scale = tl.load(s_rows + blocks[None, :], mask=n_ok[:, None] & (blocks < K // 32)[None, :], other=0)
-    return _e2m1(packed), _e2m1(packed >> 4), _e8m0_scale(scale.to(tl.int32))
+    blocks = first // BB + tl.arange(0, HALF // BB)
+    s_mask = n_ok[:, None] & (blocks < K // (2 * BB))[None, :]
+    if BB == 16:
+        scale = _e8m0_scale(tl.load(s_rows + blocks[None, :], mask=s_mask, other=0).to(tl.int32))
+    else:
+        scale = tl.load(s_rows + blocks[None, :], mask=s_mask, other=0.0).to(tl.float32) * (tl.load(g_ptr) * 16384.0)
+    return _e2m1(packed), _e2m1(packed >> 4), scale
 
 
 @triton.jit
-def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp4_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,32 +156,38 @@ def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         byte = k0 // 2 + rb
-        lo, hi, scale = _mxfp4_tile(w_rows, s_rows, k0 // 2, n_ok, K, BLOCK_N, HALF)
+        lo, hi, scale = _fp4_tile(w_rows, s_rows, g_ptr, k0 // 2, n_ok, K, BLOCK_N, HALF, BB)
         x_mask = m_ok[:, None] & (2 * byte < K)[None, :]
         x_even = tl.load(x_rows + 2 * byte[None, :], mask=x_mask, other=0.0)
         x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
-        if BLOCK_M == 1:  # sum each block's 32 products, then scale the block sums
+        if BLOCK_M == 1:  # sum each block's products, then scale the block sums
             prod = lo * x_even.to(tl.float32) + hi * x_odd.to(tl.float32)
-            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, HALF // 16, 16)), axis=2)
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, HALF // BB, BB)), axis=2)
             acc += tl.sum(per_block * scale, axis=1)[None, :]
-        else:  # tl.dot needs the scaled weights: broadcast each block's scale over its 16 bytes
-            lo = tl.reshape(tl.reshape(lo, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
-            hi = tl.reshape(tl.reshape(hi, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+        else:  # tl.dot needs the scaled weights: broadcast each block's scale over its bytes
+            lo = _scaled(lo, scale, BLOCK_N, HALF, BB)
+            hi = _scaled(hi, scale, BLOCK_N, HALF, BB)
             acc += _tile_product(x_even, lo, BLOCK_M, PRECISION) + _tile_product(x_odd, hi, BLOCK_M, PRECISION)
     _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 @triton.jit
-def _mxfp4_dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scaled(values, scale, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
+    """values [BLOCK_N, HALF], each run of BB times its block's scale [BLOCK_N, HALF / BB]."""
+    return tl.reshape(tl.reshape(values, (BLOCK_N, HALF // BB, BB)) * scale[:, :, None], (BLOCK_N, HALF))
+
+
+@triton.jit
+def _fp4_dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BB: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     byte = tl.program_id(1) * HALF + tl.arange(0, HALF)
     n_ok = rn < N
-    lo, hi, scale = _mxfp4_tile(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, s_ptr + rn.to(tl.int64)[:, None]
-                                * stride_sn, tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF)
-    lo = tl.reshape(tl.reshape(lo, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
-    hi = tl.reshape(tl.reshape(hi, (BLOCK_N, HALF // 16, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+    lo, hi, scale = _fp4_tile(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, s_ptr + rn.to(tl.int64)[:, None]
+                              * stride_sn, g_ptr, tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF, BB)
+    lo = _scaled(lo, scale, BLOCK_N, HALF, BB)
+    hi = _scaled(hi, scale, BLOCK_N, HALF, BB)
     out = out_ptr + rn.to(tl.int64)[:, None] * stride_on + 2 * byte[None, :]
     mask = n_ok[:, None] & (2 * byte < K)[None, :]
     tl.store(out, lo.to(out_ptr.dtype.element_ty), mask=mask)
@@ -220,16 +233,29 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     """x [M, K] times the MXFP4 weight (packed [N, K / 2], E8M0 scales [N, K / 32]), in x's dtype. Beyond
     SMALL_M tokens (prefill) the weight is dequantized to x's dtype for cuBLAS: compute-bound there, and the
     tiled Triton GEMM measured 40x slower than bf16 at 512 tokens on the H200 (its unpacking per tile)."""
+    return _fp4_linear(x, packed, scales, scales, bias, config, block_bytes=16)
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] times the NVFP4 weight (packed [N, K / 2], FP8 e4m3 block scales [N, K / 16], fp32 global scale
+    [1], kernels/nvfp4.py), in x's dtype; as mxfp4_linear beyond SMALL_M tokens."""
+    return _fp4_linear(x, packed, scales, global_scale, bias, config, block_bytes=8)
+
+
+def _fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                bias: torch.Tensor | None, config: GemvConfig | None, block_bytes: int) -> torch.Tensor:
     (m, k), n = x.shape, packed.shape[0]
-    if k % 32 or packed.shape[1] * 2 != k:
-        raise ValueError(f"an MXFP4 weight packed as {tuple(packed.shape)} cannot multiply {k} inputs.")
+    if k % (2 * block_bytes) or packed.shape[1] * 2 != k:
+        raise ValueError(f"an FP4 weight packed as {tuple(packed.shape)} cannot multiply {k} inputs.")
     if config is None and m > SMALL_M:
-        return torch.nn.functional.linear(x, mxfp4_dequantize(packed, scales, x.dtype), bias)
+        return torch.nn.functional.linear(x, _fp4_dequantize(packed, scales, global_scale, x.dtype, block_bytes),
+                                          bias)
     config = config or default_config(m, n, k, mxfp4=True)
     x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _mxfp4_kernel[_grid(m, n, config)](
-        x, packed, scales, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
-        scales.stride(0), y.stride(0), HAS_BIAS=bias is not None, PRECISION=_precision(x),
+    _fp4_kernel[_grid(m, n, config)](
+        x, packed, scales, global_scale, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
+        scales.stride(0), y.stride(0), HAS_BIAS=bias is not None, PRECISION=_precision(x), BB=block_bytes,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=max(32, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
@@ -237,11 +263,22 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
 
 def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The MXFP4 weight as [N, K] in `dtype`, in one launch (kernels/mxfp4.py's `dequantize`)."""
+    return _fp4_dequantize(packed, scales, scales, dtype, block_bytes=16)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The NVFP4 weight as [N, K] in `dtype`, in one launch (kernels/nvfp4.py's `dequantize`)."""
+    return _fp4_dequantize(packed, scales, global_scale, dtype, block_bytes=8)
+
+
+def _fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype,
+                    block_bytes: int) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
-    block_n, block_k = 16, min(256, triton.next_power_of_2(k))
-    _mxfp4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        packed, scales, out, n, k, packed.stride(0), scales.stride(0), out.stride(0),
+    block_n, block_k = 16, min(256, max(32, triton.next_power_of_2(k)))
+    _fp4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        packed, scales, global_scale, out, n, k, packed.stride(0), scales.stride(0), out.stride(0), BB=block_bytes,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 

@@ -7,7 +7,7 @@ multiplies through the Triton kernel that unpacks in registers (kernels/triton/q
 token, tl.dot tiles beyond); elsewhere through the reference, which dequantizes the weight to the activations'
 dtype at each call (a correctness path: the CPU has no MXFP4 kernel).
 
-Not yet: gpt-oss checkpoints (`*_blocks` / `*_scales`: the same packing), MoE experts, NVFP4.
+Not yet: gpt-oss checkpoints (`*_blocks` / `*_scales`: the same packing), MoE experts. NVFP4 is nvfp4.py.
 """
 from __future__ import annotations
 

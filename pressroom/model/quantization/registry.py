@@ -18,7 +18,8 @@ from pressroom.config import QUANTIZATION_ENTRY_POINTS
 from pressroom.model.quantization.base import QuantizationMethod
 
 BUILTIN = {"fp8": "pressroom.model.quantization.fp8:Fp8Method",
-           "mxfp4": "pressroom.model.quantization.mxfp4:Mxfp4Method"}
+           "mxfp4": "pressroom.model.quantization.mxfp4:Mxfp4Method",
+           "nvfp4": "pressroom.model.quantization.nvfp4:Nvfp4Method"}
 # --quantization values that select no method: GGUF's own 4-bit path (auto) or dense weights (none)
 NO_METHOD = ("auto", "none")
 
