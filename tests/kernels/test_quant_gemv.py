@@ -153,3 +153,12 @@ def test_nvfp4_weight_only_gemv_is_dequantize_then_matmul(tokens):
     torch.testing.assert_close(got.cpu(), want, **TOL)
     assert torch.equal(quant_gemv.nvfp4_dequantize(*args, torch.float32).cpu(),
                        nvfp4.dequantize(packed, block_scale, global_scale))
+
+
+@needs_triton
+def test_no_tokens_give_an_empty_output():
+    from pressroom.kernels.triton import quant_gemv
+    w = _randn(16, 64, seed=15)
+    x = torch.empty(0, 64, device=DEVICE)
+    assert quant_gemv.fp8_linear(x, *(t.to(DEVICE) for t in fp8.quantize(w, 64)), 64).shape == (0, 16)
+    assert quant_gemv.mxfp4_linear(x, *(t.to(DEVICE) for t in mxfp4.quantize(w))).shape == (0, 16)

@@ -220,6 +220,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int
     if block_k is None:
         raise ValueError(f"FP8 scales in groups of {group} inputs have no tile width of 16 or more that divides them.")
     x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:  # a grid of no programs is an error
+        return y
     _fp8_kernel[_grid(m, n, config)](
         x, w, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), w.stride(0), scale.stride(0),
         y.stride(0), group, PER_ROW=scale.shape[1] == 1, HAS_BIAS=bias is not None, PRECISION=_precision(x),
@@ -253,6 +255,8 @@ def _fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, glo
                                           bias)
     config = config or default_config(m, n, k, mxfp4=True)
     x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
     _fp4_kernel[_grid(m, n, config)](
         x, packed, scales, global_scale, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
         scales.stride(0), y.stride(0), HAS_BIAS=bias is not None, PRECISION=_precision(x), BB=block_bytes,
