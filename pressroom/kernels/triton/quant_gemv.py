@@ -53,6 +53,9 @@ FP8_DECODE = GemvConfig(1, 8, 2048, 4)
 FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
 LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
 MXFP4_DECODE = GemvConfig(1, 4, 512, 4)  # best for the kernel before its cheaper unpacking: to sweep again
+# int4 (GPTQ form) is packed along the inputs with the outputs contiguous: wide rows of outputs, one group of
+# inputs per tile. Not swept on a GPU yet.
+INT4_DECODE = GemvConfig(1, 64, 128, 4)
 SKINNY = GemvConfig(16, 32, 256, 4, 3)  # 2-16 tokens: within 1% of the sweep's best but at gate_up (11%)
 LARGE = GemvConfig(64, 64, 64, 4, 3)  # beyond 16 tokens: only where asked for (tests); callers use cuBLAS there
 
@@ -285,6 +288,82 @@ def _fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: to
         packed, scales, global_scale, out, n, k, packed.stride(0), scales.stride(0), out.stride(0), BB=block_bytes,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
+
+
+@triton.jit
+def _int4_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qk, stride_sg,
+                 stride_zg, stride_ym, GROUP, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GPTQ-form int4 (kernels/int4.py): each tile reads BLOCK_K / 8 packed words per output channel, shifts the
+    eight nibbles of a word out in registers and takes (q - zero) * scale in fp32: one scale and zero per channel
+    for the tile (BLOCK_K divides the group), or, with act-order, each input's group from g_idx."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rw = tl.arange(0, WORDS)
+    shifts = tl.arange(0, 8) * 4
+    n_ok, m_ok = rn < N, rm < M
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        word = k0 // 8 + rw
+        w_mask = (word < K // 8)[:, None] & n_ok[None, :]
+        packed = tl.load(qw_ptr + word.to(tl.int64)[:, None] * stride_qk + rn[None, :], mask=w_mask, other=0)
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))  # input k0 + 8w + j
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        if ACT_ORDER:  # a gather per input: [BLOCK_K, BLOCK_N] scales and zeros
+            g = tl.load(g_ptr + k, mask=k_ok, other=0)
+            mask = k_ok[:, None] & n_ok[None, :]
+            scale = tl.load(s_ptr + g[:, None] * stride_sg + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + g[:, None] * stride_zg + rn[None, :], mask=mask, other=0).to(tl.int32)
+        else:  # the tile lies in one group
+            g = k0 // GROUP
+            scale = tl.load(s_ptr + g * stride_sg + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            zero = tl.load(z_ptr + g * stride_zg + rn, mask=n_ok, other=0).to(tl.int32)[None, :]
+        w = (q - zero).to(tl.float32) * scale  # [BLOCK_K, BLOCK_N], exact in fp32
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(tl.reshape(x.to(tl.float32), (BLOCK_K, 1)) * w, axis=0)[None, :]
+        else:
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+    _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+def int4_block_k(group: int, k: int, act_order: bool, block_k: int) -> int:
+    """The tile width: a power of two of at least 16 (8 inputs a word; tl.dot's minimum) that, without act-order,
+    divides the group, so each tile takes one scale per channel."""
+    width = min(block_k, max(16, triton.next_power_of_2(k)))
+    if not act_order:
+        width = min(width, group & -group)
+    if width < 16:
+        raise ValueError(f"int4 groups of {group} inputs have no tile width of 16 or more that divides them.")
+    return width
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                g_idx: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] times the GPTQ-form int4 weight (qweight int32 [K / 8, N], scales fp16 [G, N], zeros uint8 [G, N],
+    g_idx int32 [K] or None), in x's dtype. Beyond SMALL_M tokens the weight is dequantized to x's dtype for cuBLAS
+    (compute-bound there)."""
+    (m, k), n = x.shape, qweight.shape[1]
+    if qweight.shape[0] * 8 != k:
+        raise ValueError(f"an int4 weight packed as {tuple(qweight.shape)} cannot multiply {k} inputs.")
+    if config is None and m > SMALL_M:
+        from pressroom.kernels.int4 import dequantize
+        return torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, g_idx, group_size, x.dtype), bias)
+    config = config or (INT4_DECODE if m == 1 else default_config(m, n, k, mxfp4=False))
+    block_k = int4_block_k(group_size, k, g_idx is not None, config.block_k)
+    x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    _int4_kernel[_grid(m, n, config)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, bias if bias is not None else y, y, m, n,
+        k, x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0), group_size,
+        ACT_ORDER=g_idx is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y
 
 
 @triton.jit

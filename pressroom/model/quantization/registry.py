@@ -17,7 +17,9 @@ from importlib.metadata import entry_points
 from pressroom.config import QUANTIZATION_ENTRY_POINTS
 from pressroom.model.quantization.base import QuantizationMethod
 
-BUILTIN = {"fp8": "pressroom.model.quantization.fp8:Fp8Method",
+BUILTIN = {"awq": "pressroom.model.quantization.int4:AwqMethod",
+           "fp8": "pressroom.model.quantization.fp8:Fp8Method",
+           "gptq": "pressroom.model.quantization.int4:GptqMethod",
            "mxfp4": "pressroom.model.quantization.mxfp4:Mxfp4Method",
            "nvfp4": "pressroom.model.quantization.nvfp4:Nvfp4Method"}
 # --quantization values that select no method: GGUF's own 4-bit path (auto) or dense weights (none)
