@@ -19,7 +19,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4", "nvfp4")  # built-in names; plug-ins add theirs (check_quantization)
+# built-in names; plug-ins add theirs (check_quantization)
+QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4", "nvfp4", "gptq", "awq")
 QUANTIZATION_ENTRY_POINTS = "pressroom.quantization"  # the entry-point group of installed quantization plug-ins
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner: generate (completions, chat) or pooling (embeddings, /pooling, /score, /rerank); auto: pooling

@@ -67,8 +67,10 @@ def test_int4_refuses_tensor_parallelism(monkeypatch):
         GptqMethod({"quant_method": "gptq", "bits": 4}).layer_method(LinearBase(64, 64, bias=False), "x")
 
 
-def test_int4_refuses_other_bit_widths_and_awq_layouts():
+def test_int4_refuses_other_bit_widths_awq_layouts_and_plain_checkpoints(tiny_model_dir):
     from pressroom.model.quantization.int4 import AwqMethod, GptqMethod
+    with pytest.raises(ValueError, match="reads GPTQ checkpoints"):
+        _llm(tiny_model_dir("llama"), quantization="gptq")
     with pytest.raises(ValueError, match="4 bits"):
         GptqMethod({"quant_method": "gptq", "bits": 8, "group_size": 128})
     with pytest.raises(ValueError, match="GEMM layout"):

@@ -36,6 +36,12 @@ class _Int4Method(QuantizationMethod):
 
     group_size: int
 
+    def __init__(self, checkpoint_config: dict | None = None) -> None:
+        if checkpoint_config is None:  # nothing to quantize with at load: the checkpoint ships the int4 weights
+            raise ValueError(f"--quantization {self.name} reads {self.name.upper()} checkpoints; this checkpoint has "
+                             f"no quantization_config with quant_method {self.name!r}.")
+        super().__init__(checkpoint_config)
+
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         from pressroom.distributed.parallel_state import get_tp_size
         if get_tp_size() > 1:
@@ -96,7 +102,7 @@ class GptqMethod(_Int4Method):
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        config = checkpoint_config or {}
+        config = checkpoint_config
         _require_4_bits(config, "bits", "GPTQ")
         self.group_size = int(config.get("group_size", 128))
         # v1 (AutoGPTQ) stores zero - 1 (so a zero of 0 reads back as 16, as every v1 reader has it); v2 the zero
@@ -119,7 +125,7 @@ class AwqMethod(_Int4Method):
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        config = checkpoint_config or {}
+        config = checkpoint_config
         _require_4_bits(config, "bits" if "bits" in config else "w_bit", "AWQ")
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
