@@ -30,7 +30,7 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
 def pack_inputs(values: torch.Tensor) -> torch.Tensor:
     """values [K, N] in 0..15 -> int32 [K / 8, N], input 8r + j in bits 4j of row r (GPTQ's qweight)."""
     k, n = values.shape
-    nibbles = values.to(torch.int64).view(k // 8, 8, n) << _SHIFTS.to(torch.int64).view(1, 8, 1)
+    nibbles = values.to(torch.int64).view(k // 8, 8, n) << _SHIFTS.to(values.device, torch.int64).view(1, 8, 1)
     return _to_int32(nibbles.sum(1))
 
 
@@ -44,7 +44,7 @@ def pack_outputs(values: torch.Tensor, order: tuple[int, ...] = PLAIN_ORDER) -> 
     """values [R, N] in 0..15 -> int32 [R, N / 8]: nibble i of word c holds column 8c + order[i]."""
     r, n = values.shape
     cols = values.to(torch.int64).view(r, n // 8, 8)[:, :, list(order)]
-    return _to_int32((cols << _SHIFTS.to(torch.int64)).sum(-1))
+    return _to_int32((cols << _SHIFTS.to(values.device, torch.int64)).sum(-1))
 
 
 def unpack_outputs(packed: torch.Tensor, order: tuple[int, ...] = PLAIN_ORDER) -> torch.Tensor:

@@ -53,9 +53,10 @@ FP8_DECODE = GemvConfig(1, 8, 2048, 4)
 FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
 LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
 MXFP4_DECODE = GemvConfig(1, 4, 512, 4)  # best for the kernel before its cheaper unpacking: to sweep again
-# int4 (GPTQ form) is packed along the inputs with the outputs contiguous: wide rows of outputs, one group of
-# inputs per tile. Not swept on a GPU yet.
-INT4_DECODE = GemvConfig(1, 64, 128, 4)
+# int4 (GPTQ form), one token: one group of inputs per tile, 8 outputs, one warp: the best of a six-tile probe on the
+# H200 (2026-12-03; 0.63x bf16 F.linear at qkv, 1.05x at gate_up, 0.37x at down: too few programs walk too long a
+# K; a split-K is the next step). 64 outputs with 4 warps ran 0.12-0.37x.
+INT4_DECODE = GemvConfig(1, 8, 128, 1)
 SKINNY = GemvConfig(16, 32, 256, 4, 3)  # 2-16 tokens: within 1% of the sweep's best but at gate_up (11%)
 LARGE = GemvConfig(64, 64, 64, 4, 3)  # beyond 16 tokens: only where asked for (tests); callers use cuBLAS there
 
