@@ -58,3 +58,15 @@ class QuantizationMethod:
         """The checkpoint's tensors as the model's loaders should see them (e.g. weights paired with their
         scales into one quantized weight). Default: as they come."""
         yield from weights
+
+
+def loads_into(model: nn.Module, name: str, method: type[LinearMethod]) -> bool:
+    """Whether the checkpoint tensor `name` loads into a linear layer's weight that `method` holds (there
+    it stays quantized; elsewhere it is dequantized)."""
+    target = model.checkpoint_target(name)[0] if hasattr(model, "checkpoint_target") else name
+    owner, _, attr = target.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return attr == "weight" and isinstance(getattr(module, "quant_method", None), method)

@@ -29,7 +29,7 @@ from torch import nn
 from pressroom.kernels import fp8 as kernels
 from pressroom.kernels.fp8 import FP8
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, loads_into
 
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale",)  # static activation scales: activations are scaled per token instead
@@ -76,7 +76,7 @@ class Fp8Method(QuantizationMethod):
                 yield name, tensor
                 continue
             scale = _scale_of(tensors, name)
-            yield name, self._paired(tensor, scale, keep=_keeps_fp8(model, name), name=name)
+            yield name, self._paired(tensor, scale, keep=loads_into(model, name, Fp8LinearMethod), name=name)
 
     def _paired(self, weight: LazyWeight, scale: LazyWeight, keep: bool, name: str) -> LazyWeight:
         """The weight and its scale as one lazy tensor: an Fp8Weight of the rows and columns read (kept by an
@@ -107,17 +107,6 @@ def _scale_of(tensors: dict[str, LazyWeight], name: str) -> LazyWeight:
             return tensors[base + suffix]
     raise ValueError(f"{name} is stored in FP8 but the checkpoint has no {base}.weight_scale or "
                      f"{base}.weight_scale_inv to scale it.")
-
-
-def _keeps_fp8(model: nn.Module, name: str) -> bool:
-    """Whether the parameter `name` loads into is a linear layer's weight that stays in FP8."""
-    target = model.checkpoint_target(name)[0] if hasattr(model, "checkpoint_target") else name
-    owner, _, attr = target.rpartition(".")
-    try:
-        module = model.get_submodule(owner)
-    except AttributeError:
-        return False
-    return attr == "weight" and isinstance(getattr(module, "quant_method", None), Fp8LinearMethod)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from torch import nn
 from pressroom.kernels import int4 as kernels
 from pressroom.kernels.int4 import AWQ_ORDER, PLAIN_ORDER, Int4Weight
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, loads_into
 
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
@@ -61,7 +61,8 @@ class _Int4Method(QuantizationMethod):
         for name, tensor in tensors.items():
             if name.endswith(".qweight"):
                 base = name.removesuffix(".qweight")
-                yield base + ".weight", self._paired(tensors, base, keep=_keeps_int4(model, base + ".weight"))
+                keep = loads_into(model, base + ".weight", Int4LinearMethod)
+                yield base + ".weight", self._paired(tensors, base, keep=keep)
             elif not name.endswith(_PARTS):
                 yield name, tensor
 
@@ -144,17 +145,6 @@ class AwqMethod(_Int4Method):
             scales = tensors[base + ".scales"].load().to(torch.float16)
             zeros = torch.full(scales.shape, 8, dtype=torch.uint8)
         return Int4Weight(kernels.pack_inputs(q), scales, zeros, None, self._group_size(k))
-
-
-def _keeps_int4(model: nn.Module, name: str) -> bool:
-    """Whether the parameter `name` loads into is a linear layer's weight that stays in int4."""
-    target = model.checkpoint_target(name)[0] if hasattr(model, "checkpoint_target") else name
-    owner, _, attr = target.rpartition(".")
-    try:
-        module = model.get_submodule(owner)
-    except AttributeError:
-        return False
-    return attr == "weight" and isinstance(getattr(module, "quant_method", None), Int4LinearMethod)
 
 
 class Int4LinearMethod(LinearMethod):
