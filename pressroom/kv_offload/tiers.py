@@ -269,9 +269,10 @@ class FileTier(_ThreadedTier):
             self._bytes -= self._index.pop(key, 0)
 
     def _turn_off(self, why: str) -> None:
-        if self.enabled:
+        with self._index_lock:  # writer threads may fail together: one warning
+            was_on, self.enabled = self.enabled, False
+        if was_on:
             logger.warning("KV offload fs tier turned off: %s; requests go on without it", why)
-        self.enabled = False
 
 
 class CPUTier:
