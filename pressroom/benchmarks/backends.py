@@ -60,7 +60,11 @@ def _acceptance(before, after, config) -> dict:
             "num_drafts": drafts, "num_draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
             "num_accepted_tokens": accepted,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-            "acceptance_rate_per_pos": [round(a / drafts, 3) for a in per_pos] if drafts else []}
+            "acceptance_rate_per_pos": [round(a / drafts, 3) for a in per_pos] if drafts else [],
+            # The drafter's stated per-token confidences against their verification (empty for a drafter
+            # that states none), as stated and as the adaptive budget planned with them.
+            "confidence_calibration": {"stated": after.stated.since(before.stated).report(),
+                                       "calibrated": after.calibrated.since(before.calibrated).report()}}
 
 
 def _precision(llm) -> str:

@@ -103,6 +103,15 @@ def _ratios(results: list[dict]) -> dict:
             for r in results if r is not ours}
 
 
+def _print_calibration(calibration: dict | None) -> None:
+    """The drafter's confidences against verification: expected calibration error, and per bin the
+    mean stated (or calibrated) confidence beside the acceptance observed."""
+    for kind, table in (calibration or {}).items():
+        if table["n"]:
+            bins = ", ".join(f"{b['predicted']:.2f}->{b['observed']:.2f} ({b['n']})" for b in table["bins"])
+            print(f"{'':>10}  confidences {kind}: ECE {table['ece']:.3f} over {table['n']} drafts; {bins}")
+
+
 def _print(report: dict) -> None:
     print(f"\n== bench {report['benchmark']}: {report['num_prompts']} prompts x {report['input_len']} in "
           f"/ {report['output_len']} out ==")
@@ -115,5 +124,6 @@ def _print(report: dict) -> None:
         if spec:
             print(f"{'':>10}  {spec['method']} K={spec['num_speculative_tokens']}: mean acceptance length "
                   f"{spec['mean_acceptance_length']}, per position {spec['acceptance_rate_per_pos']}")
+            _print_calibration(spec.get("confidence_calibration"))
     for k, v in report["ratios"].items():
         print(f"{k}: {v:.2f}x")

@@ -49,6 +49,7 @@ from pressroom.core.request import Request, RequestStatus
 from pressroom.core.structured_outputs import grammar_ready
 from pressroom.kv_offload.manager import OffloadStats
 from pressroom.spec_decode.budget import AdaptiveBudget
+from pressroom.spec_decode.calibration import ReliabilityTable
 
 
 @dataclass(slots=True)
@@ -70,6 +71,10 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # A drafter's stated per-token confidences against verification's outcomes (calibration.py): as it
+    # states them, and as confidence-scheduled verification plans with them (after calibration).
+    stated: ReliabilityTable = field(default_factory=ReliabilityTable)
+    calibrated: ReliabilityTable = field(default_factory=ReliabilityTable)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -79,6 +84,18 @@ class SpecDecodingStats:
             self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
+
+    def observe_confidences(self, stated: list[float], calibrated: list[float] | None, num_draft: int,
+                            num_accepted: int) -> None:
+        """Each draft verified on its own (the ones before it accepted): its confidence against its fate."""
+        for j in range(min(num_accepted + 1, num_draft, len(stated))):
+            self.stated.add(stated[j], j < num_accepted)
+            if calibrated is not None and j < len(calibrated):
+                self.calibrated.add(calibrated[j], j < num_accepted)
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_pos), self.stated.copy(), self.calibrated.copy())
 
 
 class Scheduler:
@@ -137,11 +154,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        spec = self.spec_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.kv.stats.queries, self.kv.stats.hits,
-                              SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                                list(spec.accepted_per_pos)),
+                              self.spec_stats.copy(),
                               self.kv.offload.snapshot() if self.kv.offload is not None else None)
 
     # ---- one step ----
@@ -268,8 +283,12 @@ class Scheduler:
                 accepted = len(new_ids) - 1
                 req.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
+                stated = req.spec_confidences[:len(drafts)]
+                if stated:  # judged before this outcome teaches the calibrator
+                    planned = self.spec_budget.calibrated(stated) if self.spec_budget is not None else None
+                    self.spec_stats.observe_confidences(stated, planned, len(drafts), accepted)
                 if self.spec_budget is not None:
-                    self.spec_budget.observe(rid, len(drafts), accepted, req.spec_confidences[:len(drafts)])
+                    self.spec_budget.observe(rid, len(drafts), accepted, stated)
             if not self.async_drafts:  # else the next step's drafts are placeholders, booked at schedule time
                 req.spec_token_ids = out.draft_token_ids.get(rid, [])
                 req.spec_confidences = out.draft_confidences.get(rid, [])

@@ -32,6 +32,7 @@ from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
+from pressroom.spec_decode.calibration import ReliabilityTable
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
@@ -284,7 +285,9 @@ def merge_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
         spec = SpecDecodingStats(sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
                                  sum(s.num_accepted_tokens for s in specs),
                                  [sum(s.accepted_per_pos[i] for s in specs if i < len(s.accepted_per_pos))
-                                  for i in range(positions)])
+                                  for i in range(positions)],
+                                 ReliabilityTable.merged([s.stated for s in specs]),
+                                 ReliabilityTable.merged([s.calibrated for s in specs]))
     return SchedulerStats(sum(s.num_running for s in per_engine), sum(s.num_waiting for s in per_engine),
                           sum(s.kv_cache_usage for s in per_engine) / len(per_engine),
                           sum(s.num_preemptions for s in per_engine),

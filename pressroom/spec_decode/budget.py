@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pressroom.spec_decode.calibration import ConfidenceCalibrator
+
 _EMA = 0.1  # weight of each new observation of one request's own acceptance
 _OWN_PRIOR = 16  # a request's own estimate counts as much as the shared one after this many observations
 _PRIOR = 0.7  # the guess before any observation, worth _PRIOR_WEIGHT of them
@@ -45,28 +47,22 @@ _PROBE_ROWS = 16
 
 @dataclass(slots=True)
 class _Counts:
-    """Shared per-position acceptance: decayed counts of verified drafts, of accepted ones, and of the
-    drafter's stated confidence over the verified drafts that came with one."""
+    """Shared per-position acceptance: decayed counts of verified drafts and of accepted ones."""
     trials: list[float]
     hits: list[float]
-    stated: list[float]
-    stated_n: list[float]
 
     @classmethod
     def empty(cls, k: int) -> _Counts:
-        return cls([0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k)
+        return cls([0.0] * k, [0.0] * k)
 
-    def observe(self, num_draft: int, num_accepted: int, confidences: list[float] | None) -> None:
+    def observe(self, num_draft: int, num_accepted: int) -> None:
         """Positions 1..accepted were accepted, the next (if drafted) rejected; later ones unobserved."""
         for j in range(min(num_accepted + 1, num_draft)):
             self.trials[j] += 1.0
             self.hits[j] += float(j < num_accepted)
-            if confidences and j < len(confidences):
-                self.stated[j] += confidences[j]
-                self.stated_n[j] += 1.0
 
     def decay(self, factor: float) -> None:
-        for counts in (self.trials, self.hits, self.stated, self.stated_n):
+        for counts in (self.trials, self.hits):
             counts[:] = [c * factor for c in counts]
 
     def assume(self, rates: list[float], weight: float = 1e6) -> None:
@@ -81,10 +77,6 @@ class _Counts:
     @property
     def optimistic(self) -> list[float]:
         return [min(1.0, r + _EXPLORE / (1.0 + t) ** 0.5) for r, t in zip(self.rates, self.trials)]
-
-    @property
-    def said(self) -> list[float]:
-        return [(c + _PRIOR_WEIGHT * _PRIOR) / (n + _PRIOR_WEIGHT) for c, n in zip(self.stated, self.stated_n)]
 
 
 @dataclass(slots=True)
@@ -122,9 +114,10 @@ class AdaptiveBudget:
         # whatever its depth, on top of the per-position `draft_costs`.
         self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
         self.attention_cost = attention_cost
-        # Also what a drafter's confidences said over the same verified drafts: a drafter that says 0.9
-        # where 0.6 survive is scaled by 0.6 / 0.9 there (confidence calibration).
         self.shared = _Counts.empty(max_drafts)
+        # What a drafter's stated confidences turn out to mean (calibration.py): a drafter that says 0.9
+        # where 0.6 survive is planned with 0.6 there.
+        self.calibrator = ConfidenceCalibrator(max_drafts)
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
         self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
@@ -135,10 +128,13 @@ class AdaptiveBudget:
     def tick(self) -> None:
         """Once per step: the shared counts fade."""
         self.shared.decay(_DECAY)
+        self.calibrator.decay(_DECAY)
 
     def observe(self, req_id: str, num_draft: int, num_accepted: int, confidences: list[float] | None = None) -> None:
         """A verified draft: `confidences`, the drafter's own per-token estimates for it, if it gave any."""
-        self.shared.observe(num_draft, num_accepted, confidences)
+        self.shared.observe(num_draft, num_accepted)
+        if confidences:
+            self.calibrator.observe(confidences, num_draft, num_accepted)
         own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
         own.observe(num_draft, num_accepted)
 
@@ -149,10 +145,8 @@ class AdaptiveBudget:
         self.probing.discard(req_id)
 
     def calibrated(self, confidences: list[float]) -> list[float]:
-        """A drafter's confidences rescaled per position by how often its drafts there survived against
-        how sure it said it was (both over the same verified positions)."""
-        rates, said = self.shared.rates, self.shared.said
-        return [min(1.0, c * rates[j] / max(said[j], 1e-3)) for j, c in enumerate(confidences[:self.k])]
+        """A drafter's confidences replaced by the acceptance observed where it said as much (per position)."""
+        return self.calibrator.calibrated(confidences[:self.k])
 
     def acceptance(self, req_id: str) -> list[float]:
         """Per-position conditional acceptance to plan with for this request: its own moving average

@@ -104,7 +104,12 @@ def test_dflash2_greedy_equals_no_speculation(tiny_model_dir, tmp_path):
     spec, llm = run(speculative_config={"method": "dflash2", "model": drafter, "num_speculative_tokens": 4,
                                         "adaptive_token_budget": False})
     assert spec == plain
-    assert llm.engine.stats().spec.num_drafts > 20  # an untrained drafter: drafts verified, few accepted
+    stats = llm.engine.stats().spec
+    assert stats.num_drafts > 20  # an untrained drafter: drafts verified, few accepted
+    # Every draft verified on its own (the first of each, and each after an accepted one) is a point of
+    # the drafter's calibration table; with a fixed K no budget plans with calibrated ones.
+    assert stats.num_drafts <= stats.stated.total <= stats.num_drafts + stats.num_accepted_tokens
+    assert stats.calibrated.total == 0
     assert llm.engine.kv_cache.usage() == 0.0
 
 
