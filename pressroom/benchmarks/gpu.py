@@ -64,6 +64,8 @@ class ModelSize:
     bytes_per_param: int
     decode_read_bytes: int
     decode_read_note: str = DECODE_READ_NOTE
+    # Quantized weights: decode_read_bytes as loaded (packed values and their scales), set from the engine
+    loaded_decode_read_bytes: int | None = None
 
 
 @dataclass(slots=True)
@@ -140,6 +142,30 @@ def model_size(hf_config, dtype: torch.dtype) -> ModelSize:
     itemsize = dtype.itemsize
     return ModelSize(total, embed.numel(), head.numel(), non_embedding, tied, routed, active, itemsize,
                      (active + head.numel()) * itemsize)
+
+
+def loaded_decode_read_bytes(model: nn.Module) -> int:
+    """decode_read_bytes of the weights as the engine holds them: every parameter and the tensors a
+    quantization method hangs on linear layers and experts (packed values, scales), less the input
+    embedding (the LM head counts in full) and the routed experts a token does not select."""
+    from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from pressroom.model.layers.fused_moe import FusedMoE
+    from pressroom.model.layers.linear import LinearBase
+    total, seen = 0.0, set()
+    top_k = {id(b.experts): b.router.top_k for b in model.modules()
+             if isinstance(getattr(b, "experts", None), FusedMoE) and getattr(b, "router", None) is not None}
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    for module in model.modules():
+        if type(module) is VocabParallelEmbedding and module.weight is not head.weight:
+            seen.add(id(module.weight))
+        holds_weights = isinstance(module, LinearBase | FusedMoE | ParallelLMHead)
+        tensors = [*module.parameters(recurse=False), *(module.buffers(recurse=False) if holds_weights else ())]
+        share = top_k[id(module)] / module.num_experts if id(module) in top_k else 1.0
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size() * share
+    return int(total)
 
 
 def routed_expert_params(model: nn.Module) -> tuple[int, int]:
@@ -402,6 +428,8 @@ def run(args) -> dict:
     ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
     kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
     llm, ready_s = build_llm(kwargs, device)
+    if args.quantization not in ("auto", "none"):  # the roofline of the bytes the quantized engine reads
+        size.loaded_decode_read_bytes = loaded_decode_read_bytes(llm.engine.model)
     ours, allocator = {}, {}
     for name, w in workloads.items():
         before = allocator_counts(device)
@@ -518,6 +546,9 @@ def workload_report(name: str, workload: Workload, ours: Run, hf: list[Run] | No
 
 def workload_bound(name: str, run: Run, size: ModelSize, ceilings: Ceilings) -> tuple[str, float]:
     if name == "decode":
+        if size.loaded_decode_read_bytes:
+            return ("copy bandwidth / loaded_decode_read_bytes",
+                    ceilings.copy_bytes_per_s / size.loaded_decode_read_bytes)
         return "copy bandwidth / decode_read_bytes", ceilings.copy_bytes_per_s / size.decode_read_bytes
     flops = workload_flops(name, size, run)
     if name == "throughput":
@@ -612,7 +643,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8, mxfp4: weights "
-                   "quantized at load; HF is then skipped); the bounds still count the --dtype weights' bytes")
+                   "quantized at load; HF is then skipped); the decode bound then counts the bytes as loaded")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
     p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256],
                    help="comma-separated batch sizes HF's throughput runs at")

@@ -218,3 +218,22 @@ def test_the_sparse_attention_config_is_v2_lite_sized_with_an_indexer():
     assert attn.attn.cache_shape(1, 1)[-1] == 512 + 64 + 128  # latent, rope key, indexer key
     sizes = [gpu.model_size(c, torch.bfloat16).total_params for c in (dsa, lite)]
     assert 0 < sizes[0] - sizes[1] < 0.03 * sizes[1]  # the indexer and q compression add under 3%
+
+
+def test_loaded_bytes_are_the_formula_for_dense_weights_and_shrink_with_fp8(tiny_model_dir):
+    """The bound of a quantized run counts the bytes the engine holds: a dense model's are the formula's;
+    FP8 holds each linear weight in one byte plus one fp32 scale per output row."""
+    from pressroom import LLM
+    from pressroom.model.layers.linear import LinearBase
+    from pressroom.model.loader import load_hf_config
+    from pressroom.model.registry import resolve_architecture
+    config = load_hf_config(str(CONFIGS / "llama-3.1-8b"))
+    with torch.device("meta"):
+        model = resolve_architecture(config)(config).to(torch.bfloat16)
+    assert gpu.loaded_decode_read_bytes(model) == gpu.model_size(config, torch.bfloat16).decode_read_bytes
+    path = tiny_model_dir("llama")
+    dense = gpu.model_size(load_hf_config(path), torch.float32).decode_read_bytes
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, quantization="fp8", skip_tokenizer_init=True)
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, LinearBase)]
+    weights, rows = sum(m.weight.numel() for m in linears), sum(m.weight.shape[0] for m in linears)
+    assert gpu.loaded_decode_read_bytes(llm.engine.model) == dense - 3 * weights + 4 * rows
