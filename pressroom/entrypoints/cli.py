@@ -218,6 +218,19 @@ def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
     training.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (warm-up, cosine decay)")
     training.add_argument("--scorer-steps", type=int, default=None,
                           help="CRF steps for the selector, the drafter frozen (default: steps / 4)")
+    training.add_argument("--validation-fraction", type=float, default=0.0,
+                          help="training prompts kept aside to stop early on (0: train every step)")
+    training.add_argument("--eval-every", type=int, default=250,
+                          help="steps between validation measurements (with --validation-fraction)")
+    training.add_argument("--patience", type=int, default=5,
+                          help="validation measurements without a gain before a phase stops early")
+    resume = tr.add_argument_group("resuming (a device call has a time limit)")
+    resume.add_argument("--work-dir", default=None,
+                        help="keeps the recorded continuations and training checkpoints; the same command "
+                             "resumes from them")
+    resume.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    resume.add_argument("--time-limit", type=float, default=None,
+                        help="seconds: past this, checkpoint and exit with 75 (needs --work-dir)")
     add_engine_args(tr)
 
 
@@ -266,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "train-drafter":
             from pressroom.spec_decode.train import run_cli
-            run_cli(args, engine_kwargs(args))
-            return 0
+            if args.time_limit and not args.work_dir:
+                raise ValueError("--time-limit needs --work-dir, where the paused run is kept.")
+            return run_cli(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "gpu":
             from pressroom.benchmarks import gpu
             gpu.run(args)

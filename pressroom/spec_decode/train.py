@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,21 +74,48 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = 
 
 
 def record(llm, prompts: list[list[int]], max_tokens: int, layers: tuple[int, ...], batch: int = 256,
-           ignore_eos: bool = False) -> list[Sequence]:
+           ignore_eos: bool = False, cache_dir: str | None = None, tag: str = "train",
+           deadline: float | None = None) -> list[Sequence]:
     """Greedy continuations of `prompts` and the target features along them. The engine must compute
-    every position: prefix caching off, and no preemption while recording (a KV cache for `batch`)."""
+    every position: prefix caching off, and no preemption while recording (a KV cache for `batch`).
+    `cache_dir`: each batch's continuations are kept there (`{tag}-NNNNN.pt`, token ids only: features
+    are one prefill away) and reused by a later call, which resumes a recording that `deadline` paused."""
     if llm.engine.config.cache.enable_prefix_caching:
         raise ValueError("Recording needs every position computed: build the LLM with enable_prefix_caching=False.")
     if llm.engine.config.scheduler.async_scheduling:
         raise ValueError("Recording reads features on the synchronous path: build the LLM with async_scheduling=False.")
     longest = llm.engine.max_model_len - 1  # each sequence is prefilled again, and must leave room for a token
     seqs = []
-    for i in range(0, len(prompts), batch):
+    for n, i in enumerate(range(0, len(prompts), batch)):
         chunk = prompts[i:i + batch]
-        full = [t[:longest] for t in generate(llm, chunk, max_tokens, ignore_eos)]
+        shard = Path(cache_dir) / f"{tag}-{n:05d}.pt" if cache_dir else None
+        full = _cached_continuations(shard, chunk)
+        if full is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TrainingPaused(f"paused recording {tag} continuations at prompt {i} of {len(prompts)}")
+            full = [t[:longest] for t in generate(llm, chunk, max_tokens, ignore_eos)]
+            if shard is not None:
+                _save_continuations(shard, chunk, full)
         rows = _prefill_features(llm, full, layers)
         seqs += [Sequence(t, r, len(p)) for t, r, p in zip(full, rows, chunk)]
     return seqs
+
+
+def _cached_continuations(shard: Path | None, prompts: list[list[int]]) -> list[list[int]] | None:
+    """A shard's continuations, if it holds these very prompts (else it is recorded again)."""
+    if shard is None or not shard.exists():
+        return None
+    saved = torch.load(shard, weights_only=True)
+    if saved["prompts"] != prompts:
+        return None
+    return saved["sequences"]
+
+
+def _save_continuations(shard: Path, prompts: list[list[int]], sequences: list[list[int]]) -> None:
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    tmp = shard.with_suffix(".tmp")
+    torch.save({"prompts": prompts, "sequences": sequences}, tmp)
+    os.replace(tmp, shard)
 
 
 def _prefill_features(llm, sequences: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
@@ -173,8 +202,8 @@ def crf_loss(unary: torch.Tensor, edges: torch.Tensor, cand: torch.Tensor, label
     length = hit.any(-1).int().cumprod(dim=1).sum(dim=1)  # true prefix inside the lattice
     keep = length > 0
     unary, edges, hit, length = unary[keep], edges[keep], hit[keep], length[keep]
-    if not len(length):
-        return unary.sum() * 0
+    if not len(length):  # nothing to learn from this batch: a zero that still reaches the scorer
+        return edges.sum() * 0
     true = hit.float().argmax(-1)  # [b, K] index of the true token (valid up to length)
     score = unary[:, 0].gather(1, true[:, :1])[:, 0] + edges[:, 0, 0].gather(1, true[:, :1])[:, 0]
     alpha = unary[:, 0] + edges[:, 0, 0]
@@ -211,80 +240,242 @@ def acceptance_lengths(drafter: DFlash2Drafter, target, corpus: Corpus, rows: to
 
 # ---- training ----
 
+class TrainingPaused(Exception):
+    """The time limit came before the last step: the state is checkpointed, the same call resumes it."""
+
+
+@dataclass(slots=True)
+class Schedule:
+    """How long to train and when to stop or pause. `validation`: a fraction of the training sequences kept
+    aside to stop early on (never the held-out report's); every `eval_every` steps their acceptance length
+    is measured, the best weights kept, and the phase ends after `patience` measurements without a gain.
+    `work_dir`: checkpoints every `checkpoint_every` steps and at `deadline` (time.monotonic()), so that the
+    same call, run again, resumes (a device call has a time limit)."""
+    steps: int
+    scorer_steps: int
+    batch_size: int = 32
+    lr: float = 3e-3
+    validation: float = 0.0
+    eval_every: int = 0
+    patience: int = 5
+    work_dir: str | None = None
+    checkpoint_every: int = 500
+    deadline: float | None = None
+
+
+@dataclass(slots=True)
+class _Phase:
+    """One optimisation phase's progress (the drafter's, then the selector's)."""
+    name: str
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    best: float = -1.0
+    best_step: int = 0
+    stale_evals: int = 0
+    stopped_early: bool = False
+
+
 def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, batch_size: int = 32,
           lr: float = 3e-3, held_out: float | list[Sequence] = 0.1, seed: int = 0, progress: bool = True,
-          scorer_steps: int | None = None) -> tuple[DFlash2Drafter, dict]:
+          scorer_steps: int | None = None, schedule: Schedule | None = None) -> tuple[DFlash2Drafter, dict]:
     """Trains a drafter (fp32 weights; bf16 autocast on a GPU) on the recorded sequences; returns it
-    and a report. `held_out`: a fraction of `seqs` kept aside, or separate held-out sequences."""
+    and a report. `held_out`: a fraction of `seqs` kept aside, or separate held-out sequences. `schedule`
+    (optional) adds early stopping on a validation split and resumable checkpoints."""
+    schedule = schedule or Schedule(steps, steps // 4 if scorer_steps is None else scorer_steps, batch_size, lr)
     device = target_model.lm_head.weight.device
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    order = torch.randperm(len(seqs), generator=gen).tolist()
     if isinstance(held_out, float):
-        order = torch.randperm(len(seqs), generator=gen).tolist()
         cut = max(1, int(len(seqs) * held_out))
-        test_seqs, seqs = [seqs[i] for i in order[:cut]], [seqs[i] for i in order[cut:]]
+        test_seqs, order = [seqs[i] for i in order[:cut]], order[cut:]
     else:
         test_seqs = held_out
+    cut = int(len(order) * schedule.validation) if schedule.validation else 0
+    val_seqs, seqs = [seqs[i] for i in order[:cut]], [seqs[i] for i in order[cut:]]
     train_c, test_c = Corpus.build(seqs, device), Corpus.build(test_seqs, device)
     if not len(train_c.anchors_at):
         raise ValueError("Too few tokens to train on: generate longer or more continuations.")
+    val_c = Corpus.build(val_seqs, device) if val_seqs else None
     hf = target_model.config
     drafter = DFlash2Drafter(hf.hidden_size, cfg, hf.vocab_size).to(device)
     with torch.no_grad():  # a tenth of the target's final norm: random slots start near uniform logits
         drafter.norm.weight.copy_(0.1 * target_model.model.norm.weight.float())
     k, context = cfg.block_size, DFlash2Proposer.context_len
     seen = train_c.anchors_at[torch.randperm(len(train_c.anchors_at), generator=gen)[:512].to(device)]
-    report = {"train_examples": len(train_c.anchors_at), "held_out_examples": len(test_c.anchors_at),
-              "steps": steps, "block_size": k}
-    report["held_out_before"] = acceptance_lengths(drafter, target_model, test_c, test_c.anchors_at, k, context)
-    report["train_before"] = acceptance_lengths(drafter, target_model, train_c, seen, k, context)
-    losses = _fit(drafter, target_model, train_c, steps, batch_size, lr, gen, progress,
-                  [p for n, p in drafter.named_parameters() if not n.startswith("scorer")], weighted_slot_loss)
-    report["first_loss"], report["last_loss"] = losses[0], sum(losses[-10:]) / len(losses[-10:])
-    scorer_steps = steps // 4 if scorer_steps is None else scorer_steps
-    if scorer_steps:
-        crf = _fit(drafter, target_model, train_c, scorer_steps, batch_size, lr, gen, progress,
-                   list(drafter.scorer.parameters()), None)
-        report["scorer_first_loss"], report["scorer_last_loss"] = crf[0], sum(crf[-10:]) / len(crf[-10:])
+    ckpt = _Checkpoint.open(schedule.work_dir, cfg, len(train_c.anchors_at))
+    report = ckpt.report if ckpt.report else {
+        "train_examples": len(train_c.anchors_at), "validation_examples": len(val_c.anchors_at) if val_c else 0,
+        "held_out_examples": len(test_c.anchors_at), "steps": schedule.steps, "block_size": k,
+        "held_out_before": acceptance_lengths(drafter, target_model, test_c, test_c.anchors_at, k, context),
+        "train_before": acceptance_lengths(drafter, target_model, train_c, seen, k, context)}
+    body = [p for n, p in drafter.named_parameters() if not n.startswith("scorer")]
+    fit = _Fit(drafter, target_model, train_c, val_c, schedule, gen, progress, ckpt, report)
+    first = fit.run(_Phase("drafter"), schedule.steps, body, weighted_slot_loss, "argmax")
+    report.update(_phase_report("", first))
+    if schedule.scorer_steps:
+        crf = fit.run(_Phase("selector"), schedule.scorer_steps, list(drafter.scorer.parameters()), None, "selector")
+        report.update(_phase_report("scorer_", crf))
     report["train_after"] = acceptance_lengths(drafter, target_model, train_c, seen, k, context)
     report["held_out_after"] = acceptance_lengths(drafter, target_model, test_c, test_c.anchors_at, k, context)
     return drafter.cpu(), _rounded(report)
 
 
-def _fit(drafter: DFlash2Drafter, target, corpus: Corpus, steps: int, batch_size: int, lr: float,
-         gen: torch.Generator, progress: bool, params: list[torch.nn.Parameter], slot_loss) -> list[float]:
-    """AdamW with warm-up and cosine decay. `slot_loss` None: the scorer's CRF loss (drafter frozen)."""
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    device = corpus.tokens.device
-    k, context = drafter.cfg.block_size, DFlash2Proposer.context_len
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    losses, bar = [], _bar(steps, progress, "drafter" if slot_loss else "selector")
-    for _ in range(steps):
-        pick = torch.randint(len(corpus.anchors_at), (batch_size,), generator=gen).to(device)
-        feats, masks, anchors, labels = corpus.batch(corpus.anchors_at[pick], k, context)
-        with autocast:
-            if slot_loss is not None:
-                loss = slot_loss(slot_logits(drafter, target, feats, masks, anchors)[1], labels)
-            else:
-                with torch.no_grad():
-                    slots, logits = slot_logits(drafter, target, feats, masks, anchors)
-                cand, unary, edges = lattice(drafter.scorer, drafter.cfg.top_m, slots.float(), logits, anchors)
-                loss = crf_loss(unary.float(), edges.float(), cand, labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+def _phase_report(prefix: str, phase: _Phase) -> dict:
+    losses = phase.losses
+    out = {f"{prefix}first_loss": losses[0] if losses else None,
+           f"{prefix}last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+           f"{prefix}steps_run": phase.step}
+    if phase.best >= 0:
+        out[f"{prefix}best_validation"] = phase.best
+        out[f"{prefix}best_step"] = phase.best_step
+        out[f"{prefix}stopped_early"] = phase.stopped_early
+    return out
+
+
+class _Checkpoint:
+    """A training run's state in its work directory: the phase in progress (weights, optimizer, schedule,
+    random state, progress) and the finished phases' weights. A checkpoint of another drafter configuration
+    or corpus is refused."""
+
+    def __init__(self, path: Path | None, key: dict, state: dict | None) -> None:
+        self.path, self.key, self.state = path, key, state
+        self.report = state["report"] if state else None
+
+    @classmethod
+    def open(cls, work_dir: str | None, cfg: DFlash2Config, examples: int) -> _Checkpoint:
+        key = {"config": asdict(cfg), "train_examples": examples}
+        if work_dir is None:
+            return cls(None, key, None)
+        path = Path(work_dir) / "train_state.pt"
+        state = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
+        if state is not None and state["key"] != key:
+            raise ValueError(f"{path} is a checkpoint of another drafter configuration or corpus: "
+                             "give another --work-dir or delete it.")
+        return cls(path, key, state)
+
+    def phase(self, name: str) -> dict | None:
+        """The saved state of phase `name`, if it was saved (finished, or in progress)."""
+        return (self.state or {}).get("phases", {}).get(name)
+
+    def save(self, report: dict, name: str, phase_state: dict) -> None:
+        if self.path is None:
+            return
+        state = self.state or {"key": self.key, "phases": {}}
+        state["phases"][name] = phase_state
+        state["report"] = report
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path)  # a call cut short leaves the last whole checkpoint
+        self.state = state
+
+
+class _Fit:
+    """AdamW with warm-up and cosine decay over one phase's parameters; with a validation corpus, the best
+    weights by validation acceptance length are kept and the phase stops once it stops improving."""
+
+    def __init__(self, drafter: DFlash2Drafter, target, corpus: Corpus, val: Corpus | None, schedule: Schedule,
+                 gen: torch.Generator, progress: bool, ckpt: _Checkpoint, report: dict) -> None:
+        self.drafter, self.target, self.corpus, self.val = drafter, target, corpus, val
+        self.schedule, self.gen, self.progress, self.ckpt, self.report = schedule, gen, progress, ckpt, report
+        self.val_rows = val.anchors_at[:4096] if val is not None else None  # the same rows every time
+
+    def run(self, phase: _Phase, steps: int, params: list[torch.nn.Parameter], slot_loss, metric: str) -> _Phase:
+        """`slot_loss` None: the scorer's CRF loss (drafter frozen). `metric`: the validation acceptance
+        length early stopping follows ("argmax" for the drafter's slots, "selector" for its paths)."""
+        opt = torch.optim.AdamW(params, lr=self.schedule.lr, weight_decay=0.01)
+        warmup = max(1, steps // 20)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        best_weights = self._resume(phase, opt, sched)
+        if phase.step >= steps or phase.stopped_early:
+            return phase
+        device = self.corpus.tokens.device
+        k, context = self.drafter.cfg.block_size, DFlash2Proposer.context_len
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        every = self.schedule.eval_every if self.val is not None else 0
+        bar = _bar(steps, self.progress, phase.name, phase.step)
+        while phase.step < steps:
+            pick = torch.randint(len(self.corpus.anchors_at), (self.schedule.batch_size,), generator=self.gen)
+            feats, masks, anchors, labels = self.corpus.batch(self.corpus.anchors_at[pick.to(device)], k, context)
+            with autocast:
+                if slot_loss is not None:
+                    loss = slot_loss(slot_logits(self.drafter, self.target, feats, masks, anchors)[1], labels)
+                else:
+                    with torch.no_grad():
+                        slots, logits = slot_logits(self.drafter, self.target, feats, masks, anchors)
+                    cand, unary, edges = lattice(self.drafter.scorer, self.drafter.cfg.top_m, slots.float(), logits,
+                                                 anchors)
+                    loss = crf_loss(unary.float(), edges.float(), cand, labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            phase.step += 1
+            phase.losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{phase.losses[-1]:.3f}")
+            if every and (phase.step % every == 0 or phase.step == steps):
+                best_weights = self._validate(phase, metric, best_weights)
+                if phase.stale_evals >= self.schedule.patience:
+                    phase.stopped_early = True
+                    break
+            if self._checkpoint_due(phase):
+                self._save(phase, opt, sched, best_weights)
+                if self._past_deadline():
+                    raise TrainingPaused(f"paused in the {phase.name} phase at step {phase.step} of {steps}")
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    if bar is not None:
-        bar.close()
-    return losses
+            bar.close()
+        if best_weights is not None:  # the weights of the best validation, not the last step's
+            self.drafter.load_state_dict(best_weights)
+        self._save(phase, opt, sched, best_weights)
+        return phase
+
+    def _validate(self, phase: _Phase, metric: str, best_weights: dict | None) -> dict | None:
+        k, context = self.drafter.cfg.block_size, DFlash2Proposer.context_len
+        score = acceptance_lengths(self.drafter, self.target, self.val, self.val_rows, k, context)[metric]
+        logger.info("train-drafter: %s step %d, validation acceptance length %.3f", phase.name, phase.step, score)
+        if score > phase.best + 1e-4:
+            phase.best, phase.best_step, phase.stale_evals = score, phase.step, 0
+            return {n: t.detach().clone() for n, t in self.drafter.state_dict().items()}
+        phase.stale_evals += 1
+        return best_weights
+
+    def _checkpoint_due(self, phase: _Phase) -> bool:
+        if self.ckpt.path is None:
+            return False
+        return phase.step % self.schedule.checkpoint_every == 0 or self._past_deadline()
+
+    def _past_deadline(self) -> bool:
+        return self.schedule.deadline is not None and time.monotonic() >= self.schedule.deadline
+
+    def _save(self, phase: _Phase, opt, sched, best_weights: dict | None) -> None:
+        self.ckpt.save(self.report, phase.name, {
+            "progress": asdict(phase), "drafter": _cpu(self.drafter.state_dict()), "optimizer": opt.state_dict(),
+            "lr_schedule": sched.state_dict(), "generator": self.gen.get_state(),
+            "best_weights": _cpu(best_weights) if best_weights is not None else None})
+
+    def _resume(self, phase: _Phase, opt, sched) -> dict | None:
+        saved = self.ckpt.phase(phase.name)
+        if saved is None:
+            return None
+        for name, value in saved["progress"].items():
+            setattr(phase, name, value)
+        self.drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["lr_schedule"])
+        self.gen.set_state(saved["generator"])
+        logger.info("train-drafter: resuming the %s phase at step %d", phase.name, phase.step)
+        device = self.corpus.tokens.device
+        best = saved["best_weights"]
+        return {n: t.to(device) for n, t in best.items()} if best is not None else None
+
+
+def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu().clone() for n, t in state.items()}
 
 
 def _rounded(report: dict) -> dict:
@@ -292,49 +483,58 @@ def _rounded(report: dict) -> dict:
                 round(x, 4) if isinstance(x, float) else x) for k, x in report.items()}
 
 
-def _bar(total: int, on: bool, desc: str):
+def _bar(total: int, on: bool, desc: str, done: int = 0):
     if not on:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc=f"train-drafter ({desc})", unit="step", mininterval=2.0)
+    return tqdm(total=total, initial=done, desc=f"train-drafter ({desc})", unit="step", mininterval=2.0)
 
 
-def run_cli(args, engine_kwargs: dict) -> dict:
-    """`pressroom train-drafter`: record, train, save the drafter and its report (report.json)."""
+def run_cli(args, engine_kwargs: dict) -> int:
+    """`pressroom train-drafter`: record, train, save the drafter and its report (report.json). With
+    --work-dir and --time-limit a call that runs out of time checkpoints and exits with 75 (EX_TEMPFAIL);
+    the same command resumes it."""
     import json
-    import os
 
     from pressroom import LLM
     from pressroom.benchmarks.workload import read_prompt_texts
     from pressroom.spec_decode.dflash2 import save_drafter
+    start = time.perf_counter()
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
     # The runner hands features over on the synchronous path; every position must be computed.
     llm = LLM(**{**engine_kwargs, "enable_prefix_caching": False, "async_scheduling": False})
     layers = _layers(args.target_layers, llm.engine.hf_config.num_hidden_layers)
 
-    def recorded(path: str, limit: int | None) -> list[Sequence]:
+    def recorded(path: str, limit: int | None, tag: str) -> list[Sequence]:
         texts = read_prompt_texts(path)[:limit]
         if args.chat:
             prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
         else:
             prompts = [llm.get_tokenizer().encode(t) for t in texts]
-        return record(llm, prompts, args.max_tokens, layers, args.record_batch, args.ignore_eos)
+        return record(llm, prompts, args.max_tokens, layers, args.record_batch, args.ignore_eos, args.work_dir,
+                      tag, deadline)
 
-    start = time.perf_counter()
-    seqs = recorded(args.dataset_path, args.num_prompts)
-    held_out = recorded(args.held_out_path, None) if args.held_out_path else 0.1
-    logger.info("train-drafter: recorded %d sequences (%d tokens) in %.1f s", len(seqs),
-                sum(len(s.tokens) for s in seqs), time.perf_counter() - start)
     cfg = DFlash2Config(block_size=args.draft_block_size, target_layers=layers, num_layers=args.num_layers,
                         num_heads=args.num_heads, rank=args.rank)
-    drafter, report = train(llm.engine.model, seqs, cfg, args.steps, args.batch_size, args.lr, held_out,
-                            scorer_steps=args.scorer_steps)
+    schedule = Schedule(args.steps, args.steps // 4 if args.scorer_steps is None else args.scorer_steps,
+                        args.batch_size, args.lr, args.validation_fraction, args.eval_every, args.patience,
+                        args.work_dir, args.checkpoint_every, deadline)
+    try:
+        seqs = recorded(args.dataset_path, args.num_prompts, "train")
+        held_out = recorded(args.held_out_path, None, "heldout") if args.held_out_path else 0.1
+        logger.info("train-drafter: %d sequences (%d tokens) recorded in %.1f s", len(seqs),
+                    sum(len(s.tokens) for s in seqs), time.perf_counter() - start)
+        drafter, report = train(llm.engine.model, seqs, cfg, args.steps, held_out=held_out, schedule=schedule)
+    except TrainingPaused as paused:
+        print(f"train-drafter: {paused}; run the same command again to resume from {args.work_dir}")
+        return 75
     save_drafter(drafter, args.output, dtype=getattr(torch, args.save_dtype))
     report["sequences"] = len(seqs)
     report["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(args.output, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
-    return report
+    return 0
 
 
 def _layers(spec: str | None, num_layers: int) -> tuple[int, ...]:
