@@ -99,6 +99,7 @@ class ModelConfig:
     runner: str = "generate"  # generate or pooling (resolved: never auto)
     pooler: PoolingParams | None = None  # --pooler-config: overrides the model's pooling defaults
     encoder_only: bool = False  # a BERT-family checkpoint: pooling only, each prompt whole in one step
+    batch_invariant: bool = False  # a request's tokens and logprobs whatever its batch (model/batch_invariant.py)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS[1:]:
@@ -109,6 +110,10 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
         check_quantization(self.quantization)
+        if self.batch_invariant and self.quantization not in ("auto", "none"):
+            raise ValueError(f"--batch-invariant covers dense weights only; drop --quantization {self.quantization}.")
+        if self.batch_invariant and self.runner == "pooling":
+            raise ValueError("--batch-invariant covers generation only; drop it for --runner pooling.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
 
@@ -410,6 +415,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
     offload: OffloadConfig | None = None
 
+    def __post_init__(self) -> None:
+        if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--batch-invariant needs --tensor-parallel-size 1: an all-reduce's order of "
+                             "summation depends on the message's size, so on the batch.")
+
 
 DTYPE_CHOICES = ("auto", *_DTYPES)
 KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
@@ -434,6 +444,11 @@ CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries eve
 # (Counting FLOPs would say ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the
 # CPU's attention, over a gathered and masked context, runs far below matmul speed.)
 CPU_PREFILL_COST_CONTEXT = 1024
+
+
+def _env_flag(name: str) -> bool:
+    """An environment variable set to 1 (vLLM's convention for its switches)."""
+    return os.environ.get(name, "0").strip() == "1"
 
 
 def _is_encoder_checkpoint(model: str | None) -> bool:
@@ -531,6 +546,9 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "no CUDA graphs: every step runs eagerly")
     max_cudagraph_capture_size: int = _arg(512, "largest decode batch replayed from a captured CUDA graph "
                                                 f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    batch_invariant: bool = _arg(False, "a request's tokens and logprobs do not depend on the requests beside it "
+                                        "(fixed-order GEMMs, attention and norms; dense Llama-family models, one "
+                                        "rank); also VLLM_BATCH_INVARIANT=1")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts and outputs are token ids only")
     async_scheduling: bool | None = _arg(None, "schedule and prepare step N+1 while the device runs step N "
                                                "(default: on for CUDA unless the speculative method drafts on "
@@ -596,7 +614,8 @@ class EngineArgs:
             model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                               dtype=dtype, max_model_len=self.max_model_len,
                               seed=self.seed, quantization=self.quantization,
-                              skip_tokenizer_init=self.skip_tokenizer_init, **runner),
+                              skip_tokenizer_init=self.skip_tokenizer_init,
+                              batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
                               num_blocks=self.num_gpu_blocks_override,

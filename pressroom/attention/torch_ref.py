@@ -64,10 +64,11 @@ class _Plan:
     chunks: list[int]  # requests left to the prefill path
 
 
-def _plan(meta: AttentionMetadata) -> _Plan:
+def _plan(meta: AttentionMetadata, all_rows: bool = False) -> _Plan:
+    """`all_rows`: every query token becomes a row (batch-invariant mode: one path for every query)."""
     loc, lens, nd = meta.query_start_loc, meta.seq_lens_host, meta.num_decodes
     short = [i for i in range(nd, len(loc) - 1)
-             if loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
+             if all_rows or loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
     chunks = sorted(set(range(nd, len(loc) - 1)) - set(short))
     if not short:
         row_lens = lens[:nd]
@@ -93,11 +94,13 @@ class TorchAttentionBackend:
         """int64 indices, one split per decode; the step's `_plan` is made by the first layer that runs."""
         return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
+    batch_invariant = False  # only CpuAttentionBackend offers the mode
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.plan is None:
-            meta.plan = _plan(meta)
+            meta.plan = _plan(meta, self.batch_invariant)
         plan: _Plan = meta.plan
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.num_rows:
@@ -183,10 +186,20 @@ def _causal_mask(n: int, seq_len: int, window: int | None) -> torch.Tensor | Non
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decodes handled by a C kernel that reads the paged cache in place."""
+    """The torch backend with decodes handled by a C kernel that reads the paged cache in place.
+
+    `batch_invariant`: every query token, decode or prompt, is a row of the C kernel, which computes each row
+    alone (its context in order, its own softmax): a row's bits depend on its context only, never on the
+    rows beside it or on how its prompt was chunked. Prompts pay for it (no batched SDPA)."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
                 v_dim: int, window: int | None = None) -> torch.Tensor:
+        if self.batch_invariant and (kv_cache.shape[0] == 1 or window is not None):
+            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA) or "
+                             "sliding-window attention yet.")
         # A latent cache has keys and values of different widths in one plane; the C kernel reads every key
         # up to each row's length, so a window that hides some goes to the masked torch path.
         if kv_cache.shape[0] == 1 or window is not None and plan.max_len > window:
@@ -195,6 +208,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out.to(q.dtype)
 
 
-def make_cpu_backend(cache_dtype: torch.dtype) -> TorchAttentionBackend:
+def make_cpu_backend(cache_dtype: torch.dtype, batch_invariant: bool = False) -> TorchAttentionBackend:
     usable = cache_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
-    return CpuAttentionBackend() if usable else TorchAttentionBackend()
+    if batch_invariant and not usable:
+        raise ValueError("--batch-invariant on the CPU needs the C kernels (a C compiler, not "
+                         "PRESSROOM_DISABLE_C_KERNELS) and a float32 or bfloat16 KV cache.")
+    return CpuAttentionBackend(batch_invariant) if usable else TorchAttentionBackend()

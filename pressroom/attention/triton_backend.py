@@ -41,24 +41,35 @@ def multiprocessor_count(device: torch.device | str) -> int:
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """int32 index tensors and the device-side query starts the kernels read; split-KV counts from the
-    padded decode count, the KV heads and this device's own multiprocessor count (read once, here)."""
+    padded decode count, the KV heads and this device's own multiprocessor count (read once, here);
+    batch-invariant: never a split (how a context is cut would depend on the batch's size)."""
 
     index_dtype = torch.int32
     needs_device_query_start_loc = True
 
-    def __init__(self, device: torch.device | str, num_kv_heads: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, device: torch.device | str, num_kv_heads: int, max_blocks_per_seq: int,
+                 batch_invariant: bool = False) -> None:
         super().__init__(device, num_kv_heads, max_blocks_per_seq)
         self.target_programs = _PROGRAMS_PER_SM * multiprocessor_count(self.device)
+        self.batch_invariant = batch_invariant
 
     def num_kv_splits(self, num_decodes: int) -> int:
+        if self.batch_invariant:
+            return 1
         return num_kv_splits(self.padded_decodes(num_decodes), self.num_kv_heads, self.max_blocks_per_seq,
                              self.target_programs)
 
 
 class TritonAttentionBackend:
+    """`batch_invariant`: every query's attention computed the same way in any batch (kernels/triton/
+    attention.py's docstring); MLA's latent caches are refused in that mode."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
     def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
                               max_blocks_per_seq: int) -> TritonMetadataBuilder:
-        return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
+        return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq, self.batch_invariant)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -66,6 +77,8 @@ class TritonAttentionBackend:
             raise ValueError("sliding-window attention (Gemma 3's local layers) runs on the CPU backend only so "
                              "far: the Triton kernels do not mask by window yet; use --device cpu.")
         latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
+        if latent and self.batch_invariant:
+            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA) yet.")
         write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if latent:
@@ -74,7 +87,8 @@ class TritonAttentionBackend:
                                      splits)
         else:
             def attend(q, tables, lens, starts, max_query_len, out, splits=1):
-                return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits)
+                return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits,
+                                       self.batch_invariant)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device
         decodes = meta.num_decodes
         if meta.max_query_len == 1 or not 0 < decodes < tables.shape[0]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pressroom.config import ModelConfig
 from pressroom.model import gguf_file
+from pressroom.model.batch_invariant import make_batch_invariant
 from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.layers.quant import int4_kernel_available
@@ -145,7 +146,8 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
 
 
 def _keep_4bit(config: ModelConfig, device: str) -> bool:
-    return config.quantization == "auto" and device == "cpu" and int4_kernel_available()
+    # --batch-invariant: dense weights only (the 4-bit kernels' path depends on the batch's size)
+    return config.quantization == "auto" and device == "cpu" and int4_kernel_available() and not config.batch_invariant
 
 
 def _prepack(model: nn.Module) -> None:
@@ -212,5 +214,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
             _pack_int4(model)
     _finish_quantization(model)
     _prepack(model)
+    if config.batch_invariant:
+        make_batch_invariant(model)
     model.eval()
     return LoadedModel(model, hf_config, path, reads)

@@ -161,19 +161,19 @@ class Emission:
         return DeviceStep({s.req_id: j for j, (_, s) in enumerate(self.sampling)}, tokens, counts, self.num_drafts)
 
 
-def make_backend(device: str, dtype: torch.dtype) -> AttentionBackend:
+def make_backend(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> AttentionBackend:
     if device == "cuda":
         from pressroom.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    return make_cpu_backend(dtype)
+        return TritonAttentionBackend(batch_invariant)
+    return make_cpu_backend(dtype, batch_invariant)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, seed: int = 0,
                  device: str = "cpu", async_scheduling: bool = False, kv_dtype: torch.dtype | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> None:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, batch_invariant: bool = False) -> None:
         """`max_num_seqs`, `max_num_batched_tokens`: the largest step the scheduler sends, which sizes the
-        persistent input batch (a larger step grows it)."""
+        persistent input batch (a larger step grows it); `batch_invariant`: the attention backend's mode."""
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.kv_dtype = kv_dtype or dtype  # the KV cache's element type (FP8 on CUDA when asked)
@@ -190,7 +190,7 @@ class ModelRunner:
         self.synthetic_rates: list[float] | None = None  # rejection_sample_method="synthetic"
         self.states: dict[str, CachedRequestState] = {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.backend = make_backend(device, dtype)
+        self.backend = make_backend(device, dtype, batch_invariant)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.max_blocks_per_seq = 0

@@ -83,7 +83,8 @@ class Worker:
         sched = config.scheduler
         runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
                              config.device, sched.async_scheduling, config.cache.cache_dtype,
-                             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens)
+                             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                             batch_invariant=config.model.batch_invariant)
         spec = config.speculative
         if spec is not None and spec.method == "mtp" and not spec.model:  # the target's checkpoint holds the layer
             spec = replace(spec, model=loaded.source)

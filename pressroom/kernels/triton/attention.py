@@ -18,6 +18,13 @@ num_kv_splits contiguous runs of at least MIN_SPLIT_TILES tiles, computed in the
 short context uses fewer splits than were launched (the surplus programs exit). Each split writes its
 unnormalised partial max, sum and output to an fp32 workspace; a second kernel, one program per request
 and query head, merges the splits in use in one vectorised pass.
+
+Batch-invariant mode (`batch_invariant=True`): a query's reduction over its context must not depend on the
+batch or on how its prompt was chunked. Every launch then takes the prompt chunks' tiles whatever the step's
+max_query_len (one BLOCK_M, one TILE_N: the context is walked in TILE_N-token tiles from position 0 for every
+query, decode or chunk), never splits the KV, masks every tile (which tiles could skip the mask depends on
+the other queries of the program) and compiles without FMA contraction, so no code-shape difference can fuse
+a multiply-add differently.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from pressroom.kernels.triton import interpreting
 
 _LOG2E = 1.4426950408889634
 MIN_SPLIT_TILES = 2  # a split reads at least this many tiles: short contexts are not cut into slivers
+INVARIANT_QUERY_LEN = 1 << 16  # batch-invariant launches are sized as for a query this long: the chunks' tiles
 _INTERPRETED = interpreting()  # the same test triton.jit made when the kernels below were defined
 
 
@@ -120,7 +128,7 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         MIN_TILES: tl.constexpr, DIRECT: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr,
-        PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr):
+        PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr, ALL_MASKED: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,6 +159,8 @@ def _paged_attention_kernel(
         return
     hi = tl.minimum(lo + per_split, block_end)
     full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
+    if ALL_MASKED:  # which tiles skip the mask depends on the tile's first query: one code path for all
+        full_end = lo
     row_lim = prefix + q_idx + 1  # hi needs no say: it never cuts between a real row and what it sees
 
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -246,7 +256,7 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, nu
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, out: torch.Tensor,
-                    num_kv_splits: int = 1) -> torch.Tensor:
+                    num_kv_splits: int = 1, batch_invariant: bool = False) -> torch.Tensor:
     """Causal attention of each request's queries (the last q_len positions of its context) over its paged
     context; writes `out` rows of real queries only and returns `out`.
 
@@ -254,8 +264,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     (q's dtype, or FP8 with a scale of 1);
     block_tables: int32 [B, max_blocks]; seq_lens: [B] context lengths including this step's tokens;
     query_start_loc: int32 [B + 1]; max_query_len: at least every request's query length; num_kv_splits > 1
-    only where max_query_len is 1.
+    only where max_query_len is 1; batch_invariant: each query computed the same way in any batch (see the
+    module's docstring; num_kv_splits must be 1).
     """
+    if batch_invariant and num_kv_splits != 1:
+        raise ValueError("batch-invariant attention never splits the KV; pass num_kv_splits=1")
     _check_inputs(q, kv_cache, out, num_kv_splits, max_query_len)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -264,7 +277,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         return out
     group = num_heads // num_kv_heads
     group_pad, d_pad = triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_dim))
-    cfg = _launch_config(max_query_len, group_pad, d_pad)
+    cfg = _launch_config(INVARIANT_QUERY_LEN if batch_invariant else max_query_len, group_pad, d_pad)
     block_q = cfg.block_m // group_pad
     blocks_per_req = triton.cdiv(max_query_len, block_q)
     direct = num_reqs * blocks_per_req <= num_tokens // block_q + num_reqs
@@ -289,6 +302,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         DIRECT=direct, BLOCK_B=block_b,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=kv_cache.dtype.itemsize == 1,
+        ALL_MASKED=batch_invariant, enable_fp_fusion=not batch_invariant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](

@@ -4,11 +4,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.kernels import batch_invariant as invariant
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up over the stacked [gate | up] projection."""
 
+    batch_invariant = False  # set at load under --batch-invariant (model/batch_invariant.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant.silu_and_mul(x)
         if x.is_cuda and x.is_contiguous():
             from pressroom.kernels.triton.activation import silu_and_mul
             return silu_and_mul(x)

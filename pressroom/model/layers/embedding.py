@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pressroom.kernels import batch_invariant as invariant
 from pressroom.kernels import cpu
 from pressroom.model.layers.linear import onednn_prepack
 from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
@@ -54,6 +55,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     onednn: torch.Tensor | None = None
+    batch_invariant = False  # set at load under --batch-invariant (model/batch_invariant.py)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """After loading: share the embedding's weight, and its 8-bit form if it came in one."""
@@ -65,6 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:  # one path for any number of rows (the mode refuses tensor parallelism)
+            return invariant.linear(hidden, self.weight, None, self.onednn)[..., :self.vocab_size]
         if self.q8 is not None and hidden.numel() <= INT4_MAX_ROWS * hidden.shape[-1]:
             logits = self.q8.matmul(hidden)
         elif self.onednn is not None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pressroom.kernels import batch_invariant as invariant
 from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix, PackedInt4, Q4Weight, pack_rows
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import LinearMethod
@@ -25,6 +26,8 @@ def _divide(a: int, b: int) -> int:
 
 
 class LinearBase(nn.Module):
+    batch_invariant = False  # set at load under --batch-invariant (model/batch_invariant.py)
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -52,6 +55,8 @@ class LinearBase(nn.Module):
         return self._dense(x, self.bias)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant.linear(x, self.weight, bias, self.onednn)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
