@@ -1,5 +1,7 @@
 """NVFP4 weights: E2M1 values (kernels/mxfp4.py's, packed the same way: two per byte, the even input in the low
-nibble) in blocks of 16 inputs, each block scaled by an FP8 e4m3 value, the whole tensor by one fp32 global scale.
+nibble) in blocks of 16 inputs, each block scaled by an FP8 e4m3 value, the whole tensor by one fp32 global scale
+(ModelOpt's `weight_scale_2`). A layer keeps the global scale per row (`[rows]`), so stacked parts quantized apart
+(q, k, v of a checkpoint) keep their own; `[1]` serves every row.
 
 The torch functions here are the reference the Triton kernel (kernels/triton/quant_gemv.py) is tested against.
 """
@@ -42,8 +44,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """-> [rows, cols] in `dtype`: each E2M1 value times its block's scale times the global scale (in fp32)."""
-    scale = (block_scale.float() * global_scale.float()).repeat_interleave(BLOCK, dim=1)
+    """-> [rows, cols] in `dtype`: each E2M1 value times its block's scale times the global scale (in fp32;
+    `global_scale` [1] or one per row)."""
+    scale = (block_scale.float() * global_scale.float().reshape(-1, 1)).repeat_interleave(BLOCK, dim=1)
     return (mxfp4.unpack_e2m1(packed) * scale).to(dtype)
 
 

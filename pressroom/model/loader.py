@@ -19,6 +19,7 @@ from pressroom.config import ModelConfig
 from pressroom.model import gguf_file
 from pressroom.model.batch_invariant import make_batch_invariant
 from pressroom.model.layers.embedding import ParallelLMHead
+from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.model.layers.linear import LinearBase
 from pressroom.model.layers.quant import int4_kernel_available
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
@@ -162,18 +163,23 @@ def _pack_int4(model: nn.Module) -> None:
 
 
 def _attach_quantization(model: nn.Module, method: QuantizationMethod) -> None:
-    """Before loading: each linear layer the method quantizes takes its layer method (the rest stay dense)."""
-    count = 0
+    """Before loading: each linear layer (and experts' layer) the method quantizes takes its layer method (the
+    rest stay dense)."""
+    linear = experts = 0
     for prefix, module in model.named_modules():
         if isinstance(module, LinearBase) and (layer_method := method.layer_method(module, prefix)) is not None:
             module.set_quant_method(layer_method)
-            count += 1
-    logger.info("quantization %s: %d linear layers", method.name or type(method).__name__, count)
+            linear += 1
+        elif isinstance(module, FusedMoE) and (moe_method := method.moe_method(module, prefix)) is not None:
+            module.set_quant_method(moe_method)
+            experts += 1
+    logger.info("quantization %s: %d linear layers, %d expert layers", method.name or type(method).__name__,
+                linear, experts)
 
 
 def _finish_quantization(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant_method is not None:
+        if isinstance(module, (LinearBase, FusedMoE)) and module.quant_method is not None:
             module.quant_method.process_weights_after_loading(module)
 
 
@@ -185,7 +191,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     hf_config = load_hf_config(path)
     model_cls = resolve_architecture(hf_config)
     # dummy weights are random, never a checkpoint's quantized ones: a method quantizes them at load
-    method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config))
+    method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config, path))
     if method is not None:
         method.check_device(device, config.dtype)
     previous = torch.get_default_dtype()

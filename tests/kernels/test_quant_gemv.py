@@ -142,10 +142,14 @@ def test_nvfp4_round_trip_keeps_each_value_within_its_block_step():
 
 @needs_triton
 @pytest.mark.parametrize("tokens", [1, 3, 17])
-def test_nvfp4_weight_only_gemv_is_dequantize_then_matmul(tokens):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_nvfp4_weight_only_gemv_is_dequantize_then_matmul(tokens, per_row):
+    """One global scale, or one per row (a checkpoint's stacked q/k/v parts each keep their own)."""
     from pressroom.kernels.triton import quant_gemv
     x, w = _randn(tokens, 96, seed=13), _randn(20, 96, seed=14)
     packed, block_scale, global_scale = nvfp4.quantize(w)
+    if per_row:
+        global_scale = global_scale * torch.linspace(0.5, 4.0, 20)
     args = [t.to(DEVICE) for t in (packed, block_scale, global_scale)]
     want = nvfp4.reference(x, packed, block_scale, global_scale)
     torch.testing.assert_close(quant_gemv.nvfp4_linear(x.to(DEVICE), *args).cpu(), want, **TOL)  # default paths

@@ -81,7 +81,7 @@ def test_online_nvfp4_matches_its_dequantized_fp32_twin(tiny_model_dir, tmp_path
     llm = _llm(model, quantization="nvfp4")
     down = llm.engine.model.model.layers[0].mlp.down_proj
     assert isinstance(down.quant_method, Nvfp4LinearMethod) and down.weight.shape == (64, 64)
-    assert down.weight_scale.shape == (64, 8) and down.weight_global_scale.shape == (1,)
+    assert down.weight_scale.shape == (64, 8) and down.weight_global_scale.shape == (64,)  # one per row
     shipped = load_file(f"{model}/model.safetensors")["model.layers.0.mlp.down_proj.weight"]
     assert torch.equal(down.quant_method.dequantized(down), nvfp4.dequantize(*nvfp4.quantize(shipped)))
     _twin_from_layers(llm, model, tmp_path / "twin")

@@ -7,6 +7,11 @@ Shapes are static for a given (tokens, top_k, experts): the padded pair list has
 pairs + min(experts, pairs) * (BLOCK_M - 1) slots, and blocks past the used ones carry expert -1 and exit.
 Launch configurations come from a sweep committed per shape and GPU (moe_configs/, written by
 benchmarks/gpu/sweep_fused_moe.py), looked up by the token count nearest to the call's.
+
+`fused_moe_fp4`: the same two grouped GEMMs over FP4 experts (kernels/fp4_moe.py: MXFP4 or NVFP4, weight-only).
+Each weight tile is read packed and dequantized in registers (quant_gemv.py's unpacking: the low nibbles of a
+byte meet the activations' even inputs, the high nibbles the odd ones, two tl.dot per tile), so the experts are
+never widened in memory. Not measured on a GPU yet (no sweep: default launches).
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from pressroom.kernels.fp4_moe import Fp4Experts
+from pressroom.kernels.triton.quant_gemv import _fp4_tile, _scaled
 
 SWEEP_DIR = Path(__file__).with_name("moe_configs")
 # Up to this many pairs one Triton program sorts them (one launch: decode steps are launch-bound);
@@ -301,6 +309,99 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
                            mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), k,
                            A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
                            **common)
+    return sum_top_k(out.view(tokens, k, hidden))
+
+
+@triton.jit
+def _fp4_dot(a_rows, w_rows, s_rows, g_rows, first, col_ok, a_ok, k_in, PRECISION: tl.constexpr,
+             BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
+    """A [BLOCK_M, 2 * HALF] tile of activations (inputs from 2 * first) times the FP4 weight rows' tile, fp32."""
+    lo, hi, scale = _fp4_tile(w_rows, s_rows, g_rows, first, col_ok, k_in, BLOCK_N, HALF, BB)
+    byte = first + tl.arange(0, HALF)
+    mask = a_ok[:, None] & (2 * byte < k_in)[None, :]
+    a_even = tl.load(a_rows + 2 * byte[None, :], mask=mask, other=0.0)
+    a_odd = tl.load(a_rows + 2 * byte[None, :] + 1, mask=mask, other=0.0)
+    lo = _scaled(lo, scale, BLOCK_N, HALF, BB).to(a_even.dtype)
+    hi = _scaled(hi, scale, BLOCK_N, HALF, BB).to(a_even.dtype)
+    return (tl.dot(a_even, tl.trans(lo), input_precision=PRECISION)
+            + tl.dot(a_odd, tl.trans(hi), input_precision=PRECISION))
+
+
+@triton.jit
+def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr,
+                         n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
+                         stride_gn, stride_c, top_k, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
+                         MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_gemm_kernel over FP4 weights: packed [E, N, K / 2], block scales [E, N, K / (2 * BB)], NVFP4's
+    per-row global scales [E, N] (MXFP4: unread)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + rows)
+    valid = slot < num_pairs
+    a_row = slot // top_k if A_BY_TOKEN else slot
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    e = expert.to(tl.int64)
+    n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
+    a_rows = a_ptr + a_row.to(tl.int64)[:, None] * stride_a
+    w_rows = w_ptr + e * stride_we + n * stride_wn
+    s_rows = s_ptr + e * stride_se + n * stride_sn
+    g_rows = g_ptr + e * stride_ge + n * stride_gn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        acc += _fp4_dot(a_rows, w_rows, s_rows, g_rows, k0 // 2, col_ok, valid, k_in, PRECISION, BLOCK_N, HALF, BB)
+        if GATED:  # the up rows lie n_out rows below the gate rows
+            acc_up += _fp4_dot(a_rows, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
+                               g_rows + n_out * stride_gn, k0 // 2, col_ok, valid, k_in, PRECISION, BLOCK_N, HALF, BB)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHTS:
+        acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
+    """default_launch's rows per block; 64 inputs a tile (at least one MXFP4 block of 32 per tile, and HALF = 32
+    bytes: tl.dot's K of at least 16 for each nibble half)."""
+    launch = default_launch(tokens, top_k, experts)
+    return MoeLaunch(launch.block_m, launch.block_n, 64, launch.num_warps, launch.num_stages)
+
+
+def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor, ids: torch.Tensor,
+                  launch: MoeLaunch | None = None, all_local: bool = False) -> torch.Tensor:
+    """fused_moe with FP4 experts (kernels/fp4_moe.py): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] as Fp4Experts of
+    one format; weights (fp32) and ids [T, k] local to the experts (-1: another rank's). Returns [T, H] in x's
+    dtype."""
+    tokens, hidden = x.shape
+    experts, double_inter, _ = w13.shape
+    inter, k = double_inter // 2, ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (experts, hidden, inter) or w13.block != w2.block:
+        raise ValueError(f"FP4 experts of shapes {w13.shape} and {w2.shape} do not fit {hidden} hidden features.")
+    pairs = tokens * k
+    cfg = launch or fp4_launch(tokens, k, experts)
+    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = dict(PRECISION=precision, BB=w13.block // 2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for a, w, c, n_out, k_in, by_token in ((x, w13, mid, inter, hidden, True), (mid, w2, out, hidden, inter, False)):
+        g = w.global_scale if w.global_scale is not None else w.scales  # MXFP4: a placeholder, never read
+        g_strides = (g.stride(0), g.stride(1)) if w.global_scale is not None else (0, 0)
+        grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
+        _moe_fp4_gemm_kernel[grid](a, w.packed, w.scales, g, c, slots, block_expert, flat_weights, n_out, k_in, pairs,
+                                   a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0),
+                                   w.scales.stride(1), *g_strides, c.stride(0), k, A_BY_TOKEN=by_token,
+                                   GATED=by_token, MUL_WEIGHTS=not by_token, **common)
     return sum_top_k(out.view(tokens, k, hidden))
 
 

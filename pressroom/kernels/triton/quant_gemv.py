@@ -18,7 +18,8 @@ a broadcast row; BLOCK_M >= 16 goes through tl.dot (tensor cores) on the dequant
   before its scale multiplies them, tl.dot tiles scale the values first. Beyond SMALL_M tokens the weight is
   dequantized to bf16 by one launch for cuBLAS.
 - NVFP4 (kernels/nvfp4.py): the same kernel with blocks of 16 inputs (8 bytes), each scaled by an FP8 e4m3 value
-  times the tensor's fp32 global scale (read from memory: no host sync, CUDA graphs keep it).
+  times its row's fp32 global scale (read from memory: no host sync, CUDA graphs keep it; one value for every row
+  reads with stride 0).
 
 Measured on the H200 (docs/BENCHMARKS.md): the FP8 GEMV at one token runs 1.46-1.80x bf16 F.linear at
 Llama-3.1-8B's shapes with the sweep's tiles (now the defaults). The MXFP4 kernel as first measured (fp32 bits built
@@ -129,10 +130,10 @@ def _e8m0_scale(exponent):
 
 
 @triton.jit
-def _fp4_tile(w_rows, s_rows, g_ptr, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
+def _fp4_tile(w_rows, s_rows, g_rows, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
     """The tile of bytes [first, first + HALF) (first: a multiple of BB, the bytes of a scale block: 16 for MXFP4,
     8 for NVFP4): (low-nibble values, high-nibble values) [BLOCK_N, HALF] times 2^-14, and the blocks' scales
-    [BLOCK_N, HALF / BB] times 2^14 (NVFP4: its FP8 block scale times the global scale at g_ptr)."""
+    [BLOCK_N, HALF / BB] times 2^14 (NVFP4: its FP8 block scale times the row's global scale at g_rows)."""
     byte = first + tl.arange(0, HALF)
     w_mask = n_ok[:, None] & (byte < K // 2)[None, :]
     packed = tl.load(w_rows + byte[None, :], mask=w_mask, other=0).to(tl.int32)
@@ -141,13 +142,14 @@ def _fp4_tile(w_rows, s_rows, g_ptr, first, n_ok, K, BLOCK_N: tl.constexpr, HALF
     if BB == 16:
         scale = _e8m0_scale(tl.load(s_rows + blocks[None, :], mask=s_mask, other=0).to(tl.int32))
     else:
-        scale = tl.load(s_rows + blocks[None, :], mask=s_mask, other=0.0).to(tl.float32) * (tl.load(g_ptr) * 16384.0)
+        g = tl.load(g_rows, mask=n_ok[:, None], other=0.0)
+        scale = tl.load(s_rows + blocks[None, :], mask=s_mask, other=0.0).to(tl.float32) * (g * 16384.0)
     return _e2m1(packed), _e2m1(packed >> 4), scale
 
 
 @triton.jit
-def _fp4_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
+def _fp4_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_g,
+                stride_ym, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,11 +158,12 @@ def _fp4_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
     n_ok, m_ok = rn < N, rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    g_rows = g_ptr + rn.to(tl.int64)[:, None] * stride_g
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         byte = k0 // 2 + rb
-        lo, hi, scale = _fp4_tile(w_rows, s_rows, g_ptr, k0 // 2, n_ok, K, BLOCK_N, HALF, BB)
+        lo, hi, scale = _fp4_tile(w_rows, s_rows, g_rows, k0 // 2, n_ok, K, BLOCK_N, HALF, BB)
         x_mask = m_ok[:, None] & (2 * byte < K)[None, :]
         x_even = tl.load(x_rows + 2 * byte[None, :], mask=x_mask, other=0.0)
         x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
@@ -182,14 +185,16 @@ def _scaled(values, scale, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.con
 
 
 @triton.jit
-def _fp4_dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BB: tl.constexpr,
+def _fp4_dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_g, stride_on,
+                           BB: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     byte = tl.program_id(1) * HALF + tl.arange(0, HALF)
     n_ok = rn < N
-    lo, hi, scale = _fp4_tile(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, s_ptr + rn.to(tl.int64)[:, None]
-                              * stride_sn, g_ptr, tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF, BB)
+    row = rn.to(tl.int64)[:, None]
+    lo, hi, scale = _fp4_tile(w_ptr + row * stride_wn, s_ptr + row * stride_sn, g_ptr + row * stride_g,
+                              tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF, BB)
     lo = _scaled(lo, scale, BLOCK_N, HALF, BB)
     hi = _scaled(hi, scale, BLOCK_N, HALF, BB)
     out = out_ptr + rn.to(tl.int64)[:, None] * stride_on + 2 * byte[None, :]
@@ -244,8 +249,8 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] times the NVFP4 weight (packed [N, K / 2], FP8 e4m3 block scales [N, K / 16], fp32 global scale
-    [1], kernels/nvfp4.py), in x's dtype; as mxfp4_linear beyond SMALL_M tokens."""
+    """x [M, K] times the NVFP4 weight (packed [N, K / 2], FP8 e4m3 block scales [N, K / 16], fp32 global scales
+    [N] or [1], kernels/nvfp4.py), in x's dtype; as mxfp4_linear beyond SMALL_M tokens."""
     return _fp4_linear(x, packed, scales, global_scale, bias, config, block_bytes=8)
 
 
@@ -263,10 +268,17 @@ def _fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, glo
         return y
     _fp4_kernel[_grid(m, n, config)](
         x, packed, scales, global_scale, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
-        scales.stride(0), y.stride(0), HAS_BIAS=bias is not None, PRECISION=_precision(x), BB=block_bytes,
+        scales.stride(0), _global_stride(global_scale, n), y.stride(0), HAS_BIAS=bias is not None,
+        PRECISION=_precision(x), BB=block_bytes,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=max(32, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
+
+
+def _global_stride(global_scale: torch.Tensor, n: int) -> int:
+    """NVFP4's global scales: one per row (stride 1) or one for all (stride 0). MXFP4 passes its scales here,
+    unread: stride 0."""
+    return 1 if global_scale.dtype == torch.float32 and global_scale.numel() == n > 1 else 0
 
 
 def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,7 +298,8 @@ def _fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: to
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     block_n, block_k = 16, min(256, max(32, triton.next_power_of_2(k)))
     _fp4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        packed, scales, global_scale, out, n, k, packed.stride(0), scales.stride(0), out.stride(0), BB=block_bytes,
+        packed, scales, global_scale, out, n, k, packed.stride(0), scales.stride(0), _global_stride(global_scale, n),
+        out.stride(0), BB=block_bytes,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 

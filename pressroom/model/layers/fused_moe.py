@@ -5,7 +5,8 @@ variants real checkpoints use: softmax top-k with or without renormalising (Mixt
 sigmoid scores with a correction bias, grouped top-k and a routed scaling factor (DeepSeek-V3, GLM-4.5,
 Kimi). `FusedMoE` holds the experts' weights stacked ([experts, 2 * inter, hidden] for gate and up,
 [experts, hidden, inter] for down) for the range of experts this rank owns, and computes only the
-experts some token chose: the tokens are sorted by expert, each expert runs once over its rows.
+experts some token chose: the tokens are sorted by expert, each expert runs once over its rows. A
+quantization method may hold the experts instead (`set_quant_method`: a `MoeMethod`, model/quantization/).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.model.lazy_weight import materialize
+from pressroom.model.quantization.base import MoeMethod
 
 # A stacked parameter's part: gate (w1), up (w3) and down (w2), as Mixtral names them.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -102,6 +104,12 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.quant_method: MoeMethod | None = None
+
+    def set_quant_method(self, method: MoeMethod) -> None:
+        """Before loading: hand the experts to a quantization method (model/quantization/)."""
+        self.quant_method = method
+        method.create_weights(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
@@ -117,17 +125,29 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert}'s {part} has shape {tuple(loaded.shape)} where the model config "
                              f"implies {expected}; the checkpoint and config.json disagree.")
         if part == DOWN:
-            self.w2.data[i].copy_(materialize(loaded.narrow(1, self.inter_start, inter)))
+            self._store("w2", i, 0, loaded.narrow(1, self.inter_start, inter))
         else:
-            target = self.w13.data[i].narrow(0, 0 if part == GATE else inter, inter)
-            target.copy_(materialize(loaded.narrow(0, self.inter_start, inter)))
+            self._store("w13", i, 0 if part == GATE else inter, loaded.narrow(0, self.inter_start, inter))
+
+    def _store(self, param: str, expert: int, row: int, loaded) -> None:
+        """Rows [row, row + n) of local expert `expert`'s `param`, read now; a quantization method's, if it takes
+        them."""
+        loaded = materialize(loaded)
+        if self.quant_method is not None and self.quant_method.store_rows(self, param, expert, row, loaded):
+            return
+        getattr(self, param).data[expert].narrow(0, row, loaded.shape[0]).copy_(loaded)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's (-1: an expert another rank holds)."""
+        return ids if self.owns_all else torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, weights, ids)
         if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
             from pressroom.kernels.triton.fused_moe import fused_moe
-            local = ids if self.owns_all else torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
-            return fused_moe(x.contiguous(), self.w13, self.w2, weights, local, all_local=self.owns_all)
+            return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

@@ -5,11 +5,14 @@ A `QuantizationMethod` is chosen once per model (by `--quantization`, or by the 
 (`layer_method`); today only linear layers ask, and a `LinearMethod` decides how that layer holds its
 weight (`create_weights`, before loading), takes a checkpoint's quantized rows (`store_rows`), transforms
 the weight once every row is in (`process_weights_after_loading`) and multiplies with it (`apply`). Layers
-the method returns None for stay dense. Other layer kinds (experts, embeddings) would get methods of
-their own here; they stay dense today.
+the method returns None for stay dense. The routed experts of a mixture-of-experts layer (a `FusedMoE`) ask
+`moe_method` for a `MoeMethod`, the same four steps over their stacked `w13` and `w2`. Embeddings and LM heads
+have no methods: they stay dense.
 """
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -36,6 +39,26 @@ class LinearMethod:
         raise NotImplementedError
 
 
+class MoeMethod:
+    """How one `FusedMoE` holds and applies its experts: `w13` [experts, 2 * inter, hidden] (gate rows, then up
+    rows) and `w2` [experts, hidden, inter], this rank's experts and slices."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Before loading: replace or add the layer's tensors."""
+
+    def store_rows(self, layer: nn.Module, param: str, expert: int, row: int, loaded: Any) -> bool:
+        """Take rows [row, row + n) of local expert `expert`'s `param` ("w13" or "w2"), already this rank's
+        slice; False: the layer stores them densely."""
+        return False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once every expert is loaded: quantize, repack or check."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden] through each token's chosen experts (global ids [tokens, top_k], fp32 weights)."""
+        raise NotImplementedError
+
+
 class QuantizationMethod:
     """One quantization scheme for a whole model. Subclasses set `name` and override what they need.
 
@@ -54,19 +77,51 @@ class QuantizationMethod:
         """The method for the module named `prefix` (a `LinearBase` today); None leaves it dense."""
         return None
 
+    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        """The method for the routed experts named `prefix` (a `FusedMoE`); None leaves them dense."""
+        return None
+
     def checkpoint_weights(self, model: nn.Module, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint's tensors as the model's loaders should see them (e.g. weights paired with their
         scales into one quantized weight). Default: as they come."""
         yield from weights
 
 
-def loads_into(model: nn.Module, name: str, method: type[LinearMethod]) -> bool:
-    """Whether the checkpoint tensor `name` loads into a linear layer's weight that `method` holds (there
-    it stays quantized; elsewhere it is dequantized)."""
+# the parameters a layer method holds: a linear layer's weight, the experts' stacked matrices
+_HELD = ("weight", "w13", "w2")
+
+
+def loads_into(model: nn.Module, name: str, method: type | tuple[type, ...]) -> bool:
+    """Whether the checkpoint tensor `name` loads into a linear layer's weight (or an expert's matrix) that a
+    `method` holds (there it stays quantized; elsewhere it is dequantized)."""
     target = model.checkpoint_target(name)[0] if hasattr(model, "checkpoint_target") else name
     owner, _, attr = target.rpartition(".")
     try:
         module = model.get_submodule(owner)
     except AttributeError:
         return False
-    return attr == "weight" and isinstance(getattr(module, "quant_method", None), method)
+    return attr in _HELD and isinstance(getattr(module, "quant_method", None), method)
+
+
+# a pressroom stacked layer -> the checkpoint modules it stacks (an exclusion may name any of them)
+_STACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def excluded(prefix: str, patterns: Iterable[str]) -> bool:
+    """Whether the module `prefix` is among a checkpoint's unquantized modules (HF's `modules_to_not_convert`,
+    ModelOpt's `exclude_modules` / `ignore`). A pattern names the module, one of its parents, or a part a stacked
+    layer joins (q_proj for qkv_proj); it matches as a glob ("*self_attn*"), as HF's prefix regex up to a module
+    boundary ("model.layers.*.self_attn") or as a suffix ("o_proj")."""
+    head, _, last = prefix.rpartition(".")
+    names = [prefix, *(f"{head}.{p}" if head else p for p in _STACKED_PARTS.get(last, ()))]
+    names += [prefix[:i] for i, c in enumerate(prefix) if c == "."]
+    return any(_matches(name, pattern) for pattern in patterns for name in names)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if fnmatch.fnmatchcase(name, pattern) or name.endswith(pattern):
+        return True
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name) is not None
+    except re.error:  # a glob such as "*self_attn*" is no regex
+        return False

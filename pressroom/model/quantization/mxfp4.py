@@ -1,54 +1,121 @@
-"""MXFP4 weights quantized at load (`--quantization mxfp4`): weight-only, activations stay in their dtype.
+"""MXFP4 weights (`--quantization mxfp4`, or a checkpoint with `quantization_config.quant_method: "mxfp4"`):
+weight-only, activations stay in their dtype. The layer methods and their kernels are fp4.py's.
 
-Each linear layer loads dense (this rank's slice), then `process_weights_after_loading` quantizes it in blocks of
-32 inputs (kernels/mxfp4.py): the layer then holds `weight` as packed E2M1 (uint8 [out, in / 2], the even input in
-the low nibble) and `weight_scale` as E8M0 exponents (uint8 [out, in / 32]), 4.25 bits a weight. On CUDA it
-multiplies through the Triton kernel that unpacks in registers (kernels/triton/quant_gemv.py: a GEMV for one
-token, tl.dot tiles beyond); elsewhere through the reference, which dequantizes the weight to the activations'
-dtype at each call (a correctness path: the CPU has no MXFP4 kernel).
+Online: each linear layer and each layer's experts load dense (this rank's slice), then are quantized in blocks of
+32 inputs (kernels/mxfp4.py): E2M1 values packed two per byte (the even input in the low nibble), one E8M0 scale
+per block, 4.25 bits a weight.
 
-Not yet: gpt-oss checkpoints (`*_blocks` / `*_scales`: the same packing), MoE experts. NVFP4 is nvfp4.py.
+Checkpoints, gpt-oss's form (HF transformers' integrations/mxfp4.py reads the same): a parameter P ships as
+`P_blocks` uint8 [..., rows, cols / 32, 16] (a block's 32 values in 16 bytes, low nibble first) and `P_scales` uint8
+E8M0 [..., rows, cols / 32]. A linear layer's weight is `X.weight_blocks` / `X.weight_scales`; per-expert matrices
+are the same under the model's expert names (`experts.{e}.gate_proj.weight_blocks`, Mixtral's `w1`); gpt-oss's
+fused experts are `experts.gate_up_proj_blocks` [experts, 2 * inter, hidden / 32, 16] with gate and up rows
+interleaved (gate the even rows, as GptOssExperts splits them) and `experts.down_proj_blocks` [experts, hidden,
+inter / 32, 16]. They are read without dequantizing, a rank only its rows and blocks. Modules the config's
+`modules_to_not_convert` names (gpt-oss: attention, router, embeddings, LM head) stay dense.
+
+gpt-oss itself (attention sinks, alternating sliding windows, router and expert biases, its clamped SwiGLU) is not
+a pressroom architecture yet: its expert biases (`*_proj_bias`) have no place to load into.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from pressroom.kernels import mxfp4 as kernels
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod
+from pressroom.model.lazy_weight import LazyWeight
+from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded, loads_into
+from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4MoeMethod, Fp4Weight, check_experts, lazy_fp4
+
+_FUSED = (".experts.gate_up_proj", ".experts.down_proj")  # gpt-oss's stacked experts
 
 
 class Mxfp4Method(QuantizationMethod):
     name = "mxfp4"
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
-        if checkpoint_config is not None:
-            raise ValueError("MXFP4 checkpoints (gpt-oss's *_blocks / *_scales) are not loaded yet; "
-                             "--quantization mxfp4 quantizes a checkpoint of plain weights at load.")
         super().__init__(checkpoint_config)
+        self.serialized = checkpoint_config is not None
+        self.unconverted = list((checkpoint_config or {}).get("modules_to_not_convert") or [])
 
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.serialized and excluded(prefix, self.unconverted):
+            return None
         kernels.check_shape(layer.weight.shape[1])  # before anything is read: a clear error, not a late one
-        return Mxfp4LinearMethod()
+        return Mxfp4LinearMethod(self.serialized)
+
+    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        if self.serialized and excluded(prefix, self.unconverted):
+            return None
+        check_experts(self.name, layer, prefix)
+        return Fp4MoeMethod(self.name, self.serialized)
+
+    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
+        if not self.serialized:
+            yield from weights
+            return
+        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
+        for name, tensor in tensors.items():
+            if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in tensors:
+                continue
+            if not name.endswith("_blocks"):
+                yield name, tensor
+                continue
+            base = name.removesuffix("_blocks")
+            if base + "_scales" not in tensors:
+                raise ValueError(f"{name} has no {base}_scales beside it to scale its MXFP4 blocks.")
+            blocks, scales = tensors[name], tensors[base + "_scales"]
+            if base.endswith(_FUSED):
+                yield from _fused_experts(model, base, blocks, scales)
+            else:
+                yield base, _lazy_blocks(blocks, scales, None, loads_into(model, base, _HOLDERS), base)
 
 
-class Mxfp4LinearMethod(LinearMethod):
-    def create_weights(self, layer: nn.Module) -> None:
-        layer.register_buffer("weight_scale", None)
+def _fused_experts(model: nn.Module, base: str, blocks: LazyWeight, scales: LazyWeight):
+    """gpt-oss's stacked experts as the per-expert matrices the model loads: gate_up's even rows are expert e's
+    gate, its odd rows its up."""
+    gate, up, down = getattr(model, "expert_names", ("gate_proj", "up_proj", "down_proj"))
+    if blocks.dim() != 4:
+        raise ValueError(f"{base}_blocks has shape {tuple(blocks.shape)}; gpt-oss's experts are [experts, rows, "
+                         "blocks, 16].")
+    stem, proj = base.rsplit(".", 1)
+    parts = ((gate, 0), (up, 1)) if proj == "gate_up_proj" else ((down, None),)
+    for expert in range(blocks.shape[0]):
+        for part, parity in parts:
+            name = f"{stem}.{expert}.{part}.weight"
+            keep = loads_into(model, name, _HOLDERS)
+            yield name, _lazy_blocks(blocks.narrow(0, expert, 1), scales.narrow(0, expert, 1), parity, keep, name)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        packed, scales = kernels.quantize(layer.weight.data)
-        layer.weight.data, layer.weight_scale = packed, scales
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.is_cuda:
-            from pressroom.kernels.triton.quant_gemv import mxfp4_linear
-            y = mxfp4_linear(flat, layer.weight, layer.weight_scale, bias)
-        else:
-            y = kernels.reference(flat, layer.weight, layer.weight_scale, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+def _lazy_blocks(blocks: LazyWeight, scales: LazyWeight, parity: int | None, keep: bool, name: str) -> LazyWeight:
+    """`*_blocks` / `*_scales` ([rows, n, 16] / [rows, n], or one expert's [1, ...] of either) as one lazy weight of
+    the dense shape; `parity`: only the even (0) or odd (1) rows, gpt-oss's interleaved gate and up."""
+    lead = blocks.dim() - 3
+    rows, n_blocks = blocks.shape[lead], blocks.shape[lead + 1]
+    if blocks.shape[-1] != kernels.BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(f"{name}: MXFP4 blocks of shape {tuple(blocks.shape)} with scales {tuple(scales.shape)}; "
+                         f"expected [..., rows, blocks, {kernels.BLOCK // 2}] with scales [..., rows, blocks].")
+    step, first = (1, 0) if parity is None else (2, parity)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        """The weight the layer multiplies by, in fp32 (for tests and inspection)."""
-        return kernels.dequantize(layer.weight.data, layer.weight_scale)
+    def read(r0: int, r1: int, b0: int, b1: int) -> Fp4Weight:
+        span = (step * r0, step * (r1 - r0))
+        b = blocks.narrow(lead, *span).narrow(lead + 1, b0, b1 - b0).load()
+        s = scales.narrow(lead, *span).narrow(lead + 1, b0, b1 - b0).load()
+        b, s = b.reshape(-1, *b.shape[-2:])[first::step], s.reshape(-1, s.shape[-1])[first::step]
+        return Fp4Weight(_as_bytes(b).reshape(r1 - r0, -1).contiguous(), _as_bytes(s).contiguous(), None)
+
+    return lazy_fp4((rows // step, n_blocks * kernels.BLOCK), kernels.BLOCK, read, keep, name)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """E2M1 pairs or E8M0 exponents, whatever one-byte dtype the file names them by (uint8, float8_e8m0fnu)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+class Mxfp4LinearMethod(Fp4LinearMethod):
+    fmt = "mxfp4"
+
+
+_HOLDERS = (Mxfp4LinearMethod, Fp4MoeMethod)

@@ -1,54 +1,101 @@
-"""NVFP4 weights quantized at load (`--quantization nvfp4`): weight-only, activations stay in their dtype.
+"""NVFP4 weights (`--quantization nvfp4`, or an NVIDIA ModelOpt checkpoint with `quant_algo: "NVFP4"`):
+weight-only, activations stay in their dtype. The layer methods and their kernels are fp4.py's.
 
-As mxfp4.py, with NVFP4's scales (kernels/nvfp4.py): after loading, the layer holds `weight` packed E2M1 (uint8
-[out, in / 2]), `weight_scale` FP8 e4m3 [out, in / 16] and `weight_global_scale` fp32 [1] (one per rank's slice:
-each rank quantizes what it loaded), 4.5 bits a weight. On CUDA the Triton kernel unpacks in registers
-(kernels/triton/quant_gemv.py `nvfp4_linear`: the MXFP4 kernel with 8-byte blocks and an FP8 scale); elsewhere the
-reference dequantizes at each call. The H200 has no FP4 tensor cores: this is for the bytes, as MXFP4 is.
+Online: each linear layer and each layer's experts load dense (this rank's slice), then are quantized with
+NVIDIA's recipe (kernels/nvfp4.py): E2M1 values in blocks of 16 inputs, each block scaled by an FP8 e4m3 value and
+the matrix (a rank's stacked slice; an expert's gate and up together) by one fp32 global scale, 4.5 bits a weight.
 
-Not yet: NVFP4 checkpoints (ModelOpt's `weight_scale` / `weight_scale_2` / `input_scale`), experts.
+Checkpoints, ModelOpt's export (`quantization_config: {"quant_method": "modelopt", "quant_algo": "NVFP4",
+"group_size": 16, ...}` in config.json, or hf_quant_config.json's `quantization`): each quantized linear layer X
+(and each expert's matrix, per expert under the model's names) ships `X.weight` uint8 [out, in / 2] (the even input
+in the low nibble), `X.weight_scale` float8_e4m3fn [out, in / 16], `X.weight_scale_2` fp32 (one value: the global
+scale, a multiplier) and `X.input_scale` (a static activation scale for FP4 activations: not used, activations are
+not quantized). They are read without dequantizing, a rank only its rows and blocks; each part keeps its own global
+scale (one per row in the layer). Modules named by `exclude_modules` / `ignore` stay dense.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from pressroom.kernels import nvfp4 as kernels
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod
+from pressroom.model.lazy_weight import LazyWeight
+from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded, loads_into
+from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4MoeMethod, Fp4Weight, check_experts, lazy_fp4
+
+_SCALES = (".weight_scale", ".weight_scale_2")
+# static activation scales (FP4 activations) and a KV cache's FP8 scales: this method quantizes neither
+_DROPPED = (".input_scale", ".k_scale", ".v_scale")
 
 
 class Nvfp4Method(QuantizationMethod):
     name = "nvfp4"
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
-        if checkpoint_config is not None:
-            raise ValueError("NVFP4 checkpoints are not loaded yet; --quantization nvfp4 quantizes a checkpoint of "
-                             "plain weights at load.")
         super().__init__(checkpoint_config)
+        self.serialized = checkpoint_config is not None
+        config = checkpoint_config or {}
+        if self.serialized:
+            algo, group = str(config.get("quant_algo", "")).upper(), int(config.get("group_size", kernels.BLOCK))
+            if algo != "NVFP4" or group != kernels.BLOCK:
+                raise ValueError(f"ModelOpt checkpoints are read in NVFP4 with groups of {kernels.BLOCK} only; this "
+                                 f"one is quant_algo {algo or None!r} with group_size {group}.")
+        self.unquantized = list(config.get("exclude_modules") or config.get("ignore") or [])
 
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.serialized and excluded(prefix, self.unquantized):
+            return None
         kernels.check_shape(layer.weight.shape[1])
-        return Nvfp4LinearMethod()
+        return Nvfp4LinearMethod(self.serialized)
+
+    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        if self.serialized and excluded(prefix, self.unquantized):
+            return None
+        check_experts(self.name, layer, prefix)
+        return Fp4MoeMethod(self.name, self.serialized)
+
+    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
+        if not self.serialized:
+            yield from weights
+            return
+        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
+        for name, tensor in tensors.items():
+            if name.endswith(_SCALES + _DROPPED):
+                continue
+            if not (name.endswith(".weight") and tensor.dtype == torch.uint8):
+                yield name, tensor
+                continue
+            base = name.removesuffix(".weight")
+            missing = [base + s for s in _SCALES if base + s not in tensors]
+            if missing:
+                raise ValueError(f"{name} is packed FP4 but the checkpoint lacks {', '.join(missing)} to scale it.")
+            keep = loads_into(model, name, (Nvfp4LinearMethod, Fp4MoeMethod))
+            yield name, _lazy_weight(tensor, tensors[base + ".weight_scale"], tensors[base + ".weight_scale_2"],
+                                     keep, name)
 
 
-class Nvfp4LinearMethod(LinearMethod):
-    def create_weights(self, layer: nn.Module) -> None:
-        layer.register_buffer("weight_scale", None)
-        layer.register_buffer("weight_global_scale", None)
+def _lazy_weight(weight: LazyWeight, scale: LazyWeight, scale_2: LazyWeight, keep: bool, name: str) -> LazyWeight:
+    rows, half = weight.shape
+    if tuple(scale.shape) != (rows, 2 * half // kernels.BLOCK):
+        raise ValueError(f"{name}: NVFP4 weight of shape {(rows, half)} (packed) with block scales "
+                         f"{tuple(scale.shape)}; expected [{rows}, {2 * half // kernels.BLOCK}].")
+    global_scale = scale_2.load().float().reshape(-1)
+    if global_scale.numel() != 1:
+        raise ValueError(f"{name}.weight_scale_2 has {global_scale.numel()} values; NVFP4's global scale is one.")
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.weight.data, layer.weight_scale, layer.weight_global_scale = kernels.quantize(layer.weight.data)
+    def read(r0: int, r1: int, b0: int, b1: int) -> Fp4Weight:
+        half_block = kernels.BLOCK // 2
+        packed = weight.narrow(0, r0, r1 - r0).narrow(1, b0 * half_block, (b1 - b0) * half_block).load()
+        block_scale = scale.narrow(0, r0, r1 - r0).narrow(1, b0, b1 - b0).load()
+        if block_scale.dtype != kernels.FP8:
+            block_scale = block_scale.view(kernels.FP8) if block_scale.dtype == torch.uint8 else \
+                block_scale.float().to(kernels.FP8)
+        return Fp4Weight(packed.contiguous(), block_scale.contiguous(), global_scale.expand(r1 - r0).contiguous())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        args = layer.weight, layer.weight_scale, layer.weight_global_scale
-        if flat.is_cuda:
-            from pressroom.kernels.triton.quant_gemv import nvfp4_linear
-            y = nvfp4_linear(flat, *args, bias)
-        else:
-            y = kernels.reference(flat, *args, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    return lazy_fp4((rows, 2 * half), kernels.BLOCK, read, keep, name)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        """The weight the layer multiplies by, in fp32 (for tests and inspection)."""
-        return kernels.dequantize(layer.weight.data, layer.weight_scale, layer.weight_global_scale)
+
+class Nvfp4LinearMethod(Fp4LinearMethod):
+    fmt = "nvfp4"
