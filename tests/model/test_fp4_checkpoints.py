@@ -184,3 +184,35 @@ def test_a_modelopt_checkpoint_in_another_algorithm_is_refused(tiny_model_dir, t
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="NVFP4 only"):
         _llm(tmp_path / "m")
+
+
+@pytest.mark.parametrize("prefix, patterns, expected", [
+    ("model.layers.3.self_attn.qkv_proj", ["model.layers.*.self_attn"], True),  # gpt-oss: HF's regex, a parent
+    ("model.layers.3.self_attn.qkv_proj", ["*self_attn*"], True),  # ModelOpt's glob
+    ("model.layers.3.self_attn.qkv_proj", ["model.layers.3.self_attn.k_proj"], True),  # a stacked part
+    ("model.layers.3.mlp.gate_up_proj", ["up_proj"], True),  # a suffix
+    ("model.layers.13.mlp.gate_up_proj", ["model.layers.1"], False),  # a prefix stops at a module boundary
+    ("model.layers.3.mlp.gate_up_proj", ["mlp.gate"], False),  # a router's name is not its neighbours'
+    ("model.layers.3.mlp.down_proj", ["lm_head", "*self_attn*"], False),
+])
+def test_excluded_modules_match_as_hf_and_modelopt_name_them(prefix, patterns, expected):
+    from pressroom.model.quantization.base import excluded
+    assert excluded(prefix, patterns) is expected
+
+
+def test_an_fp4_weight_splits_only_at_block_edges():
+    """A rank's share of the inputs must be whole scale blocks: reading inside one is a clear error."""
+    from pressroom.model.quantization.fp4 import Fp4Weight, lazy_fp4
+    reads = []
+
+    def read(r0, r1, b0, b1):
+        reads.append((r0, r1, b0, b1))
+        return Fp4Weight(torch.zeros(r1 - r0, (b1 - b0) * 16, dtype=torch.uint8),
+                         torch.full((r1 - r0, b1 - b0), 127, dtype=torch.uint8), None)
+
+    weight = lazy_fp4((8, 128), 32, read, keep=True, name="x")
+    part = weight.narrow(0, 2, 4).narrow(1, 64, 64).load()
+    assert reads == [(2, 6, 2, 4)] and part.shape == (4, 64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        weight.narrow(1, 48, 32).load()
+    assert torch.equal(lazy_fp4((8, 128), 32, read, keep=False, name="x").load(), torch.zeros(8, 128))
