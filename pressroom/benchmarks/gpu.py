@@ -418,6 +418,8 @@ def resolve_device(name: str) -> torch.device:
 def run(args) -> dict:
     if args.executors:
         return run_executors(args)
+    if args.batch_invariant:
+        return run_batch_invariant(args)
     from pressroom.model.loader import load_hf_config
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     hf_config = load_hf_config(str(args.model))
@@ -484,6 +486,38 @@ def run_executors(args) -> dict:
               "machine": device_machine(device), "device": device.type, "model": str(args.model),
               "engine_args": kwargs, "engine_args_not_supported": dropped, "executors": figures,
               f"ratios_vs_{base}": ratios}
+    print(json.dumps(ratios))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def run_batch_invariant(args) -> dict:
+    """The workloads on the default engine and then on `--batch-invariant`'s, in one run (no HF phase): the
+    mode's cost as its output tok/s over the default's."""
+    from pressroom.model.loader import load_hf_config
+    device = resolve_device(args.device)
+    workloads = build_workloads(args, load_hf_config(str(args.model)).vocab_size)
+    kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
+    figures: dict[str, dict] = {}
+    for mode, invariant in (("default", False), ("batch_invariant", True)):
+        llm, ready_s = build_llm(kwargs | {"batch_invariant": invariant}, device)
+        figures[mode] = {"time_to_ready_s": round(ready_s, 3)}
+        for name, w in workloads.items():
+            r = run_pressroom(llm, w, args.warmup_requests, device)
+            figures[mode][name] = {"output_tokens_per_s": round(r.output_tokens_per_s, 2),
+                                   "input_tokens_per_s": round(r.input_tokens_per_s, 2)}
+            print(f"{mode} {name}: {r.output_tokens_per_s:.1f} output tok/s "
+                  f"({r.input_tokens_per_s:.1f} input tok/s)", flush=True)
+        llm.shutdown()
+        del llm
+        free_device_memory(device)
+    ratios = {name: round(figures["batch_invariant"][name]["output_tokens_per_s"]
+                          / figures["default"][name]["output_tokens_per_s"], 4) for name in workloads}
+    report = {"benchmark": "gpu-batch-invariant", "date": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": device_machine(device), "device": device.type, "model": str(args.model),
+              "engine_args": kwargs, "engine_args_not_supported": dropped, "modes": figures,
+              "ratios_invariant_vs_default": ratios}
     print(json.dumps(ratios))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
@@ -657,4 +691,7 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--executors", type=_executors, default=None,
                    help="compare executors in one run, e.g. uni,mp: pressroom's workloads once per executor "
                         "(no HF phase), the later ones' output tok/s as ratios of the first's")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the workloads on the default engine, then with --batch-invariant, in one run (no HF "
+                        "phase): the mode's output tok/s as a ratio of the default's")
     p.add_argument("--output-json", default=None, help="write the report here too (default: print only)")

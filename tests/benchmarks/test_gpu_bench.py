@@ -87,6 +87,16 @@ def test_executors_side_by_side(tiny_model_dir, tmp_path):
     assert report["ratios_vs_uni"]["mp"]["decode"] > 0
 
 
+def test_batch_invariant_beside_the_default(tiny_model_dir, tmp_path):
+    out = tmp_path / "invariant.json"
+    argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",
+            "--batch-invariant", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"default", "batch_invariant"}
+    assert report["ratios_invariant_vs_default"]["decode"] > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_state_dict_gives_back_the_checkpoint(tiny_model_dir, arch, dtype):

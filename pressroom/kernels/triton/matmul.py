@@ -81,9 +81,11 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     return MatmulConfig(block_m=64, block_n=block_n, block_k=64, group_m=8, num_warps=4, num_stages=4)
 
 
-def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: MatmulConfig | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias [N]) in x's dtype, fp32 accumulation; a row's result is the same
-    bits for any number of rows beside it (reference: F.linear)."""
+    bits for any number of rows beside it (reference: F.linear). `config`: tiles other than matmul_config's
+    (benchmarks/gpu/batch_invariant.py sweeps them); invariance holds for any one config kept fixed."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1 or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"invariant_matmul needs x [..., {k}], weight [N, K] with unit column stride and bias "
@@ -96,7 +98,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    cfg = matmul_config(n, k)
+    cfg = config or matmul_config(n, k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
