@@ -106,3 +106,21 @@ def test_config_refuses_what_the_mode_does_not_cover(kwargs, words):
 def test_a_model_the_mode_does_not_cover_is_refused_by_name(tiny_model_dir, arch, words):
     with pytest.raises(ValueError, match=f"--batch-invariant does not cover .*({words})"):
         LLM(tiny_model_dir(arch), dtype="float32", kv_cache_memory_gib=0.05, batch_invariant=True)
+
+
+@pytest.mark.parametrize("arch, dtype", [("qwen3", "bfloat16"), ("qwen2", "float32")])
+def test_qk_norms_biases_and_bf16_are_covered(tiny_model_dir, arch, dtype):
+    """Qwen3's per-head q/k norms and a bf16 model (oneDNN's bf16 GEMM where the CPU has one), Qwen2's
+    qkv biases: six requests alone and together, chunked at 16 tokens."""
+    prompts = random_prompts(6, low=3, high=40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+    def run(llm, ids):
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in ids], params, use_tqdm=False)
+        return [_record(o) for o in outs]
+
+    common = dict(dtype=dtype, kv_cache_memory_gib=0.05, enable_prefix_caching=False, batch_invariant=True)
+    alone_llm = LLM(tiny_model_dir(arch), max_num_batched_tokens=512, **common)
+    alone = [run(alone_llm, [i])[0] for i in range(6)]
+    chunked = LLM(tiny_model_dir(arch), max_num_batched_tokens=16, long_prefill_token_threshold=16, **common)
+    assert run(chunked, list(range(6))) == alone
