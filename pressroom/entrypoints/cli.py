@@ -1,5 +1,5 @@
-"""`pressroom generate | chat | serve | train-drafter | bench`: every engine argument is a flag with vLLM's
-spelling, derived from its `EngineArgs` field; every flag's help shows its default and choices."""
+"""`pressroom generate | chat | serve | train-drafter | make-prompts | bench`: every engine argument is a
+flag with vLLM's spelling, derived from its `EngineArgs` field; every flag's help shows its default and choices."""
 from __future__ import annotations
 
 import time
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(_subparser(sub, "serve", "an OpenAI-compatible HTTP server", "%(prog)s [MODEL] [options]"))
     _add_train_drafter_args(_subparser(sub, "train-drafter",
                                        "distil a DFlash2 drafter from the target's own greedy generations"))
+
+    _add_make_prompts_args(_subparser(sub, "make-prompts",
+                                      "training prompts for a drafter, written by the target model itself"))
 
     bench = _subparser(sub, "bench", "benchmarks with vLLM's bench semantics", usage=None)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -234,6 +237,18 @@ def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
     add_engine_args(tr)
 
 
+def _add_make_prompts_args(mp: argparse.ArgumentParser) -> None:
+    data = mp.add_argument_group("prompts")
+    data.add_argument("--num-prompts", type=int, default=50000, help="distinct prompts to write")
+    data.add_argument("--output", required=True, help="JSONL file: {\"prompt\": ...} or {\"messages\": [...]}")
+    data.add_argument("--exclude", nargs="*", default=["benchmarks/data/chat_heldout.jsonl"],
+                      help="held-out prompt files: no prompt written is one of them or shares 8 words in a row "
+                           "(--seed picks the topics, wordings and samples)")
+    data.add_argument("--batch", type=int, default=1024, help="requests written per round")
+    data.add_argument("--max-tokens", type=int, default=96, help="tokens per written request")
+    add_engine_args(mp)
+
+
 def _peer_dtypes(value: str) -> str:
     bad = [d for d in value.split(",") if d.strip() not in ("float32", "bfloat16")]
     if bad:
@@ -282,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.time_limit and not args.work_dir:
                 raise ValueError("--time-limit needs --work-dir, where the paused run is kept.")
             return run_cli(args, engine_kwargs(args))
+        if args.command == "make-prompts":
+            from pressroom.spec_decode.prompts import run_cli as make_prompts
+            return make_prompts(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "gpu":
             from pressroom.benchmarks import gpu
             gpu.run(args)

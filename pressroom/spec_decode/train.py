@@ -497,8 +497,8 @@ def run_cli(args, engine_kwargs: dict) -> int:
     import json
 
     from pressroom import LLM
-    from pressroom.benchmarks.workload import read_prompt_texts
     from pressroom.spec_decode.dflash2 import save_drafter
+    from pressroom.spec_decode.prompts import read_training_prompts
     start = time.perf_counter()
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     # The runner hands features over on the synchronous path; every position must be computed.
@@ -506,11 +506,14 @@ def run_cli(args, engine_kwargs: dict) -> int:
     layers = _layers(args.target_layers, llm.engine.hf_config.num_hidden_layers)
 
     def recorded(path: str, limit: int | None, tag: str) -> list[Sequence]:
-        texts = read_prompt_texts(path)[:limit]
+        items = read_training_prompts(path)[:limit]
         if args.chat:
-            prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+            prompts = [llm.apply_chat_template([{"role": "user", "content": t}] if isinstance(t, str) else t)
+                       for t in items]
+        elif any(not isinstance(t, str) for t in items):
+            raise ValueError(f"{path} holds conversations: train on them with --chat.")
         else:
-            prompts = [llm.get_tokenizer().encode(t) for t in texts]
+            prompts = [llm.get_tokenizer().encode(t) for t in items]
         return record(llm, prompts, args.max_tokens, layers, args.record_batch, args.ignore_eos, args.work_dir,
                       tag, deadline)
 
