@@ -4,6 +4,7 @@ prompts the scheduler chunks at small token budgets; the default mode is shown t
 does not cover is refused by name."""
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import random_prompts
 
 from pressroom import LLM, SamplingParams
 from pressroom.config import EngineArgs
+from pressroom.entrypoints.cli import add_engine_args, engine_kwargs
 
 N = 10
 
@@ -82,6 +84,13 @@ def test_the_default_mode_differs_somewhere(tiny_model_dir, prompts, alone):
     differently, and it shows in the logprobs."""
     llm = _llm(tiny_model_dir("llama"), False, budget=16)
     assert _run(llm, prompts, list(range(N))) != alone
+
+
+def test_the_cli_flag_reaches_the_model_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--model", "m", "--device", "cpu", "--batch-invariant"]))
+    assert EngineArgs(**kwargs).create_engine_config().model.batch_invariant
 
 
 def test_vllm_env_var_turns_the_mode_on(monkeypatch):
