@@ -24,7 +24,7 @@ from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c")]
+_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c")]
 _HEADERS = [_CSRC / "common.h"]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
@@ -39,8 +39,13 @@ _SIGNATURES = {
 }
 _QUANT_SIGNATURES = {
     "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
-    "q8_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
     "decode_stack": [_P, _P, _I] + [_P] * 7 + [_F, _F, _T],
+    "ggml_quantize_q8_0": [_P] * 4 + [_I] * 2,
+    "ggml_quantize_q8_k": [_P] * 4 + [_I] * 2,
+    "ggml_q8_0_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
+    "ggml_q5_0_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
+    "ggml_k4_matmul_f32": [_P] * 8 + [_I] * 3 + [_T],
+    "ggml_q6_k_matmul_f32": [_P] * 6 + [_I] * 3 + [_T],
 }
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
 DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
@@ -166,16 +171,6 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     return out
 
 
-def q8_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: int8 [rows, cols];
-    d: fp32 [rows, cols // 32]."""
-    tokens, cols = x.shape
-    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
-    _library().q8_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(),
-                             tokens, qs.shape[0], cols, torch.get_num_threads())
-    return out
-
-
 def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
@@ -186,3 +181,47 @@ def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Te
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                             dims.data_ptr(), eps, scale, torch.get_num_threads())
     return x
+
+
+# --- GGML-quantized weights (ggml_ops.c): activations rounded per block as llama.cpp's CPU backend does ---
+
+
+def ggml_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [tokens, cols] fp32 -> (q int8 [tokens, cols], d fp32 [tokens, cols // block], sums int32): llama.cpp's
+    Q8_0 (block 32; sums per 32) or Q8_K (block 256; sums per 16) rounding of activations."""
+    x = x.float().contiguous()
+    tokens, cols = x.shape
+    q = torch.empty(tokens, cols, dtype=torch.int8)
+    d = torch.empty(tokens, cols // block, dtype=torch.float32)
+    sums = torch.empty(tokens, cols // 32 if block == 32 else cols // 16, dtype=torch.int32)
+    fn = _library().ggml_quantize_q8_0 if block == 32 else _library().ggml_quantize_q8_k
+    fn(q.data_ptr(), d.data_ptr(), sums.data_ptr(), x.data_ptr(), tokens, cols)
+    return q, d, sums
+
+
+def _ggml_call(name: str, x: torch.Tensor, rows: int, *weights: torch.Tensor | None) -> torch.Tensor:
+    """x: [tokens, cols] fp32 contiguous; weights: the layout's arrays (ggml_ops.c), contiguous."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, rows, dtype=torch.float32)
+    ptrs = [None if w is None else w.data_ptr() for w in weights]
+    getattr(_library(), name)(out.data_ptr(), x.data_ptr(), *ptrs, tokens, rows, cols, torch.get_num_threads())
+    return out
+
+
+def ggml_q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return _ggml_call("ggml_q8_0_matmul_f32", x, qs.shape[0], qs, d)
+
+
+def ggml_q5_0_matmul(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return _ggml_call("ggml_q5_0_matmul_f32", x, qs.shape[0], qs, qh, d)
+
+
+def ggml_k4_matmul(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, sc: torch.Tensor, mn: torch.Tensor,
+                   d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """Q4_K (qh None) or Q5_K."""
+    return _ggml_call("ggml_k4_matmul_f32", x, qs.shape[0], qs, qh, sc, mn, d, dmin)
+
+
+def ggml_q6_k_matmul(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, sc: torch.Tensor,
+                     d: torch.Tensor) -> torch.Tensor:
+    return _ggml_call("ggml_q6_k_matmul_f32", x, ql.shape[0], ql, qh, sc, d)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pressroom.model import gguf_quants
-from pressroom.model.layers.quant import Q4Weight, Q8Weight
+from pressroom.model.layers.quant import GgmlRows, KWeight, Q4Weight, Q5Weight, Q6KWeight, Q8Weight
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ def iter_gguf_weights(path: str, keep_4bit: bool = False, tally: ReadTally | Non
     Nothing is read until a weight loader loads it, and then only the rows and columns it narrowed to:
     quant blocks run along a row, so whole rows, and columns at block boundaries, slice cleanly; an
     expert of a stacked expert tensor is rows of it. With keep_4bit, Q4_0 / Q4_1 projection matrices load
-    as exact `Q4Weight`s instead, and a Q8_0 embedding or LM head as an exact `Q8Weight`.
+    as exact `Q4Weight`s instead, Q8_0, Q5_0, Q4_K, Q5_K and Q6_K ones in their GGML forms (`GgmlRows`), and a
+    Q8_0 embedding or LM head as an exact `Q8Weight`.
     """
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
@@ -202,6 +203,8 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
             form = "q8"
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
             form = "q4"
+        elif keep_4bit and info.ggml_type in _GGML_FORMS and hf_name.endswith("_proj.weight"):
+            form = "ggml"
         heads = _rotary_heads(hf_name, config) if file.spec.permuted_qk else 0
         shift = file.spec.norm_shift if hf_name.endswith("norm.weight") else 0.0
         stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads, shift=shift)
@@ -209,7 +212,15 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
 
 
 _Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
-_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head, tied to the embedding or not
+_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+_T = gguf.GGMLQuantizationType
+_GGML_FORMS = {  # raw rows -> the C kernels' layout
+    _T.Q8_0: lambda raw: Q8Weight(*gguf_quants.unpack_q8_0(raw)),
+    _T.Q5_0: lambda raw: Q5Weight(*gguf_quants.unpack_q5_0(raw)),
+    _T.Q4_K: lambda raw: KWeight(*gguf_quants.unpack_k4(raw, five=False)),
+    _T.Q5_K: lambda raw: KWeight(*gguf_quants.unpack_k4(raw, five=True)),
+    _T.Q6_K: lambda raw: Q6KWeight(*gguf_quants.unpack_q6_k(raw)),
+}  # the LM head, tied to the embedding or not
 
 
 def _lazy(stored: _StoredWeight, vector: bool = False) -> LazyWeight:
@@ -227,11 +238,11 @@ class _StoredWeight:
     rows: int
     cols: int
     first_row: int = 0  # of the stored tensor's rows: an expert's place in its stack
-    form: str = "dense"  # or "q4" (a Q4Weight), "q8" (a Q8Weight)
+    form: str = "dense"  # or "q4" (a Q4Weight), "q8" (a Q8Weight), "ggml" (its type's GgmlRows)
     heads: int = 0  # llama.cpp's rotary row order to undo within each of this many heads (0: none)
     shift: float = 0.0  # subtracted from a vector's values (Gemma's norms, stored as 1 + w)
 
-    def __call__(self, index: Index) -> torch.Tensor | Q4Weight | Q8Weight:
+    def __call__(self, index: Index) -> torch.Tensor | Q4Weight | GgmlRows:
         if len(index) == 1:  # a vector: one row of blocks (biases and norms; dense)
             ((c0, c1),) = index
             if self.heads:  # the permutation runs along the vector: undo it on the whole (small) vector
@@ -246,10 +257,10 @@ class _StoredWeight:
         if self.heads:
             heads = (stop - start) // period
             undo = lambda t: _undo_rotary_permute(t, heads)  # noqa: E731
-            part = part.map_rows(undo) if isinstance(part, Q4Weight) else undo(part)
+            part = part.map_rows(undo) if isinstance(part, (Q4Weight, GgmlRows)) else undo(part)
         return part if (start, stop) == (r0, r1) else part.narrow(0, r0 - start, r1 - r0)
 
-    def _decode(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | Q4Weight | Q8Weight:
+    def _decode(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | Q4Weight | GgmlRows:
         """Rows [r0, r1) and columns [c0, c1), from only the quant blocks that hold them."""
         block, type_size = gguf.GGML_QUANT_SIZES[self.info.ggml_type]
         b0, b1, row_blocks = c0 // block, -(-c1 // block), self.cols // block
@@ -263,20 +274,13 @@ class _StoredWeight:
         if self.form == "q4":
             part = _unpack_q4(raw, self.info.ggml_type)
         elif self.form == "q8":
-            part = _unpack_q8(raw)
+            part = Q8Weight(*gguf_quants.unpack_q8_0(raw))
+        elif self.form == "ggml":
+            part = _GGML_FORMS[self.info.ggml_type](raw)
         else:
             part = _dequantize(raw, self.file, self.info)
         skip, width = c0 - b0 * block, c1 - c0
         return part if (skip, width) == (0, part.shape[1]) else part.narrow(1, skip, width)
-
-
-def _unpack_q8(raw: np.ndarray) -> Q8Weight:
-    """Unpack Q8_0 blocks (f16 d, 32 signed bytes; raw: [rows, bytes]) without rounding."""
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
 
 
 def _unpack_q4(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> Q4Weight:

@@ -36,6 +36,43 @@ def unpack_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
 
 
+# --- the C kernels' layouts (kernels/csrc/ggml_ops.c): every bit of the blocks, fp16 scales widened to fp32 ---
+
+
+def unpack_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qs int8 [rows, cols], d [rows, cols // 32])."""
+    b = _blocks(raw, 34)
+    return b[:, 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1), _f16(b, 0).reshape(raw.shape[0], -1)
+
+
+def unpack_q5_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qs [rows, cols // 2], qh int32 [rows, cols // 32] (bit j: value j's fifth bit), d [rows, cols // 32])."""
+    b, rows = _blocks(raw, 22), raw.shape[0]
+    qh = b[:, 2:6].contiguous().view(torch.int32).reshape(rows, -1)
+    return b[:, 6:22].reshape(rows, -1).contiguous(), qh, _f16(b, 0).reshape(rows, -1)
+
+
+def unpack_k4(raw: np.ndarray, five: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor]:
+    """Q4_K (five False) or Q5_K rows as (qs [rows, cols // 2], qh [rows, cols // 8] or None, sc, mn uint8
+    [rows, cols // 32], d, dmin [rows, cols // 256])."""
+    rows = raw.shape[0]
+    b = _blocks(raw, 176 if five else 144)
+    sc, mn = _k_scales_u8(b[:, 4:16])
+    qh = b[:, 16:48].reshape(rows, -1).contiguous() if five else None
+    qs = b[:, 48:176] if five else b[:, 16:144]
+    return (qs.reshape(rows, -1).contiguous(), qh, sc.reshape(rows, -1).contiguous(), mn.reshape(rows, -1).contiguous(),
+            _f16(b, 0).reshape(rows, -1), _f16(b, 2).reshape(rows, -1))
+
+
+def unpack_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ql [rows, cols // 2], qh [rows, cols // 4], sc int8 [rows, cols // 16], d [rows, cols // 256])."""
+    rows, b = raw.shape[0], _blocks(raw, 210)
+    sc = b[:, 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    return (b[:, :128].reshape(rows, -1).contiguous(), b[:, 128:192].reshape(rows, -1).contiguous(), sc,
+            _f16(b, 208).reshape(rows, -1))
+
+
 def _blocks(raw: np.ndarray, type_size: int) -> torch.Tensor:
     # A read-only view of the mapped file is copied (its bytes only): torch wants memory it may write.
     raw = np.ascontiguousarray(raw) if raw.flags.writeable else raw.copy()
@@ -69,11 +106,16 @@ def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sc, m = _k_scales_u8(scales)
+    return sc.float(), m.float()
+
+
+def _k_scales_u8(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eight 6-bit scales and mins packed in a Q4_K / Q5_K block's 12 bytes (get_scale_min_k4)."""
     lo, mid, top = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat((lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)), dim=1)
     m = torch.cat((mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)), dim=1)
-    return sc.float(), m.float()
+    return sc, m
 
 
 def _q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

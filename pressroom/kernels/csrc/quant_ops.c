@@ -1,5 +1,5 @@
 /* Matrix products with weights kept as GGUF ships them, for decode-sized steps (a few tokens), as
- * llama.cpp computes them: the weights stream 4x (Q4) or 3.8x (Q8_0) fewer bytes than fp32, and
+ * llama.cpp computes them: the weights stream 4x fewer bytes than fp32, and
  * each block of 32 activations is rounded to int8 with its own scale (relative error under 1/254
  * of the block's largest value, about bf16's), so a block's dot product is integer arithmetic:
  * 32 multiply-adds in two instructions (one with VNNI).
@@ -9,7 +9,6 @@
  *                     nibble) and of the odd block (high), so one load and two masks unpack 64
  *                     weights; an odd last block has high nibbles 0. w = q * d + m, d and m fp32 per
  *                     block (Q4_0: m = -8 d). A row is q4_row_bytes(cols) bytes.
- *   Q8_0:             32 signed bytes; w = q * d.
  * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Rows are split between threads. */
 #include <math.h>
 #include <stdint.h>
@@ -173,79 +172,5 @@ void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t r = 0; r < rows; r++)
         q4_row(out + r, xq, qs + r * q4_row_bytes(cols), d + r * blocks, m + r * blocks, tokens, rows, cols);
-    free_qx(xq);
-}
-
-static void q8_row(float *out, struct qx x, const int8_t *qs, const float *d, int64_t tokens, int64_t rows,
-                   int64_t cols) {
-    const int64_t blocks = cols / QBLOCK;
-#ifdef __AVX2__
-    __m256 acc[MAX_TOKENS];
-    for (int64_t t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
-    if (tokens == 1) {
-        __m256 a = acc[0];
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK));
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QBLOCK));
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)));
-            a = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * x.scale[b]), a);
-        }
-        acc[0] = a;
-    } else for (int64_t b = 0; b < blocks; b++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + b * QBLOCK)), wabs = _mm256_sign_epi8(w, w);
-        for (int64_t t = 0; t < tokens; t++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + t * cols + b * QBLOCK));
-            /* unsigned x signed: |w| times x carrying w's sign */
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(wabs, _mm256_sign_epi8(xv, w)));
-            acc[t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * x.scale[t * blocks + b]), acc[t]);
-        }
-    }
-    for (int64_t t = 0; t < tokens; t++) out[t * rows] = hsum256(acc[t]);
-#else
-    for (int64_t t = 0; t < tokens; t++) {
-        float s = 0.f;
-        for (int64_t b = 0; b < blocks; b++) {
-            int dot = 0;
-            for (int j = 0; j < QBLOCK; j++) dot += qs[b * QBLOCK + j] * x.q[t * cols + b * QBLOCK + j];
-            s += (float)dot * d[b] * x.scale[t * blocks + b];
-        }
-        out[t * rows] = s;
-    }
-#endif
-}
-
-#ifdef __AVX2__
-static void q8_four_rows(float *out, struct qx x, const int8_t *qs, const float *d, int64_t cols) {
-    const int64_t blocks = cols / QBLOCK;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QBLOCK));
-        for (int i = 0; i < 4; i++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + i * cols + b * QBLOCK));
-            /* unsigned x signed: |w| times x carrying w's sign */
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < 4; i++) out[i] = hsum256(acc[i]);
-}
-#endif
-
-void q8_matmul_f32(float *out, const float *x, const int8_t *qs, const float *d, int64_t tokens, int64_t rows,
-                   int64_t cols, int threads) {
-    const int64_t blocks = cols / QBLOCK;
-    struct qx xq = quantize_tokens(x, tokens, cols);
-#ifdef __AVX2__
-    if (tokens == 1 && rows % 4 == 0) {
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t r = 0; r < rows; r += 4)
-            q8_four_rows(out + r, xq, qs + r * cols, d + r * blocks, cols);
-        free_qx(xq);
-        return;
-    }
-#endif
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t r = 0; r < rows; r++)
-        q8_row(out + r, xq, qs + r * cols, d + r * blocks, tokens, rows, cols);
     free_qx(xq);
 }

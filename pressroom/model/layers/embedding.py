@@ -9,7 +9,7 @@ from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_al
 from pressroom.kernels import batch_invariant as invariant
 from pressroom.kernels import cpu
 from pressroom.model.layers.linear import onednn_prepack
-from pressroom.model.layers.quant import INT4_MAX_ROWS, Q8Weight
+from pressroom.model.layers.quant import Q8Weight
 from pressroom.model.lazy_weight import materialize
 
 
@@ -32,8 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         start = min(self.vocab_start, loaded.shape[0])
         shard = materialize(loaded.narrow(0, start, min(self.shard_size, loaded.shape[0] - start)))
         if isinstance(shard, Q8Weight):
-            # The 8-bit form serves the LM head's decode-sized steps: this rank's rows of it, padded to the
-            # shard's size as the dense weight is (each vocabulary row is computed as one rank would).
+            # The 8-bit form serves the LM head (llama.cpp's arithmetic, every step): this rank's rows of it,
+            # padded to the shard's size as the dense weight is (each vocabulary row is computed as one rank would).
             self.q8 = self._pad_q8(shard) if cpu.available() else None
             shard = shard.dequantize()
         param.data[:shard.shape[0]].copy_(shard)
@@ -69,7 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:  # one path for any number of rows (the mode refuses tensor parallelism)
             return invariant.linear(hidden, self.weight, None, self.onednn)[..., :self.vocab_size]
-        if self.q8 is not None and hidden.numel() <= INT4_MAX_ROWS * hidden.shape[-1]:
+        if self.q8 is not None:
             logits = self.q8.matmul(hidden)
         elif self.onednn is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")

@@ -13,7 +13,16 @@ from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.kernels import batch_invariant as invariant
-from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix, PackedInt4, Q4Weight, pack_rows
+from pressroom.model.layers.quant import (
+    INT4_MAX_ROWS,
+    GgmlRows,
+    GgmlStack,
+    NibbleMatrix,
+    PackedInt4,
+    Q4Weight,
+    pack_ggml,
+    pack_rows,
+)
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import LinearMethod
 from pressroom.platforms.cpu import cpu_info
@@ -38,6 +47,8 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         self.q4_parts: list[tuple[int, Q4Weight]] = []
         self.int4: NibbleMatrix | PackedInt4 | None = None
+        self.ggml_parts: list[tuple[int, GgmlRows]] = []
+        self.ggml: GgmlRows | GgmlStack | None = None  # in place of the dense weight (GGUF, layers/quant.py)
         self.onednn: torch.Tensor | None = None
         self.quant_method: LinearMethod | None = None  # a quantization method's: it holds and applies the weight
 
@@ -49,6 +60,9 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
+        if self.ggml is not None:
+            y = self.ggml.matmul(x)
+            return y + self.bias if self.bias is not None else y
         if self._use_int4(x):
             y = self.int4.matmul(x)
             return y + self.bias if self.bias is not None else y
@@ -65,7 +79,7 @@ class LinearBase(nn.Module):
         """On the CPU: hold the weight in oneDNN's blocked layout, so no call re-lays it out (bf16: 27%
         faster at 32 rows; fp32 on an AVX2 EPYC: 10-30% faster than torch's BLAS, and the same bits for a
         row whatever the batch). The plain copy is dropped. A quantization method's weight is its own."""
-        if self.quant_method is not None or not onednn_prepack(self.weight):
+        if self.quant_method is not None or self.ggml is not None or not onednn_prepack(self.weight):
             return False
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -84,6 +98,11 @@ class LinearBase(nn.Module):
         loaded = materialize(loaded)
         if param is self.weight and self.quant_method is not None and self.quant_method.store_rows(self, row, loaded):
             return
+        if isinstance(loaded, GgmlRows):  # kept as shipped; no dense copy unless some rows come otherwise
+            if param is not self.weight:
+                raise ValueError("only weight matrices may come quantized.")
+            self.ggml_parts.append((row, loaded))
+            return
         if isinstance(loaded, Q4Weight):
             if param is not self.weight:
                 raise ValueError("only weight matrices may come in 4 bits.")
@@ -92,12 +111,26 @@ class LinearBase(nn.Module):
         _copy(param.data.narrow(0, row, loaded.shape[0]), loaded)
 
     def pack_int4(self) -> bool:
-        """After loading: also keep the 4-bit form, if every row came in 4 bits (decode-sized batches use it)."""
+        """After loading: also keep the 4-bit form, if every row came in 4 bits (decode-sized batches use it);
+        a matrix whose rows all came in GGML forms holds them instead of its dense weight."""
+        if self.ggml_parts:
+            return self._pack_ggml()
         parts, self.q4_parts = self.q4_parts, []
         if not parts or self.weight.device.type != "cpu":
             return False
         self.int4 = pack_rows(parts, self.weight.shape[0])
         return self.int4 is not None
+
+
+    def _pack_ggml(self) -> bool:
+        parts, self.ggml_parts = self.ggml_parts, []
+        self.ggml = pack_ggml(parts, self.weight.shape[0])
+        if self.ggml is None:  # some rows came dense: the quantized ones join them
+            for row, part in parts:
+                _copy(self.weight.data.narrow(0, row, part.shape[0]), part.dequantize())
+            return False
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return True
 
 
 class ColumnParallelLinear(LinearBase):
@@ -188,6 +221,8 @@ class RowParallelLinear(LinearBase):
         # Bias is added once, after the reduction.
         if self.quant_method is not None:
             y = self.quant_method.apply(self, x, None)
+        elif self.ggml is not None:
+            y = self.ggml.matmul(x)
         else:
             y = self.int4.matmul(x) if self._use_int4(x) else self._dense(x, None)
         if self.tp_size > 1:

@@ -1,4 +1,13 @@
-"""4-bit weights kept as shipped (GGUF Q4_0 / Q4_1), multiplied without dequantizing them.
+"""GGUF weights kept as shipped, multiplied without dequantizing them.
+
+Q4_0 / Q4_1 (`Q4Weight`, below) and the GGML forms of `GgmlRows` (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K: every bit of
+the checkpoint's blocks in the C kernels' layouts, kernels/csrc/ggml_ops.c).
+
+The GGML forms replace the layer's dense weight and serve every step, whatever its size: their kernels round
+the activations per block and take integer dot products exactly as llama.cpp's CPU backend does (Q8_0
+activations for Q8_0 / Q5_0, Q8_K for the K-quants), so a GGUF model computes llama.cpp's numbers, and at
+decode they stream 3.5-5x fewer bytes than fp32. Without a C compiler the torch reference
+(kernels/ggml.py) computes the same products.
 
 A Q4 block of 32 inputs is w = q * d + m (Q4_1; Q4_0 is m = -8 d): nothing is re-quantized. Linear
 layers always hold the dequantized weight; when every row of a matrix arrived in 4 bits they also
@@ -13,11 +22,12 @@ compiler is found, torch's int4 kernel (bf16 activations).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
-from pressroom.kernels import cpu
+from pressroom.kernels import cpu, ggml
 
 GROUP = 32
 INT4_MAX_ROWS = 8
@@ -50,30 +60,6 @@ class Q4Weight:
             raise ValueError("a 4-bit weight can only be split along its inputs at multiples of 32.")
         g0, gn = start // GROUP, length // GROUP
         return Q4Weight(self.q.narrow(1, start, length), self.scale.narrow(1, g0, gn), self.min.narrow(1, g0, gn))
-
-
-@dataclass(slots=True)
-class Q8Weight:
-    """GGUF Q8_0: w = q * d per block of 32 inputs (kept for the LM head, which a tied embedding shares)."""
-    q: torch.Tensor  # int8 [rows, cols]
-    scale: torch.Tensor  # float32 [rows, cols // GROUP]
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.repeat_interleave(GROUP, dim=1)
-
-    def narrow(self, dim: int, start: int, length: int) -> Q8Weight:
-        if dim == 0:
-            return Q8Weight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length))
-        if start % GROUP or length % GROUP:
-            raise ValueError("an 8-bit weight can only be split along its inputs at multiples of 32.")
-        return Q8Weight(self.q.narrow(1, start, length), self.scale.narrow(1, start // GROUP, length // GROUP))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _c_matmul(x, lambda flat: cpu.q8_matmul(flat, self.q, self.scale))
 
 
 def _c_matmul(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -149,3 +135,163 @@ def pack_rows(parts: list[tuple[int, Q4Weight]], rows: int) -> NibbleMatrix | Pa
     if cpu.available():
         return NibbleMatrix.pack(whole)
     return PackedInt4.pack(whole) if _torch_int4_available() else None
+
+
+# --- GGML forms --------------------------------------------------------------------------------------------
+
+
+class GgmlRows:
+    """A weight matrix as arrays of rows ([rows, ...] each; PER: how many columns one element of each covers),
+    narrowed along the inputs only at BLOCK boundaries. Subclasses are slotted dataclasses of those arrays."""
+    __slots__ = ()
+    BLOCK: ClassVar[int]
+    PER: ClassVar[tuple[int, ...]]  # per field, in order
+
+    def _arrays(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @property
+    def shape(self) -> torch.Size:
+        first = self._arrays()[0]
+        return torch.Size((first.shape[0], first.shape[1] * self.PER[0]))
+
+    def narrow(self, dim: int, start: int, length: int) -> GgmlRows:
+        if dim == 0:
+            return type(self)(*(None if a is None else a.narrow(0, start, length) for a in self._arrays()))
+        if start % self.BLOCK or length % self.BLOCK:
+            raise ValueError(f"a {type(self).__name__} can only be split along its inputs at multiples of "
+                             f"{self.BLOCK}.")
+        return type(self)(*(None if a is None else a.narrow(1, start // per, length // per)
+                            for a, per in zip(self._arrays(), self.PER)))
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GgmlRows:
+        """Apply a row permutation to every array."""
+        return type(self)(*(None if a is None else fn(a) for a in self._arrays()))
+
+    @classmethod
+    def cat(cls, parts: list[GgmlRows]) -> GgmlRows:
+        columns = zip(*(p._arrays() for p in parts))
+        return cls(*(None if c[0] is None else torch.cat(c).contiguous() for c in columns))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T as llama.cpp computes it (C kernel, or the torch reference without a compiler)."""
+        arrays = self._arrays()
+        if cpu.available():
+            return _c_matmul(x, lambda flat: self._kernel(flat, arrays))
+        return _c_matmul(x, lambda flat: self._reference(flat, arrays))
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _kernel(x: torch.Tensor, arrays: list) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _reference(x: torch.Tensor, arrays: list) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _per_block(scale: torch.Tensor, width: int) -> torch.Tensor:
+    return scale.repeat_interleave(width, dim=1)
+
+
+@dataclass(slots=True)
+class Q8Weight(GgmlRows):
+    """GGUF Q8_0: w = q * d per block of 32 inputs."""
+    q: torch.Tensor  # int8 [rows, cols]
+    scale: torch.Tensor  # float32 [rows, cols // 32]
+    BLOCK: ClassVar[int] = 32
+    PER: ClassVar[tuple[int, ...]] = (1, 32)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * _per_block(self.scale, 32)
+
+    _kernel = staticmethod(lambda x, a: cpu.ggml_q8_0_matmul(x, *a))
+    _reference = staticmethod(lambda x, a: ggml.q8_0_matmul(x, *a))
+
+
+@dataclass(slots=True)
+class Q5Weight(GgmlRows):
+    """GGUF Q5_0: w = (u - 16) * d per block of 32, u's low nibbles in qs, fifth bits in qh."""
+    qs: torch.Tensor  # uint8 [rows, cols // 2]
+    qh: torch.Tensor  # int32 [rows, cols // 32]
+    scale: torch.Tensor  # float32 [rows, cols // 32]
+    BLOCK: ClassVar[int] = 32
+    PER: ClassVar[tuple[int, ...]] = (2, 32, 32)
+
+    def dequantize(self) -> torch.Tensor:
+        return (ggml.q5_0_values(self.qs, self.qh).float() - 16) * _per_block(self.scale, 32)
+
+    _kernel = staticmethod(lambda x, a: cpu.ggml_q5_0_matmul(x, *a))
+    _reference = staticmethod(lambda x, a: ggml.q5_0_matmul(x, *a))
+
+
+@dataclass(slots=True)
+class KWeight(GgmlRows):
+    """GGUF Q4_K (qh None) or Q5_K: per sub-block j of 32, w = (d sc_j) u - (dmin mn_j)."""
+    qs: torch.Tensor  # uint8 [rows, cols // 2]
+    qh: torch.Tensor | None  # uint8 [rows, cols // 8]: Q5_K's fifth bits
+    sc: torch.Tensor  # uint8 [rows, cols // 32]
+    mn: torch.Tensor  # uint8 [rows, cols // 32]
+    d: torch.Tensor  # float32 [rows, cols // 256]
+    dmin: torch.Tensor  # float32 [rows, cols // 256]
+    BLOCK: ClassVar[int] = 256
+    PER: ClassVar[tuple[int, ...]] = (2, 8, 32, 32, 256, 256)
+
+    def dequantize(self) -> torch.Tensor:
+        u = ggml.k4_values(self.qs, self.qh).float()
+        scale = _per_block(self.d, 8) * self.sc.float()
+        low = -(_per_block(self.dmin, 8) * self.mn.float())
+        return u * _per_block(scale, 32) + _per_block(low, 32)
+
+    _kernel = staticmethod(lambda x, a: cpu.ggml_k4_matmul(x, *a))
+    _reference = staticmethod(lambda x, a: ggml.k4_matmul(x, *a))
+
+
+@dataclass(slots=True)
+class Q6KWeight(GgmlRows):
+    """GGUF Q6_K: per sub-block j of 16, w = (d sc_j) (u - 32)."""
+    ql: torch.Tensor  # uint8 [rows, cols // 2]
+    qh: torch.Tensor  # uint8 [rows, cols // 4]
+    sc: torch.Tensor  # int8 [rows, cols // 16]
+    d: torch.Tensor  # float32 [rows, cols // 256]
+    BLOCK: ClassVar[int] = 256
+    PER: ClassVar[tuple[int, ...]] = (2, 4, 16, 256)
+
+    def dequantize(self) -> torch.Tensor:
+        scale = _per_block(self.d, 16) * self.sc.float()
+        return _per_block(scale, 16) * (ggml.q6_k_values(self.ql, self.qh).float() - 32)
+
+    _kernel = staticmethod(lambda x, a: cpu.ggml_q6_k_matmul(x, *a))
+    _reference = staticmethod(lambda x, a: ggml.q6_k_matmul(x, *a))
+
+
+@dataclass(slots=True)
+class GgmlStack:
+    """A stacked matrix (qkv, gate_up) whose parts came in different GGML types: one product per run of rows
+    of one type, concatenated."""
+    parts: list[GgmlRows]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def pack_ggml(parts: list[tuple[int, GgmlRows]], rows: int) -> GgmlRows | GgmlStack | None:
+    """The matrix from its parts (row offset, weight), runs of one type joined; None unless they cover every row
+    exactly once."""
+    ordered = sorted(parts, key=lambda p: p[0])
+    starts = [0] + [offset + part.shape[0] for offset, part in ordered]
+    if [offset for offset, _ in ordered] != starts[:-1] or starts[-1] != rows:
+        return None
+    runs: list[list[GgmlRows]] = []
+    for _, part in ordered:
+        if runs and type(runs[-1][0]) is type(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    joined = [type(run[0]).cat(run) for run in runs]
+    return joined[0] if len(joined) == 1 else GgmlStack(joined)

@@ -1,0 +1,50 @@
+"""llama.cpp's greedy tokens for raw prompts (the oracle of tests/model/test_gemma3_llama_cpp.py), as JSON.
+
+Run with a llama venv's interpreter (benchmarks/llama_cpp/setup.sh makes it):
+
+    .llama-venv-native/bin/python benchmarks/llama_cpp/greedy_oracle.py --model FILE.gguf \\
+        --prompts prompts.json --tokens 64 --output oracle.json
+
+prompts.json: a list of strings, tokenized with BOS (llama.cpp's tokenizer; the test checks pressroom's agrees).
+Output: per prompt, its token ids, llama.cpp's greedy tokens (it does not stop at EOS), and at each generated
+position the top 5 (token, log-probability) of llama.cpp's own logits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+TOP = 5
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--output", required=True)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    args = p.parse_args()
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(args.model, n_ctx=512, n_threads=args.threads, logits_all=True, verbose=False, seed=0)
+    results = []
+    for prompt in json.load(open(args.prompts)):
+        ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        tokens = []
+        for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if len(tokens) == args.tokens:
+                break
+        logits = np.array(llm.scores[len(ids) - 1:len(ids) - 1 + args.tokens], dtype=np.float64)
+        logprobs = logits - logits.max(-1, keepdims=True)
+        logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+        top = np.argsort(-logprobs, axis=-1)[:, :TOP]
+        results.append({"prompt": prompt, "prompt_ids": [int(i) for i in ids], "tokens": tokens,
+                        "top": [[[int(t), float(row[t])] for t in idx] for idx, row in zip(top, logprobs)]})
+    json.dump({"llama_cpp_python": llama_cpp.__version__, "results": results}, open(args.output, "w"))
+
+
+if __name__ == "__main__":
+    main()

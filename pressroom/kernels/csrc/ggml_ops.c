@@ -1,0 +1,382 @@
+/* Matrix products with GGML-quantized weights (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K), computed as llama.cpp's CPU
+ * backend computes them, so that a GGUF model follows llama.cpp's numbers and not only the dequantized
+ * weights': the activations are rounded per block first and each block's dot product is integer arithmetic.
+ *
+ *   Q8_0, Q5_0 weights meet Q8_0 activations: per 32 values, d = fp16(max|x| / 127), q = rint(x * 127 / max|x|).
+ *   K-quant weights meet Q8_K activations: per 256 values, iscale = -127 / (the value of largest magnitude),
+ *   q = rint(iscale * x), d = 1 / iscale (fp32), with the sums of q per 16 (llama.cpp's bsums).
+ *
+ * Weight layouts (row-major, one row per output; pressroom/model/layers/quant.py builds them from GGUF blocks,
+ * keeping every bit and adding only fp32 scales in place of fp16 ones):
+ *   Q8_0: qs int8 [cols]; d fp32 [cols / 32].                       w = q * d
+ *   Q5_0: qs [cols / 2] (per block, 16 bytes: value j low nibble, j + 16 high), qh uint32 [cols / 32]
+ *         (bit j: value j's fifth bit), d fp32 [cols / 32].          w = (u - 16) * d, u in 0..31
+ *   Q4_K, Q5_K: qs [cols / 2] (per 256, four runs of 32 bytes: sub-block 2i low nibbles, 2i + 1 high),
+ *         Q5_K's qh [cols / 8] (per 256, 32 bytes: bit i of byte l, value l of sub-block i's fifth bit),
+ *         sc, mn uint8 [cols / 32] (6-bit), d, dmin fp32 [cols / 256].   w = d * sc * u - dmin * mn
+ *   Q6_K: ql [cols / 2], qh [cols / 4] (GGUF's 6-bit layout), sc int8 [cols / 16], d fp32 [cols / 256].
+ *         w = d * sc * (u - 32), u in 0..63
+ * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Rows are split between threads. AVX2 code (VNNI's dot
+ * where the target has it), plain C elsewhere; both compute the same integer sums. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define QK_K 256
+
+/* f rounded to the nearest fp16 value (ties to even), as a float: llama.cpp stores Q8_0 scales in fp16. */
+static float round_to_f16(float f) {
+    const float a = fabsf(f);
+    if (a >= 65520.f) return copysignf(INFINITY, f);
+    if (a < 6.103515625e-05f) return copysignf(rintf(a * 16777216.f) / 16777216.f, f);  /* subnormal: 2^-24 steps */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0xFFFu + ((u >> 13) & 1u);
+    u &= ~0x1FFFu;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+struct acts {  /* one step's activations, rounded per block */
+    int8_t *q;
+    float *d;     /* per block (32 or 256 values) */
+    int32_t *sum; /* sums of q: per 32 (Q8_0) or per 16 (Q8_K) */
+};
+
+static void free_acts(struct acts a) { free(a.q); free(a.d); free(a.sum); }
+
+static void q8_0_row(int8_t *q, float *d, int32_t *sum, const float *x, int64_t cols) {
+    for (int64_t b = 0; b < cols / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        int s = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)rintf(xb[i] * id);
+            q[b * QK + i] = (int8_t)v;
+            s += v;
+        }
+        d[b] = round_to_f16(amax / 127.f);
+        sum[b] = s;
+    }
+}
+
+static void q8_k_row(int8_t *q, float *d, int32_t *sum, const float *x, int64_t cols) {
+    for (int64_t b = 0; b < cols / QK_K; b++) {
+        const float *xb = x + b * QK_K;
+        int8_t *qb = q + b * QK_K;
+        float amax = 0.f, max = 0.f;
+        for (int i = 0; i < QK_K; i++)
+            if (fabsf(xb[i]) > amax) { amax = fabsf(xb[i]); max = xb[i]; }
+        const float iscale = amax != 0.f ? -127.f / max : 0.f;
+        for (int i = 0; i < QK_K; i++) {
+            const int v = (int)rintf(iscale * xb[i]);
+            qb[i] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < QK_K / 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qb[j * 16 + i];
+            sum[b * (QK_K / 16) + j] = s;
+        }
+        d[b] = amax != 0.f ? 1.f / iscale : 0.f;
+    }
+}
+
+/* block: 32 (Q8_0) or 256 (Q8_K); tokens are rounded in parallel. */
+static struct acts quantize(const float *x, int64_t tokens, int64_t cols, int block, int threads) {
+    const int64_t blocks = cols / block, sums = block == QK ? blocks : cols / 16;
+    struct acts a = {malloc(tokens * cols + 64), malloc(sizeof(float) * tokens * blocks),
+                     malloc(sizeof(int32_t) * tokens * sums)};
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(tokens > 1)")
+    for (int64_t t = 0; t < tokens; t++) {
+        if (block == QK) q8_0_row(a.q + t * cols, a.d + t * blocks, a.sum + t * sums, x + t * cols, cols);
+        else q8_k_row(a.q + t * cols, a.d + t * blocks, a.sum + t * sums, x + t * cols, cols);
+    }
+    return a;
+}
+
+void ggml_quantize_q8_0(int8_t *q, float *d, int32_t *sum, const float *x, int64_t tokens, int64_t cols) {
+    for (int64_t t = 0; t < tokens; t++)
+        q8_0_row(q + t * cols, d + t * (cols / QK), sum + t * (cols / QK), x + t * cols, cols);
+}
+
+void ggml_quantize_q8_k(int8_t *q, float *d, int32_t *sum, const float *x, int64_t tokens, int64_t cols) {
+    for (int64_t t = 0; t < tokens; t++)
+        q8_k_row(q + t * cols, d + t * (cols / QK_K), sum + t * (cols / 16), x + t * cols, cols);
+}
+
+#ifdef __AVX2__
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* 8 partial sums of u[i] * s[i] over 32 unsigned x signed bytes (no overflow for u < 128). */
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m256i nibbles_low(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
+static inline __m256i nibbles_high(__m256i raw) {
+    return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+}
+
+/* byte i is 0xFF where bit i of `bits` is set, else 0 */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i sel = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(b, sel), sel);
+}
+#endif
+
+/* ---- Q8_0 weights x Q8_0 activations ------------------------------------------------------------------- */
+
+static float q8_0_dot(const int8_t *w, const float *d, const int8_t *xq, const float *xd, int64_t blocks) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i wv = load256(w + b * QK), xv = load256(xq + b * QK);
+        /* unsigned x signed: |w| times x carrying w's sign */
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
+        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xd[b]), acc);
+    }
+    return hsum_ps(acc);
+#else
+    float s = 0.f;
+    for (int64_t b = 0; b < blocks; b++) {
+        int dot = 0;
+        for (int i = 0; i < QK; i++) dot += w[b * QK + i] * xq[b * QK + i];
+        s += (float)dot * (d[b] * xd[b]);
+    }
+    return s;
+#endif
+}
+
+#ifdef __AVX2__
+/* One token, four rows: each activation block is loaded once for four weight blocks, and the four
+ * accumulators are independent chains (this is the LM head's loop: 262144 rows for Gemma 3). */
+static void q8_0_four_rows(float *out, const int8_t *w, const float *d, const int8_t *xq, const float *xd,
+                           int64_t cols) {
+    const int64_t blocks = cols / QK;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i xv = load256(xq + b * QK);
+        for (int i = 0; i < 4; i++) {
+            const __m256i wv = load256(w + i * cols + b * QK);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[i * blocks + b] * xd[b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = hsum_ps(acc[i]);
+}
+#endif
+
+void ggml_q8_0_matmul_f32(float *out, const float *x, const int8_t *qs, const float *d, int64_t tokens,
+                          int64_t rows, int64_t cols, int threads) {
+    const int64_t blocks = cols / QK;
+    const struct acts a = quantize(x, tokens, cols, QK, threads);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        for (int64_t t = 0; t < tokens; t++) {
+            const int8_t *xq = a.q + t * cols;
+            const float *xd = a.d + t * blocks;
+#ifdef __AVX2__
+            if (r0 + 4 <= rows) {
+                float four[4];
+                q8_0_four_rows(four, qs + r0 * cols, d + r0 * blocks, xq, xd, cols);
+                for (int i = 0; i < 4; i++) out[t * rows + r0 + i] = four[i];
+                continue;
+            }
+#endif
+            for (int64_t r = r0; r < rows && r < r0 + 4; r++)
+                out[t * rows + r] = q8_0_dot(qs + r * cols, d + r * blocks, xq, xd, blocks);
+        }
+    }
+    free_acts(a);
+}
+
+/* ---- Q5_0 weights x Q8_0 activations: sum((u - 16) x) = sum(u x) - 16 sum(x) -------------------------- */
+
+static float q5_0_dot(const uint8_t *qs, const uint32_t *qh, const float *d, const int8_t *xq, const float *xd,
+                      const int32_t *xs, int64_t blocks) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        __m256i u = _mm256_set_m128i(hi, lo);
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh[b]), _mm256_set1_epi8(0x10)));
+        const __m256i dot = _mm256_sub_epi32(dot_u8_i8(u, load256(xq + b * QK)),
+                                             _mm256_set1_epi32(2 * xs[b]));  /* 16 sum(x) over 8 lanes */
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b] * xd[b]), acc);
+    }
+    return hsum_ps(acc);
+#else
+    float s = 0.f;
+    for (int64_t b = 0; b < blocks; b++) {
+        int dot = 0;
+        for (int i = 0; i < QK; i++) {
+            const int nib = i < 16 ? qs[b * 16 + i] & 15 : qs[b * 16 + i - 16] >> 4;
+            dot += (nib | (int)((qh[b] >> i) & 1u) << 4) * xq[b * QK + i];
+        }
+        s += (float)(dot - 16 * xs[b]) * (d[b] * xd[b]);
+    }
+    return s;
+#endif
+}
+
+void ggml_q5_0_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint32_t *qh, const float *d,
+                          int64_t tokens, int64_t rows, int64_t cols, int threads) {
+    const int64_t blocks = cols / QK;
+    const struct acts a = quantize(x, tokens, cols, QK, threads);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < tokens; t++)
+            out[t * rows + r] = q5_0_dot(qs + r * blocks * 16, qh + r * blocks, d + r * blocks, a.q + t * cols,
+                                         a.d + t * blocks, a.sum + t * blocks, blocks);
+    free_acts(a);
+}
+
+/* ---- Q4_K / Q5_K weights x Q8_K activations ------------------------------------------------------------
+ * Per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j), dot_j over sub-block j's 32 values. */
+
+static float k4_dot(const uint8_t *qs, const uint8_t *qh, const uint8_t *sc, const uint8_t *mn, const float *d,
+                    const float *dmin, const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers) {
+    float s = 0.f;
+    for (int64_t k = 0; k < supers; k++) {
+        const uint8_t *q = qs + k * 128, *h = qh ? qh + k * 32 : NULL, *scale = sc + k * 8, *low = mn + k * 8;
+        const int8_t *x = xq + k * QK_K;
+        const int32_t *bs = xs + k * 16;
+        int mins = 0;
+        for (int j = 0; j < 8; j++) mins += low[j] * (bs[2 * j] + bs[2 * j + 1]);
+#ifdef __AVX2__
+        __m256i isum = _mm256_setzero_si256();
+        const __m256i hv = h ? load256(h) : _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i raw = load256(q + p * 32);
+            __m256i u0 = nibbles_low(raw), u1 = nibbles_high(raw);
+            if (h) {  /* fifth bits: bit 2p and 2p + 1 of each qh byte */
+                const __m256i one = _mm256_set1_epi8(1);
+                u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p), one), 4));
+                u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p + 1), one), 4));
+            }
+            const __m256i d0 = _mm256_mullo_epi32(dot_u8_i8(u0, load256(x + 64 * p)), _mm256_set1_epi32(scale[2 * p]));
+            const __m256i d1 = _mm256_mullo_epi32(dot_u8_i8(u1, load256(x + 64 * p + 32)),
+                                                  _mm256_set1_epi32(scale[2 * p + 1]));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(d0, d1));
+        }
+        const int sum = hsum_epi32(isum);
+#else
+        int sum = 0;
+        for (int j = 0; j < 8; j++) {
+            int dot = 0;
+            for (int l = 0; l < 32; l++) {
+                const uint8_t byte = q[j / 2 * 32 + l];
+                int u = j % 2 ? byte >> 4 : byte & 15;
+                if (h) u |= ((h[l] >> j) & 1) << 4;
+                dot += u * x[j * 32 + l];
+            }
+            sum += scale[j] * dot;
+        }
+#endif
+        s += xd[k] * (d[k] * (float)sum - dmin[k] * (float)mins);
+    }
+    return s;
+}
+
+void ggml_k4_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint8_t *qh, const uint8_t *sc,
+                        const uint8_t *mn, const float *d, const float *dmin, int64_t tokens, int64_t rows,
+                        int64_t cols, int threads) {
+    const int64_t supers = cols / QK_K;
+    const struct acts a = quantize(x, tokens, cols, QK_K, threads);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < tokens; t++)
+            out[t * rows + r] = k4_dot(qs + r * cols / 2, qh ? qh + r * cols / 8 : NULL, sc + r * cols / 32,
+                                       mn + r * cols / 32, d + r * supers, dmin + r * supers, a.q + t * cols,
+                                       a.d + t * supers, a.sum + t * cols / 16, supers);
+    free_acts(a);
+}
+
+/* ---- Q6_K weights x Q8_K activations: per 256, d_x d sum_j sc_j (sum(u x) - 32 xsum_j) over 16 runs of 16 ---- */
+
+static float q6_k_dot(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const int8_t *xq,
+                      const float *xd, const int32_t *xs, int64_t supers) {
+    float s = 0.f;
+    for (int64_t k = 0; k < supers; k++) {
+        const int8_t *scale = sc + k * 16, *x = xq + k * QK_K;
+        const int32_t *bs = xs + k * 16;
+        int offset = 0;
+        for (int j = 0; j < 16; j++) offset += scale[j] * bs[j];
+#ifdef __AVX2__
+        __m256i isum = _mm256_setzero_si256();
+        const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *l = ql + k * 128 + half * 64, *h = qh + k * 64 + half * 32;
+            const __m256i l0 = load256(l), l1 = load256(l + 32), hv = load256(h);
+            const __m256i u[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, mask4), _mm256_slli_epi16(_mm256_and_si256(hv, mask2), 4)),
+                _mm256_or_si256(_mm256_and_si256(l1, mask4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), mask2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), mask2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), mask2), 4)),
+            };
+            for (int c = 0; c < 4; c++) {  /* 32 values: sub-blocks 2c and 2c + 1 of this half, 4 lanes each */
+                const int j = half * 8 + 2 * c;
+                const __m256i scales = _mm256_set_m128i(_mm_set1_epi32(scale[j + 1]), _mm_set1_epi32(scale[j]));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot_u8_i8(u[c], load256(x + half * 128 + c * 32)),
+                                                                 scales));
+            }
+        }
+        const int sum = hsum_epi32(isum);
+#else
+        int sum = 0;
+        for (int i = 0; i < QK_K; i++) {
+            const int half = i / 128, r = i % 128, c = r / 32, l = r % 32;
+            const uint8_t lb = ql[k * 128 + half * 64 + (c % 2) * 32 + l], hb = qh[k * 64 + half * 32 + l];
+            const int u = (c < 2 ? lb & 15 : lb >> 4) | ((hb >> (2 * c)) & 3) << 4;
+            sum += scale[i / 16] * u * x[i];
+        }
+#endif
+        s += xd[k] * d[k] * (float)(sum - 32 * offset);
+    }
+    return s;
+}
+
+void ggml_q6_k_matmul_f32(float *out, const float *x, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
+                          const float *d, int64_t tokens, int64_t rows, int64_t cols, int threads) {
+    const int64_t supers = cols / QK_K;
+    const struct acts a = quantize(x, tokens, cols, QK_K, threads);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < tokens; t++)
+            out[t * rows + r] = q6_k_dot(ql + r * cols / 2, qh + r * cols / 4, sc + r * cols / 16, d + r * supers,
+                                         a.q + t * cols, a.d + t * supers, a.sum + t * cols / 16, supers);
+    free_acts(a);
+}
