@@ -82,10 +82,12 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; kv_cache: [2, blocks, block_size, kv_heads, dim].
         Writes k, v into the cache at `meta.slot_mapping`, returns [tokens, heads, dim]. `window`: a query at
-        position p attends to keys at positions p - window + 1 .. p only (None: all up to p)."""
+        position p attends to keys at positions p - window + 1 .. p only (None: all up to p). `sinks` [heads]
+        (gpt-oss): one more logit per head in each softmax's denominator, with no value (None: none)."""
         ...
 
 

@@ -97,7 +97,8 @@ class TorchAttentionBackend:
     batch_invariant = False  # only CpuAttentionBackend offers the mode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.plan is None:
             meta.plan = _plan(meta, self.batch_invariant)
@@ -106,9 +107,9 @@ class TorchAttentionBackend:
         if plan.num_rows:
             v_dim = v.shape[-1]
             if plan.rows is None:
-                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim, window)
+                out[:plan.num_rows] = self._decode(q[:plan.num_rows], kv_cache, plan, scale, v_dim, window, sinks)
             else:
-                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim, window)
+                out[plan.rows] = self._decode(q[plan.rows], kv_cache, plan, scale, v_dim, window, sinks)
         loc, lens = meta.query_start_loc, meta.seq_lens_host
         chunks = plan.chunks
         c = 0
@@ -118,26 +119,27 @@ class TorchAttentionBackend:
             run = j - i
             if run > 1 and chunks[c:c + run] == list(range(i, j)):  # equal-length prompts, nothing cached
                 start, end = loc[i], loc[j]
-                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale, window)
+                out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale, window,
+                                                   sinks)
                 c += run
                 continue
             start, end = loc[i], loc[i + 1]
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta.block_tables[i], lens[i], scale, window)
+                                           meta.block_tables[i], lens[i], scale, window, sinks)
             c += 1
         return out
 
-    def _fresh_batch(self, q, k, v, count: int, scale: float, window: int | None) -> torch.Tensor:
+    def _fresh_batch(self, q, k, v, count: int, scale: float, window: int | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         def heads_first(x):
             return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
         n = q.shape[0] // count
         mask = _causal_mask(n, n, window)
-        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        o = attend(heads_first(q), heads_first(k), heads_first(v), mask, mask is None, scale, sinks)
         return o.transpose(1, 2).flatten(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                v_dim: int, window: int | None = None) -> torch.Tensor:
+                v_dim: int, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """All single-token rows at once over their padded, masked contexts."""
         n = plan.num_rows
         block_size, heads, dim = kv_cache.shape[2:]
@@ -155,11 +157,10 @@ class TorchAttentionBackend:
             mask = seen if mask is None else mask & seen
         if mask is not None:
             mask = mask[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        return attend(q.unsqueeze(2), k, v, mask, False, scale, sinks).squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One chunk of one prompt: causal over the chunk, full over its cached prefix (both cut to the
         window, if any)."""
         n = q.shape[0]
@@ -168,9 +169,27 @@ class TorchAttentionBackend:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        return attend(q.transpose(0, 1), keys, values, mask, mask is None, scale, sinks).transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over [..., heads, n, dim] queries and [..., kv_heads, length, dim] keys and values; `mask` (bool,
+    broadcast to [..., heads, n, length]) or, where None, causal (`causal`) or nothing hidden. `sinks` [heads]
+    (gpt-oss): a logit per head that joins each softmax's denominator and adds nothing to the output, written
+    as one more key every query sees, with a zero value, its logit the sink (an additive mask column)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=True)
+    n, length = q.shape[-2], k.shape[-2]
+    if mask is None:  # causal over fresh keys (n == length), or every key visible
+        full = torch.ones(n, length, dtype=torch.bool)
+        mask = full.tril() if causal else full
+    logits = torch.zeros((), dtype=q.dtype).expand(*q.shape[:-1], length).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(q.dtype).view(-1, 1, 1).expand(*q.shape[:-1], 1)
+    pad = (0, 0, 0, 1)  # the sink's key and value: zeros
+    return F.scaled_dot_product_attention(q, F.pad(k, pad), F.pad(v, pad), attn_mask=torch.cat((logits, sink), -1),
+                                          scale=scale, enable_gqa=True)
 
 
 def _causal_mask(n: int, seq_len: int, window: int | None) -> torch.Tensor | None:
@@ -196,14 +215,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.batch_invariant = batch_invariant
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                v_dim: int, window: int | None = None) -> torch.Tensor:
-        if self.batch_invariant and (kv_cache.shape[0] == 1 or window is not None):
-            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA) or "
-                             "sliding-window attention yet.")
+                v_dim: int, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant and (kv_cache.shape[0] == 1 or window is not None or sinks is not None):
+            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA), "
+                             "sliding-window attention or attention sinks yet.")
         # A latent cache has keys and values of different widths in one plane; the C kernel reads every key
-        # up to each row's length, so a window that hides some goes to the masked torch path.
-        if kv_cache.shape[0] == 1 or window is not None and plan.max_len > window:
-            return super()._decode(q, kv_cache, plan, scale, v_dim, window)
+        # up to each row's length (a window that hides some goes to the masked torch path) and knows no sinks.
+        if kv_cache.shape[0] == 1 or window is not None and plan.max_len > window or sinks is not None:
+            return super()._decode(q, kv_cache, plan, scale, v_dim, window, sinks)
         out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
         return out.to(q.dtype)
 

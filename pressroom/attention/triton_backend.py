@@ -72,13 +72,14 @@ class TritonAttentionBackend:
         return TritonMetadataBuilder(device, num_kv_heads, max_blocks_per_seq, self.batch_invariant)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        if window is not None:
-            raise ValueError("sliding-window attention (Gemma 3's local layers) runs on the CPU backend only so "
-                             "far: the Triton kernels do not mask by window yet; use --device cpu.")
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
-        if latent and self.batch_invariant:
-            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA) yet.")
+        if latent and (window is not None or sinks is not None):
+            raise ValueError("multi-head latent attention (MLA) takes no sliding window or attention sinks.")
+        if self.batch_invariant and (latent or window is not None or sinks is not None):
+            raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA), sliding-window "
+                             "attention or attention sinks yet.")
         write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if latent:
@@ -88,7 +89,7 @@ class TritonAttentionBackend:
         else:
             def attend(q, tables, lens, starts, max_query_len, out, splits=1):
                 return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits,
-                                       self.batch_invariant)
+                                       self.batch_invariant, window, sinks)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc_device
         decodes = meta.num_decodes
         if meta.max_query_len == 1 or not 0 < decodes < tables.shape[0]:

@@ -79,10 +79,11 @@ def _query_rows(q_start, q_len, q_block, kv_head, GROUP: tl.constexpr, GROUP_PAD
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_off, d_ok, scale_log2,
+def _attend_tile(q, m, l, acc, start, hi, row_lim, window, table, k_ptr, v_ptr, cache_off, d_ok, scale_log2,
                  stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step over context positions [start, start + TILE_N)."""
+                 SLIDING: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over context positions [start, start + TILE_N); SLIDING: a row sees positions
+    [row_lim - window, row_lim) only."""
     pos = start + tl.arange(0, TILE_N)
     if MASKED:
         in_ctx = pos < hi
@@ -97,7 +98,10 @@ def _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_of
     v = tl.load(v_ptr + ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # zeros, not stale cache (0 * nan is nan)
     qk = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
     if MASKED:
-        qk = tl.where(pos[None, :] < row_lim[:, None], qk, float("-inf"))
+        seen = pos[None, :] < row_lim[:, None]
+        if SLIDING:
+            seen = seen & (pos[None, :] >= row_lim[:, None] - window)
+        qk = tl.where(seen, qk, float("-inf"))
     return _softmax_step(qk, v, m, l, acc, UPCAST, PRECISION)
 
 
@@ -122,13 +126,14 @@ def _softmax_step(qk, v, m, l, acc, UPCAST: tl.constexpr, PRECISION: tl.constexp
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-        part_out_ptr, part_max_ptr, part_sum_ptr,
-        num_reqs, blocks_per_req, scale_log2,
+        part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
+        num_reqs, blocks_per_req, scale_log2, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         MIN_TILES: tl.constexpr, DIRECT: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr,
-        PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr, ALL_MASKED: tl.constexpr):
+        PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr, ALL_MASKED: tl.constexpr, SLIDING: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,6 +166,10 @@ def _paged_attention_kernel(
     full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
     if ALL_MASKED:  # which tiles skip the mask depends on the tile's first query: one code path for all
         full_end = lo
+    if SLIDING:  # start at the tile holding the first key any row sees; every tile masked (a window's edge moves
+        # with the row, so a tile can be cut for some rows and not others)
+        lo = tl.maximum(lo, tl.maximum(prefix + first_q + 1 - window, 0) // TILE_N * TILE_N)
+        full_end = lo
     row_lim = prefix + q_idx + 1  # hi needs no say: it never cuts between a real row and what it sees
 
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -169,13 +178,21 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for start in range(lo, full_end, TILE_N):
-        m, l, acc = _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_off, d_ok,
-                                 scale_log2, stride_cb, stride_cs, BLOCK_SIZE, TILE_N, False, UPCAST, PRECISION)
+        m, l, acc = _attend_tile(q, m, l, acc, start, hi, row_lim, window, table, k_ptr, v_ptr, cache_off, d_ok,
+                                 scale_log2, stride_cb, stride_cs, BLOCK_SIZE, TILE_N, False, False, UPCAST,
+                                 PRECISION)
     for start in range(full_end, hi, TILE_N):
-        m, l, acc = _attend_tile(q, m, l, acc, start, hi, row_lim, table, k_ptr, v_ptr, cache_off, d_ok,
-                                 scale_log2, stride_cb, stride_cs, BLOCK_SIZE, TILE_N, True, UPCAST, PRECISION)
+        m, l, acc = _attend_tile(q, m, l, acc, start, hi, row_lim, window, table, k_ptr, v_ptr, cache_off, d_ok,
+                                 scale_log2, stride_cb, stride_cs, BLOCK_SIZE, TILE_N, True, SLIDING, UPCAST,
+                                 PRECISION)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the denominator (its value is zero); with splits, the merge adds it once
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0)
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -194,10 +211,11 @@ def _split_tokens(seq_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_T
 
 @triton.jit
 def _merge_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr):
-    """One program per (request, query head) of a decode batch: out = sum_s w_s * acc_s / sum_s w_s * l_s."""
+        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One program per (request, query head) of a decode batch: out = sum_s w_s * acc_s / sum_s w_s * l_s (plus
+    the head's sink in the denominator)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(qsl_ptr + req)
@@ -208,8 +226,14 @@ def _merge_splits_kernel(
     used = splits < tl.cdiv(seq_len, _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES))
     part = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
     m = tl.load(part_max_ptr + part, mask=used, other=-1.0e30)
-    w = tl.where(used, tl.exp2(m - tl.max(m, 0)), 0.0)
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m_max = tl.maximum(m_max, sink)
+    w = tl.where(used, tl.exp2(m - m_max), 0.0)
     l = tl.sum(w * tl.load(part_sum_ptr + part, mask=used, other=0.0), 0)
+    if HAS_SINKS:
+        l += tl.exp2(sink - m_max)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None] & d_ok[None, :],
@@ -256,7 +280,8 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, nu
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, out: torch.Tensor,
-                    num_kv_splits: int = 1, batch_invariant: bool = False) -> torch.Tensor:
+                    num_kv_splits: int = 1, batch_invariant: bool = False, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's queries (the last q_len positions of its context) over its paged
     context; writes `out` rows of real queries only and returns `out`.
 
@@ -265,7 +290,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     block_tables: int32 [B, max_blocks]; seq_lens: [B] context lengths including this step's tokens;
     query_start_loc: int32 [B + 1]; max_query_len: at least every request's query length; num_kv_splits > 1
     only where max_query_len is 1; batch_invariant: each query computed the same way in any batch (see the
-    module's docstring; num_kv_splits must be 1).
+    module's docstring; num_kv_splits must be 1); window: a query at position p sees keys p - window + 1 .. p
+    only; sinks [H] (gpt-oss): one more logit per head in each softmax's denominator, with no value.
     """
     if batch_invariant and num_kv_splits != 1:
         raise ValueError("batch-invariant attention never splits the KV; pass num_kv_splits=1")
@@ -291,10 +317,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     else:  # never touched: the kernel writes `out` directly
         part_out = part_max = part_sum = out
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    sinks_log2 = out if sinks is None else (sinks.float() * _LOG2E).contiguous()  # the kernels' exp2 domain
     _paged_attention_kernel[(q_blocks, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
-        part_out, part_max, part_sum,
-        num_reqs, blocks_per_req, scale * _LOG2E,
+        part_out, part_max, part_sum, sinks_log2,
+        num_reqs, blocks_per_req, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
@@ -302,19 +329,22 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         DIRECT=direct, BLOCK_B=block_b,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=kv_cache.dtype.itemsize == 1,
-        ALL_MASKED=batch_invariant, enable_fp_fusion=not batch_invariant,
+        ALL_MASKED=batch_invariant, SLIDING=window is not None, HAS_SINKS=sinks is not None,
+        enable_fp_fusion=not batch_invariant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, sinks_log2, seq_lens, query_start_loc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, num_warps=4)
+            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, HAS_SINKS=sinks is not None,
+            num_warps=4)
     return out
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                              out: torch.Tensor) -> torch.Tensor:
+                              out: torch.Tensor, window: int | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same contract in plain torch: one masked fp32 softmax per request (slow; for tests)."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -328,7 +358,15 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
         v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos[:, None]
+        if window is not None:
+            visible &= key_pos > query_pos[:, None] - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # a column per head that takes its share of the softmax and is dropped
+            sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -28,11 +28,13 @@ class Attention(nn.Module):
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (1 if self.latent else 2, num_blocks, block_size, self.num_kv_heads, self.head_dim + self.extra_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], v [tokens, kv_heads, v_head_dim]
-        (latent: None, the values are k's first v_head_dim dimensions) -> [tokens, heads * v_head_dim]."""
+        (latent: None, the values are k's first v_head_dim dimensions) -> [tokens, heads * v_head_dim];
+        `sinks` [heads]: gpt-oss's per-head logit in the softmax's denominator (the backend's contract)."""
         if self.latent:
             v = k[..., :self.v_head_dim]
         out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, sinks)
         return out.flatten(1)
