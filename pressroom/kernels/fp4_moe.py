@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pressroom.kernels import mxfp4, nvfp4
+from pressroom.kernels.moe_activation import ClampedSwiglu, gated
 
 FORMATS = ("mxfp4", "nvfp4")
 
@@ -60,17 +61,21 @@ def quantize(w: torch.Tensor, fmt: str) -> Fp4Experts:
     return Fp4Experts(packed, scales, global_scale)
 
 
-def reference(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+def reference(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor, ids: torch.Tensor,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: ClampedSwiglu | None = None) -> torch.Tensor:
     """x [tokens, hidden] through each token's chosen experts (ids [tokens, k] local to w13's experts, -1: another
     rank's), weighted by `weights` and summed: each expert's matrices dequantized to x's dtype, then the SwiGLU
-    MLP in x's dtype (weight-only: activations are not quantized)."""
+    MLP in x's dtype (weight-only: activations are not quantized). gpt-oss: biases [experts, 2 * inter] and
+    [experts, hidden] (dense), and the clamped SwiGLU as `activation`."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         if expert < 0:
             continue
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13.dequantize(expert, x.dtype)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2.dequantize(expert, x.dtype))
+        b13 = None if w13_bias is None else w13_bias[expert].to(x.dtype)
+        b2 = None if w2_bias is None else w2_bias[expert].to(x.dtype)
+        gate, up = F.linear(x[token], w13.dequantize(expert, x.dtype), b13).chunk(2, dim=-1)
+        y = F.linear(gated(gate, up, activation), w2.dequantize(expert, x.dtype), b2)
         out.index_add_(0, token, y * weights[token, slot].unsqueeze(1).to(y.dtype))
     return out

@@ -12,6 +12,9 @@ benchmarks/gpu/sweep_fused_moe.py), looked up by the token count nearest to the 
 Each weight tile is read packed and dequantized in registers (quant_gemv.py's unpacking: the low nibbles of a
 byte meet the activations' even inputs, the high nibbles the odd ones, two tl.dot per tile), so the experts are
 never widened in memory. Not measured on a GPU yet (no sweep: default launches).
+
+Both take gpt-oss's options: expert biases (gate/up's added before the activation, down's before the top-k
+weight) and its clamped SwiGLU (kernels/moe_activation.py) in the gate/up pass instead of SwiGLU.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from pressroom.kernels.fp4_moe import Fp4Experts
+from pressroom.kernels.moe_activation import ClampedSwiglu
 from pressroom.kernels.triton.quant_gemv import _fp4_tile, _scaled
 
 SWEEP_DIR = Path(__file__).with_name("moe_configs")
@@ -235,11 +239,35 @@ def canonical_layout(slots: torch.Tensor, block_expert: torch.Tensor, block_m: i
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr,
-                     n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_c, top_k,
+def _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """The expert's bias row over `cols` added to acc (and, GATED, its up half, n_out further on, to acc_up)."""
+    if HAS_BIAS:
+        row = bias_ptr + expert.to(tl.int64) * stride_be + cols
+        acc += tl.load(row, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(row + n_out, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """SwiGLU, or gpt-oss's clamped form: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the gate
+    clamped above at limit."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr, bias_ptr,
+                     n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_c, stride_be, top_k, alpha, limit,
                      A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+                     CLAMPED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -274,8 +302,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
             acc_up += tl.dot(a, w_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -283,9 +312,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              launch: MoeLaunch | None = None, all_local: bool = False) -> torch.Tensor:
+              launch: MoeLaunch | None = None, all_local: bool = False, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights (fp32) and ids [T, k], ids local to w13's experts
-    (-1: another rank's expert; `all_local`: there are none). Returns [T, H] in x's dtype."""
+    (-1: another rank's expert; `all_local`: there are none). Returns [T, H] in x's dtype. gpt-oss: biases
+    w13_bias [E, 2I] and w2_bias [E, H], and its clamped SwiGLU as `activation`."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -299,17 +330,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
     common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    act = _activation_args(activation)
+    b13, b2 = _bias_args(w13_bias, flat_weights), _bias_args(w2_bias, flat_weights)
     grid = (block_expert.numel(), triton.cdiv(inter, cfg.block_n))
-    _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, inter, hidden, pairs,
-                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), k,
+    _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, b13[0], inter, hidden, pairs,
+                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), b13[1], k, *act[:2],
                            A_BY_TOKEN=True, GATED=True, MUL_WEIGHTS=False, EVEN_K=hidden % cfg.block_k == 0,
-                           **common)
+                           HAS_BIAS=b13[2], CLAMPED=act[2], **common)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
-    _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, hidden, inter, pairs,
-                           mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), k,
+    _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
+                           mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, *act[:2],
                            A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
-                           **common)
+                           HAS_BIAS=b2[2], **common)
     return sum_top_k(out.view(tokens, k, hidden))
+
+
+def _activation_args(activation: ClampedSwiglu | None) -> tuple[float, float, bool]:
+    """(alpha, limit, CLAMPED) for the kernels."""
+    return (1.0, 0.0, False) if activation is None else (activation.alpha, activation.limit, True)
+
+
+def _bias_args(bias: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(pointer, expert stride, HAS_BIAS) for the kernels; without a bias, a placeholder never read."""
+    if bias is None:
+        return placeholder, 0, False
+    return bias, bias.stride(0), True
 
 
 @triton.jit
@@ -328,11 +373,12 @@ def _fp4_dot(a_rows, w_rows, s_rows, g_rows, first, col_ok, a_ok, k_in, PRECISIO
 
 
 @triton.jit
-def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr,
+def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr, bias_ptr,
                          n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
-                         stride_gn, stride_c, top_k, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
-                         MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         stride_gn, stride_c, stride_be, top_k, alpha, limit, A_BY_TOKEN: tl.constexpr,
+                         GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
     """_moe_gemm_kernel over FP4 weights: packed [E, N, K / 2], block scales [E, N, K / (2 * BB)], NVFP4's
     per-row global scales [E, N] (MXFP4: unread)."""
     HALF: tl.constexpr = BLOCK_K // 2
@@ -360,8 +406,9 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
         if GATED:  # the up rows lie n_out rows below the gate rows
             acc_up += _fp4_dot(a_rows, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
                                g_rows + n_out * stride_gn, k0 // 2, col_ok, valid, k_in, PRECISION, BLOCK_N, HALF, BB)
+    acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -376,10 +423,11 @@ def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
 
 
 def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor, ids: torch.Tensor,
-                  launch: MoeLaunch | None = None, all_local: bool = False) -> torch.Tensor:
+                  launch: MoeLaunch | None = None, all_local: bool = False, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | None = None) -> torch.Tensor:
     """fused_moe with FP4 experts (kernels/fp4_moe.py): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] as Fp4Experts of
     one format; weights (fp32) and ids [T, k] local to the experts (-1: another rank's). Returns [T, H] in x's
-    dtype."""
+    dtype. gpt-oss's dense biases and clamped SwiGLU as in fused_moe."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -394,14 +442,18 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(PRECISION=precision, BB=w13.block // 2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    for a, w, c, n_out, k_in, by_token in ((x, w13, mid, inter, hidden, True), (mid, w2, out, hidden, inter, False)):
+    alpha, limit, clamped = _activation_args(activation)
+    passes = ((x, w13, w13_bias, mid, inter, hidden, True), (mid, w2, w2_bias, out, hidden, inter, False))
+    for a, w, bias, c, n_out, k_in, by_token in passes:
         g = w.global_scale if w.global_scale is not None else w.scales  # MXFP4: a placeholder, never read
         g_strides = (g.stride(0), g.stride(1)) if w.global_scale is not None else (0, 0)
+        b, stride_be, has_bias = _bias_args(bias, flat_weights)
         grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
-        _moe_fp4_gemm_kernel[grid](a, w.packed, w.scales, g, c, slots, block_expert, flat_weights, n_out, k_in, pairs,
-                                   a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0),
-                                   w.scales.stride(1), *g_strides, c.stride(0), k, A_BY_TOKEN=by_token,
-                                   GATED=by_token, MUL_WEIGHTS=not by_token, **common)
+        _moe_fp4_gemm_kernel[grid](a, w.packed, w.scales, g, c, slots, block_expert, flat_weights, b, n_out, k_in,
+                                   pairs, a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0),
+                                   w.scales.stride(1), *g_strides, c.stride(0), stride_be, k, alpha, limit,
+                                   A_BY_TOKEN=by_token, GATED=by_token, MUL_WEIGHTS=not by_token, HAS_BIAS=has_bias,
+                                   CLAMPED=clamped and by_token, **common)
     return sum_top_k(out.view(tokens, k, hidden))
 
 

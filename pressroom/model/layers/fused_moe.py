@@ -7,6 +7,8 @@ Kimi). `FusedMoE` holds the experts' weights stacked ([experts, 2 * inter, hidde
 [experts, hidden, inter] for down) for the range of experts this rank owns, and computes only the
 experts some token chose: the tokens are sorted by expert, each expert runs once over its rows. A
 quantization method may hold the experts instead (`set_quant_method`: a `MoeMethod`, model/quantization/).
+Options for gpt-oss: expert biases (`w13_bias` [experts, 2 * inter], `w2_bias` [experts, hidden]) and its
+clamped SwiGLU (kernels/moe_activation.py) in place of SwiGLU.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.kernels.moe_activation import ClampedSwiglu, gated
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import MoeMethod
 
@@ -83,10 +86,12 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer. `expert_range` ([start, end) of the global expert ids): the experts
     this rank holds; a token routed elsewhere contributes nothing here (expert parallelism sums ranks).
     `inter_shard` (rank, ranks): the slice of every expert's intermediate features this rank holds (tensor
-    parallelism: each rank's output is a partial sum, too)."""
+    parallelism: each rank's output is a partial sum, too). `bias`: each expert's gate/up and down projections add
+    a bias (gpt-oss); `activation`: the clamped SwiGLU instead of SwiGLU (gpt-oss)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 expert_range: tuple[int, int] | None = None, inter_shard: tuple[int, int] = (0, 1)) -> None:
+                 expert_range: tuple[int, int] | None = None, inter_shard: tuple[int, int] = (0, 1),
+                 bias: bool = False, activation: ClampedSwiglu | None = None) -> None:
         super().__init__()
         start, end = expert_range or (0, num_experts)
         if not 0 <= start < end <= num_experts:
@@ -104,6 +109,12 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.activation = activation
+        self.w13_bias = self.w2_bias = None
+        if bias:  # zeros: a rank holding a slice of the inputs of down adds no share of its bias (see bias_loader)
+            self.w13_bias = nn.Parameter(torch.zeros(local, 2 * intermediate), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(local, hidden), requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.quant_method: MoeMethod | None = None
 
     def set_quant_method(self, method: MoeMethod) -> None:
@@ -129,6 +140,26 @@ class FusedMoE(nn.Module):
         else:
             self._store("w13", i, 0 if part == GATE else inter, loaded.narrow(0, self.inter_start, inter))
 
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
+        """One expert's gate, up or down bias ([out]). Down's bias is added once per token-expert pair: by the
+        rank holding the first slice of the intermediate features (the others' partial sums add none)."""
+        part, expert = shard
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
+        if not self.start <= expert < self.end:
+            return
+        expected = (self.hidden,) if part == DOWN else (self.full_intermediate,)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {expert}'s {part} bias has shape {tuple(loaded.shape)} where the model config "
+                             f"implies {expected}; the checkpoint and config.json disagree.")
+        i, inter = expert - self.start, self.intermediate
+        if part == DOWN:
+            if self.inter_start == 0:
+                param.data[i].copy_(materialize(loaded))
+            return
+        row = 0 if part == GATE else inter
+        param.data[i, row:row + inter].copy_(materialize(loaded.narrow(0, self.inter_start, inter)))
+
     def _store(self, param: str, expert: int, row: int, loaded) -> None:
         """Rows [row, row + n) of local expert `expert`'s `param`, read now; a quantization method's, if it takes
         them."""
@@ -147,7 +178,8 @@ class FusedMoE(nn.Module):
             return self.quant_method.apply(self, x, weights, ids)
         if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
             from pressroom.kernels.triton.fused_moe import fused_moe
-            return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all)
+            return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all,
+                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -163,7 +195,11 @@ class FusedMoE(nn.Module):
                 continue
             local = expert - self.start
             idx = tokens[rows]
-            gate, up = F.linear(x[idx], self.w13[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[local])
+            gate, up = F.linear(x[idx], self.w13[local], _row(self.w13_bias, local)).chunk(2, dim=-1)
+            y = F.linear(gated(gate, up, self.activation), self.w2[local], _row(self.w2_bias, local))
             out.index_add_(0, idx, y * scale[rows].unsqueeze(1).to(y.dtype))
         return out
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]

@@ -194,10 +194,11 @@ class Fp4MoeMethod(MoeMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         w13, w2, local = self.experts(layer, "w13"), self.experts(layer, "w2"), layer.local_ids(ids)
+        options = dict(w13_bias=layer.w13_bias, w2_bias=layer.w2_bias, activation=layer.activation)  # gpt-oss's
         if x.is_cuda:
             from pressroom.kernels.triton.fused_moe import fused_moe_fp4
-            return fused_moe_fp4(x.contiguous(), w13, w2, weights, local, all_local=layer.owns_all)
-        return fp4_moe.reference(x, w13, w2, weights, local)
+            return fused_moe_fp4(x.contiguous(), w13, w2, weights, local, all_local=layer.owns_all, **options)
+        return fp4_moe.reference(x, w13, w2, weights, local, **options)
 
 
 def check_experts(fmt: str, layer: nn.Module, prefix: str) -> None:
