@@ -2,7 +2,9 @@
 
 - MXFP4 as gpt-oss ships it (`P_blocks` uint8 [..., rows, cols / 32, 16], `P_scales` E8M0 [..., rows, cols / 32];
   quantization_config `{"quant_method": "mxfp4", "modules_to_not_convert": [...]}`), experts per expert or fused
-  as gpt-oss's `experts.gate_up_proj_blocks` (gate and up rows interleaved) and `experts.down_proj_blocks`;
+  as gpt-oss's `experts.gate_up_proj_blocks` (gate and up rows interleaved) and `experts.down_proj_blocks`; a
+  gpt-oss checkpoint's own dense fused experts (`experts.gate_up_proj` [experts, hidden, 2 * inter], x @ W) become
+  those blocks of their transpose, as OpenAI ships them;
 - NVFP4 as NVIDIA ModelOpt exports it (`weight` uint8 [out, in / 2], `weight_scale` FP8 [out, in / 16],
   `weight_scale_2` and `input_scale` fp32 scalars; quant_method "modelopt" in config.json, or hf_quant_config.json).
 
@@ -22,6 +24,7 @@ from safetensors.torch import load_file, save_file
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8 = torch.float8_e4m3fn
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_GPT_OSS_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # dense [experts, in, out]
 
 
 def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
@@ -76,7 +79,7 @@ def nvfp4_decode(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 def _quantized(name: str) -> bool:
     """The checkpoint tensors these writers quantize: projections and experts' matrices (not norms, embeddings,
     LM head or routers)."""
-    return name.endswith("_proj.weight") or _EXPERT.match(name) is not None
+    return name.endswith(("_proj.weight", *_GPT_OSS_EXPERTS)) or _EXPERT.match(name) is not None
 
 
 def _finish(src: str, dst, out: dict[str, torch.Tensor], quantization: dict | None) -> None:
@@ -98,6 +101,11 @@ def write_mxfp4_checkpoint(src: str, dst, fused_experts: bool = False, unconvert
     for name, w in weights.items():
         if not _quantized(name) or any(f".{u}." in name for u in unconverted):
             out[name] = w
+            continue
+        if name.endswith(_GPT_OSS_EXPERTS):  # HF's dequantizer turns the blocks back into [experts, in, out]
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales = mxfp4_parts(w.transpose(1, 2))
+            decoded[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
             continue
         blocks, scales = mxfp4_parts(w)
         decoded[name] = mxfp4_decode(blocks, scales)

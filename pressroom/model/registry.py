@@ -6,6 +6,7 @@ from torch import nn
 from pressroom.model.models.bert import BertModel
 from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 from pressroom.model.models.gemma3 import Gemma3ForCausalLM
+from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -21,6 +22,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
 }
@@ -29,6 +31,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "gpt_oss": "GptOssForCausalLM",
                 "bert": "BertModel"}
 
 

@@ -38,17 +38,18 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def _rank_experts(num_experts: int, hidden: int, intermediate: int) -> FusedMoE:
+def _rank_experts(num_experts: int, hidden: int, intermediate: int, **options) -> FusedMoE:
     """This rank's experts: with expert parallelism a contiguous range of whole experts (as even as they go),
-    otherwise every expert's slice of intermediate features."""
+    otherwise every expert's slice of intermediate features. `options`: FusedMoE's (gpt-oss's biases and
+    activation)."""
     tp, rank = get_tp_size(), get_tp_rank()
     if not expert_parallel():
-        return FusedMoE(num_experts, hidden, intermediate, inter_shard=(rank, tp))
+        return FusedMoE(num_experts, hidden, intermediate, inter_shard=(rank, tp), **options)
     if num_experts < tp:
         raise ValueError(f"{num_experts} experts cannot be spread over {tp} ranks; turn expert parallelism off.")
     base, extra = divmod(num_experts, tp)
     start = rank * base + min(rank, extra)
-    return FusedMoE(num_experts, hidden, intermediate, expert_range=(start, start + base + (rank < extra)))
+    return FusedMoE(num_experts, hidden, intermediate, expert_range=(start, start + base + (rank < extra)), **options)
 
 
 # checkpoint expert tensor -> (FusedMoE parameter, part)
