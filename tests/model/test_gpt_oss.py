@@ -9,39 +9,14 @@ import pytest
 import torch
 from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
 from fp4_checkpoint import write_mxfp4_checkpoint, write_twin
+from gpt_oss_checkpoint import WINDOW, save_tiny_gpt_oss
 
 from pressroom import LLM, SamplingParams
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.quantization.fp4 import Fp4MoeMethod
 
-WINDOW = 8
 TOKENS = 20
 TOLERANCE = 1e-3  # fp32 both; different kernels (attention, sums)
-
-
-def tiny_gpt_oss_config(**overrides):
-    import transformers
-    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 64}
-    values = dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                  max_position_embeddings=512, rope_parameters=yarn, swiglu_limit=1.0, initializer_range=0.1,
-                  experts_implementation="eager")
-    return transformers.GptOssConfig(**(values | overrides))
-
-
-def save_tiny_gpt_oss(path, tokenizer, seed: int = 0):
-    """A tiny gpt-oss whose biases and sinks are far from HF's zero start, saved as HF saves it."""
-    import transformers
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config()).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("bias", "sinks")):
-                param.normal_(0, 0.5)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")

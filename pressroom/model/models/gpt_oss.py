@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pressroom.distributed.parallel_state import tp_all_reduce
 from pressroom.kernels.moe_activation import ClampedSwiglu
 from pressroom.model.layers.attention import Attention
-from pressroom.model.layers.fused_moe import DOWN, GATE, UP, RouterConfig, select_experts
+from pressroom.model.layers.fused_moe import DOWN, GATE, UP, RouterConfig
 from pressroom.model.layers.linear import RowParallelLinear
 from pressroom.model.lazy_weight import LazyWeight, materialize
 from pressroom.model.models.llama import LlamaAttention, RopeTables
-from pressroom.model.models.moe import _MoeForCausalLM, _rank_experts
+from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
 
 SLIDING = "sliding_attention"
+_HF_ROUTER, _ROUTER = ".mlp.router.", ".mlp.gate."  # HF's name for the router, SparseMoeBlock's
 _BIAS = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.bias$")
 _BIAS_PARTS = {"gate_proj": ("w13_bias", GATE), "up_proj": ("w13_bias", UP), "down_proj": ("w2_bias", DOWN)}
 
@@ -60,31 +60,21 @@ class GptOssAttention(LlamaAttention):
         return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, self.sinks))
 
 
-class GptOssMoE(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        experts = config.num_local_experts
-        self.route = RouterConfig(top_k=config.num_experts_per_tok, renormalize=True)
-        self.router = nn.Linear(config.hidden_size, experts, bias=True)  # replicated: every rank routes every token
-        self.router.requires_grad_(False)
-        act = ClampedSwiglu(getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0))
-        self.experts = _rank_experts(experts, config.hidden_size, config.intermediate_size, bias=True, activation=act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.route)
-        return tp_all_reduce(self.experts(x, weights, ids))
-
-
 class GptOssForCausalLM(_MoeForCausalLM):
     applies_sliding_window = True  # its sliding layers mask by window: contexts may run past it
 
     def make_mlp(self, layer: int) -> nn.Module:
-        return GptOssMoE(self.config)
+        c = self.config
+        act = ClampedSwiglu(getattr(c, "swiglu_alpha", 1.702), getattr(c, "swiglu_limit", 7.0))
+        return SparseMoeBlock(c.hidden_size, c.num_local_experts, c.intermediate_size,
+                              RouterConfig(top_k=c.num_experts_per_tok, renormalize=True), router_bias=True, bias=True,
+                              activation=act)
 
     def make_attention(self, layer: int) -> nn.Module:
         return GptOssAttention(self.config, _layer_types(self.config)[layer])
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
+        name = name.replace(_HF_ROUTER, _ROUTER)
         m = _BIAS.search(name)
         if m is None:
             return super().checkpoint_target(name)
@@ -96,7 +86,7 @@ class GptOssForCausalLM(_MoeForCausalLM):
             if name.endswith(f".experts.{param}"):
                 stem = name.removesuffix(f".{param}")
                 return [f"{stem}.{e}.{p}.bias" for e in range(self._num_experts()) for p in parts]
-        return super().checkpoint_parts(name)
+        return [p.replace(_ROUTER, _HF_ROUTER) for p in super().checkpoint_parts(name)]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         return super().load_weights(per_expert(weights))

@@ -15,12 +15,15 @@ from pressroom.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, num_experts: int, intermediate: int, router: RouterConfig,
-                 shared_intermediate: int = 0, gated_shared: bool = False) -> None:
+                 shared_intermediate: int = 0, gated_shared: bool = False, router_bias: bool = False,
+                 **expert_options) -> None:
+        """`router_bias`: the router's logits have a bias (gpt-oss); `expert_options`: FusedMoE's (gpt-oss's expert
+        biases and activation)."""
         super().__init__()
         self.router = router
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # replicated: every rank routes every token
-        self.gate.weight.requires_grad_(False)
-        self.experts = _rank_experts(num_experts, hidden, intermediate)
+        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)  # replicated: every rank routes every token
+        self.gate.requires_grad_(False)
+        self.experts = _rank_experts(num_experts, hidden, intermediate, **expert_options)
         self.shared_expert = LlamaMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = None
         if gated_shared:

@@ -14,8 +14,7 @@ interleaved (gate the even rows, as GptOssExperts splits them) and `experts.down
 inter / 32, 16]. They are read without dequantizing, a rank only its rows and blocks. Modules the config's
 `modules_to_not_convert` names (gpt-oss: attention, router, embeddings, LM head) stay dense.
 
-gpt-oss itself (attention sinks, alternating sliding windows, router and expert biases, its clamped SwiGLU) is not
-a pressroom architecture yet: its expert biases (`*_proj_bias`) have no place to load into.
+gpt-oss's expert biases (`experts.*_proj_bias`, dense beside the blocks) pass through to models/gpt_oss.py.
 """
 from __future__ import annotations
 
