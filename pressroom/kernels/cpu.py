@@ -127,6 +127,15 @@ def supports(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype in _SUFFIX for t in tensors) and available()
 
 
+# Below this many elements an elementwise kernel runs on the calling thread: waking the others costs more
+# than it saves (a decode step's norms and rotary are a few thousand elements; torch's own grain is 32768).
+_PARALLEL_MIN_ELEMENTS = 1 << 15
+
+
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
+
+
 def _fn(base: str, dtype: torch.dtype):
     return getattr(_library(), f"{base}_{_SUFFIX[dtype]}")
 
@@ -149,7 +158,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x, residual: [rows, hidden] contiguous; residual is updated in place to x + residual."""
     out = torch.empty_like(x)
     _fn("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
-                             weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+                             weight.data_ptr(), x.shape[0], x.shape[1], eps, _threads(x.numel()))
     return out
 
 
@@ -157,7 +166,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
     """In place on x: [tokens, heads, head_dim] (dims 1, 2 dense; dim 0 may be strided); cos, sin fp32."""
     tokens, heads, head_dim = x.shape
     _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
-                           x.stride(0), torch.get_num_threads())
+                           x.stride(0), _threads(x.numel()))
     return x
 
 

@@ -28,6 +28,14 @@
 
 #define QK 32
 #define QK_K 256
+/* Products smaller than this many multiply-adds run on the calling thread: a decode step makes about a
+ * hundred of them, each tens of microseconds, and waking a second thread for each costs more than it
+ * saves wherever the other core is busy (a shared machine, a server's other threads). */
+#define PARALLEL_MIN_MACS (4 << 20)
+
+static int threads_for(int64_t tokens, int64_t rows, int64_t cols, int threads) {
+    return tokens * rows * cols >= PARALLEL_MIN_MACS ? threads : 1;
+}
 
 /* f rounded to the nearest fp16 value (ties to even), as a float: llama.cpp stores Q8_0 scales in fp16. */
 static float round_to_f16(float f) {
@@ -198,7 +206,7 @@ void ggml_q8_0_matmul_f32(float *out, const float *x, const int8_t *qs, const fl
                           int64_t rows, int64_t cols, int threads) {
     const int64_t blocks = cols / QK;
     const struct acts a = quantize(x, tokens, cols, QK, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         for (int64_t t = 0; t < tokens; t++) {
             const int8_t *xq = a.q + t * cols;
@@ -253,7 +261,7 @@ void ggml_q5_0_matmul_f32(float *out, const float *x, const uint8_t *qs, const u
                           int64_t tokens, int64_t rows, int64_t cols, int threads) {
     const int64_t blocks = cols / QK;
     const struct acts a = quantize(x, tokens, cols, QK, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
     for (int64_t r = 0; r < rows; r++)
         for (int64_t t = 0; t < tokens; t++)
             out[t * rows + r] = q5_0_dot(qs + r * blocks * 16, qh + r * blocks, d + r * blocks, a.q + t * cols,
@@ -313,7 +321,7 @@ void ggml_k4_matmul_f32(float *out, const float *x, const uint8_t *qs, const uin
                         int64_t cols, int threads) {
     const int64_t supers = cols / QK_K;
     const struct acts a = quantize(x, tokens, cols, QK_K, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
     for (int64_t r = 0; r < rows; r++)
         for (int64_t t = 0; t < tokens; t++)
             out[t * rows + r] = k4_dot(qs + r * cols / 2, qh ? qh + r * cols / 8 : NULL, sc + r * cols / 32,
@@ -373,7 +381,7 @@ void ggml_q6_k_matmul_f32(float *out, const float *x, const uint8_t *ql, const u
                           const float *d, int64_t tokens, int64_t rows, int64_t cols, int threads) {
     const int64_t supers = cols / QK_K;
     const struct acts a = quantize(x, tokens, cols, QK_K, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
     for (int64_t r = 0; r < rows; r++)
         for (int64_t t = 0; t < tokens; t++)
             out[t * rows + r] = q6_k_dot(ql + r * cols / 2, qh + r * cols / 4, sc + r * cols / 16, d + r * supers,
