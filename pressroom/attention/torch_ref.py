@@ -176,8 +176,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., heads, n, dim] queries and [..., kv_heads, length, dim] keys and values; `mask` (bool,
     broadcast to [..., heads, n, length]) or, where None, causal (`causal`) or nothing hidden. `sinks` [heads]
-    (gpt-oss): a logit per head that joins each softmax's denominator and adds nothing to the output, written
-    as one more key every query sees, with a zero value, its logit the sink (an additive mask column)."""
+    (gpt-oss): a logit per head that joins each softmax's denominator and adds nothing to the output."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scale, enable_gqa=True)
@@ -185,11 +184,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None:  # causal over fresh keys (n == length), or every key visible
         full = torch.ones(n, length, dtype=torch.bool)
         mask = full.tril() if causal else full
-    logits = torch.zeros((), dtype=q.dtype).expand(*q.shape[:-1], length).masked_fill(~mask, float("-inf"))
-    sink = sinks.to(q.dtype).view(-1, 1, 1).expand(*q.shape[:-1], 1)
-    pad = (0, 0, 0, 1)  # the sink's key and value: zeros
-    return F.scaled_dot_product_attention(q, F.pad(k, pad), F.pad(v, pad), attn_mask=torch.cat((logits, sink), -1),
-                                          scale=scale, enable_gqa=True)
+    # The sink as one more key with a zero value, which every query sees. One more dimension makes its logit the
+    # head's sink: the queries carry sink / scale there, the sink key 1 and the real keys 0. The key is then the
+    # same for every head (GQA keeps working) and the mask stays a bool one, broadcast over heads.
+    q = torch.cat((q, (sinks.to(q.dtype) / scale).view(-1, 1, 1).expand(*q.shape[:-1], 1)), dim=-1)
+    k = F.pad(k, (0, 1, 0, 1))
+    k[..., -1, -1] = 1
+    v = F.pad(v, (0, 0, 0, 1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=F.pad(mask, (0, 1), value=True), scale=scale,
+                                          enable_gqa=True)
 
 
 def _causal_mask(n: int, seq_len: int, window: int | None) -> torch.Tensor | None:
