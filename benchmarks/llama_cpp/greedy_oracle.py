@@ -7,7 +7,9 @@ Run with a llama venv's interpreter (benchmarks/llama_cpp/setup.sh makes it):
 
 prompts.json: a list of strings, tokenized with BOS (llama.cpp's tokenizer; the test checks pressroom's agrees).
 Output: per prompt, its token ids, llama.cpp's greedy tokens (it does not stop at EOS), and at each generated
-position the top 5 (token, log-probability) of llama.cpp's own logits.
+position the top 5 (token, log-probability) of llama.cpp's own logits. With --arrays FILE.npz, also the first
+--array-prompts prompts' final hidden states (after the output norm: llama.cpp's embeddings with no pooling) and
+their last position's logits, so a test can feed llama.cpp's hidden state to pressroom's LM head.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--output", required=True)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--arrays", help="an .npz for hidden states and logits")
+    p.add_argument("--array-prompts", type=int, default=3)
     args = p.parse_args()
     import llama_cpp
     import numpy as np
@@ -44,6 +48,25 @@ def main() -> None:
         results.append({"prompt": prompt, "prompt_ids": [int(i) for i in ids], "tokens": tokens,
                         "top": [[[int(t), float(row[t])] for t in idx] for idx, row in zip(top, logprobs)]})
     json.dump({"llama_cpp_python": llama_cpp.__version__, "results": results}, open(args.output, "w"))
+    if args.arrays:
+        _dump_arrays(llm, args, results[:args.array_prompts])
+
+
+def _dump_arrays(llm, args, results: list[dict]) -> None:
+    import llama_cpp
+    import numpy as np
+    emb = llama_cpp.Llama(args.model, n_ctx=512, n_threads=args.threads, embedding=True, verbose=False,
+                          pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE)
+    arrays = {}
+    for i, result in enumerate(results):
+        ids = result["prompt_ids"]
+        hidden = emb.embed(result["prompt"], normalize=False, truncate=False)  # per token, BOS first
+        assert len(hidden) == len(ids), "the embedding pass tokenized the prompt differently"
+        arrays[f"hidden{i}"] = np.array(hidden[-1], dtype=np.float32)
+        llm.reset()
+        llm.eval(ids)
+        arrays[f"logits{i}"] = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
+    np.savez(args.arrays, **arrays)
 
 
 if __name__ == "__main__":
