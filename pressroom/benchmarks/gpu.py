@@ -286,7 +286,8 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             raise ValueError("Copying weights to HF needs tensor_parallel_size 1.")
         for part, piece in zip(UNSTACKED[leaf], tensor.split(stacked_sizes(module), dim=0), strict=True):
             state[f"{parent}.{part}.{kind}"] = piece
-    return state
+    to_hf = getattr(model, "to_hf_state", None)  # a family whose HF layout differs further (gpt-oss's experts)
+    return state if to_hf is None else to_hf(state)
 
 
 def plain_tensor(module: nn.Module, kind: str, param: nn.Parameter) -> torch.Tensor:
@@ -323,10 +324,12 @@ def load_into_hf(hf_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def build_hf(model_path: Path, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(model_path)
+    # SDPA where HF's model has it; gpt-oss's sinks need its eager attention
+    attention = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     load_into_hf(model, state)
     model.generation_config.eos_token_id = None  # ignore EOS: every request runs to its length
     model.generation_config.pad_token_id = 0

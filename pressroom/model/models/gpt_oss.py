@@ -91,6 +91,29 @@ class GptOssForCausalLM(_MoeForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         return super().load_weights(per_expert(weights))
 
+    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """bench gpu's HF names (stacked experts as `experts.gate_up_proj` [experts, 2 * inter, hidden], gate rows
+        then up rows) -> HF's gpt-oss: the router's name, fused experts as x @ W with gate and up interleaved."""
+        out = {}
+        for name, tensor in state.items():
+            name = name.replace(_ROUTER, _HF_ROUTER)
+            if name.endswith(".experts.gate_up_proj"):
+                tensor = _interleave(tensor).transpose(1, 2)
+            elif name.endswith(".experts.down_proj"):
+                tensor = tensor.transpose(1, 2)
+            elif name.endswith(".experts.w13_bias"):
+                name, tensor = name.replace(".w13_bias", ".gate_up_proj_bias"), _interleave(tensor)
+            elif name.endswith(".experts.w2_bias"):
+                name = name.replace(".w2_bias", ".down_proj_bias")
+            out[name] = tensor
+        return out
+
+
+def _interleave(stacked: torch.Tensor) -> torch.Tensor:
+    """[experts, gate rows then up rows, ...] -> gate and up rows alternating (gate first), as HF stores them."""
+    gate, up = stacked.chunk(2, dim=1)
+    return torch.stack((gate, up), dim=2).flatten(1, 2)
+
 
 def _layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None)
