@@ -211,9 +211,9 @@ def _split_tokens(seq_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_T
 
 @triton.jit
 def _merge_splits_kernel(
-        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr, HAS_SINKS: tl.constexpr):
+        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr, HAS_SINKS: tl.constexpr = False, sinks_ptr=None):
     """One program per (request, query head) of a decode batch: out = sum_s w_s * acc_s / sum_s w_s * l_s (plus
     the head's sink in the denominator)."""
     req = tl.program_id(0)
@@ -334,10 +334,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, sinks_log2, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, seq_lens, query_start_loc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, HAS_SINKS=sinks is not None,
-            num_warps=4)
+            sinks_ptr=sinks_log2, num_warps=4)
     return out
 
 
