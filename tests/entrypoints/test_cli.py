@@ -91,7 +91,7 @@ def _shown(default) -> str:
 
 
 def test_the_walk_reaches_every_subcommand():
-    assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("bench",),
+    assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("make-prompts",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
                             ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
                             ("bench", "embed"), ("bench", "structured")}
