@@ -47,7 +47,7 @@ def main() -> None:
     times = [one() for _ in range(spec["num_iters"])]
     avg = statistics.fmean(times)
     ordered = sorted(times)
-    result = {"backend": "llama.cpp", "llama_cpp_python": __version__, "dtype": "GGUF as shipped (Q4_1, Q8_0 head)",
+    result = {"backend": "llama.cpp", "llama_cpp_python": __version__, "dtype": "GGUF as shipped",
               "latencies_s": [round(t, 4) for t in times], "avg_latency_s": round(avg, 4),
               "p50_latency_s": round(ordered[len(ordered) // 2], 4), "p99_latency_s": round(ordered[-1], 4),
               "output_tokens_per_s": round(n / avg, 2), "batch_size": 1, "threads": args.threads}

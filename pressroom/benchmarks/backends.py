@@ -70,7 +70,10 @@ def _acceptance(before, after, config) -> dict:
 def _precision(llm) -> str:
     from pressroom.model.layers.linear import LinearBase
     dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
-    int4 = any(m.int4 is not None for m in llm.engine.model.modules() if isinstance(m, LinearBase))
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, LinearBase)]
+    if any(m.ggml is not None for m in linears):
+        return f"{dtype} activations + GGUF blocks as shipped (llama.cpp's arithmetic)"
+    int4 = any(m.int4 is not None for m in linears)
     return f"{dtype} + GGUF 4-bit matrices for <= 8-token steps" if int4 else dtype
 
 

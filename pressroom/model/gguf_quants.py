@@ -3,8 +3,9 @@
 Each decoder follows llama.cpp's `dequantize_row_*` arithmetic in float32 (the same products in the same
 order), so its values equal the `gguf` package's reference dequantizer bit for bit; they run as a few
 vectorised torch ops, many times faster than that reference (its Q8_0 path takes ~13 s for Gemma 3's
-262144 x 640 embedding). Q4_K can also come unpacked as 4-bit values with a scale and a min per block of
-32 (`unpack_q4_k`): exactly the form `Q4Weight` holds for Q4_0 / Q4_1.
+262144 x 640 embedding). `unpack_*` split the same blocks, every bit kept, into the arrays the C kernels read
+(kernels/csrc/ggml_ops.c; layers/quant.py's GGML forms). Q4_K can also come unpacked as 4-bit values with a
+scale and a min per block of 32 (`unpack_q4_k`): exactly the form `Q4Weight` holds for Q4_0 / Q4_1.
 """
 from __future__ import annotations
 

@@ -226,165 +226,228 @@ void ggml_q8_0_matmul_f32(float *out, const float *x, const int8_t *qs, const fl
     free_acts(a);
 }
 
-/* ---- Q5_0 weights x Q8_0 activations: sum((u - 16) x) = sum(u x) - 16 sum(x) -------------------------- */
+/* ---- Q5_0, Q4_K, Q5_K, Q6_K: each row's codes are unpacked once into bytes (u, unsigned), which then meet
+ * every token's activations: one load and one dot per 32 values and token, whatever the bit layout. -------- */
 
-static float q5_0_dot(const uint8_t *qs, const uint32_t *qh, const float *d, const int8_t *xq, const float *xd,
-                      const int32_t *xs, int64_t blocks) {
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
+static void unpack_q5_0(uint8_t *u, const uint8_t *qs, const uint32_t *qh, int64_t blocks) {
     for (int64_t b = 0; b < blocks; b++) {
+#ifdef __AVX2__
         const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
         const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-        __m256i u = _mm256_set_m128i(hi, lo);
-        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh[b]), _mm256_set1_epi8(0x10)));
-        const __m256i dot = _mm256_sub_epi32(dot_u8_i8(u, load256(xq + b * QK)),
-                                             _mm256_set1_epi32(2 * xs[b]));  /* 16 sum(x) over 8 lanes */
+        const __m256i high = _mm256_and_si256(bits_to_bytes(qh[b]), _mm256_set1_epi8(0x10));
+        _mm256_storeu_si256((__m256i *)(u + b * QK), _mm256_or_si256(_mm256_set_m128i(hi, lo), high));
+#else
+        for (int i = 0; i < QK; i++) {
+            const int nib = i < 16 ? qs[b * 16 + i] & 15 : qs[b * 16 + i - 16] >> 4;
+            u[b * QK + i] = (uint8_t)(nib | (int)((qh[b] >> i) & 1u) << 4);
+        }
+#endif
+    }
+}
+
+static void unpack_k4(uint8_t *u, const uint8_t *qs, const uint8_t *qh, int64_t supers) {
+    for (int64_t k = 0; k < supers; k++) {
+        const uint8_t *q = qs + k * 128, *h = qh ? qh + k * 32 : NULL;
+        uint8_t *o = u + k * QK_K;
+#ifdef __AVX2__
+        const __m256i hv = h ? load256(h) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+        for (int p = 0; p < 4; p++) {  /* fifth bits: bits 2p and 2p + 1 of each qh byte */
+            const __m256i raw = load256(q + p * 32);
+            __m256i u0 = nibbles_low(raw), u1 = nibbles_high(raw);
+            if (h) {
+                u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p), one), 4));
+                u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p + 1), one), 4));
+            }
+            _mm256_storeu_si256((__m256i *)(o + 64 * p), u0);
+            _mm256_storeu_si256((__m256i *)(o + 64 * p + 32), u1);
+        }
+#else
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t byte = q[j / 2 * 32 + l];
+                int v = j % 2 ? byte >> 4 : byte & 15;
+                if (h) v |= ((h[l] >> j) & 1) << 4;
+                o[j * 32 + l] = (uint8_t)v;
+            }
+#endif
+    }
+}
+
+static void unpack_q6_k(uint8_t *u, const uint8_t *ql, const uint8_t *qh, int64_t supers) {
+    for (int64_t k = 0; k < supers; k++)
+        for (int half = 0; half < 2; half++) {
+            /* per half of 256: ql's 64 bytes give values 0-63 (low nibbles) and 64-127 (high); each qh byte
+             * four 2-bit high parts, one per run of 32 */
+            const uint8_t *l = ql + k * 128 + half * 64, *h = qh + k * 64 + half * 32;
+            uint8_t *o = u + k * QK_K + half * 128;
+#ifdef __AVX2__
+            const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+            const __m256i l0 = load256(l), l1 = load256(l + 32), hv = load256(h);
+            for (int c = 0; c < 4; c++) {
+                const __m256i low = c % 2 ? l1 : l0;
+                const __m256i nib = c < 2 ? _mm256_and_si256(low, mask4) : nibbles_high(low);
+                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), mask2);
+                _mm256_storeu_si256((__m256i *)(o + 32 * c), _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
+            }
+#else
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 32; i++) {
+                    const uint8_t lb = l[(c % 2) * 32 + i];
+                    o[32 * c + i] = (uint8_t)((c < 2 ? lb & 15 : lb >> 4) | ((h[i] >> (2 * c)) & 3) << 4);
+                }
+#endif
+        }
+}
+
+#ifdef __AVX2__
+/* 8 lanes of sum(scale * u * x) over 32 values, scale per pair of bytes as int16 lanes: the K-quants' scales
+ * folded into the widening add (u * x pairs fit int16 for u < 64), no separate multiply */
+static inline __m256i scaled_dot32(const uint8_t *u, const int8_t *x, __m256i scale16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(load256(u), load256(x)), scale16);
+}
+#endif
+
+/* 8 lanes of sum(u x) over 32 values (plain C: lane 0 holds it all) */
+#ifdef __AVX2__
+typedef __m256i dot32_t;
+static inline dot32_t dot32(const uint8_t *u, const int8_t *x) { return dot_u8_i8(load256(u), load256(x)); }
+#else
+typedef int dot32_t;
+static inline dot32_t dot32(const uint8_t *u, const int8_t *x) {
+    int s = 0;
+    for (int i = 0; i < 32; i++) s += u[i] * x[i];
+    return s;
+}
+#endif
+
+/* Q5_0: sum((u - 16) x) = sum(u x) - 16 sum(x), per block of 32 */
+static float q5_0_dot(const uint8_t *u, const float *d, const int8_t *xq, const float *xd, const int32_t *xs,
+                      int64_t blocks) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i dot = _mm256_sub_epi32(dot32(u + b * QK, xq + b * QK), _mm256_set1_epi32(2 * xs[b]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b] * xd[b]), acc);
     }
     return hsum_ps(acc);
 #else
     float s = 0.f;
-    for (int64_t b = 0; b < blocks; b++) {
-        int dot = 0;
-        for (int i = 0; i < QK; i++) {
-            const int nib = i < 16 ? qs[b * 16 + i] & 15 : qs[b * 16 + i - 16] >> 4;
-            dot += (nib | (int)((qh[b] >> i) & 1u) << 4) * xq[b * QK + i];
-        }
-        s += (float)(dot - 16 * xs[b]) * (d[b] * xd[b]);
-    }
+    for (int64_t b = 0; b < blocks; b++) s += (float)(dot32(u + b * QK, xq + b * QK) - 16 * xs[b]) * (d[b] * xd[b]);
     return s;
 #endif
 }
 
-void ggml_q5_0_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint32_t *qh, const float *d,
-                          int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    const int64_t blocks = cols / QK;
-    const struct acts a = quantize(x, tokens, cols, QK, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t t = 0; t < tokens; t++)
-            out[t * rows + r] = q5_0_dot(qs + r * blocks * 16, qh + r * blocks, d + r * blocks, a.q + t * cols,
-                                         a.d + t * blocks, a.sum + t * blocks, blocks);
-    free_acts(a);
-}
-
-/* ---- Q4_K / Q5_K weights x Q8_K activations ------------------------------------------------------------
- * Per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j), dot_j over sub-block j's 32 values. */
-
-static float k4_dot(const uint8_t *qs, const uint8_t *qh, const uint8_t *sc, const uint8_t *mn, const float *d,
-                    const float *dmin, const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers) {
+/* Q4_K / Q5_K, per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j) over sub-blocks of 32 */
+static float k4_dot(const uint8_t *u, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                    const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers) {
     float s = 0.f;
     for (int64_t k = 0; k < supers; k++) {
-        const uint8_t *q = qs + k * 128, *h = qh ? qh + k * 32 : NULL, *scale = sc + k * 8, *low = mn + k * 8;
-        const int8_t *x = xq + k * QK_K;
+        const uint8_t *scale = sc + k * 8, *low = mn + k * 8;
         const int32_t *bs = xs + k * 16;
         int mins = 0;
         for (int j = 0; j < 8; j++) mins += low[j] * (bs[2 * j] + bs[2 * j + 1]);
 #ifdef __AVX2__
         __m256i isum = _mm256_setzero_si256();
-        const __m256i hv = h ? load256(h) : _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            const __m256i raw = load256(q + p * 32);
-            __m256i u0 = nibbles_low(raw), u1 = nibbles_high(raw);
-            if (h) {  /* fifth bits: bit 2p and 2p + 1 of each qh byte */
-                const __m256i one = _mm256_set1_epi8(1);
-                u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p), one), 4));
-                u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * p + 1), one), 4));
-            }
-            const __m256i d0 = _mm256_mullo_epi32(dot_u8_i8(u0, load256(x + 64 * p)), _mm256_set1_epi32(scale[2 * p]));
-            const __m256i d1 = _mm256_mullo_epi32(dot_u8_i8(u1, load256(x + 64 * p + 32)),
-                                                  _mm256_set1_epi32(scale[2 * p + 1]));
-            isum = _mm256_add_epi32(isum, _mm256_add_epi32(d0, d1));
-        }
+        for (int j = 0; j < 8; j++)
+            isum = _mm256_add_epi32(isum, scaled_dot32(u + k * QK_K + 32 * j, xq + k * QK_K + 32 * j,
+                                                       _mm256_set1_epi16(scale[j])));
         const int sum = hsum_epi32(isum);
 #else
         int sum = 0;
-        for (int j = 0; j < 8; j++) {
-            int dot = 0;
-            for (int l = 0; l < 32; l++) {
-                const uint8_t byte = q[j / 2 * 32 + l];
-                int u = j % 2 ? byte >> 4 : byte & 15;
-                if (h) u |= ((h[l] >> j) & 1) << 4;
-                dot += u * x[j * 32 + l];
-            }
-            sum += scale[j] * dot;
-        }
+        for (int j = 0; j < 8; j++) sum += scale[j] * dot32(u + k * QK_K + 32 * j, xq + k * QK_K + 32 * j);
 #endif
         s += xd[k] * (d[k] * (float)sum - dmin[k] * (float)mins);
     }
     return s;
 }
 
-void ggml_k4_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint8_t *qh, const uint8_t *sc,
-                        const uint8_t *mn, const float *d, const float *dmin, int64_t tokens, int64_t rows,
-                        int64_t cols, int threads) {
-    const int64_t supers = cols / QK_K;
-    const struct acts a = quantize(x, tokens, cols, QK_K, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t t = 0; t < tokens; t++)
-            out[t * rows + r] = k4_dot(qs + r * cols / 2, qh ? qh + r * cols / 8 : NULL, sc + r * cols / 32,
-                                       mn + r * cols / 32, d + r * supers, dmin + r * supers, a.q + t * cols,
-                                       a.d + t * supers, a.sum + t * cols / 16, supers);
-    free_acts(a);
-}
-
-/* ---- Q6_K weights x Q8_K activations: per 256, d_x d sum_j sc_j (sum(u x) - 32 xsum_j) over 16 runs of 16 ---- */
-
-static float q6_k_dot(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const float *d, const int8_t *xq,
-                      const float *xd, const int32_t *xs, int64_t supers) {
+/* Q6_K, per 256: d_x d sum_j sc_j (sum(u x) - 32 xsum_j) over 16 runs of 16 */
+static float q6_k_dot(const uint8_t *u, const int8_t *sc, const float *d, const int8_t *xq, const float *xd,
+                      const int32_t *xs, int64_t supers) {
     float s = 0.f;
     for (int64_t k = 0; k < supers; k++) {
-        const int8_t *scale = sc + k * 16, *x = xq + k * QK_K;
+        const int8_t *scale = sc + k * 16;
         const int32_t *bs = xs + k * 16;
         int offset = 0;
         for (int j = 0; j < 16; j++) offset += scale[j] * bs[j];
 #ifdef __AVX2__
         __m256i isum = _mm256_setzero_si256();
-        const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *l = ql + k * 128 + half * 64, *h = qh + k * 64 + half * 32;
-            const __m256i l0 = load256(l), l1 = load256(l + 32), hv = load256(h);
-            const __m256i u[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, mask4), _mm256_slli_epi16(_mm256_and_si256(hv, mask2), 4)),
-                _mm256_or_si256(_mm256_and_si256(l1, mask4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2), mask2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), mask2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), mask2), 4)),
-            };
-            for (int c = 0; c < 4; c++) {  /* 32 values: sub-blocks 2c and 2c + 1 of this half, 4 lanes each */
-                const int j = half * 8 + 2 * c;
-                const __m256i scales = _mm256_set_m128i(_mm_set1_epi32(scale[j + 1]), _mm_set1_epi32(scale[j]));
-                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot_u8_i8(u[c], load256(x + half * 128 + c * 32)),
-                                                                 scales));
-            }
+        for (int c = 0; c < 8; c++) {  /* 32 values: runs 2c and 2c + 1, four lanes each */
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(scale[2 * c + 1]), _mm_set1_epi16(scale[2 * c]));
+            isum = _mm256_add_epi32(isum, scaled_dot32(u + k * QK_K + 32 * c, xq + k * QK_K + 32 * c, scales));
         }
         const int sum = hsum_epi32(isum);
 #else
         int sum = 0;
-        for (int i = 0; i < QK_K; i++) {
-            const int half = i / 128, r = i % 128, c = r / 32, l = r % 32;
-            const uint8_t lb = ql[k * 128 + half * 64 + (c % 2) * 32 + l], hb = qh[k * 64 + half * 32 + l];
-            const int u = (c < 2 ? lb & 15 : lb >> 4) | ((hb >> (2 * c)) & 3) << 4;
-            sum += scale[i / 16] * u * x[i];
-        }
+        for (int i = 0; i < QK_K; i++) sum += scale[i / 16] * u[k * QK_K + i] * xq[k * QK_K + i];
 #endif
         s += xd[k] * d[k] * (float)(sum - 32 * offset);
     }
     return s;
 }
 
+enum kind { Q5_0, K4, Q6_K };
+
+struct codes {  /* a weight matrix in one of the layouts above */
+    enum kind kind;
+    const uint8_t *qs, *qh;
+    const void *sc;
+    const uint8_t *mn;
+    const float *d, *dmin;
+};
+
+static void unpack_row(uint8_t *u, struct codes w, int64_t r, int64_t cols) {
+    if (w.kind == Q5_0) unpack_q5_0(u, w.qs + r * cols / 2, (const uint32_t *)w.qh + r * cols / QK, cols / QK);
+    else if (w.kind == K4) unpack_k4(u, w.qs + r * cols / 2, w.qh ? w.qh + r * cols / 8 : NULL, cols / QK_K);
+    else unpack_q6_k(u, w.qs + r * cols / 2, w.qh + r * cols / 4, cols / QK_K);
+}
+
+static float row_dot(const uint8_t *u, struct codes w, int64_t r, int64_t cols, struct acts a, int64_t t) {
+    if (w.kind == Q5_0) {
+        const int64_t blocks = cols / QK;
+        return q5_0_dot(u, w.d + r * blocks, a.q + t * cols, a.d + t * blocks, a.sum + t * blocks, blocks);
+    }
+    const int64_t supers = cols / QK_K;
+    const int8_t *xq = a.q + t * cols;
+    const int32_t *xs = a.sum + t * cols / 16;
+    if (w.kind == K4)
+        return k4_dot(u, (const uint8_t *)w.sc + r * cols / 32, w.mn + r * cols / 32, w.d + r * supers,
+                      w.dmin + r * supers, xq, a.d + t * supers, xs, supers);
+    return q6_k_dot(u, (const int8_t *)w.sc + r * cols / 16, w.d + r * supers, xq, a.d + t * supers, xs, supers);
+}
+
+static void codes_matmul(float *out, const float *x, struct codes w, int64_t tokens, int64_t rows, int64_t cols,
+                         int threads) {
+    const struct acts a = quantize(x, tokens, cols, w.kind == Q5_0 ? QK : QK_K, threads);
+    _Pragma("omp parallel num_threads(threads_for(tokens, rows, cols, threads))")
+    {
+        uint8_t *u = malloc(cols + 64);
+        _Pragma("omp for schedule(static)")
+        for (int64_t r = 0; r < rows; r++) {
+            unpack_row(u, w, r, cols);
+            for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = row_dot(u, w, r, cols, a, t);
+        }
+        free(u);
+    }
+    free_acts(a);
+}
+
+void ggml_q5_0_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint32_t *qh, const float *d,
+                          int64_t tokens, int64_t rows, int64_t cols, int threads) {
+    const struct codes w = {Q5_0, qs, (const uint8_t *)qh, NULL, NULL, d, NULL};
+    codes_matmul(out, x, w, tokens, rows, cols, threads);
+}
+
+void ggml_k4_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint8_t *qh, const uint8_t *sc,
+                        const uint8_t *mn, const float *d, const float *dmin, int64_t tokens, int64_t rows,
+                        int64_t cols, int threads) {
+    const struct codes w = {K4, qs, qh, sc, mn, d, dmin};
+    codes_matmul(out, x, w, tokens, rows, cols, threads);
+}
+
 void ggml_q6_k_matmul_f32(float *out, const float *x, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
                           const float *d, int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    const int64_t supers = cols / QK_K;
-    const struct acts a = quantize(x, tokens, cols, QK_K, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t t = 0; t < tokens; t++)
-            out[t * rows + r] = q6_k_dot(ql + r * cols / 2, qh + r * cols / 4, sc + r * cols / 16, d + r * supers,
-                                         a.q + t * cols, a.d + t * supers, a.sum + t * cols / 16, supers);
-    free_acts(a);
+    const struct codes w = {Q6_K, ql, qh, sc, NULL, d, NULL};
+    codes_matmul(out, x, w, tokens, rows, cols, threads);
 }
