@@ -22,7 +22,7 @@ compiler is found, torch's int4 kernel (bf16 activations).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -148,7 +148,7 @@ class GgmlRows:
     PER: ClassVar[tuple[int, ...]]  # per field, in order
 
     def _arrays(self) -> list[torch.Tensor | None]:
-        return [getattr(self, f.name) for f in fields(self)]
+        return [getattr(self, name) for name in self.__slots__]  # the dataclass's fields, in order
 
     @property
     def shape(self) -> torch.Size:
