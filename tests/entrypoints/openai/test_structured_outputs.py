@@ -136,9 +136,10 @@ def test_twenty_schemas_validate_with_ngram_speculation(tmp_path_factory):
 
 
 def test_json_object(client):
-    ask = [{"role": "user", "content": 'Reply with the JSON object {"a": 1}.'}]
+    ask = [{"role": "user", "content": 'Return {"ok": true} as JSON.'}]
     out = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0,
                                          response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason == "stop"  # the object closed (a cut-off one would not parse)
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
