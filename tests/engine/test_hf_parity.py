@@ -30,18 +30,25 @@ def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     _check(llm, hf_model, random_prompts(3, seed=hash(arch) % 1000))
 
 
-def test_embedded_model_matches_hf(embedded_path, smollm_tokenizer):
+@pytest.fixture(scope="module")
+def embedded_pair(embedded_path):
+    """The embedded GGUF read by HF transformers and by pressroom (dequantized, fp32)."""
     import os
 
     import transformers
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(embedded_path), gguf_file=os.path.basename(embedded_path), dtype=torch.float32)
-    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1)
-    texts = ["The quick brown fox", "def fibonacci(n):\n    "]
-    chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
-                                                add_generation_prompt=True, tokenize=False)
-    prompts = [smollm_tokenizer.encode(t) for t in texts + [chat]]
-    _check(llm, hf_model, prompts)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1), hf_model
+
+
+# CI checks the chat-templated request (what the server sends); the raw-text ones run with test-slow.
+@pytest.mark.parametrize("text", ["chat", pytest.param("The quick brown fox", marks=pytest.mark.slow),
+                                  pytest.param("def fibonacci(n):\n    ", marks=pytest.mark.slow)])
+def test_embedded_model_matches_hf(text, embedded_pair, smollm_tokenizer):
+    if text == "chat":
+        text = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                                    add_generation_prompt=True, tokenize=False)
+    _check(*embedded_pair, [smollm_tokenizer.encode(text)])
 
 
 def test_sparse_attention_matches_hf_past_its_top_k(tiny_model_dir):
