@@ -124,7 +124,7 @@ def test_stacked_parts_of_two_types_multiply_as_one_matrix():
 
 
 @needs_c
-@pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or os.environ.get("PRESSROOM_CPU_ISA"),
+@pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
                     reason="the other tiers: on an AVX2 CPU, from the top-level run only")
 @pytest.mark.parametrize("tier", ["avx2", "generic"])
 def test_other_tiers_builds(tier):
