@@ -27,7 +27,7 @@ from torch import nn
 from pressroom.kernels import fp4_moe, mxfp4, nvfp4
 from pressroom.kernels.fp4_moe import Fp4Experts
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, MoeMethod
+from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded
 
 _BLOCK = {"mxfp4": mxfp4.BLOCK, "nvfp4": nvfp4.BLOCK}
 _SCALE_DTYPE = {"mxfp4": torch.uint8, "nvfp4": nvfp4.FP8}
@@ -208,3 +208,27 @@ def check_experts(fmt: str, layer: nn.Module, prefix: str) -> None:
             raise ValueError(f"{prefix}: {fmt.upper()} quantizes experts in blocks of {_BLOCK[fmt]} inputs; their "
                              f"{layer.hidden} hidden and {layer.intermediate} intermediate features (per rank) are "
                              "not whole blocks. Leave this model's --quantization at auto.")
+
+
+class Fp4Method(QuantizationMethod):
+    """What the MXFP4 and NVFP4 methods share: every linear layer and every layer's experts in FP4, except the
+    modules a checkpoint keeps dense (`kept_dense`, set from its config by the subclass)."""
+
+    linear_method: type[Fp4LinearMethod]
+
+    def __init__(self, checkpoint_config: dict | None = None) -> None:
+        super().__init__(checkpoint_config)
+        self.serialized = checkpoint_config is not None
+        self.kept_dense: list[str] = []
+
+    def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.serialized and excluded(prefix, self.kept_dense):
+            return None
+        check_shape(self.name, layer.weight.shape[1])  # before anything is read: a clear error, not a late one
+        return self.linear_method(self.serialized)
+
+    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        if self.serialized and excluded(prefix, self.kept_dense):
+            return None
+        check_experts(self.name, layer, prefix)
+        return Fp4MoeMethod(self.name, self.serialized)

@@ -25,31 +25,23 @@ from torch import nn
 
 from pressroom.kernels import mxfp4 as kernels
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded, loads_into
-from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4MoeMethod, Fp4Weight, check_experts, lazy_fp4
+from pressroom.model.quantization.base import loads_into
+from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4Method, Fp4MoeMethod, Fp4Weight, lazy_fp4
 
 _FUSED = (".experts.gate_up_proj", ".experts.down_proj")  # gpt-oss's stacked experts
 
 
-class Mxfp4Method(QuantizationMethod):
+class Mxfp4LinearMethod(Fp4LinearMethod):
+    fmt = "mxfp4"
+
+
+class Mxfp4Method(Fp4Method):
     name = "mxfp4"
+    linear_method = Mxfp4LinearMethod
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        self.serialized = checkpoint_config is not None
-        self.unconverted = list((checkpoint_config or {}).get("modules_to_not_convert") or [])
-
-    def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        if self.serialized and excluded(prefix, self.unconverted):
-            return None
-        kernels.check_shape(layer.weight.shape[1])  # before anything is read: a clear error, not a late one
-        return Mxfp4LinearMethod(self.serialized)
-
-    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
-        if self.serialized and excluded(prefix, self.unconverted):
-            return None
-        check_experts(self.name, layer, prefix)
-        return Fp4MoeMethod(self.name, self.serialized)
+        self.kept_dense = list((checkpoint_config or {}).get("modules_to_not_convert") or [])
 
     def checkpoint_weights(self, model: nn.Module, weights) -> Any:
         if not self.serialized:
@@ -111,10 +103,6 @@ def _lazy_blocks(blocks: LazyWeight, scales: LazyWeight, parity: int | None, kee
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """E2M1 pairs or E8M0 exponents, whatever one-byte dtype the file names them by (uint8, float8_e8m0fnu)."""
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-class Mxfp4LinearMethod(Fp4LinearMethod):
-    fmt = "mxfp4"
 
 
 _HOLDERS = (Mxfp4LinearMethod, Fp4MoeMethod)

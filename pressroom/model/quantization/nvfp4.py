@@ -22,39 +22,31 @@ from torch import nn
 
 from pressroom.kernels import nvfp4 as kernels
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded, loads_into
-from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4MoeMethod, Fp4Weight, check_experts, lazy_fp4
+from pressroom.model.quantization.base import loads_into
+from pressroom.model.quantization.fp4 import Fp4LinearMethod, Fp4Method, Fp4MoeMethod, Fp4Weight, lazy_fp4
 
 _SCALES = (".weight_scale", ".weight_scale_2")
 # static activation scales (FP4 activations) and a KV cache's FP8 scales: this method quantizes neither
 _DROPPED = (".input_scale", ".k_scale", ".v_scale")
 
 
-class Nvfp4Method(QuantizationMethod):
+class Nvfp4LinearMethod(Fp4LinearMethod):
+    fmt = "nvfp4"
+
+
+class Nvfp4Method(Fp4Method):
     name = "nvfp4"
+    linear_method = Nvfp4LinearMethod
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        self.serialized = checkpoint_config is not None
         config = checkpoint_config or {}
         if self.serialized:
             algo, group = str(config.get("quant_algo", "")).upper(), int(config.get("group_size", kernels.BLOCK))
             if algo != "NVFP4" or group != kernels.BLOCK:
                 raise ValueError(f"ModelOpt checkpoints are read in NVFP4 with groups of {kernels.BLOCK} only; this "
                                  f"one is quant_algo {algo or None!r} with group_size {group}.")
-        self.unquantized = list(config.get("exclude_modules") or config.get("ignore") or [])
-
-    def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        if self.serialized and excluded(prefix, self.unquantized):
-            return None
-        kernels.check_shape(layer.weight.shape[1])
-        return Nvfp4LinearMethod(self.serialized)
-
-    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
-        if self.serialized and excluded(prefix, self.unquantized):
-            return None
-        check_experts(self.name, layer, prefix)
-        return Fp4MoeMethod(self.name, self.serialized)
+        self.kept_dense = list(config.get("exclude_modules") or config.get("ignore") or [])
 
     def checkpoint_weights(self, model: nn.Module, weights) -> Any:
         if not self.serialized:
@@ -95,7 +87,3 @@ def _lazy_weight(weight: LazyWeight, scale: LazyWeight, scale_2: LazyWeight, kee
         return Fp4Weight(packed.contiguous(), block_scale.contiguous(), global_scale.expand(r1 - r0).contiguous())
 
     return lazy_fp4((rows, 2 * half), kernels.BLOCK, read, keep, name)
-
-
-class Nvfp4LinearMethod(Fp4LinearMethod):
-    fmt = "nvfp4"
