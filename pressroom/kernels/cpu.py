@@ -25,7 +25,7 @@ from pressroom.platforms.cpu import cpu_info
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c")]
-_HEADERS = [_CSRC / "common.h"]
+_HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",

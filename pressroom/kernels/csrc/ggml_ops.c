@@ -25,6 +25,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "int8_dot.h"
 
 #define QK 32
 #define QK_K 256
@@ -132,17 +133,6 @@ static inline int hsum_epi32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
-}
-
-/* 8 partial sums of u[i] * s[i] over 32 unsigned x signed bytes (no overflow for u < 128). */
-static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
 static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }

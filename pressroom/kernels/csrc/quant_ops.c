@@ -16,6 +16,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "int8_dot.h"
 
 #define QBLOCK 32
 #define MAX_TOKENS 16
@@ -44,17 +45,6 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* 8 partial sums of u[i] * s[i] over 32 unsigned x signed bytes. */
-static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
 static inline __m256i low_nibbles(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
