@@ -1,0 +1,41 @@
+#!/bin/bash
+# Issue 20 item 1 on the GPU machine: the embedded model writes its own training prompts, then a DFlash2
+# drafter is distilled from its greedy answers. Resumable: run the same command again (back to back, while
+# the machine is warm) and it goes on from the work directory; it exits 75 while unfinished.
+# The embedded GGUF (98 MB) is over one call's 64 MiB, so it travels in two ignored parts:
+#   split -b 47000000 $GGUF .gguf_parts/part.   then carry .gguf_parts/part.aa in one call, part.ab and part.ac
+#   in the next (the parts wait in the work directory between calls)
+# Usage: bash benchmarks/gpu/h200_train_drafter.sh OUT SECONDS   (SECONDS: this call's budget for the pipeline)
+out=${1:?output directory}
+budget=${2:?seconds this call may spend}
+start=$(date +%s)
+source benchmarks/gpu/setup.sh
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+work=/tmp/drafter_work
+mkdir -p $work
+model=$work/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f $model ]; then
+  ls .gguf_parts/part.* >/dev/null 2>&1 || { echo "no GGUF parts here" >&2; exit 2; }
+  cp .gguf_parts/part.* $work/ 2>/dev/null
+  for p in aa ab ac; do [ -f $work/part.$p ] || { echo "GGUF part $p not here yet: send it"; exit 75; }; done
+  cat $work/part.* > $model && rm $work/part.*
+fi
+engine="--model $model --device cuda --gpu-memory-utilization 0.4"
+if [ ! -f $work/prompts.jsonl ]; then
+  timeout $((budget - 30)) python3 -m pressroom.entrypoints.cli make-prompts $engine --num-prompts 50000 \
+    --batch 2048 --max-cudagraph-capture-size 1024 --output $work/prompts.tmp 2>&1 | tail -4 \
+    && mv $work/prompts.tmp $work/prompts.jsonl
+  [ -f $work/prompts.jsonl ] || { echo "make-prompts did not finish"; exit 75; }
+fi
+gzip -c $work/prompts.jsonl > "$out/prompts.jsonl.gz"
+left=$((budget - ($(date +%s) - start) - 20))
+python3 -m pressroom.entrypoints.cli train-drafter $engine --max-cudagraph-capture-size 1024 \
+  --dataset-path $work/prompts.jsonl --held-out-path benchmarks/data/chat_heldout.jsonl --chat \
+  --num-prompts 50000 --max-tokens 160 --record-batch 2048 --num-layers 2 --rank 16 --steps 20000 \
+  --batch-size 512 --lr 1.5e-3 --validation-fraction 0.02 --eval-every 1000 --patience 4 --save-dtype bfloat16 \
+  --work-dir $work/train --checkpoint-every 1000 --time-limit $left --output $work/drafter > $work/train.log 2>&1
+rc=$?
+grep -v "^$" $work/train.log | tail -40
+cp $work/train.log "$out/" 2>/dev/null
+[ $rc -eq 0 ] && cp $work/drafter/* "$out/"
+exit $rc
