@@ -2,9 +2,9 @@
 # Issue 20 item 1 on the GPU machine: the embedded model writes its own training prompts, then a DFlash2
 # drafter is distilled from its greedy answers. Resumable: run the same command again (back to back, while
 # the machine is warm) and it goes on from the work directory; it exits 75 while unfinished.
-# The embedded GGUF (98 MB) is over one call's 64 MiB, so it travels in two ignored parts:
-#   split -b 47000000 $GGUF .gguf_parts/part.   then carry .gguf_parts/part.aa in one call, part.ab and part.ac
-#   in the next (the parts wait in the work directory between calls)
+# The embedded GGUF (98 MB) and the tree (20 MB) are over one call's 64 MiB, so the GGUF travels in ignored parts:
+#   .gguf_parts/part.aa, part.ab, part.ac (32, 44 MB and the rest), each carried beside the tree in its own call
+#   (the parts wait in the work directory between calls)
 # Usage: bash benchmarks/gpu/h200_train_drafter.sh OUT SECONDS   (SECONDS: this call's budget for the pipeline)
 out=${1:?output directory}
 budget=${2:?seconds this call may spend}
