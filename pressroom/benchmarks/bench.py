@@ -8,7 +8,8 @@ import time
 from pressroom.benchmarks import backends
 from pressroom.benchmarks.workload import Workload, file_prompts, machine, random_prompts
 
-BACKENDS = ("pressroom", "hf", "vllm", "llamacpp")
+# pressroom-nospec: the same engine with speculative decoding off, beside a speculative run in one bench
+BACKENDS = ("pressroom", "pressroom-nospec", "hf", "vllm", "llamacpp")
 
 
 def build_workload(args, tokenizer, vocab_size: int, num: int) -> Workload:
@@ -86,8 +87,9 @@ def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Worklo
         batches = [list(range(n))] * args.num_iters
     else:
         batches = [list(range(n))]
-    if name == "pressroom":
-        times, extra = backends.run_pressroom(engine_kwargs, workload, batches, args.num_iters_warmup)
+    if name in ("pressroom", "pressroom-nospec"):
+        kwargs = dict(engine_kwargs, speculative_config=None) if name == "pressroom-nospec" else engine_kwargs
+        times, extra = backends.run_pressroom(kwargs, workload, batches, args.num_iters_warmup)
     else:
         times = backends.run_hf(path, args.hf_dtype, workload, batches, args.num_iters_warmup)
         extra = {"dtype": args.hf_dtype}
