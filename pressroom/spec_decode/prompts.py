@@ -2,7 +2,7 @@
 
 A drafter learns the target's own continuations, so what matters is the variety of the requests it
 sees. The target continues numbered lists of requests people sent to an assistant (a heading naming
-the kind and topic, two examples; sampled at temperature 0.8, a seed per request: a small model
+the kind and topic, two examples; sampled at temperature 0.8 from the engine's seed: a small model
 imitates a format better than it follows an instruction), across topics x task types: questions,
 code, maths word problems, summaries of a paragraph the model wrote first, rewrites, advice,
 explanations, and multi-turn conversations (a question, the target's own greedy answer through its
@@ -176,7 +176,7 @@ def make_prompts(llm, num_prompts: int, exclude: Iterable[str] = (), seed: int =
         if len(records) >= num_prompts:
             break
         requests = plan_requests(batch, seed * 1_000_003 + round_no)
-        texts = _write(llm, [r.instruction for r in requests], seed * 1_000_003 + round_no * batch, max_tokens)
+        texts = _write(llm, [r.instruction for r in requests], max_tokens)
         texts = [t if r.kind == "summary" else t.split("\n")[0] for r, t in zip(requests, texts)]  # list item 3
         conversations = []
         for req, text in zip(requests, texts):
@@ -229,7 +229,7 @@ def _continue_conversations(llm, conversations: list[dict], answer_tokens: int, 
                        SamplingParams(temperature=0, max_tokens=answer_tokens), use_tqdm=False)
     asks = [FOLLOW_UP.format(question=c["messages"][0]["content"], answer=" ".join(a.outputs[0].text.split()))
             for c, a in zip(conversations, answers)]
-    follow_ups = _write(llm, asks, len(seen), max_tokens, stop=["\n"])
+    follow_ups = _write(llm, asks, max_tokens, stop=["\n"])
     out = []
     for conv, answer, follow in zip(conversations, answers, follow_ups):
         follow = clean(follow)
@@ -244,11 +244,11 @@ def _continue_conversations(llm, conversations: list[dict], answer_tokens: int, 
     return out
 
 
-def _write(llm, texts: list[str], seed: int, max_tokens: int, stop: list[str] | None = None) -> list[str]:
-    """The model's sampled continuation of each text (one seed per request: reproducible, and varied)."""
+def _write(llm, texts: list[str], max_tokens: int, stop: list[str] | None = None) -> list[str]:
+    """The model's sampled continuation of each text. The engine's generator (EngineArgs.seed) draws the
+    noise: per-request seeds would draw each row's noise apart, on the host, every step of a 2,048-row batch."""
     from pressroom import SamplingParams
-    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=seed + i, stop=stop)
-              for i in range(len(texts))]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, stop=stop)
     outs = llm.generate(texts, params, use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
