@@ -222,11 +222,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.batch_invariant and (kv_cache.shape[0] == 1 or window is not None or sinks is not None):
             raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA), "
                              "sliding-window attention or attention sinks yet.")
-        # A latent cache has keys and values of different widths in one plane; the C kernel reads every key
-        # up to each row's length (a window that hides some goes to the masked torch path) and knows no sinks.
-        if kv_cache.shape[0] == 1 or window is not None and plan.max_len > window or sinks is not None:
+        # A latent cache has keys and values of different widths in one plane; the C kernel knows no sinks.
+        if kv_cache.shape[0] == 1 or sinks is not None:
             return super()._decode(q, kv_cache, plan, scale, v_dim, window, sinks)
-        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale)
+        out = cpu_kernels.paged_decode(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale, window)
         return out.to(q.dtype)
 
 

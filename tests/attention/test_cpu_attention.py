@@ -38,6 +38,17 @@ def test_paged_decode_matches_reference(dtype, tol, dim):
     assert (got.float() - ref.float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("dim", [32, 256])  # 256 (Gemma 3's head size) takes a specialised kernel
+def test_paged_decode_with_a_sliding_window_matches_reference(window, dim):
+    """Each sequence sees its last `window` keys only (contexts of 1-39 tokens: some shorter than the window)."""
+    q, k, v, cache, meta = _decode_batch(torch.float32, dim=dim, seed=1)
+    ref = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.2, window)
+    got = CpuAttentionBackend().forward(q, k, v, cache, meta, 0.2, window)
+    assert (got - ref).abs().max() < 1e-5
+    assert (got - CpuAttentionBackend().forward(q, k, v, cache, meta, 0.2)).abs().max() > 1e-3  # it hid keys
+
+
 def test_kernel_reads_only_its_own_blocks():
     q, k, v, cache, meta = _decode_batch(torch.float32, seed=3)
     ref = CpuAttentionBackend().forward(q, k, v, cache, meta, 0.2)

@@ -9,30 +9,33 @@
 #include "common.h"
 
 /* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
- * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64.
+ * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64; window > 0: each sequence sees its last
+ * `window` keys only (a sliding-window layer), 0: every key.
  * One task per sequence walks its tokens in order, reading each token's keys (then values) for
  * all kv heads as one contiguous row (what hardware prefetchers follow best), converted to fp32
  * once and shared by the query heads of each group. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, DIM)                                                   \
 static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                  \
           const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
-          int64_t kv_heads, int64_t dim_, int64_t block_size, int64_t max_blocks, float scale,    \
-          int threads) {                                                                          \
+          int64_t kv_heads, int64_t dim_, int64_t block_size, int64_t max_blocks, int64_t window, \
+          float scale, int threads) {                                                             \
     const int64_t dim = DIM ? DIM : dim_; /* a constant head size lets loops unroll fully */     \
     const int64_t group = heads / kv_heads;                                                       \
     const int64_t row = kv_heads * dim; /* elements between consecutive tokens of a block */      \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
     for (int64_t s = 0; s < seqs; s++) {                                                          \
-        const int64_t len = seq_lens[s];                                                          \
+        const int64_t end = seq_lens[s], first = window > 0 && end > window ? end - window : 0;  \
+        const int64_t len = end - first; /* keys seen; token t of them is at position first + t */ \
         const int64_t *table = block_tables + s * max_blocks;                                     \
         const float *qs = q + s * heads * dim;                                                    \
         float *scores = (float *)malloc(sizeof(float) * heads * (len > 0 ? len : 1));             \
         float *acc = (float *)calloc(heads * dim, sizeof(float));                                 \
         float *krow = (float *)malloc(sizeof(float) * row); /* one token's keys or values, fp32 */ \
         for (int64_t t = 0; t < len; t++) {                                                       \
-            const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
-            if (t % block_size == 0 && t + block_size < len) /* the next block lives elsewhere */  \
-                __builtin_prefetch(k_cache + table[t / block_size + 1] * block_size * row);        \
+            const int64_t p = first + t;                                                          \
+            const T *k = k_cache + (table[p / block_size] * block_size + p % block_size) * row;   \
+            if (p % block_size == 0 && p + block_size < end) /* the next block lives elsewhere */  \
+                __builtin_prefetch(k_cache + table[p / block_size + 1] * block_size * row);        \
             for (int64_t e = 0; e < row; e++) krow[e] = LOAD(k[e]);                               \
             for (int64_t h = 0; h < heads; h++) {                                                 \
                 const float *kh = krow + (h / group) * dim;                                       \
@@ -51,7 +54,8 @@ static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,
             for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                       \
         }                                                                                         \
         for (int64_t t = 0; t < len; t++) {                                                       \
-            const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;   \
+            const int64_t p = first + t;                                                          \
+            const T *v = v_cache + (table[p / block_size] * block_size + p % block_size) * row;   \
             for (int64_t e = 0; e < row; e++) krow[e] = LOAD(v[e]);                               \
             for (int64_t h = 0; h < heads; h++) {                                                 \
                 const float *vh = krow + (h / group) * dim;                                       \
@@ -70,19 +74,22 @@ static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,
 DEFINE_PAGED_DECODE(decode_bf16_any, uint16_t, bf16_to_f32, 0)
 DEFINE_PAGED_DECODE(decode_bf16_64, uint16_t, bf16_to_f32, 64)
 DEFINE_PAGED_DECODE(decode_bf16_128, uint16_t, bf16_to_f32, 128)
+DEFINE_PAGED_DECODE(decode_bf16_256, uint16_t, bf16_to_f32, 256)
 DEFINE_PAGED_DECODE(decode_f32_any, float, f32_to_f32, 0)
 DEFINE_PAGED_DECODE(decode_f32_64, float, f32_to_f32, 64)
 DEFINE_PAGED_DECODE(decode_f32_128, float, f32_to_f32, 128)
+DEFINE_PAGED_DECODE(decode_f32_256, float, f32_to_f32, 256)
 
 #define DEFINE_DECODE_DISPATCH(NAME, T, PREFIX)                                                   \
 void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
           const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
-          int64_t block_size, int64_t max_blocks, float scale, int threads) {                     \
+          int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) {     \
     void (*fn)(float *, const float *, const T *, const T *, const int64_t *, const int64_t *,    \
-               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                \
-        dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : PREFIX##_any;                       \
-    fn(out, q, k, v, tables, lens, seqs, heads, kv_heads, dim, block_size, max_blocks, scale,     \
-       threads);                                                                                  \
+               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =       \
+        dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : dim == 256 ? PREFIX##_256           \
+                  : PREFIX##_any;                                                                 \
+    fn(out, q, k, v, tables, lens, seqs, heads, kv_heads, dim, block_size, max_blocks, window,    \
+       scale, threads);                                                                           \
 }
 
 DEFINE_DECODE_DISPATCH(paged_decode_bf16, uint16_t, decode_bf16)
@@ -138,3 +145,22 @@ DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, store_bf16, bf16_round)
 DEFINE_RMS_NORM(rms_norm_f32, float, f32_to_f32, store_f32, f32_round)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, store_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_to_f32, store_f32)
+
+/* out = gelu_tanh(gate) * up over [rows, 2 * width] = [gate | up] rows, each product rounded to the storage
+ * type as torch rounds F.gelu(gate) * up. 1 + tanh(u) = 2 / (1 + exp(-2u)): no cancellation near u = 0. */
+#define DEFINE_GELU_TANH_AND_MUL(NAME, T, LOAD, STORE)                                            \
+void NAME(T *out, const T *gate_up, int64_t rows, int64_t width, int threads) {                   \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *g = gate_up + r * 2 * width, *u = g + width;                                     \
+        T *o = out + r * width;                                                                   \
+        for (int64_t i = 0; i < width; i++) {                                                     \
+            const float x = LOAD(g[i]);                                                           \
+            const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);                \
+            o[i] = STORE(LOAD(STORE(x / (1.f + fast_expf(-2.f * inner)))) * LOAD(u[i]));          \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16)
+DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_f32, float, f32_to_f32, store_f32)

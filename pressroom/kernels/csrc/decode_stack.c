@@ -17,11 +17,11 @@ void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, in
                 int64_t head_dim, int64_t rot_dim, int64_t token_stride, int threads);
 void paged_decode_f32(float *out, const float *q, const float *k, const float *v, const int64_t *tables,
                       const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t block_size, int64_t max_blocks, float scale, int threads);
+                      int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads);
 void paged_decode_bf16(float *out, const float *q, const uint16_t *k, const uint16_t *v,
                        const int64_t *tables, const int64_t *lens, int64_t seqs, int64_t heads,
-                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, float scale,
-                       int threads);
+                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, int64_t window,
+                       float scale, int threads);
 void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d, const float *m,
                    int64_t tokens, int64_t rows, int64_t cols, int threads);
 
@@ -87,10 +87,10 @@ void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const flo
         }
         if (dims[CACHE_BF16])
             paged_decode_bf16(attn, q, PTR(const uint16_t *, p, K_CACHE), PTR(const uint16_t *, p, V_CACHE), tables,
-                              lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], scale, threads);
+                              lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
         else
             paged_decode_f32(attn, q, PTR(const float *, p, K_CACHE), PTR(const float *, p, V_CACHE), tables,
-                             lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], scale, threads);
+                             lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
         q4_matmul_f32(y, attn, PTR(const uint8_t *, p, O_Q), PTR(const float *, p, O_D), PTR(const float *, p, O_M),
                       tokens, hidden, q_width, threads);
         rms_norm_f32(normed, y, residual, PTR(const float *, p, LN2), tokens, hidden, eps, threads);
