@@ -24,8 +24,8 @@ from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c")]
-_HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h")]
+_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c")]
+_HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -33,9 +33,10 @@ _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zero
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _T],
+    "paged_decode": [_P] * 6 + [_I] * 7 + [_F, _T],
     "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
     "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
+    "gelu_tanh_and_mul": [_P, _P, _I, _I, _T],
 }
 _QUANT_SIGNATURES = {
     "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
@@ -46,12 +47,23 @@ _QUANT_SIGNATURES = {
     "ggml_q5_0_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
     "ggml_k4_matmul_f32": [_P] * 8 + [_I] * 3 + [_T],
     "ggml_q6_k_matmul_f32": [_P] * 6 + [_I] * 3 + [_T],
+    "ggml_matrix_matmul_f32": [_P] * 3 + [_I] * 2 + [_T],
+    "gemma3_decode_stack": [_P, _P, _I] + [_P] * 9 + [_F, _F, _T],
 }
+_COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
 DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
                        "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache")
 DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
                      "max_blocks", "cache_bf16")
+# csrc/ggml_matrix.h: a matrix is a count of parts, then MAX_PARTS parts of these fields (arrays as pointers).
+GGML_PART_FIELDS = ("kind", "rows", "qs", "qh", "sc", "mn", "d", "dmin")
+GGML_MAX_PARTS = 3
+GGML_KINDS = ("Q8_0", "Q5_0", "K4", "Q6_K")
+# gemma3_stack.c's per-layer table: these scalars, then the qkv, o, gate_up and down matrices.
+GEMMA3_LAYER_FIELDS = ("attn_in", "q_norm", "k_norm", "attn_out", "ffn_in", "ffn_out", "k_cache", "v_cache",
+                       "window", "global")
+GEMMA3_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def _cache_dir() -> Path:
@@ -115,7 +127,18 @@ def _library() -> ctypes.CDLL | None:
     for name, argtypes in _QUANT_SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    for name in _COUNTS:
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
+    _check_tables(lib)
     return lib
+
+
+def _check_tables(lib: ctypes.CDLL) -> None:
+    """The C structs' sizes equal the field lists here (a drift would read pointers from the wrong slots)."""
+    matrix = 1 + GGML_MAX_PARTS * len(GGML_PART_FIELDS)
+    layer = len(GEMMA3_LAYER_FIELDS) + len(GEMMA3_MATRICES) * matrix
+    if lib.ggml_matrix_fields() != matrix or lib.gemma3_layer_fields() != layer:
+        raise RuntimeError("kernels/cpu.py's table fields disagree with csrc/ggml_matrix.h or gemma3_stack.c.")
 
 
 def available() -> bool:
@@ -141,8 +164,9 @@ def _fn(base: str, dtype: torch.dtype):
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim], contiguous. Returns fp32."""
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim], contiguous. Returns fp32.
+    `window`: each sequence attends to its last `window` keys only (None: all)."""
     seqs, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q32 = q.float().contiguous()
@@ -150,7 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(seqs, heads, dim, dtype=torch.float32)
     _fn("paged_decode", k_cache.dtype)(
         out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        seqs, heads, kv_heads, dim, block_size, tables.shape[1], scale, torch.get_num_threads())
+        seqs, heads, kv_heads, dim, block_size, tables.shape[1], window or 0, scale, torch.get_num_threads())
     return out
 
 
@@ -168,6 +192,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
     _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
                            x.stride(0), _threads(x.numel()))
     return x
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * width] = [gate | up] contiguous -> gelu_tanh(gate) * up, [rows, width]."""
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, width, dtype=x.dtype)
+    _fn("gelu_tanh_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), rows, width, _threads(x.numel()))
+    return out
 
 
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -189,6 +221,19 @@ def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Te
     _library().decode_stack(x.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                             dims.data_ptr(), eps, scale, torch.get_num_threads())
+    return x
+
+
+def gemma3_decode_stack(x: torch.Tensor, layer_table: torch.Tensor, final_norm: torch.Tensor,
+                        rope: tuple[torch.Tensor, ...], slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                        dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """One Gemma 3 decode step through every layer (gemma3_stack.c), in place on x: [tokens, hidden] fp32, the
+    scaled embeddings in, the final-normed hidden states out. layer_table: int64 [layers, gemma3_layer_fields];
+    rope: (cos, sin) of the local rope, then of the global one, fp32 [tokens, head_dim / 2] contiguous; the rest
+    as decode_stack's."""
+    _library().gemma3_decode_stack(x.data_ptr(), layer_table.data_ptr(), layer_table.shape[0], final_norm.data_ptr(),
+                                   *(t.data_ptr() for t in rope), slots.data_ptr(), tables.data_ptr(),
+                                   lens.data_ptr(), dims.data_ptr(), eps, scale, torch.get_num_threads())
     return x
 
 
@@ -214,6 +259,15 @@ def _ggml_call(name: str, x: torch.Tensor, rows: int, *weights: torch.Tensor | N
     out = torch.empty(tokens, rows, dtype=torch.float32)
     ptrs = [None if w is None else w.data_ptr() for w in weights]
     getattr(_library(), name)(out.data_ptr(), x.data_ptr(), *ptrs, tokens, rows, cols, torch.get_num_threads())
+    return out
+
+
+def ggml_matrix_matmul(x: torch.Tensor, matrix: torch.Tensor, rows: int) -> torch.Tensor:
+    """x: [tokens, cols] fp32 contiguous; matrix: int64, a csrc/ggml_matrix.h description of `rows` rows."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, rows, dtype=torch.float32)
+    _library().ggml_matrix_matmul_f32(out.data_ptr(), x.data_ptr(), matrix.data_ptr(), tokens, cols,
+                                      torch.get_num_threads())
     return out
 
 

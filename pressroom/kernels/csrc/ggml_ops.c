@@ -25,6 +25,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "ggml_matrix.h"
 #include "int8_dot.h"
 
 #define QK 32
@@ -171,49 +172,6 @@ static float q8_0_dot(const int8_t *w, const float *d, const int8_t *xq, const f
     }
     return s;
 #endif
-}
-
-#ifdef __AVX2__
-/* One token, four rows: each activation block is loaded once for four weight blocks, and the four
- * accumulators are independent chains (this is the LM head's loop: 262144 rows for Gemma 3). */
-static void q8_0_four_rows(float *out, const int8_t *w, const float *d, const int8_t *xq, const float *xd,
-                           int64_t cols) {
-    const int64_t blocks = cols / QK;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i xv = load256(xq + b * QK);
-        for (int i = 0; i < 4; i++) {
-            const __m256i wv = load256(w + i * cols + b * QK);
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[i * blocks + b] * xd[b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < 4; i++) out[i] = hsum_ps(acc[i]);
-}
-#endif
-
-void ggml_q8_0_matmul_f32(float *out, const float *x, const int8_t *qs, const float *d, int64_t tokens,
-                          int64_t rows, int64_t cols, int threads) {
-    const int64_t blocks = cols / QK;
-    const struct acts a = quantize(x, tokens, cols, QK, threads);
-    _Pragma("omp parallel for schedule(static) num_threads(threads_for(tokens, rows, cols, threads))")
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        for (int64_t t = 0; t < tokens; t++) {
-            const int8_t *xq = a.q + t * cols;
-            const float *xd = a.d + t * blocks;
-#ifdef __AVX2__
-            if (r0 + 4 <= rows) {
-                float four[4];
-                q8_0_four_rows(four, qs + r0 * cols, d + r0 * blocks, xq, xd, cols);
-                for (int i = 0; i < 4; i++) out[t * rows + r0 + i] = four[i];
-                continue;
-            }
-#endif
-            for (int64_t r = r0; r < rows && r < r0 + 4; r++)
-                out[t * rows + r] = q8_0_dot(qs + r * cols, d + r * blocks, xq, xd, blocks);
-        }
-    }
-    free_acts(a);
 }
 
 /* ---- Q5_0, Q4_K, Q5_K, Q6_K: each row's codes are unpacked once into bytes (u, unsigned), which then meet
@@ -377,67 +335,122 @@ static float q6_k_dot(const uint8_t *u, const int8_t *sc, const float *d, const 
     return s;
 }
 
-enum kind { Q5_0, K4, Q6_K };
+int64_t ggml_matrix_fields(void) { return sizeof(struct ggml_matrix) / sizeof(int64_t); }
 
-struct codes {  /* a weight matrix in one of the layouts above */
-    enum kind kind;
-    const uint8_t *qs, *qh;
-    const void *sc;
-    const uint8_t *mn;
-    const float *d, *dmin;
-};
+#define ARRAY(type, p, field) ((type)(intptr_t)(p)->field)
 
-static void unpack_row(uint8_t *u, struct codes w, int64_t r, int64_t cols) {
-    if (w.kind == Q5_0) unpack_q5_0(u, w.qs + r * cols / 2, (const uint32_t *)w.qh + r * cols / QK, cols / QK);
-    else if (w.kind == K4) unpack_k4(u, w.qs + r * cols / 2, w.qh ? w.qh + r * cols / 8 : NULL, cols / QK_K);
-    else unpack_q6_k(u, w.qs + r * cols / 2, w.qh + r * cols / 4, cols / QK_K);
+static void unpack_row(uint8_t *u, const struct ggml_part *w, int64_t r, int64_t cols) {
+    if (w->kind == Q5_0)
+        unpack_q5_0(u, ARRAY(const uint8_t *, w, qs) + r * cols / 2, ARRAY(const uint32_t *, w, qh) + r * cols / QK,
+                    cols / QK);
+    else if (w->kind == K4)
+        unpack_k4(u, ARRAY(const uint8_t *, w, qs) + r * cols / 2, w->qh ? ARRAY(const uint8_t *, w, qh) + r * cols / 8
+                  : NULL, cols / QK_K);
+    else
+        unpack_q6_k(u, ARRAY(const uint8_t *, w, qs) + r * cols / 2, ARRAY(const uint8_t *, w, qh) + r * cols / 4,
+                    cols / QK_K);
 }
 
-static float row_dot(const uint8_t *u, struct codes w, int64_t r, int64_t cols, struct acts a, int64_t t) {
-    if (w.kind == Q5_0) {
+static float row_dot(const uint8_t *u, const struct ggml_part *w, int64_t r, int64_t cols, const struct acts *a, int64_t t) {
+    if (w->kind == Q5_0) {
         const int64_t blocks = cols / QK;
-        return q5_0_dot(u, w.d + r * blocks, a.q + t * cols, a.d + t * blocks, a.sum + t * blocks, blocks);
+        return q5_0_dot(u, ARRAY(const float *, w, d) + r * blocks, a->q + t * cols, a->d + t * blocks,
+                        a->sum + t * blocks, blocks);
     }
     const int64_t supers = cols / QK_K;
-    const int8_t *xq = a.q + t * cols;
-    const int32_t *xs = a.sum + t * cols / 16;
-    if (w.kind == K4)
-        return k4_dot(u, (const uint8_t *)w.sc + r * cols / 32, w.mn + r * cols / 32, w.d + r * supers,
-                      w.dmin + r * supers, xq, a.d + t * supers, xs, supers);
-    return q6_k_dot(u, (const int8_t *)w.sc + r * cols / 16, w.d + r * supers, xq, a.d + t * supers, xs, supers);
+    const int8_t *xq = a->q + t * cols;
+    const int32_t *xs = a->sum + t * cols / 16;
+    if (w->kind == K4)
+        return k4_dot(u, ARRAY(const uint8_t *, w, sc) + r * cols / 32, ARRAY(const uint8_t *, w, mn) + r * cols / 32,
+                      ARRAY(const float *, w, d) + r * supers, ARRAY(const float *, w, dmin) + r * supers, xq,
+                      a->d + t * supers, xs, supers);
+    return q6_k_dot(u, ARRAY(const int8_t *, w, sc) + r * cols / 16, ARRAY(const float *, w, d) + r * supers, xq,
+                    a->d + t * supers, xs, supers);
 }
 
-static void codes_matmul(float *out, const float *x, struct codes w, int64_t tokens, int64_t rows, int64_t cols,
-                         int threads) {
-    const struct acts a = quantize(x, tokens, cols, w.kind == Q5_0 ? QK : QK_K, threads);
-    _Pragma("omp parallel num_threads(threads_for(tokens, rows, cols, threads))")
-    {
-        uint8_t *u = malloc(cols + 64);
-        _Pragma("omp for schedule(static)")
-        for (int64_t r = 0; r < rows; r++) {
-            unpack_row(u, w, r, cols);
-            for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = row_dot(u, w, r, cols, a, t);
-        }
-        free(u);
+/* Rows r0 .. r1 of one part for every token: out[t * stride + r]. `u`: scratch of cols bytes. */
+static void part_rows(float *out, int64_t stride, const struct ggml_part *w, int64_t r0, int64_t r1, int64_t cols,
+                      const struct acts *a, int64_t tokens, uint8_t *u) {
+    if (w->kind == Q8_0) {  /* a row at a time: interleaving rows ran at half the speed (the LM head's loop) */
+        const int8_t *qs = ARRAY(const int8_t *, w, qs);
+        const float *d = ARRAY(const float *, w, d);
+        const int64_t blocks = cols / QK;
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t t = 0; t < tokens; t++)
+                out[t * stride + r] = q8_0_dot(qs + r * cols, d + r * blocks, a->q + t * cols, a->d + t * blocks, blocks);
+        return;
     }
-    free_acts(a);
+    for (int64_t r = r0; r < r1; r++) {
+        unpack_row(u, w, r, cols);
+        for (int64_t t = 0; t < tokens; t++) out[t * stride + r] = row_dot(u, w, r, cols, a, t);
+    }
+}
+
+/* Rows are dealt to threads in chunks as they come free, so a thread another process preempts holds up at
+ * most its chunk (a static split waits for its whole share). */
+#define CHUNK_ROWS 64
+
+static int64_t matrix_rows(const struct ggml_matrix *m) {
+    int64_t rows = 0;
+    for (int64_t i = 0; i < m->parts; i++) rows += m->part[i].rows;
+    return rows;
+}
+
+void ggml_matrix_matmul_f32(float *out, const float *x, const struct ggml_matrix *m, int64_t tokens, int64_t cols,
+                            int threads) {
+    int need32 = 0, need256 = 0;
+    for (int64_t i = 0; i < m->parts; i++) {
+        if (m->part[i].kind == Q8_0 || m->part[i].kind == Q5_0) need32 = 1;
+        else need256 = 1;
+    }
+    struct acts a32 = {0}, a256 = {0};  /* each rounding once, shared by the parts that read it */
+    if (need32) a32 = quantize(x, tokens, cols, QK, threads);
+    if (need256) a256 = quantize(x, tokens, cols, QK_K, threads);
+    const int64_t rows = matrix_rows(m);
+    int64_t offset = 0;
+    for (int64_t i = 0; i < m->parts; i++) {
+        const struct ggml_part *w = &m->part[i];
+        const struct acts *a = w->kind == Q8_0 || w->kind == Q5_0 ? &a32 : &a256;
+        _Pragma("omp parallel num_threads(threads_for(tokens, w->rows, cols, threads))")
+        {
+            uint8_t *u = malloc(cols + 64);
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t c = 0; c < (w->rows + CHUNK_ROWS - 1) / CHUNK_ROWS; c++) {
+                const int64_t r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->rows ? r0 + CHUNK_ROWS : w->rows;
+                part_rows(out + offset, rows, w, r0, r1, cols, a, tokens, u);
+            }
+            free(u);
+        }
+        offset += w->rows;
+    }
+    if (need32) free_acts(a32);
+    if (need256) free_acts(a256);
+}
+
+static void one_part(float *out, const float *x, struct ggml_part p, int64_t tokens, int64_t cols, int threads) {
+    struct ggml_matrix m = {1, {p}};
+    ggml_matrix_matmul_f32(out, x, &m, tokens, cols, threads);
+}
+
+#define I(p) ((int64_t)(intptr_t)(p))
+
+void ggml_q8_0_matmul_f32(float *out, const float *x, const int8_t *qs, const float *d, int64_t tokens,
+                          int64_t rows, int64_t cols, int threads) {
+    one_part(out, x, (struct ggml_part){Q8_0, rows, I(qs), 0, 0, 0, I(d), 0}, tokens, cols, threads);
 }
 
 void ggml_q5_0_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint32_t *qh, const float *d,
                           int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    const struct codes w = {Q5_0, qs, (const uint8_t *)qh, NULL, NULL, d, NULL};
-    codes_matmul(out, x, w, tokens, rows, cols, threads);
+    one_part(out, x, (struct ggml_part){Q5_0, rows, I(qs), I(qh), 0, 0, I(d), 0}, tokens, cols, threads);
 }
 
 void ggml_k4_matmul_f32(float *out, const float *x, const uint8_t *qs, const uint8_t *qh, const uint8_t *sc,
                         const uint8_t *mn, const float *d, const float *dmin, int64_t tokens, int64_t rows,
                         int64_t cols, int threads) {
-    const struct codes w = {K4, qs, qh, sc, mn, d, dmin};
-    codes_matmul(out, x, w, tokens, rows, cols, threads);
+    one_part(out, x, (struct ggml_part){K4, rows, I(qs), I(qh), I(sc), I(mn), I(d), I(dmin)}, tokens, cols, threads);
 }
 
 void ggml_q6_k_matmul_f32(float *out, const float *x, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
                           const float *d, int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    const struct codes w = {Q6_K, ql, qh, sc, NULL, d, NULL};
-    codes_matmul(out, x, w, tokens, rows, cols, threads);
+    one_part(out, x, (struct ggml_part){Q6_K, rows, I(ql), I(qh), I(sc), 0, I(d), 0}, tokens, cols, threads);
 }

@@ -69,8 +69,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:  # one path for any number of rows (the mode refuses tensor parallelism)
             return invariant.linear(hidden, self.weight, None, self.onednn)[..., :self.vocab_size]
-        if self.q8 is not None:
-            logits = self.q8.matmul(hidden)
+        if self.q8 is not None:  # fp32 logits, as the kernel gives them (the sampler reads fp32: no round trip)
+            logits = self.q8.matmul(hidden.float())
         elif self.onednn is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
         else:

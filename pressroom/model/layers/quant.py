@@ -146,6 +146,19 @@ class GgmlRows:
     __slots__ = ()
     BLOCK: ClassVar[int]
     PER: ClassVar[tuple[int, ...]]  # per field, in order
+    KIND: ClassVar[str]  # its name in cpu.GGML_KINDS
+    C_FIELDS: ClassVar[tuple[str, ...]]  # per field, its name in cpu.GGML_PART_FIELDS
+
+    def c_part(self) -> list[int]:
+        """This matrix as one part of csrc/ggml_matrix.h's description: kind, rows, then array pointers."""
+        arrays = dict(zip(self.C_FIELDS, self._arrays()))
+        if not all(a is None or a.is_contiguous() for a in arrays.values()):
+            raise ValueError("the C kernels read a GGML matrix's arrays as contiguous rows.")
+        pointers = [0 if arrays.get(f) is None else arrays[f].data_ptr() for f in cpu.GGML_PART_FIELDS[2:]]
+        return [cpu.GGML_KINDS.index(self.KIND), self.shape[0], *pointers]
+
+    def c_matrix(self) -> torch.Tensor:
+        return c_matrix([self])
 
     def _arrays(self) -> list[torch.Tensor | None]:
         return [getattr(self, name) for name in self.__slots__]  # the dataclass's fields, in order
@@ -203,6 +216,8 @@ class Q8Weight(GgmlRows):
     scale: torch.Tensor  # float32 [rows, cols // 32]
     BLOCK: ClassVar[int] = 32
     PER: ClassVar[tuple[int, ...]] = (1, 32)
+    KIND: ClassVar[str] = "Q8_0"
+    C_FIELDS: ClassVar[tuple[str, ...]] = ("qs", "d")
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * _per_block(self.scale, 32)
@@ -219,6 +234,8 @@ class Q5Weight(GgmlRows):
     scale: torch.Tensor  # float32 [rows, cols // 32]
     BLOCK: ClassVar[int] = 32
     PER: ClassVar[tuple[int, ...]] = (2, 32, 32)
+    KIND: ClassVar[str] = "Q5_0"
+    C_FIELDS: ClassVar[tuple[str, ...]] = ("qs", "qh", "d")
 
     def dequantize(self) -> torch.Tensor:
         return (ggml.q5_0_values(self.qs, self.qh).float() - 16) * _per_block(self.scale, 32)
@@ -238,6 +255,8 @@ class KWeight(GgmlRows):
     dmin: torch.Tensor  # float32 [rows, cols // 256]
     BLOCK: ClassVar[int] = 256
     PER: ClassVar[tuple[int, ...]] = (2, 8, 32, 32, 256, 256)
+    KIND: ClassVar[str] = "K4"
+    C_FIELDS: ClassVar[tuple[str, ...]] = ("qs", "qh", "sc", "mn", "d", "dmin")
 
     def dequantize(self) -> torch.Tensor:
         u = ggml.k4_values(self.qs, self.qh).float()
@@ -258,6 +277,8 @@ class Q6KWeight(GgmlRows):
     d: torch.Tensor  # float32 [rows, cols // 256]
     BLOCK: ClassVar[int] = 256
     PER: ClassVar[tuple[int, ...]] = (2, 4, 16, 256)
+    KIND: ClassVar[str] = "Q6_K"
+    C_FIELDS: ClassVar[tuple[str, ...]] = ("qs", "qh", "sc", "d")
 
     def dequantize(self) -> torch.Tensor:
         scale = _per_block(self.d, 16) * self.sc.float()
@@ -267,14 +288,30 @@ class Q6KWeight(GgmlRows):
     _reference = staticmethod(lambda x, a: ggml.q6_k_matmul(x, *a))
 
 
+def c_matrix(parts: list[GgmlRows]) -> torch.Tensor:
+    """csrc/ggml_matrix.h's description of rows stacked from these parts: int64, pointers into their arrays
+    (valid while the parts live)."""
+    if len(parts) > cpu.GGML_MAX_PARTS:
+        raise ValueError(f"a matrix of {len(parts)} runs of GGML types; the C kernels take {cpu.GGML_MAX_PARTS}.")
+    fields = [len(parts)] + [v for p in parts for v in p.c_part()]
+    fields += [0] * (1 + cpu.GGML_MAX_PARTS * len(cpu.GGML_PART_FIELDS) - len(fields))
+    return torch.tensor(fields, dtype=torch.int64)
+
+
 @dataclass(slots=True)
 class GgmlStack:
     """A stacked matrix (qkv, gate_up) whose parts came in different GGML types: one product per run of rows
-    of one type, concatenated."""
+    of one type (in one C call that rounds the activations once per block size), concatenated."""
     parts: list[GgmlRows]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu.available() and len(self.parts) <= cpu.GGML_MAX_PARTS:
+            matrix, rows = self.c_matrix(), sum(p.shape[0] for p in self.parts)
+            return _c_matmul(x, lambda flat: cpu.ggml_matrix_matmul(flat, matrix, rows))
         return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+    def c_matrix(self) -> torch.Tensor:
+        return c_matrix(self.parts)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
