@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.kernels import batch_invariant as invariant
+from pressroom.kernels import cpu
 
 
 class SiluAndMul(nn.Module):
@@ -26,5 +27,7 @@ class GeluTanhAndMul(nn.Module):
     """gelu_tanh(gate) * up over the stacked [gate | up] projection (Gemma's gelu_pytorch_tanh)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and cpu.supports(x):  # the kernel Gemma 3's C decode stack runs
+            return cpu.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

@@ -1,24 +1,56 @@
-"""The CPU's decode fast path: a whole decode step of a Llama-family model with 4-bit weights in one C
-call (kernels/csrc/decode_stack.c) instead of about a dozen Python calls per layer.
+"""The CPU's decode fast path: a whole decode step in one C call instead of a dozen or more Python calls per
+layer. `CpuDecodeStack`: a Llama-family model with 4-bit weights (kernels/csrc/decode_stack.c);
+`Gemma3DecodeStack`: Gemma 3 with GGML-quantized projections, a GGUF kept as shipped
+(kernels/csrc/gemma3_stack.c).
 
-It applies to steps whose tokens are all decodes (one new token per sequence, at most INT4_MAX_ROWS of
-them) on a model whose projections all kept their 4-bit form, on one rank, without q/k norms or drafter
+They apply to steps whose tokens are all decodes (one new token per sequence; for the 4-bit stack at most
+INT4_MAX_ROWS of them) on a model whose projections all kept their quantized form, on one rank, without drafter
 taps; every other step takes the layer-by-layer path. Both paths run the same kernels in the same order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from pressroom.attention.backend import AttentionMetadata
+from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import cpu
-from pressroom.model.layers.quant import INT4_MAX_ROWS, NibbleMatrix
+from pressroom.model.layers.activation import GeluTanhAndMul
+from pressroom.model.layers.quant import INT4_MAX_ROWS, GgmlRows, GgmlStack, NibbleMatrix
+
+
+class DecodeStack(Protocol):
+    max_tokens: int | None
+
+    @staticmethod
+    def supports(model) -> bool: ...
+
+    @classmethod
+    def build(cls, model) -> DecodeStack | None: ...
+
+    def is_current(self, model) -> bool: ...
+
+
+def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> DecodeStack | None:
+    """The model's stack of `kind` for this step, or None where the step or the model cannot take it. The model
+    keeps its answer in `fused_decode` (None: not asked yet) and its stack in `_decode_stack`, rebuilt when the
+    KV cache is rebound."""
+    if model.fused_decode is False or not applies(get_attention_metadata(), input_ids, kind.max_tokens):
+        return None
+    if model.fused_decode is None:
+        model.fused_decode = kind.supports(model)
+        if not model.fused_decode:
+            return None
+    if model._decode_stack is None or not model._decode_stack.is_current(model):
+        model._decode_stack = kind.build(model)
+    return model._decode_stack
 
 
 @dataclass(slots=True)
 class CpuDecodeStack:
+    max_tokens = INT4_MAX_ROWS  # the 4-bit kernels' rows
     layer_ptrs: torch.Tensor  # int64 [layers, DECODE_LAYER_FIELDS]
     held: list[torch.Tensor]  # fp32 copies the pointers refer to (a bf16 model's norm weights)
     final_norm: torch.Tensor
@@ -70,10 +102,11 @@ class CpuDecodeStack:
                                 dims, self.eps, self.scale)
 
 
-def applies(meta: AttentionMetadata, input_ids: torch.Tensor) -> bool:
-    """A step of decodes only, few enough for the 4-bit kernels, with the CPU's int64 index tensors."""
+def applies(meta: AttentionMetadata, input_ids: torch.Tensor, max_tokens: int | None = INT4_MAX_ROWS) -> bool:
+    """A step of decodes only (at most max_tokens of them, None: any number), with the CPU's int64 index
+    tensors."""
     tokens = input_ids.shape[0]
-    return (input_ids.device.type == "cpu" and 0 < tokens <= INT4_MAX_ROWS and meta.num_decodes == tokens
+    return (input_ids.device.type == "cpu" and 0 < tokens <= (max_tokens or tokens) and meta.num_decodes == tokens
             and meta.num_decode_tokens == tokens and meta.block_tables.dtype == torch.int64
             and meta.seq_lens.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64)
 
@@ -104,3 +137,93 @@ def _layer_pointers(layer, held: list[torch.Tensor]) -> list[int]:
         w: NibbleMatrix = linear.int4
         ptrs |= {f"{prefix}_q": w.qs.data_ptr(), f"{prefix}_d": w.scale.data_ptr(), f"{prefix}_m": w.min.data_ptr()}
     return [ptrs[name] for name in cpu.DECODE_LAYER_FIELDS]
+
+
+# --- Gemma 3 over GGML forms -------------------------------------------------------------------------------
+
+
+def _gemma3_linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _gemma3_norms(layer) -> tuple:
+    attn = layer.self_attn
+    return (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+
+
+def _gemma3_eligible(layer) -> bool:
+    """Every projection in its GGML form (at most the C kernels' runs of types), no biases, GELU-tanh."""
+    forms = [linear.ggml for linear in _gemma3_linears(layer)]
+    return (all(isinstance(f, GgmlRows) or isinstance(f, GgmlStack) and len(f.parts) <= cpu.GGML_MAX_PARTS
+                for f in forms)
+            and all(linear.bias is None and linear.tp_size == 1 for linear in _gemma3_linears(layer))
+            and isinstance(layer.mlp.act, GeluTanhAndMul))
+
+
+@dataclass(slots=True)
+class Gemma3DecodeStack:
+    """Gemma 3's decode step in one C call (kernels/csrc/gemma3_stack.c) over its GGML forms."""
+    max_tokens = None  # the GGML kernels take any number of rows
+    layer_table: torch.Tensor  # int64 [layers, gemma3_layer_fields]: pointers into `held` and the weights
+    held: list[torch.Tensor]  # fp32 norm weights and matrix descriptions the table points into
+    final_norm: torch.Tensor
+    cache_ptr: int  # layer 0's cache when built: a rebound cache needs new pointers
+    shape: dict[str, int]  # DECODE_DIM_FIELDS except tokens and max_blocks
+    eps: float
+    scale: float
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether a Gemma3Model's layers can take this path at all (asked once)."""
+        if not cpu.available() or not model.layers or get_tp_size() > 1:
+            return False
+        attn = model.layers[0].self_attn
+        if any(r.rotary_dim != attn.head_dim for r in (model.rotary_local, model.rotary_global)):
+            return False
+        norms = [n for layer in model.layers for n in _gemma3_norms(layer)] + [model.norm]
+        scales = {layer.self_attn.attn.scale for layer in model.layers}
+        return (all(_gemma3_eligible(layer) for layer in model.layers) and len({n.eps for n in norms}) == 1
+                and len(scales) == 1)
+
+    @classmethod
+    def build(cls, model) -> Gemma3DecodeStack | None:
+        """The layer table for a supported Gemma3Model; None while its caches are not bound."""
+        caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
+        if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):
+            return None
+        held: list[torch.Tensor] = []
+        table = torch.stack([_gemma3_layer_row(layer, held) for layer in model.layers])
+        attn = model.layers[0].self_attn
+        shape = {"hidden": model.norm.weight.shape[0], "heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
+                 "head_dim": attn.head_dim, "inter": model.layers[0].mlp.gate_up_proj.output_sizes[0],
+                 "block_size": caches[0].shape[2], "cache_bf16": int(caches[0].dtype == torch.bfloat16)}
+        return cls(table, held, _fp32(model.norm.weight, held), caches[0].data_ptr(), shape, model.norm.eps,
+                   attn.attn.scale)
+
+    def is_current(self, model) -> bool:
+        cache = model.layers[0].self_attn.attn.kv_cache
+        return cache is not None and cache.data_ptr() == self.cache_ptr
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        """x: the scaled embeddings [tokens, hidden]; rope: the local (cos, sin), then the global; returns the
+        final-normed hidden states, fp32."""
+        tokens = x.shape[0]
+        x = x.to(torch.float32, copy=True).contiguous()  # written in place
+        tables = meta.block_tables[:tokens].contiguous()
+        dims = torch.tensor([tokens, self.shape["hidden"], self.shape["heads"], self.shape["kv_heads"],
+                             self.shape["head_dim"], self.shape["inter"], self.shape["block_size"],
+                             tables.shape[1], self.shape["cache_bf16"]], dtype=torch.int64)
+        return cpu.gemma3_decode_stack(x, self.layer_table, self.final_norm, tuple(t.contiguous() for t in rope),
+                                       meta.slot_mapping.contiguous(), tables, meta.seq_lens[:tokens].contiguous(),
+                                       dims, self.eps, self.scale)
+
+
+def _gemma3_layer_row(layer, held: list[torch.Tensor]) -> torch.Tensor:
+    attn = layer.self_attn.attn
+    norms = [_fp32(n.weight, held).data_ptr() for n in _gemma3_norms(layer)]
+    scalars = [*norms, attn.kv_cache[0].data_ptr(), attn.kv_cache[1].data_ptr(), attn.sliding_window or 0,
+               int(not layer.local)]
+    matrices = [linear.ggml.c_matrix() for linear in _gemma3_linears(layer)]
+    return torch.cat([torch.tensor(scalars, dtype=torch.int64), *matrices])

@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
             return self._forward_triton(x, residual)
         if x.dim() == 2 and x.is_contiguous() and cpu.supports(x, self.weight):
             return self._forward_c(x, residual)
+        if residual is None and cpu.supports(x, self.weight):  # per-head norms: each head a row of the kernel
+            return self._forward_rows(x, None)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pressroom.attention.backend import get_attention_metadata
+from pressroom.model.layers import cpu_decode
 from pressroom.model.layers.activation import GeluTanhAndMul
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -103,6 +105,9 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_global = _rotary(config, "full_attention")
         self.rotary_local = _rotary(config, SLIDING)
+        # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
+        self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
+        self._decode_stack: cpu_decode.Gemma3DecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -110,6 +115,9 @@ class Gemma3Model(nn.Module):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF rounds the scale to the weights' dtype first
         local = RopeTables(self.rotary_local, *self.rotary_local.cos_sin(positions))
         glob = RopeTables(self.rotary_global, *self.rotary_global.cos_sin(positions))
+        stack = None if aux_layers else cpu_decode.current_stack(self, cpu_decode.Gemma3DecodeStack, input_ids)
+        if stack is not None:  # the C stack taps no layer; its fp32 states go to the LM head unrounded
+            return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata())
         residual, taps = None, {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(local if layer.local else glob, x, residual)

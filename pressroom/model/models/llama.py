@@ -134,17 +134,7 @@ class LlamaModel(nn.Module):
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
 
     def _fused_decode_stack(self, input_ids: torch.Tensor) -> cpu_decode.CpuDecodeStack | None:
-        if self.fused_decode is False:
-            return None
-        if not cpu_decode.applies(get_attention_metadata(), input_ids):
-            return None
-        if self.fused_decode is None:
-            self.fused_decode = cpu_decode.CpuDecodeStack.supports(self)
-            if not self.fused_decode:
-                return None
-        if self._decode_stack is None or not self._decode_stack.is_current(self):
-            self._decode_stack = cpu_decode.CpuDecodeStack.build(self)
-        return self._decode_stack
+        return cpu_decode.current_stack(self, cpu_decode.CpuDecodeStack, input_ids)
 
 
 # checkpoint name part -> (our stacked parameter, shard id)
