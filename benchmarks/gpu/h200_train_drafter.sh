@@ -21,6 +21,10 @@ if [ ! -f $model ]; then
   cat $work/part.* > $model && rm $work/part.*
 fi
 engine="--model $model --device cuda --gpu-memory-utilization 0.4"
+# The 50,000 prompts of 2026-12-03 (make-prompts below, same seed) are committed; MAKE_PROMPTS=1 writes them anew.
+if [ ! -f $work/prompts.jsonl ] && [ -z "$MAKE_PROMPTS" ] && [ -f benchmarks/data/selfwritten_prompts.jsonl.gz ]; then
+  zcat benchmarks/data/selfwritten_prompts.jsonl.gz > $work/prompts.jsonl
+fi
 if [ ! -f $work/prompts.jsonl ]; then
   timeout $((budget - 30)) python3 -m pressroom.entrypoints.cli make-prompts $engine --num-prompts 50000 \
     --batch 2048 --max-cudagraph-capture-size 1024 --output $work/prompts.tmp 2>&1 | tail -4 \
@@ -31,11 +35,14 @@ gzip -c $work/prompts.jsonl > "$out/prompts.jsonl.gz"
 left=$((budget - ($(date +%s) - start) - 20))
 python3 -m pressroom.entrypoints.cli train-drafter $engine --max-cudagraph-capture-size 1024 \
   --dataset-path $work/prompts.jsonl --held-out-path benchmarks/data/chat_heldout.jsonl --chat \
-  --num-prompts 50000 --max-tokens 160 --record-batch 2048 --num-layers 2 --rank 16 --steps 20000 \
+  --num-prompts 50000 --max-tokens 160 --record-batch 2048 --num-layers 2 --rank 16 --steps ${STEPS:-20000} \
   --batch-size 512 --lr 1.5e-3 --validation-fraction 0.02 --eval-every 1000 --patience 4 --save-dtype bfloat16 \
   --work-dir $work/train --checkpoint-every 1000 --time-limit $left --output $work/drafter > $work/train.log 2>&1
 rc=$?
 grep -v "^$" $work/train.log | tail -40
 cp $work/train.log "$out/" 2>/dev/null
-[ $rc -eq 0 ] && cp $work/drafter/* "$out/"
+if [ $rc -eq 0 ]; then cp $work/drafter/* "$out/"
+else  # the recorded continuations (token ids) come back, to carry into a later machine's work directory
+  tar cf - -C $work train/train-*.pt train/heldout-*.pt 2>/dev/null | gzip -1 | split -b 15000000 - "$out/continuations.tgz."
+fi
 exit $rc
