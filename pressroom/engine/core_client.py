@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 import time
+from concurrent.futures import Future
 
 import msgspec
 import zmq
@@ -29,7 +30,7 @@ from pressroom.executor.process import allow_children, die_with_parent
 
 logger = logging.getLogger("pressroom")
 
-_ADD, _FINISH, _SHUTDOWN = b"add", b"finish", b"shutdown"
+_ADD, _FINISH, _SHUTDOWN, _EOS = b"add", b"finish", b"shutdown", b"eos"
 _READY, _OUTPUTS, _FAILED = b"ready", b"out", b"failed"
 HEARTBEAT_SECONDS = 1.0
 _POLL_MS = 500
@@ -43,10 +44,14 @@ class CoreClient:
     """Starts the core process and speaks for it: `add_request` and `finish_requests` as EngineCore has
     them, and `recv` for its outputs. Not thread-safe: the caller serialises its calls."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0,
+    EOS_FUTURE = True  # `eos_token_id` may be a Future (LLMEngine loads its tokenizer while the core starts)
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None | Future, start_timeout: float = 600.0,
                  wait: bool = True) -> None:
         """`wait` False: returns once the process is started; `wait_ready` then waits for it (several cores
-        start side by side)."""
+        start side by side). `eos_token_id` a Future: the process starts at once (its imports, seconds, overlap
+        whatever the caller is still loading) and is sent the id once the Future has it; a Future that fails
+        kills the process and `wait_ready` raises its error."""
         self._dir = tempfile.mkdtemp(prefix="pressroom-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._zmq = zmq.Context()
@@ -57,7 +62,8 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs = msgspec.msgpack.Decoder(CoreOutputs)
         spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
-        args = (config, eos_token_id, in_addr, out_addr, os.getpid())
+        self._eos = eos_token_id if isinstance(eos_token_id, Future) else None
+        args = (config, None if self._eos else eos_token_id, in_addr, out_addr, os.getpid(), self._eos is not None)
         self.process = spawn.Process(target=run_engine_core, args=args, name="pressroom-engine-core", daemon=True)
         self.process.start()
         self.info: CoreInfo | None = None
@@ -78,6 +84,14 @@ class CoreClient:
 
     def _wait_ready(self, timeout: float) -> CoreInfo:
         deadline = time.monotonic() + timeout
+        if self._eos is not None:
+            try:
+                eos = self._eos.result(timeout)
+            except BaseException:
+                self.process.kill()  # it has only imported: nothing to shut down gracefully
+                raise
+            self._eos = None
+            self._input.send_multipart([_EOS, self._encoder.encode(eos)])
         while time.monotonic() < deadline:
             if self._output.poll(_POLL_MS):
                 kind, payload = self._output.recv_multipart()
@@ -133,7 +147,9 @@ def _startup_error(message: str) -> Exception:
 # ---- the core process ----
 
 def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str, out_addr: str,
-                    parent_pid: int) -> None:
+                    parent_pid: int, eos_to_come: bool = False) -> None:
+    """`eos_to_come`: the end-of-sequence id is the first message (CoreClient given a Future); a shutdown
+    instead ends the process before it builds anything."""
     die_with_parent()
     allow_children()  # the multiprocess executor's workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
@@ -144,6 +160,11 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
+        if eos_to_come:
+            kind, payload = inp.recv_multipart()
+            if kind != _EOS:  # a shutdown: the front-end failed to start
+                return
+            eos_token_id = msgspec.msgpack.decode(payload, type=int | None)
         core = EngineCore(config, eos_token_id)
         out.send_multipart([_READY, encoder.encode(core.info)])
         _busy_loop(core, inp, out, encoder, parent_pid)

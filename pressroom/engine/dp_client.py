@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import replace
 
 import zmq
@@ -27,7 +28,9 @@ _AFFINITY_ENTRIES = 4096
 
 
 class DPCoreClient:
-    def __init__(self, config: EngineConfig, eos_token_id: int | None, start_timeout: float = 600.0) -> None:
+    EOS_FUTURE = True  # as CoreClient: every core starts at once and is sent the id when the Future has it
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None | Future, start_timeout: float = 600.0) -> None:
         size = config.parallel.data_parallel_size
         self.clients: list[CoreClient] = []
         try:

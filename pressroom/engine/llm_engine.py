@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,10 +91,15 @@ class LLMEngine:
                              "N); the offline LLM drives one engine core.")
         self.config = config
         path = resolve_model_path(config.model.model)
-        self.hf_config = load_hf_config(path)
-        skip = config.model.skip_tokenizer_init
-        self.tokenizer = None if skip else load_tokenizer(config.model.tokenizer or path)
-        core = make_core(config, _eos_token_id(self.tokenizer, self.hf_config))
+        if getattr(make_core, "EOS_FUTURE", False):
+            # A core process starts first and is sent the end-of-sequence id later: its imports and this
+            # process's config and tokenizer loads (a second or two each) overlap.
+            with ThreadPoolExecutor(1, thread_name_prefix="pressroom-tokenizer") as pool:
+                eos = pool.submit(self._load_config_and_tokenizer, path)
+                core = make_core(config, eos)
+            eos.result()
+        else:
+            core = make_core(config, self._load_config_and_tokenizer(path))
         self.core = core
         info: CoreInfo = core.info
         self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
@@ -105,6 +111,13 @@ class LLMEngine:
         self.pooling_defaults = self._pooling_defaults(path) if config.model.runner == "pooling" else None
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
+
+    def _load_config_and_tokenizer(self, path: str) -> int | None:
+        """Sets hf_config and tokenizer; returns the end-of-sequence id the core needs."""
+        self.hf_config = load_hf_config(path)
+        skip = self.config.model.skip_tokenizer_init
+        self.tokenizer = None if skip else load_tokenizer(self.config.model.tokenizer or path)
+        return _eos_token_id(self.tokenizer, self.hf_config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
