@@ -141,6 +141,38 @@ def smol_server(tmp_path_factory):
         yield url
 
 
+def tiny_args(model_dir: str, *extra: str) -> list[str]:
+    """`pressroom serve` of a tiny checkpoint, served as "tiny" in float32 with a small KV cache."""
+    return ["serve", model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory-gib", "0.05",
+            *extra]
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    """One server of the tiny llama, served as "tiny", no API key, requests up to 1 MiB, that several modules
+    share (the server, bench serve and pooling-route tests)."""
+    from serving import serve
+    args = tiny_args(tiny_model_dir("llama"), "--max-request-bytes", str(1 << 20))
+    with serve(args, tmp_path_factory.mktemp("tiny") / "server.log") as (url, _):
+        yield url
+
+
+TINY_KEY = "sesame"
+
+
+@pytest.fixture(scope="session")
+def keyed_tiny_server(tiny_model_dir, tmp_path_factory):
+    """One server of the tiny llama, served as "tiny", behind the API key TINY_KEY (all but /health and, with
+    --disable-metrics-auth, /metrics), request chat templates refused, a 64-token context (bounds what any
+    fuzzed max_tokens x n can cost), that several modules share (the chat page's key, the hostile-input and
+    schema-fuzz tests)."""
+    from serving import serve
+    args = tiny_args(tiny_model_dir("llama"), "--max-model-len", "64", "--disable-metrics-auth",
+                     "--api-key", TINY_KEY)
+    with serve(args, tmp_path_factory.mktemp("tiny-keyed") / "server.log", shutdown_s=20) as (url, _):
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
     """Returns a function arch -> directory holding a tiny random-weight HF checkpoint and a tokenizer."""

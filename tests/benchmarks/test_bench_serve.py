@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -14,22 +13,14 @@ import pytest
 from fastapi import (
     Request,  # resolved at module level: FastAPI reads the handler's annotation by name
 )
-from serving import free_port, serve
+from serving import free_port
 
 MODEL = "tiny"
 
 
-@contextlib.contextmanager
-def _serve(model_dir: str, log_path):
-    args = ["serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
-    with serve(args, log_path, shutdown_s=20) as (url, _):
-        yield url
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    with _serve(tiny_model_dir("llama"), tmp_path_factory.mktemp("bench-serve") / "server.log") as url:
-        yield url
+def server(tiny_server):
+    return tiny_server  # the tiny llama served as "tiny" (shared: conftest.py)
 
 
 def _bench(tmp_path, *args: str) -> dict:

@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-from serving import serve
 
 CHROMIUM = "/usr/bin/chromium"
 KEY = "sesame"
@@ -31,11 +30,8 @@ def server(smol_server):
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tiny_model_dir, tmp_path_factory):
-    args = ["serve", tiny_model_dir("llama"), "--served-model-name", "tiny", "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", "--api-key", KEY]
-    with serve(args, tmp_path_factory.mktemp("page-key") / "server.log") as (url, _):
-        yield url
+def keyed_server(keyed_tiny_server):
+    return keyed_tiny_server  # the tiny llama behind the key KEY (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -303,15 +303,13 @@ def test_models_show_the_served_name_not_a_path(server, tiny_model_dir):
     assert tiny_model_dir("llama") not in httpx.get(f"{server}/v1/models", headers=AUTH).text
 
 
-def test_request_chat_template_needs_the_flag(tiny_model_dir, tmp_path):
-    args = ["serve", tiny_model_dir("llama"), "--served-model-name", MODEL, "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", "--disable-metrics-auth", "--api-key", KEY]
-    with serve(args, tmp_path / "server.log", shutdown_s=20) as (url, _):
-        r, seconds = asyncio.run(_post_once(url, "/v1/chat/completions", chat(chat_template="{{ 1 }}")))
-        assert_json_error(r, 400, seconds, "chat_template")
-        assert "--trust-request-chat-template" in r.json()["error"]["message"]
-        assert httpx.get(f"{url}/metrics").status_code == 200  # opened by --disable-metrics-auth
-        assert httpx.get(f"{url}/v1/models").status_code == 401
+def test_request_chat_template_needs_the_flag(keyed_tiny_server):
+    url = keyed_tiny_server  # the tiny llama behind KEY, --disable-metrics-auth, no --trust-request-chat-template
+    r, seconds = asyncio.run(_post_once(url, "/v1/chat/completions", chat(chat_template="{{ 1 }}")))
+    assert_json_error(r, 400, seconds, "chat_template")
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/metrics").status_code == 200  # opened by --disable-metrics-auth
+    assert httpx.get(f"{url}/v1/models").status_code == 401
 
 
 async def _post_once(url: str, path: str, body: dict) -> tuple[httpx.Response, float]:

@@ -131,16 +131,14 @@ def test_score_and_rerank_are_cosine_similarities_of_embeddings(server, st_model
     assert bad.status_code == 400 and "equal length" in bad.json()["error"]["message"]
 
 
-def test_a_generation_only_model_answers_400_on_every_pooling_route(tiny_model_dir, tmp_path):
-    args = ["serve", tiny_model_dir("llama"), "--served-model-name", "tiny", "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05"]
-    with serve(args, tmp_path / "server.log") as (url, _):
-        bodies = {"/v1/embeddings": {"input": "hi"}, "/pooling": {"input": "hi"},
-                  "/score": {"text_1": "a", "text_2": "b"}, "/rerank": {"query": "a", "documents": ["b"]}}
-        for path, body in bodies.items():
-            r = httpx.post(f"{url}{path}", json=body, timeout=60)
-            assert r.status_code == 400, (path, r.text)
-            assert "does not support pooling" in r.json()["error"]["message"]
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="--runner pooling"):
-            client.embeddings.create(model="tiny", input="hi")
+def test_a_generation_only_model_answers_400_on_every_pooling_route(tiny_server):
+    url = tiny_server  # the tiny llama (shared: conftest.py)
+    bodies = {"/v1/embeddings": {"input": "hi"}, "/pooling": {"input": "hi"},
+              "/score": {"text_1": "a", "text_2": "b"}, "/rerank": {"query": "a", "documents": ["b"]}}
+    for path, body in bodies.items():
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "does not support pooling" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model="tiny", input="hi")

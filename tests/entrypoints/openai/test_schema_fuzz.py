@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 from serving import serve
 
-KEY = "sesame"
+KEY = "sesame"  # conftest.py's TINY_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES_PER_OPERATION = 50
 
@@ -19,12 +19,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    # a short context bounds what any fuzzed max_tokens x n can cost
-    args = ["serve", tiny_model_dir("llama"), "--served-model-name", "tiny", "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", "--max-model-len", "64", "--api-key", KEY]
-    with serve(args, tmp_path_factory.mktemp("fuzz") / "server.log", shutdown_s=20) as (url, _):
-        yield url
+def server(keyed_tiny_server):
+    # the tiny llama behind KEY with a 64-token context, which bounds what any fuzzed max_tokens x n can cost
+    # (shared: conftest.py)
+    return keyed_tiny_server
 
 
 @pytest.fixture(scope="module")

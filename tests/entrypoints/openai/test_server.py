@@ -23,10 +23,8 @@ def _serve(model_dir: str, log_path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    with _serve(tiny_model_dir("llama"), tmp_path_factory.mktemp("serve") / "server.log",
-                "--max-request-bytes", str(1 << 20)) as url:
-        yield url
+def server(tiny_server):
+    return tiny_server  # the tiny llama, requests up to 1 MiB (shared: conftest.py)
 
 
 @pytest.fixture
