@@ -146,7 +146,8 @@ def test_a_dead_core_fails_every_request_and_health_within_seconds(server):
     assert not _children(proc.pid)
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+# SIGTERM with test-slow: CI's SIGTERM test (the grace period's, below) also waits for the core to be gone
+@pytest.mark.parametrize("how", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGKILL])
 def test_no_core_outlives_its_server(server, how):
     proc, _ = server
     core = _core_pid(proc.pid)
@@ -162,74 +163,27 @@ def _running(url: str) -> float:
                if s.name == "pressroom:num_requests_running")
 
 
-def test_sigterm_ends_what_outlives_the_grace_period_with_an_error_not_a_cut(tiny_model_dir, tmp_path):
-    """After --shutdown-timeout, each stream still running gets a finish_reason "abort" chunk, an SSE error
-    event and [DONE] (no incomplete chunked read); a non-streamed request gets a JSON 503; the server exits
-    cleanly before uvicorn's own deadline would have cancelled a handler."""
-    log_path = tmp_path / "server.log"
-    proc, url = _start(tiny_model_dir("llama"), log_path, "--shutdown-timeout", "2")
-    try:
-        core = _core_pid(proc.pid)
-        results = [{}, {}]
-        started = [threading.Event() for _ in results]
-        threads = [threading.Thread(target=_stream, args=(url, started[0], results[0])),
-                   threading.Thread(target=_stream, args=(url, started[1], results[1], True))]
-        whole: dict = {}
-
-        def post() -> None:
-            body = {"prompt": "Hi", "max_tokens": 1500, "ignore_eos": True}
-            try:
-                whole["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            except httpx.HTTPError as e:
-                whole["response"] = e
-
-        threads.append(threading.Thread(target=post))
-        for t in threads:
-            t.start()
-        for e, r in zip(started, results):
-            assert e.wait(60) and "ended" not in r, r
-        deadline = time.monotonic() + 30
-        while _running(url) < 3:  # all three are in the engine
-            assert time.monotonic() < deadline, "the requests did not all start"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        for t in threads:
-            t.join(30)
-        for r in results:
-            events = r["events"]
-            assert 1.5 < r["ended"] - signalled < 2 + 2, r["ended"] - signalled  # the grace, then at once
-            assert events[-1] == "[DONE]", events[-3:]  # a clean end, not a transport error
-            errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
-            assert len(errors) == 1 and errors[0]["type"] == "service_unavailable", events[-3:]
-            assert "shutting down" in errors[0]["message"]
-            chunks = [json.loads(e) for e in events[:-1] if not e.startswith('{"error"')]
-            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-            assert reasons[-1] == "abort" and reasons.count("abort") == 1, reasons[-3:]
-            assert events[-2].startswith('{"error"')  # finish reason, then the error, then [DONE]
-        response = whole["response"]
-        assert isinstance(response, httpx.Response), response
-        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
-        assert "shutting down" in response.json()["error"]["message"]
-        assert proc.wait(30) in (0, -signal.SIGTERM)
-        log = log_path.read_text()
-        assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
-        assert "ended 3 request(s) still in flight" in log, log[-3000:]
-        assert _wait_gone(core, 5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+@pytest.fixture(scope="module")
+def timeouts_server(tiny_model_dir, tmp_path_factory):
+    """A server with a 2 s shutdown grace and a 2 s stall timeout, shared by the stall test (which leaves it
+    serving) and then the SIGTERM test (which ends it): one start instead of two."""
+    log_path = tmp_path_factory.mktemp("core-timeouts") / "server.log"
+    proc, url = _start(tiny_model_dir("llama"), log_path, "--shutdown-timeout", "2", "--engine-stall-timeout", "2")
+    yield proc, url, log_path
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def _health(url: str) -> httpx.Response:
     return httpx.get(f"{url}/health", timeout=5)
 
 
-def test_a_stalled_core_turns_health_503_until_it_moves_again(tiny_model_dir, tmp_path):
+def test_a_stalled_core_turns_health_503_until_it_moves_again(timeouts_server):
     """The core sends a heartbeat every second when idle (outputs every step when busy): stopped (SIGSTOP),
-    it is silent, and /health answers 503 once --engine-stall-timeout has passed; resumed, it is 200 again."""
-    proc, url = _start(tiny_model_dir("llama"), tmp_path / "server.log", "--engine-stall-timeout", "2")
+    it is silent, and /health answers 503 once --engine-stall-timeout has passed; resumed, it is 200 again
+    (and the server serves on: the SIGTERM test below ends it)."""
+    proc, url, _ = timeouts_server
     core = _core_pid(proc.pid)
     try:
         assert _health(url).status_code == 200
@@ -252,14 +206,63 @@ def test_a_stalled_core_turns_health_503_until_it_moves_again(tiny_model_dir, tm
         done = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
                           timeout=60)
         assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
-        proc.terminate()
-        assert proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         if _alive(core):
             os.kill(core, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+def test_sigterm_ends_what_outlives_the_grace_period_with_an_error_not_a_cut(timeouts_server):
+    """After --shutdown-timeout, each stream still running gets a finish_reason "abort" chunk, an SSE error
+    event and [DONE] (no incomplete chunked read); a non-streamed request gets a JSON 503; the server exits
+    cleanly before uvicorn's own deadline would have cancelled a handler."""
+    proc, url, log_path = timeouts_server
+    core = _core_pid(proc.pid)
+    results = [{}, {}]
+    started = [threading.Event() for _ in results]
+    threads = [threading.Thread(target=_stream, args=(url, started[0], results[0])),
+               threading.Thread(target=_stream, args=(url, started[1], results[1], True))]
+    whole: dict = {}
+
+    def post() -> None:
+        body = {"prompt": "Hi", "max_tokens": 1500, "ignore_eos": True}
+        try:
+            whole["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError as e:
+            whole["response"] = e
+
+    threads.append(threading.Thread(target=post))
+    for t in threads:
+        t.start()
+    for e, r in zip(started, results):
+        assert e.wait(60) and "ended" not in r, r
+    deadline = time.monotonic() + 30
+    while _running(url) < 3:  # all three are in the engine
+        assert time.monotonic() < deadline, "the requests did not all start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    for t in threads:
+        t.join(30)
+    for r in results:
+        events = r["events"]
+        assert 1.5 < r["ended"] - signalled < 2 + 2, r["ended"] - signalled  # the grace, then at once
+        assert events[-1] == "[DONE]", events[-3:]  # a clean end, not a transport error
+        errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+        assert len(errors) == 1 and errors[0]["type"] == "service_unavailable", events[-3:]
+        assert "shutting down" in errors[0]["message"]
+        chunks = [json.loads(e) for e in events[:-1] if not e.startswith('{"error"')]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert reasons[-1] == "abort" and reasons.count("abort") == 1, reasons[-3:]
+        assert events[-2].startswith('{"error"')  # finish reason, then the error, then [DONE]
+    response = whole["response"]
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+    assert "shutting down" in response.json()["error"]["message"]
+    assert proc.wait(30) in (0, -signal.SIGTERM)
+    log = log_path.read_text()
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert "ended 3 request(s) still in flight" in log, log[-3000:]
+    assert _wait_gone(core, 5)
 
 
 def _engine_refs(llm) -> list[weakref.ref]:
