@@ -24,8 +24,9 @@ from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c")]
-_HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h")]
+_SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c",
+                                             "workshare.c")]
+_HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h", "workshare.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -151,8 +152,10 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 # Below this many elements an elementwise kernel runs on the calling thread: waking the others costs more
-# than it saves (a decode step's norms and rotary are a few thousand elements; torch's own grain is 32768).
-_PARALLEL_MIN_ELEMENTS = 1 << 15
+# than it saves. An OpenMP region costs microseconds on an idle machine but milliseconds where other processes
+# preempt its threads (a 32-token Gemma 3 prompt's ~400 norms, rotaries and GELUs once took seconds), while
+# these kernels take ~50 us for 2^18 elements on one thread.
+_PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
 def _threads(numel: int) -> int:

@@ -101,6 +101,36 @@ def test_c_kernel_equals_reference(ggml_type, tokens, rows):
 
 
 @needs_c
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q4_K])
+def test_products_shared_between_threads_are_the_same_every_time(ggml_type):
+    """Large enough for the helper threads (csrc/workshare.c) to take chunks of rows: every row written exactly
+    once, the same bits as the reference's C twin on one thread, time after time (a lost or twice-run chunk, or
+    a helper running an older job's chunk, would show)."""
+    raw = random_rows(ggml_type, 1000, 768, 11)
+    weight = FORMS[ggml_type](raw)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        x = _activations(1, 768, 5)
+        alone, alone3 = weight.matmul(x), weight.matmul(_activations(3, 768, 6))
+        torch.set_num_threads(max(2, threads))
+        for _ in range(50):
+            assert torch.equal(weight.matmul(x), alone)
+            assert torch.equal(weight.matmul(_activations(3, 768, 6)), alone3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_c
+@pytest.mark.parametrize("ggml_type", list(FORMS))
+def test_one_token_equals_its_row_in_a_batch(ggml_type):
+    """Single-token fast paths (Q5_0 straight from its blocks) compute the batch path's integers in its order."""
+    weight = FORMS[ggml_type](random_rows(ggml_type, 64, 768, 3))
+    x = _activations(3, 768, 4)
+    assert torch.equal(weight.matmul(x[1:2])[0], weight.matmul(x)[1])
+
+
+@needs_c
 @pytest.mark.parametrize("block", [32, 256])
 def test_c_activation_rounding_equals_reference(block):
     x = _activations(4, 1024, 3) * 7

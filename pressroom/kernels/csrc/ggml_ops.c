@@ -27,13 +27,15 @@
 #endif
 #include "ggml_matrix.h"
 #include "int8_dot.h"
+#include "workshare.h"
 
 #define QK 32
 #define QK_K 256
-/* Products smaller than this many multiply-adds run on the calling thread: a decode step makes about a
- * hundred of them, each tens of microseconds, and waking a second thread for each costs more than it
- * saves wherever the other core is busy (a shared machine, a server's other threads). */
-#define PARALLEL_MIN_MACS (4 << 20)
+/* Products smaller than this many multiply-adds run on the calling thread: waking a helper for the few
+ * microseconds of a small decode product costs about what it saves. Products share their rows through
+ * workshare.h's pool, not OpenMP: on a machine shared with other processes OpenMP's spinning idle workers and
+ * barriers made a 32-token prompt take 0.1 to 2.7 s, and decode steps twice their time. */
+#define PARALLEL_MIN_MACS (1 << 18)
 
 static int threads_for(int64_t tokens, int64_t rows, int64_t cols, int threads) {
     return tokens * rows * cols >= PARALLEL_MIN_MACS ? threads : 1;
@@ -98,17 +100,22 @@ static void q8_k_row(int8_t *q, float *d, int32_t *sum, const float *x, int64_t 
     }
 }
 
+struct rounding { const float *x; int64_t cols; int block; struct acts a; };
+
+static void round_token(void *ctx, int64_t t) {
+    const struct rounding *r = ctx;
+    const int64_t cols = r->cols, blocks = cols / r->block, sums = r->block == QK ? blocks : cols / 16;
+    if (r->block == QK) q8_0_row(r->a.q + t * cols, r->a.d + t * blocks, r->a.sum + t * sums, r->x + t * cols, cols);
+    else q8_k_row(r->a.q + t * cols, r->a.d + t * blocks, r->a.sum + t * sums, r->x + t * cols, cols);
+}
+
 /* block: 32 (Q8_0) or 256 (Q8_K); tokens are rounded in parallel. */
 static struct acts quantize(const float *x, int64_t tokens, int64_t cols, int block, int threads) {
     const int64_t blocks = cols / block, sums = block == QK ? blocks : cols / 16;
-    struct acts a = {malloc(tokens * cols + 64), malloc(sizeof(float) * tokens * blocks),
-                     malloc(sizeof(int32_t) * tokens * sums)};
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(tokens > 1)")
-    for (int64_t t = 0; t < tokens; t++) {
-        if (block == QK) q8_0_row(a.q + t * cols, a.d + t * blocks, a.sum + t * sums, x + t * cols, cols);
-        else q8_k_row(a.q + t * cols, a.d + t * blocks, a.sum + t * sums, x + t * cols, cols);
-    }
-    return a;
+    struct rounding r = {x, cols, block, {malloc(tokens * cols + 64), malloc(sizeof(float) * tokens * blocks),
+                                          malloc(sizeof(int32_t) * tokens * sums)}};
+    workshare_run(round_token, &r, tokens, tokens > 16 ? threads : 1);
+    return r.a;
 }
 
 void ggml_quantize_q8_0(int8_t *q, float *d, int32_t *sum, const float *x, int64_t tokens, int64_t cols) {
@@ -156,7 +163,8 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
 static float q8_0_dot(const int8_t *w, const float *d, const int8_t *xq, const float *xd, int64_t blocks) {
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    int64_t b = 0;
+    for (; b < blocks; b++) {
         const __m256i wv = load256(w + b * QK), xv = load256(xq + b * QK);
         /* unsigned x signed: |w| times x carrying w's sign */
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
@@ -286,6 +294,30 @@ static float q5_0_dot(const uint8_t *u, const float *d, const int8_t *xq, const 
 #endif
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q5_0 for one token straight from its blocks, two at a time in 512 bits (no unpacked copy): the same integer
+ * per block and the same single accumulator, in block order, as q5_0_dot. */
+static float q5_0_dot_packed(const uint8_t *qs, const uint32_t *qh, const float *d, const int8_t *xq,
+                             const float *xd, const int32_t *xs, int64_t blocks) {
+    const int64_t four = 0x0004000400040004LL;  /* per 16 bytes: shift the high nibbles' copies down by 4 */
+    const __m512i shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {  /* an even number of blocks */
+        const __m512i raw = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(qs + b * 16)));
+        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(raw, raw, 0x50), shifts), low4);
+        const __m512i u = _mm512_or_si512(nib, _mm512_maskz_mov_epi8((uint64_t)qh[b] | (uint64_t)qh[b + 1] << 32, bit4));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xq + b * QK));
+        const __m256i lo = _mm512_castsi512_si256(dot), hi = _mm512_extracti32x8_epi32(dot, 1);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, _mm256_set1_epi32(2 * xs[b]))),
+                              _mm256_set1_ps(d[b] * xd[b]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, _mm256_set1_epi32(2 * xs[b + 1]))),
+                              _mm256_set1_ps(d[b + 1] * xd[b + 1]), acc);
+    }
+    return hsum_ps(acc);
+}
+#endif
+
 /* Q4_K / Q5_K, per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j) over sub-blocks of 32 */
 static float k4_dot(const uint8_t *u, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
                     const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers) {
@@ -380,6 +412,15 @@ static void part_rows(float *out, int64_t stride, const struct ggml_part *w, int
                 out[t * stride + r] = q8_0_dot(qs + r * cols, d + r * blocks, a->q + t * cols, a->d + t * blocks, blocks);
         return;
     }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (w->kind == Q5_0 && tokens == 1 && (cols / QK) % 2 == 0) {
+        for (int64_t r = r0; r < r1; r++)
+            out[r] = q5_0_dot_packed(ARRAY(const uint8_t *, w, qs) + r * cols / 2, ARRAY(const uint32_t *, w, qh) +
+                                     r * cols / QK, ARRAY(const float *, w, d) + r * cols / QK, a->q, a->d, a->sum,
+                                     cols / QK);
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         unpack_row(u, w, r, cols);
         for (int64_t t = 0; t < tokens; t++) out[t * stride + r] = row_dot(u, w, r, cols, a, t);
@@ -396,6 +437,25 @@ static int64_t matrix_rows(const struct ggml_matrix *m) {
     return rows;
 }
 
+struct product { float *out; int64_t stride, cols, tokens; const struct ggml_part *w; const struct acts *a; };
+
+static uint8_t *scratch(int64_t bytes) {  /* a thread's buffer for unpacked rows, kept for its next product */
+    static _Thread_local uint8_t *buffer;
+    static _Thread_local int64_t size;
+    if (size < bytes) {
+        free(buffer);
+        buffer = malloc(bytes);
+        size = bytes;
+    }
+    return buffer;
+}
+
+static void product_chunk(void *ctx, int64_t c) {
+    const struct product *p = ctx;
+    const int64_t r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < p->w->rows ? r0 + CHUNK_ROWS : p->w->rows;
+    part_rows(p->out, p->stride, p->w, r0, r1, p->cols, p->a, p->tokens, scratch(p->cols + 64));
+}
+
 void ggml_matrix_matmul_f32(float *out, const float *x, const struct ggml_matrix *m, int64_t tokens, int64_t cols,
                             int threads) {
     int need32 = 0, need256 = 0;
@@ -410,17 +470,9 @@ void ggml_matrix_matmul_f32(float *out, const float *x, const struct ggml_matrix
     int64_t offset = 0;
     for (int64_t i = 0; i < m->parts; i++) {
         const struct ggml_part *w = &m->part[i];
-        const struct acts *a = w->kind == Q8_0 || w->kind == Q5_0 ? &a32 : &a256;
-        _Pragma("omp parallel num_threads(threads_for(tokens, w->rows, cols, threads))")
-        {
-            uint8_t *u = malloc(cols + 64);
-            _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t c = 0; c < (w->rows + CHUNK_ROWS - 1) / CHUNK_ROWS; c++) {
-                const int64_t r0 = c * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < w->rows ? r0 + CHUNK_ROWS : w->rows;
-                part_rows(out + offset, rows, w, r0, r1, cols, a, tokens, u);
-            }
-            free(u);
-        }
+        struct product p = {out + offset, rows, cols, tokens, w, w->kind == Q8_0 || w->kind == Q5_0 ? &a32 : &a256};
+        const int64_t chunks = (w->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        workshare_run(product_chunk, &p, chunks, threads_for(tokens, w->rows, cols, threads));
         offset += w->rows;
     }
     if (need32) free_acts(a32);
