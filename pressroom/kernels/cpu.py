@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -159,7 +160,33 @@ _PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
 def _threads(numel: int) -> int:
-    return torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
+    return kernel_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
+
+
+_held_threads: int | None = None  # the kernels' threads while torch's own ops are held to one (torch_ops_alone)
+
+
+def kernel_threads() -> int:
+    return _held_threads or torch.get_num_threads()
+
+
+@contextmanager
+def torch_ops_alone():
+    """torch's own ops on the calling thread while these kernels keep every thread: for steps whose heavy work is
+    all here (a small prompt through GGML forms), where torch's remaining ops take microseconds each and each
+    OpenMP region can cost milliseconds on a machine whose other processes preempt its threads."""
+    global _held_threads
+    threads = torch.get_num_threads()
+    if threads == 1 or _held_threads is not None:
+        yield
+        return
+    _held_threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _held_threads = None
 
 
 def _fn(base: str, dtype: torch.dtype):
@@ -177,7 +204,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(seqs, heads, dim, dtype=torch.float32)
     _fn("paged_decode", k_cache.dtype)(
         out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        seqs, heads, kv_heads, dim, block_size, tables.shape[1], window or 0, scale, torch.get_num_threads())
+        seqs, heads, kv_heads, dim, block_size, tables.shape[1], window or 0, scale, kernel_threads())
     return out
 
 
@@ -236,7 +263,7 @@ def gemma3_decode_stack(x: torch.Tensor, layer_table: torch.Tensor, final_norm: 
     as decode_stack's."""
     _library().gemma3_decode_stack(x.data_ptr(), layer_table.data_ptr(), layer_table.shape[0], final_norm.data_ptr(),
                                    *(t.data_ptr() for t in rope), slots.data_ptr(), tables.data_ptr(),
-                                   lens.data_ptr(), dims.data_ptr(), eps, scale, torch.get_num_threads())
+                                   lens.data_ptr(), dims.data_ptr(), eps, scale, kernel_threads())
     return x
 
 
@@ -261,7 +288,7 @@ def _ggml_call(name: str, x: torch.Tensor, rows: int, *weights: torch.Tensor | N
     tokens, cols = x.shape
     out = torch.empty(tokens, rows, dtype=torch.float32)
     ptrs = [None if w is None else w.data_ptr() for w in weights]
-    getattr(_library(), name)(out.data_ptr(), x.data_ptr(), *ptrs, tokens, rows, cols, torch.get_num_threads())
+    getattr(_library(), name)(out.data_ptr(), x.data_ptr(), *ptrs, tokens, rows, cols, kernel_threads())
     return out
 
 
@@ -270,7 +297,7 @@ def ggml_matrix_matmul(x: torch.Tensor, matrix: torch.Tensor, rows: int) -> torc
     tokens, cols = x.shape
     out = torch.empty(tokens, rows, dtype=torch.float32)
     _library().ggml_matrix_matmul_f32(out.data_ptr(), x.data_ptr(), matrix.data_ptr(), tokens, cols,
-                                      torch.get_num_threads())
+                                      kernel_threads())
     return out
 
 

@@ -15,8 +15,8 @@
 
 #define MAX_HELPERS 15
 #define SPIN_NS 50000  /* a decode step's products come a few to a hundred microseconds apart */
-#define LATE_NS 100000   /* a helper this late finishing its chunk was likely preempted: */
-#define ALONE_NS 50000000 /* then the caller works alone this long */
+#define LATE_NS 50000     /* a helper this late finishing its chunk was likely preempted: */
+#define ALONE_NS 1000000000 /* then the caller works alone this long (a busy machine stays busy) */
 #define FULL 0xFFFFFFFFu  /* a ticket's chunk index that no one can claim */
 
 static struct {

@@ -7,10 +7,13 @@ plain RMSNorm kernels run them unchanged.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from pressroom.attention.backend import get_attention_metadata
+from pressroom.kernels import cpu
 from pressroom.model.layers import cpu_decode
 from pressroom.model.layers.activation import GeluTanhAndMul
 from pressroom.model.layers.attention import Attention
@@ -21,6 +24,7 @@ from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RopeTables
 
 SLIDING = "sliding_attention"
+SMALL_STEP = 128  # tokens: a prompt chunk up to this size keeps torch's own ops on one thread
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -118,13 +122,23 @@ class Gemma3Model(nn.Module):
         stack = None if aux_layers else cpu_decode.current_stack(self, cpu_decode.Gemma3DecodeStack, input_ids)
         if stack is not None:  # the C stack taps no layer; its fp32 states go to the LM head unrounded
             return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata())
-        residual, taps = None, {}
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(local if layer.local else glob, x, residual)
-            if i in aux_layers:
-                taps[i] = x + residual
-        x, _ = self.norm(x, residual)
+        with cpu.torch_ops_alone() if self._small_ggml_step(input_ids) else nullcontext():
+            residual, taps = None, {}
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(local if layer.local else glob, x, residual)
+                if i in aux_layers:
+                    taps[i] = x + residual
+            x, _ = self.norm(x, residual)
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    def _small_ggml_step(self, input_ids: torch.Tensor) -> bool:
+        """A step of at most SMALL_STEP tokens through GGML forms on the CPU: its products are the C kernels', and
+        torch's other ops are better on one thread (kernels/cpu.torch_ops_alone)."""
+        if input_ids.device.type != "cpu" or input_ids.shape[0] > SMALL_STEP:
+            return False
+        if self.fused_decode is None:
+            self.fused_decode = cpu_decode.Gemma3DecodeStack.supports(self)
+        return bool(self.fused_decode)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
