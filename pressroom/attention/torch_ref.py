@@ -64,8 +64,9 @@ class _Plan:
     chunks: list[int]  # requests left to the prefill path
 
 
-def _plan(meta: AttentionMetadata, all_rows: bool = False) -> _Plan:
-    """`all_rows`: every query token becomes a row (batch-invariant mode: one path for every query)."""
+def decode_row_plan(meta: AttentionMetadata, all_rows: bool = False) -> _Plan:
+    """Which query tokens run as rows of the decode kernel, and the requests left to the prefill path (the CPU's
+    fused decode stack asks too). `all_rows`: every query token becomes a row (batch-invariant mode)."""
     loc, lens, nd = meta.query_start_loc, meta.seq_lens_host, meta.num_decodes
     short = [i for i in range(nd, len(loc) - 1)
              if all_rows or loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
@@ -91,7 +92,7 @@ class TorchAttentionBackend:
 
     def make_metadata_builder(self, device: torch.device | str, num_kv_heads: int,
                               max_blocks_per_seq: int) -> AttentionMetadataBuilder:
-        """int64 indices, one split per decode; the step's `_plan` is made by the first layer that runs."""
+        """int64 indices, one split per decode; the step's `decode_row_plan` is made by the first layer that runs."""
         return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
     batch_invariant = False  # only CpuAttentionBackend offers the mode
@@ -101,7 +102,7 @@ class TorchAttentionBackend:
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.plan is None:
-            meta.plan = _plan(meta, self.batch_invariant)
+            meta.plan = decode_row_plan(meta, self.batch_invariant)
         plan: _Plan = meta.plan
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.num_rows:

@@ -42,7 +42,7 @@ _SIGNATURES = {
 }
 _QUANT_SIGNATURES = {
     "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
-    "decode_stack": [_P, _P, _I] + [_P] * 7 + [_F, _F, _T],
+    "decode_stack": [_P, _P, _I] + [_P] * 7 + [_F, _F, _P, _P, _T],
     "ggml_quantize_q8_0": [_P] * 4 + [_I] * 2,
     "ggml_quantize_q8_k": [_P] * 4 + [_I] * 2,
     "ggml_q8_0_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
@@ -244,13 +244,17 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 
 def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+                 dims: torch.Tensor, eps: float, scale: float, taps: torch.Tensor | None = None,
+                 tap_at: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step through every layer (decode_stack.c), in place on x: [tokens, hidden] fp32, the
     embedded tokens in, the final-normed hidden states out. layer_ptrs: int64 [layers, DECODE_LAYER_FIELDS];
-    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (each its own sequence)."""
+    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (each its own sequence).
+    taps: fp32 [n, tokens, hidden], filled with the outputs of the layers tap_at (int64 [layers]) maps to
+    0..n-1 (-1: not tapped)."""
     _library().decode_stack(x.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                            dims.data_ptr(), eps, scale, torch.get_num_threads())
+                            dims.data_ptr(), eps, scale, 0 if taps is None else taps.data_ptr(),
+                            0 if tap_at is None else tap_at.data_ptr(), torch.get_num_threads())
     return x
 
 

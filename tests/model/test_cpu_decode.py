@@ -58,6 +58,39 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
     assert errors.keys() == {1, 2} and max(errors.values()) < tolerance, errors
 
 
+def test_a_drafters_taps_match_the_layer_by_layer_path(llm, monkeypatch):
+    """The outputs of the layers a drafter reads (the residual stream, HF's hidden_states[i + 1]) come out of
+    the fused stack as out of the Python layers, and tapping leaves the final hidden states as they were."""
+    model = llm.engine.model.model
+    errors: dict[str, float] = {}
+    forward = model.forward
+
+    def compare_then_forward(input_ids, positions, *args, **kwargs):
+        meta = get_attention_metadata()
+        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not errors:
+            stack = CpuDecodeStack.build(model)
+            cos, sin = model.rotary.cos_sin(positions)
+            stack.layer_ptrs = stack.layer_ptrs[:3].contiguous()
+            plain = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
+            hidden, taps = stack.run(model.embed_tokens(input_ids), cos, sin, meta, (2, 0))
+            x, residual = model.embed_tokens(input_ids), None
+            rope = RopeTables(model.rotary, cos, sin)
+            ref = []
+            for layer in model.layers[:3]:
+                x, residual = layer(rope, x, residual)
+                ref.append((x + residual).float())
+            for name, got, want in (("layer 2", taps[0], ref[2]), ("layer 0", taps[1], ref[0])):
+                errors[name] = ((got - want).abs().max() / want.abs().max()).item()
+            errors["final"] = (hidden - plain).abs().max().item()
+        return forward(input_ids, positions, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", compare_then_forward)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    tolerance = 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
+    assert errors.keys() == {"layer 2", "layer 0", "final"} and errors["final"] == 0.0
+    assert max(errors["layer 2"], errors["layer 0"]) < tolerance, errors
+
+
 def test_greedy_decoding_takes_the_fast_path_and_agrees(llm):
     """Greedy tokens of the fast path and the layer-by-layer path agree until a near tie. The 4-bit kernels
     round each block of 32 activations to int8 on both paths; the fast path's silu differs in the last bits,
@@ -86,6 +119,29 @@ def test_greedy_decoding_takes_the_fast_path_and_agrees(llm):
         assert i > 0 and min(margins) < 0.05, (i, ref.logprobs[i], f.logprobs[i])
 
 
+def test_a_verification_of_drafts_runs_as_rows_of_the_fused_stack(llm, monkeypatch):
+    """With speculation, a step that verifies drafts (one query of 1 + K tokens after a cached context) goes
+    through the fused stack as rows, and greedy output stays the plain engine's token for token (each row is
+    computed as the decode of that position would be)."""
+    if llm.engine.config.model.dtype != torch.float32:
+        pytest.skip("one dtype is enough: the rows are the same kernels")
+    prompt = {"prompt_token_ids": [int(t) for t in torch.arange(300, 340).repeat(3)]}  # n-gram lookup drafts
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+    spec = LLM(kv_cache_memory_gib=0.05, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive_token_budget": False})
+    rows_per_call: list[int] = []
+    run = cpu.decode_stack
+
+    def counted(x, *args, **kwargs):
+        rows_per_call.append(x.shape[0])
+        return run(x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_stack", counted)
+    assert spec.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert spec.engine.stats().spec.num_drafts > 0 and max(rows_per_call) > 1
+
+
 def _top2_margin(logprobs: dict) -> float:
     top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
     return top[0] - top[1]
@@ -106,6 +162,11 @@ def _meta(num_decodes: int, query_lens: list[int]) -> AttentionMetadata:
 def test_only_all_decode_steps_of_few_tokens_apply():
     assert applies(_meta(3, [1, 1, 1]), torch.zeros(3, dtype=torch.long))
     assert not applies(_meta(2, [1, 1, 4]), torch.zeros(6, dtype=torch.long))  # a prefill chunk rides along
+    # ... unless it is a short query after a cached context (a verification) and the stack takes those as rows
+    assert applies(_meta(2, [1, 1, 4]), torch.zeros(6, dtype=torch.long), short_queries=True)
+    fresh = _meta(2, [1, 1, 4])
+    fresh.seq_lens_host[2] = 4  # no cached context: a prompt's first chunk is prefill
+    assert not applies(fresh, torch.zeros(6, dtype=torch.long), short_queries=True)
     assert not applies(_meta(9, [1] * 9), torch.zeros(9, dtype=torch.long))  # past the 4-bit kernels' rows
 
 

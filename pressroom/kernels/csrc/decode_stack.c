@@ -52,10 +52,12 @@ static void silu_and_mul(float *out, const float *gate_up, int64_t tokens, int64
 
 /* x: [tokens, hidden], the embedded tokens in and the final-normed hidden states out. Token t is the
  * one new token of sequence t: its cache slot is slots[t], its context tables[t] (lens[t] tokens,
- * itself included); cos, sin: [tokens, head_dim / 2] for its position. */
+ * itself included); cos, sin: [tokens, head_dim / 2] for its position. taps (a drafter's conditioning),
+ * or NULL: tap_at[l] >= 0 writes layer l's output (the residual stream) to taps[tap_at[l]], [tokens, hidden]. */
 void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const float *final_norm,
                   const float *cos, const float *sin, const int64_t *slots, const int64_t *tables,
-                  const int64_t *lens, const int64_t *dims, float eps, float scale, int threads) {
+                  const int64_t *lens, const int64_t *dims, float eps, float scale, float *taps,
+                  const int64_t *tap_at, int threads) {
     const int64_t tokens = dims[TOKENS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int64_t head_dim = dims[HEAD_DIM], inter = dims[INTER];
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
@@ -99,6 +101,10 @@ void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const flo
         silu_and_mul(act, gate_up, tokens, inter);
         q4_matmul_f32(y, act, PTR(const uint8_t *, p, DOWN_Q), PTR(const float *, p, DOWN_D),
                       PTR(const float *, p, DOWN_M), tokens, hidden, inter, threads);
+        if (taps && tap_at[l] >= 0) {
+            float *tap = taps + tap_at[l] * tokens * hidden;
+            for (int64_t i = 0; i < tokens * hidden; i++) tap[i] = y[i] + residual[i];
+        }
     }
     rms_norm_f32(x, y, residual, final_norm, tokens, hidden, eps, threads);
     free(residual); free(normed); free(y); free(qkv); free(q); free(attn); free(gate_up); free(act);

@@ -4,8 +4,10 @@ layer. `CpuDecodeStack`: a Llama-family model with 4-bit weights (kernels/csrc/d
 (kernels/csrc/gemma3_stack.c).
 
 They apply to steps whose tokens are all decodes (one new token per sequence; for the 4-bit stack at most
-INT4_MAX_ROWS of them) on a model whose projections all kept their quantized form, on one rank, without drafter
-taps; every other step takes the layer-by-layer path. Both paths run the same kernels in the same order.
+INT4_MAX_ROWS of them) on a model whose projections all kept their quantized form, on one rank (the 4-bit stack
+also hands a drafter the outputs of the layers it reads; Gemma 3's taps none, so its drafting steps go
+layer by layer); every other step takes the
+layer-by-layer path. Both paths run the same kernels in the same order.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Protocol
 import torch
 
 from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
+from pressroom.attention.torch_ref import decode_row_plan
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import cpu
 from pressroom.model.layers.activation import GeluTanhAndMul
@@ -37,7 +40,8 @@ def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> De
     """The model's stack of `kind` for this step, or None where the step or the model cannot take it. The model
     keeps its answer in `fused_decode` (None: not asked yet) and its stack in `_decode_stack`, rebuilt when the
     KV cache is rebound."""
-    if model.fused_decode is False or not applies(get_attention_metadata(), input_ids, kind.max_tokens):
+    if model.fused_decode is False or not applies(get_attention_metadata(), input_ids, kind.max_tokens,
+                                                  kind.short_queries):
         return None
     if model.fused_decode is None:
         model.fused_decode = kind.supports(model)
@@ -51,6 +55,7 @@ def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> De
 @dataclass(slots=True)
 class CpuDecodeStack:
     max_tokens = INT4_MAX_ROWS  # the 4-bit kernels' rows
+    short_queries = True  # a verification of drafts runs as rows too (a drafting step at batch 1)
     layer_ptrs: torch.Tensor  # int64 [layers, DECODE_LAYER_FIELDS]
     held: list[torch.Tensor]  # fp32 copies the pointers refer to (a bf16 model's norm weights)
     final_norm: torch.Tensor
@@ -89,26 +94,51 @@ class CpuDecodeStack:
         cache = model.layers[0].self_attn.attn.kv_cache
         return cache is not None and cache.data_ptr() == self.cache_ptr
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x: the embedded tokens [tokens, hidden]; returns the final-normed hidden states, fp32."""
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """x: the embedded tokens [tokens, hidden]; returns the final-normed hidden states, fp32, and with
+        `aux_layers` (a drafter's conditioning) the output of each of those layers too, in that order."""
         tokens = x.shape[0]
         x = x.to(torch.float32, copy=True).contiguous()  # written in place
-        tables = meta.block_tables[:tokens].contiguous()
+        tables, lens = step_rows(meta, tokens, short_queries=True)
         dims = torch.tensor([tokens, self.shape["hidden"], self.shape["heads"], self.shape["kv_heads"],
                              self.shape["head_dim"], self.shape["inter"], self.shape["block_size"],
                              tables.shape[1], self.shape["cache_bf16"]], dtype=torch.int64)
-        return cpu.decode_stack(x, self.layer_ptrs, self.final_norm, cos.contiguous(), sin.contiguous(),
-                                meta.slot_mapping.contiguous(), tables, meta.seq_lens[:tokens].contiguous(),
-                                dims, self.eps, self.scale)
+        taps = tap_at = None
+        if aux_layers:
+            taps = torch.empty(len(aux_layers), tokens, x.shape[1])
+            tap_at = torch.full((self.layer_ptrs.shape[0],), -1, dtype=torch.int64)
+            tap_at[list(aux_layers)] = torch.arange(len(aux_layers))
+        out = cpu.decode_stack(x, self.layer_ptrs, self.final_norm, cos.contiguous(), sin.contiguous(),
+                               meta.slot_mapping.contiguous(), tables, lens, dims, self.eps, self.scale, taps,
+                               tap_at)
+        return (out, list(taps.unbind(0))) if aux_layers else out
 
 
-def applies(meta: AttentionMetadata, input_ids: torch.Tensor, max_tokens: int | None = INT4_MAX_ROWS) -> bool:
-    """A step of decodes only (at most max_tokens of them, None: any number), with the CPU's int64 index
-    tensors."""
+def applies(meta: AttentionMetadata, input_ids: torch.Tensor, max_tokens: int | None = INT4_MAX_ROWS,
+            short_queries: bool = False) -> bool:
+    """A step of decodes only (at most max_tokens tokens, None: any number), with the CPU's int64 index
+    tensors; with `short_queries`, also short queries after a cached context (a verification of drafts)."""
     tokens = input_ids.shape[0]
-    return (input_ids.device.type == "cpu" and 0 < tokens <= (max_tokens or tokens) and meta.num_decodes == tokens
-            and meta.num_decode_tokens == tokens and meta.block_tables.dtype == torch.int64
-            and meta.seq_lens.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64)
+    return (input_ids.device.type == "cpu" and 0 < tokens <= (max_tokens or tokens)
+            and meta.block_tables.dtype == torch.int64 and meta.seq_lens.dtype == torch.int64
+            and meta.slot_mapping.dtype == torch.int64 and step_rows(meta, tokens, short_queries) is not None)
+
+
+def step_rows(meta: AttentionMetadata, tokens: int, short_queries: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each token's block table and context length when every token of the step is a row of the decode
+    kernel, else None. A single-token decode is its sequence's row. A short query after a cached context
+    (`short_queries`) is split as the attention backend splits it (attention/torch_ref.py): its token j attends
+    to the context up to and including itself, which is the causal mask, and its cache slots are written before
+    any row attends."""
+    if meta.num_decodes == tokens and meta.num_decode_tokens == tokens:
+        return meta.block_tables[:tokens].contiguous(), meta.seq_lens[:tokens].contiguous()
+    if not short_queries:
+        return None
+    plan = decode_row_plan(meta)
+    if plan.chunks or plan.num_rows != tokens:  # a prefill chunk rides along
+        return None
+    return plan.tables.contiguous(), plan.lens.contiguous()
 
 
 def _eligible(layer) -> bool:
@@ -166,6 +196,7 @@ def _gemma3_eligible(layer) -> bool:
 class Gemma3DecodeStack:
     """Gemma 3's decode step in one C call (kernels/csrc/gemma3_stack.c) over its GGML forms."""
     max_tokens = None  # the GGML kernels take any number of rows
+    short_queries = False  # single-token decodes only
     layer_table: torch.Tensor  # int64 [layers, gemma3_layer_fields]: pointers into `held` and the weights
     held: list[torch.Tensor]  # fp32 norm weights and matrix descriptions the table points into
     final_norm: torch.Tensor

@@ -122,9 +122,12 @@ class LlamaModel(nn.Module):
         layers (the residual stream, HF's hidden_states[i + 1]), in that order."""
         x, residual = self.embed_tokens(input_ids), None
         rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
-        stack = None if aux_layers else self._fused_decode_stack(input_ids)  # the C stack taps no layer
+        stack = self._fused_decode_stack(input_ids)
         if stack is not None:
-            return stack.run(x, rope.cos, rope.sin, get_attention_metadata()).to(x.dtype)
+            out = stack.run(x, rope.cos, rope.sin, get_attention_metadata(), aux_layers)
+            if aux_layers:
+                return out[0].to(x.dtype), [t.to(x.dtype) for t in out[1]]
+            return out.to(x.dtype)
         taps = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual)
