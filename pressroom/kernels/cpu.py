@@ -248,7 +248,8 @@ def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Te
                  tap_at: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step through every layer (decode_stack.c), in place on x: [tokens, hidden] fp32, the
     embedded tokens in, the final-normed hidden states out. layer_ptrs: int64 [layers, DECODE_LAYER_FIELDS];
-    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (each its own sequence).
+    dims: int64 [DECODE_DIM_FIELDS]; slots, tables, lens: int64, one row per token (a verification's tokens are
+    rows of one sequence, each attending up to itself).
     taps: fp32 [n, tokens, hidden], filled with the outputs of the layers tap_at (int64 [layers]) maps to
     0..n-1 (-1: not tapped)."""
     _library().decode_stack(x.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
