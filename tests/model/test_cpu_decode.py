@@ -30,65 +30,69 @@ def _first_layers(model, k: int, ids: torch.Tensor, cos: torch.Tensor, sin: torc
     return model.norm(x, residual)[0].float()
 
 
-def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
-    """On a real decode step of two sequences, the fused stack cut to its first k layers equals the Python
-    layers (both write the same cache slots: the second writer rewrites what the first wrote)."""
+def _on_a_two_sequence_decode(llm, monkeypatch, compare) -> dict:
+    """Runs `compare(model, stack, input_ids, cos, sin, meta)` once, on the first real decode step of the two
+    PROMPTS (before the step itself: both write the same cache slots, the second writer rewrites what the
+    first wrote); returns what it returned."""
     model = llm.engine.model.model
-    errors: dict[int, float] = {}
+    result: dict = {}
     forward = model.forward
 
     def compare_then_forward(input_ids, positions, *args, **kwargs):
         meta = get_attention_metadata()
-        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not errors:
-            stack = CpuDecodeStack.build(model)
+        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not result:
             cos, sin = model.rotary.cos_sin(positions)
-            full = stack.layer_ptrs
-            for k in (1, 2):
-                stack.layer_ptrs = full[:k].contiguous()
-                fused = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
-                ref = _first_layers(model, k, input_ids, cos, sin)
-                errors[k] = ((fused - ref).abs().max() / ref.abs().max()).item()
+            result.update(compare(model, CpuDecodeStack.build(model), input_ids, cos, sin, meta))
         return forward(input_ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", compare_then_forward)
     llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    return result
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _tolerance(llm) -> float:
     # fp32: the same kernels in the same order (silu's exp differs in the last bits). bf16: the Python path
     # rounds every activation to bf16, the fused one keeps fp32.
-    tolerance = 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
-    assert errors.keys() == {1, 2} and max(errors.values()) < tolerance, errors
+    return 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
+
+
+def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
+    """On a real decode step of two sequences, the fused stack cut to its first k layers equals the Python
+    layers."""
+    def compare(model, stack, input_ids, cos, sin, meta):
+        full, errors = stack.layer_ptrs, {}
+        for k in (1, 2):
+            stack.layer_ptrs = full[:k].contiguous()
+            fused = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
+            errors[k] = _relative(fused, _first_layers(model, k, input_ids, cos, sin))
+        return errors
+
+    errors = _on_a_two_sequence_decode(llm, monkeypatch, compare)
+    assert errors.keys() == {1, 2} and max(errors.values()) < _tolerance(llm), errors
 
 
 def test_a_drafters_taps_match_the_layer_by_layer_path(llm, monkeypatch):
     """The outputs of the layers a drafter reads (the residual stream, HF's hidden_states[i + 1]) come out of
     the fused stack as out of the Python layers, and tapping leaves the final hidden states as they were."""
-    model = llm.engine.model.model
-    errors: dict[str, float] = {}
-    forward = model.forward
+    def compare(model, stack, input_ids, cos, sin, meta):
+        stack.layer_ptrs = stack.layer_ptrs[:3].contiguous()
+        plain = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
+        hidden, taps = stack.run(model.embed_tokens(input_ids), cos, sin, meta, (2, 0))
+        x, residual, ref = model.embed_tokens(input_ids), None, []
+        rope = RopeTables(model.rotary, cos, sin)
+        for layer in model.layers[:3]:
+            x, residual = layer(rope, x, residual)
+            ref.append((x + residual).float())
+        return {"layer 2": _relative(taps[0], ref[2]), "layer 0": _relative(taps[1], ref[0]),
+                "final": (hidden - plain).abs().max().item()}
 
-    def compare_then_forward(input_ids, positions, *args, **kwargs):
-        meta = get_attention_metadata()
-        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not errors:
-            stack = CpuDecodeStack.build(model)
-            cos, sin = model.rotary.cos_sin(positions)
-            stack.layer_ptrs = stack.layer_ptrs[:3].contiguous()
-            plain = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
-            hidden, taps = stack.run(model.embed_tokens(input_ids), cos, sin, meta, (2, 0))
-            x, residual = model.embed_tokens(input_ids), None
-            rope = RopeTables(model.rotary, cos, sin)
-            ref = []
-            for layer in model.layers[:3]:
-                x, residual = layer(rope, x, residual)
-                ref.append((x + residual).float())
-            for name, got, want in (("layer 2", taps[0], ref[2]), ("layer 0", taps[1], ref[0])):
-                errors[name] = ((got - want).abs().max() / want.abs().max()).item()
-            errors["final"] = (hidden - plain).abs().max().item()
-        return forward(input_ids, positions, *args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", compare_then_forward)
-    llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
-    tolerance = 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
+    errors = _on_a_two_sequence_decode(llm, monkeypatch, compare)
     assert errors.keys() == {"layer 2", "layer 0", "final"} and errors["final"] == 0.0
-    assert max(errors["layer 2"], errors["layer 0"]) < tolerance, errors
+    assert max(errors["layer 2"], errors["layer 0"]) < _tolerance(llm), errors
 
 
 def test_greedy_decoding_takes_the_fast_path_and_agrees(llm):

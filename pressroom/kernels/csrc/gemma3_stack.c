@@ -11,18 +11,8 @@
 
 #include "common.h"
 #include "ggml_matrix.h"
+#include "layer_ops.h"
 
-void rms_norm_f32(float *out, const float *x, float *residual, const float *weight, int64_t rows,
-                  int64_t hidden, float eps, int threads);
-void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-                int64_t head_dim, int64_t rot_dim, int64_t token_stride, int threads);
-void paged_decode_f32(float *out, const float *q, const float *k, const float *v, const int64_t *tables,
-                      const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads);
-void paged_decode_bf16(float *out, const float *q, const uint16_t *k, const uint16_t *v,
-                       const int64_t *tables, const int64_t *lens, int64_t seqs, int64_t heads,
-                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, int64_t window,
-                       float scale, int threads);
 void gelu_tanh_and_mul_f32(float *out, const float *gate_up, int64_t rows, int64_t width, int threads);
 
 /* One layer, as kernels/cpu.py's GEMMA3_LAYER_FIELDS lists it: pointers and sizes as int64. */

@@ -77,22 +77,19 @@ class CpuDecodeStack:
     @classmethod
     def build(cls, model) -> CpuDecodeStack | None:
         """The pointer table for a supported LlamaModel; None while its caches are not bound."""
-        caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
-        if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):
+        caches = _bound_caches(model)
+        if caches is None:
             return None
         held: list[torch.Tensor] = []
         rows = [_layer_pointers(layer, held) for layer in model.layers]
         attn = model.layers[0].self_attn
-        shape = {"hidden": model.norm.weight.shape[0], "heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
-                 "head_dim": attn.head_dim, "inter": model.layers[0].mlp.gate_up_proj.output_sizes[0],
-                 "block_size": caches[0].shape[2], "cache_bf16": int(caches[0].dtype == torch.bfloat16)}
+        shape = _shape(model, caches[0])
         final_norm = _fp32(model.norm.weight, held)
         return cls(torch.tensor(rows, dtype=torch.int64), held, final_norm, caches[0].data_ptr(), shape,
                    model.norm.eps, attn.attn.scale)
 
     def is_current(self, model) -> bool:
-        cache = model.layers[0].self_attn.attn.kv_cache
-        return cache is not None and cache.data_ptr() == self.cache_ptr
+        return _cache_is_bound_at(model, self.cache_ptr)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -101,9 +98,7 @@ class CpuDecodeStack:
         tokens = x.shape[0]
         x = x.to(torch.float32, copy=True).contiguous()  # written in place
         tables, lens = step_rows(meta, tokens, short_queries=True)
-        dims = torch.tensor([tokens, self.shape["hidden"], self.shape["heads"], self.shape["kv_heads"],
-                             self.shape["head_dim"], self.shape["inter"], self.shape["block_size"],
-                             tables.shape[1], self.shape["cache_bf16"]], dtype=torch.int64)
+        dims = _dims(self.shape, tokens, tables.shape[1])
         taps = tap_at = None
         if aux_layers:
             taps = torch.empty(len(aux_layers), tokens, x.shape[1])
@@ -113,6 +108,34 @@ class CpuDecodeStack:
                                meta.slot_mapping.contiguous(), tables, lens, dims, self.eps, self.scale, taps,
                                tap_at)
         return (out, list(taps.unbind(0))) if aux_layers else out
+
+
+def _bound_caches(model) -> list[torch.Tensor] | None:
+    """Every layer's KV cache, or None while one is not bound (or not a contiguous fp32/bf16 tensor)."""
+    caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
+    if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):
+        return None
+    return caches
+
+
+def _cache_is_bound_at(model, cache_ptr: int) -> bool:
+    """Whether layer 0's KV cache is still the one a stack's pointers were taken from."""
+    cache = model.layers[0].self_attn.attn.kv_cache
+    return cache is not None and cache.data_ptr() == cache_ptr
+
+
+def _shape(model, cache: torch.Tensor) -> dict[str, int]:
+    """The shape vector's fixed fields for a model and its layer-0 cache."""
+    attn = model.layers[0].self_attn
+    return {"hidden": model.norm.weight.shape[0], "heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
+            "head_dim": attn.head_dim, "inter": model.layers[0].mlp.gate_up_proj.output_sizes[0],
+            "block_size": cache.shape[2], "cache_bf16": int(cache.dtype == torch.bfloat16)}
+
+
+def _dims(shape: dict[str, int], tokens: int, max_blocks: int) -> torch.Tensor:
+    """The stacks' shape vector (DECODE_DIM_FIELDS' order)."""
+    return torch.tensor([tokens, shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"],
+                         shape["block_size"], max_blocks, shape["cache_bf16"]], dtype=torch.int64)
 
 
 def applies(meta: AttentionMetadata, input_ids: torch.Tensor, max_tokens: int | None = INT4_MAX_ROWS,
@@ -221,21 +244,18 @@ class Gemma3DecodeStack:
     @classmethod
     def build(cls, model) -> Gemma3DecodeStack | None:
         """The layer table for a supported Gemma3Model; None while its caches are not bound."""
-        caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
-        if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):
+        caches = _bound_caches(model)
+        if caches is None:
             return None
         held: list[torch.Tensor] = []
         table = torch.stack([_gemma3_layer_row(layer, held) for layer in model.layers])
         attn = model.layers[0].self_attn
-        shape = {"hidden": model.norm.weight.shape[0], "heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
-                 "head_dim": attn.head_dim, "inter": model.layers[0].mlp.gate_up_proj.output_sizes[0],
-                 "block_size": caches[0].shape[2], "cache_bf16": int(caches[0].dtype == torch.bfloat16)}
+        shape = _shape(model, caches[0])
         return cls(table, held, _fp32(model.norm.weight, held), caches[0].data_ptr(), shape, model.norm.eps,
                    attn.attn.scale)
 
     def is_current(self, model) -> bool:
-        cache = model.layers[0].self_attn.attn.kv_cache
-        return cache is not None and cache.data_ptr() == self.cache_ptr
+        return _cache_is_bound_at(model, self.cache_ptr)
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """x: the scaled embeddings [tokens, hidden]; rope: the local (cos, sin), then the global; returns the
@@ -243,9 +263,7 @@ class Gemma3DecodeStack:
         tokens = x.shape[0]
         x = x.to(torch.float32, copy=True).contiguous()  # written in place
         tables = meta.block_tables[:tokens].contiguous()
-        dims = torch.tensor([tokens, self.shape["hidden"], self.shape["heads"], self.shape["kv_heads"],
-                             self.shape["head_dim"], self.shape["inter"], self.shape["block_size"],
-                             tables.shape[1], self.shape["cache_bf16"]], dtype=torch.int64)
+        dims = _dims(self.shape, tokens, tables.shape[1])
         return cpu.gemma3_decode_stack(x, self.layer_table, self.final_norm, tuple(t.contiguous() for t in rope),
                                        meta.slot_mapping.contiguous(), tables, meta.seq_lens[:tokens].contiguous(),
                                        dims, self.eps, self.scale)
