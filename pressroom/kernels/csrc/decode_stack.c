@@ -23,15 +23,6 @@ enum { TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, MAX_BLOCKS,
 
 #define PTR(type, layer, field) ((type)(intptr_t)(layer)[field])
 
-static void write_cache(void *cache, int bf16, const float *src, int64_t slot, int64_t width) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)cache + slot * width;
-        for (int64_t i = 0; i < width; i++) dst[i] = f32_to_bf16(src[i]);
-    } else {
-        memcpy((float *)cache + slot * width, src, sizeof(float) * width);
-    }
-}
-
 static void silu_and_mul(float *out, const float *gate_up, int64_t tokens, int64_t inter) {
     for (int64_t t = 0; t < tokens; t++) {
         const float *g = gate_up + t * 2 * inter, *u = g + inter;

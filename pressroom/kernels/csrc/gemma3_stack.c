@@ -48,15 +48,6 @@ static void free_buffers(struct buffers b) {
     free(b.residual); free(b.normed); free(b.y); free(b.qkv); free(b.q); free(b.attn); free(b.gate_up); free(b.act);
 }
 
-static void write_cache(void *cache, int bf16, const float *src, int64_t slot, int64_t width) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)cache + slot * width;
-        for (int64_t i = 0; i < width; i++) dst[i] = f32_to_bf16(src[i]);
-    } else {
-        memcpy((float *)cache + slot * width, src, sizeof(float) * width);
-    }
-}
-
 /* q/k norms (each head a row), rotary over q and k heads, keys and values into the cache, queries into b.q. */
 static void prepare_heads(const struct gemma3_layer *L, struct buffers b, const float *cos, const float *sin,
                           const int64_t *slots, const int64_t *dims, float eps) {

@@ -53,16 +53,27 @@ def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> De
 
 
 @dataclass(slots=True)
-class CpuDecodeStack:
-    max_tokens = INT4_MAX_ROWS  # the 4-bit kernels' rows
-    short_queries = True  # a verification of drafts runs as rows too (a drafting step at batch 1)
-    layer_ptrs: torch.Tensor  # int64 [layers, DECODE_LAYER_FIELDS]
-    held: list[torch.Tensor]  # fp32 copies the pointers refer to (a bf16 model's norm weights)
+class _FusedStack:
+    """What both stacks hold beside their layer table: the fp32 tensors the table points into (`held`), the
+    final norm, and the step's fixed shapes."""
+    held: list[torch.Tensor]
     final_norm: torch.Tensor
     cache_ptr: int  # layer 0's cache when built: a rebound cache needs new pointers
     shape: dict[str, int]  # DECODE_DIM_FIELDS except tokens and max_blocks
     eps: float
     scale: float
+
+    def is_current(self, model) -> bool:
+        """Whether layer 0's KV cache is still the one the table's pointers were taken from."""
+        cache = model.layers[0].self_attn.attn.kv_cache
+        return cache is not None and cache.data_ptr() == self.cache_ptr
+
+
+@dataclass(slots=True)
+class CpuDecodeStack(_FusedStack):
+    max_tokens = INT4_MAX_ROWS  # the 4-bit kernels' rows
+    short_queries = True  # a verification of drafts runs as rows too (a drafting step at batch 1)
+    layer_ptrs: torch.Tensor  # int64 [layers, DECODE_LAYER_FIELDS]
 
     @staticmethod
     def supports(model) -> bool:
@@ -85,11 +96,8 @@ class CpuDecodeStack:
         attn = model.layers[0].self_attn
         shape = _shape(model, caches[0])
         final_norm = _fp32(model.norm.weight, held)
-        return cls(torch.tensor(rows, dtype=torch.int64), held, final_norm, caches[0].data_ptr(), shape,
-                   model.norm.eps, attn.attn.scale)
-
-    def is_current(self, model) -> bool:
-        return _cache_is_bound_at(model, self.cache_ptr)
+        return cls(held, final_norm, caches[0].data_ptr(), shape, model.norm.eps, attn.attn.scale,
+                   layer_ptrs=torch.tensor(rows, dtype=torch.int64))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -116,12 +124,6 @@ def _bound_caches(model) -> list[torch.Tensor] | None:
     if any(c is None or not c.is_contiguous() or c.dtype not in (torch.float32, torch.bfloat16) for c in caches):
         return None
     return caches
-
-
-def _cache_is_bound_at(model, cache_ptr: int) -> bool:
-    """Whether layer 0's KV cache is still the one a stack's pointers were taken from."""
-    cache = model.layers[0].self_attn.attn.kv_cache
-    return cache is not None and cache.data_ptr() == cache_ptr
 
 
 def _shape(model, cache: torch.Tensor) -> dict[str, int]:
@@ -216,17 +218,11 @@ def _gemma3_eligible(layer) -> bool:
 
 
 @dataclass(slots=True)
-class Gemma3DecodeStack:
+class Gemma3DecodeStack(_FusedStack):
     """Gemma 3's decode step in one C call (kernels/csrc/gemma3_stack.c) over its GGML forms."""
     max_tokens = None  # the GGML kernels take any number of rows
     short_queries = False  # single-token decodes only
     layer_table: torch.Tensor  # int64 [layers, gemma3_layer_fields]: pointers into `held` and the weights
-    held: list[torch.Tensor]  # fp32 norm weights and matrix descriptions the table points into
-    final_norm: torch.Tensor
-    cache_ptr: int  # layer 0's cache when built: a rebound cache needs new pointers
-    shape: dict[str, int]  # DECODE_DIM_FIELDS except tokens and max_blocks
-    eps: float
-    scale: float
 
     @staticmethod
     def supports(model) -> bool:
@@ -251,11 +247,8 @@ class Gemma3DecodeStack:
         table = torch.stack([_gemma3_layer_row(layer, held) for layer in model.layers])
         attn = model.layers[0].self_attn
         shape = _shape(model, caches[0])
-        return cls(table, held, _fp32(model.norm.weight, held), caches[0].data_ptr(), shape, model.norm.eps,
-                   attn.attn.scale)
-
-    def is_current(self, model) -> bool:
-        return _cache_is_bound_at(model, self.cache_ptr)
+        return cls(held, _fp32(model.norm.weight, held), caches[0].data_ptr(), shape, model.norm.eps, attn.attn.scale,
+                   layer_table=table)
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """x: the scaled embeddings [tokens, hidden]; rope: the local (cos, sin), then the global; returns the
