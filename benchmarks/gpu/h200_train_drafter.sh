@@ -2,9 +2,10 @@
 # Issue 20 item 1 on the GPU machine: the embedded model writes its own training prompts, then a DFlash2
 # drafter is distilled from its greedy answers. Resumable: run the same command again (back to back, while
 # the machine is warm) and it goes on from the work directory; it exits 75 while unfinished.
-# The embedded GGUF (98 MB) and the tree (20 MB) are over one call's 64 MiB, so the GGUF travels in ignored parts:
-#   .gguf_parts/part.aa, part.ab, part.ac (32, 44 MB and the rest), each carried beside the tree in its own call
-#   (the parts wait in the work directory between calls)
+# The embedded GGUF (98 MB) and the tree are over one call's 64 MiB, so the GGUF travels in ignored parts,
+#   each carried beside the tree in its own call (the parts wait in the work directory between calls):
+#   g=<the GGUF>; split -b 45000000 $g .gguf_parts/part.; sha256sum $g | cut -d' ' -f1 > .gguf_parts/SHA256
+#   (two parts fit when the tracked drafter safetensors stays behind; carry .gguf_parts/SHA256 in every call)
 # Usage: bash benchmarks/gpu/h200_train_drafter.sh OUT SECONDS   (SECONDS: this call's budget for the pipeline)
 out=${1:?output directory}
 budget=${2:?seconds this call may spend}
@@ -15,10 +16,12 @@ work=/tmp/drafter_work
 mkdir -p $work
 model=$work/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $model ]; then
-  ls .gguf_parts/part.* >/dev/null 2>&1 || { echo "no GGUF parts here" >&2; exit 2; }
-  cp .gguf_parts/part.* $work/ 2>/dev/null
-  for p in aa ab ac; do [ -f $work/part.$p ] || { echo "GGUF part $p not here yet: send it"; exit 75; }; done
-  cat $work/part.* > $model && rm $work/part.*
+  cp .gguf_parts/part.* .gguf_parts/SHA256 $work/ 2>/dev/null || { echo "no GGUF parts here" >&2; exit 2; }
+  cat $work/part.* > $model.tmp
+  if [ "$(sha256sum < $model.tmp | cut -d' ' -f1)" != "$(cat $work/SHA256)" ]; then
+    rm $model.tmp; echo "GGUF parts so far: $(ls $work | grep -c '^part\.'): send the next"; exit 75
+  fi
+  mv $model.tmp $model && rm $work/part.*
 fi
 engine="--model $model --device cuda --gpu-memory-utilization 0.4"
 # The 50,000 prompts of 2026-12-03 (make-prompts below, same seed) are committed; MAKE_PROMPTS=1 writes them anew.
