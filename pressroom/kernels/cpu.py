@@ -232,13 +232,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x: [tokens <= 16 (quant_ops.c's MAX_TOKENS), cols] fp32 contiguous; qs: uint8, blocks of 32 paired as
-    quant.NibbleMatrix packs them; d, m: fp32 [rows, cols // 32]. Returns x @ (q * d + m).T, fp32."""
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: int) -> torch.Tensor:
+    """x: [tokens, cols] fp32 contiguous; qs, d, m: a matrix of `rows` rows in 8-row tiles, as
+    quant.NibbleMatrix packs them. Returns x @ (q * d + m).T, fp32 [tokens, rows]."""
     tokens, cols = x.shape
-    out = torch.empty(tokens, qs.shape[0], dtype=torch.float32)
+    out = torch.empty(tokens, rows, dtype=torch.float32)
     _library().q4_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(),
-                             tokens, qs.shape[0], cols, torch.get_num_threads())
+                             tokens, rows, cols, torch.get_num_threads())
     return out
 
 

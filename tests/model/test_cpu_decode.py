@@ -55,9 +55,11 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _tolerance(llm) -> float:
-    # fp32: the same kernels in the same order (silu's exp differs in the last bits). bf16: the Python path
-    # rounds every activation to bf16, the fused one keeps fp32.
-    return 1e-5 if llm.engine.config.model.dtype == torch.float32 else 0.03
+    # fp32: the same kernels in the same order, but silu's exp differs in the last bits, and an ulp can move
+    # an activation across an int8 rounding step of its block (1/254 of the block's largest; the embedded
+    # model's outlier channels make that step large: two such flips measured 8e-3 by layer 2 on the AVX2
+    # tier). bf16: the Python path rounds every activation to bf16, the fused one keeps fp32.
+    return 0.01 if llm.engine.config.model.dtype == torch.float32 else 0.03
 
 
 def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):

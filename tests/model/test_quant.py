@@ -87,6 +87,18 @@ def test_c_quant_kernels_match_dense(tokens, rows, cols):                   # fo
     assert _close(q8.matmul(x), x @ q8.dequantize().t(), 0.02)
 
 
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler: the torch int4 kernel is used instead")
+@pytest.mark.parametrize("rows, cols", [(64, 576), (37, 96)])
+def test_a_tokens_product_has_the_same_bits_alone_and_among_rows(rows, cols):
+    # a verification's rows must give what decoding each token alone gives, or greedy speculation drifts
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(9, cols, generator=gen)
+    packed = NibbleMatrix.pack(_random_q4(rows, cols, 3))
+    together = packed.matmul(x)
+    for t in range(x.shape[0]):
+        assert torch.equal(packed.matmul(x[t:t + 1]), together[t:t + 1])
+
+
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_c_quant_kernels_handle_a_zero_block():
     x = torch.zeros(1, 64)

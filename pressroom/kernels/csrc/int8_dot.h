@@ -13,4 +13,15 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
+
+/* acc + dot_u8_i8(u, s), in one instruction with VNNI. */
+static inline __m256i dot_acc_u8_i8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, dot_u8_i8(u, s));
+#endif
+}
 #endif

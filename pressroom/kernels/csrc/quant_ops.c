@@ -4,22 +4,23 @@
  * of the block's largest value, about bf16's), so a block's dot product is integer arithmetic:
  * 32 multiply-adds in two instructions (one with VNNI).
  *
- * Layout, per output row, blocks of 32 inputs:
- *   Q4 (Q4_0 / Q4_1): blocks in pairs, 32 bytes a pair: byte j holds input j of the even block (low
- *                     nibble) and of the odd block (high), so one load and two masks unpack 64
- *                     weights; an odd last block has high nibbles 0. w = q * d + m, d and m fp32 per
- *                     block (Q4_0: m = -8 d). A row is q4_row_bytes(cols) bytes.
- * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Rows are split between threads. */
+ * Layout: rows in tiles of 8 (the last one padded with zero rows), blocks of 32 inputs, w = q * d + m (Q4_0:
+ * m = -8 d). A tile's block is 128 bytes, four quarters of 32: byte 4 r + e of quarter k holds input 4 k + e
+ * of the tile's row r in its low nibble and input 16 + 4 k + e in its high one. So a quarter unpacks into two
+ * vectors whose lane r holds four consecutive inputs of row r, and one integer dot product with four
+ * broadcast activations advances all eight rows: no horizontal sums, and the unpacked block serves every
+ * token of the step. d, m: fp32 [tiles, blocks, 8] (quant.NibbleMatrix packs all three).
+ * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Tiles are split between threads. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 #include "int8_dot.h"
 
 #define QBLOCK 32
-#define MAX_TOKENS 16
 
 /* x rounded per block of 32: xq = round(x / s) in [-127, 127], s = max|x| / 127; sums[b] = s * sum(xq). */
 static void quantize_blocks(int8_t *xq, float *scales, float *sums, const float *x, int64_t n) {
@@ -40,13 +41,6 @@ static void quantize_blocks(int8_t *xq, float *scales, float *sums, const float 
 }
 
 #ifdef __AVX2__
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256i low_nibbles(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
 static inline __m256i high_nibbles(__m256i raw) {
     return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
@@ -70,97 +64,87 @@ static struct qx quantize_tokens(const float *x, int64_t tokens, int64_t cols) {
 
 static void free_qx(struct qx r) { free(r.q); free(r.scale); free(r.sum); }
 
-/* A single token takes rows four at a time; several tokens take one row at a time, each weight block
- * unpacked once for all of them. */
+#define TILE 8
+#define TILE_BYTES (TILE * QBLOCK / 2)
+#define TOKEN_CHUNK 4 /* tokens that share one unpacking of a block: their accumulators stay in registers */
 
-static int64_t q4_row_bytes(int64_t cols) { return (cols / QBLOCK + 1) / 2 * 32; }
-
-static inline int q4_value(const uint8_t *row, int64_t b, int j) {
-    const uint8_t byte = row[b / 2 * 32 + j];
-    return b % 2 ? byte >> 4 : byte & 15;
+#ifdef __AVX2__
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
 }
 
-/* sum over blocks of m * (the block's activation sum): the offset part of w = q * d + m. */
-static float q4_offset(const float *m, const float *xsum, int64_t blocks) {
-    float s = 0.f;
-    for (int64_t b = 0; b < blocks; b++) s += m[b] * xsum[b];
-    return s;
-}
-
-static void q4_row(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m, int64_t tokens,
-                   int64_t rows, int64_t cols) {
+/* out[t][r] for the tile's `valid` rows and tokens t0 .. t0 + n - 1. */
+static void q4_tile_chunk(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m,
+                          int64_t t0, int n, int valid, int64_t rows, int64_t cols) {
     const int64_t blocks = cols / QBLOCK;
-#ifdef __AVX2__
-    __m256 acc[MAX_TOKENS];  /* each block is unpacked once and meets every token */
-    for (int64_t t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[TOKEN_CHUNK];
+    for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const __m256i raw = load256(qs + b / 2 * 32), w = b % 2 ? high_nibbles(raw) : low_nibbles(raw);
-        for (int64_t t = 0; t < tokens; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(w, load256(x.q + t * cols + b * QBLOCK)));
-            acc[t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * x.scale[t * blocks + b]), acc[t]);
+        const uint8_t *p = qs + b * TILE_BYTES;
+        __m256i w[8];
+        for (int k = 0; k < 4; k++) {
+            const __m256i raw = load256(p + 32 * k);
+            w[k] = low_nibbles(raw);
+            w[4 + k] = high_nibbles(raw);
+        }
+        const __m256 dv = _mm256_loadu_ps(d + b * TILE), mv = _mm256_loadu_ps(m + b * TILE);
+        for (int i = 0; i < n; i++) {
+            const int64_t t = t0 + i;
+            const int8_t *xb = x.q + t * cols + b * QBLOCK;
+            __m256i lo = dot_u8_i8(w[0], broadcast4(xb)), hi = dot_u8_i8(w[4], broadcast4(xb + 16));
+            for (int k = 1; k < 4; k++) {
+                lo = dot_acc_u8_i8(lo, w[k], broadcast4(xb + 4 * k));
+                hi = dot_acc_u8_i8(hi, w[4 + k], broadcast4(xb + 16 + 4 * k));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+            acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.sum[t * blocks + b]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(x.scale[t * blocks + b])), acc[i]);
         }
     }
-#endif
-    for (int64_t t = 0; t < tokens; t++) {
-        float s = q4_offset(m, x.sum + t * blocks, blocks);
-#ifdef __AVX2__
-        s += hsum256(acc[t]);
-#else
-        for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *xb = x.q + t * cols + b * QBLOCK;
-            int dot = 0;
-            for (int j = 0; j < QBLOCK; j++) dot += q4_value(qs, b, j) * xb[j];
-            s += (float)dot * d[b] * x.scale[t * blocks + b];
-        }
-#endif
-        out[t * rows] = s;
+    for (int i = 0; i < n; i++) {
+        float lanes[TILE];
+        _mm256_storeu_ps(lanes, acc[i]);
+        memcpy(out + (t0 + i) * rows, lanes, sizeof(float) * valid);
     }
 }
-
-#ifdef __AVX2__
-/* One token, four rows at once: each activation block is loaded once for four weight blocks, and
- * the four accumulators are independent chains (one would wait on each fma's latency). */
-static void q4_four_rows(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m,
-                         int64_t cols) {
-    const int64_t blocks = cols / QBLOCK, stride = q4_row_bytes(cols);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t b = 0;
-    for (; b + 1 < blocks; b += 2) {
-        const __m256i xa = load256(x.q + b * QBLOCK), xb = load256(x.q + (b + 1) * QBLOCK);
-        for (int i = 0; i < 4; i++) {
-            const __m256i raw = load256(qs + i * stride + b / 2 * 32);
-            const __m256 da = _mm256_cvtepi32_ps(dot_u8_i8(low_nibbles(raw), xa));
-            const __m256 db = _mm256_cvtepi32_ps(dot_u8_i8(high_nibbles(raw), xb));
-            acc[i] = _mm256_fmadd_ps(da, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
-            acc[i] = _mm256_fmadd_ps(db, _mm256_set1_ps(d[i * blocks + b + 1] * x.scale[b + 1]), acc[i]);
+#else
+static void q4_tile_chunk(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m,
+                          int64_t t0, int n, int valid, int64_t rows, int64_t cols) {
+    const int64_t blocks = cols / QBLOCK;
+    for (int i = 0; i < n; i++) {
+        const int64_t t = t0 + i;
+        for (int r = 0; r < valid; r++) {
+            float s = 0.f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *p = qs + b * TILE_BYTES;
+                const int8_t *xb = x.q + t * cols + b * QBLOCK;
+                int dot = 0;
+                for (int j = 0; j < QBLOCK; j++) {
+                    const uint8_t byte = p[32 * (j % 16 / 4) + 4 * r + j % 4];
+                    dot += (j < 16 ? byte & 15 : byte >> 4) * xb[j];
+                }
+                s += m[b * TILE + r] * x.sum[t * blocks + b];
+                s += (float)dot * (d[b * TILE + r] * x.scale[t * blocks + b]);
+            }
+            out[t * rows + r] = s;
         }
     }
-    if (b < blocks) {  /* an odd last block: low nibbles only */
-        const __m256i xa = load256(x.q + b * QBLOCK);
-        for (int i = 0; i < 4; i++) {
-            const __m256 da = _mm256_cvtepi32_ps(dot_u8_i8(low_nibbles(load256(qs + i * stride + b / 2 * 32)), xa));
-            acc[i] = _mm256_fmadd_ps(da, _mm256_set1_ps(d[i * blocks + b] * x.scale[b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < 4; i++) out[i] = q4_offset(m + i * blocks, x.sum, blocks) + hsum256(acc[i]);
 }
 #endif
 
 void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d, const float *m,
                    int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    const int64_t blocks = cols / QBLOCK;
+    const int64_t blocks = cols / QBLOCK, tiles = (rows + TILE - 1) / TILE;
     struct qx xq = quantize_tokens(x, tokens, cols);
-#ifdef __AVX2__
-    if (tokens == 1 && rows % 4 == 0) {
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t r = 0; r < rows; r += 4)
-            q4_four_rows(out + r, xq, qs + r * q4_row_bytes(cols), d + r * blocks, m + r * blocks, cols);
-        free_qx(xq);
-        return;
-    }
-#endif
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t r = 0; r < rows; r++)
-        q4_row(out + r, xq, qs + r * q4_row_bytes(cols), d + r * blocks, m + r * blocks, tokens, rows, cols);
+    for (int64_t g = 0; g < tiles; g++) {
+        const int valid = rows - g * TILE < TILE ? (int)(rows - g * TILE) : TILE;
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_CHUNK)
+            q4_tile_chunk(out + g * TILE, xq, qs + g * blocks * TILE_BYTES, d + g * blocks * TILE,
+                          m + g * blocks * TILE, t0, tokens - t0 < TOKEN_CHUNK ? (int)(tokens - t0) : TOKEN_CHUNK,
+                          valid, rows, cols);
+    }
     free_qx(xq);
 }

@@ -84,25 +84,28 @@ def _torch_int4_available() -> bool:
 
 @dataclass(slots=True)
 class NibbleMatrix:
-    """The 4-bit form the C kernel reads: blocks of 32 inputs in pairs, byte j of a pair holding
-    input j of the even block (low nibble) and of the odd block (high), so one 32-byte load and two
-    masks unpack 64 weights. An odd last block pairs with zeros."""
-    qs: torch.Tensor  # uint8 [rows, pairs * 32]
-    scale: torch.Tensor  # float32 [rows, cols // GROUP]
-    min: torch.Tensor  # float32 [rows, cols // GROUP]
+    """The 4-bit form the C kernel reads (quant_ops.c): rows in tiles of 8, and per tile and block of 32 inputs
+    four quarters of 32 bytes, byte 4 r + e of quarter k holding input 4 k + e of row r (low nibble) and input
+    16 + 4 k + e (high). One unpacked quarter then holds four inputs of each of 8 rows, lane by lane, so one
+    integer dot product with four broadcast activations advances 8 rows. The last tile is padded with zeros."""
+    qs: torch.Tensor  # uint8 [tiles, blocks * 128]
+    scale: torch.Tensor  # float32 [tiles, blocks, 8]: d
+    min: torch.Tensor  # float32 [tiles, blocks, 8]: m
+    rows: int
 
     @classmethod
     def pack(cls, w: Q4Weight) -> NibbleMatrix:
         rows, cols = w.shape
-        blocks = w.q.view(rows, cols // GROUP, GROUP)
-        if blocks.shape[1] % 2:
-            blocks = torch.cat([blocks, torch.zeros(rows, 1, GROUP, dtype=blocks.dtype)], dim=1)
-        pairs = blocks.view(rows, -1, 2, GROUP)
-        qs = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-        return cls(qs.reshape(rows, -1).contiguous(), w.scale.float().contiguous(), w.min.float().contiguous())
+        blocks, pad = cols // GROUP, -rows % 8
+        q, scale, low = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (w.q, w.scale.float(), w.min.float()))
+        tiles = q.shape[0] // 8
+        q = q.view(tiles, 8, blocks, 2, 4, 4)  # tile, row, block, half, quarter, byte: input 16 half + 4 quarter + byte
+        nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # tile, row, block, quarter, byte
+        qs = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous()
+        return cls(qs, *(t.view(tiles, 8, blocks).transpose(1, 2).contiguous() for t in (scale, low)), rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _c_matmul(x, lambda flat: cpu.q4_matmul(flat, self.qs, self.scale, self.min))
+        return _c_matmul(x, lambda flat: cpu.q4_matmul(flat, self.qs, self.scale, self.min, self.rows))
 
 
 @dataclass(slots=True)
