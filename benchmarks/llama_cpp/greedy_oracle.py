@@ -37,6 +37,8 @@ def main() -> None:
     for prompt in json.load(open(args.prompts)):
         ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
         tokens = []
+        llm.reset()  # no prefix kept from the last prompt: the whole prompt is one batch from an empty cache, as
+        # pressroom evaluates it (llama.cpp's batched kernels group a batch's rows by 4, so a kept BOS shifts them)
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             tokens.append(int(tok))
             if len(tokens) == args.tokens:

@@ -26,7 +26,7 @@ from pressroom.platforms.cpu import cpu_info
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c",
-                                             "workshare.c")]
+                                             "workshare.c", "ggml_numerics.c")]
 _HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h", "workshare.h", "layer_ops.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
@@ -50,7 +50,13 @@ _QUANT_SIGNATURES = {
     "ggml_k4_matmul_f32": [_P] * 8 + [_I] * 3 + [_T],
     "ggml_q6_k_matmul_f32": [_P] * 6 + [_I] * 3 + [_T],
     "ggml_matrix_matmul_f32": [_P] * 3 + [_I] * 2 + [_T],
-    "gemma3_decode_stack": [_P, _P, _I] + [_P] * 9 + [_F, _F, _T],
+    "gemma3_decode_stack": [_P, _P, _I] + [_P] * 9 + [_F, _F, _T, _T],
+    "ggml_rms_norm_f32": [_P] * 4 + [_I, _I, _F, _T],
+    "ggml_geglu_f32": [_P, _P, _I, _I, _T],
+    "ggml_attention_f32": [_P] * 7 + [_I] * 7 + [_F, _T],
+    "ggml_rope_tables": [_P, _P, _I, _I, _F, _F],
+    "ggml_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
+    "ggml_set_q4_k_gemm_rows": [_P],
 }
 _COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
@@ -261,15 +267,77 @@ def decode_stack(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Te
 
 def gemma3_decode_stack(x: torch.Tensor, layer_table: torch.Tensor, final_norm: torch.Tensor,
                         rope: tuple[torch.Tensor, ...], slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                        dims: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+                        dims: torch.Tensor, eps: float, scale: float, ggml: bool = False) -> torch.Tensor:
     """One Gemma 3 decode step through every layer (gemma3_stack.c), in place on x: [tokens, hidden] fp32, the
     scaled embeddings in, the final-normed hidden states out. layer_table: int64 [layers, gemma3_layer_fields];
     rope: (cos, sin) of the local rope, then of the global one, fp32 [tokens, head_dim / 2] contiguous; the rest
-    as decode_stack's."""
+    as decode_stack's; ggml: llama.cpp's arithmetic around the products (ggml_rms_norm, ggml_geglu, ggml_attention;
+    an fp32 cache)."""
     _library().gemma3_decode_stack(x.data_ptr(), layer_table.data_ptr(), layer_table.shape[0], final_norm.data_ptr(),
                                    *(t.data_ptr() for t in rope), slots.data_ptr(), tables.data_ptr(),
-                                   lens.data_ptr(), dims.data_ptr(), eps, scale, kernel_threads())
+                                   lens.data_ptr(), dims.data_ptr(), eps, scale, int(ggml), kernel_threads())
     return x
+
+
+# --- llama.cpp's CPU arithmetic around the products (ggml_numerics.c), fp32 only ---
+
+
+def ggml_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """ggml's RMSNorm (the sum of squares in double) times weight; residual (if given) += x first, in place, and
+    normed instead. x: [rows, hidden] contiguous fp32."""
+    out = torch.empty_like(x)
+    _library().ggml_rms_norm_f32(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                 weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, 1)
+    return out
+
+
+def ggml_geglu(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * width] = [gate | up] contiguous fp32 -> GELU from ggml's fp16 table of gate, times up."""
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = x.new_empty(rows, width)
+    _library().ggml_geglu_f32(out.data_ptr(), x.data_ptr(), rows, width, 1)
+    return out
+
+
+def ggml_rope_tables(positions: int, half: int, base: float, freq_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's rope tables (no YaRN): cos, sin fp32 [positions, half], theta stepped by powf(base, -1 / half) in
+    float, cosf and sinf of it."""
+    cos, sin = torch.empty(positions, half), torch.empty(positions, half)
+    _library().ggml_rope_tables(cos.data_ptr(), sin.data_ptr(), positions, half, base, freq_scale)
+    return cos, sin
+
+
+@contextmanager
+def ggml_q4_k_gemm_rows(flags: torch.Tensor | None):
+    """While open, the Q4_K products' token t takes llama.cpp's 4-row gemm order where flags[t] (int64 [tokens],
+    contiguous; None: every token its gemv order)."""
+    _library().ggml_set_q4_k_gemm_rows(None if flags is None else flags.data_ptr())
+    try:
+        yield
+    finally:
+        _library().ggml_set_q4_k_gemm_rows(None)
+
+
+def ggml_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ggml's NeoX rope in place over x [tokens, heads, head_dim] fp32 contiguous (every dim rotated)."""
+    _library().ggml_rotary_f32(x.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), x.shape[0],
+                               x.shape[1], x.shape[2], x.shape[2], x.shape[1] * x.shape[2], 1)
+    return x
+
+
+def ggml_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                   lens: torch.Tensor, gemm: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """Attention as llama.cpp's CPU backend computes it (fp16 keys, values, queries and probabilities, ggml's
+    summation orders), one query token a row: q [rows, heads, dim] fp32; k_cache, v_cache [blocks, block_size,
+    kv_heads, dim] fp32 holding fp16 values; tables [rows, max_blocks], lens [rows] (the row's context, itself
+    included), gemm [rows] (1: the token came in a batch of two or more), all int64 -> [rows, heads, dim]."""
+    rows, heads, dim = q.shape
+    out = torch.empty_like(q)
+    _library().ggml_attention_f32(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  tables.data_ptr(), lens.data_ptr(), gemm.data_ptr(), rows, heads, k_cache.shape[2],
+                                  dim, k_cache.shape[1], tables.shape[1], window or 0, scale,
+                                  kernel_threads() if rows > 1 else 1)
+    return out
 
 
 # --- GGML-quantized weights (ggml_ops.c): activations rounded per block as llama.cpp's CPU backend does ---

@@ -281,9 +281,13 @@ static inline dot32_t dot32(const uint8_t *u, const int8_t *x) {
 static float q5_0_dot(const uint8_t *u, const float *d, const int8_t *xq, const float *xd, const int32_t *xs,
                       int64_t blocks) {
 #ifdef __AVX2__
+    static const uint8_t sixteen[QK] = {16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
+                                        16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16};
+    (void)xs;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const __m256i dot = _mm256_sub_epi32(dot32(u + b * QK, xq + b * QK), _mm256_set1_epi32(2 * xs[b]));
+        /* per lane (4 values) sum((u - 16) x), as llama.cpp's lanes hold it: the 16 x off each lane's own sum */
+        const __m256i dot = _mm256_sub_epi32(dot32(u + b * QK, xq + b * QK), dot32(sixteen, xq + b * QK));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b] * xd[b]), acc);
     }
     return hsum_ps(acc);
@@ -302,29 +306,60 @@ static float q5_0_dot_packed(const uint8_t *qs, const uint32_t *qh, const float 
     const int64_t four = 0x0004000400040004LL;  /* per 16 bytes: shift the high nibbles' copies down by 4 */
     const __m512i shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    (void)xs;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b += 2) {  /* an even number of blocks */
         const __m512i raw = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(qs + b * 16)));
         const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_i64x2(raw, raw, 0x50), shifts), low4);
         const __m512i u = _mm512_or_si512(nib, _mm512_maskz_mov_epi8((uint64_t)qh[b] | (uint64_t)qh[b + 1] << 32, bit4));
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xq + b * QK));
+        const __m512i x = _mm512_loadu_si512(xq + b * QK);
+        const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), bit4, x));  /* 16 x per lane */
         const __m256i lo = _mm512_castsi512_si256(dot), hi = _mm512_extracti32x8_epi32(dot, 1);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, _mm256_set1_epi32(2 * xs[b]))),
-                              _mm256_set1_ps(d[b] * xd[b]), acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, _mm256_set1_epi32(2 * xs[b + 1]))),
-                              _mm256_set1_ps(d[b + 1] * xd[b + 1]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d[b] * xd[b]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d[b + 1] * xd[b + 1]), acc);
     }
     return hsum_ps(acc);
 }
 #endif
 
-/* Q4_K / Q5_K, per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j) over sub-blocks of 32 */
+/* Tokens whose Q4_K products take llama.cpp's gemm order (below), NULL: none; set by ggml_set_q4_k_gemm_rows. */
+static const int64_t *q4_k_gemm_rows = NULL;
+
+/* flags: int64 per token of the next products, 1 where llama.cpp would run the token through its 4-row gemm
+ * (the first n - n % 4 tokens of a batch of n), or NULL. */
+void ggml_set_q4_k_gemm_rows(const int64_t *flags) { q4_k_gemm_rows = flags; }
+
+/* Q4_K / Q5_K, per 256: d_x * (d * sum_j sc_j dot_j - dmin * sum_j mn_j xsum_j) over sub-blocks of 32.
+ * Q4_K (`repacked`: llama.cpp's x86 builds repack Q4_K weights to q4_K_8x8, whose kernels sum differently from
+ * its vec_dot): two accumulators, sum * (d d_x) and mins * (dmin d_x), the second taken from the first at the
+ * end; one fma each per 256 (repacked 1: its gemv, a lone token or a batch's last n % 4) or per 64 (repacked 2:
+ * its 4-row gemm). Q5_K: vec_dot_q5_K_q8_K's single sum. */
 static float k4_dot(const uint8_t *u, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
-                    const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers) {
-    float s = 0.f;
+                    const int8_t *xq, const float *xd, const int32_t *xs, int64_t supers, int repacked) {
+    float s = 0.f, s_min = 0.f;
     for (int64_t k = 0; k < supers; k++) {
         const uint8_t *scale = sc + k * 8, *low = mn + k * 8;
         const int32_t *bs = xs + k * 16;
+        if (repacked == 2) {
+            for (int p = 0; p < 4; p++) {
+                int sum = 0, mins = 0;
+                for (int j = 2 * p; j < 2 * p + 2; j++) {
+#ifdef __AVX2__
+                    sum += hsum_epi32(scaled_dot32(u + k * QK_K + 32 * j, xq + k * QK_K + 32 * j,
+                                                   _mm256_set1_epi16(scale[j])));
+#else
+                    int dot = 0;
+                    for (int i = 0; i < 32; i++) dot += u[k * QK_K + 32 * j + i] * xq[k * QK_K + 32 * j + i];
+                    sum += scale[j] * dot;
+#endif
+                    mins += low[j] * (bs[2 * j] + bs[2 * j + 1]);
+                }
+                s = fmaf((float)sum, d[k] * xd[k], s);
+                s_min = fmaf((float)mins, dmin[k] * xd[k], s_min);
+            }
+            continue;
+        }
         int mins = 0;
         for (int j = 0; j < 8; j++) mins += low[j] * (bs[2 * j] + bs[2 * j + 1]);
 #ifdef __AVX2__
@@ -337,34 +372,50 @@ static float k4_dot(const uint8_t *u, const uint8_t *sc, const uint8_t *mn, cons
         int sum = 0;
         for (int j = 0; j < 8; j++) sum += scale[j] * dot32(u + k * QK_K + 32 * j, xq + k * QK_K + 32 * j);
 #endif
-        s += xd[k] * (d[k] * (float)sum - dmin[k] * (float)mins);
+        if (repacked) {
+            s = fmaf((float)sum, d[k] * xd[k], s);
+            s_min = fmaf((float)mins, dmin[k] * xd[k], s_min);
+        } else {
+            s += xd[k] * (d[k] * (float)sum - dmin[k] * (float)mins);
+        }
     }
-    return s;
+    return s - s_min;
 }
 
-/* Q6_K, per 256: d_x d sum_j sc_j (sum(u x) - 32 xsum_j) over 16 runs of 16 */
+/* Q6_K, per 256: d_x d sum_j sc_j (sum(u x) - 32 xsum_j) over 16 runs of 16. AVX2: as vec_dot_q6_K_q8_K's lanes
+ * (lane i: values 4i .. 4i + 3 of every 32, the 32 x taken off each lane's own sum), one fma per 256 and lane. */
 static float q6_k_dot(const uint8_t *u, const int8_t *sc, const float *d, const int8_t *xq, const float *xd,
                       const int32_t *xs, int64_t supers) {
+#ifdef __AVX2__
+    static const uint8_t thirty_two[32] = {32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32,
+                                           32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32};
+    (void)xs;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < supers; k++) {
+        const int8_t *scale = sc + k * 16;
+        __m256i isum = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {  /* 32 values: runs 2c and 2c + 1, four lanes each */
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(scale[2 * c + 1]), _mm_set1_epi16(scale[2 * c]));
+            const int8_t *x = xq + k * QK_K + 32 * c;
+            isum = _mm256_add_epi32(isum, _mm256_sub_epi32(scaled_dot32(u + k * QK_K + 32 * c, x, scales),
+                                                           scaled_dot32(thirty_two, x, scales)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(xd[k] * d[k]), _mm256_cvtepi32_ps(isum), acc);
+    }
+    return hsum_ps(acc);
+#else
     float s = 0.f;
     for (int64_t k = 0; k < supers; k++) {
         const int8_t *scale = sc + k * 16;
         const int32_t *bs = xs + k * 16;
         int offset = 0;
         for (int j = 0; j < 16; j++) offset += scale[j] * bs[j];
-#ifdef __AVX2__
-        __m256i isum = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {  /* 32 values: runs 2c and 2c + 1, four lanes each */
-            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(scale[2 * c + 1]), _mm_set1_epi16(scale[2 * c]));
-            isum = _mm256_add_epi32(isum, scaled_dot32(u + k * QK_K + 32 * c, xq + k * QK_K + 32 * c, scales));
-        }
-        const int sum = hsum_epi32(isum);
-#else
         int sum = 0;
         for (int i = 0; i < QK_K; i++) sum += scale[i / 16] * u[k * QK_K + i] * xq[k * QK_K + i];
-#endif
         s += xd[k] * d[k] * (float)(sum - 32 * offset);
     }
     return s;
+#endif
 }
 
 int64_t ggml_matrix_fields(void) { return sizeof(struct ggml_matrix) / sizeof(int64_t); }
@@ -395,7 +446,7 @@ static float row_dot(const uint8_t *u, const struct ggml_part *w, int64_t r, int
     if (w->kind == K4)
         return k4_dot(u, ARRAY(const uint8_t *, w, sc) + r * cols / 32, ARRAY(const uint8_t *, w, mn) + r * cols / 32,
                       ARRAY(const float *, w, d) + r * supers, ARRAY(const float *, w, dmin) + r * supers, xq,
-                      a->d + t * supers, xs, supers);
+                      a->d + t * supers, xs, supers, w->qh ? 0 : q4_k_gemm_rows && q4_k_gemm_rows[t] ? 2 : 1);
     return q6_k_dot(u, ARRAY(const int8_t *, w, sc) + r * cols / 16, ARRAY(const float *, w, d) + r * supers, xq,
                     a->d + t * supers, xs, supers);
 }

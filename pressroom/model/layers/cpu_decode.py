@@ -250,16 +250,18 @@ class Gemma3DecodeStack(_FusedStack):
         return cls(held, _fp32(model.norm.weight, held), caches[0].data_ptr(), shape, model.norm.eps, attn.attn.scale,
                    layer_table=table)
 
-    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+            ggml: bool = False) -> torch.Tensor:
         """x: the scaled embeddings [tokens, hidden]; rope: the local (cos, sin), then the global; returns the
-        final-normed hidden states, fp32."""
+        final-normed hidden states, fp32. ggml: llama.cpp's arithmetic around the products (Gemma3Model's
+        `ggml_numerics`)."""
         tokens = x.shape[0]
         x = x.to(torch.float32, copy=True).contiguous()  # written in place
         tables = meta.block_tables[:tokens].contiguous()
         dims = _dims(self.shape, tokens, tables.shape[1])
         return cpu.gemma3_decode_stack(x, self.layer_table, self.final_norm, tuple(t.contiguous() for t in rope),
                                        meta.slot_mapping.contiguous(), tables, meta.seq_lens[:tokens].contiguous(),
-                                       dims, self.eps, self.scale)
+                                       dims, self.eps, self.scale, ggml)
 
 
 def _gemma3_layer_row(layer, held: list[torch.Tensor]) -> torch.Tensor:

@@ -7,12 +7,14 @@ plain RMSNorm kernels run them unchanged.
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from pressroom.attention.backend import get_attention_metadata
+from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
+from pressroom.attention.torch_ref import write_kv
 from pressroom.kernels import cpu
 from pressroom.model.layers import cpu_decode
 from pressroom.model.layers.activation import GeluTanhAndMul
@@ -62,7 +64,11 @@ def _rope(config, layer_type: str) -> tuple[float, dict | None]:
 
 def _rotary(config, layer_type: str) -> RotaryEmbedding:
     base, scaling = _rope(config, layer_type)
-    return RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings, base, scaling)
+    rotary = RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings, base, scaling)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    # llama.cpp's tables (Gemma3Model.ggml_numerics): its frequency scale, where the scaling is one it has
+    rotary.ggml_rope = (base, 1.0 if kind is None else 1.0 / scaling["factor"] if kind == "linear" else None)
+    return rotary
 
 
 class Gemma3Attention(LlamaAttention):
@@ -73,6 +79,45 @@ class Gemma3Attention(LlamaAttention):
         window = config.sliding_window if layer_type == SLIDING else None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.query_pre_attn_scalar ** -0.5,
                               sliding_window=window)
+
+    def forward_ggml(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's arithmetic (Gemma3Model.ggml_numerics): its norms, an fp16-rounded cache, its attention."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        heads = self.qkv_proj(x).view(-1, h + 2 * kv, d)
+        q = cpu.ggml_rms_norm(heads[:, :h].contiguous(), self.q_norm.weight, self.q_norm.eps, None)
+        k = cpu.ggml_rms_norm(heads[:, h:h + kv].contiguous(), self.k_norm.weight, self.k_norm.eps, None)
+        qk = cpu.ggml_rotary_(torch.cat((q, k), dim=1), rope.cos, rope.sin)
+        k16, v16 = qk[:, h:].half().float(), heads[:, h + kv:].half().float()  # llama.cpp's fp16 KV cache
+        meta = get_attention_metadata()
+        write_kv(self.attn.kv_cache, k16, v16, meta.slot_mapping)
+        tables, lens, gemm, _ = _ggml_rows(meta)
+        out = cpu.ggml_attention(qk[:, :h].contiguous(), self.attn.kv_cache[0], self.attn.kv_cache[1], tables, lens,
+                                 gemm, self.attn.sliding_window, self.attn.scale)
+        return self.o_proj(out.flatten(1))
+
+
+def _ggml_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """Each query token's block table, context length (itself included), whether it came in a chunk of two or
+    more tokens (llama.cpp's batched attention order) and whether llama.cpp's 4-row Q4_K gemm would take it (the
+    first n - n % 4 of a chunk of n), made once a step (kept beside the step's metadata, not in its `plan`, which a
+    drafter's backend may read)."""
+    global _ggml_rows_cache
+    if _ggml_rows_cache[0] is not meta:
+        reqs, lens, gemm, rows4 = [], [], [], []
+        loc = meta.query_start_loc
+        for i in range(len(loc) - 1):
+            n = loc[i + 1] - loc[i]
+            reqs += [i] * n
+            lens += range(meta.seq_lens_host[i] - n + 1, meta.seq_lens_host[i] + 1)
+            gemm += [int(n > 1)] * n
+            rows4 += [1] * (n - n % 4) + [0] * (n % 4)
+        _ggml_rows_cache = (meta, (meta.block_tables[torch.tensor(reqs)].contiguous(),
+                                   torch.tensor(lens, dtype=torch.int64), torch.tensor(gemm, dtype=torch.int64),
+                                   torch.tensor(rows4, dtype=torch.int64)))
+    return _ggml_rows_cache[1]
+
+
+_ggml_rows_cache: tuple = (None, None)  # (the step's metadata, its _ggml_rows)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -87,9 +132,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None):
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None, ggml: bool = False):
         """The layer's input is x + residual (x alone for the first); returns its output in the same split, so
-        each residual add is fused into the next norm."""
+        each residual add is fused into the next norm. ggml: llama.cpp's arithmetic (Gemma3Model.ggml_numerics)."""
+        if ggml:
+            return self._forward_ggml(rope, x, residual)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -97,6 +144,18 @@ class Gemma3DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(self.self_attn(rope, x))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+    def _forward_ggml(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None):
+        def norm(module, x, residual=None):
+            return cpu.ggml_rms_norm(x.contiguous(), module.weight, module.eps, residual)
+        if residual is None:
+            x, residual = norm(self.input_layernorm, x), x.contiguous()
+        else:
+            x = norm(self.input_layernorm, x, residual)  # residual += x, in place
+        x = norm(self.post_attention_layernorm, self.self_attn.forward_ggml(rope, x))
+        x = norm(self.pre_feedforward_layernorm, x, residual)
+        x = self.mlp.down_proj(cpu.ggml_geglu(self.mlp.gate_up_proj(x).contiguous()))
+        return norm(self.post_feedforward_layernorm, x), residual
 
 
 class Gemma3Model(nn.Module):
@@ -112,24 +171,49 @@ class Gemma3Model(nn.Module):
         # CPU decode steps in one C call (layers/cpu_decode.py); built at the first step that can use it.
         self.fused_decode: bool | None = None  # None: not yet asked whether the layers support it
         self._decode_stack: cpu_decode.Gemma3DecodeStack | None = None
+        # llama.cpp's CPU arithmetic around the products (kernels/csrc/ggml_numerics.c), on where every projection
+        # kept its GGML form (a GGUF as shipped) and the model and cache are fp32; PRESSROOM_GGML_NUMERICS=0: off.
+        self.ggml_numerics: bool | None = None  # None: not yet asked
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF rounds the scale to the weights' dtype first
+        ggml = self._ggml_numerics(x)  # first: it may swap the rope tables
         local = RopeTables(self.rotary_local, *self.rotary_local.cos_sin(positions))
         glob = RopeTables(self.rotary_global, *self.rotary_global.cos_sin(positions))
         stack = None if aux_layers else cpu_decode.current_stack(self, cpu_decode.Gemma3DecodeStack, input_ids)
         if stack is not None:  # the C stack taps no layer; its fp32 states go to the LM head unrounded
-            return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata())
-        with cpu.torch_ops_alone() if self._small_ggml_step(input_ids) else nullcontext():
+            return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata(), ggml)
+        rows4 = _ggml_rows(get_attention_metadata())[3] if ggml else None
+        with (cpu.torch_ops_alone() if self._small_ggml_step(input_ids) else nullcontext(),
+              cpu.ggml_q4_k_gemm_rows(rows4) if ggml else nullcontext()):
             residual, taps = None, {}
             for i, layer in enumerate(self.layers):
-                x, residual = layer(local if layer.local else glob, x, residual)
+                x, residual = layer(local if layer.local else glob, x, residual, ggml)
                 if i in aux_layers:
                     taps[i] = x + residual
-            x, _ = self.norm(x, residual)
+            if ggml:
+                x = cpu.ggml_rms_norm(x.contiguous(), self.norm.weight, self.norm.eps, residual)
+            else:
+                x, _ = self.norm(x, residual)
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    def _ggml_numerics(self, x: torch.Tensor) -> bool:
+        if self.ggml_numerics is None:
+            caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+            if any(c is None for c in caches):  # a step before the caches are bound (profiling): ask again later
+                return False
+            self.ggml_numerics = (os.environ.get("PRESSROOM_GGML_NUMERICS", "1") != "0" and x.device.type == "cpu"
+                                  and x.dtype == torch.float32 and self.norm.weight.dtype == torch.float32
+                                  and all(c.dtype == torch.float32 and c.is_contiguous() for c in caches)
+                                  and cpu_decode.Gemma3DecodeStack.supports(self))
+            for rotary in (self.rotary_local, self.rotary_global) if self.ggml_numerics else ():
+                base, freq_scale = rotary.ggml_rope
+                if freq_scale is not None:
+                    rotary.cos, rotary.sin = cpu.ggml_rope_tables(rotary.cos.shape[0], rotary.cos.shape[1], base,
+                                                                  freq_scale)
+        return self.ggml_numerics
 
     def _small_ggml_step(self, input_ids: torch.Tensor) -> bool:
         """A step of at most SMALL_STEP tokens through GGML forms on the CPU: its products are the C kernels', and
