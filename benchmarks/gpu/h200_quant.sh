@@ -4,7 +4,7 @@
 out=${1:?output directory}
 source benchmarks/gpu/setup.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-timeout 120 python3 benchmarks/gpu/quant_gemv.py "$out/quant_gemv.json" 2>&1 | tee "$out/quant_gemv.log" | grep -v skipped
+timeout 300 python3 benchmarks/gpu/quant_gemv.py "$out/quant_gemv.json" 2>&1 | tee "$out/quant_gemv.log" | grep -v skipped
 for q in none fp8 mxfp4 nvfp4; do
   timeout 75 python3 -m pressroom.entrypoints.cli bench gpu --workloads decode --skip-hf --quantization $q \
     --output-json "$out/decode_$q.json" 2>&1 | tee "$out/decode_$q.log" | grep -E "^pressroom decode|Error" | tail -3

@@ -2,7 +2,7 @@
 Llama-3.1-8B's projection shapes, timed over CUDA-graph replays (gemv_rates.py's timer); at one token it also
 sweeps the kernels' tile configurations and prints the best beside the default. Per-token FP8 quantization:
 the Triton kernel against the plain-torch one.
-Run on the GPU machine: python benchmarks/gpu/quant_gemv.py [OUT.json]
+Run on the GPU machine: python benchmarks/gpu/quant_gemv.py [OUT.json] [--no-fp8-sweep] [--no-sweep]
 """
 import itertools
 import json
@@ -21,6 +21,8 @@ from pressroom.kernels.triton.quant_gemv import GemvConfig  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DECODE_SWEEP = [GemvConfig(1, n, k, w) for n, k, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
+FP4_DECODE_SWEEP = [GemvConfig(1, n, k, w, st) for n, k, w, st in
+                    itertools.product((2, 4, 8, 16), (1024, 2048, 4096), (4, 8), (2, 3))]
 SKINNY_SWEEP = [GemvConfig(16, n, k, 4, 3) for n, k in itertools.product((16, 32, 64), (128, 256))]
 
 
@@ -56,11 +58,13 @@ def shape_figures(name: str, n: int, k: int, rows: int) -> dict:
            "fp8_gemv_us": us(lambda: quant_gemv.fp8_linear(x, w_q, w_scale, k), rows),
            "mxfp4_gemv_us": us(lambda: quant_gemv.mxfp4_linear(x, packed, scales), rows),
            "nvfp4_gemv_us": us(lambda: quant_gemv.nvfp4_linear(x, *nv), rows)}
-    sweep = DECODE_SWEEP if rows == 1 else SKINNY_SWEEP if rows <= 16 else []
-    if sweep:
+    sweep = [] if "--no-sweep" in sys.argv else DECODE_SWEEP if rows == 1 else SKINNY_SWEEP if rows <= 16 else []
+    if sweep and "--no-fp8-sweep" not in sys.argv:
         t, c = best(lambda c: quant_gemv.fp8_linear(x, w_q, w_scale, k, config=c), sweep, rows)
         row["fp8_best_us"], row["fp8_best"] = t, _fields(c)
-        t, c = best(lambda c: quant_gemv.mxfp4_linear(x, packed, scales, config=c), sweep, rows)
+    if sweep:
+        fp4_sweep = FP4_DECODE_SWEEP if rows == 1 else sweep
+        t, c = best(lambda c: quant_gemv.mxfp4_linear(x, packed, scales, config=c), fp4_sweep, rows)
         row["mxfp4_best_us"], row["mxfp4_best"] = t, _fields(c)
     for key in ("fp8_scaled_mm", "fp8_gemv", "mxfp4_gemv", "nvfp4_gemv", "fp8_best", "mxfp4_best"):
         if f"{key}_us" in row:
@@ -89,7 +93,7 @@ def main() -> None:
               + f"; speed-up fp8 gemv {per_step['bf16_us'] / per_step['fp8_gemv_us']:.2f}x, mxfp4 "
               f"{per_step['bf16_us'] / per_step['mxfp4_gemv_us']:.2f}x, fp8 _scaled_mm "
               f"{per_step['bf16_us'] / per_step['fp8_scaled_mm_us']:.2f}x", flush=True)
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("--"):
         Path(sys.argv[1]).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows,
                                                  "activation_quantization": act}, indent=2))
 

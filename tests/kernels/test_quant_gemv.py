@@ -87,6 +87,22 @@ def test_mxfp4_weight_only_gemv_is_dequantize_then_matmul(tokens, out_features, 
 
 
 @needs_triton
+def test_the_fp4_kernels_read_a_weight_not_on_word_boundaries():
+    """The kernels read the packed bytes four at a time: a view starting mid-word (a column slice two bytes in)
+    is copied onto word boundaries first, and every input still meets its own value."""
+    from pressroom.kernels.triton import quant_gemv
+    x, w = _randn(1, 128, seed=16), _randn(12, 128, seed=17)
+    packed, scales = mxfp4.quantize(w)
+    shifted = torch.cat([torch.zeros(12, 2, dtype=torch.uint8), packed], dim=1)[:, 2:]
+    assert shifted.storage_offset() == 2 and torch.equal(shifted, packed)
+    words = quant_gemv.as_words(shifted)
+    assert words.shape == (12, 16) and torch.equal(words.view(torch.uint8), packed)
+    assert quant_gemv.as_words(packed).data_ptr() == packed.data_ptr()  # aligned: a view, no copy
+    got = quant_gemv.mxfp4_linear(x.to(DEVICE), shifted.to(DEVICE), scales.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), mxfp4.reference(x, packed, scales), **TOL)
+
+
+@needs_triton
 def test_per_token_fp8_quantization_matches_the_torch_quantizer():
     from pressroom.kernels.triton import quant_gemv
     x = _randn(5, 300, seed=8) * torch.logspace(-2, 2, 5).unsqueeze(1)

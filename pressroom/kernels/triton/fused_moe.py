@@ -29,7 +29,7 @@ import triton.language as tl
 
 from pressroom.kernels.fp4_moe import Fp4Experts
 from pressroom.kernels.moe_activation import ClampedSwiglu
-from pressroom.kernels.triton.quant_gemv import _fp4_tile, _scaled
+from pressroom.kernels.triton.quant_gemv import as_words, fp4_weights
 
 SWEEP_DIR = Path(__file__).with_name("moe_configs")
 # Up to this many pairs one Triton program sorts them (one launch: decode steps are launch-bound);
@@ -358,18 +358,14 @@ def _bias_args(bias: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[to
 
 
 @triton.jit
-def _fp4_dot(a_rows, w_rows, s_rows, g_rows, first, col_ok, a_ok, k_in, PRECISION: tl.constexpr,
-             BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
-    """A [BLOCK_M, 2 * HALF] tile of activations (inputs from 2 * first) times the FP4 weight rows' tile, fp32."""
-    lo, hi, scale = _fp4_tile(w_rows, s_rows, g_rows, first, col_ok, k_in, BLOCK_N, HALF, BB)
-    byte = first + tl.arange(0, HALF)
-    mask = a_ok[:, None] & (2 * byte < k_in)[None, :]
-    a_even = tl.load(a_rows + 2 * byte[None, :], mask=mask, other=0.0)
-    a_odd = tl.load(a_rows + 2 * byte[None, :] + 1, mask=mask, other=0.0)
-    lo = _scaled(lo, scale, BLOCK_N, HALF, BB).to(a_even.dtype)
-    hi = _scaled(hi, scale, BLOCK_N, HALF, BB).to(a_even.dtype)
-    return (tl.dot(a_even, tl.trans(lo), input_precision=PRECISION)
-            + tl.dot(a_odd, tl.trans(hi), input_precision=PRECISION))
+def _fp4_dot(a_rows, w_rows, s_rows, g_rows, k0, col_ok, a_ok, k_in, PRECISION: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BB: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of activations (inputs from k0) times the FP4 weight rows' tile (w_rows: int32
+    words), fp32."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + k[None, :], mask=a_ok[:, None] & (k < k_in)[None, :], other=0.0)
+    w = fp4_weights(w_rows, s_rows, g_rows, k0, col_ok, k_in, BLOCK_N, BLOCK_K, BB).to(a.dtype)
+    return tl.dot(a, tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit
@@ -379,9 +375,8 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
                          GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
-    """_moe_gemm_kernel over FP4 weights: packed [E, N, K / 2], block scales [E, N, K / (2 * BB)], NVFP4's
-    per-row global scales [E, N] (MXFP4: unread)."""
-    HALF: tl.constexpr = BLOCK_K // 2
+    """_moe_gemm_kernel over FP4 weights: packed [E, N, K / 2] read as int32 words [E, N, K / 8] (strides in
+    words), block scales [E, N, K / (2 * BB)], NVFP4's per-row global scales [E, N] (MXFP4: unread)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -402,10 +397,10 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
-        acc += _fp4_dot(a_rows, w_rows, s_rows, g_rows, k0 // 2, col_ok, valid, k_in, PRECISION, BLOCK_N, HALF, BB)
+        acc += _fp4_dot(a_rows, w_rows, s_rows, g_rows, k0, col_ok, valid, k_in, PRECISION, BLOCK_N, BLOCK_K, BB)
         if GATED:  # the up rows lie n_out rows below the gate rows
             acc_up += _fp4_dot(a_rows, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
-                               g_rows + n_out * stride_gn, k0 // 2, col_ok, valid, k_in, PRECISION, BLOCK_N, HALF, BB)
+                               g_rows + n_out * stride_gn, k0, col_ok, valid, k_in, PRECISION, BLOCK_N, BLOCK_K, BB)
     acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
     if GATED:
         acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
@@ -416,8 +411,7 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
 
 
 def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
-    """default_launch's rows per block; 64 inputs a tile (at least one MXFP4 block of 32 per tile, and HALF = 32
-    bytes: tl.dot's K of at least 16 for each nibble half)."""
+    """default_launch's rows per block; 64 inputs a tile (whole MXFP4 blocks of 32 per tile)."""
     launch = default_launch(tokens, top_k, experts)
     return MoeLaunch(launch.block_m, launch.block_n, 64, launch.num_warps, launch.num_stages)
 
@@ -449,8 +443,9 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
         g_strides = (g.stride(0), g.stride(1)) if w.global_scale is not None else (0, 0)
         b, stride_be, has_bias = _bias_args(bias, flat_weights)
         grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
-        _moe_fp4_gemm_kernel[grid](a, w.packed, w.scales, g, c, slots, block_expert, flat_weights, b, n_out, k_in,
-                                   pairs, a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0),
+        words = as_words(w.packed)
+        _moe_fp4_gemm_kernel[grid](a, words, w.scales, g, c, slots, block_expert, flat_weights, b, n_out, k_in,
+                                   pairs, a.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
                                    w.scales.stride(1), *g_strides, c.stride(0), stride_be, k, alpha, limit,
                                    A_BY_TOKEN=by_token, GATED=by_token, MUL_WEIGHTS=not by_token, HAS_BIAS=has_bias,
                                    CLAMPED=clamped and by_token, **common)

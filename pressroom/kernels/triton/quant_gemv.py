@@ -13,18 +13,19 @@ a broadcast row; BLOCK_M >= 16 goes through tl.dot (tensor cores) on the dequant
   group per row: the scale multiplies the finished sum. Else BLOCK_K divides the group, so each tile's partial sum
   takes one scale per row.
 - MXFP4 `w` packed [N, K / 2] (even input in the low nibble) with E8M0 scales [N, K / 32] (kernels/mxfp4.py).
-  The two nibbles of a byte meet the even and the odd inputs of x: two half-width products, no interleaving.
-  A nibble becomes fp16 bits (value * 2^-14) in five integer operations; one token sums each block's 32 products
-  before its scale multiplies them, tl.dot tiles scale the values first. Beyond SMALL_M tokens the weight is
-  dequantized to bf16 by one launch for cuBLAS.
-- NVFP4 (kernels/nvfp4.py): the same kernel with blocks of 16 inputs (8 bytes), each scaled by an FP8 e4m3 value
+  The kernels read the bytes as 32-bit words (eight inputs): two shifts and a masked merge turn two codes into
+  two fp16 bit patterns (value * 2^-14, exact; 0.5 a subnormal), and interleaving in registers puts the values in
+  input order, so x is read contiguously. One token (_fp4_gemv_kernel) loads a scale block's words into one
+  thread, sums its 32 products there and scales the sum; tl.dot tiles (2 to SMALL_M tokens, and the MoE kernel)
+  scale the values first. Beyond SMALL_M tokens the weight is dequantized to bf16 by one launch for cuBLAS.
+- NVFP4 (kernels/nvfp4.py): the same kernels with blocks of 16 inputs (8 bytes), each scaled by an FP8 e4m3 value
   times its row's fp32 global scale (read from memory: no host sync, CUDA graphs keep it; one value for every row
   reads with stride 0).
 
-Measured on the H200 (docs/BENCHMARKS.md): the FP8 GEMV at one token runs 1.46-1.80x bf16 F.linear at
-Llama-3.1-8B's shapes with the sweep's tiles (now the defaults). The MXFP4 kernel as first measured (fp32 bits built
-with the scale, the scale gathered per byte) was ALU-bound at a fifth of bf16's speed; the unpacking above has not
-run on a GPU yet.
+Measured on the H200 (docs/BENCHMARKS.md), one token at Llama-3.1-8B's shapes: the FP8 GEMV runs 1.46-1.80x bf16
+F.linear, the MXFP4 GEMV 1.74x over a layer's four projections (a byte at a time and x read at a stride of two,
+it ran 0.59x). The compiled loop spends about 5.5 instructions a value (unpacking 2.6, the fp16-to-fp32
+conversion and the FMA one each): it is bound by instruction issue, not by HBM.
 """
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ class GemvConfig:
 FP8_DECODE = GemvConfig(1, 8, 2048, 4)
 FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
 LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
-MXFP4_DECODE = GemvConfig(1, 4, 512, 4)  # best for the kernel before its cheaper unpacking: to sweep again
+# FP4, one token (_fp4_gemv_kernel: two groups of block_n rows a program): the sweep's best on the H200 took 4 rows,
+# 3 stages and 1,024 inputs a tile (2,048 for the longer rows of down).
+FP4_DECODE = GemvConfig(1, 4, 1024, 4, 3)
+FP4_DECODE_LONG_ROWS = GemvConfig(1, 4, 2048, 4, 3)
 # int4 (GPTQ form), one token: one group of inputs per tile, 8 outputs, one warp: the best of a six-tile probe on the
 # H200 (2026-12-03; 0.63x bf16 F.linear at qkv, 1.05x at gate_up, 0.37x at down: too few programs walk too long a
 # K; a split-K is the next step). 64 outputs with 4 warps ran 0.12-0.37x.
@@ -64,9 +68,12 @@ LARGE = GemvConfig(64, 64, 64, 4, 3)  # beyond 16 tokens: only where asked for (
 
 def default_config(tokens: int, n: int, k: int, mxfp4: bool) -> GemvConfig:
     if tokens == 1:
-        config = MXFP4_DECODE if mxfp4 else FP8_DECODE_LARGE if n * k >= LARGE_WEIGHT else FP8_DECODE
+        if mxfp4:
+            config = FP4_DECODE_LONG_ROWS if k > 4096 else FP4_DECODE
+        else:
+            config = FP8_DECODE_LARGE if n * k >= LARGE_WEIGHT else FP8_DECODE
         return GemvConfig(1, config.block_n, min(config.block_k, max(32, triton.next_power_of_2(k))),
-                          config.num_warps)
+                          config.num_warps, config.num_stages)
     return SKINNY if tokens <= SMALL_M else LARGE
 
 
@@ -114,93 +121,151 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
 
 
 @triton.jit
-def _e2m1(nibble):
-    """E2M1 codes (int32; bits above the low 4 ignored) -> value * 2^-14 in fp32, exactly: the code's magnitude
-    bits shifted into an fp16's exponent and mantissa (the subnormal 0.5 included), its sign into fp16's sign.
-    Five integer operations and one conversion per value (building fp32 bits with the scale took fifteen, and
-    the kernel ran at a fifth of bf16's speed on the H200)."""
-    bits = ((nibble & 7) << 9) | ((nibble & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _e8m0_scale(exponent):
-    """E8M0 (uint8 loaded as int32) -> 2^(e - 127) * 2^14 (undoing _e2m1's 2^-14); e = 0 (2^-127) reads as 0."""
+    """E8M0 (uint8 loaded as int32) -> 2^(e - 127) * 2^14 (undoing the unpacking's 2^-14); e = 0 (2^-127) reads
+    as 0."""
     return (exponent << 23).to(tl.float32, bitcast=True) * 16384.0
 
 
 @triton.jit
-def _fp4_tile(w_rows, s_rows, g_rows, first, n_ok, K, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
-    """The tile of bytes [first, first + HALF) (first: a multiple of BB, the bytes of a scale block: 16 for MXFP4,
-    8 for NVFP4): (low-nibble values, high-nibble values) [BLOCK_N, HALF] times 2^-14, and the blocks' scales
-    [BLOCK_N, HALF / BB] times 2^14 (NVFP4: its FP8 block scale times the row's global scale at g_rows)."""
-    byte = first + tl.arange(0, HALF)
-    w_mask = n_ok[:, None] & (byte < K // 2)[None, :]
-    packed = tl.load(w_rows + byte[None, :], mask=w_mask, other=0).to(tl.int32)
-    blocks = first // BB + tl.arange(0, HALF // BB)
-    s_mask = n_ok[:, None] & (blocks < K // (2 * BB))[None, :]
+def _block_scales(s_rows, g_rows, blocks, mask, BB: tl.constexpr):
+    """The scales of `blocks` [BLOCK_N, B] times 2^14: MXFP4 (BB = 16 bytes a block) its E8M0 exponents, NVFP4
+    (BB = 8) its FP8 e4m3 block scales times the row's global scale at g_rows."""
     if BB == 16:
-        scale = _e8m0_scale(tl.load(s_rows + blocks[None, :], mask=s_mask, other=0).to(tl.int32))
+        return _e8m0_scale(tl.load(s_rows + blocks, mask=mask, other=0).to(tl.int32))
+    g = tl.load(g_rows, mask=mask, other=0.0)
+    return tl.load(s_rows + blocks, mask=mask, other=0.0).to(tl.float32) * (g * 16384.0)
+
+
+@triton.jit
+def _fp16_pairs(words, J: tl.constexpr):
+    """uint32 words of eight E2M1 codes (input i of the word in bits 4i..4i+3) -> uint32s holding two fp16 bit
+    patterns, code J in the low half and code J + 4 in the high half, each worth value * 2^-14 exactly: a code's
+    magnitude bits land in an fp16's exponent and mantissa (0.5 as a subnormal), its sign in the sign. One shift
+    pair and one masked merge make two values (a byte at a time took five operations a value)."""
+    MAG: tl.constexpr = 9 - 4 * J  # magnitude bits 0..2 of code J go to bits 9..11, its sign bit 3 to bit 15
+    if MAG >= 0:
+        magnitude = words << MAG
     else:
-        g = tl.load(g_rows, mask=n_ok[:, None], other=0.0)
-        scale = tl.load(s_rows + blocks[None, :], mask=s_mask, other=0.0).to(tl.float32) * (g * 16384.0)
-    return _e2m1(packed), _e2m1(packed >> 4), scale
+        magnitude = words >> -MAG
+    return (magnitude & 0x0E000E00) | ((words << (12 - 4 * J)) & 0x80008000)
+
+
+@triton.jit
+def _halves(pairs):
+    low = pairs.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _word_values(words):
+    """uint32 words [..., W] -> their 8W values [..., 8W] in input order (times 2^-14): codes j and j + 4 come out
+    together, and three rounds of interleaving put input 8w + i at column 8w + i (register moves, no memory)."""
+    v0, v4 = _halves(_fp16_pairs(words, 0))
+    v1, v5 = _halves(_fp16_pairs(words, 1))
+    v2, v6 = _halves(_fp16_pairs(words, 2))
+    v3, v7 = _halves(_fp16_pairs(words, 3))
+    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))  # column 4w + q: input 8w + 2q
+    odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))  # column 4w + q: input 8w + 2q + 1
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _fp4_scales(s_rows, g_rows, k0, n_ok, K, BLOCK_K: tl.constexpr, BB: tl.constexpr):
+    blocks = k0 // (2 * BB) + tl.arange(0, BLOCK_K // (2 * BB))
+    return _block_scales(s_rows, g_rows, blocks[None, :], n_ok[:, None] & (blocks < K // (2 * BB))[None, :], BB)
+
+
+@triton.jit
+def fp4_blocks(w_rows, s_rows, g_rows, k0, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BB: tl.constexpr):
+    """The FP4 tile of inputs [k0, k0 + BLOCK_K) (k0 a multiple of BLOCK_K, itself a multiple of a scale block's
+    2 * BB inputs) of the rows at w_rows (int32 words: the packed bytes seen four at a time; masked by n_ok), for
+    sums on the CUDA cores: (values [BLOCK_N, blocks, 2 * BB] times 2^-14, the blocks' scales [BLOCK_N, blocks]
+    times 2^14). The words are loaded a block to a thread, so a block's unpacking and sum stay in its registers
+    (a flat tile spread a block's words over threads and summed them by warp shuffles)."""
+    blocks = k0 // (2 * BB) + tl.arange(0, BLOCK_K // (2 * BB))
+    word = blocks[:, None] * (BB // 4) + tl.arange(0, BB // 4)[None, :]
+    mask = n_ok[:, None, None] & (blocks < K // (2 * BB))[None, :, None]
+    words = tl.load(w_rows[:, :, None] + word[None, :, :], mask=mask, other=0)
+    return _word_values(words.to(tl.uint32, bitcast=True)), _fp4_scales(s_rows, g_rows, k0, n_ok, K, BLOCK_K, BB)
+
+
+@triton.jit
+def fp4_weights(w_rows, s_rows, g_rows, k0, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BB: tl.constexpr):
+    """The same tile as fp4_blocks, scaled: the weights [BLOCK_N, BLOCK_K] exactly, in fp32, for tl.dot and the
+    dequantizer. The words load as a flat [BLOCK_N, words] tile: the layout tl.dot's operand wants (the
+    per-block one measured 20% slower at 16 tokens on the H200)."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_rows + word[None, :], mask=n_ok[:, None] & (word < K // 8)[None, :], other=0)
+    values = tl.reshape(_word_values(words.to(tl.uint32, bitcast=True)), (BLOCK_N, BLOCK_K // (2 * BB), 2 * BB))
+    scale = _fp4_scales(s_rows, g_rows, k0, n_ok, K, BLOCK_K, BB)
+    return tl.reshape(values * scale[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_g,
+                     HAS_BIAS: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: a program owns two groups of BLOCK_N rows laid out alike, so each thread converts its slice of x
+    to fp32 once for both. A block's products are summed in one thread, scaled, and kept apart until the loop
+    ends (one cross-thread sum, after it)."""
+    NB: tl.constexpr = BLOCK_K // (2 * BB)
+    rn = tl.program_id(0) * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+    rn2 = rn + BLOCK_N
+    n_ok, n2_ok = rn < N, rn2 < N
+    row, row2 = rn.to(tl.int64)[:, None], rn2.to(tl.int64)[:, None]
+    sums = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    sums2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, NB)[:, None] * (2 * BB) + tl.arange(0, 2 * BB)[None, :]
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :, :]
+        values, scale = fp4_blocks(w_ptr + row * stride_wn, s_ptr + row * stride_sn, g_ptr + row * stride_g, k0,
+                                   n_ok, K, BLOCK_N, BLOCK_K, BB)
+        sums += tl.sum(values * x, axis=2) * scale
+        values, scale = fp4_blocks(w_ptr + row2 * stride_wn, s_ptr + row2 * stride_sn, g_ptr + row2 * stride_g,
+                                   k0, n2_ok, K, BLOCK_N, BLOCK_K, BB)
+        sums2 += tl.sum(values * x, axis=2) * scale
+    y, y2 = tl.sum(sums, axis=1), tl.sum(sums2, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        y2 += tl.load(b_ptr + rn2, mask=n2_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(y_ptr + rn2, y2.to(y_ptr.dtype.element_ty), mask=n2_ok)
 
 
 @triton.jit
 def _fp4_kernel(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_g,
                 stride_ym, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    HALF: tl.constexpr = BLOCK_K // 2
+    """Several tokens: w_ptr the packed weight as int32 words (stride_wn in words); tl.dot on the scaled values."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rb = tl.arange(0, HALF)  # byte j of a tile holds inputs 2j (low nibble) and 2j + 1
     n_ok, m_ok = rn < N, rm < M
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
-    g_rows = g_ptr + rn.to(tl.int64)[:, None] * stride_g
+    row = rn.to(tl.int64)[:, None]
+    w_rows, s_rows, g_rows = w_ptr + row * stride_wn, s_ptr + row * stride_sn, g_ptr + row * stride_g
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        byte = k0 // 2 + rb
-        lo, hi, scale = _fp4_tile(w_rows, s_rows, g_rows, k0 // 2, n_ok, K, BLOCK_N, HALF, BB)
-        x_mask = m_ok[:, None] & (2 * byte < K)[None, :]
-        x_even = tl.load(x_rows + 2 * byte[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
-        if BLOCK_M == 1:  # sum each block's products, then scale the block sums
-            prod = lo * x_even.to(tl.float32) + hi * x_odd.to(tl.float32)
-            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, HALF // BB, BB)), axis=2)
-            acc += tl.sum(per_block * scale, axis=1)[None, :]
-        else:  # tl.dot needs the scaled weights: broadcast each block's scale over its bytes
-            lo = _scaled(lo, scale, BLOCK_N, HALF, BB)
-            hi = _scaled(hi, scale, BLOCK_N, HALF, BB)
-            acc += _tile_product(x_even, lo, BLOCK_M, PRECISION) + _tile_product(x_odd, hi, BLOCK_M, PRECISION)
+        weights = fp4_weights(w_rows, s_rows, g_rows, k0, n_ok, K, BLOCK_N, BLOCK_K, BB)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc += _tile_product(x, weights, BLOCK_M, PRECISION)
     _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 @triton.jit
-def _scaled(values, scale, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BB: tl.constexpr):
-    """values [BLOCK_N, HALF], each run of BB times its block's scale [BLOCK_N, HALF / BB]."""
-    return tl.reshape(tl.reshape(values, (BLOCK_N, HALF // BB, BB)) * scale[:, :, None], (BLOCK_N, HALF))
-
-
-@triton.jit
 def _fp4_dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_g, stride_on,
-                           BB: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    HALF: tl.constexpr = BLOCK_K // 2
+                           BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    byte = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
     n_ok = rn < N
     row = rn.to(tl.int64)[:, None]
-    lo, hi, scale = _fp4_tile(w_ptr + row * stride_wn, s_ptr + row * stride_sn, g_ptr + row * stride_g,
-                              tl.program_id(1) * HALF, n_ok, K, BLOCK_N, HALF, BB)
-    lo = _scaled(lo, scale, BLOCK_N, HALF, BB)
-    hi = _scaled(hi, scale, BLOCK_N, HALF, BB)
-    out = out_ptr + rn.to(tl.int64)[:, None] * stride_on + 2 * byte[None, :]
-    mask = n_ok[:, None] & (2 * byte < K)[None, :]
-    tl.store(out, lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + 1, hi.to(out_ptr.dtype.element_ty), mask=mask)
+    weights = fp4_weights(w_ptr + row * stride_wn, s_ptr + row * stride_sn, g_ptr + row * stride_g, k0, n_ok, K,
+                          BLOCK_N, BLOCK_K, BB)
+    tl.store(out_ptr + row * stride_on + k[None, :], weights.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (k < K)[None, :])
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -266,13 +331,28 @@ def _fp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, glo
     x, y = x.contiguous(), torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    words = as_words(packed)
+    if m == 1 and config.block_m == 1:
+        _fp4_gemv_kernel[(triton.cdiv(n, 2 * config.block_n),)](
+            x, words, scales, global_scale, bias if bias is not None else y, y, n, k, words.stride(0),
+            scales.stride(0), _global_stride(global_scale, n), HAS_BIAS=bias is not None, BB=block_bytes,
+            BLOCK_N=config.block_n, BLOCK_K=max(4 * block_bytes, config.block_k), num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        return y
     _fp4_kernel[_grid(m, n, config)](
-        x, packed, scales, global_scale, bias if bias is not None else y, y, m, n, k, x.stride(0), packed.stride(0),
+        x, words, scales, global_scale, bias if bias is not None else y, y, m, n, k, x.stride(0), words.stride(0),
         scales.stride(0), _global_stride(global_scale, n), y.stride(0), HAS_BIAS=bias is not None,
-        PRECISION=_precision(x), BB=block_bytes,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=max(32, config.block_k),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PRECISION=_precision(x), BB=block_bytes, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=max(4 * block_bytes, config.block_k), num_warps=config.num_warps, num_stages=config.num_stages)
     return y
+
+
+def as_words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 bytes [..., K / 2] seen as int32 words [..., K / 8] (four bytes, eight inputs a word), which the
+    kernels read: a view where every row starts on a whole word (as loaded and quantized weights do), else a copy."""
+    aligned = (packed.stride(-1) == 1 and packed.shape[-1] % 4 == 0 and packed.storage_offset() % 4 == 0
+               and all(stride % 4 == 0 for stride in packed.stride()[:-1]))
+    return (packed if aligned else packed.contiguous()).view(torch.int32)
 
 
 def _global_stride(global_scale: torch.Tensor, n: int) -> int:
@@ -296,11 +376,11 @@ def _fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: to
                     block_bytes: int) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
-    block_n, block_k = 16, min(256, max(32, triton.next_power_of_2(k)))
+    block_n, block_k = 16, min(256, max(4 * block_bytes, triton.next_power_of_2(k)))
+    words = as_words(packed)
     _fp4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        packed, scales, global_scale, out, n, k, packed.stride(0), scales.stride(0), _global_stride(global_scale, n),
-        out.stride(0), BB=block_bytes,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        words, scales, global_scale, out, n, k, words.stride(0), scales.stride(0), _global_stride(global_scale, n),
+        out.stride(0), BB=block_bytes, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 
