@@ -114,6 +114,8 @@ class AdaptiveBudget:
         # whatever its depth, on top of the per-position `draft_costs`.
         self.block_costs = sorted(block_costs) if block_costs and len(block_costs) > 1 else None
         self.attention_cost = attention_cost
+        # the curves as arrays, each built once: `plan` reads them every step (rebuilding them took most of its time)
+        self._arrays: dict[int, tuple[list, tuple[np.ndarray, np.ndarray]]] = {}
         self.shared = _Counts.empty(max_drafts)
         # What a drafter's stated confidences turn out to mean (calibration.py): a drafter that says 0.9
         # where 0.6 survive is planned with 0.6 there.
@@ -219,7 +221,10 @@ class AdaptiveBudget:
         context = np.array([contexts.get(r, 0) for r in rids], dtype=float)[row]
         name = np.argsort(np.argsort(np.array(rids)))[row]  # ties go by request id, deterministically
         best_n, best_rate, best_order = 0, 0.0, None
-        for order in (np.lexsort((name, depth, -gain)), np.lexsort((name, -gain, depth))):
+        orders = [np.lexsort((name, depth, -gain))]
+        if len(rids) > 1:  # one request's drafts come in the same order either way
+            orders.append(np.lexsort((name, -gain, depth)))
+        for order in orders:
             n, rate = self._best_prefix(gain[order], depth[order], context[order], base_tokens, base_context)
             if rate > best_rate:
                 best_n, best_rate, best_order = n, rate, order
@@ -248,22 +253,26 @@ class AdaptiveBudget:
             return 0, plain
         m = np.arange(1, len(gain) + 1)
         emitted = base_tokens + np.cumsum(gain)
-        seconds = _interp(self.costs, base_tokens + m) + attn * (base_context + np.cumsum(context))
+        seconds = _interp(self._as_arrays(self.costs), base_tokens + m) + attn * (base_context + np.cumsum(context))
         if self.draft_costs is not None:
-            rows = np.zeros(len(gain))  # requests drafting this candidate's position, itself included
-            for j in range(self.k):
-                at = depth == j
-                rows[at] = np.arange(1, int(at.sum()) + 1)
-            step = _marginal(self.draft_costs, rows)
+            rows = _rank_within(depth)  # requests drafting this candidate's position, itself included
+            step = _marginal(self._as_arrays(self.draft_costs), rows)
             first = depth == 0
             if self.first_draft_costs is not None:
-                step[first] = _marginal(self.first_draft_costs, rows[first])
+                step[first] = _marginal(self._as_arrays(self.first_draft_costs), rows[first])
             if self.block_costs is not None:  # a request's first position also opens its block pass
-                step[first] += _marginal(self.block_costs, rows[first])
+                step[first] += _marginal(self._as_arrays(self.block_costs), rows[first])
             seconds += np.cumsum(step)
         rates = emitted / seconds
         best = int(rates.argmax())
         return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+
+    def _as_arrays(self, curve: list[tuple[int, float]]) -> tuple[np.ndarray, np.ndarray]:
+        """`_arrays(curve)`, built on first use (a curve replaced later gets its own)."""
+        kept = self._arrays.get(id(curve))
+        if kept is None or kept[0] is not curve:
+            kept = self._arrays[id(curve)] = (curve, _arrays(curve))
+        return kept[1]
 
     def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
         """Counts steps planned without drafts; at the limit one draft is planned (a probe, which `choose`
@@ -315,13 +324,30 @@ def _survival(rates: list[float], n: int) -> list[float]:
     return list(itertools.accumulate(rates[:n], operator.mul))
 
 
-def _interp(curve: list[tuple[int, float]], tokens: np.ndarray) -> np.ndarray:
-    """`AdaptiveBudget.step_time` over an array: linear, extrapolated from the end segments."""
-    xs, ys = np.array([x for x, _ in curve], dtype=float), np.array([y for _, y in curve])
-    i = np.clip(np.searchsorted(xs, tokens, side="left"), 1, len(xs) - 1)
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For each element, 1 + how many elements before it share its group (as float)."""
+    by_group = np.argsort(groups, kind="stable")
+    ordered = groups[by_group]
+    ranks = np.empty(len(groups))
+    ranks[by_group] = np.arange(1, len(groups) + 1) - np.searchsorted(ordered, ordered, side="left")
+    return ranks
 
 
-def _marginal(curve: list[tuple[int, float]], rows: np.ndarray) -> np.ndarray:
+def _arrays(curve: list[tuple[int, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """A curve's points as arrays, its end segments carried out a long way (2^30 tokens), so that np.interp,
+    one C call, extrapolates them as `step_time` does."""
+    xs, ys = np.array([x for x, _ in curve], dtype=float), np.array([y for _, y in curve], dtype=float)
+    far = float(1 << 30)
+    low = ys[0] - (ys[1] - ys[0]) * far / (xs[1] - xs[0])
+    high = ys[-1] + (ys[-1] - ys[-2]) * far / (xs[-1] - xs[-2])
+    return np.concatenate([[xs[0] - far], xs, [xs[-1] + far]]), np.concatenate([[low], ys, [high]])
+
+
+def _interp(curve: tuple[np.ndarray, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """`AdaptiveBudget.step_time` over an array (the curve as `_arrays` made it)."""
+    return np.interp(tokens, *curve)
+
+
+def _marginal(curve: tuple[np.ndarray, np.ndarray], rows: np.ndarray) -> np.ndarray:
     """What the rows-th row adds to a pass over rows - 1 (the whole pass for the first)."""
     return _interp(curve, rows) - np.where(rows > 1, _interp(curve, np.maximum(rows - 1, 1)), 0.0)

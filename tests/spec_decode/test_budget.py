@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from pressroom.spec_decode.budget import AdaptiveBudget, _interp
+from pressroom.spec_decode.budget import AdaptiveBudget, _arrays, _interp
 
 FLAT = [(1, 0.010), (64, 0.010), (512, 0.011)]  # memory-bound: extra tokens are almost free
 LINEAR = [(1, 0.001), (64, 0.064), (512, 0.512)]  # compute-bound: time grows with every token
@@ -164,7 +164,7 @@ def test_a_request_planned_no_drafts_is_probed_and_the_probe_verified():
 def test_the_vectorized_curve_agrees_with_step_time():
     budget = AdaptiveBudget(2, VERIFY)
     points = np.array([1, 100, 256, 1000, 4096])  # inside, on the knots, and extrapolated past the end
-    assert np.allclose(_interp(VERIFY, points), [budget.step_time(int(n)) for n in points])
+    assert np.allclose(_interp(_arrays(VERIFY), points), [budget.step_time(int(n)) for n in points])
 
 
 def test_overconfident_drafter_is_calibrated_by_what_survives():
