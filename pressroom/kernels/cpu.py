@@ -46,6 +46,7 @@ _QUANT_SIGNATURES = {
     "ggml_quantize_q8_0": [_P] * 4 + [_I] * 2,
     "ggml_quantize_q8_k": [_P] * 4 + [_I] * 2,
     "ggml_q8_0_matmul_f32": [_P] * 4 + [_I] * 3 + [_T],
+    "ggml_q8_0_blocks_matmul_f32": [_P] * 3 + [_I] * 3 + [_T],
     "ggml_q5_0_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
     "ggml_k4_matmul_f32": [_P] * 8 + [_I] * 3 + [_T],
     "ggml_q6_k_matmul_f32": [_P] * 6 + [_I] * 3 + [_T],
@@ -57,6 +58,7 @@ _QUANT_SIGNATURES = {
     "ggml_rope_tables": [_P, _P, _I, _I, _F, _F],
     "ggml_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
     "ggml_set_q4_k_gemm_rows": [_P],
+    "argmax_rows_f32": [_P, _P, _I, _I, _I],
 }
 _COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
@@ -67,7 +69,7 @@ DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter
 # csrc/ggml_matrix.h: a matrix is a count of parts, then MAX_PARTS parts of these fields (arrays as pointers).
 GGML_PART_FIELDS = ("kind", "rows", "qs", "qh", "sc", "mn", "d", "dmin")
 GGML_MAX_PARTS = 3
-GGML_KINDS = ("Q8_0", "Q5_0", "K4", "Q6_K")
+GGML_KINDS = ("Q8_0", "Q5_0", "K4", "Q6_K", "Q8_0_BLOCKS")
 # gemma3_stack.c's per-layer table: these scalars, then the qkv, o, gate_up and down matrices.
 GEMMA3_LAYER_FIELDS = ("attn_in", "q_norm", "k_norm", "attn_out", "ffn_in", "ffn_out", "k_cache", "v_cache",
                        "window", "global")
@@ -219,6 +221,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     _fn("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
                              weight.data_ptr(), x.shape[0], x.shape[1], eps, _threads(x.numel()))
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of fp32 rows [rows, cols] whose last dimension is dense (int64 [rows])."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().argmax_rows_f32(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
     return out
 
 
@@ -376,6 +385,11 @@ def ggml_matrix_matmul(x: torch.Tensor, matrix: torch.Tensor, rows: int) -> torc
 
 def ggml_q8_0_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return _ggml_call("ggml_q8_0_matmul_f32", x, qs.shape[0], qs, d)
+
+
+def ggml_q8_0_blocks_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """blocks: uint8 [rows, cols // 32 * 34], GGUF's Q8_0 blocks (fp16 scale, then 32 codes)."""
+    return _ggml_call("ggml_q8_0_blocks_matmul_f32", x, blocks.shape[0], blocks)
 
 
 def ggml_q5_0_matmul(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

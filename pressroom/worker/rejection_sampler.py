@@ -20,7 +20,7 @@ import torch
 
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
-from pressroom.worker.sampler import SamplingRow, _apply_processors, _mix, probabilities
+from pressroom.worker.sampler import SamplingRow, _apply_processors, _mix, greedy_tokens, probabilities
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], draft_probs: torch.Tensor | None,
@@ -33,7 +33,7 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], dra
     if synthetic_rates is not None:
         return _synthetic(logits, rows, drafts, synthetic_rates, generator)
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy_tokens(logits).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == target[accepted]:
             accepted += 1
@@ -106,7 +106,7 @@ def verify_on_device(logits: torch.Tensor, params: list[SamplingParams], num_dra
     padded = [f + min(j, k) for f, k in zip(first, num_drafts) for j in range(kmax + 1)]
     logits = logits[to_device(torch.tensor(padded), dev)].view(rows, kmax + 1, -1)
     k = to_device(torch.tensor(num_drafts), dev)
-    target = logits.argmax(dim=-1)
+    target = greedy_tokens(logits.view(rows * (kmax + 1), -1)).view(rows, kmax + 1)
     u = torch.rand(rows, kmax, generator=generator, device=dev)
     if synthetic_rates is not None:  # benchmarking only: acceptance at the given rates
         rates = [synthetic_rates[min(j, len(synthetic_rates) - 1)] for j in range(kmax)]

@@ -42,3 +42,24 @@ def test_rotary_in_place_on_a_strided_view(dtype, tol):
     cpu.rotary_(stacked[:, :3], cos, sin, 32)
     assert _close(stacked[:, :3], ref, tol)
     assert torch.equal(stacked[:, 3:], untouched)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 262144), (3, 1000), (2, 7), (4, 1)])
+def test_argmax_rows_equals_torch_argmax(rows, cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(rows, cols, generator=gen)
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+    ties = torch.randint(0, 3, (rows, cols), generator=gen).float()  # many equal maxima: the first one wins
+    assert torch.equal(cpu.argmax_rows(ties), ties.argmax(dim=-1))
+
+
+def test_argmax_rows_on_nan_infinities_and_a_row_stride():
+    x = torch.zeros(3, 40)
+    x[0, [5, 33]] = float("nan")  # a NaN counts as the largest value, as in torch
+    x[0, 20] = 9.0
+    x[1] = -float("inf")  # every value -inf: index 0
+    x[2, 37] = float("inf")
+    assert cpu.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [5, 0, 37]
+    wide = torch.randn(4, 300)
+    view = wide[:, 10:260]  # rows 300 apart: the kernel follows the stride
+    assert torch.equal(cpu.argmax_rows(view), view.argmax(dim=-1))

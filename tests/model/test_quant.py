@@ -8,7 +8,8 @@ import torch
 from pressroom.kernels import cpu
 from pressroom.model import gguf_file
 from pressroom.model.layers.linear import MergedColumnParallelLinear
-from pressroom.model.layers.quant import NibbleMatrix, PackedInt4, Q4Weight, Q8Weight, int4_kernel_available
+from pressroom.model.layers.quant import (NibbleMatrix, PackedInt4, Q4Weight, Q8Blocks, Q8Weight,
+                                         int4_kernel_available)
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch build has no int4 CPU kernel")
 
@@ -97,6 +98,24 @@ def test_a_tokens_product_has_the_same_bits_alone_and_among_rows(rows, cols):
     together = packed.matmul(x)
     for t in range(x.shape[0]):
         assert torch.equal(packed.matmul(x[t:t + 1]), together[t:t + 1])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("rows, cols", [(37, 96), (300, 640)])
+def test_q8_blocks_compute_the_two_array_forms_bits(tokens, rows, cols):
+    # the LM head's GGUF-block form must give what Q8Weight (and llama.cpp) gives, to the bit
+    q8 = _random_q8(rows, cols, tokens)
+    q8 = Q8Weight(q8.q, q8.scale.half().float())  # GGUF's scales are fp16 values
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(rows))
+    blocks = Q8Blocks.pack(q8)
+    assert blocks.shape == q8.shape and blocks.blocks.shape == (rows, cols // 32 * 34)
+    assert torch.equal(blocks.matmul(x), q8.matmul(x))
+
+
+def test_q8_blocks_refuse_scales_that_are_not_fp16():
+    with pytest.raises(ValueError, match="fp16"):
+        Q8Blocks.pack(_random_q8(8, 64, 0))
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

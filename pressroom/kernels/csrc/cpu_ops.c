@@ -164,3 +164,54 @@ void NAME(T *out, const T *gate_up, int64_t rows, int64_t width, int threads) { 
 
 DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16)
 DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_f32, float, f32_to_f32, store_f32)
+
+/* out[r] = the index of row r's largest value, the first of equal ones, a NaN counting as the largest: what
+ * torch.argmax gives. torch's CPU argmax took 440 us over a 262144-entry vocabulary (2% of a Gemma 3 270M
+ * decode step); a max pass and a search for its first index take about a tenth of that. */
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static int64_t first_nan(const float *v, int64_t cols) {
+    for (int64_t i = 0; i < cols; i++)
+        if (v[i] != v[i]) return i;
+    return -1;
+}
+
+static int64_t argmax_row(const float *v, int64_t cols) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    int nan = 0;
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= cols; i += 8) {
+        const __m256 a = _mm256_loadu_ps(v + i);
+        mv = _mm256_max_ps(mv, a);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; i < cols; i++) {
+        if (v[i] != v[i]) nan = 1;
+        else if (v[i] > m) m = v[i];
+    }
+    if (nan) return first_nan(v, cols);
+    i = 0;
+#ifdef __AVX2__
+    const __m256 target = _mm256_set1_ps(m);
+    for (; i + 8 <= cols; i += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), target, _CMP_EQ_OQ));
+        if (hits) return i + __builtin_ctz(hits);
+    }
+#endif
+    for (; i < cols; i++)
+        if (v[i] == m) return i;
+    return 0;  /* every value -inf */
+}
+
+void argmax_rows_f32(int64_t *out, const float *x, int64_t rows, int64_t cols, int64_t stride) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
+}

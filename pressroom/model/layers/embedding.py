@@ -9,7 +9,7 @@ from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_al
 from pressroom.kernels import batch_invariant as invariant
 from pressroom.kernels import cpu
 from pressroom.model.layers.linear import onednn_prepack
-from pressroom.model.layers.quant import Q8Weight
+from pressroom.model.layers.quant import Q8Blocks, Q8Weight
 from pressroom.model.lazy_weight import materialize
 
 
@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.q8: Q8Weight | None = None
+        self.q8: Q8Blocks | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """This rank's rows of the vocabulary (narrowed before they are read, if `loaded` is lazy)."""
@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         if isinstance(shard, Q8Weight):
             # The 8-bit form serves the LM head (llama.cpp's arithmetic, every step): this rank's rows of it,
             # padded to the shard's size as the dense weight is (each vocabulary row is computed as one rank would).
-            self.q8 = self._pad_q8(shard) if cpu.available() else None
+            self.q8 = Q8Blocks.pack(self._pad_q8(shard)) if cpu.available() else None
             shard = shard.dequantize()
         param.data[:shard.shape[0]].copy_(shard)
 

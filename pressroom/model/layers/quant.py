@@ -230,6 +230,31 @@ class Q8Weight(GgmlRows):
 
 
 @dataclass(slots=True)
+class Q8Blocks:
+    """Q8_0 in GGUF's own blocks (fp16 scale, then 32 codes: one array a row), the form of a large matrix the C
+    kernel streams from memory, the LM head: it reads it 1.25-1.5x faster than Q8Weight's two arrays, with the
+    same sums in the same order (the same bits)."""
+    blocks: torch.Tensor  # uint8 [rows, cols // 32 * 34]
+
+    @classmethod
+    def pack(cls, w: Q8Weight) -> Q8Blocks:
+        half = w.scale.to(torch.float16)
+        if not torch.equal(half.float(), w.scale):
+            raise ValueError("Q8_0 blocks hold fp16 scales; these scales are not all fp16 values.")
+        rows, cols = w.q.shape
+        codes = w.q.contiguous().view(torch.uint8).view(rows, cols // 32, 32)
+        scales = half.contiguous().view(torch.uint8).view(rows, cols // 32, 2)
+        return cls(torch.cat([scales, codes], dim=2).view(rows, -1).contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // 34 * 32))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _c_matmul(x, lambda flat: cpu.ggml_q8_0_blocks_matmul(flat, self.blocks))
+
+
+@dataclass(slots=True)
 class Q5Weight(GgmlRows):
     """GGUF Q5_0: w = (u - 16) * d per block of 32, u's low nibbles in qs, fifth bits in qh."""
     qs: torch.Tensor  # uint8 [rows, cols // 2]
