@@ -184,8 +184,8 @@ static float q8_0_dot(const int8_t *w, const float *d, const int8_t *xq, const f
 }
 
 /* Q8_0 as GGUF ships it, the LM head's form: per block of 32, the fp16 scale then the codes. One stream a row
- * read 1.25-1.5x faster than the codes and fp32 scales as two arrays (a 262144 x 640 head, two threads). The
- * sums are q8_0_dot's, in its order: the same bits. */
+ * read ~8% faster than the codes and fp32 scales as two arrays (a 262144 x 640 head, two threads; 6% fewer
+ * bytes). The sums are q8_0_dot's, in its order: the same bits. */
 struct q8_0_block { uint16_t d; int8_t qs[QK]; } __attribute__((packed));
 
 static float f16_to_f32(uint16_t h) {
