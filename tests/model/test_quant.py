@@ -8,8 +8,7 @@ import torch
 from pressroom.kernels import cpu
 from pressroom.model import gguf_file
 from pressroom.model.layers.linear import MergedColumnParallelLinear
-from pressroom.model.layers.quant import (NibbleMatrix, PackedInt4, Q4Weight, Q8Blocks, Q8Weight,
-                                         int4_kernel_available)
+from pressroom.model.layers.quant import NibbleMatrix, PackedInt4, Q4Weight, Q8Blocks, Q8Weight, int4_kernel_available
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch build has no int4 CPU kernel")
 
