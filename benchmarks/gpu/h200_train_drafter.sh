@@ -23,6 +23,10 @@ if [ ! -f $model ]; then
   fi
   mv $model.tmp $model && rm $work/part.*
 fi
+# Continuations that came back from an earlier machine (ignored folder .continuations/) skip the recording.
+if [ ! -d $work/train ] && compgen -G ".continuations/continuations.tgz.*" > /dev/null; then
+  cat .continuations/continuations.tgz.* | tar xzf - -C $work
+fi
 engine="--model $model --device cuda --gpu-memory-utilization 0.4"
 # The 50,000 prompts of 2026-12-03 (make-prompts below, same seed) are committed; MAKE_PROMPTS=1 writes them anew.
 if [ ! -f $work/prompts.jsonl ] && [ -z "$MAKE_PROMPTS" ] && [ -f benchmarks/data/selfwritten_prompts.jsonl.gz ]; then
@@ -46,6 +50,6 @@ grep -v "^$" $work/train.log | tail -40
 cp $work/train.log "$out/" 2>/dev/null
 if [ $rc -eq 0 ]; then cp $work/drafter/* "$out/"
 else  # the recorded continuations (token ids) come back, to carry into a later machine's work directory
-  tar cf - -C $work train/train-*.pt train/heldout-*.pt 2>/dev/null | gzip -1 | split -b 15000000 - "$out/continuations.tgz."
+  (cd $work && tar cf - train/train-*.pt train/heldout-*.pt 2>/dev/null) | gzip -1 | split -b 15000000 - "$out/continuations.tgz."
 fi
 exit $rc
