@@ -4,8 +4,11 @@
 # the machine is warm) and it goes on from the work directory; it exits 75 while unfinished.
 # The embedded GGUF (98 MB) and the tree are over one call's 64 MiB, so the GGUF travels in ignored parts,
 #   each carried beside the tree in its own call (the parts wait in the work directory between calls):
-#   g=<the GGUF>; split -b 45000000 $g .gguf_parts/part.; sha256sum $g | cut -d' ' -f1 > .gguf_parts/SHA256
-#   (two parts fit when the tracked drafter safetensors stays behind; carry .gguf_parts/SHA256 in every call)
+#   g=<the GGUF>; split -b 25000000 $g .gguf_parts/part.; sha256sum $g | cut -d' ' -f1 > .gguf_parts/SHA256
+#   (four parts: each fits beside the tree with .continuations/ or .whl/; carry .gguf_parts/SHA256 in every call)
+# A call that stops unfinished sends back the recorded continuations (token ids, ~12 MB): kept in .continuations/
+#   and carried in a later machine's first call, they save the recording (~250 s). The machine stays warm only
+#   30 s after a call: make the next call at once.
 # Usage: bash benchmarks/gpu/h200_train_drafter.sh OUT SECONDS   (SECONDS: this call's budget for the pipeline)
 out=${1:?output directory}
 budget=${2:?seconds this call may spend}
@@ -14,6 +17,10 @@ source benchmarks/gpu/setup.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 work=/tmp/drafter_work
 mkdir -p $work
+# Continuations that came back from an earlier machine (ignored folder .continuations/) skip the recording.
+if [ ! -d $work/train ] && compgen -G ".continuations/continuations.tgz.*" > /dev/null; then
+  cat .continuations/continuations.tgz.* | tar xzf - -C $work
+fi
 model=$work/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $model ]; then
   cp .gguf_parts/part.* .gguf_parts/SHA256 $work/ 2>/dev/null || { echo "no GGUF parts here" >&2; exit 2; }
@@ -22,10 +29,6 @@ if [ ! -f $model ]; then
     rm $model.tmp; echo "GGUF parts so far: $(ls $work | grep -c '^part\.'): send the next"; exit 75
   fi
   mv $model.tmp $model && rm $work/part.*
-fi
-# Continuations that came back from an earlier machine (ignored folder .continuations/) skip the recording.
-if [ ! -d $work/train ] && compgen -G ".continuations/continuations.tgz.*" > /dev/null; then
-  cat .continuations/continuations.tgz.* | tar xzf - -C $work
 fi
 engine="--model $model --device cuda --gpu-memory-utilization 0.4"
 # The 50,000 prompts of 2026-12-03 (make-prompts below, same seed) are committed; MAKE_PROMPTS=1 writes them anew.
@@ -46,7 +49,7 @@ python3 -m pressroom.entrypoints.cli train-drafter $engine --max-cudagraph-captu
   --batch-size 512 --lr 1.5e-3 --validation-fraction 0.02 --eval-every 1000 --patience 4 --save-dtype bfloat16 \
   --work-dir $work/train --checkpoint-every 1000 --time-limit $left --output $work/drafter > $work/train.log 2>&1
 rc=$?
-grep -v "^$" $work/train.log | tail -40
+tr '\r' '\n' < $work/train.log | grep -v -e "^$" -e "step/s" | tail -40  # tqdm redraws one line with \r
 cp $work/train.log "$out/" 2>/dev/null
 if [ $rc -eq 0 ]; then cp $work/drafter/* "$out/"
 else  # the recorded continuations (token ids) come back, to carry into a later machine's work directory

@@ -1,8 +1,9 @@
 """`pressroom bench spec`: the adaptive speculative token budget against no speculation and every fixed K.
 
-One process. A target and a draft model on dummy weights, drafts accepted with synthetic per-position
-rates (decaying like a real drafter's), so the figures measure the system cost of speculation at real
-shapes. Each engine configuration (no speculation, fixed K = 1..7, adaptive with K at most 7) is built
+One process. `--method draft_model` (default): a target and a draft model on dummy weights, drafts accepted
+with synthetic per-position rates (decaying like a real drafter's), so the figures measure the system cost
+of speculation at real shapes. `--method dflash2`: a real target (default the embedded model) and its real
+block drafter on real prompts (`--dataset-path`, as chat turns), real acceptance: the CPU's case. Each engine configuration (no speculation, fixed K = 1..7, adaptive with K at most 7) is built
 once and run at every concurrency: a closed loop keeps c requests in flight (a finished one is replaced
 at once) until N requests are done. Output tokens per second, acceptance length and draft tokens
 verified per step come from the engine's own counters. Runs on the CPU too (tiny model), so CI checks it.
@@ -54,6 +55,9 @@ class Variant:
     def speculative_config(self, args) -> dict | None:
         if self.k == 0:
             return None
+        if args.method == "dflash2":
+            config = {"method": "dflash2", "num_speculative_tokens": self.k, "adaptive_token_budget": self.adaptive}
+            return config | ({"model": str(args.draft_model)} if args.draft_model else {})
         return {"method": "draft_model", "model": str(args.draft_checkpoint), "num_speculative_tokens": self.k,
                 "adaptive_token_budget": self.adaptive, "rejection_sample_method": "synthetic",
                 "synthetic_acceptance_rates": list(args.acceptance_rates)}
@@ -123,7 +127,9 @@ def random_draft_checkpoint(config_dir: Path, dtype: str, device: torch.device) 
 # ---- one engine ----
 
 def engine_kwargs(args, variant: Variant, max_model_len: int) -> dict:
-    kwargs = {"model": str(args.model), "load_format": "dummy", "dtype": args.dtype, "device": args.device,
+    real = args.method == "dflash2"  # the target's own weights: real drafts need them
+    kwargs = {"model": args.model and str(args.model), "load_format": "auto" if real else "dummy",
+              "dtype": args.dtype, "device": args.device,
               "max_model_len": max_model_len, "max_num_seqs": max(args.concurrency),
               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_memory_gib,
               "enforce_eager": args.enforce_eager, "skip_tokenizer_init": True, "seed": args.seed,
@@ -141,7 +147,8 @@ def run_variant(args, variant: Variant, prompts: dict[int, list[list[int]]], max
     llm, ready_s = build_llm(kwargs, device)
     log(f"{variant.name}: engine ready in {ready_s:.1f} s")
     for c in args.concurrency:
-        warmup = random_prompts(2 * c, args.input_len, llm.engine.vocab_size, args.seed + 1000 + c)
+        warmup = (prompts[c] if args.method == "dflash2" else
+                  random_prompts(2 * c, args.input_len, llm.engine.vocab_size, args.seed + 1000 + c))
         drive(llm.engine, warmup, c, args.warmup_output_len, f"warmup-c{c}")
     reset_prefix_cache(llm)
     log(f"{variant.name}: warmed up")
@@ -272,8 +279,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def print_report(report: dict) -> None:
     names = list(report["engines"])
-    print(f"\n== bench spec: {Path(report['target']).name} + draft {Path(report['draft_model']).name} "
-          f"({report['dtype']}) on {report['device']}; synthetic acceptance {report['acceptance_rates']} ==")
+    rates = report["acceptance_rates"]
+    print(f"\n== bench spec: {Path(report['target']).name} + {report['method']} {Path(report['draft_model']).name} "
+          f"({report['dtype']}) on {report['device']}; "
+          f"{f'synthetic acceptance {rates}' if rates else 'real acceptance'} ==")
     print("output tok/s")
     print(f"{'conc':>5}" + "".join(f"{n:>10}" for n in names)
           + f"{'ad/none':>9}{'ad/best':>9}{'best':>6}{'ad/Kmax':>9}")
@@ -283,7 +292,8 @@ def print_report(report: dict) -> None:
               + _fmt(s.get("adaptive_over_none"), 9, ".3f") + _fmt(s.get("adaptive_over_best_fixed"), 9, ".3f")
               + f"{(s['best_fixed'] or '-'):>6}" + _fmt(s.get("adaptive_over_max_k"), 9, ".3f"))
     expected = ", ".join(f"{n} {v:.2f}" for n, v in report["expected_acceptance_length"].items())
-    print(f"mean acceptance length / draft tokens verified per request-step (expected AL: {expected})")
+    print("mean acceptance length / draft tokens verified per request-step"
+          + (f" (expected AL: {expected})" if expected else ""))
     spec_names = [n for n in names if n not in (NONE, NONE_SYNC)]
     print(f"{'conc':>5}" + "".join(f"{n:>12}" for n in spec_names))
     for c, row in report["cells"].items():
@@ -307,7 +317,6 @@ def _fmt(value: float | None, width: int, spec: str) -> str:
 # ---- the whole run ----
 
 def run(args) -> dict:
-    from pressroom.model.loader import load_hf_config
     started = time.perf_counter()
 
     def log(message: str) -> None:
@@ -318,11 +327,15 @@ def run(args) -> dict:
         raise ValueError(f"--max-k must be at least 1, got {args.max_k}.")
     if args.kv_cache_memory_gib is None:
         args.kv_cache_memory_gib = 16.0 if device.type == "cuda" else 0.5
-    vocab = load_hf_config(str(args.model)).vocab_size
-    prompts = {c: random_prompts(num_requests(c, args), args.input_len, vocab, args.seed + i)
-               for i, c in enumerate(args.concurrency)}
-    max_model_len = args.input_len + args.output_len + args.max_k + 8
+    if args.method == "draft_model":
+        args.model, args.draft_model = args.model or DEFAULT_TARGET, args.draft_model or DEFAULT_DRAFT
+    prompts = make_prompts(args)
+    longest = max(len(p) for row in prompts.values() for p in row)
+    max_model_len = longest + args.output_len + args.max_k + 8
     log(f"requests per concurrency: {', '.join(f'{c}: {len(p)}' for c, p in prompts.items())}")
+    if args.method == "dflash2":
+        args.draft_checkpoint = args.draft_model
+        return run_all(args, device, prompts, max_model_len, started, log)
     args.draft_checkpoint = Path(args.draft_model)
     if not has_weights(args.draft_checkpoint):
         args.draft_checkpoint = random_draft_checkpoint(args.draft_checkpoint, args.dtype, device)
@@ -332,6 +345,20 @@ def run(args) -> dict:
     finally:
         if args.draft_checkpoint != Path(args.draft_model):
             shutil.rmtree(args.draft_checkpoint, ignore_errors=True)
+
+
+def make_prompts(args) -> dict[int, list[list[int]]]:
+    """Per concurrency, its requests' prompts: random tokens (dummy weights), or the dataset's prompts as chat
+    turns of the real target's template, cycled (dflash2)."""
+    from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+    if args.method != "dflash2":
+        vocab = load_hf_config(str(args.model)).vocab_size
+        return {c: random_prompts(num_requests(c, args), args.input_len, vocab, args.seed + i)
+                for i, c in enumerate(args.concurrency)}
+    from pressroom.benchmarks.workload import file_prompts
+    tokenizer = load_tokenizer(resolve_model_path(args.model and str(args.model)))
+    return {c: file_prompts(args.dataset_path, tokenizer, num_requests(c, args), None, chat=True)
+            for c in args.concurrency}
 
 
 def run_all(args, device: torch.device, prompts: dict[int, list[list[int]]], max_model_len: int, started: float,
@@ -356,14 +383,18 @@ def make_report(args, device: torch.device, prompts: dict[int, list[list[int]]],
                 cells: dict[int, dict[str, Cell]], elapsed: float) -> dict:
     summary = {str(c): summarize(row, c, args) for c, row in cells.items()}
     checks = [v for s in summary.values() for v in s.get("conditions", {}).values()]
+    synthetic = args.method == "draft_model"
     return {"benchmark": "spec", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_machine(device),
-            "device": device.type, "target": str(args.model), "draft_model": str(args.draft_model),
-            "draft_weights": "checkpoint" if args.draft_checkpoint == Path(args.draft_model) else "random (dummy)",
-            "dtype": args.dtype, "acceptance_rates": list(args.acceptance_rates), "input_len": args.input_len,
+            "device": device.type, "method": args.method, "target": str(args.model or "embedded"),
+            "draft_model": str(args.draft_model or "embedded"),
+            "draft_weights": "random (dummy)" if synthetic and args.draft_checkpoint != Path(args.draft_model)
+            else "checkpoint",
+            "dtype": args.dtype, "acceptance_rates": list(args.acceptance_rates) if synthetic else None,
+            "dataset_path": None if synthetic else args.dataset_path, "input_len": args.input_len,
             "output_len": args.output_len, "concurrency": list(args.concurrency), "k_values": list(args.k_values),
             "max_k": args.max_k, "warmup_note": WARMUP_NOTE,
             "expected_acceptance_length": {f"K={k}": expected_acceptance_length(args.acceptance_rates, k)
-                                           for k in args.k_values},
+                                           for k in args.k_values} if synthetic else {},
             "requests": {str(c): len(p) for c, p in prompts.items()}, "engines": engines,
             "cells": {str(c): {n: asdict(cell) for n, cell in row.items()} for c, row in cells.items()},
             "summary": summary, "all_conditions_hold": all(checks) if checks else None, "total_s": round(elapsed, 1)}
@@ -383,8 +414,14 @@ def _rates(text: str) -> list[float]:
 
 def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--model", type=Path, default=DEFAULT_TARGET, help="the target: a config.json directory")
-    p.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT, help="the drafter (the target's vocabulary)")
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "dflash2"],
+                   help="draft_model: dummy weights, synthetic acceptance; dflash2: real weights, prompts, acceptance")
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"the target (default: {DEFAULT_TARGET.name}'s config, dummy weights; dflash2: the embedded model)")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help=f"the drafter (default: {DEFAULT_DRAFT.name}'s config; dflash2: the embedded model's drafter)")
+    p.add_argument("--dataset-path", default=str(REPO / "benchmarks" / "data" / "chat_heldout.jsonl"),
+                   help="dflash2: the prompts (each one user turn of the chat template), cycled")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda, or cpu to test the plumbing with a tiny model")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="both models' dtype")

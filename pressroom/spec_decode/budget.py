@@ -16,6 +16,12 @@ observed: a position the budget stopped drafting is not stuck at a low guess for
 also keeps its own moving average (its content, e.g. code being copied, moves it away from the rest),
 blended in as it observes more.
 
+Those estimates come from verified drafts, and `choose` verifies the likely ones (a block drafter's
+confidences tell it which): drafts it drops never teach them, so they run high for what `plan` asks,
+the tokens a planned draft will bring. `plan` also counts how many planned drafts `choose` kept, per
+position (decayed counts, starting from all kept), and multiplies that in: a drafter run every step for
+drafts that are then dropped stops being run.
+
 `choose` runs once the drafts exist (their cost is spent). `plan` runs before drafting, so a drafter
 that pays per draft (a draft model: one forward pass per draft position, over the requests drafting
 that deep) can draft only what will be verified: it also counts that cost, from a draft step curve.
@@ -124,12 +130,15 @@ class AdaptiveBudget:
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
         self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
         self.probing: set[str] = set()  # requests `plan` gave a probe draft, for `choose` to keep
+        self.planned: dict[str, int] = {}  # the last plan's drafts, for `choose` to report how many it kept
+        self.kept = _Counts.empty(max_drafts)  # per position: planned drafts, and those `choose` verified
 
     # ---- learning ----
 
     def tick(self) -> None:
         """Once per step: the shared counts fade."""
         self.shared.decay(_DECAY)
+        self.kept.decay(_DECAY)
         self.calibrator.decay(_DECAY)
 
     def observe(self, req_id: str, num_draft: int, num_accepted: int, confidences: list[float] | None = None) -> None:
@@ -145,6 +154,7 @@ class AdaptiveBudget:
         self.skipped.pop(req_id, None)
         self.probe_every.pop(req_id, None)
         self.probing.discard(req_id)
+        self.planned.pop(req_id, None)
 
     def calibrated(self, confidences: list[float]) -> list[float]:
         """A drafter's confidences replaced by the acceptance observed where it said as much (per position)."""
@@ -197,7 +207,13 @@ class AdaptiveBudget:
             plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
             if plain >= rate:  # verifying runs a slower path than plain decodes: not worth it here
                 chosen = {rid: 0 for rid in drafts}
-        return self._probe(chosen, drafts)
+        chosen = self._probe(chosen, drafts)
+        for rid, kept in chosen.items():
+            planned = self.planned.pop(rid, 0)
+            for j in range(planned):
+                self.kept.trials[j] += 1.0
+                self.kept.hits[j] += float(j < kept)
+        return chosen
 
     def plan(self, allowed: dict[str, int], base_tokens: int, contexts: dict[str, int] | None = None,
              base_context: int = 0) -> dict[str, int]:
@@ -214,7 +230,7 @@ class AdaptiveBudget:
         rids = list(allowed)
         if not rids:
             return {}
-        survival = np.cumprod(self._acceptance_matrix(rids), axis=1)  # [requests, K]
+        survival = np.cumprod(self._acceptance_matrix(rids), axis=1) * self._kept_rates()  # [requests, K]
         limit = np.array([allowed[r] for r in rids])
         row, depth = np.nonzero(np.arange(self.k)[None, :] < limit[:, None])  # one candidate each
         gain = survival[row, depth]
@@ -229,8 +245,13 @@ class AdaptiveBudget:
             if rate > best_rate:
                 best_n, best_rate, best_order = n, rate, order
         counts = np.bincount(row[best_order[:best_n]], minlength=len(rids)) if best_n else np.zeros(len(rids), int)
-        planned = {rid: int(c) for rid, c in zip(rids, counts)}
-        return self._probe_planned(planned, allowed)
+        planned = self._probe_planned({rid: int(c) for rid, c in zip(rids, counts)}, allowed)
+        self.planned = {rid: n for rid, n in planned.items() if n}
+        return planned
+
+    def _kept_rates(self) -> np.ndarray:
+        """Per position, the share of planned drafts `choose` verified (all, before any were planned)."""
+        return (np.array(self.kept.hits) + _PRIOR_WEIGHT) / (np.array(self.kept.trials) + _PRIOR_WEIGHT)
 
     def _acceptance_matrix(self, rids: list[str]) -> np.ndarray:
         """`acceptance` of each request, [requests, K] (the shared estimate computed once for all)."""

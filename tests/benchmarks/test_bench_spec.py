@@ -84,3 +84,23 @@ def test_expected_acceptance_length_follows_the_synthetic_rates(report):
     rates = [0.85, 0.75, 0.65, 0.55, 0.45, 0.35, 0.25]  # survivals .85 .6375 .4144 .2279 .1026 .0359 .0090
     assert spec.expected_acceptance_length(rates, 7) == 3.2772
     assert spec.expected_acceptance_length([0.5], 3) == 1.875  # the last rate repeats
+
+
+def test_dflash2_runs_the_real_target_and_drafter_on_chat_prompts(tmp_path):
+    """`--method dflash2`: the embedded model with its committed drafter, real weights and acceptance, the
+    dataset's prompts as chat turns (the CPU's measurement of the adaptive budget)."""
+    out = tmp_path / "result.json"
+    argv = ["bench", "spec", "--method", "dflash2", "--device", "cpu", "--concurrency", "1,2", "--k-values", "2",
+            "--max-k", "4", "--output-len", "6", "--requests-per-slot", "1", "--min-requests", "2",
+            "--warmup-output-len", "2", "--kv-cache-memory-gib", "0.1", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["method"] == "dflash2" and report["acceptance_rates"] is None and report["complete"]
+    assert set(report["engines"]) == {"none", "K=2", "adaptive"}
+    config = report["engines"]["K=2"]["engine_args"]
+    assert config["load_format"] == "auto" and config["speculative_config"]["method"] == "dflash2"
+    for c in ("1", "2"):
+        cell = report["cells"][c]["K=2"]
+        assert cell["output_tokens"] == cell["num_requests"] * 6
+        assert cell["num_drafts"] > 0 and 1 <= cell["mean_acceptance_length"] <= 3
+    assert "adaptive >= none" in report["summary"]["1"]["conditions"]

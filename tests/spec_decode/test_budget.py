@@ -222,3 +222,24 @@ def test_a_block_pass_that_costs_more_than_its_drafts_earn_is_not_run():
         budget.shared.assume([0.5, 0.3, 0.2, 0.1])  # conditional acceptance per position
         got = budget.plan({"a": 4}, base_tokens=1)["a"]
         assert (got > 0) == planned, (block, got)
+
+
+def test_plan_stops_drafting_what_choose_keeps_dropping():
+    """Verified drafts teach the estimates, dropped ones do not: a drafter whose confidences make `choose`
+    drop every draft would look worth running for ever. `plan` counts the planned drafts `choose` kept, so it
+    stops planning them, and plans again once those counts have faded."""
+    slot, block = [(1, 0.0005), (64, 0.004)], [(1, 0.001), (64, 0.008)]
+    budget = AdaptiveBudget(4, [(1, 0.010), (2, 0.0105), (8, 0.012)], draft_costs=slot, block_costs=block)
+    budget.shared.assume([0.8, 0.7, 0.6, 0.5])  # what the verified (confident) drafts showed
+    assert budget.plan({"a": 4}, base_tokens=1)["a"] > 0
+    for _ in range(40):  # the drafter says 0.05 every time: nothing is worth verifying
+        planned = budget.plan({"a": 4}, base_tokens=1)["a"]
+        if planned == 0:
+            break
+        assert budget.choose({"a": planned}, base_tokens=1, confidences={"a": [0.05] * planned}) == {"a": 0}
+        budget.tick()
+    assert planned == 0 and budget.kept.trials[0] > 0
+    assert "a" not in budget.planned
+    for _ in range(600):  # steps without planned drafts (the request's probes aside): the counts fade
+        budget.tick()
+    assert budget.plan({"a": 4}, base_tokens=1)["a"] > 0
