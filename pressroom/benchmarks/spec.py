@@ -3,10 +3,12 @@
 One process. `--method draft_model` (default): a target and a draft model on dummy weights, drafts accepted
 with synthetic per-position rates (decaying like a real drafter's), so the figures measure the system cost
 of speculation at real shapes. `--method dflash2`: a real target (default the embedded model) and its real
-block drafter on real prompts (`--dataset-path`, as chat turns), real acceptance: the CPU's case. Each engine configuration (no speculation, fixed K = 1..7, adaptive with K at most 7) is built
-once and run at every concurrency: a closed loop keeps c requests in flight (a finished one is replaced
-at once) until N requests are done. Output tokens per second, acceptance length and draft tokens
-verified per step come from the engine's own counters. Runs on the CPU too (tiny model), so CI checks it.
+block drafter on real prompts (`--dataset-path`, as chat turns), real acceptance: the CPU's case. Each
+engine configuration (no speculation, fixed K = 1..7, adaptive with K at most 7) is built once and run at
+every concurrency (or, with `--rounds`, all at once, taking turns): a closed loop keeps c requests in flight
+(a finished one is replaced at once) until N requests are done. Output tokens per second, acceptance length
+and draft tokens verified per step come from the engine's own counters. Runs on the CPU too (tiny model),
+so CI checks it.
 """
 from __future__ import annotations
 
@@ -143,6 +145,17 @@ def engine_kwargs(args, variant: Variant, max_model_len: int) -> dict:
 
 def run_variant(args, variant: Variant, prompts: dict[int, list[list[int]]], max_model_len: int,
                 device: torch.device, log) -> tuple[list[Cell], dict]:
+    llm, meta = start_engine(args, variant, prompts, max_model_len, device, log)
+    cells = []
+    for c in args.concurrency:
+        cells.append(measure_logged(llm, variant.name, prompts[c], c, args, device, log))
+    meta = finish_engine(llm, variant, meta, device, log)
+    return cells, meta
+
+
+def start_engine(args, variant: Variant, prompts: dict[int, list[list[int]]], max_model_len: int,
+                 device: torch.device, log):
+    """The variant's engine, warmed up at every concurrency (each shape's kernels compiled)."""
     kwargs = engine_kwargs(args, variant, max_model_len)
     llm, ready_s = build_llm(kwargs, device)
     log(f"{variant.name}: engine ready in {ready_s:.1f} s")
@@ -152,22 +165,44 @@ def run_variant(args, variant: Variant, prompts: dict[int, list[list[int]]], max
         drive(llm.engine, warmup, c, args.warmup_output_len, f"warmup-c{c}")
     reset_prefix_cache(llm)
     log(f"{variant.name}: warmed up")
-    cells = []
-    for c in args.concurrency:
-        cell = measure(llm.engine, variant.name, prompts[c], c, args.output_len, device)
-        log(f"{variant.name} @ {c}: {cell.output_tokens_per_s:.1f} tok/s ({cell.num_requests} requests, "
-            f"{cell.elapsed_s:.1f} s, AL {_fmt(cell.mean_acceptance_length, 0, '.2f').strip()}, "
-            f"drafts/request-step {_fmt(cell.draft_tokens_per_request_step, 0, '.2f').strip()})")
-        cells.append(cell)
-        reset_prefix_cache(llm)
-    meta = {"engine_args": kwargs, "time_to_ready_s": round(ready_s, 3),
-            "async_scheduling": llm.engine.config.scheduler.async_scheduling,
-            "adaptive_budget": budget_curves(llm.engine.scheduler.spec_budget)}
+    return llm, {"engine_args": kwargs, "time_to_ready_s": round(ready_s, 3)}
+
+
+def measure_logged(llm, name: str, prompts: list[list[int]], c: int, args, device: torch.device, log) -> Cell:
+    cell = measure(llm.engine, name, prompts, c, args.output_len, device)
+    log(f"{name} @ {c}: {cell.output_tokens_per_s:.1f} tok/s ({cell.num_requests} requests, "
+        f"{cell.elapsed_s:.1f} s, AL {_fmt(cell.mean_acceptance_length, 0, '.2f').strip()}, "
+        f"drafts/request-step {_fmt(cell.draft_tokens_per_request_step, 0, '.2f').strip()})")
+    reset_prefix_cache(llm)
+    return cell
+
+
+def finish_engine(llm, variant: Variant, meta: dict, device: torch.device, log) -> dict:
+    meta |= {"async_scheduling": llm.engine.config.scheduler.async_scheduling,
+             "adaptive_budget": budget_curves(llm.engine.scheduler.spec_budget)}
     del llm
     free_device_memory(device)
     if device.type == "cuda":  # the next engine sizes nothing from free memory, but a leak would still show here
         log(f"{variant.name}: engine freed, {allocated_bytes(device) / (1 << 30):.2f} GiB still allocated")
-    return cells, meta
+    return meta
+
+
+def run_interleaved(args, todo: list[Variant], prompts: dict[int, list[list[int]]], max_model_len: int,
+                    device: torch.device, log) -> tuple[dict[int, dict[str, Cell]], dict[str, dict]]:
+    """--rounds N: every engine up at once; at each concurrency each round runs every variant in turn (the
+    order rotating), and a cell keeps its fastest round. On a shared, noisy machine, minutes apart, one
+    engine can run 25% slower than the next for nothing it did; side by side, the noise falls on all."""
+    engines = {v.name: start_engine(args, v, prompts, max_model_len, device, log) for v in todo}
+    cells: dict[int, dict[str, Cell]] = {c: {} for c in args.concurrency}
+    for c in args.concurrency:
+        for r in range(args.rounds):
+            for v in todo[r % len(todo):] + todo[:r % len(todo)]:
+                cell = measure_logged(engines[v.name][0], v.name, prompts[c], c, args, device, log)
+                best = cells[c].get(v.name)
+                if best is None or cell.output_tokens_per_s > best.output_tokens_per_s:
+                    cells[c][v.name] = cell
+    metas = {v.name: finish_engine(engines[v.name][0], v, engines[v.name][1], device, log) for v in todo}
+    return cells, metas
 
 
 def budget_curves(budget) -> dict | None:
@@ -366,7 +401,9 @@ def run_all(args, device: torch.device, prompts: dict[int, list[list[int]]], max
     cells: dict[int, dict[str, Cell]] = {c: {} for c in args.concurrency}
     engines: dict[str, dict] = {}
     todo = variants(args, device)
-    for variant in todo:
+    if args.rounds > 1:
+        cells, engines = run_interleaved(args, todo, prompts, max_model_len, device, log)
+    for variant in todo if args.rounds == 1 else []:
         done, engines[variant.name] = run_variant(args, variant, prompts, max_model_len, device, log)
         for cell in done:
             cells[cell.concurrency][variant.name] = cell
@@ -374,6 +411,10 @@ def run_all(args, device: torch.device, prompts: dict[int, list[list[int]]], max
         report["complete"] = len(engines) == len(todo)
         if args.output_json:  # after every configuration: a run cut short still leaves its figures
             Path(args.output_json).write_text(json.dumps(report, indent=2))
+    report = make_report(args, device, prompts, engines, cells, time.perf_counter() - started)
+    report["complete"] = len(engines) == len(todo)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
     print_report(report)
     log("done")
     return report
@@ -392,7 +433,7 @@ def make_report(args, device: torch.device, prompts: dict[int, list[list[int]]],
             "dtype": args.dtype, "acceptance_rates": list(args.acceptance_rates) if synthetic else None,
             "dataset_path": None if synthetic else args.dataset_path, "input_len": args.input_len,
             "output_len": args.output_len, "concurrency": list(args.concurrency), "k_values": list(args.k_values),
-            "max_k": args.max_k, "warmup_note": WARMUP_NOTE,
+            "max_k": args.max_k, "rounds": args.rounds, "warmup_note": WARMUP_NOTE,
             "expected_acceptance_length": {f"K={k}": expected_acceptance_length(args.acceptance_rates, k)
                                            for k in args.k_values} if synthetic else {},
             "requests": {str(c): len(p) for c, p in prompts.items()}, "engines": engines,
@@ -417,7 +458,8 @@ def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="draft_model", choices=["draft_model", "dflash2"],
                    help="draft_model: dummy weights, synthetic acceptance; dflash2: real weights, prompts, acceptance")
     p.add_argument("--model", type=Path, default=None,
-                   help=f"the target (default: {DEFAULT_TARGET.name}'s config, dummy weights; dflash2: the embedded model)")
+                   help=f"the target (default: {DEFAULT_TARGET.name}'s config, dummy weights; "
+                        "dflash2: the embedded model)")
     p.add_argument("--draft-model", type=Path, default=None,
                    help=f"the drafter (default: {DEFAULT_DRAFT.name}'s config; dflash2: the embedded model's drafter)")
     p.add_argument("--dataset-path", default=str(REPO / "benchmarks" / "data" / "chat_heldout.jsonl"),
@@ -443,6 +485,9 @@ def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-slot", type=int, default=2, help="N = this x concurrency, then clamped")
     p.add_argument("--min-requests", type=int, default=4, help="N at least")
     p.add_argument("--max-requests", type=int, default=512, help="N at most (but at least the concurrency)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="above 1: every engine at once, the variants taking turns this many times per concurrency, "
+                        "each cell its fastest round (for noisy machines; the engines must fit side by side)")
     p.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the dummy weights")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,

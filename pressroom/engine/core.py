@@ -286,6 +286,7 @@ class EngineCore:
         first three suspects fail alone too."""
         failed = self._check_compiles() if self._compiling else []
         isolating = bool(self.scheduler.suspects)
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         scheduled = [new.req_id for new in sched.new_requests]
         if self.grammars.portable and not self._workers_read_grammars and any(n.grammar for n in sched.new_requests):
@@ -301,6 +302,7 @@ class EngineCore:
                 if isinstance(result, AsyncModelRunnerOutput):
                     result = result.resolve()  # isolating: a failure must name this step's requests
                 outputs = self._update(sched, result)
+                self._time_step(sched, time.perf_counter() - started)
         except FATAL_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
@@ -309,6 +311,15 @@ class EngineCore:
         if not sched.is_empty:
             self._failed_steps, self._unexplained = 0, False
         return CoreOutputs(failed + outputs, scheduled)
+
+    def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A synchronous step's wall time, for the adaptive budget to check its profiled curves against."""
+        budget = self.scheduler.spec_budget
+        if budget is None or sched.is_empty:
+            return
+        context = sum(r.num_computed_tokens for r in self.scheduler.running)
+        budget.observe_step(seconds, sched.total_num_scheduled_tokens, bool(sched.scheduled_spec_decode_tokens),
+                            sched.draft_limits, context)
 
     def _check_compiles(self) -> list[EngineCoreOutput]:
         """Ends the requests whose grammar failed to compile or took too long (finish_reason "error"); when

@@ -22,6 +22,11 @@ the tokens a planned draft will bring. `plan` also counts how many planned draft
 position (decayed counts, starting from all kept), and multiplies that in: a drafter run every step for
 drafts that are then dropped stops being run.
 
+The curves are profiled at start-up, once, on a machine that may be busy then and not later, and they leave
+out what a step spends around the model (scheduling, sampling, the drafter's path selection). Where steps run
+synchronously the engine reports each one's wall time (`observe_step`); `plan` scales what it expects of
+plain steps and of speculative ones (drafting or verifying) by what such steps took against the curves.
+
 `choose` runs once the drafts exist (their cost is spent). `plan` runs before drafting, so a drafter
 that pays per draft (a draft model: one forward pass per draft position, over the requests drafting
 that deep) can draft only what will be verified: it also counts that cost, from a draft step curve.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -49,6 +55,7 @@ _PROBE_EVERY_MAX = 512  # each probe that was not worth it doubles the wait, up 
 # The shared estimates learn from any request's probe, so a batch needs about as many probes per step at
 # any size: past this many requests, each one's wait grows with the batch.
 _PROBE_ROWS = 16
+_STEP_EMA = 0.05  # weight of each step's measured/expected time ratio (the noise of one step is large)
 
 
 @dataclass(slots=True)
@@ -132,6 +139,8 @@ class AdaptiveBudget:
         self.probing: set[str] = set()  # requests `plan` gave a probe draft, for `choose` to keep
         self.planned: dict[str, int] = {}  # the last plan's drafts, for `choose` to report how many it kept
         self.kept = _Counts.empty(max_drafts)  # per position: planned drafts, and those `choose` verified
+        # log(measured / expected seconds) of synchronous steps, plain [0] and speculative [1] (observe_step)
+        self.log_slowdown = [0.0, 0.0]
 
     # ---- learning ----
 
@@ -148,6 +157,30 @@ class AdaptiveBudget:
             self.calibrator.observe(confidences, num_draft, num_accepted)
         own = self.own.setdefault(req_id, _Estimates(list(self.shared.rates), [0] * self.k))
         own.observe(num_draft, num_accepted)
+
+    def observe_step(self, seconds: float, tokens: int, verified: bool, planned: dict[str, int],
+                     context: int) -> None:
+        """A synchronous step's wall time: `tokens` computed (with `verified` drafts among them or not), the
+        drafts `planned` for the next step made in it, its queries attending to `context` tokens in all."""
+        expected = self.expected_seconds(tokens, verified, planned, context)
+        if seconds > 0 and expected > 0:
+            kind = int(verified or any(planned.values()))
+            self.log_slowdown[kind] += _STEP_EMA * (math.log(seconds / expected) - self.log_slowdown[kind])
+
+    def expected_seconds(self, tokens: int, verified: bool, planned: dict[str, int], context: int) -> float:
+        """What the curves say such a step costs: the model's pass and the drafting it does."""
+        curve = self.costs if verified or self.decode_costs is None else self.decode_costs
+        seconds = self.step_time(tokens, curve) + self.attention_cost * context
+        depths = [n for n in planned.values() if n]
+        if depths and self.draft_costs is not None:
+            for j in range(max(depths)):  # one pass per position, over the requests drafting that deep
+                seconds += self.step_time(sum(n > j for n in depths), self._first_or_draft(j))
+            if self.block_costs is not None:
+                seconds += self.step_time(len(depths), self.block_costs)
+        return seconds
+
+    def _first_or_draft(self, position: int) -> list[tuple[int, float]]:
+        return self.first_draft_costs if position == 0 and self.first_draft_costs is not None else self.draft_costs
 
     def forget(self, req_id: str) -> None:
         self.own.pop(req_id, None)
@@ -269,7 +302,8 @@ class AdaptiveBudget:
         """The best prefix of the candidates (survival, draft position, context of each, in order) and its
         tokens per second (0 drafts: plain decoding's), from the rates of every prefix at once."""
         attn = self.attention_cost
-        plain = base_tokens / (self.step_time(base_tokens, self.decode_costs) + attn * base_context)
+        plain_slowdown, spec_slowdown = (math.exp(x) for x in self.log_slowdown)
+        plain = base_tokens / ((self.step_time(base_tokens, self.decode_costs) + attn * base_context) * plain_slowdown)
         if not len(gain):
             return 0, plain
         m = np.arange(1, len(gain) + 1)
@@ -284,7 +318,7 @@ class AdaptiveBudget:
             if self.block_costs is not None:  # a request's first position also opens its block pass
                 step[first] += _marginal(self._as_arrays(self.block_costs), rows[first])
             seconds += np.cumsum(step)
-        rates = emitted / seconds
+        rates = emitted / (seconds * spec_slowdown)
         best = int(rates.argmax())
         return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
 

@@ -88,14 +88,16 @@ def test_expected_acceptance_length_follows_the_synthetic_rates(report):
 
 def test_dflash2_runs_the_real_target_and_drafter_on_chat_prompts(tmp_path):
     """`--method dflash2`: the embedded model with its committed drafter, real weights and acceptance, the
-    dataset's prompts as chat turns (the CPU's measurement of the adaptive budget)."""
+    dataset's prompts as chat turns (the CPU's measurement of the adaptive budget); `--rounds 2`: the engines
+    side by side, taking turns, each cell its faster round."""
     out = tmp_path / "result.json"
     argv = ["bench", "spec", "--method", "dflash2", "--device", "cpu", "--concurrency", "1,2", "--k-values", "2",
             "--max-k", "4", "--output-len", "6", "--requests-per-slot", "1", "--min-requests", "2",
-            "--warmup-output-len", "2", "--kv-cache-memory-gib", "0.1", "--output-json", str(out)]
+            "--warmup-output-len", "2", "--kv-cache-memory-gib", "0.1", "--rounds", "2", "--output-json", str(out)]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["method"] == "dflash2" and report["acceptance_rates"] is None and report["complete"]
+    assert report["rounds"] == 2 and report["engines"]["adaptive"]["adaptive_budget"] is not None
     assert set(report["engines"]) == {"none", "K=2", "adaptive"}
     config = report["engines"]["K=2"]["engine_args"]
     assert config["load_format"] == "auto" and config["speculative_config"]["method"] == "dflash2"

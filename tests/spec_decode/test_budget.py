@@ -243,3 +243,27 @@ def test_plan_stops_drafting_what_choose_keeps_dropping():
     for _ in range(600):  # steps without planned drafts (the request's probes aside): the counts fade
         budget.tick()
     assert budget.plan({"a": 4}, base_tokens=1)["a"] > 0
+
+
+def test_plan_follows_measured_step_times_where_they_depart_from_the_curves():
+    """Profiled once at start-up, the curves can flatter speculation (a busy machine then, or time a step
+    spends outside the model); synchronous steps report their wall time, and `plan` scales plain and
+    speculative steps by what they took against the curves."""
+    slot, block = [(1, 0.0005), (64, 0.004)], [(1, 0.001), (64, 0.008)]
+    verify, decode = [(1, 0.010), (2, 0.0105), (8, 0.012)], [(1, 0.010), (8, 0.012)]
+
+    def budget() -> AdaptiveBudget:
+        b = AdaptiveBudget(4, verify, decode, draft_costs=slot, block_costs=block)
+        b.shared.assume([0.8, 0.7, 0.6, 0.5])
+        return b
+
+    assert budget().plan({"a": 4}, base_tokens=1)["a"] > 0
+    slow = budget()
+    drafting = {"a": 2}
+    expected = slow.expected_seconds(3, True, drafting, 0)
+    assert abs(expected - (0.01075 + 2 * 0.0005 + 0.001)) < 1e-9  # verify 3 tokens, two slots of one row, the block
+    for _ in range(100):  # speculative steps take three times the curves, plain ones what the curves say
+        slow.observe_step(3 * expected, 3, True, drafting, 0)
+        slow.observe_step(slow.expected_seconds(1, False, {}, 0), 1, False, {}, 0)
+    assert slow.log_slowdown[0] == 0.0 and abs(slow.log_slowdown[1] - math.log(3)) < 0.01
+    assert slow.plan({"a": 4}, base_tokens=1)["a"] == 0
