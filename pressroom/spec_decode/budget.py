@@ -136,6 +136,9 @@ class AdaptiveBudget:
         self.own: dict[str, _Estimates] = {}
         self.skipped: dict[str, int] = {}  # consecutive steps a request's drafts were all dropped
         self.probe_every: dict[str, int] = {}  # per request, skipped steps before its next probe
+        # A new request's first wait: the longest any request has reached since drafts last paid on their
+        # merit (short requests that each started from _PROBE_EVERY would probe a stream of them often).
+        self.first_wait = _PROBE_EVERY
         self.probing: set[str] = set()  # requests `plan` gave a probe draft, for `choose` to keep
         self.planned: dict[str, int] = {}  # the last plan's drafts, for `choose` to report how many it kept
         self.kept = _Counts.empty(max_drafts)  # per position: planned drafts, and those `choose` verified
@@ -332,18 +335,19 @@ class AdaptiveBudget:
     def _probe_planned(self, planned: dict[str, int], allowed: dict[str, int]) -> dict[str, int]:
         """Counts steps planned without drafts; at the limit one draft is planned (a probe, which `choose`
         then keeps even where it would skip it) and the wait doubles."""
+        start = self.first_wait  # as it was before this step's probes
         for rid, k in planned.items():
             if not allowed[rid]:
                 continue
             if k:
                 self.skipped[rid] = 0
-                self.probe_every.pop(rid, None)
+                self._paid(rid)
                 continue
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
-            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            wait = self.probe_every.get(rid, start)
             if self.skipped[rid] >= wait * _crowding(len(planned)):
                 planned[rid], self.skipped[rid] = 1, 0
-                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+                self._back_off(rid, wait)
                 self.probing.add(rid)
         return planned
 
@@ -351,22 +355,32 @@ class AdaptiveBudget:
         """Estimates only move where drafts are verified; a request left out for long gets one draft
         checked, so a drafter that became good for it (e.g. the answer started quoting) is noticed. Each
         probe doubles the wait before the next, until drafts are chosen on their merit again."""
+        start = self.first_wait  # as it was before this step's probes
         for rid, k in chosen.items():
             if rid in self.probing:  # planned as a probe: verified whatever this step's verdict
                 self.probing.discard(rid)
                 chosen[rid] = max(k, min(1, offered[rid]))
                 continue
             if k:
-                self.probe_every.pop(rid, None)
+                self._paid(rid)
             if k or not offered[rid]:
                 self.skipped[rid] = 0
                 continue
             self.skipped[rid] = self.skipped.get(rid, 0) + 1
-            wait = self.probe_every.get(rid, _PROBE_EVERY)
+            wait = self.probe_every.get(rid, start)
             if self.skipped[rid] >= wait * _crowding(len(chosen)):
                 chosen[rid], self.skipped[rid] = 1, 0
-                self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+                self._back_off(rid, wait)
         return chosen
+
+    def _paid(self, rid: str) -> None:
+        """Drafts chosen on their merit: probing goes back to its shortest wait."""
+        self.probe_every.pop(rid, None)
+        self.first_wait = _PROBE_EVERY
+
+    def _back_off(self, rid: str, wait: int) -> None:
+        self.probe_every[rid] = min(2 * wait, _PROBE_EVERY_MAX)
+        self.first_wait = max(self.first_wait, self.probe_every[rid])
 
 
 def _crowding(rows: int) -> int:

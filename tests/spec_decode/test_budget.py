@@ -267,3 +267,17 @@ def test_plan_follows_measured_step_times_where_they_depart_from_the_curves():
         slow.observe_step(slow.expected_seconds(1, False, {}, 0), 1, False, {}, 0)
     assert slow.log_slowdown[0] == 0.0 and abs(slow.log_slowdown[1] - math.log(3)) < 0.01
     assert slow.plan({"a": 4}, base_tokens=1)["a"] == 0
+
+
+def test_a_new_request_inherits_the_probe_backoff_until_drafts_pay_again():
+    """Short requests would each start probing after 16 steps: a stream of them where drafts never pay
+    keeps the longest wait reached, until some request's drafts are chosen on their merit."""
+    budget = AdaptiveBudget(4, [(1, 0.010), (64, 0.012), (128, 0.140), (512, 0.600)])  # compute-bound past 64
+    for wait in (16, 32):
+        rounds = [budget.choose({"old": 4}, base_tokens=128) for _ in range(wait)]
+        assert rounds[-1] == {"old": 1} and all(r == {"old": 0} for r in rounds[:-1])
+    budget.forget("old")
+    rounds = [budget.choose({"new": 4}, base_tokens=128) for _ in range(64)]
+    assert all(r == {"new": 0} for r in rounds[:-1]) and rounds[-1] == {"new": 1}  # waits 64, not 16
+    assert budget.choose({"sure": 4}, base_tokens=1)["sure"] > 0  # memory-bound: drafts pay on their merit
+    assert budget.first_wait == 16
