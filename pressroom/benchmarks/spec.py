@@ -403,20 +403,24 @@ def run_all(args, device: torch.device, prompts: dict[int, list[list[int]]], max
     todo = variants(args, device)
     if args.rounds > 1:
         cells, engines = run_interleaved(args, todo, prompts, max_model_len, device, log)
-    for variant in todo if args.rounds == 1 else []:
-        done, engines[variant.name] = run_variant(args, variant, prompts, max_model_len, device, log)
-        for cell in done:
-            cells[cell.concurrency][variant.name] = cell
-        report = make_report(args, device, prompts, engines, cells, time.perf_counter() - started)
-        report["complete"] = len(engines) == len(todo)
-        if args.output_json:  # after every configuration: a run cut short still leaves its figures
-            Path(args.output_json).write_text(json.dumps(report, indent=2))
-    report = make_report(args, device, prompts, engines, cells, time.perf_counter() - started)
-    report["complete"] = len(engines) == len(todo)
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    else:
+        for variant in todo:
+            done, engines[variant.name] = run_variant(args, variant, prompts, max_model_len, device, log)
+            for cell in done:
+                cells[cell.concurrency][variant.name] = cell
+            write_report(args, device, prompts, engines, cells, started, len(todo))  # a run cut short keeps these
+    report = write_report(args, device, prompts, engines, cells, started, len(todo))
     print_report(report)
     log("done")
+    return report
+
+
+def write_report(args, device: torch.device, prompts: dict[int, list[list[int]]], engines: dict[str, dict],
+                 cells: dict[int, dict[str, Cell]], started: float, num_variants: int) -> dict:
+    report = make_report(args, device, prompts, engines, cells, time.perf_counter() - started)
+    report["complete"] = len(engines) == num_variants
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -313,9 +313,13 @@ class EngineCore:
         return CoreOutputs(failed + outputs, scheduled)
 
     def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A synchronous step's wall time, for the adaptive budget to check its profiled curves against."""
+        """A synchronous step's wall time, for the adaptive budget to check its profiled curves against: decode
+        steps only (a token per request, plus its drafts), the steps the curves were profiled on."""
         budget = self.scheduler.spec_budget
         if budget is None or sched.is_empty:
+            return
+        drafts = sum(len(d) for d in sched.scheduled_spec_decode_tokens.values())
+        if sched.total_num_scheduled_tokens != len(sched.num_scheduled_tokens) + drafts:
             return
         context = sum(r.num_computed_tokens for r in self.scheduler.running)
         budget.observe_step(seconds, sched.total_num_scheduled_tokens, bool(sched.scheduled_spec_decode_tokens),

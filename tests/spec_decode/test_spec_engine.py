@@ -231,8 +231,10 @@ def test_committed_dflash2_drafter_serves_the_embedded_model():
     # The default configuration (adaptive budget: block passes and LM-head slots profiled at start-up).
     adaptive = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.1,
                    speculative_config={"method": "dflash2"})
-    assert adaptive.engine.scheduler.spec_budget.block_costs is not None
+    budget = adaptive.engine.scheduler.spec_budget
+    assert budget.block_costs is not None
     assert _gen(adaptive, prompts, params) == plain
+    assert budget.log_slowdown[0] != 0.0  # the synchronous decode steps reported their wall time
 
 
 def test_dflash2_without_a_drafter_needs_one_for_other_targets(tiny):
