@@ -6,9 +6,9 @@ Run with a llama venv's interpreter (benchmarks/llama_cpp/setup.sh makes it):
         --workload workload.json --output result.json
 
 Workload JSON: {"mode": "latency", "prompts": [[token ids...], ...], "output_len": N, "ignore_eos": true,
-"num_iters_warmup": W, "num_iters": K}; timed iteration i runs prompt i (cycled), one at a time. Greedy; each run starts from an empty KV cache (no prefix
-reuse between runs, as pressroom's runs clear its prefix cache) and generates exactly output_len
-tokens (llama.cpp's token loop does not stop at EOS by itself).
+"num_iters_warmup": W, "num_iters": K}; timed iteration i runs prompt i (cycled), one at a time. Greedy;
+each run starts from an empty KV cache (no prefix reuse between runs, as pressroom's runs clear its prefix
+cache) and generates exactly output_len tokens (llama.cpp's token loop does not stop at EOS by itself).
 """
 from __future__ import annotations
 

@@ -107,8 +107,9 @@ def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Worklo
     else:
         times = backends.run_hf(path, args.hf_dtype, workload, batches, args.num_iters_warmup)
         extra = {"dtype": args.hf_dtype}
-    return latency_result(name, workload, len(batches[0]), times, extra) if latency else throughput_result(name, workload,
-                                                                                              times[0], extra)
+    if latency:
+        return latency_result(name, workload, len(batches[0]), times, extra)
+    return throughput_result(name, workload, times[0], extra)
 
 
 def _ratios(results: list[dict]) -> dict:

@@ -27,6 +27,7 @@ def test_speculative_and_plain_runs_share_one_report(tiny_model_dir, tmp_path, c
 
 def test_latency_gives_each_iteration_its_own_dataset_batch(tiny_model_dir, tmp_path):
     from argparse import Namespace
+
     from pressroom.benchmarks.bench import latency_batches, latency_prompts
     args = Namespace(batch_size=2, num_iters=3, dataset_path="d.jsonl")
     assert latency_prompts(args) == 6

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from pressroom.spec_decode.budget import AdaptiveBudget, _arrays, _interp
+from pressroom.spec_decode.budget import _OWN_PRIOR, AdaptiveBudget, _arrays, _interp
 
 FLAT = [(1, 0.010), (64, 0.010), (512, 0.011)]  # memory-bound: extra tokens are almost free
 LINEAR = [(1, 0.001), (64, 0.064), (512, 0.512)]  # compute-bound: time grows with every token
@@ -38,6 +38,21 @@ def test_estimates_follow_observations_and_separate_requests():
     assert chosen["copying"] == 4 and chosen["chatting"] == 0
     budget.forget("copying")
     assert budget.acceptance("copying") == budget.shared.optimistic  # back to the shared estimate
+
+
+def test_each_request_blends_its_own_estimate_with_the_shared_one_by_what_it_saw():
+    """Rows of one batch: a request with no history plans with the shared (optimistic) estimate; one with
+    history weighs its own moving average by how often each position was observed."""
+    budget = AdaptiveBudget(3, [(1, 0.010), (8, 0.012)])
+    budget.observe("seen", 3, 1)  # first accepted, second rejected, third unobserved
+    budget.observe("seen", 3, 3)
+    shared = np.array(budget.shared.optimistic)
+    own = budget.own["seen"]
+    rows = budget._acceptance_matrix(["new", "seen", "other"])
+    seen = np.array(own.seen, dtype=float)
+    blended = (seen * np.array(own.rates) + _OWN_PRIOR * shared) / (seen + _OWN_PRIOR)
+    assert np.allclose(rows[0], shared) and np.allclose(rows[2], shared)
+    assert np.allclose(rows[1], blended) and list(own.seen) == [2, 2, 1]
 
 
 def test_step_time_interpolates_and_extrapolates():
