@@ -219,7 +219,7 @@ def pressroom_kwargs(args, max_model_len: int) -> tuple[dict, list[str]]:
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
               "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
-              "quantization": args.quantization}
+              "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size}
     if args.kv_cache_memory_gib is not None:
         wanted["kv_cache_memory_gib"] = args.kv_cache_memory_gib
     known = EngineArgs.names()
@@ -433,7 +433,8 @@ def run(args) -> dict:
     ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
     kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
     llm, ready_s = build_llm(kwargs, device)
-    if args.quantization not in ("auto", "none"):  # the roofline of the bytes the quantized engine reads
+    ranks = args.tensor_parallel_size
+    if args.quantization not in ("auto", "none") and ranks == 1:  # the roofline of the bytes the engine reads
         size.loaded_decode_read_bytes = loaded_decode_read_bytes(llm.engine.model)
     ours, allocator = {}, {}
     for name, w in workloads.items():
@@ -442,8 +443,10 @@ def run(args) -> dict:
         allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
         print(f"pressroom {name}: {ours[name].output_tokens_per_s:.1f} output tok/s "
               f"({ours[name].input_tokens_per_s:.1f} input tok/s)", flush=True)  # kept if a later phase fails
-    # HF runs dense weights: a quantized engine's are not its to copy, so HF is skipped
-    skip_hf = args.skip_hf or args.quantization not in ("auto", "none")
+    collectives = profile_collectives(llm, workloads, args, hf_config, dtype) if ranks > 1 else None
+    # HF runs dense weights on one device: a quantized engine's are not its to copy, and ranks' shards live in
+    # their own processes, so HF is skipped for both (run TP 1 beside for the comparison)
+    skip_hf = args.skip_hf or args.quantization not in ("auto", "none") or ranks > 1
     state = None if skip_hf else hf_state_dict(llm.engine.model)  # views: only the weights outlive the engine
     del llm
     free_device_memory(device)
@@ -453,8 +456,9 @@ def run(args) -> dict:
               "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3), "hf": hf_info,
               "model_size": asdict(size), "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
               "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
+              "tensor_parallel_size": ranks, "collectives": collectives,
               "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,
-                                                  ceilings) for name in workloads}}
+                                                  ceilings, ranks) for name in workloads}}
     report["ratios"] = summary_ratios(report["workloads"])
     print_report(report)
     if args.output_json:
@@ -555,11 +559,14 @@ def device_machine(device: torch.device) -> dict:
 
 
 def workload_report(name: str, workload: Workload, ours: Run, hf: list[Run] | None, size: ModelSize,
-                    ceilings: Ceilings) -> dict:
+                    ceilings: Ceilings, ranks: int = 1) -> dict:
     """Figures, the physical bound and the ratios of one workload. Prefill compares prompt tokens/s
-    (its bound ratio is the model FLOP utilisation); the others compare output tokens/s."""
+    (its bound ratio is the model FLOP utilisation); the others compare output tokens/s. With `ranks`
+    devices (tensor parallelism) the bound is theirs together: each reads and multiplies its shard."""
     key = "input_tokens_per_s" if name == "prefill" else "output_tokens_per_s"
     bound_name, bound = workload_bound(name, ours, size, ceilings)
+    if ranks > 1:
+        bound_name, bound = f"{ranks} devices x {bound_name}", bound * ranks
     best_hf = max(hf, key=lambda r: getattr(r, key)) if hf else None
     section = {"num_requests": len(workload.prompts), "input_len": len(workload.prompts[0]),
                "output_len": workload.output_len, "compared": key, "bound": bound_name,
@@ -593,6 +600,32 @@ def workload_bound(name: str, run: Run, size: ModelSize, ceilings: Ceilings) -> 
     return "matmul rate / FLOPs per prompt token (ratio = MFU)", ceilings.matmul_flops_per_s * run.input_tokens / flops
 
 
+def profile_collectives(llm, workloads: dict[str, Workload], args, hf_config, dtype: torch.dtype) -> dict:
+    """Each rank's collectives over one more, untimed pass of the decode workload (or the first one), under
+    torch.profiler: all-reduce time per step against the cost model of docs/PARALLELISM.md (a ring
+    all-reduce: a fixed latency per call plus 2 (n - 1) / n of the tensor over the bus bandwidth)."""
+    name = "decode" if "decode" in workloads else next(iter(workloads))
+    workload = workloads[name]
+    executor = llm.engine.core.executor
+    executor.collective_rpc("start_collective_profile")
+    run_pressroom(llm, workload, 0, resolve_device(args.device))
+    per_rank = executor.collective_rpc("stop_collective_profile")
+    ranks, steps = args.tensor_parallel_size, per_rank[0]["steps"]
+    calls = per_rank[0]["all_reduce"]["calls"] / max(1, steps)
+    tokens = len(workload.prompts) * (len(workload.prompts[0]) + workload.output_len) / max(1, steps)
+    tensor_bytes = tokens * hf_config.hidden_size * dtype.itemsize  # one all-reduced activation, a step's tokens
+    model_s = calls * (args.allreduce_latency_us * 1e-6 + tensor_bytes * 2 * (ranks - 1) / ranks
+                       / (args.allreduce_bus_gbps * 1e9))
+    measured = [r["all_reduce"]["seconds"] / max(1, r["steps"]) for r in per_rank]
+    return {"workload": name, "steps": steps, "all_reduce_calls_per_step": calls,
+            "all_reduce_s_per_step": measured, "all_gather_s_per_step":
+                [r["all_gather"]["seconds"] / max(1, r["steps"]) for r in per_rank],
+            "model_all_reduce_s_per_step": model_s, "model_assumes": {
+                "latency_us_per_call": args.allreduce_latency_us, "bus_gb_per_s": args.allreduce_bus_gbps,
+                "tokens_per_step": tokens, "bytes_per_call": tensor_bytes},
+            "note": "device time of NCCL kernels on CUDA, wall time of gloo transfers on the CPU; per rank"}
+
+
 def summary_ratios(sections: dict[str, dict]) -> dict[str, float | None]:
     ratios = {}
     for name, s in sections.items():
@@ -616,6 +649,12 @@ def print_report(report: dict) -> None:
         print(f"{name:<11}{key.split('_')[0]:>12}{s['pressroom'][key]:>12.1f}{_fmt(hf, 12, '.1f')}"
               f"{s['bound_tokens_per_s']:>12.1f}{_fmt(s['pressroom_over_hf'], 8, '.2f')}"
               f"{s['pressroom_over_bound']:>10.3f}{_fmt(s['hf_over_bound'], 10, '.3f')}")
+    col = report.get("collectives")
+    if col:
+        measured = ", ".join(f"{x * 1e3:.3f}" for x in col["all_reduce_s_per_step"])
+        print(f"TP {report['tensor_parallel_size']}, {col['workload']}: {col['all_reduce_calls_per_step']:.0f} "
+              f"all-reduces per step, {measured} ms per step by rank; cost model "
+              f"{col['model_all_reduce_s_per_step'] * 1e3:.3f} ms")
 
 
 def _fmt(value: float | None, width: int, spec: str) -> str:
@@ -681,6 +720,13 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8, mxfp4: weights "
                    "quantized at load; HF is then skipped); the decode bound then counts the bytes as loaded")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) the engine shards the model over; above 1: HF is skipped, the bounds count "
+                        "every rank, and each rank's all-reduce time per step is profiled")
+    p.add_argument("--allreduce-latency-us", type=float, default=8.0,
+                   help="the all-reduce cost model's fixed cost per call (docs/PARALLELISM.md)")
+    p.add_argument("--allreduce-bus-gbps", type=float, default=360.0,
+                   help="the all-reduce cost model's bus bandwidth, GB/s (NVLink 4 on H200s)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers runs")
     p.add_argument("--hf-batch-sizes", type=positive_ints, default=[64, 128, 256],
                    help="comma-separated batch sizes HF's throughput runs at")

@@ -20,6 +20,7 @@ from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pressroom.model.loader import load_model
+from pressroom.worker.collective_profile import CollectiveProfile
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Proposer
 
@@ -74,6 +75,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.model: torch.nn.Module | None = None
         self.hf_config = None
+        self._profile: CollectiveProfile | None = None
 
     def load_model(self) -> ModelSpec:
         config = self.config
@@ -177,7 +179,18 @@ class Worker:
         return StepCosts(verify, decode, per_context_token, drafts, first, proposer.profile_block_passes(counts))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        if self._profile is not None:
+            self._profile.steps += 1
         return self.model_runner.execute_model(sched)
+
+    def start_collective_profile(self) -> None:
+        """Starts torch.profiler on this rank, for `stop_collective_profile` (bench gpu's all-reduce time)."""
+        self._profile = CollectiveProfile.start(self.config.device)
+
+    def stop_collective_profile(self) -> dict:
+        """This rank's collectives since `start_collective_profile`: calls, seconds, and the steps run."""
+        profile, self._profile = self._profile, None
+        return profile.stop()
 
     def discard_inflight(self) -> None:
         """Drops the async carry-over (the last launched step and its tokens on the device) after a step

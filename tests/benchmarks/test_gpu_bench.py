@@ -76,6 +76,27 @@ def test_a_quantized_engine_is_benched_without_hf(tiny_model_dir, tmp_path):
     assert report["engine_args"]["quantization"] == "mxfp4" and report["workloads"]["decode"]["hf"] is None
 
 
+def test_tensor_parallel_bench_profiles_each_ranks_all_reduces(tiny_model_dir, tmp_path):
+    """TP 2 over gloo (the CPU form of the two-GPU run): the bound counts both ranks, HF is skipped, and each
+    rank's all-reduces per step are counted from its profile (two per layer and the embedding's) and timed."""
+    out = tmp_path / "result.json"
+    model = tiny_model_dir("llama")
+    argv = ["bench", "gpu", "--model", model, *TINY_FLAGS, "--workloads", "decode", "--dtype", "float32",
+            "--tensor-parallel-size", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    col = report["collectives"]
+    assert report["engine_args"]["tensor_parallel_size"] == 2 and col["workload"] == "decode"
+    assert col["steps"] == 4 and col["all_reduce_calls_per_step"] == 2 * layers + 1
+    assert len(col["all_reduce_s_per_step"]) == 2 and min(col["all_reduce_s_per_step"]) > 0
+    assert min(col["all_gather_s_per_step"]) > 0 and col["model_all_reduce_s_per_step"] > 0  # the LM head gathers
+    decode = report["workloads"]["decode"]
+    size, ceilings = report["model_size"], report["ceilings"]
+    assert decode["hf"] is None and decode["bound"].startswith("2 devices")
+    assert abs(decode["bound_tokens_per_s"] - 2 * ceilings["copy_bytes_per_s"] / size["decode_read_bytes"]) < 0.01
+
+
 def test_executors_side_by_side(tiny_model_dir, tmp_path):
     out = tmp_path / "executors.json"
     argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",
