@@ -171,7 +171,8 @@ def test_committed_config_builds_and_maps_to_hf(name):
 
 
 @pytest.mark.parametrize(("name", "params", "active"), [
-    ("llama-3.1-8b", 8.03e9, 8.03e9), ("llama-3.2-1b", 1.236e9, 1.236e9), ("qwen3-8b", 8.19e9, 8.19e9),
+    ("llama-3.1-8b", 8.03e9, 8.03e9), ("llama-3.1-70b", 70.55e9, 70.55e9), ("llama-3.2-1b", 1.236e9, 1.236e9),
+    ("qwen3-8b", 8.19e9, 8.19e9),
     ("qwen3-0.6b", 0.596e9, 0.596e9),
     ("qwen3-30b-a3b", 30.5e9, 3.35e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])  # the model cards' total / active
 def test_committed_config_parameter_count(name, params, active):
