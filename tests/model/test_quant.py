@@ -100,7 +100,7 @@ def test_a_tokens_product_has_the_same_bits_alone_and_among_rows(rows, cols):
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 9])  # 9: two passes of four tokens a row, then one alone
 @pytest.mark.parametrize("rows, cols", [(37, 96), (300, 640)])
 def test_q8_blocks_compute_the_two_array_forms_bits(tokens, rows, cols):
     # the LM head's GGUF-block form must give what Q8Weight (and llama.cpp) gives, to the bit

@@ -224,6 +224,30 @@ static float q8_0_block_dot(const struct q8_0_block *w, const int8_t *xq, const 
 #endif
 }
 
+/* q8_0_block_dot for four tokens at once (x and its scales at a stride of cols and blocks): each weight block is
+ * loaded, its magnitudes taken and its scale converted once for the four. Each token's sum is q8_0_block_dot's,
+ * in its order: the same bits. out[j * stride] for token j. */
+static void q8_0_block_dot4(float *out, int64_t stride, const struct q8_0_block *w, const int8_t *xq, const float *xd,
+                            int64_t cols, int64_t blocks) {
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i wv = load256(w[b].qs), aw = _mm256_sign_epi8(wv, wv);
+        const float dw = f16_to_f32(w[b].d);
+#define Q8_0_TOKEN(acc, j) do { \
+            const __m256i xv = load256(xq + (j) * cols + b * QK); \
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, wv))); \
+            acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[(j) * blocks + b]), acc); \
+        } while (0)
+        Q8_0_TOKEN(acc0, 0); Q8_0_TOKEN(acc1, 1); Q8_0_TOKEN(acc2, 2); Q8_0_TOKEN(acc3, 3);
+#undef Q8_0_TOKEN
+    }
+    out[0] = hsum_ps(acc0), out[stride] = hsum_ps(acc1), out[2 * stride] = hsum_ps(acc2), out[3 * stride] = hsum_ps(acc3);
+#else
+    for (int j = 0; j < 4; j++) out[j * stride] = q8_0_block_dot(w, xq + j * cols, xd + j * blocks, blocks);
+#endif
+}
+
 /* ---- Q5_0, Q4_K, Q5_K, Q6_K: each row's codes are unpacked once into bytes (u, unsigned), which then meet
  * every token's activations: one load and one dot per 32 values and token, whatever the bit layout. -------- */
 
@@ -505,12 +529,17 @@ static void part_rows(float *out, int64_t stride, const struct ggml_part *w, int
                 out[t * stride + r] = q8_0_dot(qs + r * cols, d + r * blocks, a->q + t * cols, a->d + t * blocks, blocks);
         return;
     }
-    if (w->kind == Q8_0_BLOCKS) {
+    if (w->kind == Q8_0_BLOCKS) {  /* four tokens a pass over each row, then the rest one by one */
         const struct q8_0_block *blk = ARRAY(const struct q8_0_block *, w, qs);
         const int64_t blocks = cols / QK;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t t = 0; t < tokens; t++)
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t t = 0;
+            for (; t + 4 <= tokens; t += 4)
+                q8_0_block_dot4(out + t * stride + r, stride, blk + r * blocks, a->q + t * cols, a->d + t * blocks,
+                                cols, blocks);
+            for (; t < tokens; t++)
                 out[t * stride + r] = q8_0_block_dot(blk + r * blocks, a->q + t * cols, a->d + t * blocks, blocks);
+        }
         return;
     }
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
