@@ -161,15 +161,21 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
 
 /* ---- Q8_0 weights x Q8_0 activations ------------------------------------------------------------------- */
 
+#ifdef __AVX2__
+/* One block of 32 into a running sum: acc + dot(w, x) * scale, the dot unsigned x signed (|w| times x carrying
+ * w's sign; `aw` is |w|). Every Q8_0 kernel below adds its blocks through this, so their sums agree to the bit. */
+static inline __m256 q8_0_term(__m256 acc, __m256i wv, __m256i aw, const int8_t *x, float scale) {
+    const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(load256(x), wv)));
+    return _mm256_fmadd_ps(dot, _mm256_set1_ps(scale), acc);
+}
+#endif
+
 static float q8_0_dot(const int8_t *w, const float *d, const int8_t *xq, const float *xd, int64_t blocks) {
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b < blocks; b++) {
-        const __m256i wv = load256(w + b * QK), xv = load256(xq + b * QK);
-        /* unsigned x signed: |w| times x carrying w's sign */
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
-        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xd[b]), acc);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i wv = load256(w + b * QK);
+        acc = q8_0_term(acc, wv, _mm256_sign_epi8(wv, wv), xq + b * QK, d[b] * xd[b]);
     }
     return hsum_ps(acc);
 #else
@@ -208,9 +214,8 @@ static float q8_0_block_dot(const struct q8_0_block *w, const int8_t *xq, const 
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const __m256i wv = load256(w[b].qs), xv = load256(xq + b * QK);
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)));
-        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(f16_to_f32(w[b].d) * xd[b]), acc);
+        const __m256i wv = load256(w[b].qs);
+        acc = q8_0_term(acc, wv, _mm256_sign_epi8(wv, wv), xq + b * QK, f16_to_f32(w[b].d) * xd[b]);
     }
     return hsum_ps(acc);
 #else
@@ -234,13 +239,11 @@ static void q8_0_block_dot4(float *out, int64_t stride, const struct q8_0_block 
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i wv = load256(w[b].qs), aw = _mm256_sign_epi8(wv, wv);
         const float dw = f16_to_f32(w[b].d);
-#define Q8_0_TOKEN(acc, j) do { \
-            const __m256i xv = load256(xq + (j) * cols + b * QK); \
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(aw, _mm256_sign_epi8(xv, wv))); \
-            acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[(j) * blocks + b]), acc); \
-        } while (0)
-        Q8_0_TOKEN(acc0, 0); Q8_0_TOKEN(acc1, 1); Q8_0_TOKEN(acc2, 2); Q8_0_TOKEN(acc3, 3);
-#undef Q8_0_TOKEN
+        const int8_t *x = xq + b * QK;
+        acc0 = q8_0_term(acc0, wv, aw, x, dw * xd[b]);
+        acc1 = q8_0_term(acc1, wv, aw, x + cols, dw * xd[blocks + b]);
+        acc2 = q8_0_term(acc2, wv, aw, x + 2 * cols, dw * xd[2 * blocks + b]);
+        acc3 = q8_0_term(acc3, wv, aw, x + 3 * cols, dw * xd[3 * blocks + b]);
     }
     out[0] = hsum_ps(acc0), out[stride] = hsum_ps(acc1), out[2 * stride] = hsum_ps(acc2), out[3 * stride] = hsum_ps(acc3);
 #else
