@@ -93,10 +93,13 @@ def test_a_tokens_product_has_the_same_bits_alone_and_among_rows(rows, cols):
     # a verification's rows must give what decoding each token alone gives, or greedy speculation drifts
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(9, cols, generator=gen)
-    packed = NibbleMatrix.pack(_random_q4(rows, cols, 3))
-    together = packed.matmul(x)
-    for t in range(x.shape[0]):
-        assert torch.equal(packed.matmul(x[t:t + 1]), together[t:t + 1])
+    q8 = _random_q8(rows, cols, 4)
+    q8 = Q8Weight(q8.q, q8.scale.half().float())
+    # the 4-bit tiles take up to 4 tokens an unpacked block, the Q8_0 kernels 4 tokens a pass: 9 = 4 + 4 + 1
+    for matrix in (NibbleMatrix.pack(_random_q4(rows, cols, 3)), q8, Q8Blocks.pack(q8)):
+        together = matrix.matmul(x)
+        for t in range(x.shape[0]):
+            assert torch.equal(matrix.matmul(x[t:t + 1]), together[t:t + 1]), (type(matrix).__name__, t)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
