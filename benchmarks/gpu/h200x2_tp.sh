@@ -28,7 +28,7 @@ case $phase in
     bench llama8b_tp1 --model configs/llama-3.1-8b --hf-batch-sizes 256
     bench llama8b_tp2 --model configs/llama-3.1-8b --tensor-parallel-size 2 ;;
   70b)
-    bench llama70b_tp2 --model configs/llama-3.1-70b --tensor-parallel-size 2 --num-prompts 1000 ;;
+    bench llama70b_tp2 --model configs/llama-3.1-70b --tensor-parallel-size 2 ;;
   dp)
     TOK=${TOKENIZER:-.whl/tok}
     for dp in 1 2; do

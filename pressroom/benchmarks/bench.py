@@ -70,9 +70,10 @@ def latency_prompts(args) -> int:
     return args.batch_size * (args.num_iters if args.dataset_path else 1)
 
 
-def latency_batches(args, num_prompts: int) -> list[list[int]]:
+def latency_batches(args) -> list[list[int]]:
+    """Prompt indices of each timed iteration, as `latency_prompts` laid them out."""
     b = args.batch_size
-    if num_prompts == b:
+    if not args.dataset_path:
         return [list(range(b))] * args.num_iters
     return [list(range(i * b, (i + 1) * b)) for i in range(args.num_iters)]
 
@@ -100,7 +101,7 @@ def _run_backends(name: str, args, engine_kwargs: dict, path: str, workload: Wor
 
 def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> dict:
     n = len(workload.prompts)
-    batches = latency_batches(args, n) if latency else [list(range(n))]
+    batches = latency_batches(args) if latency else [list(range(n))]
     if name in ("pressroom", "pressroom-nospec"):
         kwargs = dict(engine_kwargs, speculative_config=None) if name == "pressroom-nospec" else engine_kwargs
         times, extra = backends.run_pressroom(kwargs, workload, batches, args.num_iters_warmup)

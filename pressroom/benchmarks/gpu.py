@@ -443,7 +443,7 @@ def run(args) -> dict:
         allocator[name] = {k: v - before[k] for k, v in allocator_counts(device).items()}
         print(f"pressroom {name}: {ours[name].output_tokens_per_s:.1f} output tok/s "
               f"({ours[name].input_tokens_per_s:.1f} input tok/s)", flush=True)  # kept if a later phase fails
-    collectives = profile_collectives(llm, workloads, args, hf_config, dtype) if ranks > 1 else None
+    collectives = profile_collectives(llm, workloads, args, hf_config, dtype, device) if ranks > 1 else None
     # HF runs dense weights on one device: a quantized engine's are not its to copy, and ranks' shards live in
     # their own processes, so HF is skipped for both (run TP 1 beside for the comparison)
     skip_hf = args.skip_hf or args.quantization not in ("auto", "none") or ranks > 1
@@ -600,7 +600,8 @@ def workload_bound(name: str, run: Run, size: ModelSize, ceilings: Ceilings) -> 
     return "matmul rate / FLOPs per prompt token (ratio = MFU)", ceilings.matmul_flops_per_s * run.input_tokens / flops
 
 
-def profile_collectives(llm, workloads: dict[str, Workload], args, hf_config, dtype: torch.dtype) -> dict:
+def profile_collectives(llm, workloads: dict[str, Workload], args, hf_config, dtype: torch.dtype,
+                        device: torch.device) -> dict:
     """Each rank's collectives over one more, untimed pass of the decode workload (or the first one), under
     torch.profiler: all-reduce time per step against the cost model of docs/PARALLELISM.md (a ring
     all-reduce: a fixed latency per call plus 2 (n - 1) / n of the tensor over the bus bandwidth)."""
@@ -608,7 +609,7 @@ def profile_collectives(llm, workloads: dict[str, Workload], args, hf_config, dt
     workload = workloads[name]
     executor = llm.engine.core.executor
     executor.collective_rpc("start_collective_profile")
-    run_pressroom(llm, workload, 0, resolve_device(args.device))
+    run_pressroom(llm, workload, 0, device)
     per_rank = executor.collective_rpc("stop_collective_profile")
     ranks, steps = args.tensor_parallel_size, per_rank[0]["steps"]
     calls = per_rank[0]["all_reduce"]["calls"] / max(1, steps)

@@ -31,9 +31,9 @@ def test_latency_gives_each_iteration_its_own_dataset_batch(tiny_model_dir, tmp_
     from pressroom.benchmarks.bench import latency_batches, latency_prompts
     args = Namespace(batch_size=2, num_iters=3, dataset_path="d.jsonl")
     assert latency_prompts(args) == 6
-    assert latency_batches(args, 6) == [[0, 1], [2, 3], [4, 5]]
+    assert latency_batches(args) == [[0, 1], [2, 3], [4, 5]]
     random_args = Namespace(batch_size=2, num_iters=3, dataset_path=None)
-    assert latency_prompts(random_args) == 2 and latency_batches(random_args, 2) == [[0, 1]] * 3
+    assert latency_prompts(random_args) == 2 and latency_batches(random_args) == [[0, 1]] * 3
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("one two", "three four five", "six")))
     out = tmp_path / "latency.json"

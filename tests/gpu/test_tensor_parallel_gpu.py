@@ -21,21 +21,12 @@ SHAPES = {"llama": dict(TINY_SHAPE),
                              num_key_value_heads=2)}  # the 8B models' head_dim; one KV head per rank
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def _save(shape: dict, path) -> str:
     import transformers
-    made: dict[str, str] = {}
-
-    def make(name: str) -> str:
-        if name not in made:
-            torch.manual_seed(1234)
-            model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SHAPES[name]),
-                                                                  dtype=torch.float32)
-            made[name] = str(tmp_path_factory.mktemp(name))
-            model.save_pretrained(made[name])
-        return made[name]
-
-    return make
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape), dtype=torch.float32)
+    model.save_pretrained(path)
+    return str(path)
 
 
 def _tokens(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], bool]:
@@ -49,8 +40,8 @@ def _tokens(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[in
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_two_gpus_give_the_tokens_of_one(name, model_dir):
-    path = model_dir(name)
+def test_two_gpus_give_the_tokens_of_one(name, tmp_path):
+    path = _save(SHAPES[name], tmp_path)
     prompts = random_prompts(8, seed=11)
     one, graphs_one = _tokens(path, prompts, dtype="float32")
     two, graphs_two = _tokens(path, prompts, dtype="float32", tensor_parallel_size=2)
