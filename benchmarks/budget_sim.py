@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from pressroom.spec_decode.budget import AdaptiveBudget
+from pressroom.core.spec_budget import AdaptiveBudget
 
 RATES = [0.85, 0.75, 0.65, 0.55, 0.45, 0.35, 0.25]
 

@@ -46,10 +46,10 @@ from pressroom.core.outputs import (
     SchedulerOutput,
 )
 from pressroom.core.request import Request, RequestStatus
+from pressroom.core.spec_budget import AdaptiveBudget
+from pressroom.core.spec_calibration import ReliabilityTable
 from pressroom.core.structured_outputs import grammar_ready
 from pressroom.kv_offload.manager import OffloadStats
-from pressroom.spec_decode.budget import AdaptiveBudget
-from pressroom.spec_decode.calibration import ReliabilityTable
 
 
 @dataclass(slots=True)
@@ -71,7 +71,7 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    # A drafter's stated per-token confidences against verification's outcomes (calibration.py): as it
+    # A drafter's stated per-token confidences against verification's outcomes (spec_calibration.py): as it
     # states them, and as confidence-scheduled verification plans with them (after calibration).
     stated: ReliabilityTable = field(default_factory=ReliabilityTable)
     calibrated: ReliabilityTable = field(default_factory=ReliabilityTable)
@@ -99,7 +99,13 @@ class SpecDecodingStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *, spec_budget: AdaptiveBudget | None = None,
+                 lookahead: int = 0, async_drafts: int = 0) -> None:
+        """`spec_budget`: the adaptive speculative budget (None: every draft, up to the drafter's K);
+        `lookahead`: slots each request keeps past its scheduled tokens for a drafter that writes into its
+        blocks (a device drafter, or MTP in the target's block tables); `async_drafts`: under async scheduling
+        with a device drafter, the placeholder drafts every sampling step leaves for the next one (their ids
+        stay on the device)."""
         self.config = config
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
@@ -110,13 +116,7 @@ class Scheduler:
         self._stale: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
-        self.spec_budget: AdaptiveBudget | None = None  # set by the engine when speculating adaptively
-        # Async scheduling with a device-side drafter (set by the engine): every sampling step leaves this
-        # many placeholder drafts for the next one (their ids stay on the device).
-        self.async_drafts = 0
-        # Slots each request keeps past its scheduled tokens for a drafter that writes into its blocks (a
-        # device drafter, or MTP in the target's block tables; set by the engine).
-        self.lookahead = 0
+        self.spec_budget, self.lookahead, self.async_drafts = spec_budget, lookahead, async_drafts
         # Requests of a failed step, in the order they run alone (see suspect()).
         self.suspects: dict[str, Request] = {}
         self._solo_turn = False

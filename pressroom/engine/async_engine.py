@@ -28,11 +28,11 @@ from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.scheduler import SchedulerStats, SpecDecodingStats
 from pressroom.engine.core_client import CoreClient, EngineDeadError
 from pressroom.engine.dp_client import DPCoreClient
-from pressroom.engine.llm_engine import LLMEngine, PromptType
+from pressroom.engine.llm_engine import LLMEngine, PromptType, start_config
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.calibration import ReliabilityTable
+from pressroom.core.spec_calibration import ReliabilityTable
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
@@ -64,7 +64,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(args.create_engine_config())
+        return cls(start_config(args))
 
     # ---- what the front-end knows ----
 

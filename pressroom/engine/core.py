@@ -9,20 +9,20 @@ import itertools
 import logging
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pressroom.config import EngineConfig
 from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
+from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
 from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
-from pressroom.spec_decode.budget import AdaptiveBudget
 from pressroom.worker.worker import ModelSpec
 
 logger = logging.getLogger("pressroom")
@@ -96,17 +96,18 @@ class EngineCore:
         spec = self.model_spec = self.executor.load_model()
         num_blocks = self._num_blocks(spec)
         self.max_model_len = self._max_model_len(spec, num_blocks)
-        config.scheduler.max_model_len = self.max_model_len
+        # the core's config from here on: its scheduler's holds the length the KV cache allows
+        config = self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=self.max_model_len))
         self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead)
         self._log_capacity(num_blocks)
         self.cuda_graphs = self.executor.compile_or_warm_up_model()
         self.kv_offload = self._make_offload(spec)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self.kv_offload)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.scheduler.lookahead, self.scheduler.async_drafts = spec.lookahead, spec.device_drafts
-        if config.speculative is not None and config.speculative.adaptive_token_budget:
-            self.scheduler.spec_budget = self._adaptive_budget(config.speculative.num_speculative_tokens)
+        adaptive = config.speculative is not None and config.speculative.adaptive_token_budget
+        budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
+                                   async_drafts=spec.device_drafts)
 
     # ---- set-up ----
 

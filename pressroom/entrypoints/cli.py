@@ -293,12 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "train-drafter":
-            from pressroom.spec_decode.train import run_cli
+            from pressroom.training.drafter import run_cli
             if args.time_limit and not args.work_dir:
                 raise ValueError("--time-limit needs --work-dir, where the paused run is kept.")
             return run_cli(args, engine_kwargs(args))
         if args.command == "make-prompts":
-            from pressroom.spec_decode.prompts import run_cli as make_prompts
+            from pressroom.training.prompts import run_cli as make_prompts
             return make_prompts(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "gpu":
             from pressroom.benchmarks import gpu

@@ -1,8 +1,9 @@
-"""Speculative decoding: proposers draft tokens, the target verifies them in its own forward pass.
+"""Speculative decoding's drafters: each proposes tokens the target verifies in its own forward pass.
 
 The drafters implement worker/'s `Proposer` (worker/proposer.py: the runner owns the interface and
-never imports a drafter); the engine builds the configured one here, above both, and hands it to the
-target's runner.
+never imports a drafter). The executor hands `make_proposer` to each worker as its factory, and the worker
+builds the configured drafter for its runner. Scheduling policy (the adaptive budget, calibration) lives
+in core/; drafter training in training/.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ if TYPE_CHECKING:
 
 def make_proposer(config: SpeculativeConfig | None, target: ModelRunner) -> Proposer | None:
     """The drafter `config` names, for the `target` runner (a draft model shares its device, dtype and
-    block size; dflash2 reads its model's embedding and LM head). Drafters are imported here, not at the
-    top: the scheduler imports spec_decode's budget, and must not load runners and models with it."""
+    block size; dflash2 reads its model's embedding and LM head). Each drafter is imported only when chosen."""
     if config is None:
         return None
     if config.method == "ngram":

@@ -12,7 +12,7 @@ whose per-slot weights `delta` are computed from the slot itself (one set per ch
 The target's frozen LM head turns the slots into logits; `selector.py` picks the path through each
 slot's top-M candidates (the selector's scorer is part of the drafter's checkpoint). The proposer
 keeps, per request, the target features of its last verified positions (the runner hands them over
-after every step) and drafts from them. `pressroom train-drafter` (train.py) distils one.
+after every step) and drafts from them. `pressroom train-drafter` (training/drafter.py) distils one.
 """
 from __future__ import annotations
 

@@ -231,11 +231,11 @@ def test_synthetic_acceptance_runs_on_the_device(target):
 
 
 def test_async_default_and_refusals():
-    draft, ngram = SpeculativeConfig("draft_model", model="x"), SpeculativeConfig("ngram")
+    draft, ngram = SpeculativeConfig(method="draft_model", model="x"), SpeculativeConfig(method="ngram")
     assert resolve_async_scheduling(None, "cuda", None)
     assert resolve_async_scheduling(None, "cuda", draft)  # a drafter on the device: on by default
     assert not resolve_async_scheduling(None, "cuda", ngram)  # host-side lookup: synchronous
-    assert not resolve_async_scheduling(None, "cuda", SpeculativeConfig("dflash2", model="x"))
+    assert not resolve_async_scheduling(None, "cuda", SpeculativeConfig(method="dflash2", model="x"))
     assert not resolve_async_scheduling(None, "cpu", draft)  # nothing to overlap on the CPU
     assert resolve_async_scheduling(True, "cpu", draft) and not resolve_async_scheduling(False, "cuda", draft)
     assert not resolve_async_scheduling(False, "cuda", ngram)

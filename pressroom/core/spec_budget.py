@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pressroom.spec_decode.calibration import ConfidenceCalibrator
+from pressroom.core.spec_calibration import ConfidenceCalibrator
 
 _EMA = 0.1  # weight of each new observation of one request's own acceptance
 _OWN_PRIOR = 16  # a request's own estimate counts as much as the shared one after this many observations
@@ -130,7 +130,7 @@ class AdaptiveBudget:
         # the curves as arrays, each built once: `plan` reads them every step (rebuilding them took most of its time)
         self._arrays: dict[int, tuple[list, tuple[np.ndarray, np.ndarray]]] = {}
         self.shared = _Counts.empty(max_drafts)
-        # What a drafter's stated confidences turn out to mean (calibration.py): a drafter that says 0.9
+        # What a drafter's stated confidences turn out to mean (spec_calibration.py): a drafter that says 0.9
         # where 0.6 survive is planned with 0.6 there.
         self.calibrator = ConfidenceCalibrator(max_drafts)
         self.own: dict[str, _Estimates] = {}

@@ -498,7 +498,7 @@ def run_cli(args, engine_kwargs: dict) -> int:
 
     from pressroom import LLM
     from pressroom.spec_decode.dflash2 import save_drafter
-    from pressroom.spec_decode.prompts import read_training_prompts
+    from pressroom.training.prompts import read_training_prompts
     start = time.perf_counter()
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     # The runner hands features over on the synchronous path; every position must be computed.

@@ -1,11 +1,11 @@
-"""Calibrating a drafter's confidences (spec_decode/calibration.py): the reliability table's ECE on known
+"""Calibrating a drafter's confidences (core/spec_calibration.py): the reliability table's ECE on known
 data, and a miscalibrated synthetic drafter whose calibrated confidences match what verification sees."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pressroom.spec_decode.calibration import ConfidenceCalibrator, ReliabilityTable
+from pressroom.core.spec_calibration import ConfidenceCalibrator, ReliabilityTable
 
 
 def test_the_table_bins_predictions_and_weighs_the_gaps():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pressroom.spec_decode.prompts import KINDS, Exclusion, clean, make_prompts, plan_requests, read_training_prompts
+from pressroom.training.prompts import KINDS, Exclusion, clean, make_prompts, plan_requests, read_training_prompts
 
 
 def test_cleaning_keeps_requests_and_drops_answers():

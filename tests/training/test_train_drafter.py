@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from pressroom import LLM, SamplingParams
 from pressroom.spec_decode.dflash2 import DFlash2Config, save_drafter
-from pressroom.spec_decode.train import record, train
+from pressroom.training.drafter import record, train
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ _SMALL = DFlash2Config(block_size=4, target_layers=(0, 1), num_heads=2, conv_ker
 def test_a_paused_run_resumes_to_the_weights_of_an_unbroken_one(tiny_recording, tmp_path):
     """A run checkpointed at its deadline and run again from its work directory ends with the very weights
     (and report) of a run that was never stopped: optimizer, schedule and sampling state all come back."""
-    from pressroom.spec_decode.train import Schedule, TrainingPaused
+    from pressroom.training.drafter import Schedule, TrainingPaused
     llm, seqs = tiny_recording
 
     def run(**kw):
@@ -101,7 +101,7 @@ def test_a_paused_run_resumes_to_the_weights_of_an_unbroken_one(tiny_recording, 
 def test_validation_that_stops_improving_ends_the_phase_early(tiny_recording):
     """With the learning rate at zero nothing improves: after `patience` flat measurements the phase stops,
     long before its steps are spent; the validation split is kept out of training."""
-    from pressroom.spec_decode.train import Schedule
+    from pressroom.training.drafter import Schedule
     llm, seqs = tiny_recording
     schedule = Schedule(200, 0, batch_size=8, lr=0.0, validation=0.25, eval_every=2, patience=2)
     _, report = train(llm.engine.model, seqs, _SMALL, 200, held_out=0.2, progress=False, schedule=schedule)
@@ -115,8 +115,8 @@ def test_the_cli_pauses_at_its_time_limit_and_resumes_from_the_work_dir(tiny_mod
     import json
 
     from pressroom.entrypoints.cli import main
-    from pressroom.spec_decode import train as train_module
     from pressroom.spec_decode.dflash2 import load_drafter
+    from pressroom.training import drafter as train_module
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Count with me: {i} {i + 1}"}) for i in range(6)))
     work, out = tmp_path / "work", tmp_path / "drafter"

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from pressroom.spec_decode.budget import _OWN_PRIOR, AdaptiveBudget, _arrays, _interp
+from pressroom.core.spec_budget import _OWN_PRIOR, AdaptiveBudget, _arrays, _interp
 
 FLAT = [(1, 0.010), (64, 0.010), (512, 0.011)]  # memory-bound: extra tokens are almost free
 LINEAR = [(1, 0.001), (64, 0.064), (512, 0.512)]  # compute-bound: time grows with every token
@@ -208,9 +208,9 @@ def test_a_backlog_that_cannot_join_does_not_shrink_the_drafts():
 
     def drafts_kept(waiting: int) -> int:
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=2, max_model_len=4096),
-                          KVCacheManager(512, 16, enable_caching=False))
-        # Memory-bound up to 64 tokens, compute-bound past it: drafts pay only in a small step.
-        sched.spec_budget = AdaptiveBudget(4, [(1, 0.010), (64, 0.010), (512, 0.512)])
+                          KVCacheManager(512, 16, enable_caching=False),
+                          # Memory-bound up to 64 tokens, compute-bound past it: drafts pay only in a small step.
+                          spec_budget=AdaptiveBudget(4, [(1, 0.010), (64, 0.010), (512, 0.512)]))
         params = SamplingParams(temperature=0, max_tokens=100)
         for i in range(2 + waiting):
             sched.add_request(Request(f"r{i}", [1] * (8 if i < 2 else 1000), params, None))
