@@ -15,7 +15,7 @@ done
 
 # Time to ready: process start to the first 200 from /health, CUDA graphs captured.
 start=$(date +%s%N)
-python3 -m pressroom.entrypoints.cli --log-level INFO serve configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --port 8123 \
+python3 -m pressroom.entrypoints.cli --log-level INFO serve pressroom/benchmarks/configs/llama-3.1-8b --load-format dummy --skip-tokenizer-init --port 8123 \
   --gpu-memory-utilization 0.85 > "$out/serve.log" 2>&1 &
 server=$!
 until curl -sf localhost:8123/health > /dev/null; do

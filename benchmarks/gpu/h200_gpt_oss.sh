@@ -9,8 +9,8 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 for t in tests/gpu/test_gpt_oss_gpu.py tests/gpu/test_fp4_gpu.py; do
   timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 "$t" 2>&1 | tee -a "$out/gpu_tests.log" | tail -4
 done
-timeout 300 python3 -m pressroom.entrypoints.cli bench gpu --model configs/gpt-oss-20b --workloads decode \
+timeout 300 python3 -m pressroom.entrypoints.cli bench gpu --model gpt-oss-20b --workloads decode \
   --output-json "$out/gpt_oss_20b_bf16.json" 2>&1 | tee "$out/gpt_oss_20b_bf16.log" | grep -E "decode|Error" | tail -4
-timeout 200 python3 -m pressroom.entrypoints.cli bench gpu --model configs/gpt-oss-20b --workloads decode --skip-hf \
+timeout 200 python3 -m pressroom.entrypoints.cli bench gpu --model gpt-oss-20b --workloads decode --skip-hf \
   --quantization mxfp4 --output-json "$out/gpt_oss_20b_mxfp4.json" 2>&1 | tee "$out/gpt_oss_20b_mxfp4.log" \
   | grep -E "decode|Error" | tail -4

@@ -25,14 +25,14 @@ case $phase in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -rs 2>&1 | tail -5 ;;
   8b)
-    bench llama8b_tp1 --model configs/llama-3.1-8b --hf-batch-sizes 256
-    bench llama8b_tp2 --model configs/llama-3.1-8b --tensor-parallel-size 2 ;;
+    bench llama8b_tp1 --model llama-3.1-8b --hf-batch-sizes 256
+    bench llama8b_tp2 --model llama-3.1-8b --tensor-parallel-size 2 ;;
   70b)
-    bench llama70b_tp2 --model configs/llama-3.1-70b --tensor-parallel-size 2 ;;
+    bench llama70b_tp2 --model llama-3.1-70b --tensor-parallel-size 2 ;;
   dp)
     TOK=${TOKENIZER:-.whl/tok}
     for dp in 1 2; do
-      "${CLI[@]}" serve configs/llama-3.1-8b --load-format dummy --tokenizer "$TOK" --max-num-seqs 256 \
+      "${CLI[@]}" serve pressroom/benchmarks/configs/llama-3.1-8b --load-format dummy --tokenizer "$TOK" --max-num-seqs 256 \
         --data-parallel-size $dp --port 8123 > "$out/serve_dp$dp.log" 2>&1 &
       server=$!
       until curl -sf localhost:8123/health > /dev/null; do

@@ -2,8 +2,8 @@
 over decode steps of a large batch (eager beyond the largest graph), Llama-3.1-8B shape, dummy weights.
 Prints per-step wall time, the top operators by device and host time, and from each Chrome trace the
 steps one by one (split at each step's first KV write): span, GPU-busy time and the largest kernels.
-Run on the GPU machine: python benchmarks/gpu/profile_decode.py [configs/llama-3.1-8b] [OUT_DIR] [b1,b1000,b256]
-(the third argument picks the profiles; default all three).
+Run on the GPU machine: python benchmarks/gpu/profile_decode.py [llama-3.1-8b] [OUT_DIR] [b1,b1000,b256]
+(the first argument: a shipped shape's name or a model path; the third picks the profiles, default all three).
 """
 import collections
 import itertools
@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pressroom import LLM, SamplingParams
+from pressroom.benchmarks.shapes import resolve_shape
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -59,7 +60,7 @@ def print_steps(trace: str, num_layers: int, shown: int = 3) -> None:
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else "configs/llama-3.1-8b"
+    model = str(resolve_shape(sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"))
     out = sys.argv[2] if len(sys.argv) > 2 else "."
     which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["b1", "b1000", "b256"]
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False,

@@ -12,7 +12,7 @@ few decode steps: the top operators, then each step's span, GPU-busy time and la
 those decodes).
 
 Run on the GPU machine:
-    python benchmarks/gpu/profile_throughput.py [--model configs/llama-3.1-8b] [--out DIR]
+    python benchmarks/gpu/profile_throughput.py [--model llama-3.1-8b] [--out DIR]
 Runs on the CPU too with a small config (to check the script): --device cpu --model DIR --num-prompts 16 ...
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from profile_decode import print_steps  # this script's neighbour (the script's folder is on sys.path)
 
 from pressroom import LLM, SamplingParams
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.sampling_params import RequestOutputKind
 
 
@@ -152,7 +153,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="configs/llama-3.1-8b")
+    p.add_argument("--model", type=shape_arg, default="llama-3.1-8b", help=shape_help("the model, dummy weights"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=".")
     p.add_argument("--num-prompts", type=int, default=1000)

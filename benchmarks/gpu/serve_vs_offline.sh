@@ -8,7 +8,7 @@ set -uo pipefail
 out=${1:-results}
 mkdir -p "$out"
 source "$(dirname "$0")/setup.sh"
-MODEL=configs/llama-3.1-8b TOK=${TOKENIZER:-.whl/tok}
+MODEL=pressroom/benchmarks/configs/llama-3.1-8b TOK=${TOKENIZER:-.whl/tok}
 N=${NUM_PROMPTS:-1024} IN=${INPUT_LEN:-256} OUT=${OUTPUT_LEN:-256} C=${CONCURRENCY:-256}
 COMMON=(--load-format dummy --tokenizer "$TOK" --max-num-seqs "$C" --gpu-memory-utilization 0.85)
 CLI=(python3 -m pressroom.entrypoints.cli --log-level WARNING)

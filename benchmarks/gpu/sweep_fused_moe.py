@@ -4,7 +4,7 @@ fastest per token count to pressroom/kernels/triton/moe_configs/, the table fuse
 Each candidate times the whole fused_moe call (alignment, both grouped GEMMs, the top-k sum) replayed
 from a CUDA graph, as the engine's decode steps run it, on uniform random routing.
 Run on the GPU machine:
-    python benchmarks/gpu/sweep_fused_moe.py configs/qwen3-30b-a3b [--max-tokens 16384] [--dtype bfloat16]
+    python benchmarks/gpu/sweep_fused_moe.py qwen3-30b-a3b [--max-tokens 16384] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.kernels.triton.fused_moe import MoeLaunch, default_launch, fused_moe, sweep_path
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -93,12 +94,13 @@ def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int],
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("config", type=Path, help="a directory with the MoE model's config.json")
+    p.add_argument("config", type=shape_arg, help=shape_help("the MoE model"))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--max-tokens", type=int, default=TOKENS[-1], help="sweep token counts up to this")
     p.add_argument("--output-dir", type=Path, default=None, help="also copy the table here")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
+    args.config = Path(args.config)
     shape = moe_shape(args.config)
     gpu = torch.cuda.get_device_name()
     path = sweep_path(shape["experts"], shape["inter"], shape["hidden"], shape["top_k"], dtype, gpu)

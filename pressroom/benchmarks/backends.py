@@ -16,11 +16,13 @@ import torch
 
 from pressroom.benchmarks.workload import Workload
 
-REPO = Path(__file__).resolve().parents[2]
-PEER_PYTHON = REPO / ".peer-venv" / "bin" / "python"
-PEER_SCRIPT = REPO / "benchmarks" / "vllm_cpu" / "peer_bench.py"
-PEER_MODEL = REPO / ".cache" / "smollm2-135m-instruct-hf"
-LLAMA_SCRIPT = REPO / "benchmarks" / "llama_cpp" / "peer_bench.py"
+# The peers live in a source checkout: their venvs, scripts and model are made there by benchmarks/vllm_cpu/setup.sh
+# and benchmarks/llama_cpp/setup.sh. From an installed wheel these paths do not exist and the peers say so.
+CHECKOUT = Path(__file__).resolve().parents[2]
+PEER_PYTHON = CHECKOUT / ".peer-venv" / "bin" / "python"
+PEER_SCRIPT = CHECKOUT / "benchmarks" / "vllm_cpu" / "peer_bench.py"
+PEER_MODEL = CHECKOUT / ".cache" / "smollm2-135m-instruct-hf"
+LLAMA_SCRIPT = CHECKOUT / "benchmarks" / "llama_cpp" / "peer_bench.py"
 
 
 def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int
@@ -112,7 +114,7 @@ def _load_hf(model_path: str, dtype: str):
 
 def run_llamacpp(workload: Workload, gguf_path: str, isa: str, warmup: int, iters: int) -> dict:
     """llama.cpp (llama-cpp-python built for `isa` by benchmarks/llama_cpp/setup.sh) on the same GGUF file."""
-    python = REPO / f".llama-venv-{isa}" / "bin" / "python"
+    python = CHECKOUT / f".llama-venv-{isa}" / "bin" / "python"
     if not python.exists():
         raise ValueError(f"The llama.cpp peer is not set up: run `LLAMA_ISA={isa} bash benchmarks/llama_cpp/setup.sh`.")
     if not gguf_path.endswith(".gguf"):

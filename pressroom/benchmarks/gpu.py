@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.benchmarks.workload import Workload, machine, random_prompts
 from pressroom.config import KV_CACHE_DTYPE_CHOICES
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO / "configs" / "llama-3.1-8b"
+DEFAULT_MODEL = "llama-3.1-8b"  # a shape shipped in the package (pressroom/benchmarks/configs/)
 WORKLOADS = ("decode", "throughput", "prefill")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP_REPS, TIMED_REPS = 3, 10
@@ -693,7 +693,7 @@ def positive_ints(text: str) -> list[int]:
 
 def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a config.json directory (dummy weights)")
+    p.add_argument("--model", type=shape_arg, default=DEFAULT_MODEL, help=shape_help("the model, dummy weights"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda, or cpu to test the plumbing with a tiny model")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="the weights' dtype (pressroom and HF)")

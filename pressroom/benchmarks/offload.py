@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.benchmarks.workload import machine, report_from_args
 from pressroom.config import resolve_device
 
@@ -164,7 +165,8 @@ def configs(value: str) -> list[str]:
 
 
 def add_offload_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--model", type=shape_arg, default=None,
+                        help=shape_help("the model (default: the embedded SmolLM2); a shape wants --load-format dummy"))
     parser.add_argument("--load-format", default="auto", help="auto, or dummy for random weights at the config's "
                                                               "shapes")
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: as `pressroom serve` picks)")

@@ -18,10 +18,10 @@ import torch
 
 from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.benchmarks.gpu import mean_seconds, positive_ints, resolve_device
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.benchmarks.workload import machine, report_from_args
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO / "configs" / "deepseek-v2-lite-dsa"
+DEFAULT_MODEL = "deepseek-v2-lite-dsa"  # a shape shipped in the package (pressroom/benchmarks/configs/)
 BLOCK_SIZE = 16
 NOTE = ("one attention layer's decode (projections, cache write, attention; DSA: the indexer's scores over the "
         "whole context, the top-k and sparse MLA over the chosen tokens), mean of CUDA-graph replays; per step = "
@@ -164,7 +164,7 @@ def main(args) -> int:
 
 
 def add_sparse_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a DeepSeek-V3.2 config.json directory")
+    parser.add_argument("--model", type=shape_arg, default=DEFAULT_MODEL, help=shape_help("a DeepSeek-V3.2 config"))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda, or cpu to test the plumbing with a tiny config")
     parser.add_argument("--contexts", type=positive_ints, default=[4096, 16384, 65536, 131072],

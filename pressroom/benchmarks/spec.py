@@ -34,11 +34,10 @@ from pressroom.benchmarks.gpu import (
     resolve_device,
     sync,
 )
+from pressroom.benchmarks.shapes import resolve_shape, shape_arg, shape_help
 from pressroom.benchmarks.workload import random_prompts
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TARGET = REPO / "configs" / "llama-3.1-8b"
-DEFAULT_DRAFT = REPO / "configs" / "llama-3.2-1b"
+DEFAULT_TARGET, DEFAULT_DRAFT = "llama-3.1-8b", "llama-3.2-1b"  # shapes shipped in the package (same vocabulary)
 DEFAULT_RATES = [0.85, 0.75, 0.65, 0.55, 0.45, 0.35, 0.25]
 NONE, NONE_SYNC, ADAPTIVE = "none", "none-sync", "adaptive"
 TOLERANCE = 0.05  # the issue's "never more than 5% below the best fixed K"
@@ -362,8 +361,12 @@ def run(args) -> dict:
         raise ValueError(f"--max-k must be at least 1, got {args.max_k}.")
     if args.kv_cache_memory_gib is None:
         args.kv_cache_memory_gib = 16.0 if device.type == "cuda" else 0.5
+    if args.method == "dflash2" and args.dataset_path is None:
+        raise ValueError("--method dflash2 needs --dataset-path, its prompts (JSONL or one a line; the held-out "
+                         "chat prompts are benchmarks/data/chat_heldout.jsonl in a source checkout).")
     if args.method == "draft_model":
-        args.model, args.draft_model = args.model or DEFAULT_TARGET, args.draft_model or DEFAULT_DRAFT
+        args.model = args.model or str(resolve_shape(DEFAULT_TARGET))
+        args.draft_model = args.draft_model or str(resolve_shape(DEFAULT_DRAFT))
     prompts = make_prompts(args)
     longest = max(len(p) for row in prompts.values() for p in row)
     max_model_len = longest + args.output_len + args.max_k + 8
@@ -461,13 +464,14 @@ def add_spec_bench_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--method", default="draft_model", choices=["draft_model", "dflash2"],
                    help="draft_model: dummy weights, synthetic acceptance; dflash2: real weights, prompts, acceptance")
-    p.add_argument("--model", type=Path, default=None,
-                   help=f"the target (default: {DEFAULT_TARGET.name}'s config, dummy weights; "
-                        "dflash2: the embedded model)")
-    p.add_argument("--draft-model", type=Path, default=None,
-                   help=f"the drafter (default: {DEFAULT_DRAFT.name}'s config; dflash2: the embedded model's drafter)")
-    p.add_argument("--dataset-path", default=str(REPO / "benchmarks" / "data" / "chat_heldout.jsonl"),
-                   help="dflash2: the prompts (each one user turn of the chat template), cycled")
+    p.add_argument("--model", type=shape_arg, default=None,
+                   help=shape_help(f"the target (default: {DEFAULT_TARGET}, dummy weights; dflash2: the embedded "
+                                   "model)"))
+    p.add_argument("--draft-model", type=shape_arg, default=None,
+                   help=shape_help(f"the drafter (default: {DEFAULT_DRAFT}; dflash2: the embedded model's drafter)"))
+    p.add_argument("--dataset-path", default=None,
+                   help="dflash2 (required): the prompts (each one user turn of the chat template), cycled; "
+                        "e.g. benchmarks/data/chat_heldout.jsonl in a source checkout")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda, or cpu to test the plumbing with a tiny model")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="both models' dtype")

@@ -21,6 +21,7 @@ import time
 import urllib.request
 
 from pressroom.benchmarks import serve as serve_bench
+from pressroom.benchmarks.shapes import shape_arg, shape_help
 from pressroom.benchmarks.workload import machine
 from pressroom.model.gguf_file import embedded_model_path
 
@@ -46,7 +47,8 @@ MODES = ("unconstrained", "constrained")
 
 
 def add_structured_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--model", type=shape_arg, default=None,
+                        help=shape_help("the model (default: the embedded SmolLM2); a shape wants --load-format dummy"))
     parser.add_argument("--load-format", default="auto", help="auto, or dummy for random weights at the config's "
                                                               "shapes")
     parser.add_argument("--tokenizer", default=None,

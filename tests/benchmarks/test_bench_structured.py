@@ -16,7 +16,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_dummy_weights_get_the_embedded_tokenizer():
-    cmd = _serve_command(_args("--model", "configs/llama-3.1-8b", "--load-format", "dummy",
+    cmd = _serve_command(_args("--model", "llama-3.1-8b", "--load-format", "dummy",
                                "--serve-args", "--gpu-memory-utilization 0.85"), 8123)
     assert cmd[cmd.index("--tokenizer") + 1] == embedded_model_path()
     assert cmd[-2:] == ["--gpu-memory-utilization", "0.85"] and cmd[cmd.index("--max-num-seqs") + 1] == "32"

@@ -2,15 +2,12 @@
 x @ W with gate and up interleaved, their biases), the committed gpt-oss-20b config's shapes and size."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from gpt_oss_checkpoint import save_tiny_gpt_oss
 
 from pressroom.benchmarks import gpu
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from pressroom.benchmarks.shapes import SHAPES_DIR as CONFIGS
 
 
 def test_hf_state_dict_of_gpt_oss_equals_hfs_own_weights(tmp_path):

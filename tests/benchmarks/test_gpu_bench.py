@@ -1,5 +1,5 @@
 """`pressroom bench gpu` plumbing on the CPU (tiny model, tiny workloads; nothing here is timed), the
-pressroom -> HF weight mapping, and the model configs kept in configs/."""
+pressroom -> HF weight mapping, and the model shapes shipped in pressroom/benchmarks/configs/."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pressroom.benchmarks import gpu
+from pressroom.benchmarks.shapes import SHAPES_DIR as CONFIGS
 from pressroom.entrypoints import cli
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY_FLAGS = ["--device", "cpu", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
               "--decode-input-len", "8", "--decode-output-len", "4", "--prefill-prompts", "2", "--prefill-len", "16",
               "--hf-batch-sizes", "2,4", "--copy-gib", "0.01", "--matmul-size", "128", "--kv-cache-memory-gib", "0.05"]

@@ -107,14 +107,13 @@ def test_a_wrong_expert_shape_or_index_is_a_clear_error():
 
 @pytest.mark.parametrize("config, billions", [("qwen3-30b-a3b", 30.53), ("mixtral-8x7b", 46.70)])
 def test_committed_moe_configs_build_their_published_size(config, billions):
-    """configs/ holds the published shapes for benchmarks with dummy weights; built on the meta device
+    """The shipped model shapes (pressroom/benchmarks/configs/) are the published ones; built on the meta device
     (no memory), the parameter count is the published one."""
-    from pathlib import Path
-
     import transformers
 
+    from pressroom.benchmarks.shapes import resolve_shape
     from pressroom.model.registry import resolve_architecture
-    cfg = transformers.AutoConfig.from_pretrained(Path(__file__).parents[2] / "configs" / config)
+    cfg = transformers.AutoConfig.from_pretrained(resolve_shape(config))
     with torch.device("meta"):
         model = resolve_architecture(cfg)(cfg)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
