@@ -16,11 +16,14 @@ from torch import nn
 from pressroom.attention.backend import get_attention_metadata
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
-from pressroom.model.lazy_weight import materialize
+from pressroom.model.weights import expected_names, load_named_weights
 
 # Checkpoint tensors no embedding needs: the NSP pooler head, MLM heads, a buffer of position ids.
 _SKIPPED_PREFIXES = ("pooler.", "cls.")
 _QKV_PARTS = {"attention.self.query.": "q", "attention.self.key.": "k", "attention.self.value.": "v"}
+# HF's names of a layer's other modules -> ours (attention's output first: "output.dense." ends its name too)
+_RENAMED = (("attention.output.dense.", "attn_out."), ("attention.output.LayerNorm.", "attn_norm."),
+            ("intermediate.dense.", "up."), ("output.dense.", "down."), ("output.LayerNorm.", "out_norm."))
 
 
 class _LayerNorm(nn.Module):
@@ -178,10 +181,13 @@ class BertModel(nn.Module):
             x = layer(x, batch)
         return batch.unsort(x)
 
-    # ---- weights ----
+    # ---- the name map (model/weights.py): HF's names, with or without `bert.` ----
+
+    def skips(self, name: str) -> bool:
+        name = name.removeprefix("bert.")
+        return name.startswith(_SKIPPED_PREFIXES) or name.endswith("position_ids")
 
     def checkpoint_target(self, name: str) -> tuple[str, str | None]:
-        """A checkpoint tensor's parameter here, and its q/k/v shard; HF names, with or without `bert.`."""
         name = name.removeprefix("bert.")
         if name.startswith("embeddings."):
             return name.removeprefix("embeddings.").replace("LayerNorm", "embed_norm"), None
@@ -189,40 +195,25 @@ class BertModel(nn.Module):
         for part, shard in _QKV_PARTS.items():
             if part in name:
                 return name.replace(part, "qkv."), shard
-        for old, new in (("attention.output.dense", "attn_out"), ("attention.output.LayerNorm", "attn_norm"),
-                         ("intermediate.dense", "up"), ("output.dense", "down"), ("output.LayerNorm", "out_norm")):
-            if old in name:
-                return name.replace(old, new), None
+        for theirs, ours in _RENAMED:
+            if f".{theirs}" in name:
+                return name.replace(f".{theirs}", f".{ours}"), None
         return name, None
 
+    def checkpoint_parts(self, name: str) -> list[str]:
+        if not name.startswith("layers."):
+            return ["embeddings." + name.replace("embed_norm", "LayerNorm")]
+        name = name.replace("layers.", "encoder.layer.", 1)
+        if ".qkv." in name:
+            return [name.replace("qkv.", part) for part in _QKV_PARTS]
+        for theirs, ours in _RENAMED:
+            if f".{ours}" in name:
+                return [name.replace(f".{ours}", f".{theirs}")]
+        return [name]
+
     def expected_weights(self) -> set[str]:
-        names = set()
-        for name, _ in self.named_parameters():
-            if ".qkv." in name:
-                names.update(name.replace("qkv.", part) for part in _QKV_PARTS)
-            else:
-                names.add(name)
-        return names
+        return expected_names(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads HF BERT tensors; returns the names of the parameters filled (as expected_weights names them)."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            bare = name.removeprefix("bert.")
-            if bare.startswith(_SKIPPED_PREFIXES) or bare.endswith("position_ids"):
-                continue
-            target, shard = self.checkpoint_target(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel.")
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
-                                 f"{tuple(param.shape)}.")
-            else:
-                param.data.copy_(materialize(tensor))
-            loaded.add(target.replace("qkv.", [p for p, s in _QKV_PARTS.items() if s == shard][0]) if shard else target)
-        return loaded
+        """Loads HF BERT tensors; returns the checkpoint names used, without `bert.`."""
+        return load_named_weights(self, ((name.removeprefix("bert."), t) for name, t in weights))

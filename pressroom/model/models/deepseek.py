@@ -216,8 +216,8 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
     def checkpoint_parts(self, name: str) -> list[str]:
         return [name] if ".self_attn." in name else super().checkpoint_parts(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self.deinterleave_rope(name, t) for name, t in self._main_model(weights))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return (self.deinterleave_rope(name, t) for name, t in self._main_model(weights))
 
     def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (numbered after the last decoder

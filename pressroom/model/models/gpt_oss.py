@@ -88,8 +88,8 @@ class GptOssForCausalLM(_MoeForCausalLM):
                 return [f"{stem}.{e}.{p}.bias" for e in range(self._num_experts()) for p in parts]
         return [p.replace(_ROUTER, _HF_ROUTER) for p in super().checkpoint_parts(name)]
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(per_expert(weights))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        return per_expert(weights)
 
     def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """bench gpu's HF names (stacked experts as `experts.gate_up_proj` [experts, 2 * inter, hidden], gate rows

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
-from pressroom.model.lazy_weight import materialize
+from pressroom.model.weights import expected_names, load_named_weights
 
 
 @dataclass(slots=True)
@@ -179,55 +180,35 @@ class LlamaForCausalLM(nn.Module):
         """The rotary embedding where the config's head_dim does not say it (None: from the config)."""
         return None
 
+    # ---- the name map (model/weights.py) ----
+
+    def skips(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
     def checkpoint_target(self, name: str) -> tuple[str, object]:
-        """The parameter a checkpoint tensor loads into, and its shard id (None: the whole parameter)."""
         for part, (stacked, shard_id) in _STACKED.items():
             if part in name:
                 return name.replace(part, stacked), shard_id
         return name, None
 
-    def expected_weights(self) -> set[str]:
-        """Every checkpoint tensor name this model needs (stacked parameters need each part)."""
-        expected = set()
-        for name, _ in self.named_parameters(remove_duplicate=False):
-            expected.update(self.checkpoint_parts(name))
-        return expected
-
     def checkpoint_parts(self, name: str) -> list[str]:
-        """The checkpoint tensors a parameter is loaded from."""
         return [name.replace(stacked, part) for part, (stacked, _) in _STACKED.items() if stacked in name] or [name]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's tensors as the name map reads them (a family may split fused ones or reorder rows)."""
+        return weights
+
+    def expected_weights(self) -> set[str]:
+        """Every checkpoint tensor name this model needs."""
+        return expected_names(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            target, shard = self.checkpoint_target(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-            loader = getattr(param, "weight_loader", None)
-            try:
-                if loader is None:
-                    _plain_load(param, tensor, name)
-                else:
-                    loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            loaded.add(name)
+        loaded = load_named_weights(self, self.checkpoint_tensors(weights))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
             loaded.add("lm_head.weight")
         return loaded
-
-
-def _plain_load(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
-                         f"the model expects {tuple(param.shape)}.")
-    param.data.copy_(materialize(tensor))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
