@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from pressroom.model.lazy_weight import Index, LazyWeight
 
 
 class LinearMethod:
@@ -69,6 +71,7 @@ class QuantizationMethod:
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         self.checkpoint_config = checkpoint_config
+        self.serialized = checkpoint_config is not None  # the checkpoint ships its weights quantized
 
     def check_device(self, device: str, dtype: torch.dtype) -> None:
         """Raise a ValueError when this method cannot run on `device` with activations of `dtype`."""
@@ -82,9 +85,33 @@ class QuantizationMethod:
         return None
 
     def checkpoint_weights(self, model: nn.Module, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors as the model's loaders should see them (e.g. weights paired with their
-        scales into one quantized weight). Default: as they come."""
-        yield from weights
+        """The checkpoint's tensors as the model's loaders should see them: from a quantized checkpoint, each as
+        `loads_as` says (a weight and its scales joined into one lazy tensor); otherwise as they come."""
+        if not self.serialized:
+            yield from weights
+            return
+        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
+        for name in tensors:
+            yield from self.loads_as(model, name, tensors)
+
+    def loads_as(self, model: nn.Module, name: str, tensors: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+        """What checkpoint tensor `name` (of all the checkpoint's `tensors`) loads as: nothing for a part read
+        with its weight (a scale) or not used, one lazy tensor joining a quantized weight with its parts, or the
+        tensor as it is. Default: as it is."""
+        return ((name, tensors[name]),)
+
+
+def lazy_quantized(shape: tuple[int, ...], kept_dtype: torch.dtype, read: Callable[[Index], Any], keep: bool
+                   ) -> LazyWeight:
+    """A checkpoint's quantized weight as one lazy tensor of the dense shape: `read(index)` reads the rows and
+    columns asked for in the format's form (which can `dequantize()`). Kept (a layer of the method holds the
+    weight), that form goes to the layer; otherwise it is dequantized to fp32 (a dense parameter, or
+    --quantization none)."""
+    def read_index(index: Index) -> Any:
+        part = read(index)
+        return part if keep else part.dequantize()
+
+    return LazyWeight(shape, kept_dtype if keep else torch.float32, read_index)
 
 
 # the parameters a layer method holds: a linear layer's weight, the experts' stacked matrices

@@ -27,7 +27,7 @@ from torch import nn
 from pressroom.kernels import fp4_moe, mxfp4, nvfp4
 from pressroom.kernels.fp4_moe import Fp4Experts
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded
+from pressroom.model.quantization.base import LinearMethod, MoeMethod, QuantizationMethod, excluded, lazy_quantized
 
 _BLOCK = {"mxfp4": mxfp4.BLOCK, "nvfp4": nvfp4.BLOCK}
 _SCALE_DTYPE = {"mxfp4": torch.uint8, "nvfp4": nvfp4.FP8}
@@ -64,16 +64,15 @@ def lazy_fp4(shape: tuple[int, int], block: int, read: Callable[[int, int, int, 
     """A checkpoint's FP4 weight as one lazy tensor of the dense shape [rows, cols]: `read(r0, r1, b0, b1)` reads
     rows [r0, r1) and scale blocks [b0, b1). Kept (an FP4 layer takes it) it stays an Fp4Weight; otherwise it is
     dequantized to fp32 (a dense parameter, or --quantization none)."""
-    def read_index(index) -> Any:
+    def read_index(index) -> Fp4Weight:
         (r0, r1), (c0, c1) = index
         if c0 % block or c1 % block:
             raise ValueError(f"{name}: an FP4 weight in blocks of {block} inputs can only be split along its inputs "
                              f"at multiples of {block} (here [{c0}, {c1})); use a tensor_parallel_size that keeps "
                              "each rank's share of the inputs whole blocks.")
-        part = read(r0, r1, c0 // block, c1 // block)
-        return part if keep else part.dequantize()
+        return read(r0, r1, c0 // block, c1 // block)
 
-    return LazyWeight(shape, torch.uint8 if keep else torch.float32, read_index)
+    return lazy_quantized(shape, torch.uint8, read_index, keep)
 
 
 class Fp4LinearMethod(LinearMethod):
@@ -218,7 +217,6 @@ class Fp4Method(QuantizationMethod):
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        self.serialized = checkpoint_config is not None
         self.kept_dense: list[str] = []
 
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:

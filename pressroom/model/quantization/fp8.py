@@ -20,6 +20,7 @@ token (per token and 128-input group against block weights, DeepSeek's recipe).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import nn
 from pressroom.kernels import fp8 as kernels
 from pressroom.kernels.fp8 import FP8
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, loads_into
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, lazy_quantized, loads_into
 
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale",)  # static activation scales: activations are scaled per token instead
@@ -55,7 +56,6 @@ class Fp8Method(QuantizationMethod):
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        self.serialized = checkpoint_config is not None  # the checkpoint ships FP8 weights
         block = (checkpoint_config or {}).get("weight_block_size")
         if block is not None and (len(block) != 2 or min(block) < 1):
             raise ValueError(f"quantization_config.weight_block_size must be [rows, columns]; got {block!r}.")
@@ -64,19 +64,14 @@ class Fp8Method(QuantizationMethod):
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None)
 
-    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
-        if not self.serialized:
-            yield from weights
-            return
-        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
-        for name, tensor in tensors.items():
-            if name.endswith(_SCALES + _DROPPED):
-                continue
-            if tensor.dtype != FP8:
-                yield name, tensor
-                continue
-            scale = _scale_of(tensors, name)
-            yield name, self._paired(tensor, scale, keep=loads_into(model, name, Fp8LinearMethod), name=name)
+    def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
+        tensor = tensors[name]
+        if name.endswith(_SCALES + _DROPPED):
+            return ()
+        if tensor.dtype != FP8:
+            return ((name, tensor),)
+        keep = loads_into(model, name, Fp8LinearMethod)
+        return ((name, self._paired(tensor, _scale_of(tensors, name), keep, name)),)
 
     def _paired(self, weight: LazyWeight, scale: LazyWeight, keep: bool, name: str) -> LazyWeight:
         """The weight and its scale as one lazy tensor: an Fp8Weight of the rows and columns read (kept by an
@@ -84,13 +79,11 @@ class Fp8Method(QuantizationMethod):
         rows, cols = weight.shape
         scales = _ScaleLayout.of(scale.load(), rows, cols, self.block, name)
 
-        def read(index) -> Any:
+        def read(index) -> Fp8Weight:
             (r0, r1), (c0, c1) = index
-            part = Fp8Weight(weight.narrow(0, r0, r1 - r0).narrow(1, c0, c1 - c0).load(),
-                             *scales.rows(r0, r1, c0, c1))
-            return part if keep else part.dequantize()
+            return Fp8Weight(weight.narrow(0, r0, r1 - r0).narrow(1, c0, c1 - c0).load(), *scales.rows(r0, r1, c0, c1))
 
-        return LazyWeight((rows, cols), FP8 if keep else torch.float32, read)
+        return lazy_quantized((rows, cols), FP8, read, keep)
 
 
 def _weight_only_fits(x: torch.Tensor, scale: torch.Tensor, group: int) -> bool:

@@ -18,6 +18,7 @@ Tensor parallelism is refused: a rank's share of the inputs would cut packed wor
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from pressroom.kernels import int4 as kernels
 from pressroom.kernels.int4 import AWQ_ORDER, PLAIN_ORDER, Int4Weight
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, loads_into
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, lazy_quantized, loads_into
 
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
@@ -56,30 +57,26 @@ class _Int4Method(QuantizationMethod):
     def _group_size(self, k: int) -> int:
         return k if self.group_size == -1 else self.group_size  # -1: one group over all inputs
 
-    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
-        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
-        for name, tensor in tensors.items():
-            if name.endswith(".qweight"):
-                base = name.removesuffix(".qweight")
-                keep = loads_into(model, base + ".weight", Int4LinearMethod)
-                yield base + ".weight", self._paired(tensors, base, keep=keep)
-            elif not name.endswith(_PARTS):
-                yield name, tensor
+    def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
+        if not name.endswith(".qweight"):
+            return () if name.endswith(_PARTS) else ((name, tensors[name]),)
+        base = name.removesuffix(".qweight")
+        return ((base + ".weight", self._paired(tensors, base, keep=loads_into(model, base + ".weight",
+                                                                                 Int4LinearMethod))),)
 
     def _paired(self, tensors: dict[str, LazyWeight], base: str, keep: bool) -> LazyWeight:
         """X's packed tensors as one lazy weight of the dense shape: an Int4Weight of the output channels read (kept
         by an int4 layer) or those channels dequantized to fp32 (any other parameter, or --quantization none)."""
         out, k = self._dense_shape(tensors[base + ".qweight"].shape)
 
-        def read(index) -> Any:
+        def read(index) -> Int4Weight:
             (r0, r1), (c0, c1) = index
             if (c0, c1) != (0, k):
                 raise ValueError(f"{base}: a slice of a {self.name.upper()} weight's inputs cannot be read "
                                  "(tensor parallelism is not supported for int4 checkpoints).")
-            part = self._read(tensors, base, out, k).columns(r0, r1)
-            return part if keep else part.dequantize()
+            return self._read(tensors, base, out, k).columns(r0, r1)
 
-        return LazyWeight((out, k), torch.int32 if keep else torch.float32, read)
+        return lazy_quantized((out, k), torch.int32, read, keep)
 
     def _dense_shape(self, qweight_shape) -> tuple[int, int]:
         raise NotImplementedError

@@ -18,6 +18,7 @@ gpt-oss's expert biases (`experts.*_proj_bias`, dense beside the blocks) pass th
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -43,25 +44,18 @@ class Mxfp4Method(Fp4Method):
         super().__init__(checkpoint_config)
         self.kept_dense = list((checkpoint_config or {}).get("modules_to_not_convert") or [])
 
-    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
-        if not self.serialized:
-            yield from weights
-            return
-        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
-        for name, tensor in tensors.items():
-            if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in tensors:
-                continue
-            if not name.endswith("_blocks"):
-                yield name, tensor
-                continue
-            base = name.removesuffix("_blocks")
-            if base + "_scales" not in tensors:
-                raise ValueError(f"{name} has no {base}_scales beside it to scale its MXFP4 blocks.")
-            blocks, scales = tensors[name], tensors[base + "_scales"]
-            if base.endswith(_FUSED):
-                yield from _fused_experts(model, base, blocks, scales)
-            else:
-                yield base, _lazy_blocks(blocks, scales, None, loads_into(model, base, _HOLDERS), base)
+    def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
+        if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in tensors:
+            return ()
+        if not name.endswith("_blocks"):
+            return ((name, tensors[name]),)
+        base = name.removesuffix("_blocks")
+        if base + "_scales" not in tensors:
+            raise ValueError(f"{name} has no {base}_scales beside it to scale its MXFP4 blocks.")
+        blocks, scales = tensors[name], tensors[base + "_scales"]
+        if base.endswith(_FUSED):
+            return _fused_experts(model, base, blocks, scales)
+        return ((base, _lazy_blocks(blocks, scales, None, loads_into(model, base, _HOLDERS), base)),)
 
 
 def _fused_experts(model: nn.Module, base: str, blocks: LazyWeight, scales: LazyWeight):

@@ -15,6 +15,7 @@ scale (one per row in the layer). Modules named by `exclude_modules` / `ignore` 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -48,24 +49,19 @@ class Nvfp4Method(Fp4Method):
                                  f"one is quant_algo {algo or None!r} with group_size {group}.")
         self.kept_dense = list(config.get("exclude_modules") or config.get("ignore") or [])
 
-    def checkpoint_weights(self, model: nn.Module, weights) -> Any:
-        if not self.serialized:
-            yield from weights
-            return
-        tensors = dict(weights)  # lazy: names and shapes only, nothing read yet
-        for name, tensor in tensors.items():
-            if name.endswith(_SCALES + _DROPPED):
-                continue
-            if not (name.endswith(".weight") and tensor.dtype == torch.uint8):
-                yield name, tensor
-                continue
-            base = name.removesuffix(".weight")
-            missing = [base + s for s in _SCALES if base + s not in tensors]
-            if missing:
-                raise ValueError(f"{name} is packed FP4 but the checkpoint lacks {', '.join(missing)} to scale it.")
-            keep = loads_into(model, name, (Nvfp4LinearMethod, Fp4MoeMethod))
-            yield name, _lazy_weight(tensor, tensors[base + ".weight_scale"], tensors[base + ".weight_scale_2"],
-                                     keep, name)
+    def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
+        tensor = tensors[name]
+        if name.endswith(_SCALES + _DROPPED):
+            return ()
+        if not (name.endswith(".weight") and tensor.dtype == torch.uint8):
+            return ((name, tensor),)
+        base = name.removesuffix(".weight")
+        missing = [base + s for s in _SCALES if base + s not in tensors]
+        if missing:
+            raise ValueError(f"{name} is packed FP4 but the checkpoint lacks {', '.join(missing)} to scale it.")
+        keep = loads_into(model, name, (Nvfp4LinearMethod, Fp4MoeMethod))
+        return ((name, _lazy_weight(tensor, tensors[base + ".weight_scale"], tensors[base + ".weight_scale_2"],
+                                    keep, name)),)
 
 
 def _lazy_weight(weight: LazyWeight, scale: LazyWeight, scale_2: LazyWeight, keep: bool, name: str) -> LazyWeight:
