@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pressroom.platforms import cuda_available
-from pressroom.platforms.cpu import cpu_info, log_cpu_path
+from pressroom.platforms.cpu import cpu_info
 from pressroom.pooling_params import PoolingParams
 
 _DTYPES = {
@@ -84,7 +84,7 @@ def check_quantization(name: str) -> None:
                          f"module.path:ClassName; got {name!r}.")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     model: str
     tokenizer: str | None = None
@@ -118,12 +118,15 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
 
 
-@dataclass(slots=True)
+CPU_KV_CACHE_GIB = 2  # the CPU's KV cache without --kv-cache-memory-gib or PRESSROOM_CPU_KVCACHE_SPACE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     # CPU: the KV cache's size. CUDA: None = what a memory profile leaves of gpu_memory_utilization.
-    kv_cache_memory_bytes: int | None = 2 << 30
+    kv_cache_memory_bytes: int | None = CPU_KV_CACHE_GIB << 30
     num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.92
     cache_dtype: torch.dtype | None = None  # None: the model's dtype
@@ -137,7 +140,7 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}.")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompilationConfig:
     """CUDA graphs: decode steps of up to `max_cudagraph_capture_size` requests replay a captured graph."""
     enforce_eager: bool = False
@@ -169,12 +172,12 @@ class CompilationConfig:
         return shapes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384  # a GPU's; the CPU's follows its threads (default_max_num_batched_tokens)
+    max_num_seqs: int = 256  # the CPU's; a GPU's is CUDA_MAX_NUM_SEQS
     policy: str = "fcfs"
-    max_model_len: int = 0  # copied from the model config once known
+    max_model_len: int = 0  # the engine core's: it builds its scheduler's config once the KV cache's size is known
     # Schedule and prepare step N+1 while the device runs step N (tokens come back one step late).
     async_scheduling: bool = False
     # vLLM's: a prompt with more tokens left than this gets at most this many per step (0: no limit), so a
@@ -198,15 +201,21 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
 
 
+CUDA_MAX_NUM_SEQS = 1024  # vLLM's for large GPUs
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
-@dataclass(slots=True)
+def default_executor_backend(world_size: int) -> str:
+    """One rank runs in the engine core's process ("uni"); more need a process each ("mp")."""
+    return "uni" if world_size == 1 else "mp"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     # "uni": the worker runs in the engine core's process; "mp": one worker process per rank; "ray": one
-    # Ray actor per rank. None: "uni" for one rank, "mp" for more.
-    distributed_executor_backend: str | None = None
+    # Ray actor per rank (EngineArgs leaves it to default_executor_backend)
+    distributed_executor_backend: str = "uni"
     enable_expert_parallel: bool = False  # MoE layers split whole experts over the ranks
     data_parallel_size: int = 1  # engine cores behind one front-end, each with its tensor-parallel ranks
     data_parallel_rank: int = 0  # this core's (set per core by engine/dp_client.py)
@@ -216,8 +225,6 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}.")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
-        if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError("tensor_parallel_size > 1 needs one process per rank: distributed_executor_backend "
                              "mp or ray (or leave it unset).")
@@ -249,7 +256,7 @@ def json_object(value: dict | str, name: str) -> dict:
     return value
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys. A proposer drafts up to `num_speculative_tokens` per request
     and step; the target verifies them all in its forward pass, keeping its own distribution."""
@@ -261,7 +268,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
     # Each step verifies, per request, only the drafts expected to pay for their share of the step
-    # (spec_decode/budget.py); off: always every draft, up to num_speculative_tokens.
+    # (core/spec_budget.py); off: always every draft, up to num_speculative_tokens.
     adaptive_token_budget: bool = True
     # "synthetic": drafts are accepted with these conditional per-position probabilities whatever the
     # target says (not lossless): the system cost of speculation at real sizes with dummy weights.
@@ -313,7 +320,7 @@ def resolve_async_scheduling(asked: bool | None, device: str, speculative: Specu
 OFFLOAD_CONNECTORS = ("OffloadingConnector",)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OffloadTierSpec:
     """A secondary KV-offload tier: "fs" (a directory, `path`, capped at `max_bytes`) or "module" (an
     out-of-tree `SecondaryTier`, `module_path` + `class_name`, built with `options`)."""
@@ -335,7 +342,7 @@ class OffloadTierSpec:
             raise ValueError("a KV offload tier's size cap must not be negative.")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OffloadConfig:
     """Tiered KV offload: the CPU tier's bytes and the secondary tiers behind it, in order."""
     cpu_bytes: int
@@ -351,8 +358,8 @@ class OffloadConfig:
         """From pressroom's flags, or vLLM's --kv-transfer-config (OffloadingConnector; its extra config's
         cpu_bytes_to_use and secondary_tiers: [{"type": "fs", "path", "max_bytes"} | {"type": "module",
         "module_path", "class_name", ...options}])."""
-        tiers = [OffloadTierSpec("fs", disk_path, None if disk_gib is None else int(disk_gib * (1 << 30)))] \
-            if disk_path else []
+        disk_bytes = None if disk_gib is None else int(disk_gib * (1 << 30))
+        tiers = [OffloadTierSpec(kind="fs", path=disk_path, max_bytes=disk_bytes)] if disk_path else []
         cpu = None if size_gib is None else int(size_gib * (1 << 30))
         if transfer is not None:
             extra = _offload_extra_config(transfer)
@@ -364,7 +371,7 @@ class OffloadConfig:
         if cpu is None:
             raise ValueError("KV offload tiers need the CPU tier in front of them: set --kv-offloading-size "
                              "(GiB) or cpu_bytes_to_use.")
-        return cls(cpu, tiers)
+        return cls(cpu_bytes=cpu, secondary=tiers)
 
 
 def _offload_extra_config(transfer: dict | str) -> dict:
@@ -398,12 +405,12 @@ def _tier_from_dict(entry: dict) -> OffloadTierSpec:
         unknown = set(rest) - {"path", "max_bytes"}
         if unknown:
             raise ValueError(f'unknown keys for an "fs" tier: {", ".join(sorted(unknown))}.')
-        return OffloadTierSpec("fs", rest.get("path"), rest.get("max_bytes"))
+        return OffloadTierSpec(kind="fs", path=rest.get("path"), max_bytes=rest.get("max_bytes"))
     module_path, class_name = rest.pop("module_path", None), rest.pop("class_name", None)
-    return OffloadTierSpec(str(entry["type"]), module_path=module_path, class_name=class_name, options=rest)
+    return OffloadTierSpec(kind=str(entry["type"]), module_path=module_path, class_name=class_name, options=rest)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -425,9 +432,19 @@ DTYPE_CHOICES = ("auto", *_DTYPES)
 KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
 
 
+def default_of(config: type, name: str) -> Any:
+    """The default of `config`'s field `name`: written there once, and read from there by `EngineArgs`."""
+    return {f.name: f for f in fields(config)}[name].default
+
+
 def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
     """An `EngineArgs` field: its default, plus the help and choices its CLI flag shows."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _config_arg(config: type, name: str, help: str, choices: Sequence[str] | None = None) -> Any:
+    """An `EngineArgs` field that `config`'s field `name` takes as it is; its default is that field's."""
+    return field(default=default_of(config, name), metadata={"help": help, "choices": choices, "sets": (config, name)})
 
 
 CPU_TOKENS_PER_THREAD = 128  # a 512-token prefill step of SmolLM2-135M took ~1.9 s on one core
@@ -451,6 +468,17 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip() == "1"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFacts:
+    """What resolving the configs needs to know of the checkpoint itself. The engine's start reads them
+    (read_checkpoint_facts) and hands them to `EngineArgs.create_engine_config`, which reads no file."""
+    encoder_only: bool = False  # an encoder-only family (BERT): pooling only, each prompt whole in one step
+
+
+def read_checkpoint_facts(model: str | None) -> CheckpointFacts:
+    return CheckpointFacts(encoder_only=_is_encoder_checkpoint(model))
+
+
 def _is_encoder_checkpoint(model: str | None) -> bool:
     """Whether `model` is an HF directory whose config.json names an encoder-only family (BERT)."""
     path = os.path.join(os.path.expanduser(model), "config.json") if model else ""
@@ -466,90 +494,106 @@ def _is_encoder_checkpoint(model: str | None) -> bool:
 ENCODER_BATCHED_TOKENS = 8192  # an encoder's step on the CPU: no streams wait on it, and larger matmuls run faster
 
 
-def default_max_num_batched_tokens(device: str, encoder_only: bool = False) -> int:
+def default_max_num_batched_tokens(device: str, threads: int, encoder_only: bool = False) -> int:
     """A GPU takes a 16k-token step in well under a second; a CPU takes about 4 ms per token per core, so
     its budget follows its threads (on 2 cores, one 8,000-token prompt in a 16k step froze every other
     stream for minutes). Not below 512: at 256, as many as the CPU's running decodes, prefills got only
     the leftovers and 256 concurrent streams took 3x as long. An encoder serves no streams: its CPU steps are as
-    large as ENCODER_BATCHED_TOKENS (see docs/BENCHMARKS.md, "Embeddings")."""
+    large as ENCODER_BATCHED_TOKENS (see docs/BENCHMARKS.md, "Embeddings"). `threads`: torch's CPU threads."""
     if device == "cuda":
-        return 16384
+        return default_of(SchedulerConfig, "max_num_batched_tokens")
     if encoder_only:
         return ENCODER_BATCHED_TOKENS
-    return max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * torch.get_num_threads())
+    return max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * threads)
 
 
-@dataclass(slots=True)
+def default_max_num_seqs(device: str) -> int:
+    return CUDA_MAX_NUM_SEQS if device == "cuda" else default_of(SchedulerConfig, "max_num_seqs")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
     """Every knob a user may set, flat, with vLLM's names. Each field declares its own help and choices:
     the CLI's engine flags are derived from them (entrypoints/cli.py, add_engine_args)."""
     model: str | None = _arg(None, "HF model directory (config.json, *.safetensors) or .gguf file; model hubs are "
                                    "not fetched (default: the embedded SmolLM2-135M-Instruct)")
-    tokenizer: str | None = _arg(None, "tokenizer directory or .gguf file (default: the model's)")
-    load_format: str = _arg("auto", "weights to load: auto (by the model path), safetensors, gguf, or dummy "
-                                    "(random weights at the config's shapes, for benchmarks)", LOAD_FORMATS)
+    tokenizer: str | None = _config_arg(ModelConfig, "tokenizer", "tokenizer directory or .gguf file (default: the "
+                                                                  "model's)")
+    load_format: str = _config_arg(ModelConfig, "load_format", "weights to load: auto (by the model path), "
+                                   "safetensors, gguf, or dummy (random weights at the config's shapes, for "
+                                   "benchmarks)", LOAD_FORMATS)
     dtype: str = _arg("auto", "weights' and activations' dtype; auto: bfloat16 on CUDA and on CPUs with native "
                               "bf16 (AVX512-BF16 or AMX); float32 on other CPUs", DTYPE_CHOICES)
-    quantization: str = _arg("auto", "auto: the checkpoint's own quantization (config.json quantization_config), "
-                                     "and on the CPU a GGUF's Q4 matrices (and a Q8_0 LM head) also stay as shipped "
-                                     "for steps of at most 8 tokens; none: dequantize every weight; fp8: FP8 e4m3 "
-                                     "weights with per-channel scales computed at load (or an FP8 checkpoint's), "
-                                     "activations scaled per token; mxfp4: MXFP4 weights (32-input blocks, "
-                                     "power-of-two scales) quantized at load, weight-only; nvfp4: likewise in 16-input "
-                                     "blocks with FP8 scales and a global one; or a plug-in: an "
-                                     "installed package's entry point (group pressroom.quantization) by name, or "
-                                     "module.path:ClassName")
-    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: the model's "
-                                           "max_position_embeddings, lowered to what the KV cache holds)")
-    seed: int = _arg(0, "seeds the engine's sampling generator and dummy weights")
-    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
-    enable_prefix_caching: bool = _arg(True, "reuse the KV-cache blocks of prompt prefixes seen before")
+    quantization: str = _config_arg(
+        ModelConfig, "quantization", "auto: the checkpoint's own quantization (config.json quantization_config), "
+        "and on the CPU a GGUF's Q4 matrices (and a Q8_0 LM head) also stay as shipped for steps of at most 8 "
+        "tokens; none: dequantize every weight; fp8: FP8 e4m3 weights with per-channel scales computed at load (or "
+        "an FP8 checkpoint's), activations scaled per token; mxfp4: MXFP4 weights (32-input blocks, power-of-two "
+        "scales) quantized at load, weight-only; nvfp4: likewise in 16-input blocks with FP8 scales and a global "
+        "one; or a plug-in: an installed package's entry point (group pressroom.quantization) by name, or "
+        "module.path:ClassName")
+    max_model_len: int | None = _config_arg(ModelConfig, "max_model_len", "longest prompt + output in tokens "
+                                            "(default: the model's max_position_embeddings, lowered to what the KV "
+                                            "cache holds)")
+    seed: int = _config_arg(ModelConfig, "seed", "seeds the engine's sampling generator and dummy weights")
+    block_size: int = _config_arg(CacheConfig, "block_size", "tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _config_arg(CacheConfig, "enable_prefix_caching",
+                                              "reuse the KV-cache blocks of prompt prefixes seen before")
     kv_cache_dtype: str = _arg("auto", "KV-cache element type; auto: the model's dtype; fp8 (= fp8_e4m3) or "
                                        "fp8_e5m2: CUDA only, scale 1", KV_CACHE_DTYPE_CHOICES)
-    kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU 2, or "
-                                                   "PRESSROOM_CPU_KVCACHE_SPACE; on CUDA what a memory profile "
-                                                   "leaves of --gpu-memory-utilization)")
-    num_gpu_blocks_override: int | None = _arg(None, "KV-cache blocks, overriding the memory budget")
-    max_num_batched_tokens: int | None = _arg(None, "tokens one engine step computes at most (prefill chunks + "
-                                                    "decodes); default: 16384 on CUDA; on the CPU 128 per torch "
-                                                    "thread, at least 512: a long prompt is prefilled in chunks "
-                                                    "and running streams get a token between them")
+    kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU "
+                                                   f"{CPU_KV_CACHE_GIB}, or PRESSROOM_CPU_KVCACHE_SPACE; on CUDA "
+                                                   "what a memory profile leaves of --gpu-memory-utilization)")
+    num_gpu_blocks_override: int | None = _config_arg(CacheConfig, "num_blocks",
+                                                      "KV-cache blocks, overriding the memory budget")
+    max_num_batched_tokens: int | None = _arg(
+        None, "tokens one engine step computes at most (prefill chunks + decodes); default: "
+        f"{default_of(SchedulerConfig, 'max_num_batched_tokens')} on CUDA; on the CPU {CPU_TOKENS_PER_THREAD} per "
+        f"torch thread, at least {CPU_MIN_BATCHED_TOKENS}: a long prompt is prefilled in chunks and running streams "
+        "get a token between them")
     long_prefill_token_threshold: int | None = _arg(None, "a prompt with more tokens left than this gets at most "
                                                           "this many per step (counted as cost where "
                                                           "--prefill-cost-context is set), leaving the rest of the "
                                                           "step to other requests; 0: no limit (default: 0 on "
-                                                          "CUDA; on the CPU 128 per torch thread)")
+                                                          f"CUDA; on the CPU {CPU_TOKENS_PER_THREAD} per torch "
+                                                          "thread)")
     prefill_cost_context: int | None = _arg(None, "cost-based prefill chunks: n prompt tokens after c computed ones "
                                                   "count n * (1 + c / this) against the step's budget and "
                                                   "--long-prefill-token-threshold, so a long prompt's later chunks "
                                                   "shrink and a step's time stays bounded; 0: tokens count alone "
                                                   f"(default: 0 on CUDA, {CPU_PREFILL_COST_CONTEXT} on the CPU)")
-    max_num_seqs: int | None = _arg(None, "requests running at once at most (default: 1024 on CUDA, vLLM's for "
-                                          "large GPUs; 256 on the CPU)")
-    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: by the requests' priority",
-                                  SCHEDULING_POLICIES)
-    tensor_parallel_size: int = _arg(1, "ranks to shard the model over, one worker process each (GPUs on CUDA, "
-                                        "processes sharing the cores on the CPU)")
+    max_num_seqs: int | None = _arg(None, f"requests running at once at most (default: {CUDA_MAX_NUM_SEQS} on "
+                                          "CUDA, vLLM's for large GPUs; "
+                                          f"{default_of(SchedulerConfig, 'max_num_seqs')} on the CPU)")
+    scheduling_policy: str = _config_arg(SchedulerConfig, "policy", "fcfs: first come, first served; priority: by "
+                                         "the requests' priority", SCHEDULING_POLICIES)
+    tensor_parallel_size: int = _config_arg(ParallelConfig, "tensor_parallel_size", "ranks to shard the model over, "
+                                            "one worker process each (GPUs on CUDA, processes sharing the cores on "
+                                            "the CPU)")
     distributed_executor_backend: str | None = _arg(
         None, "where workers run: uni (in the engine core's process), mp (one process per rank) or ray (one Ray "
         "actor per rank, across the nodes of the cluster RAY_ADDRESS names, or of a local one); default: uni for "
         "one rank, mp for more", EXECUTOR_BACKENDS)
-    enable_expert_parallel: bool = _arg(False, "mixture-of-experts layers split whole experts over the "
-                                               "tensor-parallel ranks instead of each expert's matrices")
-    data_parallel_size: int = _arg(1, "engine cores behind one API server (pressroom serve), each a copy of the "
-                                      "model on tensor_parallel_size ranks; requests are balanced by load and "
-                                      "shared prefix, or pinned with data_parallel_rank")
+    enable_expert_parallel: bool = _config_arg(ParallelConfig, "enable_expert_parallel", "mixture-of-experts layers "
+                                               "split whole experts over the tensor-parallel ranks instead of each "
+                                               "expert's matrices")
+    data_parallel_size: int = _config_arg(ParallelConfig, "data_parallel_size", "engine cores behind one API server "
+                                          "(pressroom serve), each a copy of the model on tensor_parallel_size "
+                                          "ranks; requests are balanced by load and shared prefix, or pinned with "
+                                          "data_parallel_rank")
     device: str = _arg("auto", "auto: cuda when torch sees a GPU, else cpu", DEVICES)
-    num_threads: int | None = _arg(None, "torch CPU threads (default: torch's)")
-    gpu_memory_utilization: float = _arg(0.92, "share of the GPU's memory the engine may use (weights, "
-                                               "activations, KV cache), in (0, 1]")
-    enforce_eager: bool = _arg(False, "no CUDA graphs: every step runs eagerly")
-    max_cudagraph_capture_size: int = _arg(512, "largest decode batch replayed from a captured CUDA graph "
-                                                f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
-    batch_invariant: bool = _arg(False, "a request's tokens and logprobs do not depend on the requests beside it "
-                                        "(fixed-order GEMMs, attention and norms; dense Llama-family models, one "
-                                        "rank); also VLLM_BATCH_INVARIANT=1")
-    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts and outputs are token ids only")
+    num_threads: int | None = _config_arg(EngineConfig, "num_threads", "torch CPU threads (default: torch's)")
+    gpu_memory_utilization: float = _config_arg(CacheConfig, "gpu_memory_utilization", "share of the GPU's memory "
+                                                "the engine may use (weights, activations, KV cache), in (0, 1]")
+    enforce_eager: bool = _config_arg(CompilationConfig, "enforce_eager", "no CUDA graphs: every step runs eagerly")
+    max_cudagraph_capture_size: int = _config_arg(CompilationConfig, "max_cudagraph_capture_size",
+                                                  "largest decode batch replayed from a captured CUDA graph "
+                                                  f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    batch_invariant: bool = _config_arg(ModelConfig, "batch_invariant", "a request's tokens and logprobs do not "
+                                        "depend on the requests beside it (fixed-order GEMMs, attention and norms; "
+                                        "dense Llama-family models, one rank); also VLLM_BATCH_INVARIANT=1")
+    skip_tokenizer_init: bool = _config_arg(ModelConfig, "skip_tokenizer_init",
+                                            "load no tokenizer: prompts and outputs are token ids only")
     async_scheduling: bool | None = _arg(None, "schedule and prepare step N+1 while the device runs step N "
                                                "(default: on for CUDA unless the speculative method drafts on "
                                                "the host; off on the CPU, with nothing to overlap)")
@@ -576,17 +620,6 @@ class EngineArgs:
                                                        '"kv_both", "kv_connector_extra_config": '
                                                        '{"cpu_bytes_to_use": 4000000000}}')
 
-    def _prefill_chunking(self, device: str) -> dict[str, int]:
-        """CUDA: tokens count alone and no prompt is limited (vLLM's defaults). The CPU: a long prompt's chunk
-        gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with its attention
-        (CPU_PREFILL_COST_CONTEXT), so streams running beside it keep their pace."""
-        threshold, context = self.long_prefill_token_threshold, self.prefill_cost_context
-        if device == "cuda":
-            return {"long_prefill_token_threshold": threshold or 0, "prefill_cost_context": context or 0}
-        return {"long_prefill_token_threshold": CPU_TOKENS_PER_THREAD * torch.get_num_threads()
-                if threshold is None else threshold,
-                "prefill_cost_context": CPU_PREFILL_COST_CONTEXT if context is None else context}
-
     @classmethod
     def names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -598,38 +631,23 @@ class EngineArgs:
             raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
         return cls(**kwargs)
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, checkpoint: CheckpointFacts | None = None) -> EngineConfig:
+        """The validated configs these arguments resolve to on this machine. It changes nothing and reads no
+        file: `checkpoint` brings what it needs of the model's own config (read_checkpoint_facts; None: a
+        decoder's), and the engine's start sets the threads and logs the CPU path."""
+        checkpoint = checkpoint or CheckpointFacts()
         device = resolve_device(self.device)
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
         speculative = SpeculativeConfig.from_value(self.speculative_config)
-        runner = self._runner_fields()
-        memory = self.kv_cache_memory_gib
-        if memory is None and device == "cpu":
-            memory = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", 2))
-        dtype = resolve_dtype(self.dtype, device)
-        if device == "cpu":
-            log_cpu_path(str(self.dtype), dtype)
+        model = self._model_config(device, checkpoint.encoder_only)
         return EngineConfig(
-            model=ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
-                              dtype=dtype, max_model_len=self.max_model_len,
-                              seed=self.seed, quantization=self.quantization,
-                              skip_tokenizer_init=self.skip_tokenizer_init,
-                              batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner),
-            cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_memory_bytes=None if memory is None else int(memory * (1 << 30)),
-                              num_blocks=self.num_gpu_blocks_override,
-                              gpu_memory_utilization=self.gpu_memory_utilization,
-                              cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)),
-            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
-                                      or default_max_num_batched_tokens(device, runner["encoder_only"]),
-                                      max_num_seqs=self.max_num_seqs or (1024 if device == "cuda" else 256),
-                                      policy=self.scheduling_policy,
-                                      **self._prefill_chunking(device),
-                                      async_scheduling=resolve_async_scheduling(self.async_scheduling, device,
-                                                                                speculative)),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                    self.enable_expert_parallel, self.data_parallel_size),
+            model=model,
+            cache=self._cache_config(device, model.dtype),
+            scheduler=self._scheduler_config(device, checkpoint.encoder_only, speculative),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend
+                                    or default_executor_backend(self.tensor_parallel_size),
+                                    enable_expert_parallel=self.enable_expert_parallel,
+                                    data_parallel_size=self.data_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,
@@ -638,8 +656,47 @@ class EngineArgs:
             offload=self._offload_config(),
         )
 
-    def _runner_fields(self) -> dict[str, Any]:
-        encoder = _is_encoder_checkpoint(self.model)
+    def _model_config(self, device: str, encoder_only: bool) -> ModelConfig:
+        runner = self._runner_fields(encoder_only)
+        return ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
+                           dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
+                           seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
+                           batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)
+
+    def _cache_config(self, device: str, dtype: torch.dtype) -> CacheConfig:
+        gib = self.kv_cache_memory_gib
+        if gib is None and device == "cpu":
+            gib = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB))
+        return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                           kv_cache_memory_bytes=None if gib is None else int(gib * (1 << 30)),
+                           num_blocks=self.num_gpu_blocks_override,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device))
+
+    def _scheduler_config(self, device: str, encoder_only: bool,
+                          speculative: SpeculativeConfig | None) -> SchedulerConfig:
+        threads = self.num_threads or torch.get_num_threads()  # what the engine's start leaves torch with
+        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
+                               or default_max_num_batched_tokens(device, threads, encoder_only),
+                               max_num_seqs=self.max_num_seqs or default_max_num_seqs(device),
+                               policy=self.scheduling_policy,
+                               async_scheduling=resolve_async_scheduling(self.async_scheduling, device, speculative),
+                               **self._prefill_chunking(device, threads))
+
+    def _prefill_chunking(self, device: str, threads: int) -> dict[str, int]:
+        """CUDA: SchedulerConfig's defaults (vLLM's: tokens count alone and no prompt is limited). The CPU: a
+        long prompt's chunk gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with
+        its attention (CPU_PREFILL_COST_CONTEXT), so streams running beside it keep their pace."""
+        asked = {"long_prefill_token_threshold": self.long_prefill_token_threshold,
+                 "prefill_cost_context": self.prefill_cost_context}
+        if device == "cpu":
+            defaults = {"long_prefill_token_threshold": CPU_TOKENS_PER_THREAD * threads,
+                        "prefill_cost_context": CPU_PREFILL_COST_CONTEXT}
+        else:
+            defaults = {name: default_of(SchedulerConfig, name) for name in asked}
+        return {name: defaults[name] if value is None else value for name, value in asked.items()}
+
+    def _runner_fields(self, encoder: bool) -> dict[str, Any]:
         runner = self.runner
         if self.task != "auto":
             implied = "pooling" if self.task == "embed" else "generate"

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pressroom.config import EngineArgs, EngineConfig
+from pressroom.config import EngineArgs, EngineConfig, read_checkpoint_facts
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
 from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
@@ -39,6 +39,7 @@ from pressroom.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pressroom.platforms import set_up_process
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -48,6 +49,14 @@ MAX_LOGPROBS = 20
 PromptType = str | list[int] | dict
 ERROR = "error"  # the finish reason of a request whose output handling failed (vLLM's FinishReason.ERROR)
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit)  # a per-request fault is any other exception (pyo3 panics too)
+
+
+def start_config(args: EngineArgs) -> EngineConfig:
+    """An engine's start: what resolution needs of the checkpoint is read, the configs are resolved, and this
+    process is set up (torch's threads; on the CPU, the line saying which path runs)."""
+    config = args.create_engine_config(read_checkpoint_facts(args.model))
+    set_up_process(config.device, config.num_threads, str(args.dtype), config.model.dtype)
+    return config
 
 
 @dataclass(slots=True)
@@ -121,7 +130,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+        return cls(start_config(args))
 
     # The in-process core's parts (tests and benchmarks look at them).
     @property

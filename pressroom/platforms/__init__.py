@@ -1,9 +1,21 @@
-"""Facts about the hardware pressroom runs on, read once (CPU tiers in cpu.py; CUDA's presence here)."""
+"""Facts about the hardware pressroom runs on, read once (CPU tiers in cpu.py; CUDA's presence here), and the
+set-up an engine's start gives its process (set_up_process)."""
 from __future__ import annotations
 
 import torch
+
+from pressroom.platforms.cpu import log_cpu_path
 
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA GPU (asked without creating a CUDA context)."""
     return torch.cuda.is_available()
+
+
+def set_up_process(device: str, num_threads: int | None, asked_dtype: str, dtype: torch.dtype) -> None:
+    """What an engine's start does to its process: torch's CPU threads (None: torch's own) and, on the CPU,
+    one start-up line saying which path runs and why."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    if device == "cpu":
+        log_cpu_path(asked_dtype, dtype)

@@ -118,7 +118,8 @@ def test_only_the_cpu_defaults_to_cost_based_chunks():
     off = EngineArgs(device="cpu", prefill_cost_context=0, long_prefill_token_threshold=0).create_engine_config()
     assert off.scheduler.prefill_cost_context == 0 and off.scheduler.long_prefill_token_threshold == 0
     # CUDA keeps vLLM's defaults; where there is no GPU, only the resolution is checked
-    assert EngineArgs()._prefill_chunking("cuda") == {"long_prefill_token_threshold": 0, "prefill_cost_context": 0}
+    assert EngineArgs()._prefill_chunking("cuda", threads=1) == {"long_prefill_token_threshold": 0,
+                                                                 "prefill_cost_context": 0}
 
 
 def test_suspects_of_a_failed_step_run_alone_taking_turns_with_the_others():

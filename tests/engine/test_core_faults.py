@@ -7,6 +7,8 @@ Faults are injected where a request's own sampling parameters are read (the host
 seed no other request uses, or by a prompt token past the vocabulary (the model's embedding raises)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import random_prompts
 
@@ -166,7 +168,8 @@ def test_a_fault_in_every_step_still_ends_the_engine(tiny_model_dir, async_sched
 def test_three_failed_steps_in_a_row_stop_the_engine(engine):
     for i in range(engine_core.MAX_FAILED_STEPS):
         engine.add_request(f"bad{i}", {"prompt_token_ids": [5, 6, 7, 8]}, _params(POISON_SEED))
-    engine.core.scheduler.config.max_num_seqs = 1  # each step runs, and fails, one of them
+    scheduler = engine.core.scheduler
+    scheduler.config = replace(scheduler.config, max_num_seqs=1)  # each step runs, and fails, one of them
     with pytest.raises(RuntimeError, match="steps in a row failed"):
         for _ in range(engine_core.MAX_FAILED_STEPS):
             engine.step()

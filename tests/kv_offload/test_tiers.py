@@ -94,7 +94,8 @@ def store_chunk(store: TieredKVStore, key: str, c: torch.Tensor, finish: bool = 
 
 
 def test_a_stored_chunk_is_written_through_only_once_its_step_is_done(tmp_path):
-    config = OffloadConfig(2 * chunk(0).numel() * 4, [OffloadTierSpec("fs", str(tmp_path))])
+    config = OffloadConfig(cpu_bytes=2 * chunk(0).numel() * 4,
+                           secondary=[OffloadTierSpec(kind="fs", path=str(tmp_path))])
     store = TieredKVStore(config, FP, SHAPE, torch.float32)
     transfers = store_chunk(store, "k0", chunk(0), finish=False)
     time.sleep(0.05)
@@ -106,7 +107,7 @@ def test_a_stored_chunk_is_written_through_only_once_its_step_is_done(tmp_path):
 
 
 def test_slots_are_on_loan_until_their_step_is_done_and_a_lookup_lends_its_slots():
-    store = TieredKVStore(OffloadConfig(2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
+    store = TieredKVStore(OffloadConfig(cpu_bytes=2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
     first = store_chunk(store, "k0", chunk(0), finish=False)
     hit = store.lookup(["k0", "k1"])
     assert hit.keys == ["k0"] and hit.missed
@@ -125,7 +126,7 @@ def test_slots_are_on_loan_until_their_step_is_done_and_a_lookup_lends_its_slots
 
 
 def test_a_failed_steps_stores_are_forgotten_and_its_loans_return():
-    store = TieredKVStore(OffloadConfig(2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
+    store = TieredKVStore(OffloadConfig(cpu_bytes=2 * chunk(0).numel() * 4), FP, SHAPE, torch.float32)
     store_chunk(store, "k0", chunk(0))
     hit = store.lookup(["k0"])
     failed = store.start_transfers([(1, "k1")], [(2, hit.slots[0])])
@@ -137,7 +138,7 @@ def test_a_failed_steps_stores_are_forgotten_and_its_loans_return():
 
 
 def test_promoted_chunks_count_as_hits_of_the_tier_they_came_from(tmp_path):
-    config = OffloadConfig(1 << 20, [OffloadTierSpec("fs", str(tmp_path))])
+    config = OffloadConfig(cpu_bytes=1 << 20, secondary=[OffloadTierSpec(kind="fs", path=str(tmp_path))])
     first = TieredKVStore(config, FP, SHAPE, torch.float32)
     store_chunk(first, "k0", chunk(0))
     first.close()
