@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class Gemma3Attention(LlamaAttention):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.query_pre_attn_scalar ** -0.5,
                               sliding_window=window)
 
-    def forward_ggml(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+    def forward_ggml(self, rope: RopeTables, x: torch.Tensor, rows: GgmlStepRows) -> torch.Tensor:
         """llama.cpp's arithmetic (Gemma3Model.ggml_numerics): its norms, an fp16-rounded cache, its attention."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         heads = self.qkv_proj(x).view(-1, h + 2 * kv, d)
@@ -90,19 +91,24 @@ class Gemma3Attention(LlamaAttention):
         k16, v16 = qk[:, h:].half().float(), heads[:, h + kv:].half().float()  # llama.cpp's fp16 KV cache
         meta = get_attention_metadata()
         write_kv(self.attn.kv_cache, k16, v16, meta.slot_mapping)
-        tables, lens, gemm, _ = _ggml_rows(meta)
-        out = cpu.ggml_attention(qk[:, :h].contiguous(), self.attn.kv_cache[0], self.attn.kv_cache[1], tables, lens,
-                                 gemm, self.attn.sliding_window, self.attn.scale)
+        out = cpu.ggml_attention(qk[:, :h].contiguous(), self.attn.kv_cache[0], self.attn.kv_cache[1], rows.tables,
+                                 rows.lens, rows.gemm, self.attn.sliding_window, self.attn.scale)
         return self.o_proj(out.flatten(1))
 
 
-def _ggml_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
-    """Each query token's block table, context length (itself included), whether it came in a chunk of two or
-    more tokens (llama.cpp's batched attention order) and whether llama.cpp's 4-row Q4_K gemm would take it (the
-    first n - n % 4 of a chunk of n), made once a step (kept beside the step's metadata, not in its `plan`, which a
-    drafter's backend may read)."""
-    global _ggml_rows_cache
-    if _ggml_rows_cache[0] is not meta:
+@dataclass(frozen=True, slots=True)
+class GgmlStepRows:
+    """Per query token of a step, what llama.cpp's arithmetic needs (Gemma3Model.ggml_numerics): its request's block
+    table, its context length (itself included), whether it came in a chunk of two or more tokens (llama.cpp's
+    batched attention order) and whether llama.cpp's 4-row Q4_K gemm would take it (the first n - n % 4 of a chunk of
+    n). Made once a forward from the step's metadata, and handed to each layer."""
+    tables: torch.Tensor
+    lens: torch.Tensor
+    gemm: torch.Tensor
+    rows4: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> GgmlStepRows:
         reqs, lens, gemm, rows4 = [], [], [], []
         loc = meta.query_start_loc
         for i in range(len(loc) - 1):
@@ -111,13 +117,8 @@ def _ggml_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
             lens += range(meta.seq_lens_host[i] - n + 1, meta.seq_lens_host[i] + 1)
             gemm += [int(n > 1)] * n
             rows4 += [1] * (n - n % 4) + [0] * (n % 4)
-        _ggml_rows_cache = (meta, (meta.block_tables[torch.tensor(reqs)].contiguous(),
-                                   torch.tensor(lens, dtype=torch.int64), torch.tensor(gemm, dtype=torch.int64),
-                                   torch.tensor(rows4, dtype=torch.int64)))
-    return _ggml_rows_cache[1]
-
-
-_ggml_rows_cache: tuple = (None, None)  # (the step's metadata, its _ggml_rows)
+        return cls(meta.block_tables[torch.tensor(reqs)].contiguous(), torch.tensor(lens, dtype=torch.int64),
+                   torch.tensor(gemm, dtype=torch.int64), torch.tensor(rows4, dtype=torch.int64))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -132,11 +133,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None, ggml: bool = False):
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
+                ggml: GgmlStepRows | None = None):
         """The layer's input is x + residual (x alone for the first); returns its output in the same split, so
-        each residual add is fused into the next norm. ggml: llama.cpp's arithmetic (Gemma3Model.ggml_numerics)."""
-        if ggml:
-            return self._forward_ggml(rope, x, residual)
+        each residual add is fused into the next norm. ggml: the step's rows for llama.cpp's arithmetic
+        (Gemma3Model.ggml_numerics), None for torch's."""
+        if ggml is not None:
+            return self._forward_ggml(rope, x, residual, ggml)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -145,14 +148,14 @@ class Gemma3DecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
-    def _forward_ggml(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None):
+    def _forward_ggml(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None, rows: GgmlStepRows):
         def norm(module, x, residual=None):
             return cpu.ggml_rms_norm(x.contiguous(), module.weight, module.eps, residual)
         if residual is None:
             x, residual = norm(self.input_layernorm, x), x.contiguous()
         else:
             x = norm(self.input_layernorm, x, residual)  # residual += x, in place
-        x = norm(self.post_attention_layernorm, self.self_attn.forward_ggml(rope, x))
+        x = norm(self.post_attention_layernorm, self.self_attn.forward_ggml(rope, x, rows))
         x = norm(self.pre_feedforward_layernorm, x, residual)
         x = self.mlp.down_proj(cpu.ggml_geglu(self.mlp.gate_up_proj(x).contiguous()))
         return norm(self.post_feedforward_layernorm, x), residual
@@ -185,12 +188,12 @@ class Gemma3Model(nn.Module):
         stack = None if aux_layers else cpu_decode.current_stack(self, cpu_decode.Gemma3DecodeStack, input_ids)
         if stack is not None:  # the C stack taps no layer; its fp32 states go to the LM head unrounded
             return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata(), ggml)
-        rows4 = _ggml_rows(get_attention_metadata())[3] if ggml else None
+        rows = GgmlStepRows.of(get_attention_metadata()) if ggml else None
         with (cpu.torch_ops_alone() if self._small_ggml_step(input_ids) else nullcontext(),
-              cpu.ggml_q4_k_gemm_rows(rows4) if ggml else nullcontext()):
+              cpu.ggml_q4_k_gemm_rows(rows.rows4) if ggml else nullcontext()):
             residual, taps = None, {}
             for i, layer in enumerate(self.layers):
-                x, residual = layer(local if layer.local else glob, x, residual, ggml)
+                x, residual = layer(local if layer.local else glob, x, residual, rows)
                 if i in aux_layers:
                     taps[i] = x + residual
             if ggml:
