@@ -12,7 +12,8 @@ import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
 
-from pressroom.config import EngineArgs  # noqa: E402
+from pressroom.config import EngineArgs, default_of  # noqa: E402
+from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
 from pressroom.logger import FORMAT, configure_logging  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -144,38 +145,41 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--host", default=_server_default("host"), help="address to listen on")
+    server.add_argument("--port", type=int, default=_server_default("port"), help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use; the first is reported (default: the model)")
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health (default: no key)")
     server.add_argument("--disable-metrics-auth", action="store_true",
                         help="let /metrics answer without the API key (for scrapers that cannot send one)")
-    server.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
-    server.add_argument("--body-read-timeout", type=float, default=30.0,
+    server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),
+                        help="larger bodies get a 413")
+    server.add_argument("--body-read-timeout", type=float, default=_server_default("body_read_timeout"),
                         help="seconds a client has to send a request's whole body (a 408 after), and a new "
                         "connection its first request's headers (closed after); 0: no limit")
-    server.add_argument("--max-concurrent-requests", type=int, default=512,
+    server.add_argument("--max-concurrent-requests", type=int, default=_server_default("max_concurrent_requests"),
                         help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a `chat_template` in chat and tokenize requests (rendered sandboxed, with "
                              "time and size limits, either way)")
-    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+    server.add_argument("--shutdown-timeout", type=float, default=_server_default("shutdown_timeout"),
                         help="seconds to let in-flight requests finish on SIGTERM; those still running then are "
                              "ended with an error (a stream: a finish_reason \"abort\" chunk, an error event and "
                              "[DONE]; otherwise a 503)")
-    server.add_argument("--engine-stall-timeout", type=float, default=60.0,
+    server.add_argument("--engine-stall-timeout", type=float, default=_server_default("engine_stall_timeout"),
                         help="/health answers 503 when the engine core has sent nothing (step outputs, or its "
                              "heartbeat every second when idle) for this many seconds: its loop is stuck. Keep it "
                              "above the longest engine step (a long prefill on a CPU takes seconds); 0: never")
-    server.add_argument("--metrics-prefix", default="pressroom:",
+    server.add_argument("--metrics-prefix", default=_server_default("metrics_prefix"),
                         help="prefix of /metrics names, e.g. vllm: for existing vLLM dashboards")
-    server.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+    server.add_argument("--reasoning-parser", default=_server_default("reasoning_parser"), choices=REASONING_PARSERS,
                         help="split <think>...</think> into reasoning_content (auto: when the model's chat "
                              "template or vocabulary has the markers)")
-    server.add_argument("--reasoning-start-str", default="<think>", help="the reasoning span's start marker")
-    server.add_argument("--reasoning-end-str", default="</think>", help="the reasoning span's end marker")
+    server.add_argument("--reasoning-start-str", default=_server_default("reasoning_start"),
+                        help="the reasoning span's start marker")
+    server.add_argument("--reasoning-end-str", default=_server_default("reasoning_end"),
+                        help="the reasoning span's end marker")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide to call tools (tool_choice "auto", the default with tools); '
                              "needs --tool-call-parser")
@@ -185,12 +189,16 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     logs = serve.add_argument_group("logging")
     logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
-    logs.add_argument("--log-stats-interval", type=float, default=10.0,
+    logs.add_argument("--log-stats-interval", type=float, default=_server_default("log_stats_interval"),
                       help="seconds between periodic stats log lines (0: none)")
-    logs.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+    logs.add_argument("--uvicorn-log-level", default=_server_default("uvicorn_log_level"), choices=UVICORN_LOG_LEVELS,
                       help="uvicorn's own log level")
     logs.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log")
     add_engine_args(serve)
+
+
+def _server_default(name: str) -> Any:
+    return default_of(ServerSettings, name)
 
 
 def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
@@ -345,13 +353,11 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from pressroom.entrypoints.openai.server import run_server
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
-    args.model = args.model_tag or args.model
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
-    return run_server(args, engine_kwargs(args), STARTED)
+    settings = ServerSettings.from_args(args)
+    from pressroom.entrypoints.openai.server import run_server
+    return run_server(settings, engine_kwargs(args) | {"model": args.model_tag or args.model}, STARTED)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 from pressroom.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineArgs
 from pressroom.entrypoints import cli
 from pressroom.entrypoints.chat import sampling_params
+from pressroom.entrypoints.openai.settings import ServerSettings
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
 
@@ -174,6 +175,24 @@ def test_serve_logging_flags():
                             "--disable-log-stats", "--log-stats-interval", "2"])
     assert ns.log_level == "DEBUG" and ns.log_stats_interval == 2
     assert ns.disable_log_requests and ns.disable_uvicorn_access_log and ns.disable_log_stats
+
+
+def test_serve_flag_defaults_are_the_server_settings_defaults():
+    assert ServerSettings.from_args(cli.build_parser().parse_args(["serve"])) == ServerSettings()
+
+
+def test_serve_flags_build_the_server_settings():
+    ns = cli.build_parser().parse_args(["serve", "m", "--port", "9", "--api-key", "k", "--disable-metrics-auth",
+                                        "--disable-log-stats", "--disable-log-requests", "--reasoning-parser", "none",
+                                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    settings = ServerSettings.from_args(ns)
+    assert settings.served_model_name == ("m",) and settings.port == 9 and settings.api_key == "k"
+    assert not (settings.metrics_auth or settings.log_requests) and settings.log_stats_interval == 0
+    assert settings.reasoning_parser == "none" and settings.enable_auto_tool_choice
+    named = cli.build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "a", "b"])
+    assert ServerSettings.from_args(named).served_model_name == ("a", "b")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerSettings.from_args(cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
 
 
 def test_serve_help_lists_every_flag():

@@ -55,17 +55,12 @@ from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
+from pressroom.entrypoints.openai.settings import ServerSettings
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
 
 logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-DEFAULT_MAX_CONCURRENT_REQUESTS = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one
-DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-# Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's heartbeat
-# comes every second.
-DEFAULT_ENGINE_STALL_TIMEOUT_S = 60.0
 # After --shutdown-timeout the server ends the requests still in flight itself; uvicorn cancels the handlers of
 # any still not done this much later (only a client that stopped reading its stream can hold one that long).
 SHUTDOWN_BACKSTOP_S = 2.0
@@ -213,50 +208,40 @@ def _add_schemas(app: FastAPI, models: list[tuple[type[BaseModel], JsonSchemaMod
     app.openapi = openapi
 
 
-def _auto_tool_parser(name: str | None, enabled: bool) -> type[ToolCallStream] | None:
-    if enabled and name is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+def _auto_tool_parser(settings: ServerSettings) -> type[ToolCallStream] | None:
+    name = settings.tool_call_parser
     if name is not None and name not in TOOL_PARSERS:
         raise ValueError(f"Unknown tool call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}.")
-    if enabled:
-        logger.info("automatic tool choice: the %s tool call parser", name)
-    return TOOL_PARSERS[name] if enabled else None
+    if not settings.enable_auto_tool_choice:
+        return None
+    logger.info("automatic tool choice: the %s tool call parser", name)
+    return TOOL_PARSERS[name]
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "pressroom:",
-              api_key: str | None = None, max_concurrent_requests: int | None = DEFAULT_MAX_CONCURRENT_REQUESTS,
-              log_stats_interval: float = 10.0, log_requests: bool = True, reasoning_parser: str | None = None,
-              reasoning_start: str = "<think>", reasoning_end: str = "</think>",
-              trust_request_chat_template: bool = False, metrics_auth: bool = True,
-              body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
-              engine_stall_timeout: float | None = DEFAULT_ENGINE_STALL_TIMEOUT_S,
-              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
-    """`reasoning_parser`: "think", "none", or None / "auto" (think for a model with `<think>` markers).
-    `tool_call_parser` (a name in tool_parsers.TOOL_PARSERS) reads the calls of tool_choice "auto", which
-    needs `enable_auto_tool_choice`.
-    `log_requests`: the access line per HTTP request and the line per finished engine request.
-    `metrics_auth`: /metrics needs the API key too (when one is set).
-    `engine_stall_timeout`: /health turns 503 after this many seconds without a word from the engine core
-    (None or 0: only its death does)."""
-    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    reasoning = make_parser(reasoning_parser, engine.tokenizer, reasoning_start, reasoning_end)
-    stats = ServerMetrics(metrics_prefix, names[0], log_requests)  # one for all handlers
+def served_names(settings: ServerSettings, engine: AsyncLLMEngine) -> list[str]:
+    """The names clients use, the first reported: the settings' or else the model's."""
+    return list(settings.served_model_name) or [Path(str(engine.model_path)).stem]
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    names = served_names(settings, engine)
+    reasoning = make_parser(settings.reasoning_parser, engine.tokenizer, settings.reasoning_start,
+                            settings.reasoning_end)
+    stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests)  # one for all handlers
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
-    preprocessor = Preprocessor(engine.tokenizer, 2 * max_request_bytes, trust_request_chat_template)
-    utility = OpenAIServingUtility(engine, names, stats, max_request_bytes, preprocessor,
-                                   stall_timeout=engine_stall_timeout)
-    completion = OpenAIServingCompletion(engine, names, stats, max_request_bytes, preprocessor)
-    chat = OpenAIServingChat(engine, names, stats, max_request_bytes, preprocessor, reasoning,
-                             _auto_tool_parser(tool_call_parser, enable_auto_tool_choice))
-    pooling = OpenAIServingPooling(engine, names, stats, max_request_bytes, preprocessor)
+    preprocessor = Preprocessor(engine.tokenizer, 2 * settings.max_request_bytes, settings.trust_request_chat_template)
+    shared = (engine, names, stats, settings.max_request_bytes, preprocessor)  # every handler's first arguments
+    utility = OpenAIServingUtility(*shared, stall_timeout=settings.engine_stall_timeout)
+    completion = OpenAIServingCompletion(*shared)
+    chat = OpenAIServingChat(*shared, reasoning, _auto_tool_parser(settings))
+    pooling = OpenAIServingPooling(*shared)
 
     @asynccontextmanager
     async def lifespan(_):
         await preprocessor.start()
         logging_task = None
-        if log_stats_interval > 0:
-            logging_task = asyncio.create_task(stats.log_periodically(engine.stats, log_stats_interval))
+        if settings.log_stats_interval > 0:
+            logging_task = asyncio.create_task(stats.log_periodically(engine.stats, settings.log_stats_interval))
         yield
         if logging_task is not None:
             logging_task.cancel()
@@ -265,14 +250,24 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
-    app.add_middleware(_BodyDeadline, timeout_s=body_read_timeout)
-    open_paths = ("/health",) if metrics_auth else ("/health", "/metrics")
+    _add_middleware(app, settings)
+    _add_exception_handlers(app)
+    _add_routes(app, utility, completion, chat, pooling)
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
+    app.add_middleware(_BodyDeadline, timeout_s=settings.body_read_timeout)
+    open_paths = ("/health",) if settings.metrics_auth else ("/health", "/metrics")
     # the chat page needs no key to load: it asks for one and sends it with its API calls
     open_paths += ("/", *(f"/static/{path.name}" for path in STATIC_DIR.iterdir()))
-    app.add_middleware(_Guard, api_key=api_key, max_concurrent=max_concurrent_requests, open_paths=open_paths)
-    if log_requests:
+    app.add_middleware(_Guard, api_key=settings.api_key, max_concurrent=settings.max_concurrent_requests,
+                       open_paths=open_paths)
+    if settings.log_requests:
         app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
 
+
+def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
         return e.response()
@@ -295,6 +290,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
         logger.exception("internal error")
         return error_response(500, f"Internal server error: {type(e).__name__}", "internal_server_error")
 
+
+def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIServingCompletion,
+                chat: OpenAIServingChat, pooling: OpenAIServingPooling) -> None:
     app.get("/", include_in_schema=False)(_chat_page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.get("/health")(utility.health)
@@ -313,7 +311,6 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str],
     _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
-    return app
 
 
 async def _chat_page() -> FileResponse:
@@ -377,27 +374,12 @@ class _GracefulServer(uvicorn.Server):
                            ended)
 
 
-def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
+def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | None = None) -> int:
     """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
     started = time.monotonic() if started is None else started
     from pressroom.config import EngineArgs
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
-    names = args.served_model_name or [engine_kwargs.get("model") or Path(str(engine.model_path)).stem]
-    # getattr: flags that an older CLI (or a caller's own namespace) may not define
-    app = build_app(engine, names, max_request_bytes=args.max_request_bytes,
-                    metrics_prefix=args.metrics_prefix, api_key=args.api_key,
-                    max_concurrent_requests=getattr(args, "max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS),
-                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
-                    metrics_auth=not getattr(args, "disable_metrics_auth", False),
-                    body_read_timeout=getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S),
-                    engine_stall_timeout=getattr(args, "engine_stall_timeout", DEFAULT_ENGINE_STALL_TIMEOUT_S),
-                    log_stats_interval=0 if getattr(args, "disable_log_stats", False) else args.log_stats_interval,
-                    log_requests=not getattr(args, "disable_log_requests", False),
-                    reasoning_parser=getattr(args, "reasoning_parser", None),
-                    reasoning_start=getattr(args, "reasoning_start_str", None) or "<think>",
-                    reasoning_end=getattr(args, "reasoning_end_str", None) or "</think>",
-                    tool_call_parser=getattr(args, "tool_call_parser", None),
-                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
+    app = build_app(engine, settings)
     app_lifespan = app.router.lifespan_context
 
     @asynccontextmanager
@@ -410,11 +392,11 @@ def run_server(args, engine_kwargs: dict, started: float | None = None) -> int:
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
 
     app.router.lifespan_context = lifespan
-    logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
-    grace = max(0.0, args.shutdown_timeout)
-    header_timeout = getattr(args, "body_read_timeout", DEFAULT_BODY_READ_TIMEOUT_S)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not getattr(args, "disable_uvicorn_access_log", False),
+    logger.info("serving %s on http://%s:%d", served_names(settings, engine)[0], settings.host, settings.port)
+    grace = max(0.0, settings.shutdown_timeout)
+    header_timeout = settings.body_read_timeout
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                            access_log=settings.uvicorn_access_log,
                             timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S,
                             http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
     server = _GracefulServer(config, engine, grace)

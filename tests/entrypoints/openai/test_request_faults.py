@@ -13,8 +13,10 @@ import pytest
 from pressroom import EngineArgs, SamplingParams
 from pressroom.engine.async_engine import AsyncLLMEngine
 from pressroom.entrypoints.openai.server import build_app
+from pressroom.entrypoints.openai.settings import ServerSettings
 
 BAD = 49151  # a token id only the failing request's prompt holds (the tiny model's last one)
+QUIET = ServerSettings(served_model_name=("tiny",), log_stats_interval=0, log_requests=False)
 
 
 class FakePanic(BaseException):
@@ -79,7 +81,7 @@ def test_a_failing_request_ends_alone_and_the_engine_serves_on(engine, failing_d
 
 
 def test_the_server_answers_a_failing_request_with_an_error_and_serves_the_others(engine, failing_decode):
-    app = build_app(engine, "tiny", log_stats_interval=0, log_requests=False)
+    app = build_app(engine, QUIET)
     bad_prompt = {"model": "tiny", "prompt": [1, 2, BAD], "max_tokens": 20, "ignore_eos": True}
     good_prompt = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "ignore_eos": True}
 
@@ -127,7 +129,7 @@ def test_a_tokenizer_failure_on_a_prompt_is_a_400_for_that_request_alone(engine,
         return encode(text, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", encode_or_fail)
-    app = build_app(engine, "tiny", log_stats_interval=0, log_requests=False)
+    app = build_app(engine, QUIET)
     good_prompt = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
 
     async def main():

@@ -1,0 +1,61 @@
+"""The server's settings: one frozen object, built once from `pressroom serve`'s flags (whose defaults are
+read from here) and handed to build_app and run_server. Light to import: the CLI reads it at start-up."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("auto", "think", "none")  # auto: think for a model whose template or vocabulary has the markers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    served_model_name: tuple[str, ...] = ()  # the names clients use, the first reported (none: the model's)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # `Authorization: Bearer KEY` on every route but /health and the chat page
+    metrics_auth: bool = True  # /metrics needs the API key too (when one is set)
+    max_request_bytes: int = 8 << 20  # larger bodies get a 413
+    # seconds a client has to send a request's whole body (a 408 after), and a new connection its first request's
+    # headers (closed after); 0: no limit
+    body_read_timeout: float = 30.0
+    max_concurrent_requests: int = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one (0: no limit)
+    trust_request_chat_template: bool = False
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get on SIGTERM before the server ends them
+    # /health turns 503 after this many seconds without a word from the engine core (0: only its death does).
+    # Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's
+    # heartbeat comes every second.
+    engine_stall_timeout: float = 60.0
+    metrics_prefix: str = "pressroom:"
+    reasoning_parser: str = "auto"  # one of REASONING_PARSERS (reasoning.make_parser checks it)
+    reasoning_start: str = "<think>"
+    reasoning_end: str = "</think>"
+    # tool_choice "auto" (the default with tools) lets the model call tools; the parser reads its calls
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    log_requests: bool = True  # the access line per HTTP request and the line per finished engine request
+    log_stats_interval: float = 10.0  # seconds between periodic stats lines (0: none)
+    uvicorn_log_level: str = "warning"
+    uvicorn_access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        """From `pressroom serve`'s flags; the model as given (MODEL or --model) names it unless
+        --served-model-name does."""
+        model = args.model_tag or args.model
+        return cls(served_model_name=tuple(args.served_model_name or ([model] if model else [])),
+                   host=args.host, port=args.port, api_key=args.api_key, metrics_auth=not args.disable_metrics_auth,
+                   max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
+                   max_concurrent_requests=args.max_concurrent_requests,
+                   trust_request_chat_template=args.trust_request_chat_template,
+                   shutdown_timeout=args.shutdown_timeout, engine_stall_timeout=args.engine_stall_timeout,
+                   metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
+                   reasoning_start=args.reasoning_start_str, reasoning_end=args.reasoning_end_str,
+                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                   log_requests=not args.disable_log_requests,
+                   log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
+                   uvicorn_log_level=args.uvicorn_log_level, uvicorn_access_log=not args.disable_uvicorn_access_log)
