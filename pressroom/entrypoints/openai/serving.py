@@ -1,16 +1,16 @@
 """What the OpenAI handlers share: the `OpenAIServing` base (body parsing under a size limit, the model
-check, prompt work on the Preprocessor, sampling params, adding requests, SSE), the helpers for
-streams of outputs, the access-log record a handler fills in, and `OpenAIServingUtility` with the small
-endpoints (health, version, metrics, models, tokenize, detokenize). Completions and chat live in
-serving_completion.py and serving_chat.py.
+check, prompt work on the Preprocessor, sampling params, adding requests, SSE), a request's routing
+(priority, session, data-parallel rank), the pieces of responses, the access-log record a handler fills in,
+and `OpenAIServingUtility` with the small endpoints (health, version, metrics, models, tokenize, detokenize).
+Completions and chat live in serving_completion.py and serving_chat.py; the plumbing of output streams in
+streams.py.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,6 +40,7 @@ from pressroom.entrypoints.openai.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
+from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
 from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
@@ -165,12 +166,11 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
 
     async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
-                       priority: int, session_id: str | None = None, data_parallel_rank: int | None = None
-                       ) -> list[AsyncIterator[RequestOutput]]:
+                       routing: Routing) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
         request's access record gets its id, session and token counts (completion tokens as they come)."""
         record = access_record(request)
-        record.request_id, record.session_id = rid, session_id
+        record.request_id, record.session_id = rid, routing.session_id
         record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
         record.completion_tokens = 0
         for _, params in requests:  # parsed on the tokenizer threads; the engine's own check then finds it cached
@@ -180,8 +180,8 @@ class OpenAIServing:
         try:
             for i, (prompt, params) in enumerate(requests):
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
-                added = await self.engine.add_request(req_id, prompt, params, priority, session_id,
-                                                      data_parallel_rank=data_parallel_rank)
+                added = await self.engine.add_request(req_id, prompt, params, routing.priority, routing.session_id,
+                                                      data_parallel_rank=routing.data_parallel_rank)
                 streams.append(_count_completion_tokens(self.stats.observe(added), record))
         except BaseException as e:
             for s in streams:
@@ -208,7 +208,7 @@ class OpenAIServing:
                 yield sse_error(e.message, e.type, e.status)
             except Exception:  # noqa: BLE001 — a fault of this one stream: it ends with an error, the rest go on
                 logger.exception("a stream's handler failed")
-                yield sse_error(_FAILED_MESSAGE, "internal_server_error", 500)
+                yield sse_error(FAILED_MESSAGE, "internal_server_error", 500)
             yield "data: [DONE]\n\n"
         return _EventStream(body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -283,9 +283,6 @@ class OpenAIServingUtility(OpenAIServing):
 # ---- helpers of the handlers ----
 
 _TOO_DEEP = "The body nests too deeply."
-_FAILED_MESSAGE = ("The server failed while processing this request's output; the request was ended (other "
-                   "requests are not affected).")
-ERROR = "error"  # the finish reason of a request whose output handling failed (LLMEngine.process_outputs)
 ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdown, a dead engine): vLLM's
 
 
@@ -308,13 +305,6 @@ def sse_data(model: BaseModel) -> str:
 def sse_error(message: str, type_: str, status: int) -> str:
     """An OpenAI-style error event of a stream: `data: {"error": {...}}`."""
     return sse_data(ErrorResponse(error=ErrorInfo(message=message, type=type_, code=status)))
-
-
-def raise_if_failed(outputs) -> None:
-    """A 500 for a request one of whose outputs ended with finish_reason "error" (its handling failed in the
-    engine's front-end; the engine logged why)."""
-    if any(c.finish_reason == ERROR for out in outputs for c in out.outputs):
-        raise APIError(500, _FAILED_MESSAGE, "internal_server_error")
 
 
 def finite_logprob(x: float) -> float:
@@ -367,6 +357,21 @@ def request_session_id(request: Request, field: str | None) -> str | None:
     return header or None
 
 
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How the engine runs a generation request, from its body's fields and its headers."""
+    priority: int
+    session_id: str | None
+    data_parallel_rank: int | None
+
+
+def request_routing(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Routing:
+    """Read before any prompt work, so that a bad header is a 400 at once."""
+    return Routing(priority=request_priority(request, body.priority),
+                   session_id=request_session_id(request, body.session_id),
+                   data_parallel_rank=request_data_parallel_rank(request, body.data_parallel_rank))
+
+
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -383,76 +388,3 @@ async def _count_completion_tokens(stream: AsyncIterator[RequestOutput],
             record.completion_tokens += tokens - seen
             seen = tokens
             yield out
-
-
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from several streams as they come; leaving early closes (aborts) them all."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
-        except BaseException as e:
-            queue.put_nowait((i, e))
-            raise
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """The final output of each stream, in order; a 503 if any stream ended without one (aborted, or the
-    engine ended it), a 500 if one failed (finish_reason "error")."""
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async for i, out in merge_streams(streams):
-            if out.finished:
-                finals[i] = out
-    except EngineDeadError as e:  # the core died, or the server's shutdown ended the request
-        raise APIError(503, str(e), "service_unavailable") from None
-    if len(finals) != len(streams):
-        raise APIError(503, "The request was aborted.", "service_unavailable")
-    raise_if_failed(finals.values())
-    return [finals[i] for i in range(len(streams))]
-
-
-async def with_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Awaits `work`, cancelling it (and so aborting its requests) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # lets its streams abort their requests
-    if task.cancelled():
-        raise APIError(499, "The client closed the request.")
-    return task.result()

@@ -34,18 +34,13 @@ from pressroom.entrypoints.openai.reasoning import ReasoningParser, ReasoningStr
 from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
-    collect_finals,
     finite_logprob,
-    merge_streams,
-    raise_if_failed,
-    request_data_parallel_rank,
-    request_priority,
-    request_session_id,
+    request_routing,
     sse_data,
     top_logprobs,
     usage_of,
-    with_disconnect,
 )
+from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
 from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
 from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -68,8 +63,7 @@ class OpenAIServingChat(OpenAIServing):
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
-        priority = request_priority(request, req.priority)
-        session_id = request_session_id(request, req.session_id)
+        routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.template_kwargs, req.chat_template, tools.template_tools)
@@ -82,8 +76,7 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], priority, session_id,
-                                      request_data_parallel_rank(request, req.data_parallel_rank))
+        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], routing)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))

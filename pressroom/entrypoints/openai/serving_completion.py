@@ -19,18 +19,13 @@ from pressroom.entrypoints.openai.protocol import (
 from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
-    collect_finals,
     finite_logprob,
-    merge_streams,
-    raise_if_failed,
-    request_data_parallel_rank,
-    request_priority,
-    request_session_id,
+    request_routing,
     sse_data,
     top_logprobs,
     usage_of,
-    with_disconnect,
 )
+from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.outputs import PositionLogprobs, RequestOutput
 
 MAX_SEQUENCES = 1024  # prompts x n in one request
@@ -44,8 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported; use n.", param="best_of")
-        priority = request_priority(request, req.priority)
-        session_id = request_session_id(request, req.session_id)
+        routing = request_routing(request, req)
         try:
             given = _prompt_list(req.prompt)
         except ValueError as e:
@@ -57,8 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
         rid = random_id("cmpl")
         streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
-                                                     for (text, ids), sp in zip(prompts, params)],
-                                      priority, session_id, request_data_parallel_rank(request, req.data_parallel_rank))
+                                                     for (text, ids), sp in zip(prompts, params)], routing)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))

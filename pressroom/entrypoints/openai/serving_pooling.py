@@ -37,13 +37,8 @@ from pressroom.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pressroom.entrypoints.openai.serving import (
-    OpenAIServing,
-    access_record,
-    merge_streams,
-    request_priority,
-    with_disconnect,
-)
+from pressroom.entrypoints.openai.serving import OpenAIServing, access_record, request_priority
+from pressroom.entrypoints.openai.streams import merge_streams, with_disconnect
 from pressroom.outputs import PoolingRequestOutput
 from pressroom.pooling_params import PoolingParams
 
