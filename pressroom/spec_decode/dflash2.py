@@ -28,6 +28,7 @@ from torch import nn
 
 from pressroom.config import SpeculativeConfig
 from pressroom.spec_decode.selector import CandidateScorer, conditionals_batch, lattice, select_path, viterbi_batch
+from pressroom.worker.device import synchronize
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
@@ -210,10 +211,10 @@ class DFlash2Proposer(Proposer):
     def _best_time(self, fn) -> float:
         best = float("inf")
         for _ in range(3):  # the first warms up
-            self.target._sync()
+            synchronize(self.target.device)
             start = time.perf_counter()
             fn()
-            self.target._sync()
+            synchronize(self.target.device)
             best = min(best, time.perf_counter() - start)
         return best
 

@@ -33,6 +33,7 @@ from pressroom.model.loader import load_model
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.profiling import profile_step_costs
 from pressroom.worker.proposer import DeviceDrafts, Draft, DraftRequest, Proposer, TargetStep
 from pressroom.worker.sampler import probabilities
 
@@ -101,7 +102,7 @@ class DraftModelProposer(Proposer):
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         """Seconds of one draft step over each number of single-token rows (the budget's draft cost)."""
         self._ensure_any_cache()
-        return self.runner.profile_step_costs(counts, 1)
+        return profile_step_costs(self.runner, counts, 1)
 
     def profile_first_draft_steps(self, counts: list[int]) -> list[tuple[int, float]] | None:
         """Under async scheduling, seconds of the mirror pass that makes the first draft, over each number
@@ -110,7 +111,7 @@ class DraftModelProposer(Proposer):
         if not self.target.device_drafting:
             return None
         self._ensure_mirror_cache()
-        return [(n // 2, t) for n, t in self.runner.profile_step_costs([2 * c for c in counts], 2)]
+        return [(n // 2, t) for n, t in profile_step_costs(self.runner, [2 * c for c in counts], 2)]
 
     def capture_cudagraphs(self, compilation, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """The draft model's own graphs: single-token draft steps, and under async scheduling its mirror

@@ -33,6 +33,7 @@ from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
 from pressroom.spec_decode.draft_model import draw_rows
 from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.profiling import profile_step_costs
 from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 
 
@@ -205,7 +206,7 @@ class MTPProposer(Proposer):
 
     def profile_decode_steps(self, counts: list[int]) -> list[tuple[int, float]]:
         self._ensure_cache()
-        return self.runner.profile_step_costs(counts, 1)
+        return profile_step_costs(self.runner, counts, 1)
 
     def _ensure_cache(self) -> None:
         if not self.runner.kv_caches:  # the target's blocks; its tables' width includes the lookahead

@@ -89,6 +89,13 @@ class RequestGrammar:
             m.rollback(accepted)
         return rows
 
+    def allowed_prefix(self, token_ids: list[int], drafts: list[int]) -> list[int]:
+        """`drafts` up to the first the grammar forbids after `token_ids` (verifying past it is wasted)."""
+        if self.broken:
+            return drafts
+        self.catch_up(token_ids)
+        return drafts[:self.valid_prefix(drafts)]
+
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many leading drafts the grammar allows (the matcher is left as it was)."""
         m, n = self.matcher, 0

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from pressroom.core.outputs import KVTransfers
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size
 from pressroom.kv_offload.slab import MappedSlab, SlabHandle
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.linear import QKVParallelLinear, head_split
 from pressroom.worker.device import to_device
 
 
@@ -23,6 +26,33 @@ class HeadRange:
     count: int
     total: int
     writes: bool = True
+
+
+def kv_chunk_shape(layers: list[Attention], heads: HeadRange, block_size: int) -> tuple[int, ...]:
+    """One block's KV over every attention layer and every KV head of the model, as the offload tiers hold
+    it: [kv_heads, layers, planes, block_size, head_dim]."""
+    shapes = {layer.cache_shape(1, block_size) for layer in layers}
+    if len(shapes) != 1:
+        raise ValueError("KV offloading needs every attention layer's cache in one shape; this model's "
+                         "layers differ.")
+    planes, _, block, _, dim = shapes.pop()
+    return (heads.total, len(layers), planes, block, dim)
+
+
+def kv_head_range(model: torch.nn.Module, layers: list[Attention]) -> HeadRange:
+    """This rank's KV heads among the model's (all of them without tensor parallelism)."""
+    heads = layers[0].num_kv_heads
+    if get_tp_size() == 1:
+        return HeadRange(0, heads, heads)
+    qkv = next((m for m in model.modules() if isinstance(m, QKVParallelLinear)), None)
+    if qkv is None or qkv.num_kv_heads != heads:
+        raise ValueError("KV offloading with tensor parallelism needs a model whose attention projects "
+                         "keys and values per KV head (QKVParallelLinear); this one does not.")
+    rank = get_tp_rank()
+    # a replicated KV head is written by the first rank that holds it
+    previous = head_split(qkv.total_heads, qkv.total_kv_heads, get_tp_size(), rank - 1) if rank else None
+    writes = previous is None or previous[2] != qkv.kv_start
+    return HeadRange(qkv.kv_start, heads, qkv.total_kv_heads, writes)
 
 
 class OffloadCopier:

@@ -22,6 +22,8 @@ from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_t
 from pressroom.model.loader import load_model
 from pressroom.worker.collective_profile import CollectiveProfile
 from pressroom.worker.model_runner import ModelRunner
+from pressroom.worker.offload_copier import kv_chunk_shape, kv_head_range
+from pressroom.worker.profiling import profile_peak_memory, profile_step_costs
 from pressroom.worker.proposer import Proposer
 
 logger = logging.getLogger("pressroom")
@@ -90,9 +92,8 @@ class Worker:
         spec = config.speculative
         if spec is not None and spec.method == "mtp" and not spec.model:  # the target's checkpoint holds the layer
             spec = replace(spec, model=loaded.source)
-        runner.set_proposer(self._make_proposer(spec, runner))
-        if spec is not None and spec.rejection_sample_method == "synthetic":
-            runner.synthetic_rates = spec.synthetic_acceptance_rates
+        synthetic = spec is not None and spec.rejection_sample_method == "synthetic"
+        runner.set_proposer(self._make_proposer(spec, runner), spec.synthetic_acceptance_rates if synthetic else None)
         self.model_runner = runner
         per_block = runner.kv_cache_bytes_per_block()
         if runner.proposer is not None:  # a draft model's cache has as many blocks
@@ -100,7 +101,10 @@ class Worker:
         device_drafts = spec.num_speculative_tokens if runner.device_drafting else 0
         shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
         lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
-        chunk = runner.kv_chunk_shape() if config.offload is not None else None
+        chunk = None
+        if config.offload is not None:
+            layers = runner.attention_layers
+            chunk = kv_chunk_shape(layers, kv_head_range(self.model, layers), config.cache.block_size)
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config, self.model), per_block,
                          lookahead, device_drafts, chunk)
 
@@ -124,8 +128,8 @@ class Worker:
         cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        peak = self.model_runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                                     _max_position(self.hf_config, self.model))
+        peak = profile_peak_memory(self.model_runner, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                   _max_position(self.hf_config, self.model))
         free, total = torch.cuda.mem_get_info()
         outside_torch = (total - free) - torch.cuda.memory_reserved()
         graphs = 0 if self.config.compilation.enforce_eager else CUDA_GRAPH_RESERVE
@@ -167,11 +171,11 @@ class Worker:
         largest = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
         ladder = [n for n in PROFILE_LADDER if n < largest] + [largest]
         counts = [n for n in ladder if n <= sched.max_num_seqs]
-        decode = runner.profile_step_costs(counts, 1)
-        verify = runner.profile_step_costs(ladder, 1 + max_drafts)
+        decode = profile_step_costs(runner, counts, 1)
+        verify = profile_step_costs(runner, ladder, 1 + max_drafts)
         bs, rows = self.config.cache.block_size, min(64, largest)  # rows is on the ladder: measured at short context
         long_ctx = max(2 * bs, min(1024, max_model_len // 2) // bs * bs)
-        long_t = runner.profile_step_costs([rows], 1 + max_drafts, long_ctx)[0][1]
+        long_t = profile_step_costs(runner, [rows], 1 + max_drafts, long_ctx)[0][1]
         per_context_token = max(0.0, (long_t - dict(verify)[rows]) / (rows * (long_ctx - bs)))
         proposer = runner.proposer
         drafts = proposer.profile_decode_steps(counts)  # each draft position has a cost of its own
@@ -195,7 +199,7 @@ class Worker:
     def discard_inflight(self) -> None:
         """Drops the async carry-over (the last launched step and its tokens on the device) after a step
         failed: the requests it held are ended, and a stale output must not be resolved again."""
-        self.model_runner.pending = self.model_runner.prev = None
+        self.model_runner.discard_inflight()
 
     def shutdown(self) -> None:
         """Drops the model and its caches and returns the device's memory. The model's modules hold cycles

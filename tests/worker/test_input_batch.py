@@ -1,5 +1,5 @@
 """The persistent input batch: one step's inputs laid out in buffers allocated once, and the runner's
-`_prepare` filling them with exactly the flat batch it built from Python lists before."""
+`StepBatchBuilder.build` filling them with exactly the flat batch it built from Python lists before."""
 from __future__ import annotations
 
 import numpy as np
@@ -82,7 +82,7 @@ def test_prepare_fills_the_persistent_buffers():
         if step:  # what the first step sampled
             runner.states["decode"].token_ids.append(206)
             runner.states["prefill"].token_ids.append(110)
-        batch = runner._prepare(sched)
+        batch = runner._batch_builder().build(sched, runner.states, None, None)
         order, ids, positions, slots, lens, loc, tables = _reference(runner, sched)
         meta = batch.meta
         assert [s.req_id for s in batch.order] == order
@@ -94,6 +94,6 @@ def test_prepare_fills_the_persistent_buffers():
         assert meta.max_query_len == max(b - a for a, b in zip(loc, loc[1:]))
         assert meta.query_start_loc_device is None and meta.num_kv_splits == 1
         if buffer is None:
-            buffer = runner.input_batch.host.data_ptr()
-        assert runner.input_batch.host.data_ptr() == buffer  # no step allocates its inputs afresh
-        assert buffer <= batch.input_ids.data_ptr() < buffer + runner.input_batch.capacity
+            buffer = runner._batch_builder().inputs.host.data_ptr()
+        assert runner._batch_builder().inputs.host.data_ptr() == buffer  # no step allocates its inputs afresh
+        assert buffer <= batch.input_ids.data_ptr() < buffer + runner._batch_builder().inputs.capacity

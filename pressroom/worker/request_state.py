@@ -1,0 +1,45 @@
+"""The model runner's view of each request it runs: its tokens, blocks and progress."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pressroom.core.outputs import NewRequestData
+from pressroom.pooling_params import PoolingParams
+from pressroom.sampling_params import SamplingParams
+from pressroom.worker.grammar import GrammarReader, RequestGrammar
+from pressroom.worker.sampler import SamplingRow
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+    # Tokens steps in flight may emit, not yet appended to token_ids (async scheduling): 1 + drafts each.
+    num_inflight: int = 0
+    pooling: PoolingParams | None = None  # a pooling request: pooled after its prompt, never sampled
+    grammar: RequestGrammar | None = None  # structured outputs: the matcher that masks its logits
+
+    @classmethod
+    def start(cls, new: NewRequestData, grammars: GrammarReader) -> CachedRequestState:
+        grammar = None if new.grammar is None else \
+            RequestGrammar.start(grammars.compiled(new.grammar), new.eos_token_id, new.num_prompt_tokens)
+        return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
+                   new.num_computed_tokens, new.eos_token_id, pooling=new.pooling, grammar=grammar)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def sampling_row(self, drafts: list[int] = ()) -> SamplingRow:
+        """The sampler's view, its output followed by `drafts` (a verification position's history)."""
+        return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
+                           self.token_ids[self.num_prompt_tokens:] + list(drafts), self.eos_token_id)
+
+    def bare_sampling_row(self) -> SamplingRow:
+        """The sampler's view without token histories (copied only where the sampler reads them)."""
+        return SamplingRow(self.params, [], [], self.eos_token_id)
