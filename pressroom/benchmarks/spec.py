@@ -179,9 +179,9 @@ def measure_logged(llm, name: str, prompts: list[list[int]], c: int, args, devic
 def finish_engine(llm, variant: Variant, meta: dict, device: torch.device, log) -> dict:
     meta |= {"async_scheduling": llm.engine.config.scheduler.async_scheduling,
              "adaptive_budget": budget_curves(llm.engine.scheduler.spec_budget)}
-    del llm
+    llm.shutdown()  # the caller still holds the LLM: deleting this name alone would free nothing
     free_device_memory(device)
-    if device.type == "cuda":  # the next engine sizes nothing from free memory, but a leak would still show here
+    if device.type == "cuda":  # a leak would show here
         log(f"{variant.name}: engine freed, {allocated_bytes(device) / (1 << 30):.2f} GiB still allocated")
     return meta
 

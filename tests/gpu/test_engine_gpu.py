@@ -315,3 +315,18 @@ def test_moe_profile_leaves_room_for_a_batch_routed_to_one_expert(tmp_path):
     same = random_prompts(1, low=2000, high=2001, seed=1)[0]
     outs = _tokens(llm, [same] * 4, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False))
     assert all(len(o) == 4 for o in outs)
+
+
+def test_engines_freed_in_process_return_their_memory(model_dir):
+    """Three engines in a row in one process (a notebook sweeping configurations): each shutdown gives back
+    every byte its weights, KV cache, CUDA graphs and activations held, so the next gets the full budget."""
+    path = model_dir("llama-d128")
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for kwargs in ({}, {"enforce_eager": True}, {"max_num_seqs": 8}):
+        llm = _llm(path, **kwargs)
+        _tokens(llm, random_prompts(4, vocab=SHAPES["llama-d128"]["vocab_size"]))
+        assert torch.cuda.memory_allocated() > baseline
+        llm.shutdown()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == baseline, kwargs
