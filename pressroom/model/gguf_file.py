@@ -13,7 +13,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +101,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
 _KNOWN_GGML_TYPES = frozenset(int(t) for t in gguf.GGML_QUANT_SIZES)
 
+_U64 = struct.Struct("<Q")  # a string's length: read ~100k times a vocabulary, compiled once
 # GGUF metadata scalar types -> struct codes (little-endian).
 _SCALAR_FORMATS: dict[int, str] = {
     gguf.GGUFValueType.UINT8: "<B",
@@ -328,29 +329,16 @@ def _check_magic(path: str) -> None:
         raise ValueError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected {_GGUF_MAGIC!r})")
 
 
-# Parsed headers by (path, size, mtime): loading a model opens its file three times (config, weights,
-# tokenizer), and the vocabulary's ~100k strings take half a second to parse in Python each time.
-_HEADERS: dict[tuple[str, int, int], tuple[dict[str, Any], list[_TensorInfo]]] = {}
-_HEADERS_KEPT = 4
-
-
 def _open(path: str) -> _GgufFile:
     _check_magic(path)
     with open(path, "rb") as f:
         # The mapping outlives the file object; tensors are zero-copy views into it.
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        stat = os.fstat(f.fileno())
-    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _HEADERS:
-        try:
-            parsed = _parse_header(buffer, path)
-        except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as exc:
-            # Reads past the end of the mapping surface as struct.error; a cut-off header is the usual cause.
-            raise ValueError(f"GGUF file {path} is truncated or corrupt in its header: {exc}") from exc
-        if len(_HEADERS) >= _HEADERS_KEPT:
-            _HEADERS.pop(next(iter(_HEADERS)))
-        _HEADERS[key] = parsed
-    metadata, tensors = _HEADERS[key]
+    try:
+        metadata, tensors = _parse_header(buffer, path)
+    except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as exc:
+        # Reads past the end of the mapping surface as struct.error; a cut-off header is the usual cause.
+        raise ValueError(f"GGUF file {path} is truncated or corrupt in its header: {exc}") from exc
     _check_complete(tensors, len(buffer), path)
     arch = metadata.get("general.architecture")
     if arch not in _ARCHS:
@@ -370,6 +358,28 @@ def _check_complete(tensors: list[_TensorInfo], size: int, path: str) -> None:
 
 
 # --- header parsing ------------------------------------------------------------------------
+
+
+class _Strings(Sequence[str]):
+    """A metadata array of strings, decoded at its first read: every model is opened several times (config,
+    weights, tokenizer), the loader never reads its vocabulary's and merges' ~100k strings, and decoding them took
+    most of a header's parse (70 ms for SmolLM2's 49k-token vocabulary; stepping over them takes 5)."""
+
+    __slots__ = ("_buf", "_start", "_count", "_values")
+
+    def __init__(self, buf: mmap.mmap, start: int, count: int) -> None:
+        self._buf, self._start, self._count = buf, start, count
+        self._values: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if self._values is None:
+            cursor = _Cursor(self._buf, "")
+            cursor.pos = self._start
+            self._values = [cursor.string() for _ in range(self._count)]
+        return self._values[index]
 
 
 class _Cursor:
@@ -395,6 +405,16 @@ class _Cursor:
         self.pos += length
         return raw.decode("utf-8")
 
+    def strings(self, count: int) -> _Strings:
+        """`count` strings, stepped over (only their lengths read): decoded when the array is read."""
+        start, pos, buf, length = self.pos, self.pos, self.buf, _U64.unpack_from
+        for _ in range(count):
+            pos += 8 + length(buf, pos)[0]
+        if pos > len(buf):
+            raise struct.error(f"array of {count} strings runs past end of file")
+        self.pos = pos
+        return _Strings(buf, start, count)
+
     def value(self, value_type: int) -> Any:
         if value_type == gguf.GGUFValueType.STRING:
             return self.string()
@@ -404,9 +424,11 @@ class _Cursor:
             raise ValueError(f"GGUF file {self.path} is corrupt: unknown metadata value type {value_type}")
         return self.scalar(_SCALAR_FORMATS[value_type])
 
-    def array(self) -> list[Any]:
+    def array(self) -> Sequence[Any]:
         item_type = self.scalar("<I")
         count = self.scalar("<Q")
+        if item_type == gguf.GGUFValueType.STRING:
+            return self.strings(count)
         if item_type in _SCALAR_FORMATS:
             # Numeric arrays (token types, scores) in one struct call instead of a Python loop.
             fmt = f"<{count}{_SCALAR_FORMATS[item_type][1]}"
