@@ -353,7 +353,7 @@ class OffloadConfig:
             raise ValueError("the KV offload CPU tier needs a positive size (--kv-offloading-size, GiB).")
 
     @classmethod
-    def from_args(cls, size_gib: float | None, disk_path: str | None, disk_gib: float | None,
+    def from_args(cls, *, size_gib: float | None, disk_path: str | None, disk_gib: float | None,
                   transfer: dict | str | None) -> OffloadConfig | None:
         """From pressroom's flags, or vLLM's --kv-transfer-config (OffloadingConnector; its extra config's
         cpu_bytes_to_use and secondary_tiers: [{"type": "fs", "path", "max_bytes"} | {"type": "module",
@@ -716,8 +716,8 @@ class EngineArgs:
         return {"runner": runner, "pooler": pooler, "encoder_only": encoder}
 
     def _offload_config(self) -> OffloadConfig | None:
-        offload = OffloadConfig.from_args(self.kv_offloading_size, self.kv_offloading_disk_path,
-                                          self.kv_offloading_disk_size, self.kv_transfer_config)
+        offload = OffloadConfig.from_args(size_gib=self.kv_offloading_size, disk_path=self.kv_offloading_disk_path,
+                                          disk_gib=self.kv_offloading_disk_size, transfer=self.kv_transfer_config)
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
                              "(drop --no-enable-prefix-caching).")
