@@ -68,6 +68,48 @@ def _locate(pid, qsl_ptr, num_reqs, blocks_per_req, DIRECT: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _request_queries(req, q_block, qsl_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr):
+    """Request `req`'s first query token, query count and context length, and the first query (within the
+    request) of q block `q_block`."""
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    return q_start, q_len, seq_len, q_block * BLOCK_Q
+
+
+@triton.jit
+def _context_span(seq_len, q_len, first_q, split, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """What a q block's split walks: the queries are the last q_len positions of the context (prefix of them
+    before), split `split` reads positions [lo, hi), and tiles before full_end are seen whole by every query of
+    the block (no mask)."""
+    prefix = seq_len - q_len
+    block_end = tl.minimum(seq_len, prefix + first_q + BLOCK_Q)  # what the block's last query sees
+    per_split = _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, block_end)
+    full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
+    return prefix, lo, hi, full_end
+
+
+@triton.jit
+def _write_rows(m, l, acc, out_ptr, token_rows, head_rows, stride_ot, stride_oh, part, row_ok, offs_d, d_ok,
+                part_out_ptr, part_max_ptr, part_sum_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The rows' outputs, row r at out_ptr + token_rows[r] * stride_ot + head_rows[r] * stride_oh (both [rows, 1],
+    or a scalar token); with splits, their partials (max, sum, unnormalised output) at index `part` [rows] of
+    the [tokens, heads, splits] workspace instead."""
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + token_rows * stride_ot + head_rows * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        tl.store(part_max_ptr + part, m, mask=row_ok)
+        tl.store(part_sum_ptr + part, l, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+
+
+@triton.jit
 def _query_rows(q_start, q_len, q_block, kv_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """Per row of the tile: index of its query within the request, token, head, and whether it is real."""
@@ -138,12 +180,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req, q_block = _locate(tl.program_id(0), qsl_ptr, num_reqs, blocks_per_req, DIRECT, BLOCK_Q, BLOCK_B)
-    if req >= num_reqs:
+    if req >= num_reqs:  # a surplus program (a Triton helper cannot end its caller: each exit stays here)
         return
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    first_q = q_block * BLOCK_Q
+    q_start, q_len, seq_len, first_q = _request_queries(req, q_block, qsl_ptr, seq_lens_ptr, BLOCK_Q)
     if (first_q >= q_len) | (seq_len <= 0):  # surplus q block or padding request: write nothing
         return
     q_idx, tokens, heads, row_ok = _query_rows(q_start, q_len, q_block, kv_head, GROUP, GROUP_PAD, BLOCK_M)
@@ -155,15 +194,10 @@ def _paged_attention_kernel(
     if FP8_CACHE:  # fp16 dots: FP8 widens to fp16 in one instruction per pair, to bf16 it takes several
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    # The queries are the last q_len positions of the context; row i sees positions < prefix + i + 1.
-    prefix = seq_len - q_len
-    block_end = tl.minimum(seq_len, prefix + first_q + BLOCK_Q)  # what the tile's last query sees
-    per_split = _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES)
-    lo = split * per_split
-    if (NUM_SPLITS > 1) & (lo >= seq_len):  # a split past a short context: the merge never reads it
-        return
-    hi = tl.minimum(lo + per_split, block_end)
-    full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
+    if (NUM_SPLITS > 1) & (split * _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES) >= seq_len):
+        return  # a split past a short context: the merge never reads it
+    # Row i sees positions < prefix + i + 1.
+    prefix, lo, hi, full_end = _context_span(seq_len, q_len, first_q, split, BLOCK_Q, TILE_N, NUM_SPLITS, MIN_TILES)
     if ALL_MASKED:  # which tiles skip the mask depends on the tile's first query: one code path for all
         full_end = lo
     if SLIDING:  # start at the tile holding the first key any row sees; every tile masked (a window's edge moves
@@ -186,21 +220,16 @@ def _paged_attention_kernel(
                                  scale_log2, stride_cb, stride_cs, BLOCK_SIZE, TILE_N, True, SLIDING, UPCAST,
                                  PRECISION)
 
-    if NUM_SPLITS == 1:
-        if HAS_SINKS:  # the sink joins the denominator (its value is zero); with splits, the merge adds it once
-            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0)
-            m_new = tl.maximum(m, sink)
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.exp2(sink - m_new)
-            acc = acc * alpha[:, None]
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:
-        part = (tokens * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
-        tl.store(part_max_ptr + part, m, mask=row_ok)
-        tl.store(part_sum_ptr + part, l, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+    if HAS_SINKS and NUM_SPLITS == 1:  # the sink joins the denominator (its value is zero); with splits, the
+        # merge adds it once
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    part = (tokens * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+    _write_rows(m, l, acc, out_ptr, tokens[:, None], heads[:, None], stride_ot, stride_oh, part, row_ok, offs_d, d_ok,
+                part_out_ptr, part_max_ptr, part_sum_ptr, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -261,6 +290,49 @@ def _launch_config(max_query_len: int, group_pad: int, d_pad: int) -> _Launch:
     return _Launch(block_m, tile_n, num_warps=4 if block_m <= 64 else 8, num_stages=2)
 
 
+@dataclass(frozen=True, slots=True)
+class QueryBlocks:
+    """How a launch spreads the requests' q blocks (block_q query tokens each) over its programs: `direct`,
+    each request owns a fixed run of `per_request` blocks; otherwise a program finds its request by a prefix
+    sum over up to `block_b` requests."""
+    per_request: int
+    direct: bool
+    programs: int
+    block_b: int
+
+
+def query_blocks(num_tokens: int, num_reqs: int, max_query_len: int, block_q: int) -> QueryBlocks:
+    per_request = triton.cdiv(max_query_len, block_q)
+    direct = num_reqs * per_request <= num_tokens // block_q + num_reqs
+    programs = num_reqs * per_request if direct else num_tokens // block_q + num_reqs
+    block_b = 1 if direct else max(64, triton.next_power_of_2(num_reqs))  # few variants to compile
+    return QueryBlocks(per_request, direct, programs, block_b)
+
+
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split launch's fp32 workspace for out [T, H, D]: unnormalised outputs [T, H, splits, D], running maxima
+    and sums [T, H, splits]. Without splits the kernels write `out` directly and never touch these: `out` stands
+    in for all three."""
+    if num_splits == 1:
+        return out, out, out
+    tokens, heads, dim = out.shape
+    part_out = torch.empty(tokens, heads, num_splits, dim, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def merge_splits(out: torch.Tensor, partials: tuple[torch.Tensor, ...], num_reqs: int, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, d_pad: int, tile_n: int, num_splits: int,
+                 sinks_log2: torch.Tensor | None = None) -> None:
+    """Writes the decode output of each of the first num_reqs requests into `out` [T, H, D] from its splits'
+    partials (split_partials); sinks_log2 [H]: each head's sink in the denominator, in log2 units."""
+    _merge_splits_kernel[(num_reqs, out.shape[1])](
+        out, *partials, seq_lens, query_start_loc, out.stride(0), out.stride(1),
+        HEAD_DIM=out.shape[2], D_PAD=d_pad, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), MIN_TILES=MIN_SPLIT_TILES, HAS_SINKS=sinks_log2 is not None,
+        sinks_ptr=sinks_log2, num_warps=4)
+
+
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, num_kv_splits: int,
                   max_query_len: int) -> None:
     if q.dim() != 3 or q.stride(-1) != 1:
@@ -304,40 +376,26 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     group = num_heads // num_kv_heads
     group_pad, d_pad = triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_dim))
     cfg = _launch_config(INVARIANT_QUERY_LEN if batch_invariant else max_query_len, group_pad, d_pad)
-    block_q = cfg.block_m // group_pad
-    blocks_per_req = triton.cdiv(max_query_len, block_q)
-    direct = num_reqs * blocks_per_req <= num_tokens // block_q + num_reqs
-    q_blocks = num_reqs * blocks_per_req if direct else num_tokens // block_q + num_reqs
-    block_b = 1 if direct else max(64, triton.next_power_of_2(num_reqs))  # few variants to compile
-
-    if num_kv_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:  # never touched: the kernel writes `out` directly
-        part_out = part_max = part_sum = out
+    blocks = query_blocks(num_tokens, num_reqs, max_query_len, cfg.block_m // group_pad)
+    partials = split_partials(out, num_kv_splits)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    sinks_log2 = out if sinks is None else (sinks.float() * _LOG2E).contiguous()  # the kernels' exp2 domain
-    _paged_attention_kernel[(q_blocks, num_kv_heads, num_kv_splits)](
+    sinks_log2 = None if sinks is None else (sinks.float() * _LOG2E).contiguous()  # the kernels' exp2 domain
+    _paged_attention_kernel[(blocks.programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
-        part_out, part_max, part_sum, sinks_log2,
-        num_reqs, blocks_per_req, scale * _LOG2E, window or 0,
+        *partials, out if sinks_log2 is None else sinks_log2,  # out: a placeholder, never read
+        num_reqs, blocks.per_request, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits, MIN_TILES=MIN_SPLIT_TILES,
-        DIRECT=direct, BLOCK_B=block_b,
+        DIRECT=blocks.direct, BLOCK_B=blocks.block_b,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=kv_cache.dtype.itemsize == 1,
         ALL_MASKED=batch_invariant, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         enable_fp_fusion=not batch_invariant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
-        _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, HAS_SINKS=sinks is not None,
-            sinks_ptr=sinks_log2, num_warps=4)
+        merge_splits(out, partials, num_reqs, seq_lens, query_start_loc, d_pad, cfg.tile_n, num_kv_splits, sinks_log2)
     return out
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pressroom.kernels.triton import interpreting
-from pressroom.kernels.triton.attention import _LOG2E
+from pressroom.kernels.triton.attention import _LOG2E, _write_rows, split_partials
 from pressroom.kernels.triton.mla import _latent_query, _latent_step
 
 _INTERPRETED = interpreting()
@@ -144,16 +144,9 @@ def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_pt
         m, l, acc = _latent_step(q_lat, q_pe, m, l, acc, entry, ok, ok[None, :], scale_log2, LATENT_DIM, LATENT_PAD,
                                  ROPE_DIM, ROPE_PAD, True, UPCAST, PRECISION)
     offs_lat = tl.arange(0, LATENT_PAD)
-    io_mask = h_ok[:, None] & (offs_lat < LATENT_DIM)[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_lat[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:  # partials [tokens, heads, splits], merged by _merge_token_splits_kernel
-        part = (token * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_max_ptr + part, m, mask=h_ok)
-        tl.store(part_sum_ptr + part, l, mask=h_ok)
-        tl.store(part_out_ptr + part[:, None] * LATENT_DIM + offs_lat[None, :], acc, mask=io_mask)
+    part = (token * num_heads + heads) * NUM_SPLITS + split  # merged by _merge_token_splits_kernel
+    _write_rows(m, l, acc, out_ptr, token, heads[:, None], stride_ot, stride_oh, part, h_ok, offs_lat,
+                offs_lat < LATENT_DIM, part_out_ptr, part_max_ptr, part_sum_ptr, LATENT_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -210,14 +203,9 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     head_blocks = triton.cdiv(heads, block_h)
     splits = num_splits or sparse_splits(tokens, head_blocks, top_k, tile)
     per_split = triton.cdiv(triton.cdiv(top_k, tile), splits) * tile
-    if splits > 1:
-        part_out = torch.empty(tokens, heads, splits, latent_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out = part_max = part_sum = out
+    partials = split_partials(out, splits)
     _sparse_mla_kernel[(tokens, head_blocks, splits)](
-        q, cache, out, block_tables, token_req, chosen, part_out, part_max, part_sum, heads, top_k, per_split,
+        q, cache, out, block_tables, token_req, chosen, *partials, heads, top_k, per_split,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0), chosen.stride(0), LATENT_DIM=latent_dim, LATENT_PAD=latent_pad,
         ROPE_DIM=dim - latent_dim, ROPE_PAD=max(16, triton.next_power_of_2(dim - latent_dim)),
@@ -226,7 +214,7 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
         FP8_CACHE=cache.dtype.itemsize == 1, num_warps=8 if latent_pad >= 256 else 4, num_stages=2)
     if splits > 1:
         _merge_token_splits_kernel[(tokens, heads)](
-            out, part_out, part_max, part_sum, heads, out.stride(0), out.stride(1), LATENT_DIM=latent_dim,
+            out, *partials, heads, out.stride(0), out.stride(1), LATENT_DIM=latent_dim,
             LATENT_PAD=latent_pad, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return out
 

@@ -262,6 +262,34 @@ def _gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Block pid_m's pair slots (num_pairs: padding), which of them are real, the activation row each reads (its
+    token's where A_BY_TOKEN), and block pid_n's output columns with which of them are real."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + rows)
+    valid = slot < num_pairs
+    a_row = slot // top_k if A_BY_TOKEN else slot
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slot, valid, a_row, cols, cols < n_out
+
+
+@triton.jit
+def _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
+                 stride_be, alpha, limit, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 CLAMPED: tl.constexpr):
+    """The block's products out to c's pair rows: plus the expert's bias, through the gated activation (GATED:
+    acc the gate, acc_up the up projection), times each pair's top-k weight (MUL_WEIGHTS)."""
+    acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
+    if GATED:
+        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
+    if MUL_WEIGHTS:
+        acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr, bias_ptr,
                      n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_c, stride_be, top_k, alpha, limit,
                      A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
@@ -271,14 +299,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    if expert < 0:  # a block past the used ones (a Triton helper cannot end its caller: the exit stays here)
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + rows)
-    valid = slot < num_pairs
-    a_row = slot // top_k if A_BY_TOKEN else slot
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_out
+    slot, valid, a_row, cols, col_ok = _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN,
+                                                    BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]
@@ -302,13 +326,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
             acc_up += tl.dot(a, w_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
-    if GATED:
-        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
-    if MUL_WEIGHTS:
-        acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
-    tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+    _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
+                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, CLAMPED)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -380,14 +399,10 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    if expert < 0:  # a block past the used ones (a Triton helper cannot end its caller: the exit stays here)
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + rows)
-    valid = slot < num_pairs
-    a_row = slot // top_k if A_BY_TOKEN else slot
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_out
+    slot, valid, a_row, cols, col_ok = _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN,
+                                                    BLOCK_M, BLOCK_N)
     e = expert.to(tl.int64)
     n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
     a_rows = a_ptr + a_row.to(tl.int64)[:, None] * stride_a
@@ -401,13 +416,8 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
         if GATED:  # the up rows lie n_out rows below the gate rows
             acc_up += _fp4_dot(a_rows, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
                                g_rows + n_out * stride_gn, k0, col_ok, valid, k_in, PRECISION, BLOCK_N, BLOCK_K, BB)
-    acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
-    if GATED:
-        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
-    if MUL_WEIGHTS:
-        acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
-    tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+    _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
+                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, CLAMPED)
 
 
 def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:

@@ -24,12 +24,17 @@ from pressroom.kernels.triton import interpreting
 from pressroom.kernels.triton.attention import (
     _LOG2E,
     MIN_SPLIT_TILES,
+    _context_span,
     _dot,
     _locate,
-    _merge_splits_kernel,
     _query_rows,
+    _request_queries,
     _softmax_step,
     _split_tokens,
+    _write_rows,
+    merge_splits,
+    query_blocks,
+    split_partials,
 )
 
 _INTERPRETED = interpreting()
@@ -104,12 +109,9 @@ def _mla_attention_kernel(
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     req, q_block = _locate(tl.program_id(0), qsl_ptr, num_reqs, blocks_per_req, DIRECT, BLOCK_Q, BLOCK_B)
-    if req >= num_reqs:
+    if req >= num_reqs:  # a surplus program (a Triton helper cannot end its caller: each exit stays here)
         return
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    first_q = q_block * BLOCK_Q
+    q_start, q_len, seq_len, first_q = _request_queries(req, q_block, qsl_ptr, seq_lens_ptr, BLOCK_Q)
     if (first_q >= q_len) | (seq_len <= 0):  # surplus q block or padding request: write nothing
         return
     q_idx, tokens, heads, row_ok = _query_rows(q_start, q_len, q_block, head_block, BLOCK_H, BLOCK_H, BLOCK_M)
@@ -117,15 +119,10 @@ def _mla_attention_kernel(
     q_lat, q_pe = _latent_query(q_ptr + tokens * stride_qt + heads * stride_qh, row_ok, LATENT_DIM, LATENT_PAD,
                                 ROPE_DIM, ROPE_PAD, FP8_CACHE)
 
-    # The queries are the last q_len positions of the context; row i sees positions < prefix + i + 1.
-    prefix = seq_len - q_len
-    block_end = tl.minimum(seq_len, prefix + first_q + BLOCK_Q)
-    per_split = _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES)
-    lo = split * per_split
-    if (NUM_SPLITS > 1) & (lo >= seq_len):  # a split past a short context: the merge never reads it
-        return
-    hi = tl.minimum(lo + per_split, block_end)
-    full_end = lo + tl.maximum(tl.minimum(prefix + first_q + 1, hi) - lo, 0) // TILE_N * TILE_N
+    if (NUM_SPLITS > 1) & (split * _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES) >= seq_len):
+        return  # a split past a short context: the merge never reads it
+    # Row i sees positions < prefix + i + 1.
+    prefix, lo, hi, full_end = _context_span(seq_len, q_len, first_q, split, BLOCK_Q, TILE_N, NUM_SPLITS, MIN_TILES)
     row_lim = prefix + q_idx + 1
 
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -142,16 +139,9 @@ def _mla_attention_kernel(
                                         BLOCK_SIZE, TILE_N, True, UPCAST, PRECISION)
 
     offs_lat = tl.arange(0, LATENT_PAD)
-    io_mask = row_ok[:, None] & (offs_lat < LATENT_DIM)[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_lat[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:  # the layout attention.py's merge kernel reads: [tokens, heads, splits]
-        part = (tokens * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_max_ptr + part, m, mask=row_ok)
-        tl.store(part_sum_ptr + part, l, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * LATENT_DIM + offs_lat[None, :], acc, mask=io_mask)
+    part = (tokens * num_heads + heads) * NUM_SPLITS + split  # the layout attention.py's merge kernel reads
+    _write_rows(m, l, acc, out_ptr, tokens[:, None], heads[:, None], stride_ot, stride_oh, part, row_ok, offs_lat,
+                offs_lat < LATENT_DIM, part_out_ptr, part_max_ptr, part_sum_ptr, LATENT_DIM, NUM_SPLITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,35 +198,22 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         return out
     latent_pad = max(16, triton.next_power_of_2(latent_dim))
     cfg = _launch_config(max_query_len, num_heads, latent_pad)
-    block_q = cfg.block_m // cfg.block_h
-    blocks_per_req = triton.cdiv(max_query_len, block_q)
-    direct = num_reqs * blocks_per_req <= num_tokens // block_q + num_reqs
-    q_blocks = num_reqs * blocks_per_req if direct else num_tokens // block_q + num_reqs
-    block_b = 1 if direct else max(64, triton.next_power_of_2(num_reqs))
-    if num_kv_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_kv_splits, latent_dim, dtype=torch.float32,
-                               device=q.device)
-        part_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out = part_max = part_sum = out
-    _mla_attention_kernel[(q_blocks, triton.cdiv(num_heads, cfg.block_h), num_kv_splits)](
-        q, cache, out, block_tables, seq_lens, query_start_loc, part_out, part_max, part_sum,
-        num_reqs, blocks_per_req, num_heads, scale * _LOG2E,
+    blocks = query_blocks(num_tokens, num_reqs, max_query_len, cfg.block_m // cfg.block_h)
+    partials = split_partials(out, num_kv_splits)
+    _mla_attention_kernel[(blocks.programs, triton.cdiv(num_heads, cfg.block_h), num_kv_splits)](
+        q, cache, out, block_tables, seq_lens, query_start_loc, *partials,
+        num_reqs, blocks.per_request, num_heads, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0),
         LATENT_DIM=latent_dim, LATENT_PAD=latent_pad, ROPE_DIM=rope_dim,
         ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=cfg.block_h, BLOCK_SIZE=cache.shape[1], BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
-        NUM_SPLITS=num_kv_splits, MIN_TILES=MIN_SPLIT_TILES, DIRECT=direct, BLOCK_B=block_b,
+        NUM_SPLITS=num_kv_splits, MIN_TILES=MIN_SPLIT_TILES, DIRECT=blocks.direct, BLOCK_B=blocks.block_b,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=cache.dtype.itemsize == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_kv_splits > 1:
-        _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens, query_start_loc, out.stride(0), out.stride(1),
-            HEAD_DIM=latent_dim, D_PAD=latent_pad, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), MIN_TILES=MIN_SPLIT_TILES, num_warps=4)
+        merge_splits(out, partials, num_reqs, seq_lens, query_start_loc, latent_pad, cfg.tile_n, num_kv_splits)
     return out
 
 
