@@ -26,13 +26,13 @@ from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.scheduler import SchedulerStats, SpecDecodingStats
+from pressroom.core.spec_calibration import ReliabilityTable
 from pressroom.engine.core_client import CoreClient, EngineDeadError
 from pressroom.engine.dp_client import DPCoreClient
 from pressroom.engine.llm_engine import LLMEngine, PromptType, start_config
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
-from pressroom.core.spec_calibration import ReliabilityTable
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
