@@ -2,6 +2,8 @@
 set-up an engine's start gives its process (set_up_process)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pressroom.platforms.cpu import log_cpu_path
@@ -19,3 +21,13 @@ def set_up_process(device: str, num_threads: int | None, asked_dtype: str, dtype
         torch.set_num_threads(num_threads)
     if device == "cpu":
         log_cpu_path(asked_dtype, dtype)
+
+
+def set_up_worker_threads(device: str, num_threads: int | None, world_size: int) -> None:
+    """torch's CPU threads for one rank's worker, which may run in a process of its own and so does not
+    inherit its caller's setting: the configured count, else on the CPU with several ranks an even share of
+    the cores (ranks share them rather than each taking them all), else torch's own."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    elif world_size > 1 and device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

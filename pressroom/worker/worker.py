@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -20,6 +19,7 @@ from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pressroom.model.loader import load_model
+from pressroom.platforms import set_up_worker_threads
 from pressroom.worker.collective_profile import CollectiveProfile
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.offload_copier import kv_chunk_shape, kv_head_range
@@ -65,10 +65,7 @@ class Worker:
         tensor-parallel group at `distributed_init_method` before it builds its model."""
         self.config, self.rank, self._make_proposer = config, rank, make_proposer
         world = config.parallel.world_size
-        if config.num_threads:  # a worker in a process of its own does not inherit the caller's setting
-            torch.set_num_threads(config.num_threads)
-        elif world > 1 and config.device == "cpu":  # ranks share the cores rather than each taking them all
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        set_up_worker_threads(config.device, config.num_threads, world)
         if config.device == "cuda" and (world > 1 or config.parallel.data_parallel_rank):
             torch.cuda.set_device(config.parallel.data_parallel_rank * world + rank)  # each core its own GPUs
         if world > 1:
