@@ -126,11 +126,10 @@ class FusedMoE(nn.Module):
         """One expert's gate, up or down matrix, as the checkpoint has it ([out, in]); experts outside
         this rank's range are skipped unread, and of the others only this rank's slice is read."""
         part, expert = shard
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
-        if not self.start <= expert < self.end:
+        i = self._local_index(expert)
+        if i is None:
             return
-        i, inter, full = expert - self.start, self.intermediate, self.full_intermediate
+        inter, full = self.intermediate, self.full_intermediate
         expected = (self.hidden, full) if part == DOWN else (full, self.hidden)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert}'s {part} has shape {tuple(loaded.shape)} where the model config "
@@ -144,21 +143,26 @@ class FusedMoE(nn.Module):
         """One expert's gate, up or down bias ([out]). Down's bias is added once per token-expert pair: by the
         rank holding the first slice of the intermediate features (the others' partial sums add none)."""
         part, expert = shard
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
-        if not self.start <= expert < self.end:
+        i = self._local_index(expert)
+        if i is None:
             return
         expected = (self.hidden,) if part == DOWN else (self.full_intermediate,)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert}'s {part} bias has shape {tuple(loaded.shape)} where the model config "
                              f"implies {expected}; the checkpoint and config.json disagree.")
-        i, inter = expert - self.start, self.intermediate
+        inter = self.intermediate
         if part == DOWN:
             if self.inter_start == 0:
                 param.data[i].copy_(materialize(loaded))
             return
         row = 0 if part == GATE else inter
         param.data[i, row:row + inter].copy_(materialize(loaded.narrow(0, self.inter_start, inter)))
+
+    def _local_index(self, expert: int) -> int | None:
+        """Checkpoint expert `expert`'s place among this rank's experts; None where another rank holds it."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} does not exist: the model has {self.num_experts}.")
+        return expert - self.start if self.start <= expert < self.end else None
 
     def _store(self, param: str, expert: int, row: int, loaded) -> None:
         """Rows [row, row + n) of local expert `expert`'s `param`, read now; a quantization method's, if it takes

@@ -24,7 +24,7 @@ from torch import nn
 
 from pressroom.kernels.moe_activation import ClampedSwiglu
 from pressroom.model.layers.attention import Attention
-from pressroom.model.layers.fused_moe import DOWN, GATE, UP, RouterConfig
+from pressroom.model.layers.fused_moe import RouterConfig
 from pressroom.model.layers.linear import RowParallelLinear
 from pressroom.model.lazy_weight import LazyWeight, materialize
 from pressroom.model.models.llama import LlamaAttention, RopeTables
@@ -32,8 +32,6 @@ from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
 
 SLIDING = "sliding_attention"
 _HF_ROUTER, _ROUTER = ".mlp.router.", ".mlp.gate."  # HF's name for the router, SparseMoeBlock's
-_BIAS = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.bias$")
-_BIAS_PARTS = {"gate_proj": ("w13_bias", GATE), "up_proj": ("w13_bias", UP), "down_proj": ("w2_bias", DOWN)}
 
 
 class GptOssAttention(LlamaAttention):
@@ -74,18 +72,9 @@ class GptOssForCausalLM(_MoeForCausalLM):
         return GptOssAttention(self.config, _layer_types(self.config)[layer])
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
-        name = name.replace(_HF_ROUTER, _ROUTER)
-        m = _BIAS.search(name)
-        if m is None:
-            return super().checkpoint_target(name)
-        param, part = _BIAS_PARTS[m.group(2)]
-        return name[:m.start()] + f".experts.{param}", (part, int(m.group(1)))
+        return super().checkpoint_target(name.replace(_HF_ROUTER, _ROUTER))
 
     def checkpoint_parts(self, name: str) -> list[str]:
-        for param, parts in (("w13_bias", ("gate_proj", "up_proj")), ("w2_bias", ("down_proj",))):
-            if name.endswith(f".experts.{param}"):
-                stem = name.removesuffix(f".{param}")
-                return [f"{stem}.{e}.{p}.bias" for e in range(self._num_experts()) for p in parts]
         return [p.replace(_ROUTER, _HF_ROUTER) for p in super().checkpoint_parts(name)]
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:

@@ -55,8 +55,8 @@ def _rank_experts(num_experts: int, hidden: int, intermediate: int, **options) -
     return FusedMoE(num_experts, hidden, intermediate, expert_range=(start, start + base + (rank < extra)), **options)
 
 
-# checkpoint expert tensor -> (FusedMoE parameter, part)
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+# checkpoint expert tensor -> (FusedMoE parameter, part); an expert's bias (gpt-oss) loads into that parameter's _bias
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias)$")
 _PARTS = {"gate_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN),
           "w1": ("w13", GATE), "w3": ("w13", UP), "w2": ("w2", DOWN)}
 
@@ -77,13 +77,15 @@ class _MoeForCausalLM(LlamaForCausalLM):
         if m is None:
             return super().checkpoint_target(name)
         param, part = _PARTS[m.group(2)]
-        return name[:m.start()] + f".experts.{param}", (part, int(m.group(1)))
+        bias = "_bias" if m.group(3) == "bias" else ""
+        return name[:m.start()] + f".experts.{param}{bias}", (part, int(m.group(1)))
 
     def checkpoint_parts(self, name: str) -> list[str]:
         for param, names in (("w13", self.expert_names[:2]), ("w2", self.expert_names[2:])):
-            if name.endswith(f".experts.{param}"):
-                block = name[:-len(f".experts.{param}")].replace(".mlp", f".{self.block_name}")
-                return [f"{block}.experts.{e}.{n}.weight" for e in range(self._num_experts()) for n in names]
+            for stacked, kind in ((f".experts.{param}", "weight"), (f".experts.{param}_bias", "bias")):
+                if name.endswith(stacked):
+                    block = name.removesuffix(stacked).replace(".mlp", f".{self.block_name}")
+                    return [f"{block}.experts.{e}.{n}.{kind}" for e in range(self._num_experts()) for n in names]
         return [p.replace(".mlp.", f".{self.block_name}.") if ".gate." in p else p
                 for p in super().checkpoint_parts(name)]
 
