@@ -171,30 +171,40 @@ def _threads(numel: int) -> int:
     return kernel_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
 
 
-_held_threads: int | None = None  # the kernels' threads while torch's own ops are held to one (torch_ops_alone)
+class TorchOpsAlone:
+    """For the life of a `with` block, torch's own ops on the calling thread while these kernels keep the threads
+    torch had: for steps whose heavy work is all here (a small prompt through GGML forms), where torch's remaining
+    ops take microseconds each and each OpenMP region can cost milliseconds on a machine whose other processes
+    preempt its threads. The hold owns the lent count and gives it back on exit; one opened where torch already
+    runs on one thread, or inside another hold, changes nothing."""
+
+    def __init__(self) -> None:
+        self.threads: int | None = None  # torch's threads, lent to the kernels while this hold is open
+
+    def __enter__(self) -> TorchOpsAlone:
+        global _open_hold
+        threads = torch.get_num_threads()
+        if threads > 1 and _open_hold is None:
+            self.threads, _open_hold = threads, self
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _open_hold
+        if _open_hold is self:
+            torch.set_num_threads(self.threads)
+            self.threads, _open_hold = None, None
+
+
+# The open hold, if any: kernels called deep in the layers find their thread count through it, as attention
+# finds its metadata through the forward context.
+_open_hold: TorchOpsAlone | None = None
+torch_ops_alone = TorchOpsAlone  # models/gemma3.py's spelling, until its call site names the class
 
 
 def kernel_threads() -> int:
-    return _held_threads or torch.get_num_threads()
-
-
-@contextmanager
-def torch_ops_alone():
-    """torch's own ops on the calling thread while these kernels keep every thread: for steps whose heavy work is
-    all here (a small prompt through GGML forms), where torch's remaining ops take microseconds each and each
-    OpenMP region can cost milliseconds on a machine whose other processes preempt its threads."""
-    global _held_threads
-    threads = torch.get_num_threads()
-    if threads == 1 or _held_threads is not None:
-        yield
-        return
-    _held_threads = threads
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        _held_threads = None
+    """Threads for a kernel: those lent by the open TorchOpsAlone hold, else torch's."""
+    return _open_hold.threads if _open_hold is not None else torch.get_num_threads()
 
 
 def _fn(base: str, dtype: torch.dtype):

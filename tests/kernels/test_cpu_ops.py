@@ -63,3 +63,17 @@ def test_argmax_rows_on_nan_infinities_and_a_row_stride():
     wide = torch.randn(4, 300)
     view = wide[:, 10:260]  # rows 300 apart: the kernel follows the stride
     assert torch.equal(cpu.argmax_rows(view), view.argmax(dim=-1))
+
+
+def test_torch_ops_alone_lends_torch_threads_to_the_kernels_for_its_block_only():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu.TorchOpsAlone() as hold:
+            assert (torch.get_num_threads(), cpu.kernel_threads(), hold.threads) == (1, 2, 2)
+            with cpu.TorchOpsAlone() as inner:  # inside a hold: changes nothing, gives nothing back
+                assert inner.threads is None and cpu.kernel_threads() == 2
+            assert (torch.get_num_threads(), cpu.kernel_threads()) == (1, 2)
+        assert (torch.get_num_threads(), cpu.kernel_threads(), hold.threads) == (2, 2, None)
+    finally:
+        torch.set_num_threads(before)
