@@ -6,6 +6,7 @@ fail. The CPU's own kernels (kernels/batch_invariant.py) are checked the same wa
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,27 @@ triton_only = pytest.mark.skipif(not triton_kernels.available(),
                                  reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCHES = [(0, 1), (0, 5), (3, 17), (0, 37)]  # (first row, rows): the same rows inside batches of other sizes
+
+
+@pytest.fixture(autouse=True)
+def _dot_of_a_row_alone(monkeypatch):
+    """The Triton interpreter computes tl.dot with numpy's BLAS, and OpenBLAS's Haswell kernels (which
+    OPENBLAS_CORETYPE=Haswell forces on some machines here) round a row by its place in the tile; a GPU's
+    MMA does not. Each row of an interpreted dot is computed on its own, so that what these checks see is
+    the kernels' own tiling and reduction order (which must not depend on the batch), not the BLAS's."""
+    if DEVICE == "cuda":
+        return
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    dot = InterpreterBuilder.create_dot
+
+    def row_by_row(self, a, b, d, *args):
+        if a.data.ndim != 2:
+            return dot(self, a, b, d, *args)
+        rows = [dot(self, TensorHandle(a.data[i:i + 1], a.dtype), b, TensorHandle(d.data[i:i + 1], d.dtype), *args)
+                for i in range(a.data.shape[0])]
+        return TensorHandle(np.concatenate([r.data for r in rows]), rows[0].dtype)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", row_by_row)
 
 
 def _rows_alone_and_batched(fn, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
