@@ -127,23 +127,23 @@ def smollm_tokenizer(embedded_path):
     return load_gguf_tokenizer(embedded_path)
 
 
-SMOL_ARGS = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", "smol", "--max-num-seqs", "32",
-             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
+SMOL_ARGS = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", "smol", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes", "--trust-request-chat-template"]
 
 
 @pytest.fixture(scope="session")
 def smol_server(tmp_path_factory):
     """One server of the embedded SmolLM2 that several modules share (a start costs some 10 s on 2 cores),
-    served as "smol": 32 sequences, tool calls read by the hermes parser, chat templates taken from requests
-    (the structured-output, tool-calling and chat-page tests)."""
+    served as "smol": the CPU's 256 sequences, tool calls read by the hermes parser, chat templates taken from
+    requests (the structured-output, tool-calling, chat-page and load tests)."""
     from serving import serve
     with serve(SMOL_ARGS, tmp_path_factory.mktemp("smol") / "server.log") as (url, _):
         yield url
 
 
-def tiny_args(model_dir: str, *extra: str) -> list[str]:
-    """`pressroom serve` of a tiny checkpoint, served as "tiny" in float32 with a small KV cache."""
-    return ["serve", model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory-gib", "0.05",
+def tiny_args(model_dir: str, *extra: str, name: str = "tiny") -> list[str]:
+    """`pressroom serve` of a tiny checkpoint, served as `name` in float32 with a small KV cache."""
+    return ["serve", model_dir, "--served-model-name", name, "--dtype", "float32", "--kv-cache-memory-gib", "0.05",
             *extra]
 
 
@@ -182,6 +182,18 @@ def minilm_server(tmp_path_factory):
     args = ["serve", str(gt.get_model_path()), "--served-model-name", "minilm", "--dtype", "float32"]
     with serve(args, tmp_path_factory.mktemp("minilm") / "server.log", shutdown_s=20) as (url, _):
         yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_async_engine(tiny_model_dir):
+    """One AsyncLLMEngine of the tiny llama (its engine core a process of its own) that several modules share
+    (the async-engine and request-fault tests); tests that end an engine start their own."""
+    from pressroom import EngineArgs
+    from pressroom.engine.async_engine import AsyncLLMEngine
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), dtype="float32",
+                                                        kv_cache_memory_gib=0.05))
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="session")

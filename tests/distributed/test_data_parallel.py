@@ -8,9 +8,9 @@ import asyncio
 import httpx
 import openai
 import pytest
+from conftest import tiny_args
 from prometheus_client.parser import text_string_to_metric_families
-
-from tests.serving import serve
+from serving import serve
 
 FILLER = "and then the quick brown fox jumps over the lazy dog " * 3  # two full blocks of 16 tokens
 
@@ -24,8 +24,7 @@ def per_engine(url: str, name: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir, tmp_path_factory):
     # with KV offload: each engine core has a CPU tier of its own
-    args = ["serve", "--model", tiny_model_dir("llama"), "--dtype", "float32", "--data-parallel-size", "2",
-            "--kv-cache-memory-gib", "0.05", "--kv-offloading-size", "0.01"]
+    args = tiny_args(tiny_model_dir("llama"), "--data-parallel-size", "2", "--kv-offloading-size", "0.01")
     with serve(args, tmp_path_factory.mktemp("dp") / "server.log") as (url, _):
         yield url
 

@@ -7,7 +7,6 @@ given, so the prompt's token count shows whether the template received it.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import shutil
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import tiny_args
 from serving import serve
 from starlette.requests import Request
 
@@ -42,13 +42,9 @@ def effort_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
-@contextlib.contextmanager
-def _serve(model_dir: str, log_path: Path, *extra: str):
-    """A `pressroom serve` logging at INFO (uvicorn's own lines too); yields its base URL."""
-    args = ["--log-level", "INFO", "serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", "--uvicorn-log-level", "info", *extra]
-    with serve(args, log_path, shutdown_s=20) as (url, _):
-        yield url
+def _info_args(model_dir: str, *extra: str) -> list[str]:
+    """`pressroom serve` of the tiny model logging at INFO (uvicorn's own lines too)."""
+    return ["--log-level", "INFO", *tiny_args(model_dir, "--uvicorn-log-level", "info", *extra, name=MODEL)]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +54,7 @@ def log_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(effort_model_dir, log_path):
-    with _serve(effort_model_dir, log_path, "--log-stats-interval", "0.5") as url:
+    with serve(_info_args(effort_model_dir, "--log-stats-interval", "0.5"), log_path, shutdown_s=20) as (url, _):
         yield url
 
 
@@ -134,8 +130,9 @@ def _cli_has(flag: str) -> bool:
 @pytest.mark.skipif(not _cli_has("--disable-log-requests"), reason="the CLI has no --disable-log-* flags yet")
 def test_disable_log_flags(effort_model_dir, tmp_path):
     log_path = tmp_path / "server.log"
-    with _serve(effort_model_dir, log_path, "--log-stats-interval", "0.2", "--disable-log-requests",
-                "--disable-log-stats", "--disable-uvicorn-access-log") as url:
+    args = _info_args(effort_model_dir, "--log-stats-interval", "0.2", "--disable-log-requests", "--disable-log-stats",
+                      "--disable-uvicorn-access-log")
+    with serve(args, log_path, shutdown_s=20) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
         time.sleep(1)  # five stats intervals

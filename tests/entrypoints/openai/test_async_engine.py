@@ -10,11 +10,8 @@ from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05)
-    eng = AsyncLLMEngine.from_engine_args(args)
-    yield eng
-    eng.shutdown()
+def engine(tiny_async_engine):
+    return tiny_async_engine  # the tiny llama (shared: conftest.py)
 
 
 def _greedy(n: int) -> SamplingParams:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import tiny_args
 from serving import serve
 
 from pressroom.entrypoints.openai.chat_template import RENDER_TIMEOUT_S, RENDER_WORKERS
@@ -37,9 +38,9 @@ def log_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, log_path):
-    args = ["serve", tiny_model_dir("llama"), "--served-model-name", MODEL, "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", "--api-key", KEY, "--trust-request-chat-template",
-            "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--max-concurrent-requests", str(MAX_CONCURRENT)]
+    args = tiny_args(tiny_model_dir("llama"), "--api-key", KEY, "--trust-request-chat-template",
+                     "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--max-concurrent-requests", str(MAX_CONCURRENT),
+                     name=MODEL)
     with serve(args, log_path, shutdown_s=20) as (url, _):
         yield url
 

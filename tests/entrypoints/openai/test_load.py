@@ -7,7 +7,6 @@ block must come back, as /metrics reports, and the server must keep serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,22 +17,13 @@ import time
 import httpx
 import openai
 import pytest
-from serving import serve
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@contextlib.contextmanager
-def _serve(log_path):
-    """`pressroom serve` with no model argument: the embedded SmolLM2."""
-    with serve(["serve", "--kv-cache-memory-gib", "0.25"], log_path) as (url, _):
-        yield url
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with _serve(tmp_path_factory.mktemp("load") / "server.log") as url:
-        yield url
+def server(smol_server):
+    return smol_server  # the embedded SmolLM2, the CPU's 256 sequences (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,26 +9,17 @@ the text) and a thinking_token_budget (so `</think>` comes exactly where the tes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import tiny_args
 from serving import serve, tail
 
 from pressroom.entrypoints.openai.reasoning import ReasoningParser
 
 MODEL = "tiny-think"
-
-
-@contextlib.contextmanager
-def _serve(model_dir: str, log_path, *extra: str):
-    """A `pressroom serve` subprocess logging at INFO; yields (base URL, log file)."""
-    args = ["--log-level", "INFO", "serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32",
-            "--kv-cache-memory-gib", "0.05", *extra]
-    with serve(args, log_path, shutdown_s=20) as served:
-        yield served
 
 
 # ---- the parser alone ----
@@ -88,7 +79,8 @@ def test_parser_counts_reasoning_tokens():
 
 @pytest.fixture(scope="module")
 def served(think_model_dir, tmp_path_factory):
-    with _serve(think_model_dir, tmp_path_factory.mktemp("serve-think") / "server.log") as served:
+    args = ["--log-level", "INFO", *tiny_args(think_model_dir, name=MODEL)]
+    with serve(args, tmp_path_factory.mktemp("serve-think") / "server.log", shutdown_s=20) as served:
         yield served
 
 

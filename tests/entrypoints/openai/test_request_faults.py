@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from pressroom import EngineArgs, SamplingParams
+from pressroom import SamplingParams
 from pressroom.engine.async_engine import AsyncLLMEngine
 from pressroom.entrypoints.openai.server import build_app
 from pressroom.entrypoints.openai.settings import ServerSettings
@@ -24,11 +24,8 @@ class FakePanic(BaseException):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), dtype="float32",
-                                                     kv_cache_memory_gib=0.05))
-    yield eng
-    eng.shutdown()
+def engine(tiny_async_engine):
+    return tiny_async_engine  # the tiny llama (shared: conftest.py)
 
 
 @pytest.fixture(params=[RuntimeError, FakePanic], ids=["exception", "panic"])

@@ -2,24 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import tiny_args
 from serving import serve
 
 MODEL = "tiny"
-
-
-@contextlib.contextmanager
-def _serve(model_dir: str, log_path, *extra: str):
-    """A real `pressroom serve` on the tiny model; yields its base URL."""
-    args = ["serve", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05",
-            *extra]
-    with serve(args, log_path, shutdown_s=20) as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module")
@@ -274,9 +265,9 @@ def test_dropped_clients_free_their_blocks(server, client):
 def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
     """One request runs at a time; a better priority overtakes earlier worse ones, whether from the field or
     from the X-Vllm-Priority header, which overrides the field."""
-    with _serve(tiny_model_dir("llama"), tmp_path / "server.log", "--scheduling-policy", "priority",
-                "--max-num-seqs", "1", "--api-key", "sesame", "--max-concurrent-requests", "5",
-                "--metrics-prefix", "vllm:") as url:
+    args = tiny_args(tiny_model_dir("llama"), "--scheduling-policy", "priority", "--max-num-seqs", "1",
+                     "--api-key", "sesame", "--max-concurrent-requests", "5", "--metrics-prefix", "vllm:", name=MODEL)
+    with serve(args, tmp_path / "server.log", shutdown_s=20) as (url, _):
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200  # every route but /health needs the key
         for path in ("/metrics", "/v1/models", "/version"):

@@ -68,14 +68,9 @@ SCHEMAS = [
 ]
 
 
-def _serve(tmp_path_factory, *extra: str):
-    args = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", MODEL, "--max-num-seqs", "32", *extra]
-    return serve(args, tmp_path_factory.mktemp("structured") / "server.log")
-
-
 @pytest.fixture(scope="module")
 def server(smol_server):
-    return smol_server  # the embedded model, 32 sequences (shared: conftest.py)
+    return smol_server  # the embedded model (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +123,10 @@ def test_twenty_schemas_validate_whole_and_streamed(server):
 
 
 @pytest.mark.slow
-def test_twenty_schemas_validate_with_ngram_speculation(tmp_path_factory):
-    with _serve(tmp_path_factory, "--speculative-config", NGRAM) as (url, _):
+def test_twenty_schemas_validate_with_ngram_speculation(tmp_path):
+    args = ["serve", "--kv-cache-memory-gib", "0.25", "--served-model-name", MODEL, "--max-num-seqs", "32",
+            "--speculative-config", NGRAM]
+    with serve(args, tmp_path / "server.log") as (url, _):
         whole, streamed = asyncio.run(_whole_and_streamed(url))
         _assert_valid(whole)
         _assert_valid(streamed)
