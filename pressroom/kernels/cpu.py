@@ -199,7 +199,6 @@ class TorchOpsAlone:
 # The open hold, if any: kernels called deep in the layers find their thread count through it, as attention
 # finds its metadata through the forward context.
 _open_hold: TorchOpsAlone | None = None
-torch_ops_alone = TorchOpsAlone  # models/gemma3.py's spelling, until its call site names the class
 
 
 def kernel_threads() -> int:

@@ -27,9 +27,9 @@ from torch import nn
 from pressroom.config import SpeculativeConfig
 from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
-from pressroom.model.lazy_weight import materialize
 from pressroom.model.loader import iter_safetensors
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
+from pressroom.model.weights import load_named_weights
 from pressroom.spec_decode.draft_model import draw_rows
 from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
@@ -99,37 +99,9 @@ class MultiTokenPredictor(nn.Module):
         """The MTP layers' tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
         handling (expert stacking, rope row order); their copies of the embedding and LM head are skipped.
         Returns the checkpoint names loaded."""
-        params = dict(self.named_parameters())
-        prefixes = {f"model.layers.{m.index}.": i for i, m in enumerate(self.mtp)}
-        loaded = set()
-        for name, tensor in weights:
-            parts = name.split(".")
-            prefix = ".".join(parts[:3]) + "."
-            if prefix not in prefixes:
-                continue
-            rest = name[len(prefix):]
-            if rest in _SHARED:
-                continue
-            here = f"mtp.{prefixes[prefix]}."
-            if rest in _OWN:
-                target_name, shard = here + _OWN[rest], None
-            else:
-                name, tensor = self.target.deinterleave_rope(name, tensor)
-                target_name, shard = self.target.checkpoint_target(name)
-                target_name = here + "layer." + target_name[len(prefix):]
-            param = params.get(target_name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the MTP layers.")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the MTP layer expects "
-                                     f"{tuple(param.shape)}.")
-                param.data.copy_(materialize(tensor))
-            else:
-                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-            loaded.add(name)
-        return loaded
+        names = _MtpNames(self)
+        wanted = ((n, t) for n, t in weights if not names.skips(n))  # the target's own tensors are never read
+        return load_named_weights(self, (names.reorder(n, t) for n, t in wanted), names)
 
     def expected_weights(self) -> set[str]:
         """Checkpoint names every parameter needs."""
@@ -140,6 +112,36 @@ class MultiTokenPredictor(nn.Module):
             for name, _ in m.layer.named_parameters():
                 names.update(self.target.checkpoint_parts(prefix + name))
         return names
+
+
+class _MtpNames:
+    """The MTP layers' name map: checkpoint `model.layers.{index}.X` loads into `mtp.{i}.X` for an MTP module's
+    own tensors (_OWN), else into `mtp.{i}.layer.` + the target's parameter for X."""
+
+    def __init__(self, predictor: MultiTokenPredictor) -> None:
+        self.target = predictor.target
+        self.modules = {f"model.layers.{m.index}.": i for i, m in enumerate(predictor.mtp)}
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, str]:
+        prefix = ".".join(name.split(".")[:3]) + "."
+        return prefix, name[len(prefix):]
+
+    def skips(self, name: str) -> bool:
+        prefix, rest = self._split(name)
+        return prefix not in self.modules or rest in _SHARED
+
+    def reorder(self, name: str, tensor):
+        """The target's rope row order, for the decoder layer's tensors."""
+        return (name, tensor) if self._split(name)[1] in _OWN else self.target.deinterleave_rope(name, tensor)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        prefix, rest = self._split(name)
+        here = f"mtp.{self.modules[prefix]}."
+        if rest in _OWN:
+            return here + _OWN[rest], None
+        target, shard = self.target.checkpoint_target(name)
+        return here + "layer." + target[len(prefix):], shard
 
 
 def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiTokenPredictor:

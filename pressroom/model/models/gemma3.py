@@ -189,7 +189,7 @@ class Gemma3Model(nn.Module):
         if stack is not None:  # the C stack taps no layer; its fp32 states go to the LM head unrounded
             return stack.run(x, (local.cos, local.sin, glob.cos, glob.sin), get_attention_metadata(), ggml)
         rows = GgmlStepRows.of(get_attention_metadata()) if ggml else None
-        with (cpu.torch_ops_alone() if self._small_ggml_step(input_ids) else nullcontext(),
+        with (cpu.TorchOpsAlone() if self._small_ggml_step(input_ids) else nullcontext(),
               cpu.ggml_q4_k_gemm_rows(rows.rows4) if ggml else nullcontext()):
             residual, taps = None, {}
             for i, layer in enumerate(self.layers):
@@ -220,7 +220,7 @@ class Gemma3Model(nn.Module):
 
     def _small_ggml_step(self, input_ids: torch.Tensor) -> bool:
         """A step of at most SMALL_STEP tokens through GGML forms on the CPU: its products are the C kernels', and
-        torch's other ops are better on one thread (kernels/cpu.torch_ops_alone)."""
+        torch's other ops are better on one thread (kernels/cpu.TorchOpsAlone)."""
         if input_ids.device.type != "cpu" or input_ids.shape[0] > SMALL_STEP:
             return False
         if self.fused_decode is None:
