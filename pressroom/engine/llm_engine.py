@@ -27,7 +27,7 @@ from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
-from pressroom.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+from pressroom.engine.detokenizer import IncrementalDetokenizer, StopStrings, fast_decoder
 from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pressroom.model.pooling import model_pooling_defaults
 from pressroom.outputs import (
@@ -181,7 +181,8 @@ class LLMEngine:
             schema = json.dumps(params.structured_outputs.json)
             params = params.clone(structured_outputs=replace(params.structured_outputs, json=schema))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        children = [_Child(i, self._detokenizer(token_ids, params), f"{next(self._ids)}",
+        stops = StopStrings(params.stop_strings)  # one automaton for the n samples
+        children = [_Child(i, self._detokenizer(token_ids, params, stops), f"{next(self._ids)}",
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                     for i in range(params.n)]
@@ -317,10 +318,11 @@ class LLMEngine:
             raise ValueError("Structured outputs need a tokenizer; this engine was started with skip_tokenizer_init.")
         check_structured_outputs(structured)
 
-    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams,
+                     stops: StopStrings) -> IncrementalDetokenizer | None:
         if not params.detokenize or self.decode is None:
             return None
-        return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, params.stop_strings,
+        return IncrementalDetokenizer(self.decode, prompt_ids, params.skip_special_tokens, stops,
                                       params.include_stop_str_in_output, params.min_tokens)
 
     def abort_request(self, request_ids: str | list[str]) -> None:

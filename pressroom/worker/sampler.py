@@ -10,6 +10,7 @@ any other (it enters the KV cache through the normal path, and its logprob is th
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +76,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         if not cloned:
             logits, cloned = logits.clone(), True
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            ids, values = _BIAS_TENSORS.get(p.logit_bias, logits)
+            logits[i, ids] += values
         if p.needs_penalties:
             _apply_penalties(logits[i], row)
         if banned:
@@ -85,6 +86,32 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             logits[i] = _MASK
             logits[i, forced] = 0.0
     return logits
+
+
+class _BiasTensors:
+    """Each request's logit_bias as (token ids, values) tensors, made at its first step and reused after:
+    converting a vocabulary-wide bias (a dict of ~50k entries) for every row at every step cost more than the
+    step. Keyed by the dict's identity (the entry holds the dict, so its id is not reused); the least recently
+    used go past `capacity`, so finished requests' tensors do not pile up."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[int, tuple[dict[int, float], torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def get(self, bias: dict[int, float], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(bias)
+        entry = self._entries.get(key)
+        if entry is None or entry[2].device != logits.device or entry[2].dtype != logits.dtype:
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            entry = self._entries[key] = (bias, ids, values)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return entry[1], entry[2]
+
+
+_BIAS_TENSORS = _BiasTensors(capacity=1024)  # a batch's worth of biased requests, with room
 
 
 def forced_token(row: SamplingRow) -> int | None:

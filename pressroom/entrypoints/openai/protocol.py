@@ -12,13 +12,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Admission by cost (docs/LIMITS.md): far past what clients send (OpenAI takes 4 stop strings), well short of
+# what stalls a step. A request's stop strings become one automaton (some 220 bytes and 1.2 us to build per
+# character); each of its n samples carries its own copy of them and of logit_bias to the engine core, and the
+# sampler adds each sample's bias every step.
+MAX_STOP_STRINGS = 1_000
+MAX_STOP_CHARS = 20_000  # the stop strings' characters, summed
+MAX_STOP_CHARS_X_N = 200_000  # the same times n
+MAX_LOGIT_BIAS_X_N = 300_000  # logit_bias entries times n
 
 
 def random_id(prefix: str) -> str:
@@ -144,6 +152,30 @@ class _SamplingRequest(OpenAIModel):
     data_parallel_rank: int | None = None  # the engine core to serve it (vLLM's); or the X-data-parallel-rank header
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def stop_within_cost(cls, stop: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        chars = sum(map(len, strings))
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings have {chars} characters; at most {MAX_STOP_CHARS} are allowed")
+        n = info.data.get("n", 1)
+        if chars * n > MAX_STOP_CHARS_X_N:
+            raise ValueError(f"the stop strings' {chars} characters times n={n} exceed the limit of "
+                             f"{MAX_STOP_CHARS_X_N} (stop characters x n)")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def logit_bias_within_cost(cls, bias: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        n = info.data.get("n", 1)
+        if bias and len(bias) * n > MAX_LOGIT_BIAS_X_N:
+            raise ValueError(f"{len(bias)} logit_bias entries times n={n} exceed the limit of {MAX_LOGIT_BIAS_X_N} "
+                             "(logit_bias entries x n)")
+        return bias
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """`response_format` (OpenAI's) or `structured_outputs` (vLLM's) as one constraint; ValueError for both."""
