@@ -10,6 +10,16 @@ FORMAT = "%(levelname)s %(name)s: %(message)s"
 _HANDLER = "pressroom-default"
 
 
+def printable(text: str) -> str:
+    """`text` safe to put in a log line. Request-supplied strings (session and request ids, model names, paths)
+    may hold newlines that forge whole log lines, or terminal escapes and bidi controls that hide them; every
+    character that is not printable (and the backslash, so an escape cannot be faked) is written as its Python
+    escape (a newline becomes a backslash and an n)."""
+    if text.isprintable() and "\\" not in text:
+        return text  # the common case: nothing to escape, no copy
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def configure_logging(level: str | int | None = None) -> None:
     if os.environ.get("PRESSROOM_CONFIGURE_LOGGING", "1") == "0":
         return

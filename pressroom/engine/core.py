@@ -20,6 +20,7 @@ from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
+from pressroom.logger import printable
 from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
@@ -337,7 +338,8 @@ class EngineCore:
                 continue
             why = compile_error(req.grammar) or (now > deadline and f"not compiled within {COMPILE_TIMEOUT_S:g} s")
             if why:
-                logger.error("request %s: its structured output's grammar failed: %s", rid, why)
+                # the compiler's message may quote the request's schema or regex: escaped
+                logger.error("request %s: its structured output's grammar failed: %s", rid, printable(why))
                 del self._compiling[rid]
                 self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
                 ended.append(_error_output(rid))

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.engine.async_engine import merge_stats
 from pressroom.kv_offload.manager import TIME_BUCKETS, OffloadStats
+from pressroom.logger import printable
 from pressroom.outputs import RequestOutput
 
 logger = logging.getLogger("pressroom")
@@ -138,7 +139,7 @@ def _log_finished(out: RequestOutput, now: float) -> None:
     queued = (m.first_scheduled_time - m.arrival_time) if m is not None and m.first_scheduled_time else 0.0
     ttft = (m.first_token_time - m.arrival_time) if m is not None and m.first_token_time else 0.0
     logger.info("Finished request %s (session %s): %d prompt tokens, %d generated, finish %s, "
-                "queued %.3fs, TTFT %.3fs, e2e %.3fs", out.request_id, out.session_id or "-",
+                "queued %.3fs, TTFT %.3fs, e2e %.3fs", printable(out.request_id), printable(out.session_id or "-"),
                 len(out.prompt_token_ids), generated, ",".join(c.finish_reason or "abort" for c in out.outputs),
                 queued, ttft, e2e)
 

@@ -1,16 +1,17 @@
 """Request and response bodies of the OpenAI API, with vLLM's extra sampling fields.
 
-Requests are validated twice: pydantic checks shapes and types (a 400 naming the field), and
-`to_sampling_params` builds a SamplingParams, whose own checks give the range errors. Unknown fields are
-ignored, except those in a request's `unsupported_fields`: OpenAI or vLLM features that pressroom does not
-implement, which get a 400 naming the field rather than an answer that silently went without them.
+Requests are validated twice: pydantic checks shapes, types and that every integer fits what the engine core
+can receive (a 400 naming the field), and `to_sampling_params` builds a SamplingParams, whose own checks give
+the range errors. Unknown fields are ignored, except those in a request's `unsupported_fields`: OpenAI or vLLM
+features that pressroom does not implement, which get a 400 naming the field rather than an answer that
+silently went without them.
 """
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
@@ -27,6 +28,16 @@ MAX_STOP_STRINGS = 1_000
 MAX_STOP_CHARS = 20_000  # the stop strings' characters, summed
 MAX_STOP_CHARS_X_N = 200_000  # the same times n
 MAX_LOGIT_BIAS_X_N = 300_000  # logit_bias entries times n
+
+# A request crosses to the engine core as msgpack, whose integers are int64 or uint64: an integer field outside
+# these is a 400 naming it here, not an OverflowError (a 500) on the way to the core.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+EngineInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # SamplingParams checks what each one means
+PRIORITY_MIN, PRIORITY_MAX = INT64_MIN, INT64_MAX
+Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]  # the scheduler's order: lower runs first
+# The sampler hashes any seed to 63 bits; the core receives int64 or uint64, as torch.Generator.manual_seed takes.
+Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -131,9 +142,9 @@ class _SamplingRequest(OpenAIModel):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: EngineInt | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -141,17 +152,27 @@ class _SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: EngineInt = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int | None = None
+    priority: Priority | None = None
     session_id: str | None = Field(None, max_length=256)  # or the X-Session-Id header
-    data_parallel_rank: int | None = None  # the engine core to serve it (vLLM's); or the X-data-parallel-rank header
+    data_parallel_rank: EngineInt | None = None  # the engine core to serve it (vLLM's); or X-data-parallel-rank
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def each_sample_seed_fits(cls, seed: int | None, info: ValidationInfo) -> int | None:
+        """Sample i of n draws with seed + i (LLMEngine), which must fit 64 bits as well."""
+        n = info.data.get("n", 1)
+        if seed is not None and seed + n - 1 > UINT64_MAX:
+            raise ValueError(f"with n={n} the seed must be at most {UINT64_MAX - n + 1}: sample i draws with "
+                             "seed + i, which must fit 64 bits")
+        return seed
 
     @field_validator("stop")
     @classmethod
@@ -223,11 +244,11 @@ class _SamplingRequest(OpenAIModel):
 class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default, not the context
+    max_tokens: EngineInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: EngineInt | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -305,8 +326,8 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 class ChatCompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: EngineInt | None = None
+    max_completion_tokens: EngineInt | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -314,7 +335,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # template variables only; tokenizer arguments get a 400
     reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
-    thinking_token_budget: int | None = Field(None, ge=0)
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
     parallel_tool_calls: bool = True
@@ -497,17 +518,16 @@ class ModelList(BaseModel):
 
 # One text, several texts, one prompt's token ids or several prompts' token ids (OpenAI's accepted shapes).
 PoolingInput = str | list[str] | list[int] | list[list[int]]
-PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # what crosses to the engine core as an int64
 
 
 class EmbeddingRequest(OpenAIModel):
     model: str | None = None
     input: PoolingInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # keep the first n dimensions, renormalised (Matryoshka)
+    dimensions: EngineInt | None = None  # keep the first n dimensions, renormalised (Matryoshka)
     user: str | None = None
     normalize: bool | None = None  # vLLM's: None = the model's pooling config
-    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    priority: Priority | None = None
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -519,7 +539,7 @@ class ScoreRequest(OpenAIModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    priority: Priority | None = None
 
 
 class RerankRequest(OpenAIModel):
@@ -527,9 +547,9 @@ class RerankRequest(OpenAIModel):
     model: str | None = None
     query: str
     documents: list[str]
-    top_n: int | None = None  # None or 0: every document
+    top_n: EngineInt | None = None  # None or 0: every document
     return_documents: bool = True
-    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    priority: Priority | None = None
 
 
 class EmbeddingData(BaseModel):

@@ -57,6 +57,7 @@ from pressroom.entrypoints.openai.serving_completion import OpenAIServingComplet
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
 from pressroom.entrypoints.openai.settings import ServerSettings
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
+from pressroom.logger import printable
 
 logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
@@ -161,8 +162,10 @@ class _AccessLog:
             headers = dict(scope["headers"])
             request_id = record.request_id or headers.get(b"x-request-id", b"-").decode("latin-1")
             session_id = record.session_id or headers.get(b"x-session-id", b"-").decode("latin-1")
+            # the path (percent-decoded), the ids and the session are the client's: escaped, or they forge lines
             access_logger.info('"%s %s" %d request_id=%s session_id=%s prompt_tokens=%s completion_tokens=%s '
-                               "time=%.1fms", scope["method"], scope["path"], status, request_id, session_id,
+                               "time=%.1fms", scope["method"], printable(scope["path"]), status,
+                               printable(request_id), printable(session_id),
                                _or_dash(record.prompt_tokens), _or_dash(record.completion_tokens),
                                1000 * (time.monotonic() - started))
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -29,6 +30,10 @@ from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -286,6 +291,11 @@ _TOO_DEEP = "The body nests too deeply."
 ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdown, a dead engine): vLLM's
 
 
+# JSON's \u escapes can write a UTF-16 surrogate; raw bytes cannot (json.loads refuses them when it decodes), so
+# a UTF-8 body without such an escape holds no string that UTF-8 fails to encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _json_object(body: bytes) -> dict:
     try:
         data = json.loads(body)
@@ -295,7 +305,38 @@ def _json_object(body: bytes) -> dict:
         raise APIError(400, f"The body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "The body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(body) or not json.detect_encoding(body).startswith("utf-8"):  # UTF-16 or -32
+        _check_encodable(data)
     return data
+
+
+def _check_encodable(data: dict) -> None:
+    """A 400 naming the field (pydantic's dotted path) of a string, or a key, that UTF-8 cannot encode: a lone
+    surrogate would fail every later step that encodes it (the tokenizer, the response, a log line) with a 500.
+    A walk with a stack of its own: json.loads nests up to Python's recursion limit, a recursive walk would hit it."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _encodable(value):
+            raise APIError(400, f"Invalid request: {path}: the string holds a lone UTF-16 surrogate, which is not "
+                                "valid Unicode.", param=path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):
+                    where = path or "body"
+                    raise APIError(400, f"Invalid request: {where}: a key holds a lone UTF-16 surrogate, which is "
+                                        "not valid Unicode.", param=where)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def sse_data(model: BaseModel) -> str:
@@ -320,40 +361,48 @@ def _message_dict(message: ChatMessage) -> dict:
     return message.model_dump(exclude_none=True) | {"content": message.text}
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+")  # ASCII only: int() would also take other scripts' digits and spaces
+
+
+def int_header(request: Request, name: str, low: int = INT64_MIN, high: int = INT64_MAX) -> int | None:
+    """Header `name` as an integer in [low, high] (by default what crosses to the engine core: int64); None if
+    absent. Anything else is a 400 naming the header (the value is not echoed: a client's bytes, not text)."""
+    header = request.headers.get(name)
+    if header is None:
+        return None
+    if _DECIMAL.fullmatch(header) is None:
+        raise APIError(400, f"{name} must be an integer in ASCII digits.", param=name)
+    value = int(header)
+    if not low <= value <= high:
+        raise APIError(400, f"{name} must lie in [{low}, {high}].", param=name)
+    return value
+
+
 def request_priority(request: Request, field: int | None) -> int:
     """The X-Vllm-Priority header (or its alias X-Priority), which overrides the `priority` field as in
     vLLM; else the field; 0 without either. Lower runs first under `--scheduling-policy priority`."""
     for name in PRIORITY_HEADERS:
-        header = request.headers.get(name)
+        header = int_header(request, name, PRIORITY_MIN, PRIORITY_MAX)
         if header is not None:
-            try:
-                return int(header)
-            except ValueError:
-                raise APIError(400, f"{name} must be an integer, got {header!r}.", param=name) from None
+            return header
     return 0 if field is None else field
 
 
 def request_data_parallel_rank(request: Request, field: int | None) -> int | None:
     """The `data_parallel_rank` field, else the X-data-parallel-rank header (None: the engine balances)."""
-    if field is not None:
-        return field
-    header = request.headers.get("x-data-parallel-rank")
-    if header is None:
-        return None
-    try:
-        return int(header)
-    except ValueError:
-        raise APIError(400, f"X-data-parallel-rank must be an integer, got {header!r}.",
-                       param="X-data-parallel-rank") from None
+    return field if field is not None else int_header(request, "X-data-parallel-rank")
 
 
 def request_session_id(request: Request, field: str | None) -> str | None:
-    """The `session_id` field, else the X-Session-Id header (None without either)."""
+    """The `session_id` field, else the X-Session-Id header (None without either). The header must be printable
+    ASCII: HTTP gives other bytes no charset, and they would reach the engine and the logs as mojibake."""
     if field is not None:
         return field
     header = request.headers.get("x-session-id")
     if header is not None and len(header) > MAX_SESSION_ID_CHARS:
         raise APIError(400, f"X-Session-Id is longer than {MAX_SESSION_ID_CHARS} characters.", param="X-Session-Id")
+    if header is not None and not (header.isascii() and header.isprintable()):
+        raise APIError(400, "X-Session-Id must be printable ASCII.", param="X-Session-Id")
     return header or None
 
 

@@ -17,8 +17,6 @@ from fastapi import Request
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.protocol import (
-    PRIORITY_MAX,
-    PRIORITY_MIN,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -157,9 +155,6 @@ class OpenAIServingPooling(OpenAIServing):
             if isinstance(e, ValueError):
                 raise APIError(400, f"input[{len(streams)}]: {e}" if len(prompts) > 1 else str(e),
                                param="input") from None
-            if isinstance(e, OverflowError):  # a priority header past int64
-                raise APIError(400, f"priority must lie in [{PRIORITY_MIN}, {PRIORITY_MAX}].", param="priority") \
-                    from None
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), "service_unavailable") from None
             raise
