@@ -7,6 +7,16 @@ compiles it against the tokenizer on a small thread pool (xgrammar releases the 
 one future per source in an LRU, and the scheduler leaves the request in the queue until its future is
 done (vLLM's WAITING_FOR_FSM) while the other requests run. The model runner matches each request's tokens
 against the compiled grammar and masks its logits (worker/grammar.py).
+
+Limits, applied by `check` before xgrammar sees the source, because xgrammar's cost grows far faster than the
+text (a schema nested 800 deep, 8 KB of it, parsed for 17 s; one 6,500 deep grew the process by gigabytes):
+- MAX_SOURCE_CHARS: the source's text (a schema's JSON text, the regex, the EBNF);
+- MAX_DEPTH: nesting, of a schema's JSON objects and arrays, or of a regex's or grammar's parentheses;
+- MAX_SCHEMA_WIDTH: the items of one anyOf, oneOf, allOf or enum, and MAX_SCHEMA_NODES: the values in a schema;
+- MAX_REPEAT and MAX_REPEAT_TOTAL: repetition bounds ({m,n}; a schema's minLength, maxItems...), each one
+  and all of them together, a bound inside a repeated group counting times the group's own.
+A schema is judged as JSON decoded, so a bound written with JSON escapes ("\\u007b1,10000\\u007d") is the same
+bound; over any limit, a ValueError names the limit and its value (a 400).
 """
 from __future__ import annotations
 
@@ -31,6 +41,11 @@ MAX_SOURCE_CHARS = 64 * 1024
 # Repetition bounds ({m,n} in a regex, a schema's pattern or EBNF): xgrammar expands them, and a schema pattern
 # of [a-z]{1,30000} took a minute to parse (one of {1,1000}: 0.05 s).
 MAX_REPEAT, MAX_REPEAT_TOTAL = 1000, 4000
+# Nesting: xgrammar's parse grows with about the cube of a schema's depth (400: 2.5 s, 800: 17.6 s); 64 JSON
+# levels (about 30 schema levels) parse in milliseconds, and real schemas rarely nest past 10.
+MAX_DEPTH = 64
+MAX_SCHEMA_WIDTH = 1024  # items of one anyOf / oneOf / allOf / enum
+MAX_SCHEMA_NODES = 10_000  # values (objects, arrays, strings, numbers...) in one schema
 COMPILE_TIMEOUT_S = 60.0
 CACHE_SIZE = 256
 # Whitespace between JSON tokens, where any is allowed: a small model can otherwise emit newlines until max_tokens.
@@ -63,24 +78,143 @@ def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
 
 
 def check(params: StructuredOutputsParams) -> GrammarSource:
-    """The request's grammar source, parsed once; ValueError naming what is wrong with it."""
+    """The request's grammar source, parsed once; ValueError naming what is wrong with it (or the limit that
+    it exceeds)."""
+    if isinstance(params.json, dict):
+        _check_schema(params.json)  # before it is written as text: the encoder recurses
     source = grammar_source(params)
     if len(source.text) > MAX_SOURCE_CHARS:
         raise ValueError(f"The structured output's {source.kind} is {len(source.text)} characters long; the limit "
-                         f"is {MAX_SOURCE_CHARS}.")
-    _check_repetitions(source)
+                         f"(MAX_SOURCE_CHARS) is {MAX_SOURCE_CHARS}.")
+    if source.kind == "json":
+        if not isinstance(params.json, dict):
+            _check_schema(_load_schema(source.text))
+    else:
+        _check_repetitions(source.kind, _pattern_cost(source.text, source.kind))
     _parse(source)
     return source
 
 
-_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+def _load_schema(text: str) -> Any:
+    """The schema's text decoded, its nesting measured first: the decoder recurses."""
+    depth = 0
+    for bracket in _BRACKETS.findall(_JSON_STRING.sub('""', text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > MAX_DEPTH:
+            raise _too_deep("json")
+    try:
+        return json.loads(text)
+    except ValueError as e:  # a JSONDecodeError is one
+        raise ValueError(f"Invalid structured output JSON schema: {e}") from None
 
 
-def _check_repetitions(source: GrammarSource) -> None:
-    bounds = [int(n) for match in _REPEAT.finditer(source.text) for n in match.groups() if n]
-    if bounds and (max(bounds) > MAX_REPEAT or sum(bounds) > MAX_REPEAT_TOTAL):
-        raise ValueError(f"The structured output's {_NAMES[source.kind]} repeats too much: each {{m,n}} bound must be "
-                         f"at most {MAX_REPEAT}, and all of them together at most {MAX_REPEAT_TOTAL}.")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+# keywords that xgrammar turns into repetitions of their value's size
+_COUNT_KEYWORDS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
+_WIDE_KEYWORDS = frozenset({"anyOf", "oneOf", "allOf", "enum"})
+
+
+def _check_schema(schema: Any) -> None:
+    """Walks the decoded schema without recursion (a deep one cannot reach the stack): its depth, its width,
+    its size, and the repetition its strings (as regexes: patterns, formats, keys) and counts ask for."""
+    stack, nodes, repeats = [(schema, 1)], 0, 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"The structured output's JSON schema has more than {MAX_SCHEMA_NODES} values; "
+                             f"the limit (MAX_SCHEMA_NODES) is {MAX_SCHEMA_NODES}.")
+        if isinstance(value, str):
+            repeats += _pattern_cost(value, "regex")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise _too_deep("json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                repeats += _pattern_cost(key, "regex")
+                if key in _WIDE_KEYWORDS and isinstance(item, list) and len(item) > MAX_SCHEMA_WIDTH:
+                    raise ValueError(f"The structured output's JSON schema has {len(item)} items in one {key}; the "
+                                     f"limit (MAX_SCHEMA_WIDTH) is {MAX_SCHEMA_WIDTH}.")
+                if key in _COUNT_KEYWORDS and isinstance(item, int):
+                    repeats += _bound(item, "json")
+            stack.append((item, depth + 1))
+    _check_repetitions("json", repeats)
+
+
+def _too_deep(kind: str) -> ValueError:
+    return ValueError(f"The structured output's {_NAMES[kind]} nests deeper than {MAX_DEPTH} levels; the limit "
+                      f"(MAX_DEPTH) is {MAX_DEPTH}.")
+
+
+def _check_repetitions(kind: str, total: int) -> None:
+    if total > MAX_REPEAT_TOTAL:
+        raise _repeats_too_much(kind)
+
+
+def _repeats_too_much(kind: str) -> ValueError:
+    return ValueError(f"The structured output's {_NAMES[kind]} repeats too much: each {{m,n}} bound must be at most "
+                      f"{MAX_REPEAT} (MAX_REPEAT), and all of them together at most {MAX_REPEAT_TOTAL} "
+                      f"(MAX_REPEAT_TOTAL), a bound inside a repeated group counting times that group's.")
+
+
+def _bound(n: int, kind: str) -> int:
+    if n > MAX_REPEAT:
+        raise _repeats_too_much(kind)
+    return max(n, 0)
+
+
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _pattern_cost(text: str, kind: str) -> int:
+    """The repetition a regex (or EBNF) asks for: the sum of its {m,n} bounds, each bound on a group counting
+    times one plus the group's own (a nested repetition multiplies). Escapes, character classes (and EBNF's
+    string literals) are skipped, the parentheses' nesting is checked against MAX_DEPTH."""
+    groups = [0]  # the cost inside each open group, the outermost first
+    last = 0  # the cost of the atom a quantifier would apply to (a group's, just closed)
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i, last = i + 2, 0
+            continue
+        if c == "[" or (c == '"' and kind == "ebnf"):
+            i, last = _skip_literal(text, i), 0
+            continue
+        if c == "(":
+            groups.append(0)
+            if len(groups) > MAX_DEPTH:
+                raise _too_deep(kind)
+        elif c == ")" and len(groups) > 1:
+            last = groups.pop()
+            groups[-1] += last
+            i += 1
+            continue
+        elif c == "{" and (match := _QUANTIFIER.match(text, i)):
+            low, high = match.groups()
+            bound = max(_bound(int(low), kind), _bound(int(high), kind) if high else 0, 1)
+            groups[-1] += bound * (1 + last) - last  # a group repeated: its own cost is now counted `bound` times
+            if groups[-1] > MAX_REPEAT_TOTAL:
+                raise _repeats_too_much(kind)
+            i, last = match.end(), 0
+            continue
+        i, last = i + 1, 0
+    return sum(groups)
+
+
+def _skip_literal(text: str, start: int) -> int:
+    """The index past a character class `[...]` (or an EBNF string `"..."`) that starts at `start`."""
+    close = "]" if text[start] == "[" else '"'
+    i = start + 1
+    if close == "]" and text[i:i + 1] == "]":  # a leading ] is literal
+        i += 1
+    while i < len(text) and text[i] != close:
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
