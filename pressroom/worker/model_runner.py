@@ -216,7 +216,7 @@ class ModelRunner:
             self.speculator.forget(finished)
         self.pooler.forget(finished)
         for new in sched.new_requests:
-            self.states[new.req_id] = CachedRequestState.start(new, self.grammars)
+            self.states[new.req_id] = CachedRequestState.start(new, self.grammars, self.device)
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

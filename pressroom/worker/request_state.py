@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pressroom.core.outputs import NewRequestData
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.grammar import GrammarReader, RequestGrammar
-from pressroom.worker.sampler import SamplingRow
+from pressroom.worker.sampler import SamplingRow, bias_tensors
 
 
 @dataclass(slots=True)
@@ -23,13 +25,16 @@ class CachedRequestState:
     num_inflight: int = 0
     pooling: PoolingParams | None = None  # a pooling request: pooled after its prompt, never sampled
     grammar: RequestGrammar | None = None  # structured outputs: the matcher that masks its logits
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias as tensors, made once
 
     @classmethod
-    def start(cls, new: NewRequestData, grammars: GrammarReader) -> CachedRequestState:
+    def start(cls, new: NewRequestData, grammars: GrammarReader, device: str) -> CachedRequestState:
         grammar = None if new.grammar is None else \
             RequestGrammar.start(grammars.compiled(new.grammar), new.eos_token_id, new.num_prompt_tokens)
+        bias = new.sampling_params.logit_bias
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
-                   new.num_computed_tokens, new.eos_token_id, pooling=new.pooling, grammar=grammar)
+                   new.num_computed_tokens, new.eos_token_id, pooling=new.pooling, grammar=grammar,
+                   logit_bias=bias_tensors(bias, device) if bias else None)
 
     @property
     def num_outputs(self) -> int:
@@ -38,8 +43,8 @@ class CachedRequestState:
     def sampling_row(self, drafts: list[int] = ()) -> SamplingRow:
         """The sampler's view, its output followed by `drafts` (a verification position's history)."""
         return SamplingRow(self.params, self.token_ids[:self.num_prompt_tokens],
-                           self.token_ids[self.num_prompt_tokens:] + list(drafts), self.eos_token_id)
+                           self.token_ids[self.num_prompt_tokens:] + list(drafts), self.eos_token_id, self.logit_bias)
 
     def bare_sampling_row(self) -> SamplingRow:
         """The sampler's view without token histories (copied only where the sampler reads them)."""
-        return SamplingRow(self.params, [], [], self.eos_token_id)
+        return SamplingRow(self.params, [], [], self.eos_token_id, self.logit_bias)

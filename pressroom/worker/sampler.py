@@ -10,7 +10,6 @@ any other (it enters the KV cache through the normal path, and its logprob is th
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as tensors (bias_tensors)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
@@ -76,8 +76,8 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         if not cloned:
             logits, cloned = logits.clone(), True
         if p.logit_bias:
-            ids, values = _BIAS_TENSORS.get(p.logit_bias, logits)
-            logits[i, ids] += values
+            ids, values = row.logit_bias or bias_tensors(p.logit_bias, logits.device)
+            logits[i, ids] += values.to(logits.dtype)
         if p.needs_penalties:
             _apply_penalties(logits[i], row)
         if banned:
@@ -88,30 +88,12 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return logits
 
 
-class _BiasTensors:
-    """Each request's logit_bias as (token ids, values) tensors, made at its first step and reused after:
-    converting a vocabulary-wide bias (a dict of ~50k entries) for every row at every step cost more than the
-    step. Keyed by the dict's identity (the entry holds the dict, so its id is not reused); the least recently
-    used go past `capacity`, so finished requests' tensors do not pile up."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[int, tuple[dict[int, float], torch.Tensor, torch.Tensor]] = OrderedDict()
-
-    def get(self, bias: dict[int, float], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = id(bias)
-        entry = self._entries.get(key)
-        if entry is None or entry[2].device != logits.device or entry[2].dtype != logits.dtype:
-            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-            entry = self._entries[key] = (bias, ids, values)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-        self._entries.move_to_end(key)
-        return entry[1], entry[2]
-
-
-_BIAS_TENSORS = _BiasTensors(capacity=1024)  # a batch's worth of biased requests, with room
+def bias_tensors(bias: dict[int, float], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A logit_bias as (token ids, float32 values) on `device`: made once per request (its state keeps them), as
+    converting a vocabulary-wide bias (~50k entries) for every row at every step cost more than the step."""
+    ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+    values = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return to_device(ids, device), to_device(values, device)
 
 
 def forced_token(row: SamplingRow) -> int | None:

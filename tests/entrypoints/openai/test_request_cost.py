@@ -109,16 +109,18 @@ def test_server_answers_at_the_limits(tiny_server):
 
 # ---- the sampler's bias: made once per request, added per step ---------------------------------
 
-def test_logit_bias_tensors_are_made_once_per_request():
+def test_a_rows_own_bias_tensors_are_the_ones_added():
+    """A request's state makes its bias tensors once (sampler.bias_tensors); each step adds those."""
     params = SamplingParams(temperature=0.0, logit_bias={3: 50.0, 5: -50.0})
-    row = SamplingRow(params, [1, 2], [], None)
+    made = sampler.bias_tensors(params.logit_bias, "cpu")
+    row = SamplingRow(params, [1, 2], [], None, made)
     logits = torch.zeros(2, 8)
     logits[:, 5] = 10.0
-    first = sampler._BIAS_TENSORS.get(params.logit_bias, logits)
     tokens, _ = sample(logits, [row, row])
     assert tokens == [3, 3]
-    assert all(a is b for a, b in zip(first, sampler._BIAS_TENSORS.get(params.logit_bias, logits)))
     assert logits[0, 5] == 10.0  # the caller's logits are left as they were
+    made[1][0] = -50.0  # the row's tensors, not the dict, are what the sampler adds
+    assert sample(logits[:1], [row])[0] == [0]
 
 
 def test_logit_bias_adds_exactly_what_the_plain_add_did():
