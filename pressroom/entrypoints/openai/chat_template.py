@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pressroom.entrypoints.openai import template_worker
 from pressroom.entrypoints.openai.errors import APIError
+from pressroom.logger import printable
 
 logger = logging.getLogger("pressroom")
 
@@ -228,7 +229,8 @@ class Preprocessor:
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 — whatever the tokenizer raised on this input, it is this input's
-            logger.warning("the tokenizer failed on a request's input: %s: %s", type(e).__name__, _client_message(e))
+            logger.warning("the tokenizer failed on a request's input: %s: %s", type(e).__name__,
+                           printable(_client_message(e)))
             raise APIError(400, "The tokenizer could not process the request's input.") from None
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
