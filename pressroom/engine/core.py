@@ -121,8 +121,9 @@ class EngineCore:
         from pressroom.kv_offload.manager import TieredKVStore
         model, cache = self.config.model, self.config.cache
         kv_dtype = cache.cache_dtype or model.dtype
-        fingerprint = model_fingerprint(spec.model_path, model.load_format, model.seed, model.dtype, kv_dtype,
-                                        cache.block_size, spec.kv_chunk_shape)
+        # only tiers that outlive the process need it (its first computation reads every weight file)
+        fingerprint = model_fingerprint(spec.model_path, model, kv_dtype, cache.block_size, spec.kv_chunk_shape) \
+            if offload.secondary else bytes(16)
         store = TieredKVStore(offload, fingerprint, spec.kv_chunk_shape, kv_dtype, pin=self.config.device == "cuda")
         self.executor.collective_rpc("attach_kv_offload", store.cpu.handle)
         logger.info("KV offload: CPU tier %.2f GiB (%d chunks of %d tokens)%s", offload.cpu_bytes / (1 << 30),

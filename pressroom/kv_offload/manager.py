@@ -74,7 +74,7 @@ class TierStats:
     write_bytes: int = 0
     read_time: Histogram = field(default_factory=Histogram)
     write_time: Histogram = field(default_factory=Histogram)
-    corrupt_chunks: int = 0  # read but not served: truncated, corrupt or another model's
+    corrupt_chunks: int = 0  # read but not served: truncated, corrupt, another model's or another key's
     failed_jobs: int = 0  # stores or loads that did not complete
 
 
@@ -237,7 +237,7 @@ class TieredKVStore:
         """On a cascade thread: the chunk goes from its slot (on loan until here is done) to every secondary
         tier; threaded tiers write the slot's own bytes, others get a blob."""
         try:
-            parts = chunk_parts(self.fingerprint, self.cpu.slab[slot])
+            parts = chunk_parts(self.fingerprint, key, self.cpu.slab[slot])
             blob = None
             for tier in self.secondary:
                 if isinstance(tier, _ThreadedTier):
@@ -283,7 +283,7 @@ class TieredKVStore:
         """On a checker thread: verifies a loaded blob and copies it into a CPU slot."""
         error, kept = None, False
         try:
-            payload = checked_payload(self.fingerprint, result.blob, self.chunk_bytes)
+            payload = checked_payload(self.fingerprint, result.key, result.blob, self.chunk_bytes)
             slot = self.cpu.reserve(result.key)
             if slot is not None:
                 try:
@@ -307,7 +307,7 @@ class TieredKVStore:
             payload = payload_view(self.cpu.slab[slot])
             try:
                 length = self.secondary[i].read_into(key, header, payload)
-                check_payload(payload, check_header(self.fingerprint, header, length, self.chunk_bytes))
+                check_payload(payload, check_header(self.fingerprint, key, header, length, self.chunk_bytes))
                 kept, nbytes = True, HEADER_BYTES + length
             except CorruptChunk as e:
                 error = str(e)

@@ -23,20 +23,21 @@ def chunk(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
 
 
-def decode(blob: bytes) -> torch.Tensor:
+def decode(blob: bytes, key: str = "k0") -> torch.Tensor:
     out = torch.empty(SHAPE)
-    copy_payload(checked_payload(FP, blob, out.numel() * 4), out)
+    copy_payload(checked_payload(FP, key, blob, out.numel() * 4), out)
     return out
 
 
 def test_a_chunk_round_trips_and_every_damage_is_named():
     c = chunk(0)
-    blob = encode_chunk(FP, c)
+    blob = encode_chunk(FP, "k0", c)
     assert torch.equal(decode(blob), c)
     flipped = bytearray(blob)
     flipped[HEADER_BYTES + 5] ^= 1
     for bad, reason in ((bytes(flipped), "checksum"), (blob[:-7], "truncated"), (blob[:10], "truncated"),
-                        (b"XXXX" + blob[4:], "not a version"), (encode_chunk(OTHER, c), "another model")):
+                        (b"XXXX" + blob[4:], "not a version"), (blob[:4] + b"\x03" + blob[5:], "not a version"),
+                        (encode_chunk(OTHER, "k0", c), "another model"), (encode_chunk(FP, "k1", c), "another key")):
         with pytest.raises(CorruptChunk, match=reason):
             decode(bad)
 
@@ -66,7 +67,7 @@ def _wait(tier: FileTier, n: int) -> list:
 
 
 def test_the_file_tier_caps_its_bytes_and_a_new_process_finds_its_files(tmp_path):
-    blob = encode_chunk(FP, chunk(0))
+    blob = encode_chunk(FP, "k0", chunk(0))
     tier = FileTier(str(tmp_path), FP, max_bytes=2 * len(blob))
     for i in range(3):
         tier.store(f"k{i}", blob)
