@@ -13,8 +13,9 @@ text (a schema nested 800 deep, 8 KB of it, parsed for 17 s; one 6,500 deep grew
 - MAX_SOURCE_CHARS: the source's text (a schema's JSON text, the regex, the EBNF);
 - MAX_DEPTH: nesting, of a schema's JSON objects and arrays, or of a regex's or grammar's parentheses;
 - MAX_SCHEMA_WIDTH: the items of one anyOf, oneOf, allOf or enum, and MAX_SCHEMA_NODES: the values in a schema;
-- MAX_REPEAT and MAX_REPEAT_TOTAL: repetition bounds ({m,n}; a schema's minLength, maxItems...), each one
-  and all of them together, a bound inside a repeated group counting times the group's own.
+- MAX_REPEAT and MAX_REPEAT_TOTAL: repetition bounds ({m,n} in a regex, an EBNF or any string of a schema),
+  each one and all of them together, a bound on a group counting times the group's own. (A schema's
+  minLength, maxItems... are counted, not expanded: 20,000 compiles in 0.02 s, so they are not limited.)
 A schema is judged as JSON decoded, so a bound written with JSON escapes ("\\u007b1,10000\\u007d") is the same
 bound; over any limit, a ValueError names the limit and its value (a 400).
 """
@@ -110,14 +111,12 @@ def _load_schema(text: str) -> Any:
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKETS = re.compile(r"[\[\]{}]")
-# keywords that xgrammar turns into repetitions of their value's size
-_COUNT_KEYWORDS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
 _WIDE_KEYWORDS = frozenset({"anyOf", "oneOf", "allOf", "enum"})
 
 
 def _check_schema(schema: Any) -> None:
     """Walks the decoded schema without recursion (a deep one cannot reach the stack): its depth, its width,
-    its size, and the repetition its strings (as regexes: patterns, formats, keys) and counts ask for."""
+    its size, and the repetition its strings ask for, each read as a regex (patterns, but keys and the rest too)."""
     stack, nodes, repeats = [(schema, 1)], 0, 0
     while stack:
         value, depth = stack.pop()
@@ -139,8 +138,6 @@ def _check_schema(schema: Any) -> None:
                 if key in _WIDE_KEYWORDS and isinstance(item, list) and len(item) > MAX_SCHEMA_WIDTH:
                     raise ValueError(f"The structured output's JSON schema has {len(item)} items in one {key}; the "
                                      f"limit (MAX_SCHEMA_WIDTH) is {MAX_SCHEMA_WIDTH}.")
-                if key in _COUNT_KEYWORDS and isinstance(item, int):
-                    repeats += _bound(item, "json")
             stack.append((item, depth + 1))
     _check_repetitions("json", repeats)
 
