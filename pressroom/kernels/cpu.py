@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pressroom.platforms import user_cache_dir
 from pressroom.platforms.cpu import cpu_info
 
 logger = logging.getLogger("pressroom")
@@ -77,8 +78,7 @@ GEMMA3_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PRESSROOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pressroom")
-    return Path(root) / "kernels"
+    return user_cache_dir("kernels")
 
 
 def compile_flags() -> list[str]:

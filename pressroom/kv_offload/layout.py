@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from pressroom.config import ModelConfig
+from pressroom.platforms import user_cache_dir
 
 logger = logging.getLogger("pressroom")
 
@@ -85,8 +86,7 @@ def weight_hash_cache() -> Path:
     """Where weight files' content hashes are kept: the user's pressroom cache, not a disk tier's directory,
     since the hash names the weights (one entry serves every tier path and every restart) and a disk tier's
     directory is itself named by the fingerprint the hash goes into."""
-    root = os.environ.get("PRESSROOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pressroom")
-    return Path(root) / "weight-hashes"
+    return user_cache_dir("weight-hashes")
 
 
 def _weight_digests(files: list[Path], cache: Path) -> list[str]:

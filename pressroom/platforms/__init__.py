@@ -3,6 +3,7 @@ set-up an engine's start gives its process (set_up_process)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -31,3 +32,9 @@ def set_up_worker_threads(device: str, num_threads: int | None, world_size: int)
         torch.set_num_threads(num_threads)
     elif world_size > 1 and device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def user_cache_dir(name: str) -> Path:
+    """pressroom's folder `name` in the user's cache: under $PRESSROOM_CACHE, else ~/.cache/pressroom."""
+    root = os.environ.get("PRESSROOM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pressroom")
+    return Path(root) / name
