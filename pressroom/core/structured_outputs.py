@@ -125,7 +125,7 @@ def _check_schema(schema: Any) -> None:
             raise ValueError(f"The structured output's JSON schema has more than {MAX_SCHEMA_NODES} values; "
                              f"the limit (MAX_SCHEMA_NODES) is {MAX_SCHEMA_NODES}.")
         if isinstance(value, str):
-            repeats += _pattern_cost(value, "regex")
+            repeats += _pattern_cost(value, "json", syntax="regex")
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -134,7 +134,7 @@ def _check_schema(schema: Any) -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str):
-                repeats += _pattern_cost(key, "regex")
+                repeats += _pattern_cost(key, "json", syntax="regex")
                 if key in _WIDE_KEYWORDS and isinstance(item, list) and len(item) > MAX_SCHEMA_WIDTH:
                     raise ValueError(f"The structured output's JSON schema has {len(item)} items in one {key}; the "
                                      f"limit (MAX_SCHEMA_WIDTH) is {MAX_SCHEMA_WIDTH}.")
@@ -167,10 +167,12 @@ def _bound(n: int, kind: str) -> int:
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
-def _pattern_cost(text: str, kind: str) -> int:
+def _pattern_cost(text: str, kind: str, syntax: str | None = None) -> int:
     """The repetition a regex (or EBNF) asks for: the sum of its {m,n} bounds, each bound on a group counting
     times one plus the group's own (a nested repetition multiplies). Escapes, character classes (and EBNF's
-    string literals) are skipped, the parentheses' nesting is checked against MAX_DEPTH."""
+    string literals) are skipped, the parentheses' nesting is checked against MAX_DEPTH. `syntax`: how `text`
+    reads (regex or ebnf), when it is a part of a source of another `kind` (a schema's pattern)."""
+    syntax = syntax or kind
     groups = [0]  # the cost inside each open group, the outermost first
     last = 0  # the cost of the atom a quantifier would apply to (a group's, just closed)
     i = 0
@@ -179,7 +181,7 @@ def _pattern_cost(text: str, kind: str) -> int:
         if c == "\\":
             i, last = i + 2, 0
             continue
-        if c == "[" or (c == '"' and kind == "ebnf"):
+        if c == "[" or (c == '"' and syntax == "ebnf"):
             i, last = _skip_literal(text, i), 0
             continue
         if c == "(":
