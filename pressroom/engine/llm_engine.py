@@ -193,8 +193,10 @@ class LLMEngine:
         try:
             lead = None
             for child in children:
+                # Sample i's seed is seed + i, wrapped to 64 bits (what the core's messages carry; the sampler
+                # keys its noise by the seed modulo 2^63, so the wrap draws the same tokens).
                 child_params = params if params.n == 1 else params.clone(
-                    n=1, seed=None if params.seed is None else params.seed + child.index)
+                    n=1, seed=None if params.seed is None else (params.seed + child.index) % (1 << 64))
                 self.child_to_parent[child.request_id] = (parent, child)
                 self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
                                                   data_parallel_rank=data_parallel_rank))

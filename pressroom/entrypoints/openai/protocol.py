@@ -164,16 +164,6 @@ class _SamplingRequest(OpenAIModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
-    @field_validator("seed")
-    @classmethod
-    def each_sample_seed_fits(cls, seed: int | None, info: ValidationInfo) -> int | None:
-        """Sample i of n draws with seed + i (LLMEngine), which must fit 64 bits as well."""
-        n = info.data.get("n", 1)
-        if seed is not None and seed + n - 1 > UINT64_MAX:
-            raise ValueError(f"with n={n} the seed must be at most {UINT64_MAX - n + 1}: sample i draws with "
-                             "seed + i, which must fit 64 bits")
-        return seed
-
     @field_validator("stop")
     @classmethod
     def stop_within_cost(cls, stop: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
