@@ -6,8 +6,10 @@ ZMQ sockets (ipc): the client PUSHes requests and finishes, the core PUSHes each
 when idle, a heartbeat with its stats once a second). Messages are msgspec msgpack, kind and payload
 in two frames.
 
-The core dies with its parent (PR_SET_PDEATHSIG, and a parent-pid check in the loop); when it fails
-it says why before it exits, and the client reports a death it was not told of within half a second.
+The core dies with its parent (PR_SET_PDEATHSIG, and a parent-pid check in the loop): SIGTERM, which it
+handles by leaving in order, so that the temporary folders (its sockets', its workers') go with it even
+when the parent was SIGKILLed; SIGALRM ends it if leaving hangs. When it fails it says why before it
+exits, and the client reports a death it was not told of within half a second.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import signal
 import sys
 import tempfile
 import time
+import weakref
 from concurrent.futures import Future
 
 import msgspec
@@ -35,6 +38,7 @@ logger = logging.getLogger("pressroom")
 _ADD, _FINISH, _SHUTDOWN, _EOS = b"add", b"finish", b"shutdown", b"eos"
 _READY, _OUTPUTS, _FAILED = b"ready", b"out", b"failed"
 HEARTBEAT_SECONDS = 1.0
+EXIT_GRACE_SECONDS = 10  # the core's own shutdown, at most, as the client's `shutdown` waits for it
 _POLL_MS = 500
 
 
@@ -55,7 +59,9 @@ class CoreClient:
         whatever the caller is still loading) and is sent the id once the Future has it; a Future that fails
         kills the process and `wait_ready` raises its error."""
         self._dir = tempfile.mkdtemp(prefix="pressroom-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        # Removed by `shutdown`, at the interpreter's exit otherwise, and by the core if this process dies
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        in_addr, out_addr = _addresses(self._dir)
         self._zmq = zmq.Context()
         self._input = self._zmq.socket(zmq.PUSH)
         self._input.bind(in_addr)
@@ -65,7 +71,7 @@ class CoreClient:
         self._outputs = msgspec.msgpack.Decoder(CoreOutputs)
         spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
         self._eos = eos_token_id if isinstance(eos_token_id, Future) else None
-        args = (config, None if self._eos else eos_token_id, in_addr, out_addr, os.getpid(), self._eos is not None)
+        args = (config, None if self._eos else eos_token_id, self._dir, os.getpid(), self._eos is not None)
         self.process = spawn.Process(target=run_engine_core, args=args, name="pressroom-engine-core", daemon=True)
         self.process.start()
         self.info: CoreInfo | None = None
@@ -137,7 +143,12 @@ class CoreClient:
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._zmq.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
+
+
+def _addresses(socket_dir: str) -> tuple[str, str]:
+    """Where the client's input and output sockets are bound: ipc files in the client's temporary folder."""
+    return f"ipc://{socket_dir}/in", f"ipc://{socket_dir}/out"
 
 
 def _startup_error(message: str) -> Exception:
@@ -148,20 +159,34 @@ def _startup_error(message: str) -> Exception:
 
 # ---- the core process ----
 
-def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str, out_addr: str,
-                    parent_pid: int, eos_to_come: bool = False) -> None:
-    """`eos_to_come`: the end-of-sequence id is the first message (CoreClient given a Future); a shutdown
+class _Terminated(BaseException):
+    """SIGTERM reached the core: its parent died (PR_SET_PDEATHSIG) or someone asked it to end. A
+    BaseException, so that no step's fault handling takes it for a request's fault."""
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    raise _Terminated
+
+
+def run_engine_core(config: EngineConfig, eos_token_id: int | None, socket_dir: str, parent_pid: int,
+                    eos_to_come: bool = False) -> None:
+    """`socket_dir`: the client's temporary folder, with its sockets; removed here as the core leaves.
+    `eos_to_come`: the end-of-sequence id is the first message (CoreClient given a Future); a shutdown
     instead ends the process before it builds anything."""
-    die_with_parent()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    die_with_parent(signal.SIGTERM)
     allow_children()  # the multiprocess executor's workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent shuts us down
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    in_addr, out_addr = _addresses(socket_dir)
     inp.connect(in_addr)
     out.connect(out_addr)
     encoder = msgspec.msgpack.Encoder()
-    core, asked_to_stop = None, False
+    core, asked_to_stop, terminated = None, False, False
     try:
+        if os.getppid() != parent_pid:  # it died before PR_SET_PDEATHSIG was set: no signal will come
+            raise _Terminated
         if eos_to_come:
             kind, payload = inp.recv_multipart()
             if kind != _EOS:  # a shutdown: the front-end failed to start
@@ -172,17 +197,34 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, in_addr: str
         out.send_multipart([_READY, encoder.encode(core.info)])
         _busy_loop(core, inp, out, encoder, parent_pid)
         asked_to_stop = True
+    except _Terminated:
+        asked_to_stop = terminated = True
     except BaseException as e:  # noqa: BLE001 — the client must hear why, whatever it was
         logger.exception("engine core failed")
         out.send_multipart([_FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
     finally:
-        if core is not None:
-            core.shutdown()
-        inp.close(linger=0)
-        out.close(linger=2000)  # let a last message leave
-        ctx.term()
+        _leave(core, ctx, inp, out, socket_dir, client_gone=terminated or os.getppid() != parent_pid)
         if asked_to_stop:
             _exit_now()
+
+
+def _leave(core: EngineCore | None, ctx: zmq.Context, inp, out, socket_dir: str, client_gone: bool) -> None:
+    """The core's shutdown (which removes the workers' folder), bounded: a SIGTERM now is ignored (it is
+    under way) and SIGALRM ends the process after EXIT_GRACE_SECONDS. Then the client's folder goes too (if
+    the client lives, its bound sockets need it no more). `client_gone`: its process is gone or going (a
+    SIGTERM: a SIGKILLed process's threads end one by one, and the first to go, if it started us, sends
+    PR_SET_PDEATHSIG's signal while the process still lives), so its folder goes first, and no last
+    message waits for a reader."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.alarm(EXIT_GRACE_SECONDS)
+    if client_gone:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    if core is not None:
+        core.shutdown()
+    inp.close(linger=0)
+    out.close(linger=0 if client_gone else 2000)  # let a last message leave
+    ctx.term()
+    shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def _exit_now() -> None:

@@ -7,12 +7,13 @@ import multiprocessing
 import signal
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL when the parent goes, however it goes (callers also check the
-    parent's pid in their loops, for other systems)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends `sig` when the parent goes, however it goes (callers also check the
+    parent's pid in their loops, for other systems). A process with something to clean up asks for
+    SIGTERM and handles it."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
