@@ -1,8 +1,16 @@
-"""Schema fuzzing (issue 13, item 6): schemathesis generates requests from /openapi.json (bodies included:
+"""Schema fuzzing (issues 13 and 41): schemathesis generates requests from /openapi.json (bodies included:
 the document declares them), valid and invalid, against a real `pressroom serve` with an API key; not one
 may get a 5xx. Bounded: 50 examples per operation and mode, a 64-token context; about a minute on 2 cores.
+
+And the integers at the edges (issue 41): every integer field of every request body the document declares, however
+deep (token ids in a prompt, a message's fields, a nested option), is sent 2^63, 2^64, -2^63-1 and 2^70 in an
+otherwise valid body, one field at a time; each answer must be below 500 (a 400 naming the field, or a 200 where
+the value is in range: a seed takes 64 unsigned bits).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -73,3 +81,104 @@ def test_every_operation_is_fuzzed(server):
     assert declared == {(method, path) for method, path, _ in CASES}
     for path in POSTS + POOLING_POSTS:  # and their bodies are declared, so bodies are fuzzed
         assert document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+# ---- integers at the edges ----
+
+EDGES = [1 << 63, 1 << 64, -(1 << 63) - 1, 1 << 70]
+MESSAGES = [{"role": "user", "content": "hi"}]
+VALID_BODIES = {  # per route: a valid body, which each case changes in one integer field
+    "/tokenize": {"model": "tiny", "prompt": "hi"},
+    "/detokenize": {"model": "tiny", "tokens": [1, 2]},
+    "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+    "/v1/embeddings": {"model": "minilm", "input": "hi"},
+    "/pooling": {"model": "minilm", "input": "hi"},
+    "/score": {"model": "minilm", "text_1": "a", "text_2": "b"},
+    "/v1/score": {"model": "minilm", "text_1": "a", "text_2": "b"},
+    "/rerank": {"model": "minilm", "query": "a", "documents": ["b"]},
+    "/v1/rerank": {"model": "minilm", "query": "a", "documents": ["b"]},
+}
+FieldPath = tuple[str | int, ...]  # keys and list positions from the body's root
+
+
+def _resolve(document: dict, ref: str) -> dict:
+    node: Any = document
+    for part in ref.removeprefix("#/").split("/"):
+        node = node[part]
+    return node
+
+
+def integer_fields(schema: dict, document: dict, path: FieldPath = (),
+                   refs: frozenset[str] = frozenset()) -> Iterator[FieldPath]:
+    """The path of every integer in a JSON schema, through $refs (each once per path: models may nest
+    themselves), unions, objects, arrays and maps."""
+    if "$ref" in schema:
+        if schema["$ref"] not in refs:
+            yield from integer_fields(_resolve(document, schema["$ref"]), document, path, refs | {schema["$ref"]})
+        return
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key, []):
+            yield from integer_fields(branch, document, path, refs)
+    types = schema.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        yield path
+    for name, sub in schema.get("properties", {}).items():
+        yield from integer_fields(sub, document, (*path, name), refs)
+    if isinstance(schema.get("items"), dict):
+        yield from integer_fields(schema["items"], document, (*path, 0), refs)
+    for i, sub in enumerate(schema.get("prefixItems", [])):
+        yield from integer_fields(sub, document, (*path, i), refs)
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from integer_fields(schema["additionalProperties"], document, (*path, "key"), refs)
+
+
+def put(node: Any, path: FieldPath, value: int) -> Any:
+    """`node` with `value` at `path`, the objects and lists on the way made (or the first element taken) as
+    needed; `node` itself unchanged."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(key, int):
+        items = list(node) if isinstance(node, list) and node else [None]
+        items[0] = put(items[0], rest, value)
+        return items
+    fields = dict(node) if isinstance(node, dict) else {}
+    fields[key] = put(fields.get(key), rest, value)
+    return fields
+
+
+def test_the_walk_finds_nested_integers():
+    document = {"components": {"schemas": {"M": {"properties": {"a": {"type": "integer"},
+                                                                 "self": {"$ref": "#/components/schemas/M"}}}}}}
+    schema = {"properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                             "ids": {"anyOf": [{"type": "array", "items": {"type": "integer"}},
+                                               {"type": "array", "items": {"type": "array",
+                                                                            "items": {"type": "integer"}}}]},
+                             "m": {"$ref": "#/components/schemas/M"},
+                             "map": {"type": "object", "additionalProperties": {"type": "integer"}}}}
+    found = set(integer_fields(schema, document))
+    # M's own field, not again through its reference to itself
+    assert found == {("n",), ("ids", 0), ("ids", 0, 0), ("m", "a"), ("map", "key")}
+    assert put({"ids": "x", "m": {"b": 1}}, ("m", "self", "a"), 7) == {"ids": "x", "m": {"b": 1, "self": {"a": 7}}}
+    assert put({"messages": [{"role": "user"}]}, ("messages", 0, "n"), 7) == {"messages": [{"role": "user", "n": 7}]}
+
+
+@pytest.mark.parametrize("path", POSTS + POOLING_POSTS)
+def test_every_integer_field_at_the_edges_gets_no_5xx(request, path):
+    url = request.getfixturevalue("pooling_server" if path in POOLING_POSTS else "server")
+    document = httpx.get(f"{url}/openapi.json", headers=AUTH, timeout=30).json()
+    body_schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    fields = sorted(set(integer_fields(body_schema, document)), key=str)
+    if path in ("/v1/completions", "/v1/chat/completions"):
+        assert {("n",), ("seed",), ("max_tokens",), ("priority",), ("top_k",)} <= set(fields), fields
+    failures = []
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        for field in fields:
+            for value in EDGES:
+                body = put(VALID_BODIES[path], field, value)
+                r = http.post(path, json=body)
+                if r.status_code >= 500 or (r.status_code >= 400 and not r.json().get("error", {}).get("message")):
+                    failures.append((field, value, r.status_code, r.text[:300]))
+    print(f"{path}: {len(fields)} integer fields x {len(EDGES)} edges")
+    assert not failures, failures
