@@ -1,33 +1,27 @@
 """Request and response bodies of the OpenAI API, with vLLM's extra sampling fields.
 
-Requests are validated twice: pydantic checks shapes, types and that every integer fits what the engine core
-can receive (a 400 naming the field), and `to_sampling_params` builds a SamplingParams, whose own checks give
-the range errors. Unknown fields are ignored, except those in a request's `unsupported_fields`: OpenAI or vLLM
-features that pressroom does not implement, which get a 400 naming the field rather than an answer that
-silently went without them.
+Requests are validated three times: pydantic checks shapes, types and that every integer fits what the engine core
+can receive (a 400 naming the field); a request's `cost()` (and `tokens_cost()` once its prompts are tokenized) is
+judged against the server's admission limits (limits.py); and `to_sampling_params` builds a SamplingParams, whose
+own checks give the range errors. Unknown fields are ignored, except those in a request's `unsupported_fields`:
+OpenAI or vLLM features that pressroom does not implement, which get a 400 naming the field rather than an answer
+that silently went without them.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from pressroom.core.structured_outputs import grammar_source
+from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default; the engine's own bound (MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# Admission by cost (docs/LIMITS.md): far past what clients send (OpenAI takes 4 stop strings), well short of
-# what stalls a step. A request's stop strings become one automaton (some 220 bytes and 1.2 us to build per
-# character); each of its n samples carries its own copy of them and of logit_bias to the engine core, and the
-# sampler adds each sample's bias every step.
-MAX_STOP_STRINGS = 1_000
-MAX_STOP_CHARS = 20_000  # the stop strings' characters, summed
-MAX_STOP_CHARS_X_N = 200_000  # the same times n
-MAX_LOGIT_BIAS_X_N = 300_000  # logit_bias entries times n
 
 # A request crosses to the engine core as msgpack, whose integers are int64 or uint64: an integer field outside
 # these is a 400 naming it here, not an OverflowError (a 500) on the way to the core.
@@ -52,6 +46,10 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not fatal
     unsupported_fields: ClassVar[Unsupported] = {}
 
+    def cost(self) -> RequestCost | None:
+        """What the body asks of the server, judged against its admission limits (None: nothing to judge)."""
+        return None
+
     @classmethod
     def unsupported_field(cls, data: dict[str, Any]) -> tuple[str, str] | None:
         """The first field of `data` that asks for a feature pressroom lacks, with why; None if none does."""
@@ -75,6 +73,11 @@ def _not_none_choice(value: Any) -> bool:
 
 def _not_text_only(value: Any) -> bool:
     return value is not None and value != ["text"]
+
+
+def _input_count(value: str | list) -> int:
+    """How many prompts a prompt or input field holds: one text or one list of token ids is one."""
+    return 1 if isinstance(value, str) or (value and isinstance(value[0], int)) else len(value)
 
 
 _GUIDED = "vLLM's older guided_* fields are not read; send `structured_outputs` (json, regex, choice, grammar)"
@@ -139,7 +142,7 @@ class StructuredOutputsRequest(OpenAIModel):
 
 class _SamplingRequest(OpenAIModel):
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=INT64_MAX)  # the server's --max-n bounds it (limits.py)
     temperature: float | None = None
     top_p: float | None = None
     top_k: EngineInt | None = None
@@ -164,29 +167,46 @@ class _SamplingRequest(OpenAIModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def stop_within_cost(cls, stop: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
-        strings = [stop] if isinstance(stop, str) else stop or []
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"{len(strings)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
-        chars = sum(map(len, strings))
-        if chars > MAX_STOP_CHARS:
-            raise ValueError(f"the stop strings have {chars} characters; at most {MAX_STOP_CHARS} are allowed")
-        n = info.data.get("n", 1)
-        if chars * n > MAX_STOP_CHARS_X_N:
-            raise ValueError(f"the stop strings' {chars} characters times n={n} exceed the limit of "
-                             f"{MAX_STOP_CHARS_X_N} (stop characters x n)")
-        return stop
+    prompt_param: ClassVar[str]  # the field that holds the prompt(s)
 
-    @field_validator("logit_bias")
-    @classmethod
-    def logit_bias_within_cost(cls, bias: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
-        n = info.data.get("n", 1)
-        if bias and len(bias) * n > MAX_LOGIT_BIAS_X_N:
-            raise ValueError(f"{len(bias)} logit_bias entries times n={n} exceed the limit of {MAX_LOGIT_BIAS_X_N} "
-                             "(logit_bias entries x n)")
-        return bias
+    def cost(self) -> RequestCost:
+        """What the body asks for before its prompts are tokenized: samples, prompts, stop strings, logit_bias,
+        the grammar and, when max_tokens is given, the output budget."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        prompts = self._prompt_count()
+        max_tokens = self._max_tokens()
+        return RequestCost(n=self.n, prompts=prompts, prompts_param=self.prompt_param, stop_strings=len(stop),
+                           stop_chars=sum(map(len, stop)), logit_bias_entries=len(self.logit_bias or {}),
+                           output_tokens=None if max_tokens is None else max(max_tokens, 0) * prompts,
+                           output_param=self._max_tokens_param(), **self._grammar_cost())
+
+    def tokens_cost(self, prompt_lens: Sequence[int], max_model_len: int) -> RequestCost:
+        """What the tokenized prompts cost: their tokens and their output budgets (max_tokens, else what is left of
+        the context, as the engine fills it in), each times n."""
+        max_tokens = self._max_tokens()
+        output = sum(max(max_model_len - p if max_tokens is None else max_tokens, 0) for p in prompt_lens)
+        return RequestCost(n=self.n, prompts=len(prompt_lens), prompts_param=self.prompt_param,
+                           prompt_tokens=sum(prompt_lens), output_tokens=output, output_param=self._max_tokens_param())
+
+    def _prompt_count(self) -> int:
+        return 1
+
+    def _max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def _grammar_cost(self) -> dict[str, Any]:
+        """The characters of the grammar source the engine would parse, and the field that asked for it (none: 0;
+        a constraint that is malformed, or nests past what json can write, is refused later by its own checks)."""
+        param = "structured_outputs" if self.structured_outputs is not None else "response_format"
+        try:
+            constraint = self._structured_outputs()
+            chars = 0 if constraint is None else len(grammar_source(constraint).text)
+        except (ValueError, TypeError, RecursionError):
+            chars = 0
+        return {"grammar_chars": chars, "grammar_param": param}
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """`response_format` (OpenAI's) or `structured_outputs` (vLLM's) as one constraint; ValueError for both."""
@@ -233,6 +253,7 @@ class _SamplingRequest(OpenAIModel):
 
 class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
+    prompt_param: ClassVar[str] = "prompt"
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: EngineInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -244,6 +265,12 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def null_is_the_default(cls, max_tokens: int | None) -> int:
         return DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+
+    def _prompt_count(self) -> int:
+        return _input_count(self.prompt)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -315,6 +342,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 class ChatCompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
+    prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: EngineInt | None = None
     max_completion_tokens: EngineInt | None = None
@@ -337,6 +365,12 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _max_tokens(self) -> int | None:
+        return self.requested_max_tokens
+
+    def _max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -519,6 +553,9 @@ class EmbeddingRequest(OpenAIModel):
     normalize: bool | None = None  # vLLM's: None = the model's pooling config
     priority: Priority | None = None
 
+    def cost(self) -> RequestCost:
+        return RequestCost(prompts=_input_count(self.input), prompts_param="input", generates=False)
+
 
 class PoolingRequest(EmbeddingRequest):
     """vLLM's /pooling: the same input, the model's pooled vector as `data`."""
@@ -531,6 +568,11 @@ class ScoreRequest(OpenAIModel):
     text_2: str | list[str]
     priority: Priority | None = None
 
+    def cost(self) -> RequestCost:
+        left, right = _input_count(self.text_1), _input_count(self.text_2)
+        return RequestCost(prompts=left + right, prompts_param="text_1" if left > right else "text_2",
+                           generates=False)
+
 
 class RerankRequest(OpenAIModel):
     """vLLM's /rerank (Jina / Cohere shape): the documents ordered by relevance to the query."""
@@ -540,6 +582,9 @@ class RerankRequest(OpenAIModel):
     top_n: EngineInt | None = None  # None or 0: every document
     return_documents: bool = True
     priority: Priority | None = None
+
+    def cost(self) -> RequestCost:
+        return RequestCost(prompts=1 + len(self.documents), prompts_param="documents", generates=False)
 
 
 class EmbeddingData(BaseModel):
