@@ -3,7 +3,7 @@
 A request is measured (`RequestCost`: protocol.py's `cost()` reads its body, `tokens_cost()` its prompts once
 tokenized) and `judge` refuses the first limit it is over, naming the field and the `pressroom serve` flag that
 raises the limit. The defaults are far past what clients send and short of what would stall the engine's step or
-the API process for everyone else; each limit multiplies what one request's n samples or many prompts repeat.
+the API process for everyone else. Most count a cost times n: each of a request's n samples repeats it.
 """
 from __future__ import annotations
 
