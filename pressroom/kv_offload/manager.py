@@ -110,7 +110,7 @@ class TieredKVStore:
 
     def _make_tier(self, spec) -> SecondaryTier:
         if spec.kind == "fs":
-            return FileTier(spec.path, self.fingerprint, spec.max_bytes)
+            return FileTier(spec.path, self.fingerprint, HEADER_BYTES + self.chunk_bytes, spec.max_bytes)
         return load_tier(spec.module_path, spec.class_name, {**spec.options, "fingerprint": self.fingerprint})
 
     # ---- the scheduler's side ----

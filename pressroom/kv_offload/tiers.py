@@ -158,15 +158,18 @@ _FATAL_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, err
 class FileTier(_ThreadedTier):
     """One file per chunk under `path/<fingerprint>/`, written atomically (a temporary file, then a rename),
     LRU-evicted past `max_bytes`. The index is the directory's listing at start-up (oldest first), so a
-    new process finds what an earlier one wrote. An unwritable path or a full disk turns the tier off with
-    one warning; lookups then say no."""
+    new process finds what an earlier one wrote; it holds only what this tier could have written (see
+    `_scan`), and a chunk is never read through a symbolic link. An unwritable path or a full disk turns
+    the tier off with one warning; lookups then say no."""
     kind = "fs"
     suffix = ".kv"
 
-    def __init__(self, path: str, fingerprint: bytes, max_bytes: int | None = None, threads: int = 2) -> None:
+    def __init__(self, path: str, fingerprint: bytes, file_bytes: int, max_bytes: int | None = None,
+                 threads: int = 2) -> None:
+        """`file_bytes`: every chunk file's size (header and payload): a larger file is not ours."""
         super().__init__(threads)
         self.root = Path(path) / fingerprint.hex()
-        self.max_bytes = max_bytes
+        self.max_bytes, self.file_bytes = max_bytes, file_bytes
         self.enabled = True
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
@@ -182,17 +185,31 @@ class FileTier(_ThreadedTier):
         self._scan()
 
     def _scan(self) -> None:
+        """Indexes the chunk files an earlier process left, oldest first, and evicts past the cap at once.
+        Only regular files named as ours and no larger than a chunk's file count: a symbolic link (to a
+        sparse file of 80 GiB, say) or a stray large file is neither counted against the cap nor ever
+        evicted; a shorter one (truncated) is indexed, to be found corrupt when read. A file counts its
+        apparent size, as a write counts what it wrote."""
         files = []
         for entry in os.scandir(self.root):
-            if entry.name.endswith(self.suffix) and entry.is_file():
-                st = entry.stat()
+            if self._is_chunk_file(entry):
+                st = entry.stat(follow_symlinks=False)
                 files.append((st.st_mtime, entry.name[:-len(self.suffix)], st.st_size))
         for _, key, size in sorted(files):
             self._index[key] = size
             self._bytes += size
+        for victim in self._over_cap():
+            (self.root / (victim + self.suffix)).unlink(missing_ok=True)
         if files:
-            logger.info("KV offload fs tier: %d chunks (%.1f MiB) found in %s", len(files), self._bytes / 2**20,
-                        self.root)
+            logger.info("KV offload fs tier: %d chunks (%.1f MiB) found in %s", len(self._index),
+                        self._bytes / 2**20, self.root)
+
+    def _is_chunk_file(self, entry: os.DirEntry) -> bool:
+        if not entry.name.endswith(self.suffix) or entry.name.startswith("."):  # "." : a write under way
+            return False
+        if not entry.is_file(follow_symlinks=False):
+            return False
+        return entry.stat(follow_symlinks=False).st_size <= self.file_bytes
 
     def lookup(self, key: str) -> bool:
         with self._index_lock:
@@ -212,7 +229,7 @@ class FileTier(_ThreadedTier):
     def read_into(self, key: str, header: bytearray, payload: memoryview) -> int:
         """Reads a chunk's header into `header` and its payload straight into `payload` (a CPU slot), for
         the caller to check; returns the payload's length in the file (a short file: the bytes read)."""
-        with open(self.root / (key + self.suffix), "rb", buffering=0) as f:
+        with open(self.root / (key + self.suffix), "rb", buffering=0, opener=_no_follow) as f:
             size = os.fstat(f.fileno()).st_size
             filled = _read_all(f, memoryview(header))
             if filled == len(header):
@@ -258,7 +275,8 @@ class FileTier(_ThreadedTier):
         return victims
 
     def _read(self, key: str) -> bytes:
-        blob = (self.root / (key + self.suffix)).read_bytes()
+        with open(self.root / (key + self.suffix), "rb", opener=_no_follow) as f:
+            blob = f.read()
         with self._index_lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -273,6 +291,11 @@ class FileTier(_ThreadedTier):
             was_on, self.enabled = self.enabled, False
         if was_on:
             logger.warning("KV offload fs tier turned off: %s; requests go on without it", why)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """Opens a chunk file, never what a symbolic link put in its place points to (ELOOP: read as a miss)."""
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 class CPUTier:

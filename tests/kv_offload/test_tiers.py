@@ -68,19 +68,59 @@ def _wait(tier: FileTier, n: int) -> list:
 
 def test_the_file_tier_caps_its_bytes_and_a_new_process_finds_its_files(tmp_path):
     blob = encode_chunk(FP, "k0", chunk(0))
-    tier = FileTier(str(tmp_path), FP, max_bytes=2 * len(blob))
+    tier = FileTier(str(tmp_path), FP, len(blob), max_bytes=2 * len(blob))
     for i in range(3):
         tier.store(f"k{i}", blob)
         assert all(r.ok for r in _wait(tier, 1))
     assert not tier.lookup("k0") and tier.lookup("k1") and tier.lookup("k2")
     assert sorted(p.stem for p in (tmp_path / FP.hex()).glob("*.kv")) == ["k1", "k2"]
     tier.close()
-    again = FileTier(str(tmp_path), FP)  # a restart: the index is the directory's listing
+    again = FileTier(str(tmp_path), FP, len(blob))  # a restart: the index is the directory's listing
     assert again.lookup("k1") and again.lookup("k2") and not again.lookup("k0")
     again.load("k2")
     (result,) = _wait(again, 1)
     assert result.ok and result.blob == blob
-    assert not FileTier(str(tmp_path), OTHER).lookup("k1")  # another fingerprint, another directory
+    assert not FileTier(str(tmp_path), OTHER, len(blob)).lookup("k1")  # another fingerprint, another directory
+
+
+def test_the_file_tier_indexes_only_its_own_files_and_never_follows_a_link(tmp_path):
+    """A symbolic link to a huge sparse file, and a sparse file named as a chunk but not of a chunk's size,
+    are neither counted against the cap nor evicted; the link's target is untouched; a chunk file swapped
+    for a link after start-up is not read through it."""
+    blob = encode_chunk(FP, "k0", chunk(0))
+    root, outside = tmp_path / "disk" / FP.hex(), tmp_path / "elsewhere"
+    root.mkdir(parents=True)
+    outside.mkdir()
+    huge = outside / "huge"
+    with open(huge, "wb") as f:
+        f.truncate(80 << 30)  # 80 GiB apparent, no block written
+    (root / "linked.kv").symlink_to(huge)
+    with open(root / "sparse.kv", "wb") as f:
+        f.truncate(40 << 30)
+    (root / "k0.kv").write_bytes(blob)
+    tier = FileTier(str(tmp_path / "disk"), FP, len(blob), max_bytes=2 * len(blob))
+    assert tier._bytes == len(blob) and list(tier._index) == ["k0"]
+    assert not tier.lookup("linked") and not tier.lookup("sparse") and tier.lookup("k0")
+    for i in range(1, 4):  # past the cap: only its own files are evicted
+        tier.store(f"k{i}", blob)
+        assert all(r.ok for r in _wait(tier, 1))
+    assert tier._bytes <= 2 * len(blob)
+    assert huge.stat().st_size == 80 << 30 and (root / "linked.kv").is_symlink()
+    tier.close()
+
+    victim = root / "k3.kv"  # indexed; then swapped for a link to a chunk outside the directory
+    (outside / "k3.kv").write_bytes(blob)
+    victim.unlink()
+    victim.symlink_to(outside / "k3.kv")
+    tier = FileTier(str(tmp_path / "disk"), FP, len(blob))
+    assert not tier.lookup("k3")
+    tier._index["k3"] = len(blob)  # as if indexed before the swap
+    tier.load("k3")
+    (result,) = _wait(tier, 1)
+    assert not result.ok
+    with pytest.raises(OSError):
+        tier.read_into("k3", bytearray(HEADER_BYTES), memoryview(bytearray(len(blob))))
+    assert (outside / "k3.kv").read_bytes() == blob
 
 
 def store_chunk(store: TieredKVStore, key: str, c: torch.Tensor, finish: bool = True) -> KVTransfers:
