@@ -9,7 +9,11 @@ finish_reason "abort" chunk, an SSE error event and `data: [DONE]`, a non-stream
 little before uvicorn's own deadline would cut them. /health is 503 (with the reason) once the engine core
 died, or has not been heard from for --engine-stall-timeout seconds.
 
-This module is the app: middleware (auth and backpressure, the body's deadline, the access log), routes with
+Browsers get guards of their own (vLLM's CORS flags, a Host check, JSON only): a page on another site, or on a name
+that resolves to this machine (DNS rebinding), cannot drive a server that has no API key.
+
+This module is the app: middleware (the browser guards, auth and backpressure, the body's deadline, the access
+log), routes with
 their OpenAPI schemas, the offline /docs and /redoc, the chat page at / (static/), exception handlers, lifespan.
 The handlers live in serving.py (shared base, small endpoints), serving_completion.py and serving_chat.py; chat
 templates and tokenizer calls in chat_template.py.
@@ -28,11 +32,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pressroom
@@ -55,7 +61,7 @@ from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
-from pressroom.entrypoints.openai.settings import ServerSettings
+from pressroom.entrypoints.openai.settings import ANY, ServerSettings, host_name
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
 from pressroom.logger import printable
 
@@ -104,6 +110,72 @@ class _Guard:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= counted
+
+
+class _HostCheck:
+    """ASGI middleware: the Host header must name this server (ServerSettings.host_names, any port), or a 400. A page
+    on a name an attacker points at this machine (DNS rebinding) is of the same origin as its requests, so CORS lets
+    them through; their Host header gives them away. /health answers any Host (probes send an address)."""
+    OPEN = "/health"
+
+    def __init__(self, app, names: frozenset[str]) -> None:
+        self.app, self.names = app, names
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == self.OPEN or host_name(_header(scope, b"host")) in self.names:
+            return await self.app(scope, receive, send)
+        response = error_response(400, "The Host header names no host this server answers to (see --allowed-hosts).",
+                                  code="invalid_host")
+        await response(scope, receive, send)
+
+
+class _OriginCheck:
+    """ASGI middleware: a state-changing request from a page of another origin than the server's own gets a 403 before
+    its body is read, unless --allowed-origins names that origin. CORS alone only hides the answer from the page: the
+    request itself (a form post, or a fetch that needs no preflight) would already have run."""
+    STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+    def __init__(self, app, allowed: tuple[str, ...]) -> None:
+        self.app, self.any, self.allowed = app, ANY in allowed, frozenset(allowed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.STATE_CHANGING or self._allows(scope):
+            return await self.app(scope, receive, send)
+        response = error_response(403, "Requests from this origin are not allowed (see --allowed-origins).",
+                                  "permission_error", code="origin_not_allowed")
+        await response(scope, receive, send)
+
+    def _allows(self, scope) -> bool:
+        origin = _header(scope, b"origin", None)
+        if origin is None or self.any or origin in self.allowed:  # no Origin: not a browser's page
+            return True
+        # the server's own: the origin's host[:port] is the Host header (its scheme is not compared: behind a proxy
+        # that ends TLS, an https page calls a server that sees http)
+        return origin.partition("://")[2].lower() == _header(scope, b"host").lower()
+
+
+class _JsonOnly:
+    """ASGI middleware: a POST to a route whose body is JSON must say so (Content-Type application/json, with any
+    parameters), or gets a 415. A browser sends text/plain, form and multipart bodies to other sites without asking
+    (no CORS preflight); a JSON one it does not."""
+
+    def __init__(self, app, paths: frozenset[str]) -> None:
+        self.app, self.paths = app, paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        if _header(scope, b"content-type").partition(";")[0].strip().lower() == "application/json":
+            return await self.app(scope, receive, send)
+        response = error_response(415, "The request body must be JSON, sent with `Content-Type: application/json`.",
+                                  param="Content-Type", code="unsupported_media_type")
+        await response(scope, receive, send)
+
+
+def _header(scope, name: bytes, missing: str | None = "") -> str | None:
+    """A request header's value (the last, if repeated), or `missing`."""
+    value = dict(scope["headers"]).get(name)
+    return missing if value is None else value.decode("latin-1")
 
 
 class _BodyDeadline:
@@ -233,7 +305,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests)  # one for all handlers
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
     preprocessor = Preprocessor(engine.tokenizer, 2 * settings.max_request_bytes, settings.trust_request_chat_template)
-    shared = (engine, names, stats, settings.max_request_bytes, preprocessor)  # every handler's first arguments
+    # every handler's first arguments
+    shared = (engine, names, stats, settings.max_request_bytes, preprocessor, settings.admission_limits)
     utility = OpenAIServingUtility(*shared, stall_timeout=settings.engine_stall_timeout)
     completion = OpenAIServingCompletion(*shared)
     chat = OpenAIServingChat(*shared, reasoning, _auto_tool_parser(settings))
@@ -253,9 +326,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
+    _add_routes(app, utility, completion, chat, pooling)
     _add_middleware(app, settings)
     _add_exception_handlers(app)
-    _add_routes(app, utility, completion, chat, pooling)
     return app
 
 
@@ -266,8 +339,28 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     open_paths += ("/", *(f"/static/{path.name}" for path in STATIC_DIR.iterdir()))
     app.add_middleware(_Guard, api_key=settings.api_key, max_concurrent=settings.max_concurrent_requests,
                        open_paths=open_paths)
+    _add_browser_guards(app, settings)
     if settings.log_requests:
         app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
+
+
+def _add_browser_guards(app: FastAPI, settings: ServerSettings) -> None:
+    """Outside the auth: a browser's preflight carries no API key, and the CORS headers must reach the 401s too."""
+    app.add_middleware(_JsonOnly, paths=_json_body_paths(app))
+    app.add_middleware(_OriginCheck, allowed=settings.allowed_origins)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                           allow_credentials=settings.allow_credentials)
+    host_names = settings.host_names()
+    if host_names is not None:
+        app.add_middleware(_HostCheck, names=host_names)
+
+
+def _json_body_paths(app: FastAPI) -> frozenset[str]:
+    """The routes that declare a JSON body (`_request_body`); a route taking another type (multipart) is not one."""
+    return frozenset(route.path for route in app.routes if isinstance(route, APIRoute)
+                     and "application/json" in (route.openapi_extra or {}).get("requestBody", {}).get("content", {}))
 
 
 def _add_exception_handlers(app: FastAPI) -> None:

@@ -85,7 +85,7 @@ def test_the_server_answers_a_failing_request_with_an_error_and_serves_the_other
     async def main():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=120) as client:
                 whole_bad, stream_bad, chat_bad, good = await asyncio.gather(
                     client.post("/v1/completions", json=bad_prompt),
                     client.post("/v1/completions", json=bad_prompt | {"stream": True}),
@@ -132,7 +132,7 @@ def test_a_tokenizer_failure_on_a_prompt_is_a_400_for_that_request_alone(engine,
     async def main():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=120) as client:
                 return await asyncio.gather(
                     client.post("/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5}),
                     client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 5,
