@@ -20,6 +20,8 @@ class StructuredOutputsParams:
 
     `json` is a JSON schema (a dict, or its text); `json_object` asks for any JSON object; `regex`,
     `choice` (one of the strings) and `grammar` (EBNF, as xgrammar reads it) constrain the text itself.
+    `parsed_grammar` is set by the server, never by a client: xgrammar's JSON of the constraint, parsed (and its
+    compile tried) in the server's grammar sandbox, which the engine core compiles without parsing it again.
     """
     json: dict | str | None = None
     regex: str | None = None
@@ -27,6 +29,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    parsed_grammar: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")

@@ -1,15 +1,25 @@
-"""Structured outputs (xgrammar): a request's constraint as grammar source, checked by the front-end and
-compiled once per source, off the engine's loop.
+"""Structured outputs (xgrammar): a request's constraint as grammar source, checked, parsed once and compiled
+off the engine's loop.
 
-The front-end (`check`) parses the source without a tokenizer, so a bad schema, regex or grammar is a
-ValueError (a 400 that names the reason) before anything is queued. The engine core's `GrammarCompiler`
-compiles it against the tokenizer on a small thread pool (xgrammar releases the GIL while it compiles),
-one future per source in an LRU, and the scheduler leaves the request in the queue until its future is
-done (vLLM's WAITING_FOR_FSM) while the other requests run. The model runner matches each request's tokens
-against the compiled grammar and masks its logits (worker/grammar.py).
+Under the server, `GrammarSandbox` (the API process) checks the source against the limits below, then parses it
+and compiles it against the tokenizer in a worker process (grammar_worker.py, in a sandbox.WorkerPool) with a
+deadline (GRAMMAR_COMPILE_TIMEOUT_S) and a memory cap (GRAMMAR_COMPILE_MAX_BYTES): over either, or a source
+xgrammar refuses, is a ValueError (a 400 naming structured_outputs) and costs only that worker, which is
+replaced. What the request carries to the engine core is the parsed grammar (xgrammar's JSON of it,
+`parsed_grammar`), never parsed again there. The compiled grammar is not shipped: its JSON holds the token
+masks, 3.8 MB for a two-field schema against a 49k vocabulary (against 6 KB parsed, and a 16 ms compile), for
+every request and each of its n samples. The core compiles it again instead, a compile that just finished in
+the sandbox under its caps, against the same tokenizer info.
 
-Limits, applied by `check` before xgrammar sees the source, because xgrammar's cost grows far faster than the
-text (a schema nested 800 deep, 8 KB of it, parsed for 17 s; one 6,500 deep grew the process by gigabytes):
+The engine core's `GrammarCompiler` compiles on a small thread pool (xgrammar releases the GIL while it
+compiles), one future per source in an LRU, and the scheduler leaves the request in the queue until its future
+is done (vLLM's WAITING_FOR_FSM) while the other requests run. The model runner matches each request's tokens
+against the compiled grammar and masks its logits (worker/grammar.py). Offline (no server), `check` parses in
+the engine's process, and the compile reads that parse from its cache.
+
+Limits, applied by `check_limits` before xgrammar sees the source, because xgrammar's cost grows far faster
+than the text (a schema nested 800 deep, 8 KB of it, parsed for 17 s; one 6,500 deep grew the process by
+gigabytes):
 - MAX_SOURCE_CHARS: the source's text (a schema's JSON text, the regex, the EBNF);
 - MAX_DEPTH: nesting, of a schema's JSON objects and arrays, or of a regex's or grammar's parentheses;
 - MAX_SCHEMA_WIDTH: the items of one anyOf, oneOf, allOf or enum, and MAX_SCHEMA_NODES: the values in a schema;
@@ -17,10 +27,12 @@ text (a schema nested 800 deep, 8 KB of it, parsed for 17 s; one 6,500 deep grew
   each one and all of them together, a bound on a group counting times the group's own. (A schema's
   minLength, maxItems... are counted, not expanded: 20,000 compiles in 0.02 s, so they are not limited.)
 A schema is judged as JSON decoded, so a bound written with JSON escapes ("\\u007b1,10000\\u007d") is the same
-bound; over any limit, a ValueError names the limit and its value (a 400).
+bound; over any limit, a ValueError names the limit and its value (a 400). The sandbox's deadline and memory
+cap then bound what the limits cannot foresee.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -28,12 +40,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
 
+from pressroom.core import grammar_worker
+from pressroom.core.grammar_worker import NAMES as _NAMES
+from pressroom.core.grammar_worker import reason as _reason
 from pressroom.sampling_params import StructuredOutputsParams
+from pressroom.sandbox import WorkerFailed, WorkerPool, WorkerTimeout, job_line
 
 # What a client can make the compiler do: the grammar source's length (a schema's JSON text), and how long a
 # request waits for its compile before it ends with an error (xgrammar cannot cancel one; the LRU keeps its
@@ -49,9 +66,14 @@ MAX_SCHEMA_WIDTH = 1024  # items of one anyOf / oneOf / allOf / enum
 MAX_SCHEMA_NODES = 10_000  # values (objects, arrays, strings, numbers...) in one schema
 COMPILE_TIMEOUT_S = 60.0
 CACHE_SIZE = 256
-# Whitespace between JSON tokens, where any is allowed: a small model can otherwise emit newlines until max_tokens.
-MAX_JSON_WHITESPACE = 20
 COMPILE_THREADS = 2
+# The server's sandbox (GrammarSandbox): a real schema parses and compiles in tens of milliseconds, and in a few
+# megabytes (its token masks); the bombs above took minutes and gigabytes. The memory is what a compile may map
+# beyond the worker's own start (its interpreter, xgrammar and torch).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_COMPILE_MAX_BYTES = 2 << 30
+GRAMMAR_WORKERS = 2
+SANDBOX_RESULTS_CHARS = 64 << 20  # the sandbox's verdicts kept (parsed grammars' JSON, refusals), by their size
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +101,19 @@ def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
 
 
 def check(params: StructuredOutputsParams) -> GrammarSource:
-    """The request's grammar source, parsed once; ValueError naming what is wrong with it (or the limit that
-    it exceeds)."""
+    """The request's grammar source, checked against the limits and parsed in this process (unless the server's
+    sandbox has parsed it: `parsed_grammar`); ValueError naming what is wrong with it (or the limit that it
+    exceeds)."""
+    if params.parsed_grammar is not None:
+        return grammar_source(params)
+    source = check_limits(params)
+    _parse(source)
+    return source
+
+
+def check_limits(params: StructuredOutputsParams) -> GrammarSource:
+    """The request's grammar source, checked against the limits without parsing it; ValueError naming the limit
+    that it exceeds."""
     if isinstance(params.json, dict):
         _check_schema(params.json)  # before it is written as text: the encoder recurses
     source = grammar_source(params)
@@ -92,7 +125,6 @@ def check(params: StructuredOutputsParams) -> GrammarSource:
             _check_schema(_load_schema(source.text))
     else:
         _check_repetitions(source.kind, _pattern_cost(source.text, source.kind))
-    _parse(source)
     return source
 
 
@@ -218,25 +250,14 @@ def _skip_literal(text: str, start: int) -> int:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _parse(source: GrammarSource) -> xgr.Grammar:
-    try:
-        if source.kind == "json":
-            whitespace = MAX_JSON_WHITESPACE if source.any_whitespace else None
-            return xgr.Grammar.from_json_schema(source.text, any_whitespace=source.any_whitespace,
-                                                max_whitespace_cnt=whitespace)
-        if source.kind == "regex":
-            return xgr.Grammar.from_regex(source.text)
-        return xgr.Grammar.from_ebnf(source.text)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"Invalid structured output {_NAMES[source.kind]}: {_reason(e)}") from None
+    return grammar_worker.parse(source.kind, source.text, source.any_whitespace)
 
 
-_NAMES = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar (EBNF)"}
-# xgrammar's messages start with a timestamp, its source location and the failed check's expression.
-_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-def _reason(error: Exception) -> str:
-    return _NOISE.sub("", str(error)).strip()
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> xgr.TokenizerInfo:
+    """What xgrammar compiles against: the tokenizer's vocabulary, padded to the model's `vocab_size` (its
+    logits' width, which may exceed the tokenizer's), and EOS as the token that ends a grammar."""
+    stop = [eos_token_id] if eos_token_id is not None else None
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
 
 
 class GrammarCompiler:
@@ -263,15 +284,16 @@ class GrammarCompiler:
         source = grammar_source(params)
         future = self._cache.get(source)
         if future is None:
-            future = self._pool.submit(self._compile, source)
+            future = self._pool.submit(self._compile, source, params.parsed_grammar)
             self._cache[source] = future
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(source)
         return future
 
-    def _compile(self, source: GrammarSource) -> xgr.CompiledGrammar | str:
-        compiled = self._xgr_compiler().compile_grammar(_parse(source))
+    def _compile(self, source: GrammarSource, parsed: str | None) -> xgr.CompiledGrammar | str:
+        grammar = _parse(source) if parsed is None else xgr.Grammar.deserialize_json(parsed)
+        compiled = self._xgr_compiler().compile_grammar(grammar)
         return compiled.serialize_json() if self.portable else compiled
 
     def tokenizer_info_json(self) -> str:
@@ -282,9 +304,7 @@ class GrammarCompiler:
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
-                stop = [self._eos] if self._eos is not None else None
-                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self._vocab_size,
-                                                          stop_token_ids=stop)
+                info = tokenizer_info(self._load_tokenizer(), self._vocab_size, self._eos)
                 # our LRU holds the compiled grammars: xgrammar's own cache would keep a second copy
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
                 self._info = info
@@ -292,6 +312,102 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarSandbox:
+    """The server's parse: each new grammar source parsed and compiled in grammar worker processes, under
+    `timeout_s` and `max_bytes` (a worker over either is killed and replaced). Verdicts are kept by source,
+    refusals too (a source that ran out its deadline would cost a worker again), and requests with a source in
+    progress wait for its one job; the job goes on when they are cancelled, so its worker is not lost. The
+    workers start at the first constrained request: a server that never constrains never pays for them."""
+
+    def __init__(self, tokenizer: Any, workers: int = GRAMMAR_WORKERS, timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
+                 max_bytes: int = GRAMMAR_COMPILE_MAX_BYTES) -> None:
+        self.tokenizer, self.workers, self.timeout_s, self.max_bytes = tokenizer, workers, timeout_s, max_bytes
+        self._pool: WorkerPool | None = None
+        self._pool_lock: asyncio.Lock | None = None  # made in the serving event loop
+        self._verdicts: OrderedDict[GrammarSource, str | ValueError] = OrderedDict()
+        self._verdict_chars = 0
+        self._jobs: dict[GrammarSource, asyncio.Task[str]] = {}
+
+    async def parsed(self, source: GrammarSource, vocab_size: int) -> str:
+        """xgrammar's JSON of the source parsed, once it compiled within the caps (the limits are checked before:
+        `check_limits`); ValueError naming the cap it ran past or why xgrammar refused it; sandbox.PoolBusy when
+        every worker stayed busy. `vocab_size`: the model's."""
+        verdict = self._verdicts.get(source)
+        if verdict is None:
+            job = self._jobs.get(source)
+            if job is None:
+                job = self._jobs[source] = asyncio.ensure_future(self._judge(source, vocab_size))
+                job.add_done_callback(functools.partial(self._forget, source))
+            return await asyncio.shield(job)
+        self._verdicts.move_to_end(source)
+        if isinstance(verdict, ValueError):
+            raise ValueError(str(verdict))
+        return verdict
+
+    async def _judge(self, source: GrammarSource, vocab_size: int) -> str:
+        pool = await self._workers(vocab_size)
+        try:
+            reply = await pool.ask(job_line(asdict(source)))
+            verdict = reply["grammar"] if "grammar" in reply else ValueError(self._refusal(source, reply["error"]))
+        except WorkerTimeout:
+            verdict = ValueError(f"The structured output's {_NAMES[source.kind]} took longer than "
+                                 f"{self.timeout_s:g} s to compile; the limit (GRAMMAR_COMPILE_TIMEOUT_S) is "
+                                 f"{self.timeout_s:g} s.")
+        except WorkerFailed:  # it died: past its memory cap in a way it could not report, or crashed
+            verdict = ValueError(self._refusal(source, "memory"))
+        self._keep(source, verdict)
+        if isinstance(verdict, ValueError):
+            raise verdict
+        return verdict
+
+    def _forget(self, source: GrammarSource, job: asyncio.Task[str]) -> None:
+        """A job done: its verdict is kept (or it failed for no fault of the source's); its error is read here,
+        since every request that waited for it may have gone."""
+        self._jobs.pop(source, None)
+        if not job.cancelled():
+            job.exception()
+
+    def _refusal(self, source: GrammarSource, error: str) -> str:
+        if error != "memory":
+            return error
+        return (f"The structured output's {_NAMES[source.kind]} needs more memory to compile than the server "
+                f"allows; the limit (GRAMMAR_COMPILE_MAX_BYTES) is {self.max_bytes >> 20} MiB.")
+
+    def _keep(self, source: GrammarSource, verdict: str | ValueError) -> None:
+        self._verdicts[source] = verdict
+        self._verdict_chars += _chars(source, verdict)
+        while self._verdict_chars > SANDBOX_RESULTS_CHARS and self._verdicts:
+            old, old_verdict = self._verdicts.popitem(last=False)
+            self._verdict_chars -= _chars(old, old_verdict)
+
+    async def _workers(self, vocab_size: int) -> WorkerPool:
+        """The pool, started at the first job with the tokenizer info (built on a thread: a tenth of a second).
+        A worker that cannot start raises its WorkerError here, which no source is blamed for."""
+        self._pool_lock = self._pool_lock or asyncio.Lock()
+        async with self._pool_lock:
+            if self._pool is None:
+                info = await asyncio.to_thread(self._tokenizer_info_json, vocab_size)
+                self._pool = WorkerPool(Path(grammar_worker.__file__), size=self.workers, timeout_s=self.timeout_s,
+                                        max_bytes=self.max_bytes, setup=info.encode() + b"\n")
+            await self._pool.start()
+            return self._pool
+
+    def _tokenizer_info_json(self, vocab_size: int) -> str:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return tokenizer_info(self.tokenizer, vocab_size, eos).serialize_json()
+
+    async def close(self) -> None:
+        for job in list(self._jobs.values()):
+            job.cancel()
+        if self._pool is not None:
+            await self._pool.close()
+        self._pool = None
+
+
+def _chars(source: GrammarSource, verdict: str | ValueError) -> int:
+    return len(source.text) + len(str(verdict))
 
 
 def grammar_ready(future: Future | None) -> bool:

@@ -1,6 +1,7 @@
 """Chat prompts from client input, away from the engine: the template is rendered to text in worker processes
 (template_worker.py) under a time, size and memory limit, and the text is tokenized with fixed arguments on a
-small thread pool of the API process.
+small thread pool of the API process. Structured outputs' grammars are parsed and compiled the same way, in
+workers of their own (core/structured_outputs.py's GrammarSandbox).
 
 `chat_template_kwargs` are template variables only (as vLLM resolves them): the tokenizer's own arguments
 (padding, truncation, max_length, return_tensors, ...) never come from a request. A request's own
@@ -9,25 +10,28 @@ small thread pool of the API process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import logging
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pressroom.core.structured_outputs import GrammarSandbox, check_limits
 from pressroom.entrypoints.openai import template_worker
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.logger import printable
+from pressroom.sampling_params import StructuredOutputsParams
+from pressroom.sandbox import PoolBusy, WorkerError, WorkerFailed, WorkerPool, WorkerTimeout, job_line
 
 logger = logging.getLogger("pressroom")
 
 T = TypeVar("T")
 
 RENDER_TIMEOUT_S = 3.0  # a model's own template renders in milliseconds; a loop bomb gets a 400 after this
-WORKER_MEMORY_BYTES = 2 << 30  # a template's allocations beyond this fail in the worker (MemoryError: a 400)
+WORKER_MEMORY_BYTES = 2 << 30  # a template's allocations beyond these fail in the worker (MemoryError: a 400)
 RENDER_WORKERS = 2
 TOKENIZER_THREADS = 2
 WAIT_FOR_WORKER_S = 10.0  # every worker busy this long: the server is overloaded (503), not the request wrong
@@ -92,99 +96,39 @@ def _with_argument_object(call: dict) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-class _Worker:
-    """One template_worker.py process; one job at a time."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-
-    @classmethod
-    async def start(cls, max_bytes: int, max_chars: int) -> _Worker:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", str(Path(template_worker.__file__)), str(max_bytes), str(max_chars),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=max(4 * max_chars, 1 << 24))
-        return cls(process)
-
-    @property
-    def alive(self) -> bool:
-        return self.process.returncode is None
-
-    async def ask(self, job: bytes, timeout: float) -> dict:
-        self.process.stdin.write(job)
-        await self.process.stdin.drain()
-        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
-        if not line:
-            raise ConnectionError("the template worker exited")
-        return json.loads(line)
-
-    async def stop(self) -> None:
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-        await self.process.wait()
-
-
 class TemplateRenderer:
-    """A few template worker processes. A render that overruns RENDER_TIMEOUT_S kills its worker (a replacement
-    starts), so a template that loops, recurses or allocates costs the server one worker for that long at most."""
+    """A few template worker processes (a sandbox.WorkerPool). A render that overruns RENDER_TIMEOUT_S kills its
+    worker (a replacement starts), so a template that loops, recurses or allocates costs the server one worker
+    for that long at most."""
 
     def __init__(self, max_chars: int, workers: int = RENDER_WORKERS, timeout_s: float = RENDER_TIMEOUT_S,
                  max_bytes: int = WORKER_MEMORY_BYTES) -> None:
-        self.max_chars, self.size, self.timeout_s, self.max_bytes = max_chars, workers, timeout_s, max_bytes
-        self._idle: asyncio.Queue[_Worker] | None = None  # made in the serving event loop
-        self._workers: set[_Worker] = set()
+        self.timeout_s = timeout_s
+        self.pool = WorkerPool(Path(template_worker.__file__), [max_chars], size=workers, timeout_s=timeout_s,
+                               max_bytes=max_bytes, wait_s=WAIT_FOR_WORKER_S)
 
     async def start(self) -> None:
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for _ in range(self.size):
-                self._idle.put_nowait(await self._spawn())
+        await self.pool.start()
 
     async def close(self) -> None:
-        workers, self._workers = list(self._workers), set()
-        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
-        self._idle = None
+        await self.pool.close()
 
     async def render(self, template: str, messages: list[dict], variables: dict[str, Any],
                      add_generation_prompt: bool, continue_final_message: bool) -> str:
         job = _job(template, messages, variables, add_generation_prompt, continue_final_message)
-        await self.start()
         try:
-            worker = await asyncio.wait_for(self._idle.get(), WAIT_FOR_WORKER_S)
-        except TimeoutError:
+            reply = await self.pool.ask(job)
+        except PoolBusy:
             raise APIError(503, "Every chat template worker is busy; retry shortly.", "service_unavailable") from None
-        reply = await self._ask(worker, job)
+        except WorkerTimeout:
+            raise APIError(400, f"The chat template took longer than {self.timeout_s:g} s to render.",
+                           param="messages") from None
+        except WorkerFailed:
+            raise APIError(400, "The chat template could not be rendered (its worker failed).",
+                           param="messages") from None
         if "error" in reply:
             raise APIError(400, f"The chat template failed: {reply['error']}", param="messages")
         return reply["text"]
-
-    async def _ask(self, worker: _Worker, job: bytes) -> dict:
-        """The worker's reply; the worker goes back to the pool, or is replaced if it overran or died."""
-        try:
-            reply = await worker.ask(job, self.timeout_s)
-        except BaseException as e:  # a timeout, a dead worker, or the request cancelled mid-render
-            asyncio.ensure_future(self._replace(worker))
-            if isinstance(e, TimeoutError):
-                raise APIError(400, f"The chat template took longer than {self.timeout_s:g} s to render.",
-                               param="messages") from None
-            if isinstance(e, (ConnectionError, OSError, ValueError)):
-                raise APIError(400, "The chat template could not be rendered (its worker failed).",
-                               param="messages") from None
-            raise
-        self._idle.put_nowait(worker)
-        return reply
-
-    async def _spawn(self) -> _Worker:
-        worker = await _Worker.start(self.max_bytes, self.max_chars)
-        self._workers.add(worker)
-        return worker
-
-    async def _replace(self, worker: _Worker) -> None:
-        self._workers.discard(worker)
-        idle = self._idle
-        await worker.stop()
-        if idle is not None and idle is self._idle:  # not closed meanwhile
-            idle.put_nowait(await self._spawn())
 
 
 def _job(template: str, messages: list[dict], variables: dict[str, Any], add_generation_prompt: bool,
@@ -192,23 +136,24 @@ def _job(template: str, messages: list[dict], variables: dict[str, Any], add_gen
     job = {"template": template, "messages": messages, "variables": variables,
            "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
     try:
-        return json.dumps(job).encode() + b"\n"  # newlines in strings are escaped: one job, one line
+        return job_line(job)
     except (RecursionError, ValueError):
         raise APIError(400, "The messages or chat_template_kwargs nest too deeply.", param="messages") from None
 
 
 class Preprocessor:
-    """Prompt work of the API process: chat templates in worker processes, tokenizer calls on a small thread
-    pool (never on the engine loop, never on the event loop)."""
+    """Prompt work of the API process: chat templates and structured outputs' grammars in worker processes,
+    tokenizer calls on a small thread pool (never on the engine loop, never on the event loop)."""
 
     def __init__(self, tokenizer, max_chars: int, trust_request_chat_template: bool = False,
-                 renderer: TemplateRenderer | None = None) -> None:
+                 renderer: TemplateRenderer | None = None, grammars: GrammarSandbox | None = None) -> None:
         self.tokenizer = tokenizer
         # the template's special-token variables (bos_token, ...), as plain JSON for the workers
         special = getattr(tokenizer, "special_tokens_map", None) or {}
         self.special_tokens = json.loads(json.dumps(dict(special), default=str))
         self.trust_request_chat_template = trust_request_chat_template
         self.renderer = renderer or TemplateRenderer(max_chars)
+        self.grammars = grammars or GrammarSandbox(tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pressroom-tokenizer")
 
     async def start(self) -> None:
@@ -216,7 +161,26 @@ class Preprocessor:
 
     async def close(self) -> None:
         await self.renderer.close()
+        await self.grammars.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def structured_outputs(self, params: StructuredOutputsParams, vocab_size: int) -> StructuredOutputsParams:
+        """The constraint checked against the limits (on the tokenizer threads), then parsed and compiled in the
+        grammar sandbox: returned with its parsed grammar, which the engine core compiles without parsing it
+        again. A 400 naming the limit or cap it exceeds, or why it cannot be compiled. `vocab_size`: the model's."""
+        source = await self.run(functools.partial(check_limits, params))
+        try:
+            parsed = await self.grammars.parsed(source, vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="structured_outputs") from None
+        except PoolBusy:
+            raise APIError(503, "Every structured-output grammar worker is busy; retry shortly.",
+                           "service_unavailable") from None
+        except WorkerError:
+            logger.exception("the structured-output grammar workers could not start")
+            raise APIError(503, "Structured outputs are unavailable: the grammar workers could not start.",
+                           "service_unavailable") from None
+        return replace(params, parsed_grammar=parsed)
 
     async def run(self, fn: Callable[[], T]) -> T:
         """`fn`, tokenizer work on a request's input, on the tokenizer threads. Its failure is the client's

@@ -1,18 +1,19 @@
 """Renders chat templates in a process of its own: the server's TemplateRenderer (chat_template.py) keeps a few
-of these and kills one that overruns its time, so that no template can stall or kill the server.
+of these in a sandbox.WorkerPool, which caps their memory and kills one that overruns its time, so that no
+template can stall or kill the server.
 
-Run by path (`python -I template_worker.py MAX_BYTES`), this file imports only the standard library and jinja2:
-no torch, no tokenizer, nothing whose memory a template could reach. It reads one JSON job per line on stdin
-and writes one JSON reply per line on stdout: {"text": ...} or {"error": ...}.
+Run by path (`python -I template_worker.py MAX_CHARS`), this file imports only the standard library and jinja2:
+no torch, no tokenizer, nothing whose memory a template could reach. Once ready it says so ({"ready": true}),
+then reads one JSON job per line on stdin and writes one JSON reply per line on stdout: {"text": ...} or
+{"error": ...}.
 
 Rendering is as transformers' `apply_chat_template` renders (the same sandboxed environment, globals and
 filters, and its trick for `continue_final_message`), with limits: ranges, repetition (`*`) and powers are
-capped, the output may hold at most `max_chars` characters, and the process may map at most MAX_BYTES.
+capped, and the output may hold at most `max_chars` characters (the pool caps the process's memory).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections import OrderedDict
@@ -183,8 +184,8 @@ def reply_for(renderer: Renderer, job: dict) -> dict:
                                         job["add_generation_prompt"], job["continue_final_message"])}
     except RecursionError:
         return {"error": "the chat template recursed too deeply"}
-    except MemoryError:
-        return {"error": "the chat template needed more memory than the server allows"}
+    except MemoryError:  # the worker is replaced: the template may have left it holding memory
+        return {"error": "the chat template needed more memory than the server allows", "retire": True}
     except Exception as e:  # noqa: BLE001 — a template can raise anything; all of it is the request's fault
         return {"error": _short(f"{type(e).__name__}: {e}")}
 
@@ -193,18 +194,13 @@ def _short(message: str, limit: int = 500) -> str:
     return message if len(message) <= limit else message[:limit] + "..."
 
 
-def _limit_memory(max_bytes: int) -> None:
-    import resource
-    resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
-
-
 def main(argv: list[str]) -> int:
-    max_bytes, max_chars = int(argv[1]), int(argv[2])
-    _limit_memory(max_bytes)
-    os.nice(10)  # a template burning its time limit yields the cores to the engine's steps
+    max_chars = int(argv[1])
     sys.setrecursionlimit(2000)  # a recursing macro fails fast, before the C stack
     renderer = Renderer(max_chars)
     out = sys.stdout.buffer
+    out.write(b'{"ready": true}\n')  # the pool caps this process's memory from here on
+    out.flush()
     for line in sys.stdin.buffer:  # EOF (the server closed the pipe or died): exit
         try:
             reply = reply_for(renderer, json.loads(line))
