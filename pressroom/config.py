@@ -186,7 +186,7 @@ class SchedulerConfig:
     # Cost-based prefill chunks: a chunk of n prompt tokens after c computed ones counts
     # n * (1 + c / prefill_cost_context) against max_num_batched_tokens and long_prefill_token_threshold,
     # since its attention grows with c: a long prompt's later chunks shrink. 0: every token counts 1.
-    # The CPU defaults to both (EngineArgs); CUDA to neither, as vLLM.
+    # EngineArgs sets both by default: the CPU's measured, CUDA's from the model's shape (_prefill_chunking).
     prefill_cost_context: int = 0
 
     def __post_init__(self) -> None:
@@ -461,6 +461,13 @@ CPU_MIN_BATCHED_TOKENS = 512  # twice the CPU's max_num_seqs: a step carries eve
 # (Counting FLOPs would say ~3,000, 212 MFLOP of matmuls against 69 KFLOP of attention per context token: the
 # CPU's attention, over a gathered and masked context, runs far below matmul speed.)
 CPU_PREFILL_COST_CONTEXT = 1024
+# long_prefill_token_threshold on CUDA, as a share of the step's budget: a long prompt's chunk leaves three quarters
+# of every step to decodes and other prompts (up to four long prompts progress side by side), while a lone one
+# still gets 4,096 tokens a step at the default budget, enough to keep a GPU's matmuls at full speed, so its
+# prefill is barely slower. vLLM's rule with partial prefills on, 4% of max_model_len, lands in the same range
+# for the usual contexts (1,310 at 32k, 5,243 at 128k), but it follows a length the core only knows once the KV
+# cache is sized, and on short contexts it would cut a GPU's chunks below what keeps it busy.
+CUDA_LONG_PREFILL_SHARE = 0.25
 
 
 def _env_flag(name: str) -> bool:
@@ -473,22 +480,89 @@ class CheckpointFacts:
     """What resolving the configs needs to know of the checkpoint itself. The engine's start reads them
     (read_checkpoint_facts) and hands them to `EngineArgs.create_engine_config`, which reads no file."""
     encoder_only: bool = False  # an encoder-only family (BERT): pooling only, each prompt whole in one step
+    # A decoder's prefill_cost_context by its shape's FLOPs (flops_prefill_cost_context; 0: unknown): CUDA's default.
+    prefill_cost_context: int = 0
 
 
 def read_checkpoint_facts(model: str | None) -> CheckpointFacts:
-    return CheckpointFacts(encoder_only=_is_encoder_checkpoint(model))
-
-
-def _is_encoder_checkpoint(model: str | None) -> bool:
-    """Whether `model` is an HF directory whose config.json names an encoder-only family (BERT)."""
+    """The facts of an HF directory's config.json; none (the defaults) for a GGUF file, the embedded model or an
+    unreadable config (the loader reports a bad config.json with its own error)."""
     path = os.path.join(os.path.expanduser(model), "config.json") if model else ""
     if not path or not os.path.isfile(path):
-        return False
+        return CheckpointFacts()
     try:
         with open(path) as f:
-            return json.load(f).get("model_type") in ENCODER_MODEL_TYPES
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False  # the loader reports a bad config.json with its own error
+            values = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return CheckpointFacts()
+    return checkpoint_facts(values) if isinstance(values, dict) else CheckpointFacts()
+
+
+def checkpoint_facts(values: dict[str, Any]) -> CheckpointFacts:
+    """The facts of a checkpoint's config (config.json's keys, HF's names)."""
+    if values.get("model_type") in ENCODER_MODEL_TYPES:
+        return CheckpointFacts(encoder_only=True)  # its prompts are computed whole: never chunked
+    return CheckpointFacts(prefill_cost_context=flops_prefill_cost_context(values))
+
+
+def flops_prefill_cost_context(config: dict[str, Any]) -> int:
+    """The context at which a prompt token's attention takes as many FLOPs as its linear layers: per token, the
+    linear layers take 2 x their active parameters, and attention 2 x heads x (q/k width + v width) per context
+    token in each attention layer (QK^T, then PV), so K = active parameters / (attention layers x heads x
+    (d_qk + d_v)); for standard attention, active parameters / (2 x layers x heads x head_dim). Llama-3-8B: ~26,600;
+    SmolLM2-135M: ~3,070. 0 where the config does not give its shape, or has no attention layer (a linear-attention
+    model's cost does not grow with its context).
+
+    Approximations: the active parameters are the layers' projections and MLPs (embeddings and the LM head, computed
+    for one token per prompt, do not count); every MLP gated (3 matrices); a MoE layer's active MLP its top-k
+    experts plus its shared ones (first_k_dense_replace and mlp_only_layers layers dense); MLA's projections as its
+    prefill computes them (q and kv expanded per head); linear-attention layers (`layer_types`) count their
+    parameters but no attention, and sliding-window layers count as full ones, which overstates a long
+    context's attention (so shrinks its chunks more than needed, the safe side)."""
+    text = config.get("text_config")
+    c = text if isinstance(text, dict) else config  # a multimodal checkpoint: its language model's
+    try:
+        hidden, layers, heads = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+        attention, width = _attention_params(c, hidden, heads)
+        linear = layers * attention + 3 * hidden * _mlp_widths(c, layers)
+        return max(1, round(linear / (_attention_layers(c, layers) * heads * width)))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+
+
+def _attention_params(c: dict[str, Any], hidden: int, heads: int) -> tuple[int, int]:
+    """One layer's attention projections (parameters), and a head's q/k width plus its v width."""
+    if c.get("kv_lora_rank"):  # MLA
+        rank, nope, rope, v = int(c["kv_lora_rank"]), int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), \
+            int(c["v_head_dim"])
+        q_rank = int(c.get("q_lora_rank") or 0)
+        q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        kv = hidden * (rank + rope) + rank * heads * (nope + v)
+        return q + kv + heads * v * hidden, nope + rope + v
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    return hidden * head_dim * 2 * (heads + kv_heads), 2 * head_dim
+
+
+def _mlp_widths(c: dict[str, Any], layers: int) -> int:
+    """The MLPs' active intermediate widths summed over the layers (a MoE layer's: its top-k and shared experts)."""
+    dense = int(c["intermediate_size"])
+    experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+    top_k = c.get("num_experts_per_tok") or c.get("experts_per_token") or c.get("moe_topk")
+    if not experts or not top_k:
+        return layers * dense
+    expert = int(c.get("moe_intermediate_size") or dense)
+    shared = int(c.get("shared_expert_intermediate_size") or int(c.get("n_shared_experts") or 0) * expert)
+    dense_layers = min(layers, int(c.get("first_k_dense_replace") or 0) + len(c.get("mlp_only_layers") or ()))
+    return dense_layers * dense + (layers - dense_layers) * (int(top_k) * expert + shared)
+
+
+def _attention_layers(c: dict[str, Any], layers: int) -> int:
+    """Layers whose attention reads the context (full or sliding window), not linear-attention or SSM ones."""
+    kinds = c.get("layer_types")
+    if not isinstance(kinds, list):
+        return layers
+    return sum(1 for kind in kinds if "attention" in str(kind) and "linear" not in str(kind))
 
 
 ENCODER_BATCHED_TOKENS = 8192  # an encoder's step on the CPU: no streams wait on it, and larger matmuls run faster
@@ -554,14 +628,18 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = _arg(None, "a prompt with more tokens left than this gets at most "
                                                           "this many per step (counted as cost where "
                                                           "--prefill-cost-context is set), leaving the rest of the "
-                                                          "step to other requests; 0: no limit (default: 0 on "
-                                                          f"CUDA; on the CPU {CPU_TOKENS_PER_THREAD} per torch "
-                                                          "thread)")
+                                                          "step to other requests; 0: no limit (default: "
+                                                          f"{CUDA_LONG_PREFILL_SHARE:.0%} of "
+                                                          "--max-num-batched-tokens on CUDA; on the CPU "
+                                                          f"{CPU_TOKENS_PER_THREAD} per torch thread)")
     prefill_cost_context: int | None = _arg(None, "cost-based prefill chunks: n prompt tokens after c computed ones "
                                                   "count n * (1 + c / this) against the step's budget and "
                                                   "--long-prefill-token-threshold, so a long prompt's later chunks "
                                                   "shrink and a step's time stays bounded; 0: tokens count alone "
-                                                  f"(default: 0 on CUDA, {CPU_PREFILL_COST_CONTEXT} on the CPU)")
+                                                  "(default: on CUDA the context at which a token's attention "
+                                                  "FLOPs equal its linear layers', from the model's config.json "
+                                                  "(0 where it gives no shape, as a GGUF's); "
+                                                  f"{CPU_PREFILL_COST_CONTEXT} on the CPU)")
     max_num_seqs: int | None = _arg(None, f"requests running at once at most (default: {CUDA_MAX_NUM_SEQS} on "
                                           "CUDA, vLLM's for large GPUs; "
                                           f"{default_of(SchedulerConfig, 'max_num_seqs')} on the CPU)")
@@ -642,7 +720,7 @@ class EngineArgs:
         return EngineConfig(
             model=model,
             cache=self._cache_config(device, model.dtype),
-            scheduler=self._scheduler_config(device, checkpoint.encoder_only, speculative),
+            scheduler=self._scheduler_config(device, checkpoint, speculative),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend
                                     or default_executor_backend(self.tensor_parallel_size),
@@ -673,27 +751,31 @@ class EngineArgs:
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device))
 
-    def _scheduler_config(self, device: str, encoder_only: bool,
+    def _scheduler_config(self, device: str, checkpoint: CheckpointFacts,
                           speculative: SpeculativeConfig | None) -> SchedulerConfig:
         threads = self.num_threads or torch.get_num_threads()  # what the engine's start leaves torch with
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens
-                               or default_max_num_batched_tokens(device, threads, encoder_only),
+        budget = self.max_num_batched_tokens or default_max_num_batched_tokens(device, threads, checkpoint.encoder_only)
+        return SchedulerConfig(max_num_batched_tokens=budget,
                                max_num_seqs=self.max_num_seqs or default_max_num_seqs(device),
                                policy=self.scheduling_policy,
                                async_scheduling=resolve_async_scheduling(self.async_scheduling, device, speculative),
-                               **self._prefill_chunking(device, threads))
+                               **self._prefill_chunking(device, threads, budget, checkpoint))
 
-    def _prefill_chunking(self, device: str, threads: int) -> dict[str, int]:
-        """CUDA: SchedulerConfig's defaults (vLLM's: tokens count alone and no prompt is limited). The CPU: a
-        long prompt's chunk gets about half a second of a step (CPU_TOKENS_PER_THREAD per thread), counted with
-        its attention (CPU_PREFILL_COST_CONTEXT), so streams running beside it keep their pace."""
+    def _prefill_chunking(self, device: str, threads: int, budget: int,
+                          checkpoint: CheckpointFacts) -> dict[str, int]:
+        """Both knobs as asked, else this device's defaults, so a long prompt's chunk leaves room in every step
+        and a step's time stays about that of its budget in plain tokens. The CPU: a chunk gets about half a
+        second of a step (CPU_TOKENS_PER_THREAD per thread), counted with its attention as measured
+        (CPU_PREFILL_COST_CONTEXT). CUDA: a chunk gets CUDA_LONG_PREFILL_SHARE of the step's `budget`, counted
+        with its attention as the model's FLOPs put it (CheckpointFacts.prefill_cost_context)."""
         asked = {"long_prefill_token_threshold": self.long_prefill_token_threshold,
                  "prefill_cost_context": self.prefill_cost_context}
         if device == "cpu":
             defaults = {"long_prefill_token_threshold": CPU_TOKENS_PER_THREAD * threads,
                         "prefill_cost_context": CPU_PREFILL_COST_CONTEXT}
         else:
-            defaults = {name: default_of(SchedulerConfig, name) for name in asked}
+            defaults = {"long_prefill_token_threshold": max(1, int(budget * CUDA_LONG_PREFILL_SHARE)),
+                        "prefill_cost_context": checkpoint.prefill_cost_context}
         return {name: defaults[name] if value is None else value for name, value in asked.items()}
 
     def _runner_fields(self, encoder: bool) -> dict[str, Any]:
