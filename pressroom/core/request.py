@@ -48,6 +48,9 @@ class Request:
     priority: int = 0
     # A sibling (n > 1) whose prompt must be computed first, so this one finds it in the prefix cache.
     follows: Request | None = None
+    # The client's request this one was fanned out of (its n samples, a prompt list's prompts): the scheduler
+    # shares slots fairly between groups. Default: the sibling it follows, else its own.
+    group: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it finishes
     # Tokens that scheduled steps whose results have not come back yet may emit (1 + drafts each; async
@@ -67,6 +70,10 @@ class Request:
     whole_prompt: bool = False
     # Structured outputs: its grammar's compile (core/structured_outputs.py); it waits in the queue until done.
     grammar: Future[CompiledGrammar] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.follows.group if self.follows is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,8 +7,15 @@ When blocks run out, the worst running request is preempted and later recomputed
 A prompt gets at most `long_prefill_token_threshold` of a step (vLLM's knob), so a long one leaves room for
 others. With `prefill_cost_context` set, the step's budget and that threshold count cost, not tokens: a prompt
 chunk's attention grows with the context already computed, so a long prompt's later chunks count for more and
-shrink. The CPU sets both
-by default, so a step's time stays bounded while a long prompt is prefilled; CUDA neither.
+shrink. Both are set by default (config.py: the CPU's measured, CUDA's from the model's FLOPs), so a step's time
+stays bounded while a long prompt is prefilled.
+
+A client's request fans out into many (n samples, a list of prompts): a group (`Request.group`). Among requests
+of equal priority, the better rank goes to the one whose group runs fewer requests, then to the earlier arrival
+(`_fair_key`), a group's own requests keeping their order: a single request arriving behind one of n = 128 is
+admitted before the 65th sample. When every slot (max_num_seqs) is taken, a group running two or more requests
+more than a waiting one gives it its latest slot (`_share_slots`); running out of blocks, the latest sibling of
+the largest group is preempted first.
 
 Progress is booked when a step is scheduled: a step that reaches the end of a request's tokens
 leaves output placeholders, one per token it may emit (1 + its drafts), given back when its tokens
@@ -32,7 +39,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pressroom.config import SchedulerConfig
@@ -112,6 +120,9 @@ class Scheduler:
         self.waiting: list[tuple[tuple, int, Request]] = []  # heap
         self.running: list[Request] = []
         self._tiebreak = itertools.count()
+        # each request's place among equal keys, kept when it is preempted: it goes back to its place in the queue
+        # (before the siblings that arrived with it and have not run yet)
+        self._order: dict[str, int] = {}
         self._seen_by_runner: set[str] = set()
         self._stale: set[str] = set()
         self.num_preemptions = 0
@@ -125,6 +136,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self._order[request.request_id] = next(self._tiebreak)
         self._enqueue(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -199,7 +211,8 @@ class Scheduler:
         preempted_now = False
 
         # Best first, so a victim (the worst) is never one already scheduled this step.
-        self.running.sort(key=self._key)
+        self._sort_running()
+        self._share_slots()
         if self.spec_budget is not None:
             self.spec_budget.tick()
             # Async drafting with a planning budget: the placeholders are the plan's, priced already.
@@ -316,12 +329,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData],
                        sampling: list[Request]) -> None:
-        skipped = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            entry = heapq.heappop(self.waiting)
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return
+        admitted = 0
+        for entry in self._fair_order():
             req = entry[2]
             if not req.is_ready() or not grammar_ready(req.grammar):  # a sibling's prompt; a grammar compiling
-                skipped.append(entry)
                 continue
             if req.pooling is None:
                 hits, num_hit = self.kv.get_computed_blocks(req)
@@ -329,25 +342,23 @@ class Scheduler:
             else:  # pooling reads the hidden states of every prompt token: no prefix hits
                 hits, num_hit, loaded = [], 0, ()
             if loaded is None:  # its prefix is on its way from a secondary offload tier
-                skipped.append(entry)
                 continue
             num_hit += len(loaded) * self.kv.block_size
             req.num_computed_tokens = 0
             if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
                 if req.num_tokens > budget:
-                    skipped.append(entry)
                     continue
                 n = req.num_tokens
             else:
                 n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
             if not self.kv.allocate_slots(req, n + self.lookahead, hits, loaded):
-                skipped.append(entry)
                 break
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted += 1
             scheduled[req.request_id] = n
             budget = max(0, budget - self._cost(n, num_hit))
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
@@ -357,8 +368,62 @@ class Scheduler:
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)
-        for entry in skipped:
-            heapq.heappush(self.waiting, entry)
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+        if admitted:
+            self.waiting = [e for e in self.waiting if e[2].status != RequestStatus.RUNNING]
+            heapq.heapify(self.waiting)
+
+    def _fair_order(self) -> Iterator[tuple[tuple, int, Request]]:
+        """The waiting entries, best first by `_fair_key`, each group's rank counting its requests running and
+        those admitted meanwhile (an entry the caller admits is RUNNING when the next one is asked for); a
+        group's own entries keep their queue order."""
+        running = Counter(r.group for r in self.running)
+        groups: dict[str, list[tuple[tuple, int, Request]]] = {}
+        for entry in sorted(self.waiting):
+            groups.setdefault(entry[2].group, []).append(entry)
+        heads = [(self._fair_key(members[0][0], running[g]), members[0][1], g, 0) for g, members in groups.items()]
+        heapq.heapify(heads)
+        while heads:
+            _, _, g, i = heapq.heappop(heads)
+            members = groups[g]
+            yield members[i]
+            if members[i][2].status == RequestStatus.RUNNING:
+                running[g] += 1
+            if i + 1 < len(members):
+                nxt = members[i + 1]
+                heapq.heappush(heads, (self._fair_key(nxt[0], running[g]), nxt[1], g, i + 1))
+
+    def _share_slots(self) -> None:
+        """While every slot is taken, the first ready request of a waiting group with c requests running takes a
+        slot from a group of its priority with c + 2 or more: that group's latest running sibling is preempted
+        (recomputed later, its blocks left to the prefix cache), and this step's admission takes the newcomer
+        first. A single newcomer gets a slot at once, and two large groups converge to equal shares without
+        trading slots back and forth (each move narrows their gap). Groups of one are never preempted here, and
+        no priority takes a slot from another (as before: priorities order the queue, they do not preempt).
+        Expects `running` sorted (`_sort_running`): the last of a priority is its largest group's latest."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        running = Counter(r.group for r in self.running)
+        heads: dict[str, tuple[tuple, int, Request]] = {}
+        for entry in sorted(self.waiting):
+            req = entry[2]
+            if req.group not in heads and req.is_ready() and grammar_ready(req.grammar):
+                heads[req.group] = entry
+        victims: dict[int, list[Request]] = {}  # per priority, the worst last
+        for req in self.running:
+            victims.setdefault(self._key(req)[0], []).append(req)
+        for entry in sorted(heads.values(), key=lambda e: (self._fair_key(e[0], running[e[2].group]), e[1])):
+            group, same_priority = entry[2].group, victims.get(entry[0][0])
+            # a gap of one at most: a move would only swap the two groups' shares (nor will a later candidate
+            # of this priority gain: its group runs as many or more)
+            if not same_priority or running[group] + 2 > running[same_priority[-1].group]:
+                victims.pop(entry[0][0], None)
+                continue
+            victim = same_priority.pop()
+            self._preempt(victim)
+            running[victim.group] -= 1
+            running[group] += 1
 
     def _trim_drafts(self, budget: int) -> None:
         """Keeps, per running request, the drafts the adaptive budget expects to pay off this step."""
@@ -449,8 +514,23 @@ class Scheduler:
     def _key(self, req: Request) -> tuple[int, float]:
         return req.sort_key() if self.config.policy == "priority" else (0, req.arrival_time)
 
+    @staticmethod
+    def _fair_key(key: tuple[int, float], rank: int) -> tuple[int, int, float]:
+        """A request's rank among others: its priority (`_key`'s first part), then how many of its group come
+        before it (running ones, for a waiting request), then its arrival."""
+        return key[0], rank, key[1]
+
+    def _sort_running(self) -> None:
+        """Best first by `_fair_key`, each request ranked by its place in its group's queue order."""
+        self.running.sort(key=lambda r: (self._key(r), self._order[r.request_id]))
+        ranks, seen = {}, Counter()
+        for req in self.running:
+            ranks[req] = seen[req.group]
+            seen[req.group] += 1
+        self.running.sort(key=lambda r: self._fair_key(self._key(r), ranks[r]))
+
     def _enqueue(self, req: Request) -> None:
-        heapq.heappush(self.waiting, (self._key(req), next(self._tiebreak), req))
+        heapq.heappush(self.waiting, (self._key(req), self._order[req.request_id], req))
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -460,6 +540,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.suspects.pop(req.request_id, None)
+        self._order.pop(req.request_id, None)
         if self.spec_budget is not None:
             self.spec_budget.forget(req.request_id)
         self.kv.free(req)
