@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +78,22 @@ SANDBOX_RESULTS_CHARS = 64 << 20  # the sandbox's verdicts kept (parsed grammars
 
 @dataclass(frozen=True, slots=True)
 class GrammarSource:
-    """What is compiled, and the cache's key: `kind` is json (a schema's text), regex or ebnf."""
+    """What is compiled, and the cache's key: `kind` is json (a schema's text), regex or ebnf. `parsed`: the
+    server sandbox's parse of it (xgrammar's JSON), which the engine core compiles instead; not part of the key."""
     kind: str
     text: str
     any_whitespace: bool = True
+    parsed: str | None = field(default=None, compare=False, repr=False)
 
 
 def grammar_source(params: StructuredOutputsParams) -> GrammarSource:
-    """The constraint as one grammar source; `choice` becomes an EBNF alternation of string literals."""
+    """The constraint as one grammar source (with its parse, when the server's sandbox made one)."""
+    source = _source(params)
+    return source if params.parsed_grammar is None else replace(source, parsed=params.parsed_grammar)
+
+
+def _source(params: StructuredOutputsParams) -> GrammarSource:
+    """`choice` becomes an EBNF alternation of string literals."""
     any_ws = not params.disable_any_whitespace
     kind = params.kind
     if kind == "json":
@@ -284,15 +292,15 @@ class GrammarCompiler:
         source = grammar_source(params)
         future = self._cache.get(source)
         if future is None:
-            future = self._pool.submit(self._compile, source, params.parsed_grammar)
+            future = self._pool.submit(self._compile, source)
             self._cache[source] = future
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(source)
         return future
 
-    def _compile(self, source: GrammarSource, parsed: str | None) -> xgr.CompiledGrammar | str:
-        grammar = _parse(source) if parsed is None else xgr.Grammar.deserialize_json(parsed)
+    def _compile(self, source: GrammarSource) -> xgr.CompiledGrammar | str:
+        grammar = _parse(source) if source.parsed is None else xgr.Grammar.deserialize_json(source.parsed)
         compiled = self._xgr_compiler().compile_grammar(grammar)
         return compiled.serialize_json() if self.portable else compiled
 
@@ -349,7 +357,8 @@ class GrammarSandbox:
     async def _judge(self, source: GrammarSource, vocab_size: int) -> str:
         pool = await self._workers(vocab_size)
         try:
-            reply = await pool.ask(job_line(asdict(source)))
+            job = {"kind": source.kind, "text": source.text, "any_whitespace": source.any_whitespace}
+            reply = await pool.ask(job_line(job))
             verdict = reply["grammar"] if "grammar" in reply else ValueError(self._refusal(source, reply["error"]))
         except WorkerTimeout:
             verdict = ValueError(f"The structured output's {_NAMES[source.kind]} took longer than "
