@@ -76,7 +76,7 @@ def test_the_static_limits_and_what_xgrammar_refuses_are_400s(loop, preprocessor
                           (StructuredOutputsParams(json='{"type": "nothing"}'), "Invalid structured output JSON")]:
         with pytest.raises(APIError, match=words) as refused:
             loop.run_until_complete(preprocessor.structured_outputs(params, VOCAB))
-        assert refused.value.status == 400
+        assert refused.value.status == 400 and refused.value.param == "structured_outputs"
 
 
 def test_a_grammar_past_the_memory_cap_is_refused_and_the_next_is_served(loop, smollm_tokenizer):

@@ -168,7 +168,10 @@ class Preprocessor:
         """The constraint checked against the limits (on the tokenizer threads), then parsed and compiled in the
         grammar sandbox: returned with its parsed grammar, which the engine core compiles without parsing it
         again. A 400 naming the limit or cap it exceeds, or why it cannot be compiled. `vocab_size`: the model's."""
-        source = await self.run(functools.partial(check_limits, params))
+        try:
+            source = await self.run(functools.partial(check_limits, params))
+        except APIError as e:
+            raise APIError(e.status, e.message, param="structured_outputs") from None
         try:
             parsed = await self.grammars.parsed(source, vocab_size)
         except ValueError as e:
