@@ -29,7 +29,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, offload: Any = None) -> None:
         self.block_size = block_size
         self.offload = offload
-        self._stores: list[tuple[int, str]] = []  # (device block, chunk key) to copy out before reuse
+        self._stores: list[tuple[int, str, list[int]]] = []  # (device block, chunk key, its tokens) to copy out
         self._loads: list[tuple[int, int]] = []  # (device block, lent CPU slot) to copy in before the forward
         self._storing: set[str] = set()
         self.enable_caching = enable_caching
@@ -68,7 +68,8 @@ class KVCacheManager:
         if self.offload is None or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return ()
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
-        return self.offload.lookup([h.hex() for h in hashes[num_device_hits:]])
+        return self.offload.lookup([h.hex() for h in hashes[num_device_hits:]],
+                                   lambda i: self._block_tokens(request, num_device_hits + i))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] = (), loaded: OffloadHit | tuple = ()) -> bool:
@@ -138,11 +139,11 @@ class KVCacheManager:
             return
         blocks = self.req_blocks.get(request.request_id, [])
         num_full = min(len(blocks), min(request.num_computed_tokens, request.num_tokens - 1) // self.block_size)
-        for block, block_hash in zip(blocks[:num_full], self._hashes(request, num_full)):
+        for i, (block, block_hash) in enumerate(zip(blocks[:num_full], self._hashes(request, num_full))):
             key = block_hash.hex()
             if key not in self._storing and not self.offload.holds(key):
                 self._storing.add(key)
-                self._stores.append((block.block_id, key))
+                self._stores.append((block.block_id, key, self._block_tokens(request, i)))
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> None:
         if not self.enable_caching:
@@ -158,8 +159,11 @@ class KVCacheManager:
 
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         hashes = self.req_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.token_ids_between(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block_tokens(parent, self._block_tokens(request, i)))
         return hashes[:num_blocks]
+
+    def _block_tokens(self, request: Request, i: int) -> list[int]:
+        """The token ids of the request's block `i` (its chunk's header carries their digest)."""
+        return request.token_ids_between(i * self.block_size, (i + 1) * self.block_size)

@@ -4,9 +4,10 @@ A chunk's payload is the block's KV for every attention layer and every KV head 
 [kv_heads, layers, planes (k, v; 1 for a latent cache), block_size, head_dim] in the KV dtype, row-major,
 whichever backend wrote it and whatever its tensor-parallel size (a rank's heads are one contiguous range
 of the chunk). Files and secondary tiers hold header + payload; the header carries a format version, the
-model fingerprint, a digest of the chunk's own key (the chained block hash it is stored under), the
-payload's length and its XXH3-64 checksum, so a truncated, corrupt or foreign chunk, or one filed under
-another prefix's key, is recognised before it is served. (XXH3 hashes at memory speed; CRC-32, the first
+model fingerprint, a digest of the chunk's own key (the chained block hash it is stored under), a digest of
+the block's token ids, the payload's length and its XXH3-64 checksum, so a truncated, corrupt or foreign
+chunk, or one filed under another prefix's key or holding other tokens' KV, is recognised before it is
+served. (XXH3 hashes at memory speed; CRC-32, the first
 version's checksum, cost more than the disk reads it guarded on the H200.)
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,8 +32,10 @@ from pressroom.platforms import user_cache_dir
 logger = logging.getLogger("pressroom")
 
 MAGIC = b"PRKV"
-VERSION = 4  # 3: head-major chunks; 4: the header carries the chunk's key (older files fail the version check)
-_HEADER = struct.Struct("<4sH16s16sQQ")  # magic, version, fingerprint, key digest, payload length, xxh3-64
+# 3: head-major chunks; 4: the header carries the chunk's key; 5: and its token ids' digest (older files fail
+# the version check: a miss, recomputed)
+VERSION = 5
+_HEADER = struct.Struct("<4sH16s16s16sQQ")  # magic, version, fingerprint, key, token ids, payload length, xxh3-64
 HEADER_BYTES = _HEADER.size
 _READ_BYTES = 16 << 20  # a weight file is hashed in reads of this size
 # A file changed this recently is hashed but its hash not cached: a second change within the same tick of the
@@ -165,17 +169,23 @@ def key_digest(key: str) -> bytes:
     return xxhash.xxh3_128_digest(key.encode())
 
 
-def chunk_parts(fingerprint: bytes, key: str, chunk: torch.Tensor) -> tuple[bytes, memoryview]:
+def tokens_digest(token_ids: Sequence[int]) -> bytes:
+    """The 16 bytes a chunk's header carries for the token ids of the block it holds (as int64)."""
+    return xxhash.xxh3_128_digest(np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+def chunk_parts(fingerprint: bytes, key: str, tokens: bytes, chunk: torch.Tensor) -> tuple[bytes, memoryview]:
     """A host chunk's header and its payload, the payload a view of the chunk's own memory (no copy): a tier
-    that writes both in turn stores the chunk straight from the CPU tier's slot."""
+    that writes both in turn stores the chunk straight from the CPU tier's slot. `tokens`: the block's
+    `tokens_digest`."""
     payload = payload_view(chunk)
-    header = _HEADER.pack(MAGIC, VERSION, fingerprint, key_digest(key), len(payload),
+    header = _HEADER.pack(MAGIC, VERSION, fingerprint, key_digest(key), tokens, len(payload),
                           xxhash.xxh3_64_intdigest(payload))
     return header, payload
 
 
-def encode_chunk(fingerprint: bytes, key: str, chunk: torch.Tensor) -> bytes:
-    header, payload = chunk_parts(fingerprint, key, chunk)
+def encode_chunk(fingerprint: bytes, key: str, tokens: bytes, chunk: torch.Tensor) -> bytes:
+    header, payload = chunk_parts(fingerprint, key, tokens, chunk)
     return header + payload.tobytes()
 
 
@@ -184,18 +194,22 @@ def payload_view(chunk: torch.Tensor) -> memoryview:
     return memoryview(chunk.view(-1).view(torch.uint8).numpy())
 
 
-def check_header(fingerprint: bytes, key: str, header: bytes | memoryview, payload_len: int, expected: int) -> int:
+def check_header(fingerprint: bytes, key: str, header: bytes | memoryview, payload_len: int, expected: int,
+                 tokens: bytes | None = None) -> int:
     """The checksum a chunk's header promises, if the header belongs to this model's chunk `key` of
-    `expected` bytes and `payload_len` bytes followed it; raises CorruptChunk with the reason otherwise."""
+    `expected` bytes (holding the token ids whose `tokens_digest` is `tokens`, when the reader knows them)
+    and `payload_len` bytes followed it; raises CorruptChunk with the reason otherwise."""
     if len(header) < HEADER_BYTES:
         raise CorruptChunk("shorter than its header (truncated)")
-    magic, version, fp, stored_key, length, checksum = _HEADER.unpack_from(header)
+    magic, version, fp, stored_key, stored_tokens, length, checksum = _HEADER.unpack_from(header)
     if magic != MAGIC or version != VERSION:  # an older version's fields are not read
         raise CorruptChunk(f"not a version-{VERSION} pressroom KV chunk")
     if fp != fingerprint:
         raise CorruptChunk("written for another model or cache layout (fingerprint differs)")
     if stored_key != key_digest(key):
         raise CorruptChunk("stored under another key (another prefix's KV)")
+    if tokens is not None and stored_tokens != tokens:
+        raise CorruptChunk("holds other token ids' KV (their digest differs)")
     if length != expected or payload_len != length:
         raise CorruptChunk(f"payload of {payload_len} bytes, header says {length}, the layout {expected} "
                            "(truncated)")
@@ -207,11 +221,12 @@ def check_payload(payload: memoryview, checksum: int) -> None:
         raise CorruptChunk("checksum mismatch (corrupted bytes)")
 
 
-def checked_payload(fingerprint: bytes, key: str, blob: bytes, expected: int) -> memoryview:
-    """The payload of a blob whose header, key, length and checksum hold for this model's chunk `key` of
-    `expected` bytes; raises CorruptChunk with the reason otherwise."""
+def checked_payload(fingerprint: bytes, key: str, blob: bytes, expected: int, tokens: bytes | None = None
+                    ) -> memoryview:
+    """The payload of a blob whose header, key, token ids (`tokens`, when known), length and checksum hold
+    for this model's chunk `key` of `expected` bytes; raises CorruptChunk with the reason otherwise."""
     payload = memoryview(blob)[HEADER_BYTES:]
-    check_payload(payload, check_header(fingerprint, key, blob, len(payload), expected))
+    check_payload(payload, check_header(fingerprint, key, blob, len(payload), expected, tokens))
     return payload
 
 

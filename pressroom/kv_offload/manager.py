@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from pressroom.kv_offload.layout import (
     chunk_parts,
     copy_payload,
     payload_view,
+    tokens_digest,
 )
 from pressroom.kv_offload.tiers import CPUTier, FileTier, SecondaryTier, TierResult, _ThreadedTier, load_tier
 
@@ -96,6 +98,7 @@ class TieredKVStore:
         self.stats = OffloadStats({label: TierStats() for label in self.labels},
                                   {"device_to_cpu": 0, "cpu_to_device": 0})
         self._loading: dict[str, int] = {}  # key -> secondary tier reading it (until checked and in a slot)
+        self._loading_tokens: dict[str, bytes | None] = {}  # key -> its block's tokens_digest, if the reader knew it
         self._origin: dict[str, int] = {}  # key -> tier a promoted chunk came from (for its hit count)
         self._unreadable: set[str] = set()  # chunks a tier said it had but could not serve
         self._cascade = ThreadPoolExecutor(2, thread_name_prefix="kv-cascade")
@@ -105,7 +108,8 @@ class TieredKVStore:
         self._lock = threading.Lock()  # the worker threads and the engine loop both count
         self._warned: set[str] = set()
         self._step = 0
-        self.in_flight: dict[int, tuple[list[str], list[int], list[int]]] = {}  # step -> keys, their slots, lent
+        # step -> stored keys, their tokens_digests, their slots; lent slots
+        self.in_flight: dict[int, tuple[list[str], list[bytes], list[int], list[int]]] = {}
         self._closed = False
 
     def _make_tier(self, spec) -> SecondaryTier:
@@ -115,10 +119,12 @@ class TieredKVStore:
 
     # ---- the scheduler's side ----
 
-    def lookup(self, keys: list[str]) -> OffloadHit | None:
+    def lookup(self, keys: list[str], block_tokens: Callable[[int], Sequence[int]] | None = None
+               ) -> OffloadHit | None:
         """The leading run of `keys` the CPU tier holds, their slots lent to the caller; or None when the
         run goes on in a secondary tier: those chunks are being read into the CPU tier and the caller
-        should ask again later instead of computing them."""
+        should ask again later instead of computing them. `block_tokens(i)`: the token ids of `keys[i]`'s
+        block, which a chunk read from a secondary tier must have been stored with."""
         self.poll()
         served: list[str] = []
         slots: list[int] = []
@@ -128,7 +134,7 @@ class TieredKVStore:
                 break
             served.append(key)
             slots.append(slot)
-        if self._start_loads(keys[len(served):]):
+        if self._start_loads(keys, len(served), block_tokens):
             self.cpu.release(slots)
             return None
         return OffloadHit(served, slots, len(served) < len(keys))
@@ -137,12 +143,14 @@ class TieredKVStore:
         """Returns the slots of a lookup whose request was not admitted."""
         self.cpu.release(hit.slots)
 
-    def _start_loads(self, keys: list[str]) -> bool:
-        """Reads the leading run of `keys` that secondary tiers hold into the CPU tier; True if any is on
-        its way."""
+    def _start_loads(self, keys: list[str], first: int, block_tokens: Callable[[int], Sequence[int]] | None
+                     ) -> bool:
+        """Reads the leading run of `keys[first:]` that secondary tiers hold into the CPU tier; True if any
+        is on its way."""
         waiting = False
         room = max(1, self.cpu.num_slots // 2)  # promoted chunks must fit to be served
-        for key in keys[:room]:
+        for i in range(first, min(len(keys), first + room)):
+            key = keys[i]
             if key in self._loading:
                 waiting = True
                 continue
@@ -154,6 +162,7 @@ class TieredKVStore:
             if tier is None:
                 break
             self._loading[key] = tier
+            self._loading_tokens[key] = None if block_tokens is None else tokens_digest(block_tokens(i))
             if isinstance(self.secondary[tier], FileTier):
                 self._checker.submit(self._promote_file, tier, key)
             else:
@@ -186,19 +195,21 @@ class TieredKVStore:
 
     # ---- one step's copies ----
 
-    def start_transfers(self, stores: list[tuple[int, str]], loads: list[tuple[int, int]]) -> KVTransfers | None:
-        """The copies the next step makes: `stores` (device block, chunk key) get CPU slots reserved here
-        (a chunk with no slot free of loans is not kept); `loads` (device block, slot) come with slots a
-        lookup lent. Every slot stays on loan until `finish_transfers` (the step's output is back: every
-        rank's copies are done) or `abandon_transfers` (the step failed)."""
-        reserved = [(block, key, self.cpu.reserve(key)) for block, key in stores]
-        reserved = [r for r in reserved if r[2] is not None]
+    def start_transfers(self, stores: list[tuple[int, str, Sequence[int]]], loads: list[tuple[int, int]]
+                        ) -> KVTransfers | None:
+        """The copies the next step makes: `stores` (device block, chunk key, the block's token ids) get CPU
+        slots reserved here (a chunk with no slot free of loans is not kept); `loads` (device block, slot)
+        come with slots a lookup lent. Every slot stays on loan until `finish_transfers` (the step's output is
+        back: every rank's copies are done) or `abandon_transfers` (the step failed)."""
+        reserved = [(block, key, tokens, self.cpu.reserve(key)) for block, key, tokens in stores]
+        reserved = [r for r in reserved if r[3] is not None]
         if not reserved and not loads:
             return None
         self._step += 1
-        transfers = KVTransfers(self._step, [(block, slot) for block, _, slot in reserved], list(loads))
-        keys = [key for _, key, _ in reserved]
-        self.in_flight[self._step] = (keys, [s for _, s in transfers.stores], [s for _, s in loads])
+        transfers = KVTransfers(self._step, [(block, slot) for block, _, _, slot in reserved], list(loads))
+        keys = [key for _, key, _, _ in reserved]
+        digests = [tokens_digest(tokens) for _, _, tokens, _ in reserved]
+        self.in_flight[self._step] = (keys, digests, [s for _, s in transfers.stores], [s for _, s in loads])
         for key in keys:
             self._unreadable.discard(key)
             self._origin.pop(key, None)
@@ -213,11 +224,11 @@ class TieredKVStore:
         entry = self.in_flight.pop(transfers.step, None)
         if entry is None:
             return
-        keys, stored, lent = entry
+        keys, digests, stored, lent = entry
         self.cpu.release(lent)
         if self.secondary:
-            for key, slot in zip(keys, stored):  # the reservation's loan passes to the write-through
-                self._cascade.submit(self._write_through, key, slot)
+            for key, tokens, slot in zip(keys, digests, stored):  # the reservation's loan passes to the write-through
+                self._cascade.submit(self._write_through, key, tokens, slot)
         else:
             self.cpu.release(stored)
 
@@ -227,17 +238,17 @@ class TieredKVStore:
         entry = self.in_flight.pop(transfers.step, None)
         if entry is None:
             return
-        keys, stored, lent = entry
+        keys, _, stored, lent = entry
         self.cpu.release(lent)
         for key in keys:
             self.cpu.drop(key)
         self.cpu.release(stored)
 
-    def _write_through(self, key: str, slot: int) -> None:
+    def _write_through(self, key: str, tokens: bytes, slot: int) -> None:
         """On a cascade thread: the chunk goes from its slot (on loan until here is done) to every secondary
         tier; threaded tiers write the slot's own bytes, others get a blob."""
         try:
-            parts = chunk_parts(self.fingerprint, key, self.cpu.slab[slot])
+            parts = chunk_parts(self.fingerprint, key, tokens, self.cpu.slab[slot])
             blob = None
             for tier in self.secondary:
                 if isinstance(tier, _ThreadedTier):
@@ -275,7 +286,7 @@ class TieredKVStore:
             self._load_failed(i, result.key)
             return
         if self._closed:  # loads finished at shutdown serve no one
-            self._loading.pop(result.key, None)
+            self._done_loading(result.key)
             return
         self._checker.submit(self._check, i, result)
 
@@ -283,7 +294,8 @@ class TieredKVStore:
         """On a checker thread: verifies a loaded blob and copies it into a CPU slot."""
         error, kept = None, False
         try:
-            payload = checked_payload(self.fingerprint, result.key, result.blob, self.chunk_bytes)
+            payload = checked_payload(self.fingerprint, result.key, result.blob, self.chunk_bytes,
+                                      self._loading_tokens.get(result.key))
             slot = self.cpu.reserve(result.key)
             if slot is not None:
                 try:
@@ -307,7 +319,8 @@ class TieredKVStore:
             payload = payload_view(self.cpu.slab[slot])
             try:
                 length = self.secondary[i].read_into(key, header, payload)
-                check_payload(payload, check_header(self.fingerprint, key, header, length, self.chunk_bytes))
+                check_payload(payload, check_header(self.fingerprint, key, header, length, self.chunk_bytes,
+                                                    self._loading_tokens.get(key)))
                 kept, nbytes = True, HEADER_BYTES + length
             except CorruptChunk as e:
                 error = str(e)
@@ -321,8 +334,12 @@ class TieredKVStore:
         with self._lock:
             self._checked.append((i, result, error, kept))
 
-    def _load_failed(self, i: int, key: str) -> None:
+    def _done_loading(self, key: str) -> None:
         self._loading.pop(key, None)
+        self._loading_tokens.pop(key, None)
+
+    def _load_failed(self, i: int, key: str) -> None:
+        self._done_loading(key)
         self.stats.tiers[self.labels[i + 1]].failed_jobs += 1
         self._unreadable.add(key)
         self.secondary[i].discard(key)
@@ -331,7 +348,7 @@ class TieredKVStore:
         if not result.ok:
             self._load_failed(i, result.key)
             return
-        self._loading.pop(result.key, None)
+        self._done_loading(result.key)
         label = self.labels[i + 1]
         stats = self.stats.tiers[label]
         if error is not None:

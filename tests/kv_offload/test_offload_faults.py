@@ -1,5 +1,6 @@
 """Faults in the disk tier never change outputs or raise: corrupt, truncated and foreign chunk files (another
-model's, or another prefix's filed under this one's key) are detected and recomputed (and counted), a model
+model's, another prefix's filed under this one's key, or one whose header names other token ids) are detected
+and recomputed (and counted), a model
 whose weights differ never reads another's chunks, a file that vanishes between lookup and load is a miss,
 an unwritable path or a full disk turns the tier off, and a cap below one request's size is harmless."""
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 from test_offload_engine import CHUNK_BYTES, _gen, engine, shared_prefix_prompts
 
 from pressroom.kv_offload import tiers
+from pressroom.kv_offload.layout import HEADER_BYTES, check_header
 
 PROMPTS = shared_prefix_prompts(16, prefixes=4, prefix_len=96, seed=2)
 CPU_GIB = 4 * CHUNK_BYTES / (1 << 30)  # 4 chunks: a prefix's 6 come back from disk
+TOKENS_DIGEST = slice(4 + 2 + 16 + 16, 4 + 2 + 16 + 16 + 16)  # in the header: after magic, version, model, key
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def read_back(model: str, path: Path, **kw):
     return outputs, llm.engine.stats().offload.tiers["1:fs"]
 
 
-@pytest.mark.parametrize("damage", ["corrupt bytes", "truncated", "another model's", "another prefix's"])
+@pytest.mark.parametrize("damage", ["corrupt bytes", "truncated", "another model's", "another prefix's",
+                                    "other token ids'"])
 def test_bad_chunk_files_are_recomputed_and_counted(damage, plain, tiny_model_dir, tmp_path, caplog):
     model = tiny_model_dir("llama")
     files = write_tier(model, tmp_path)
@@ -59,7 +63,11 @@ def test_bad_chunk_files_are_recomputed_and_counted(damage, plain, tiny_model_di
             data[len(data) // 2] ^= 0xFF
         elif damage == "truncated":
             data = data[:len(data) // 3]
-        if damage in ("corrupt bytes", "truncated"):
+        elif damage == "other token ids'":
+            data[TOKENS_DIGEST] = bytes(b ^ 0xFF for b in data[TOKENS_DIGEST])
+            payload = len(data) - HEADER_BYTES  # the model, the key, the length and the checksum still hold:
+            check_header(bytes.fromhex(f.parent.name), f.stem, data, payload, payload)
+        if damage in ("corrupt bytes", "truncated", "other token ids'"):
             f.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="pressroom"):
         outputs, fs = read_back(model, tmp_path)
@@ -109,10 +117,11 @@ def test_a_full_disk_turns_the_tier_off(plain, tiny_model_dir, tmp_path, monkeyp
 
 def test_a_disk_cap_below_one_request_keeps_outputs(plain, tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama")
-    outputs, fs = read_back(model, tmp_path, kv_offloading_disk_size=2.5 * (CHUNK_BYTES + 64) / (1 << 30))
+    cap = 2.5 * (CHUNK_BYTES + HEADER_BYTES)
+    outputs, fs = read_back(model, tmp_path, kv_offloading_disk_size=cap / (1 << 30))
     assert outputs == plain
     held = sum(f.stat().st_size for f in tmp_path.glob("*/*.kv"))
-    assert fs.write_bytes > held and held <= 2.5 * (CHUNK_BYTES + 64)
+    assert fs.write_bytes > held and held <= cap
 
 
 def shuffled_weights(model: str, into: Path) -> Path:
