@@ -155,8 +155,9 @@ class WorkerPool:
         """The reply to `job` (a `job_line`); WorkerError when the job cost its worker, PoolBusy when no worker
         came free."""
         await self.start()
+        idle = self._idle
         try:
-            worker = await asyncio.wait_for(self._idle.get(), self.wait_s)
+            worker = await asyncio.wait_for(idle.get(), self.wait_s)
         except TimeoutError:
             raise PoolBusy(f"every worker stayed busy for {self.wait_s:g} s") from None
         try:
@@ -166,8 +167,8 @@ class WorkerPool:
             raise
         if reply.get("retire"):
             self._replace_later(worker)
-        else:
-            self._idle.put_nowait(worker)
+        elif idle is self._idle:  # else the pool was closed meanwhile, which stopped the worker
+            idle.put_nowait(worker)
         return reply
 
     async def _spawn(self) -> _Worker:
@@ -192,4 +193,5 @@ class WorkerPool:
         if idle is not None and idle is self._idle:  # not closed meanwhile
             idle.put_nowait(fresh)
         else:
+            self._workers.discard(fresh)
             await fresh.stop()
