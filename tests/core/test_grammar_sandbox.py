@@ -29,6 +29,8 @@ def _deep_schema(depth: int) -> str:
 
 
 BOMB = so.GrammarSource("json", _deep_schema(300))  # past MAX_DEPTH: given to the sandbox as is, it parses for ~2 s
+# 3,000 alternatives of 50 characters (170 KB): parsed in milliseconds, in more than TIGHT_BYTES
+GREEDY = so.GrammarSource("ebnf", "root ::= " + " | ".join(f'"{i:050d}"' for i in range(3000)))
 NORMAL = [StructuredOutputsParams(json={"type": "object", "properties": {
               "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
               "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}),
@@ -83,7 +85,7 @@ def test_a_grammar_past_the_memory_cap_is_refused_and_the_next_is_served(loop, s
     sandbox = so.GrammarSandbox(smollm_tokenizer, workers=1, max_bytes=TIGHT_BYTES)
     try:
         with pytest.raises(ValueError, match="GRAMMAR_COMPILE_MAX_BYTES"):
-            loop.run_until_complete(sandbox.parsed(BOMB, VOCAB))
+            loop.run_until_complete(sandbox.parsed(GREEDY, VOCAB))
         regex = so.grammar_source(NORMAL[2])
         assert loop.run_until_complete(sandbox.parsed(regex, VOCAB))  # by the worker that replaced it
     finally:
