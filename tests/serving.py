@@ -117,6 +117,17 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def pid_serving(url: str) -> int:
+    """The pid of the `pressroom serve` that this test process started on `url`'s port (`serve` yields the URL,
+    and session fixtures share only that)."""
+    port = url.rsplit(":", 1)[1]
+    for pid in children(os.getpid()):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"pressroom.entrypoints.cli" in command and command[-3:-1] == [b"--port", port.encode()]:
+            return pid
+    raise AssertionError(f"no server of ours on port {port}")
+
+
 def spawned_children(pid: int) -> list[int]:
     """The children of `pid` that multiprocessing spawned (an engine core, a core's worker ranks)."""
     return [p for p in children(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from conftest import tiny_args
-from serving import serve
+from serving import pid_serving, serve
 
 from pressroom.entrypoints.openai.chat_template import RENDER_TIMEOUT_S, RENDER_WORKERS
 
@@ -72,18 +71,8 @@ def served(tiny_model_dir, log_path) -> Iterator[tuple[str, int]]:
                      "--body-read-timeout", str(BODY_READ_TIMEOUT_S), "--max-concurrent-requests", str(MAX_CONCURRENT),
                      name=MODEL)
     with serve(args, log_path, shutdown_s=20) as (url, _):
-        yield url, _pid_serving(url)
+        yield url, pid_serving(url)
 
-
-def _pid_serving(url: str) -> int:
-    """The pid of the `pressroom serve` that this test process started on `url`'s port (serving.serve yields the
-    URL, not the process)."""
-    port = url.rsplit(":", 1)[1]
-    for child in psutil.Process().children():
-        command = child.cmdline()
-        if "pressroom.entrypoints.cli" in command and command[-2:] == ["--port", port]:
-            return child.pid
-    raise AssertionError(f"no server of ours on port {port}")
 
 
 # The watchers: each a process of its own, so that nothing the test process does (building a megabyte body,

@@ -20,6 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from serving import pid_serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -182,16 +183,6 @@ def test_50_killed_streaming_clients_return_every_block(server, model):
     _still_serves(server, model)
 
 
-def _pid_serving(url: str) -> int:
-    """The pid of the `pressroom serve` that this test process started on `url`'s port (serving.serve yields the
-    URL, not the process)."""
-    port = url.rsplit(":", 1)[1]
-    for child in psutil.Process().children():
-        command = child.cmdline()
-        if "pressroom.entrypoints.cli" in command and command[-2:] == ["--port", port]:
-            return child.pid
-    raise AssertionError(f"no server of ours on port {port}")
-
 
 SHORT_REQUESTS = 2000
 WARM_UP = 200  # first-use costs (the routes' code paths, the tokenizer's caches, the allocator's arenas) come first
@@ -233,7 +224,7 @@ def test_2000_short_requests_leave_the_api_process_its_memory(tiny_server):
     """On the tiny llama (its server shared: conftest.py), whose steps cost little next to the API's own work per
     request, which is what is measured here. Measured: 2,000 in 74 s, the API's RSS 392 MiB -> 393 MiB."""
     server, model = tiny_server, "tiny"
-    process = psutil.Process(_pid_serving(server))
+    process = psutil.Process(pid_serving(server))
     assert set(_send_all(server, model, 0, WARM_UP)) == {200}
     _wait_drained(server, 10)
     before = process.memory_info().rss
