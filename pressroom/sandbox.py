@@ -1,7 +1,8 @@
 """Work on a client's input that may run away (chat templates, grammars), done in child processes that may die.
 
 A `WorkerPool` keeps a few copies of one worker script, run by path with `python -I` (no user site, none of
-Python's environment variables, none of the server's imports or memory). Each takes one job at a time: a JSON
+Python's environment variables, none of the server's imports or memory), each killed by the kernel if the server
+dies. Each takes one job at a time: a JSON
 line in, a JSON line out. At start the pool writes the script its set-up bytes (if any) and waits for a first
 line that says it is ready ({"ready": true}); then the worker's address space is capped at what it maps by
 then plus the pool's `max_bytes` (so the cap is the job's, whatever the script's imports map), and it runs
@@ -52,6 +53,21 @@ class PoolBusy(Exception):
     """Every worker stayed busy for the pool's wait."""
 
 
+# How a worker starts: bound to die with the server (Linux's parent-death signal, so that a job in progress does not
+# outlive a server killed outright), then its script, run as __main__ with its own arguments.
+_BOOT = """
+import os, runpy, sys
+parent, script = int(sys.argv[1]), sys.argv[2]
+if sys.platform == "linux":
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != parent:  # the server died before that took hold
+    sys.exit(1)
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def job_line(job: dict) -> bytes:
     """A job as the workers read it; json.dumps's RecursionError or ValueError for what JSON cannot hold."""
     return json.dumps(job).encode() + b"\n"  # newlines in strings are escaped: one job, one line
@@ -66,8 +82,8 @@ class _Worker:
     @classmethod
     async def start(cls, argv: Sequence[str], setup: bytes, max_bytes: int) -> _Worker:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            limit=REPLY_LIMIT)
+            sys.executable, "-I", "-c", _BOOT, str(os.getpid()), *argv, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, limit=REPLY_LIMIT)
         worker = cls(process)
         try:
             if setup:

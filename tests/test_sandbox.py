@@ -1,10 +1,14 @@
 """The sandboxed worker pool (pressroom/sandbox.py) with a stdlib worker script: a job past its deadline, one whose
 worker dies, one past the memory cap and one that retires its worker each cost that worker alone, a
-replacement serves the next job, and a pool whose workers are all busy says so."""
+replacement serves the next job, a pool whose workers are all busy says so, and the workers die with the server."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +90,41 @@ def test_every_worker_busy_is_pool_busy(script):
         finally:
             await pool.close()
     asyncio.run(main())
+
+
+SERVER = '''
+import asyncio, sys
+from pressroom.sandbox import WorkerPool, job_line
+
+async def main():
+    pool = WorkerPool(sys.argv[1], size=2, timeout_s=60.0, max_bytes=64 << 20)
+    await pool.start()
+    busy = asyncio.ensure_future(pool.ask(job_line({"do": "sleep", "s": 60})))  # a job in progress
+    await asyncio.sleep(0.2)
+    print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)
+    await busy
+
+asyncio.run(main())
+'''
+
+
+def test_the_workers_die_with_the_server_even_mid_job(script, tmp_path):
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in server.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        server.kill()
+        server.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
