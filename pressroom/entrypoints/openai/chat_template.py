@@ -34,6 +34,14 @@ RENDER_TIMEOUT_S = 3.0  # a model's own template renders in milliseconds; a loop
 WORKER_MEMORY_BYTES = 2 << 30  # a template's allocations beyond these fail in the worker (MemoryError: a 400)
 RENDER_WORKERS = 2
 TOKENIZER_THREADS = 2
+# Tokenizer work on a long input (past BIG_JOB_CHARS characters, or a body past as many bytes) runs on a lane of
+# its own, so that short prompts never queue behind a long one.
+BIG_JOB_CHARS = 1 << 16
+BIG_LANE_THREADS = 1
+MESSAGES_ON_LOOP = 1024  # a conversation longer than this is turned into the template's dicts on the big lane
+# A prompt far past the context is refused from a prefix: max_tokens x this many characters first (text runs
+# some 4 characters a token), doubled while it stays under twice max_tokens tokens.
+PREFIX_CHARS_PER_TOKEN = 16
 WAIT_FOR_WORKER_S = 10.0  # every worker busy this long: the server is overloaded (503), not the request wrong
 
 # apply_chat_template's and the tokenizer's own arguments: a request that sets one through chat_template_kwargs
@@ -141,9 +149,25 @@ def _job(template: str, messages: list[dict], variables: dict[str, Any], add_gen
         raise APIError(400, "The messages or chat_template_kwargs nest too deeply.", param="messages") from None
 
 
+def encode_within(encode: Callable[[str], list[int]], text: str, max_tokens: int, param: str) -> list[int]:
+    """`encode(text)`, or a 400 for length found from a prefix of `text` when that alone has twice `max_tokens`
+    tokens or more: a prompt of megabytes costs the tokenizer a few times the context, not the whole text. Twice:
+    a prefix cut mid-word may count a few more tokens than its characters take within the whole text."""
+    chars = max_tokens * PREFIX_CHARS_PER_TOKEN
+    while 2 * chars < len(text):
+        count = len(encode(text[:chars]))
+        if count >= 2 * max_tokens:
+            raise APIError(400, f"This model's maximum context length is {max_tokens} tokens, and the prompt has "
+                                f"more (its first {chars} characters alone are {count} tokens); shorten the prompt.",
+                           param=param, code="context_length_exceeded")
+        chars *= 2
+    return encode(text)
+
+
 class Preprocessor:
     """Prompt work of the API process: chat templates and structured outputs' grammars in worker processes,
-    tokenizer calls on a small thread pool (never on the engine loop, never on the event loop)."""
+    tokenizer calls on a small thread pool (never on the engine loop, never on the event loop), in two lanes: long
+    inputs on one thread of their own, so that they never hold up short ones."""
 
     def __init__(self, tokenizer, max_chars: int, trust_request_chat_template: bool = False,
                  renderer: TemplateRenderer | None = None, grammars: GrammarSandbox | None = None) -> None:
@@ -155,6 +179,7 @@ class Preprocessor:
         self.renderer = renderer or TemplateRenderer(max_chars)
         self.grammars = grammars or GrammarSandbox(tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pressroom-tokenizer")
+        self.big_pool = ThreadPoolExecutor(BIG_LANE_THREADS, thread_name_prefix="pressroom-tokenizer-big")
 
     async def start(self) -> None:
         await self.renderer.start()
@@ -163,6 +188,7 @@ class Preprocessor:
         await self.renderer.close()
         await self.grammars.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.big_pool.shutdown(wait=False, cancel_futures=True)
 
     async def structured_outputs(self, params: StructuredOutputsParams, vocab_size: int) -> StructuredOutputsParams:
         """The constraint checked against the limits (on the tokenizer threads), then parsed and compiled in the
@@ -185,12 +211,16 @@ class Preprocessor:
                            "service_unavailable") from None
         return replace(params, parsed_grammar=parsed)
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """`fn`, tokenizer work on a request's input, on the tokenizer threads. Its failure is the client's
-        (a 400): a ValueError, TypeError or KeyError with its message; any other exception, a panic of the
-        Rust tokenizer (pyo3's PanicException, a BaseException) included, with a generic one."""
+    async def run(self, fn: Callable[[], T], chars: int = 0) -> T:
+        """`fn`, tokenizer work on a request's input, on the tokenizer threads (`chars`, the input's size: past
+        BIG_JOB_CHARS, on the big lane). Its failure is the client's (a 400): an APIError as raised, a ValueError,
+        TypeError or KeyError with its message; any other exception, a panic of the Rust tokenizer (pyo3's
+        PanicException, a BaseException) included, with a generic one."""
+        pool = self.big_pool if chars > BIG_JOB_CHARS else self.pool
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+            return await asyncio.get_running_loop().run_in_executor(pool, fn)
+        except APIError:
+            raise
         except (ValueError, TypeError, KeyError, OverflowError) as e:
             raise APIError(400, _client_message(e)) from None
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
@@ -202,19 +232,29 @@ class Preprocessor:
 
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                        kwargs: dict[str, Any] | None, request_template: str | None = None,
-                       tools: list[dict] | None = None) -> list[int]:
+                       tools: list[dict] | None = None, max_tokens: int | None = None) -> list[int]:
         """Token ids of the conversation rendered by the chat template (the model's, or the request's when the
-        server trusts request templates); `tools`, the request's tool definitions, are its `tools` variable."""
+        server trusts request templates); `tools`, the request's tool definitions, are its `tools` variable. A
+        rendering far past `max_tokens` (the context) is a 400 for length after a prefix of it (encode_within)."""
         variables = template_variables(kwargs) | ({"tools": tools} if tools else {})
         add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = variables.pop("continue_final_message", continue_final_message)
         template = self._template(request_template)
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # continuing the last message: no new assistant header after it
-        text = await self.renderer.render(template, template_messages(messages), self.special_tokens | variables,
+        if len(messages) <= MESSAGES_ON_LOOP:
+            messages = template_messages(messages)
+        else:
+            messages = await self.run(functools.partial(template_messages, messages), BIG_JOB_CHARS + 1)
+        text = await self.renderer.render(template, messages, self.special_tokens | variables,
                                           add_generation_prompt, continue_final_message)
         tok = self.tokenizer
-        return await self.run(lambda: list(tok.encode(text, add_special_tokens=False)))
+
+        def encode(part: str) -> list[int]:
+            return list(tok.encode(part, add_special_tokens=False))
+        if max_tokens is None:
+            return await self.run(functools.partial(encode, text), len(text))
+        return await self.run(functools.partial(encode_within, encode, text, max_tokens, "messages"), len(text))
 
     def _template(self, request_template: str | None) -> str:
         if request_template is not None:
