@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, model_serializer
 
 from pressroom.core.structured_outputs import grammar_source
 from pressroom.entrypoints.openai.limits import RequestCost
@@ -32,6 +32,17 @@ PRIORITY_MIN, PRIORITY_MAX = INT64_MIN, INT64_MAX
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]  # the scheduler's order: lower runs first
 # The sampler hashes any seed to 63 bits; the core receives int64 or uint64, as torch.Generator.manual_seed takes.
 Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
+
+
+class _FailFast(FailFast):
+    __hash__ = object.__hash__  # (typing hashes a union's members, metadata included)
+
+
+# A long list stops at its first bad element: pydantic otherwise reports every one (a million of them in an 8 MB
+# body), and tries each member of a union whole: seconds of validation that hold the interpreter, event loop too.
+Texts = Annotated[list[str], _FailFast()]
+TokenIds = Annotated[list[int], _FailFast()]
+Prompts = str | Texts | TokenIds | Annotated[list[TokenIds], _FailFast()]
 
 
 def random_id(prefix: str) -> str:
@@ -152,8 +163,8 @@ class _SamplingRequest(OpenAIModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Texts | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: EngineInt = 0
     skip_special_tokens: bool = True
@@ -254,7 +265,7 @@ class _SamplingRequest(OpenAIModel):
 class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED
     prompt_param: ClassVar[str] = "prompt"
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompts
     max_tokens: EngineInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -343,7 +354,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 class ChatCompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
     prompt_param: ClassVar[str] = "messages"
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], _FailFast()] = Field(min_length=1)
     max_tokens: EngineInt | None = None
     max_completion_tokens: EngineInt | None = None
     logprobs: bool = False
@@ -385,7 +396,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _FailFast()] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -400,7 +411,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # ---- responses ----
@@ -541,7 +552,7 @@ class ModelList(BaseModel):
 # ---- pooling: /v1/embeddings (OpenAI), /pooling, /score, /rerank (vLLM) ----
 
 # One text, several texts, one prompt's token ids or several prompts' token ids (OpenAI's accepted shapes).
-PoolingInput = str | list[str] | list[int] | list[list[int]]
+PoolingInput = Prompts
 
 
 class EmbeddingRequest(OpenAIModel):
