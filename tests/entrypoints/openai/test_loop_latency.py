@@ -92,6 +92,9 @@ def test_health_answers_within_100ms_while_heavy_requests_arrive(server):
         "logit_bias": ("/v1/chat/completions", _encoded({"model": MODEL, "messages": messages, "n": 16,
                                                          "max_tokens": 10,
                                                          "logit_bias": {str(t): 1.0 for t in range(VOCAB)}})),
+        # a million token ids, and a million bad ones (pydantic once reported each of those: seconds)
+        "token-ids": ("/v1/completions", _encoded({"model": MODEL, "prompt": [100] * 1_000_000})),
+        "bad-ids": ("/v1/completions", _encoded({"model": MODEL, "prompt": [100, "x"] * 500_000})),
     }
     results: dict = {}
     with HealthPoller(server) as poller:
@@ -113,6 +116,9 @@ def test_health_answers_within_100ms_while_heavy_requests_arrive(server):
     assert status == 400 and body["error"]["param"] == "stop" and seconds < ANSWER_WITHIN_S, (seconds, body)
     status, seconds, body = results["logit_bias"]
     assert status in (200, 400) and seconds < ANSWER_WITHIN_S, (seconds, body)
+    for key in ("token-ids", "bad-ids"):
+        status, seconds, body = results[key]
+        assert status == 400 and body["error"]["param"].startswith("prompt") and seconds < ANSWER_WITHIN_S, body
     p99, largest = poller.percentile(0.99), max(poller.latencies)
     assert len(poller.latencies) > 20
     assert p99 < P99_S and largest < MAX_S, (f"/health p99 {p99 * 1e3:.0f} ms, largest {largest * 1e3:.0f} ms over "
