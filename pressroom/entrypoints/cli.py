@@ -7,12 +7,14 @@ import time
 STARTED = time.monotonic()  # before the heavy imports: `pressroom serve` reports time to ready from here
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
 
 from pressroom.config import EngineArgs, default_of  # noqa: E402
+from pressroom.entrypoints.openai.limits import add_limit_args  # noqa: E402
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
 from pressroom.logger import FORMAT, configure_logging  # noqa: E402
 
@@ -46,12 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
+        text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %: a "25%" would break --help
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                               help=f.metadata["help"])
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=text)
 
 
 def _flag_type(hint: Any) -> type:
@@ -186,6 +187,23 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="how tool calls are written in the model's output: hermes (<tool_call>{json}"
                              "</tool_call>, Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON calls)")
+    browsers = serve.add_argument_group("browsers (a list: JSON, as vLLM takes it, or comma-separated)")
+    browsers.add_argument("--allowed-origins", type=_string_list, default=None,
+                          help='origins besides the server\'s own whose pages may call it (CORS), e.g. '
+                               '\'["http://a.example"]\'; "*": any. Others get no CORS headers, and a 403 for a '
+                               "POST, PUT or DELETE (default: none, the server's own only; vLLM's: any)")
+    browsers.add_argument("--allowed-methods", type=_string_list, default=_server_default("allowed_methods"),
+                          help="methods allowed origins may use (CORS)")
+    browsers.add_argument("--allowed-headers", type=_string_list, default=_server_default("allowed_headers"),
+                          help="request headers allowed origins may send (CORS)")
+    browsers.add_argument("--allow-credentials", action="store_true",
+                          help="let allowed origins send cookies and HTTP authentication (CORS)")
+    browsers.add_argument("--allowed-hosts", type=_string_list, default=None,
+                          help="Host header names answered, any port (\"*\": any; others get a 400), against DNS "
+                               "rebinding (default: localhost, 127.0.0.1 and [::1] when --host is a loopback "
+                               "address, any otherwise)")
+    add_limit_args(serve.add_argument_group("admission limits: what one request may cost (docs/LIMITS.md); "
+                                            "over one, a 400 naming the field"))
     logs = serve.add_argument_group("logging")
     logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
@@ -199,6 +217,19 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 def _server_default(name: str) -> Any:
     return default_of(ServerSettings, name)
+
+
+def _string_list(value: str) -> tuple[str, ...]:
+    """A list flag's value: a JSON list of strings, as vLLM's CORS flags take it, or comma-separated words."""
+    if not value.lstrip().startswith("["):
+        return tuple(item.strip() for item in value.split(",") if item.strip())
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    if not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError('a JSON list of strings, e.g. \'["http://a.example"]\'')
+    return tuple(items)
 
 
 def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:

@@ -3,9 +3,28 @@ read from here) and handed to build_app and run_server. Light to import: the CLI
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pressroom.entrypoints.openai.limits import AdmissionLimits
 
 REASONING_PARSERS = ("auto", "think", "none")  # auto: think for a model whose template or vocabulary has the markers
+# The Host names a server bound to loopback answers to by default (with any port): a page on another name that
+# resolves to 127.0.0.1 (DNS rebinding) is refused.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+ANY = "*"  # in allowed origins or hosts: every one
+
+
+def host_name(authority: str) -> str:
+    """A Host header's (or an --allowed-hosts entry's) name without its port, lower case, as Host writes it:
+    `LocalHost:8000` -> `localhost`, `[::1]:8000` and `::1` -> `[::1]`."""
+    name = authority.strip().lower()
+    if name.startswith("["):
+        return name[:name.find("]") + 1] or name
+    if name.count(":") > 1:  # a bare IPv6 address (an entry; a Host header brackets it)
+        return f"[{name}]"
+    return name.partition(":")[0].removesuffix(".")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,10 +56,31 @@ class ServerSettings:
     log_stats_interval: float = 10.0  # seconds between periodic stats lines (0: none)
     uvicorn_log_level: str = "warning"
     uvicorn_access_log: bool = True
+    admission_limits: AdmissionLimits = field(default_factory=AdmissionLimits)  # what one request may cost
+    # Browsers. CORS, as vLLM's flags: the origins besides the server's own that may call it ("*": any). vLLM allows
+    # any; none here, so that a page on another site cannot drive a server that has no API key (the default).
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = (ANY,)
+    allowed_headers: tuple[str, ...] = (ANY,)
+    allow_credentials: bool = False
+    # Host names answered (any port; "*": any); None: LOOPBACK_HOSTS and the address itself when bound to loopback,
+    # any otherwise
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json).")
+        for origin in self.allowed_origins:
+            parts = urlsplit(origin)
+            if origin != ANY and not (parts.scheme and parts.netloc and origin == f"{parts.scheme}://{parts.netloc}"):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path; "
+                                 'or "*").')
+
+    def host_names(self) -> frozenset[str] | None:
+        """The Host header names the server answers to (`host_name` form), or None for any."""
+        if self.allowed_hosts is None:
+            return frozenset(LOOPBACK_HOSTS + (host_name(self.host),)) if _is_loopback(self.host) else None
+        return None if ANY in self.allowed_hosts else frozenset(map(host_name, self.allowed_hosts))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -58,4 +98,17 @@ class ServerSettings:
                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                    log_requests=not args.disable_log_requests,
                    log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
-                   uvicorn_log_level=args.uvicorn_log_level, uvicorn_access_log=not args.disable_uvicorn_access_log)
+                   uvicorn_log_level=args.uvicorn_log_level, uvicorn_access_log=not args.disable_uvicorn_access_log,
+                   allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods,
+                   allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                   allowed_hosts=args.allowed_hosts, admission_limits=AdmissionLimits.from_args(args))
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only (0.0.0.0, "" and other addresses: not)."""
+    if host_name(host) == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
