@@ -23,6 +23,8 @@ from pressroom.entrypoints.openai.chat_template import (
     encode_within,
 )
 from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.protocol import EmbeddingData, EmbeddingResponse, UsageInfo
+from pressroom.entrypoints.openai.serving import RESPONSE_VALUES_ON_LOOP, _encoded_by_item, output_values
 
 MODEL = "tiny"
 VOCAB = 49152  # conftest.TINY_SHAPE
@@ -177,6 +179,27 @@ def test_many_streams_of_16_samples_leave_health_fast(server):
         asyncio.run(main())
     assert chunks == [16 * 12] * 4
     assert poller.percentile(0.99) < P99_S and max(poller.latencies) < MAX_S, sorted(poller.latencies)[-5:]
+
+
+def test_a_whole_response_of_many_values_is_built_off_the_loop(server):
+    """16 choices x 200 tokens x 20 logprobs: past RESPONSE_VALUES_ON_LOOP, encoded choice by choice on a thread."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "n": 16, "max_tokens": 200, "ignore_eos": True,
+            "logprobs": 20}
+    assert output_values([], 20) == 0 and 16 * 200 * 22 > RESPONSE_VALUES_ON_LOOP
+    with HealthPoller(server) as poller:
+        r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(16))
+    assert all(len(c["logprobs"]["tokens"]) == 200 and len(c["logprobs"]["top_logprobs"][0]) == 20 for c in choices)
+    assert poller.percentile(0.99) < P99_S and max(poller.latencies) < MAX_S, sorted(poller.latencies)[-5:]
+
+
+def test_a_response_encoded_by_item_is_the_whole_encoding():
+    data = [EmbeddingData(index=i, embedding=[0.5, 1e-5, -3.0]) for i in range(3)]
+    for body in (EmbeddingResponse(model='a "data":[] name', data=data, usage=UsageInfo(prompt_tokens=3)),
+                 EmbeddingResponse(model="m", data=[], usage=UsageInfo(prompt_tokens=0))):
+        assert json.loads(_encoded_by_item(lambda body=body: body, "data")) == json.loads(json.dumps(body.model_dump()))
 
 
 # ---- the tokenizer's side, without a server ----
