@@ -7,10 +7,13 @@ streams.py.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import json
 import logging
 import re
+import traceback
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -18,15 +21,15 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 import pressroom
-from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pressroom.entrypoints.openai.chat_template import Preprocessor
+from pressroom.entrypoints.openai.chat_template import BIG_JOB_CHARS, MESSAGES_ON_LOOP, Preprocessor, encode_within
 from pressroom.entrypoints.openai.errors import APIError, error_response
+from pressroom.entrypoints.openai.limits import AdmissionLimits, OverLimit, RequestCost, judge
 from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
@@ -42,6 +45,7 @@ from pressroom.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    OpenAIModel,
     TokenizeRequest,
     UsageInfo,
 )
@@ -54,8 +58,10 @@ logger = logging.getLogger("pressroom")
 MAX_SESSION_ID_CHARS = 256
 PRIORITY_HEADERS = ("X-Vllm-Priority", "X-Priority")  # vLLM's name first; X-Priority is pressroom's older alias
 ACCESS_RECORD_KEY = "pressroom.access"  # where the access-log middleware puts the record in the ASGI scope
+SSE_CHUNKS_PER_TURN = 16  # a stream's chunks sent between two turns of the event loop (/health, other streams)
+RESPONSE_VALUES_ON_LOOP = 1 << 16  # a whole response holding more values than this is built on a thread
 
-Body = TypeVar("Body", bound=BaseModel)
+Body = TypeVar("Body", bound=OpenAIModel)
 T = TypeVar("T")
 
 
@@ -93,28 +99,31 @@ class _EventStream(StreamingResponse):
 class OpenAIServing:
     """The base of the handlers: the engine, the served model names, the server's metrics (one
     ServerMetrics shared by every handler, so that all requests count in it) and the Preprocessor (chat
-    templates and tokenizer calls, off the engine and off the event loop)."""
+    templates and tokenizer calls, off the engine and off the event loop), and the admission limits that every
+    request's cost is judged by."""
 
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics,
-                 max_request_bytes: int, preprocessor: Preprocessor) -> None:
+                 max_request_bytes: int, preprocessor: Preprocessor, limits: AdmissionLimits) -> None:
         self.engine, self.names, self.stats = engine, names, stats
-        self.max_request_bytes, self.preprocessor = max_request_bytes, preprocessor
+        self.max_request_bytes, self.preprocessor, self.limits = max_request_bytes, preprocessor, limits
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
-        data = _json_object(await self._read_body(request))
-        unsupported = model.unsupported_field(data)
-        if unsupported is not None:
-            name, why = unsupported
-            raise APIError(400, f"`{name}` is not supported by this server: {why}.", param=name)
+        raw = await self._read_body(request)
+        if len(raw) > BIG_JOB_CHARS:  # JSON and pydantic take 10 to 25 ms a MB: a big body's, off the event loop
+            measure = functools.partial(_measured, raw, model, self._admit)
+            body, cost = await self._run(functools.partial(_collector_paused, measure), len(raw))
+        else:
+            body, cost = _measured(raw, model, self._admit)
+        self._admit(cost)  # what the body asks for, before any prompt work
+        return body
+
+    def _admit(self, cost: RequestCost | None) -> None:
+        """A 400 naming the field, the limit and its flag when `cost` is over an admission limit."""
         try:
-            return model.model_validate(data)
-        except RecursionError:
-            raise APIError(400, _TOO_DEEP) from None
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else str(e),
-                           param=param) from None
+            if cost is not None:
+                judge(cost, self.limits)
+        except OverLimit as e:
+            raise APIError(400, str(e), param=e.param, code="admission_limit_exceeded") from None
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, held to --max-request-bytes; a client gone mid-upload is a 499, not a server error."""
@@ -136,21 +145,36 @@ class OpenAIServing:
         if model is not None and model not in self.names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Runs tokenizer work on the Preprocessor's threads; a ValueError (or TypeError, ...) is the client's."""
-        return await self.preprocessor.run(fn)
+    async def _run(self, fn: Callable[[], T], chars: int = 0) -> T:
+        """Runs tokenizer work on the Preprocessor's threads (`chars`: its input's size, which picks the lane); a
+        ValueError (or TypeError, ...) is the client's."""
+        return await self.preprocessor.run(fn, chars)
+
+    async def _prompt_ids(self, prompts: list[str | list[int]], param: str) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt as the engine reads it (a text tokenized on the Preprocessor's
+        threads, BOS per the model); a text far past max_model_len is a 400 for length found from a prefix of it."""
+        engine, limit = self.engine, self.engine.max_model_len
+
+        def encode(text: str) -> list[int]:
+            return engine.tokenize_prompt(text)[1]
+
+        def tokenized() -> list[tuple[str | None, list[int]]]:
+            return [(p, encode_within(encode, p, limit, param)) if isinstance(p, str) else engine.tokenize_prompt(p)
+                    for p in prompts]
+        return await self._run(tokenized, sum(len(p) for p in prompts if isinstance(p, str)))
 
     async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
                         kwargs: dict | None, request_template: str | None,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, max_tokens: int | None = None) -> list[int]:
+        """`max_tokens`: a conversation far past it is a 400 for length (None: none is, as /tokenize counts any)."""
         if self.engine.tokenizer is None:
             raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init); chat needs one.")
-        try:
-            conversation = [_message_dict(m) for m in messages]
-        except RecursionError:
-            raise APIError(400, _TOO_DEEP, param="messages") from None
+        if len(messages) <= MESSAGES_ON_LOOP:
+            conversation = _message_dicts(messages)
+        else:
+            conversation = await self._run(functools.partial(_message_dicts, messages), BIG_JOB_CHARS + 1)
         return await self.preprocessor.chat_ids(conversation, add_generation_prompt, continue_final, kwargs,
-                                                request_template, tools)
+                                                request_template, tools, max_tokens)
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          prompt_ids: list[int], prompt_param: str) -> SamplingParams:
@@ -170,6 +194,13 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    async def _constrained(self, params: SamplingParams) -> SamplingParams:
+        """`params` with their structured output's parse (Preprocessor.structured_outputs: a 400 over a limit)."""
+        so = params.structured_outputs
+        if so is None:
+            return params
+        return params.clone(structured_outputs=await self.preprocessor.structured_outputs(so, self.engine.vocab_size))
+
     async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
                        routing: Routing) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
@@ -178,9 +209,8 @@ class OpenAIServing:
         record.request_id, record.session_id = rid, routing.session_id
         record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
         record.completion_tokens = 0
-        for _, params in requests:  # parsed on the tokenizer threads; the engine's own check then finds it cached
-            if params.structured_outputs is not None:
-                await self._run(functools.partial(check_structured_outputs, params.structured_outputs))
+        # parsed (and its compile tried) in the grammar sandbox; the engine takes the parse along, the core compiles it
+        requests = [(prompt, await self._constrained(params)) for prompt, params in requests]
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for i, (prompt, params) in enumerate(requests):
@@ -201,12 +231,18 @@ class OpenAIServing:
     def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
         """Server-sent events of `chunks`, then `data: [DONE]`. A stream that fails midway (the engine ended
         its request, or handling it raised) ends with an OpenAI-style error event before [DONE], never with a
-        cut connection; the chunk generators first close each open choice with its finish reason."""
+        cut connection; the chunk generators first close each open choice with its finish reason. Sending a
+        chunk does not wait, so one step's outputs of n=128 samples would go out in one run of the event loop:
+        it is let through every SSE_CHUNKS_PER_TURN chunks."""
         async def body() -> AsyncIterator[str]:
             try:
                 async with aclosing(chunks):
+                    sent = 0
                     async for chunk in chunks:
                         yield chunk
+                        sent += 1
+                        if sent % SSE_CHUNKS_PER_TURN == 0:
+                            await asyncio.sleep(0)
             except EngineDeadError as e:
                 yield sse_error(str(e), "service_unavailable", 503)
             except APIError as e:
@@ -270,19 +306,22 @@ class OpenAIServingUtility(OpenAIServing):
             tok = self.engine.tokenizer
             if tok is None:
                 raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
-            ids = await self._run(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+            ids = await self._run(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)),
+                                  len(req.prompt))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request) -> dict:
         req = await self._parse(request, DetokenizeRequest)
         self._check_model(req.model)
-        vocab = self.engine.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="tokens")
-        tok = self.engine.tokenizer
+        vocab, tok = self.engine.vocab_size, self.engine.tokenizer
         if tok is None:
             raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
-        return {"prompt": await self._run(lambda: tok.decode(req.tokens))}
+
+        def decoded() -> str:  # a million ids take the range check a while too: on the tokenizer threads
+            if any(not 0 <= t < vocab for t in req.tokens):
+                raise APIError(400, f"Token ids must lie in [0, {vocab}).", param="tokens")
+            return tok.decode(req.tokens)
+        return {"prompt": await self._run(decoded, len(req.tokens))}
 
 
 # ---- helpers of the handlers ----
@@ -294,6 +333,49 @@ ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdow
 # JSON's \u escapes can write a UTF-16 surrogate; raw bytes cannot (json.loads refuses them when it decodes), so
 # a UTF-8 body without such an escape holds no string that UTF-8 fails to encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _collector_paused(fn: Callable[[], T]) -> T:
+    """fn() with the cyclic garbage collector paused: a big body's parse makes up to millions of objects, none in a
+    cycle, and the passes their count set off tripled its time (300 ms for 7 MB of prompts), all of it holding the
+    interpreter. (Only the big lane's one thread pauses it, so no other turns it back on early.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return fn()
+    except Exception as e:  # the body its frames and its cause hold is freed here, not where the 400 is sent
+        e.__context__ = None
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _measured(raw: bytes, model: type[Body],
+              admit: Callable[[RequestCost | None], None]) -> tuple[Body, RequestCost | None]:
+    """The body as `model`, and its cost (which writes a schema given as an object as its JSON text, to measure it)."""
+    body = _validated(raw, model, admit)
+    return body, body.cost()
+
+
+def _validated(raw: bytes, model: type[Body], admit: Callable[[RequestCost | None], None]) -> Body:
+    """The body as `model`, or a 400 naming what is wrong with it; `admit` judges its count of prompts first."""
+    data = _json_object(raw)
+    unsupported = model.unsupported_field(data)
+    if unsupported is not None:
+        name, why = unsupported
+        raise APIError(400, f"`{name}` is not supported by this server: {why}.", param=name)
+    admit(model.raw_cost(data))
+    try:
+        return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP) from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"Invalid request: {param}: {first['msg']}" if param else str(e),
+                       param=param) from None
 
 
 def _json_object(body: bytes) -> dict:
@@ -339,6 +421,28 @@ def _encodable(text: str) -> bool:
     return True
 
 
+async def json_response(build: Callable[[], BaseModel], items: str, size: int) -> Response:
+    """The JSON response of the body `build` makes; `size`, about how many values it holds. Past
+    RESPONSE_VALUES_ON_LOOP it is built on a thread, its list field `items` encoded one item at a time: n choices with
+    their logprobs, or the embeddings of 2,048 inputs (160 MB of JSON at 4,096 dimensions), took seconds to build
+    and encode, all of it on the event loop, or on a thread in one call that holds the interpreter."""
+    if size <= RESPONSE_VALUES_ON_LOOP:
+        return JSONResponse(build().model_dump())
+    return Response(await asyncio.to_thread(_encoded_by_item, build, items), media_type="application/json")
+
+
+def output_values(outputs: list[RequestOutput], top_logprobs: int | None) -> int:
+    """About how many values a whole response of `outputs` holds: each token, and its logprobs when asked for."""
+    return sum(len(c.token_ids) for out in outputs for c in out.outputs) * (2 + (top_logprobs or 0))
+
+
+def _encoded_by_item(build: Callable[[], BaseModel], items: str) -> bytes:
+    body = build()
+    shell = body.model_copy(update={items: []}).model_dump_json()
+    at = shell.index(f'"{items}":[]') + len(items) + 4  # just inside the brackets
+    return (shell[:at] + ",".join(item.model_dump_json() for item in getattr(body, items)) + shell[at:]).encode()
+
+
 def sse_data(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
@@ -355,6 +459,13 @@ def finite_logprob(x: float) -> float:
 def top_logprobs(position: PositionLogprobs, n: int) -> list:
     ranked = sorted((item for item in position.items() if item[1].rank is not None), key=lambda it: it[1].rank)
     return [item for item in ranked if item[1].rank <= n][:n] if n else []
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    try:
+        return [_message_dict(m) for m in messages]
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP, param="messages") from None
 
 
 def _message_dict(message: ChatMessage) -> dict:

@@ -8,11 +8,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
     ChatChoice,
@@ -35,6 +36,8 @@ from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
     finite_logprob,
+    json_response,
+    output_values,
     request_routing,
     sse_data,
     top_logprobs,
@@ -51,10 +54,10 @@ logger = logging.getLogger("pressroom")
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
-                 preprocessor: Preprocessor, reasoning: ReasoningParser | None = None,
+                 preprocessor: Preprocessor, limits: AdmissionLimits, reasoning: ReasoningParser | None = None,
                  auto_tool_parser: type[ToolCallStream] | None = None) -> None:
         """`auto_tool_parser`: the --tool-call-parser of tool_choice "auto" (None: "auto" is a 400)."""
-        super().__init__(engine, names, stats, max_request_bytes, preprocessor)
+        super().__init__(engine, names, stats, max_request_bytes, preprocessor, limits)
         self.reasoning = reasoning
         self.auto_tool_parser = auto_tool_parser
         if reasoning is not None:
@@ -66,8 +69,10 @@ class OpenAIServingChat(OpenAIServing):
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                   req.template_kwargs, req.chat_template, tools.template_tools)
+                                   req.template_kwargs, req.chat_template, tools.template_tools,
+                                   max_tokens=self.engine.max_model_len)
         params = self._with_tool_schema(self._sampling_params(req, req.requested_max_tokens, ids, "messages"), tools)
+        self._admit(req.tokens_cost([len(ids)], self.engine.max_model_len))
         parser = self.reasoning
         opens = parser is not None and parser.prompt_opens(ids)
         if parser is not None:
@@ -81,9 +86,11 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))
         out = (await with_disconnect(request, collect_finals(streams)))[0]
-        choices = [self._choice(c, req, opens, tools) for c in out.outputs]
-        return JSONResponse(ChatCompletionResponse(id=rid, model=model, choices=choices,
-                                                   usage=self._chat_usage(out, opens)).model_dump())
+
+        def response() -> ChatCompletionResponse:
+            choices = [self._choice(c, req, opens, tools) for c in out.outputs]
+            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, opens))
+        return await json_response(response, "choices", output_values([out], req.top_logprobs))
 
     @staticmethod
     def _with_tool_schema(params: SamplingParams, tools: ToolPlan) -> SamplingParams:

@@ -5,7 +5,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
@@ -20,6 +20,8 @@ from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
     finite_logprob,
+    json_response,
+    output_values,
     request_routing,
     sse_data,
     top_logprobs,
@@ -27,8 +29,6 @@ from pressroom.entrypoints.openai.serving import (
 )
 from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.outputs import PositionLogprobs, RequestOutput
-
-MAX_SEQUENCES = 1024  # prompts x n in one request
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -44,11 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
             given = _prompt_list(req.prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        if len(given) * req.n > MAX_SEQUENCES:
-            raise APIError(400, f"{len(given)} prompts x n={req.n} exceeds the limit of {MAX_SEQUENCES} sequences "
-                                "per request; split the batch.", param="prompt")
-        prompts = await self._run(lambda: [self.engine.tokenize_prompt(p) for p in given])
+        prompts = await self._prompt_ids(given, "prompt")
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
+        self._admit(req.tokens_cost([len(ids) for _, ids in prompts], self.engine.max_model_len))
         rid = random_id("cmpl")
         streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
                                                      for (text, ids), sp in zip(prompts, params)], routing)
@@ -56,10 +54,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))
         finals = await with_disconnect(request, collect_finals(streams))
-        choices = [choice for i, out in enumerate(finals)
-                   for choice in self._completion_choices(out, req, i * req.n)]
-        return JSONResponse(CompletionResponse(id=rid, model=model, choices=choices,
-                                               usage=usage_of(finals)).model_dump())
+
+        def response() -> CompletionResponse:
+            choices = [choice for i, out in enumerate(finals)
+                       for choice in self._completion_choices(out, req, i * req.n)]
+            return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
+        return await json_response(response, "choices", output_values(finals, req.logprobs))
 
     def _completion_choices(self, out: RequestOutput, req: CompletionRequest, base: int) -> list[CompletionChoice]:
         prefix = self._echoed_prompt(out) if req.echo else ""

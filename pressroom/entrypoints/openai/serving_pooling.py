@@ -10,12 +10,15 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Request
+from fastapi.responses import Response
 
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
+from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.entrypoints.openai.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -35,12 +38,10 @@ from pressroom.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pressroom.entrypoints.openai.serving import OpenAIServing, access_record, request_priority
+from pressroom.entrypoints.openai.serving import OpenAIServing, access_record, json_response, request_priority
 from pressroom.entrypoints.openai.streams import merge_streams, with_disconnect
 from pressroom.outputs import PoolingRequestOutput
 from pressroom.pooling_params import PoolingParams
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 
 # path -> (handler method, request body, response body): vLLM's paths, with and without /v1.
 POOLING_ROUTES = {
@@ -54,17 +55,23 @@ POOLING_ROUTES = {
 
 
 class OpenAIServingPooling(OpenAIServing):
-    async def embeddings(self, request: Request) -> dict:
+    async def embeddings(self, request: Request) -> Response:
         req = await self._parse(request, EmbeddingRequest)
         vectors, tokens = await self._pool_inputs(request, req, "embd")
-        data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
-        return EmbeddingResponse(model=self._model_name(req.model), data=data, usage=_usage(tokens)).model_dump()
 
-    async def pooling(self, request: Request) -> dict:
+        def response() -> EmbeddingResponse:
+            data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
+            return EmbeddingResponse(model=self._model_name(req.model), data=data, usage=_usage(tokens))
+        return await json_response(response, "data", sum(map(len, vectors)))
+
+    async def pooling(self, request: Request) -> Response:
         req = await self._parse(request, PoolingRequest)
         vectors, tokens = await self._pool_inputs(request, req, "pool")
-        data = [PoolingData(index=i, data=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
-        return PoolingResponse(model=self._model_name(req.model), data=data, usage=_usage(tokens)).model_dump()
+
+        def response() -> PoolingResponse:
+            data = [PoolingData(index=i, data=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
+            return PoolingResponse(model=self._model_name(req.model), data=data, usage=_usage(tokens))
+        return await json_response(response, "data", sum(map(len, vectors)))
 
     async def score(self, request: Request) -> dict:
         req = await self._parse(request, ScoreRequest)
@@ -73,7 +80,8 @@ class OpenAIServingPooling(OpenAIServing):
         if len(left) != 1 and len(left) != len(right):
             raise APIError(400, f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1 to score "
                                 "against every text_2, or lists of equal length to score pairwise.", param="text_1")
-        vectors, tokens = await self._embed_texts(request, left + right, request_priority(request, req.priority))
+        vectors, tokens = await self._embed_texts(request, left + right, request_priority(request, req.priority),
+                                                  req.cost())
         firsts, seconds = vectors[:len(left)], vectors[len(left):]
         pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds)
         data = [ScoreData(index=i, score=_cosine(a, b)) for i, (a, b) in enumerate(pairs)]
@@ -87,7 +95,7 @@ class OpenAIServingPooling(OpenAIServing):
         if req.top_n is not None and req.top_n < 0:
             raise APIError(400, f"top_n must be non-negative, got {req.top_n}.", param="top_n")
         texts = [req.query, *req.documents]
-        vectors, tokens = await self._embed_texts(request, texts, request_priority(request, req.priority))
+        vectors, tokens = await self._embed_texts(request, texts, request_priority(request, req.priority), req.cost())
         scores = [_cosine(vectors[0], v) for v in vectors[1:]]
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
         results = [RerankResult(index=i, relevance_score=scores[i],
@@ -114,30 +122,31 @@ class OpenAIServingPooling(OpenAIServing):
             pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
         except ValueError as e:
             raise APIError(400, str(e), param="dimensions") from None
-        prompts = await self._prompts(req.input)
+        prompts = await self._prompts(req.input, req.cost())
         return await with_disconnect(request, self._pool_all(request, prompts, pooling, prefix,
                                                              request_priority(request, req.priority)))
 
-    async def _embed_texts(self, request: Request, texts: list[str], priority: int) -> tuple[list[list[float]], int]:
-        prompts = await self._prompts(texts)
+    async def _embed_texts(self, request: Request, texts: list[str], priority: int,
+                           cost: RequestCost) -> tuple[list[list[float]], int]:
+        prompts = await self._prompts(texts, cost)
         return await with_disconnect(request, self._pool_all(request, prompts, PoolingParams(), "score", priority))
 
-    async def _prompts(self, value: PoolingInput) -> list[list[int]]:
-        """Each input as token ids: texts tokenized off the event loop, token ids as given."""
+    async def _prompts(self, value: PoolingInput, cost: RequestCost) -> list[list[int]]:
+        """Each input as token ids: texts tokenized off the event loop, token ids as given; their tokens judged
+        with the rest of the request's `cost` (its count of inputs judged with its body)."""
         if isinstance(value, str) or (value and isinstance(value[0], int)):
             value = [value]
         if not value:
             raise APIError(400, "input is empty; give a string, a list of strings or token ids.", param="input")
-        if len(value) > MAX_INPUTS:
-            raise APIError(400, f"input has {len(value)} entries; at most {MAX_INPUTS} are allowed.", param="input")
         texts = [v for v in value if isinstance(v, str)]
         if texts and self.engine.tokenizer is None:
             raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init): give token ids.",
                            param="input")
         if any(v == "" for v in texts):
             raise APIError(400, "input holds an empty string; every input needs at least one token.", param="input")
-        tokenize = self.engine.tokenize_prompt
-        return await self._run(lambda: [tokenize(v)[1] if isinstance(v, str) else list(v) for v in value])
+        prompts = [ids for _, ids in await self._prompt_ids(value, "input")]
+        self._admit(replace(cost, prompt_tokens=sum(map(len, prompts))))
+        return prompts
 
     async def _pool_all(self, request: Request, prompts: list[list[int]], pooling: PoolingParams, prefix: str,
                         priority: int) -> tuple[list[list[float]], int]:
