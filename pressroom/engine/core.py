@@ -42,6 +42,9 @@ class CoreRequest:
     follows: str | None = None  # a sibling whose prompt is computed first (it fills the prefix cache)
     pooling: PoolingParams | None = None  # resolved pooling: prefill only, the request ends with its vector
     data_parallel_rank: int | None = None  # the engine core that must serve it (None: the client balances)
+    # the client's request it is one prompt of (a prompt list's), whose prompts the scheduler counts as one
+    # group; None: the group of the sibling it follows, else its own (core/request.py)
+    group: str | None = None
 
 
 @dataclass(slots=True)
@@ -239,7 +242,8 @@ class EngineCore:
     def add_request(self, request: CoreRequest) -> None:
         lead = self.requests.get(request.follows) if request.follows is not None else None
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
-                      request.arrival_time, request.priority, follows=lead, pooling=request.pooling,
+                      request.arrival_time, request.priority, follows=lead, group=request.group or "",
+                      pooling=request.pooling,
                       whole_prompt=request.pooling is not None and self.config.model.encoder_only)
         if request.params.structured_outputs is not None:
             req.grammar = self.grammars.compile(request.params.structured_outputs)

@@ -161,10 +161,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, session_id: str | None = None,
-                    data_parallel_rank: int | None = None) -> None:
+                    data_parallel_rank: int | None = None, group: str | None = None) -> None:
         """`session_id` (optional) groups requests of one conversation or user; it comes back on every
         RequestOutput of this request. It does not change scheduling. `data_parallel_rank`: the engine core
-        that serves it (with data_parallel_size > 1; None: the least busy, or the one holding its prefix)."""
+        that serves it (with data_parallel_size > 1; None: the least busy, or the one holding its prefix).
+        `group`: the client's request this one is a prompt of (a list of prompts): the scheduler shares its
+        slots fairly between such groups, as between the n samples of requests (None: a group of its own)."""
         self._check_data_parallel_rank(data_parallel_rank)
         if self.pooling_defaults is not None:
             raise ValueError("This model is served for pooling only (runner pooling): it answers embeddings, "
@@ -199,7 +201,7 @@ class LLMEngine:
                     n=1, seed=None if params.seed is None else (params.seed + child.index) % (1 << 64))
                 self.child_to_parent[child.request_id] = (parent, child)
                 self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
-                                                  data_parallel_rank=data_parallel_rank))
+                                                  data_parallel_rank=data_parallel_rank, group=group))
                 lead = lead or child.request_id
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too

@@ -190,3 +190,25 @@ def test_fan_out_fairness_keeps_greedy_outputs(tiny_llama):
     assert engine.stats().num_preemptions >= 1
     assert [c.token_ids for c in done["group"].outputs] == [expected[0]] * 8
     assert done["single"].outputs[0].token_ids == expected[1]
+
+
+def test_a_prompt_lists_prompts_are_one_group(tiny_llama):
+    """8 prompts of one client's request (`group`) over 4 slots, a single request arriving once 4 of them run: it
+    takes a slot of the list's at once, and every output is the greedy one it has alone."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory_gib=0.05,
+                                                   max_num_seqs=4))
+    prompts = [[5 + i, 17, 99, 3, 250, 41, 7, 7, 64, 12] for i in range(9)]
+    expected = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"alone-{i}", {"prompt_token_ids": p}, params)
+        expected[i] = _run(engine)[0][f"alone-{i}"].outputs[0].token_ids
+    for i, p in enumerate(prompts[:8]):
+        engine.add_request(f"cmpl-1-{i}", {"prompt_token_ids": p}, params, group="cmpl-1")
+    engine.step()  # the first 4 prompts run
+    engine.add_request("single", {"prompt_token_ids": prompts[8]}, params)
+    done, order = _run(engine)
+    assert order.index("single") < 4  # before the list's prompts that had not run when it came
+    assert engine.stats().num_preemptions == 1
+    assert [done[f"cmpl-1-{i}"].outputs[0].token_ids for i in range(8)] == [expected[i] for i in range(8)]
+    assert done["single"].outputs[0].token_ids == expected[8]

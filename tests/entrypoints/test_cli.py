@@ -131,7 +131,7 @@ def test_engine_flags_come_from_the_engine_args_fields_alone():
     for f in fields(EngineArgs):
         action = by_dest[f.name]
         assert action.option_strings[0] == "--" + f.name.replace("_", "-")
-        assert f.metadata["help"] and action.help.startswith(f.metadata["help"])
+        assert f.metadata["help"] and action.help.replace("%%", "%").startswith(f.metadata["help"])
         assert action.default == f.default and action.choices == f.metadata["choices"]
     assert by_dest["dtype"].choices == DTYPE_CHOICES and {"auto", "bfloat16", "float32"} <= set(DTYPE_CHOICES)
     assert ("auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX); "

@@ -216,7 +216,8 @@ class OpenAIServing:
             for i, (prompt, params) in enumerate(requests):
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
                 added = await self.engine.add_request(req_id, prompt, params, routing.priority, routing.session_id,
-                                                      data_parallel_rank=routing.data_parallel_rank)
+                                                      data_parallel_rank=routing.data_parallel_rank,
+                                                      group=rid if len(requests) > 1 else None)
                 streams.append(_count_completion_tokens(self.stats.observe(added), record))
         except BaseException as e:
             for s in streams:
