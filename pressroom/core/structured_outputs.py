@@ -119,15 +119,15 @@ def check(params: StructuredOutputsParams) -> GrammarSource:
     return source
 
 
-def check_limits(params: StructuredOutputsParams) -> GrammarSource:
+def check_limits(params: StructuredOutputsParams, max_chars: int = MAX_SOURCE_CHARS) -> GrammarSource:
     """The request's grammar source, checked against the limits without parsing it; ValueError naming the limit
-    that it exceeds."""
+    that it exceeds. `max_chars`: the source's length (the server's --max-grammar-chars; offline MAX_SOURCE_CHARS)."""
     if isinstance(params.json, dict):
         _check_schema(params.json)  # before it is written as text: the encoder recurses
     source = grammar_source(params)
-    if len(source.text) > MAX_SOURCE_CHARS:
+    if len(source.text) > max_chars:
         raise ValueError(f"The structured output's {source.kind} is {len(source.text)} characters long; the limit "
-                         f"(MAX_SOURCE_CHARS) is {MAX_SOURCE_CHARS}.")
+                         f"is {max_chars}.")
     if source.kind == "json":
         if not isinstance(params.json, dict):
             _check_schema(_load_schema(source.text))
@@ -362,8 +362,8 @@ class GrammarSandbox:
             verdict = reply["grammar"] if "grammar" in reply else ValueError(self._refusal(source, reply["error"]))
         except WorkerTimeout:
             verdict = ValueError(f"The structured output's {_NAMES[source.kind]} took longer than "
-                                 f"{self.timeout_s:g} s to compile; the limit (GRAMMAR_COMPILE_TIMEOUT_S) is "
-                                 f"{self.timeout_s:g} s.")
+                                 f"{self.timeout_s:g} s to compile, the server's limit "
+                                 "(pressroom serve --max-grammar-compile-seconds).")
         except WorkerFailed:  # it died: past its memory cap in a way it could not report, or crashed
             verdict = ValueError(self._refusal(source, "memory"))
         self._keep(source, verdict)
@@ -382,7 +382,7 @@ class GrammarSandbox:
         if error != "memory":
             return error
         return (f"The structured output's {_NAMES[source.kind]} needs more memory to compile than the server "
-                f"allows; the limit (GRAMMAR_COMPILE_MAX_BYTES) is {self.max_bytes >> 20} MiB.")
+                f"allows: {self.max_bytes >> 20} MiB (pressroom serve --max-grammar-compile-mib).")
 
     def _keep(self, source: GrammarSource, verdict: str | ValueError) -> None:
         self._verdicts[source] = verdict

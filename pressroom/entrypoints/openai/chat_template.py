@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pressroom.core.structured_outputs import GrammarSandbox, check_limits
+from pressroom.core.structured_outputs import MAX_SOURCE_CHARS, GrammarSandbox, check_limits
 from pressroom.entrypoints.openai import template_worker
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.logger import printable
@@ -170,7 +170,8 @@ class Preprocessor:
     inputs on one thread of their own, so that they never hold up short ones."""
 
     def __init__(self, tokenizer, max_chars: int, trust_request_chat_template: bool = False,
-                 renderer: TemplateRenderer | None = None, grammars: GrammarSandbox | None = None) -> None:
+                 renderer: TemplateRenderer | None = None, grammars: GrammarSandbox | None = None,
+                 max_grammar_chars: int = MAX_SOURCE_CHARS) -> None:
         self.tokenizer = tokenizer
         # the template's special-token variables (bos_token, ...), as plain JSON for the workers
         special = getattr(tokenizer, "special_tokens_map", None) or {}
@@ -178,6 +179,7 @@ class Preprocessor:
         self.trust_request_chat_template = trust_request_chat_template
         self.renderer = renderer or TemplateRenderer(max_chars)
         self.grammars = grammars or GrammarSandbox(tokenizer)
+        self.max_grammar_chars = max_grammar_chars
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pressroom-tokenizer")
         self.big_pool = ThreadPoolExecutor(BIG_LANE_THREADS, thread_name_prefix="pressroom-tokenizer-big")
 
@@ -195,7 +197,7 @@ class Preprocessor:
         grammar sandbox: returned with its parsed grammar, which the engine core compiles without parsing it
         again. A 400 naming the limit or cap it exceeds, or why it cannot be compiled. `vocab_size`: the model's."""
         try:
-            source = await self.run(functools.partial(check_limits, params))
+            source = await self.run(functools.partial(check_limits, params, self.max_grammar_chars))
         except APIError as e:
             raise APIError(e.status, e.message, param="structured_outputs") from None
         try:

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pressroom.core.structured_outputs import MAX_SOURCE_CHARS
+from pressroom.core.structured_outputs import GRAMMAR_COMPILE_MAX_BYTES, GRAMMAR_COMPILE_TIMEOUT_S, MAX_SOURCE_CHARS
 
 
 def _limit(default: int, what: str, note: str = "") -> Any:
@@ -43,18 +43,18 @@ class AdmissionLimits:
     max_output_tokens_x_n: int = _limit(1 << 22, "output tokens, summed over the prompts, times n",
                                         "a prompt's output tokens are its max_tokens, else the rest of the context")
     # The grammar source xgrammar parses (a schema's JSON text, the regex, the EBNF, the choices as one); its
-    # nesting, width and repetitions are limited in core/structured_outputs.py. The engine checks its own ceiling
-    # (MAX_SOURCE_CHARS) again, so this limit can lower it, not raise it past that.
-    max_grammar_chars: int = _limit(MAX_SOURCE_CHARS, "characters of a structured output's grammar",
-                                    f"at most the engine's own {MAX_SOURCE_CHARS}")
+    # nesting, width and repetitions are limited in core/structured_outputs.py, and its parse and compile run in
+    # the grammar sandbox's worker processes under the two caps below (over either, the worker is replaced).
+    max_grammar_chars: int = _limit(MAX_SOURCE_CHARS, "characters of a structured output's grammar")
+    max_grammar_compile_seconds: int = _limit(int(GRAMMAR_COMPILE_TIMEOUT_S),
+                                              "seconds a grammar's parse and compile may take")
+    max_grammar_compile_mib: int = _limit(GRAMMAR_COMPILE_MAX_BYTES >> 20,
+                                          "MiB a grammar's parse and compile may map, past its worker's start")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1:
                 raise ValueError(f"{flag(f.name)} must be a positive integer, got {getattr(self, f.name)!r}.")
-        if self.max_grammar_chars > MAX_SOURCE_CHARS:
-            raise ValueError(f"{flag('max_grammar_chars')} is at most the engine's own limit, {MAX_SOURCE_CHARS} "
-                             f"(MAX_SOURCE_CHARS in core/structured_outputs.py); got {self.max_grammar_chars}.")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AdmissionLimits:

@@ -43,6 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pressroom
+from pressroom.core.structured_outputs import GrammarSandbox
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
@@ -305,9 +306,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                             settings.reasoning_end)
     stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests)  # one for all handlers
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
-    preprocessor = Preprocessor(engine.tokenizer, 2 * settings.max_request_bytes, settings.trust_request_chat_template)
+    limits = settings.admission_limits
+    grammars = GrammarSandbox(engine.tokenizer, timeout_s=limits.max_grammar_compile_seconds,
+                              max_bytes=limits.max_grammar_compile_mib << 20)
+    preprocessor = Preprocessor(engine.tokenizer, 2 * settings.max_request_bytes, settings.trust_request_chat_template,
+                                grammars=grammars, max_grammar_chars=limits.max_grammar_chars)
     # every handler's first arguments
-    shared = (engine, names, stats, settings.max_request_bytes, preprocessor, settings.admission_limits)
+    shared = (engine, names, stats, settings.max_request_bytes, preprocessor, limits)
     utility = OpenAIServingUtility(*shared, stall_timeout=settings.engine_stall_timeout)
     completion = OpenAIServingCompletion(*shared)
     chat = OpenAIServingChat(*shared, reasoning, _auto_tool_parser(settings))
