@@ -140,9 +140,10 @@ class AsyncLLMEngine:
             yield out
 
     async def encode(self, request_id: str, prompt: PromptType, pooling: PoolingParams | None = None,
-                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
-        """A pooling request's stream (one final PoolingRequestOutput); ValueError if the engine rejects it."""
-        return await self.add_request(request_id, prompt, None, priority, pooling=pooling)
+                     priority: int = 0, group: str | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's stream (one final PoolingRequestOutput); ValueError if the engine rejects it.
+        `group`: the API request it is one input of (admitted fairly against other requests)."""
+        return await self.add_request(request_id, prompt, None, priority, pooling=pooling, group=group)
 
     @property
     def runner(self) -> str:

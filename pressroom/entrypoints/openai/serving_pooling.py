@@ -156,8 +156,10 @@ class OpenAIServingPooling(OpenAIServing):
         record.request_id, record.prompt_tokens, record.completion_tokens = rid, sum(map(len, prompts)), 0
         streams: list[AsyncIterator[PoolingRequestOutput]] = []
         try:
+            group = rid if len(prompts) > 1 else None  # a list of inputs is admitted fairly against others
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.encode(f"{rid}-{i}", {"prompt_token_ids": ids}, pooling, priority))
+                streams.append(await self.engine.encode(f"{rid}-{i}", {"prompt_token_ids": ids}, pooling, priority,
+                                                        group))
         except BaseException as e:
             for s in streams:
                 await s.aclose()
