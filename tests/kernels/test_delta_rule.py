@@ -121,6 +121,7 @@ def test_decode_step_equals_recurrence(variant: str, dtype: torch.dtype) -> None
     """A decode batch: one token for each of N sequences, batched in one step."""
     x = make_inputs(variant, tokens=6, num_seqs=6, dtype=dtype)
     expected_o, expected_states = dr.recurrent_gated_delta_rule(**x, cu_seqlens=torch.arange(7))
-    o, new_states = dr.recurrent_decode_step(**x, states=x.pop("initial_state"))
+    states = x.pop("initial_state")
+    o, new_states = dr.recurrent_decode_step(**x, states=states)
     close(o, expected_o, 1e-5 if dtype == torch.float32 else 1e-2)
     close(new_states, expected_states, 1e-5 if dtype == torch.float32 else 1e-2)
