@@ -1,0 +1,374 @@
+"""State-space layers in torch (CPU and CUDA, fp32 and bf16): the causal conv, Mamba1's selective scan, Mamba2's
+SSD, Mamba2's gated RMSNorm, and whole Mamba1 / Mamba2 mixers from their weights.
+
+Layouts are token-major, as the engine flattens a batch: x [batch, seqlen, channels], or [num_tokens, ...] packed
+with `cu_seqlens` [num_seqs + 1] for the varlen entry points. Math is fp32 inside; outputs take the input's dtype,
+states keep their own dtype.
+
+Causal conv (depthwise, width w). The conv state holds the previous w-1 inputs of each channel, oldest first:
+    conv_state [batch, channels, w-1]
+    y[t, c] = act(bias[c] + sum_k weight[c, k] * u[t - (w-1) + k, c])   with u[<0] read from the conv state
+
+Mamba1 selective scan, per channel d (d_inner of them) and state index n (d_state):
+    dt = softplus(dt_raw + dt_bias)          A = -exp(A_log) [d_inner, d_state]
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t[n] * x_t       state h [batch, d_inner, d_state]
+    y_t = sum_n C_t[n] * h_t[:, n] + D * x_t,   then  y_t * silu(z_t)
+
+Mamba2 SSD: A is a scalar per head, so the decay is the same for the whole [head_dim, d_state] state of a head
+and the scan has a quadratic "attention" form inside a chunk. B and C are shared by the heads of a group
+(heads // n_groups heads each):
+    a_t = dt_t * A[h]                         (log decay, <= 0)
+    h_t = exp(a_t) * h_{t-1} + dt_t * x_t (outer) B_t       state h [batch, heads, head_dim, d_state]
+    y_t = h_t @ C_t + D[h] * x_t
+Chunked (length L): with the in-chunk cumulative sum s_l = a_1 + ... + a_l, the segment sum
+seg[l, j] = s_l - s_j (j <= l, else -inf) gives
+    y_l = sum_{j<=l} exp(seg[l, j]) (C_l . B_j) dt_j x_j  +  exp(s_l) C_l . h_start        (intra + inter)
+    h_end = exp(s_L) h_start + sum_j exp(s_L - s_j) dt_j x_j (outer) B_j                   (state passing)
+
+The one-token steps update their states in place; the prefill functions take an initial state and return the
+final one. The varlen functions read and write a state pool [num_slots, ...] at per-sequence slot indices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SSD_CHUNK_SIZE = 256
+SCAN_CHUNK_SIZE = 128  # Mamba1: tokens whose decays are materialized at once ([batch, L, d_inner, d_state] fp32)
+
+
+# ---------------------------------------------------------------- causal conv1d
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor | None,
+                  silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill: x [batch, seqlen, channels], weight [channels, w], conv_state [batch, channels, w-1] (None: zeros).
+    Returns (y [batch, seqlen, channels], the new conv state [batch, channels, w-1])."""
+    batch, seqlen, channels = x.shape
+    width = weight.shape[1]
+    if conv_state is None:
+        conv_state = x.new_zeros(batch, channels, width - 1)
+    u = torch.cat([conv_state.float(), x.transpose(1, 2).float()], dim=-1)  # [batch, channels, w-1+seqlen]
+    y = F.conv1d(u, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=channels)
+    if silu:
+        y = F.silu(y)
+    new_state = u[:, :, u.shape[-1] - (width - 1):].to(conv_state.dtype)
+    return y.transpose(1, 2).to(x.dtype), new_state
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, silu: bool = True) -> torch.Tensor:
+    """One token: x [batch, channels]; conv_state [batch, channels, w-1] is shifted in place. Returns y [batch,
+    channels]."""
+    window = torch.cat([conv_state.float(), x.float().unsqueeze(-1)], dim=-1)  # [batch, channels, w]
+    y = (window * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    if silu:
+        y = F.silu(y)
+    conv_state.copy_(window[..., 1:])
+    return y.to(x.dtype)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, conv_states: torch.Tensor, slots: torch.Tensor,
+                         silu: bool = True) -> torch.Tensor:
+    """Packed prefill: x [num_tokens, channels]; sequence i reads and writes conv_states[slots[i]] (the pool is
+    [num_slots, channels, w-1])."""
+    y = torch.empty_like(x)
+    for i, (start, end) in enumerate(_spans(cu_seqlens)):
+        slot = int(slots[i])
+        out, state = causal_conv1d(x[None, start:end], weight, bias, conv_states[slot:slot + 1], silu)
+        y[start:end] = out[0]
+        conv_states[slot:slot + 1] = state
+    return y
+
+
+# ---------------------------------------------------------------- Mamba1 selective scan
+
+def _time_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
+               limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """dt in fp32 after its bias, softplus and clamp: the one place the time step is discretized."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if softplus:
+        dt = F.softplus(dt)
+    if limit != (0.0, float("inf")):
+        dt = dt.clamp(min=limit[0], max=limit[1])
+    return dt
+
+
+def _gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+    """D skip then silu(z) gate, fp32."""
+    if D is not None:
+        y = y + x.float() * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                   dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+                   initial_state: torch.Tensor | None = None,
+                   chunk_size: int = SCAN_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba1 prefill. x, dt, z [batch, seqlen, d_inner]; A [d_inner, d_state]; B, C [batch, seqlen, d_state];
+    initial_state [batch, d_inner, d_state] (None: zeros). Returns (y [batch, seqlen, d_inner], final state fp32).
+
+    The decays and inputs of a chunk are computed at once; the recurrence then runs token by token over them."""
+    batch, seqlen, d_inner = x.shape
+    h = (x.new_zeros(batch, d_inner, A.shape[1], dtype=torch.float32) if initial_state is None
+         else initial_state.float().clone())
+    dt = _time_step(dt, dt_bias, dt_softplus)
+    A = A.float()
+    ys = []
+    for start in range(0, seqlen, chunk_size):
+        end = min(start + chunk_size, seqlen)
+        dt_c = dt[:, start:end, :, None]                                    # [batch, L, d_inner, 1]
+        decay = torch.exp(dt_c * A)                                         # [batch, L, d_inner, d_state]
+        inject = dt_c * B[:, start:end, None, :].float() * x[:, start:end, :, None].float()
+        C_c = C[:, start:end].float()
+        for t in range(end - start):
+            h = decay[:, t] * h + inject[:, t]
+            ys.append(torch.einsum("bdn,bn->bd", h, C_c[:, t]))
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(batch, 0, d_inner, dtype=torch.float32)
+    return _gate(y, x, D, z).to(x.dtype), h
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                           z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                           dt_softplus: bool = True) -> torch.Tensor:
+    """Mamba1 one-token step. x, dt, z [batch, d_inner]; B, C [batch, d_state]; state [batch, d_inner, d_state]
+    is updated in place. Returns y [batch, d_inner]."""
+    dt = _time_step(dt, dt_bias, dt_softplus)[..., None]
+    h = torch.exp(dt * A.float()) * state.float() + dt * B.float()[:, None, :] * x.float()[..., None]
+    state.copy_(h)
+    y = torch.einsum("bdn,bn->bd", h, C.float())
+    return _gate(y, x, D, z).to(x.dtype)
+
+
+def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          cu_seqlens: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                          dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
+    """Packed Mamba1 prefill: x, dt, z [num_tokens, d_inner], B, C [num_tokens, d_state]; sequence i starts from
+    states[slots[i]] and leaves its final state there (pool [num_slots, d_inner, d_state])."""
+    y = torch.empty_like(x)
+    for i, (start, end) in enumerate(_spans(cu_seqlens)):
+        slot = int(slots[i])
+        part = slice(start, end)
+        out, h = selective_scan(x[None, part], dt[None, part], A, B[None, part], C[None, part], D,
+                                None if z is None else z[None, part], dt_bias, dt_softplus, states[slot:slot + 1])
+        y[part] = out[0]
+        states[slot:slot + 1] = h
+    return y
+
+
+# ---------------------------------------------------------------- Mamba2 SSD
+
+def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[..., n_groups, d_state] -> [..., heads, d_state]: each group's B or C serves heads // n_groups heads."""
+    return t.repeat_interleave(heads // t.shape[-2], dim=-2)
+
+
+def _segment_sum(cumsum: torch.Tensor) -> torch.Tensor:
+    """seg[..., l, j] = cumsum[l] - cumsum[j] for j <= l, -inf above the diagonal (exp of it is the causal decay)."""
+    length = cumsum.shape[-1]
+    seg = cumsum[..., :, None] - cumsum[..., None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=cumsum.device).tril()
+    return seg.masked_fill(~causal, float("-inf"))
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+                dt_limit: tuple[float, float] = (0.0, float("inf")), initial_state: torch.Tensor | None = None,
+                chunk_size: int = SSD_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2 prefill. x [batch, seqlen, heads, head_dim]; dt [batch, seqlen, heads]; A [heads];
+    B, C [batch, seqlen, n_groups, d_state]; initial_state [batch, heads, head_dim, d_state] (None: zeros).
+    Returns (y [batch, seqlen, heads, head_dim], final state fp32)."""
+    batch, seqlen, heads, head_dim = x.shape
+    d_state = B.shape[-1]
+    dt = _time_step(dt, dt_bias, dt_softplus, dt_limit)
+    pad = (-seqlen) % chunk_size
+    chunks = (seqlen + pad) // chunk_size
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [batch, seqlen, ...] -> [batch, chunks, L, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(batch, chunks, chunk_size, *t.shape[2:])
+
+    xdt = chunked(x.float() * dt[..., None])                               # [b, c, l, h, p]
+    Bh = chunked(_heads_of_groups(B.float(), heads))                       # [b, c, l, h, n]
+    Ch = chunked(_heads_of_groups(C.float(), heads))
+    log_decay = chunked(dt * A.float()).permute(0, 1, 3, 2)                # [b, c, h, l]; padding decays by 1
+    cumsum = log_decay.cumsum(-1)
+    # intra-chunk: the quadratic form, masked by the causal decay
+    scores = torch.einsum("bclhn,bcjhn->bchlj", Ch, Bh) * torch.exp(_segment_sum(cumsum))
+    y = torch.einsum("bchlj,bcjhp->bclhp", scores, xdt)
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(cumsum[..., -1:] - cumsum)                          # [b, c, h, l]
+    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", to_end, Bh, xdt)
+    # inter-chunk: pass the state along, one chunk at a time
+    h = (x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32) if initial_state is None
+         else initial_state.float())
+    chunk_decay = torch.exp(cumsum[..., -1])                               # [b, c, h]
+    starts = []
+    for c in range(chunks):
+        starts.append(h)
+        h = chunk_decay[:, c, :, None, None] * h + chunk_states[:, c]
+    start_states = torch.stack(starts, dim=1)                              # [b, c, h, p, n]
+    y = y + torch.einsum("bclhn,bchpn->bclhp", Ch, start_states) * torch.exp(cumsum).permute(0, 1, 3, 2)[..., None]
+    y = y.reshape(batch, chunks * chunk_size, heads, head_dim)[:, :seqlen]
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype), h
+
+
+def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                     dt_softplus: bool = True,
+                     dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """Mamba2 one-token step. x [batch, heads, head_dim]; dt [batch, heads]; B, C [batch, n_groups, d_state];
+    state [batch, heads, head_dim, d_state] is updated in place. Returns y [batch, heads, head_dim]."""
+    heads = x.shape[1]
+    dt = _time_step(dt, dt_bias, dt_softplus, dt_limit)                   # [batch, heads]
+    decay = torch.exp(dt * A.float())[..., None, None]
+    Bh = _heads_of_groups(B.float(), heads)[:, :, None, :]                 # [batch, heads, 1, d_state]
+    h = decay * state.float() + (dt[..., None] * x.float())[..., None] * Bh
+    state.copy_(h)
+    y = torch.einsum("bhpn,bhn->bhp", h, _heads_of_groups(C.float(), heads))
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype)
+
+
+def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               cu_seqlens: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, D: torch.Tensor | None = None,
+               dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+               dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = SSD_CHUNK_SIZE) -> torch.Tensor:
+    """Packed Mamba2 prefill: x [num_tokens, heads, head_dim], dt [num_tokens, heads], B, C [num_tokens, n_groups,
+    d_state]; sequence i starts from states[slots[i]] and leaves its final state there."""
+    y = torch.empty_like(x)
+    for i, (start, end) in enumerate(_spans(cu_seqlens)):
+        slot = int(slots[i])
+        part = slice(start, end)
+        out, h = ssd_chunked(x[None, part], dt[None, part], A, B[None, part], C[None, part], D, dt_bias,
+                             dt_softplus, dt_limit, states[slot:slot + 1], chunk_size)
+        y[part] = out[0]
+        states[slot:slot + 1] = h
+    return y
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   group_size: int) -> torch.Tensor:
+    """Mamba2's norm: RMSNorm of x * silu(z) over groups of group_size channels (d_inner // n_groups), in fp32;
+    rounded to x's dtype before the weight, as HF's Mamba2RMSNormGated does."""
+    h = x.float()
+    if z is not None:
+        h = h * F.silu(z.float())
+    grouped = h.unflatten(-1, (-1, group_size))
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * grouped.flatten(-2).to(x.dtype)
+
+
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# ---------------------------------------------------------------- whole mixers from weights
+
+@dataclass(frozen=True)
+class Mamba1Weights:
+    """One Mamba1 mixer. conv_weight [d_inner, w]; x_proj_weight [dt_rank + 2 d_state, d_inner];
+    dt_proj_weight [d_inner, dt_rank]; A_log [d_inner, d_state]."""
+    in_proj_weight: torch.Tensor
+    in_proj_bias: torch.Tensor | None
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None
+    x_proj_weight: torch.Tensor
+    dt_proj_weight: torch.Tensor
+    dt_proj_bias: torch.Tensor
+    A_log: torch.Tensor
+    D: torch.Tensor
+    out_proj_weight: torch.Tensor
+    out_proj_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Mamba2Weights:
+    """One Mamba2 mixer. in_proj gives [z (d_inner), xBC (d_inner + 2 n_groups d_state), dt (heads)];
+    conv_weight [d_inner + 2 n_groups d_state, w]; A_log, D, dt_bias [heads]; norm_weight [d_inner]."""
+    in_proj_weight: torch.Tensor
+    in_proj_bias: torch.Tensor | None
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    A_log: torch.Tensor
+    D: torch.Tensor
+    norm_weight: torch.Tensor
+    out_proj_weight: torch.Tensor
+    out_proj_bias: torch.Tensor | None
+    head_dim: int
+    n_groups: int
+    d_state: int
+    norm_eps: float = 1e-6
+    chunk_size: int = SSD_CHUNK_SIZE
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+
+def mamba1_mixer_forward(hidden: torch.Tensor, w: Mamba1Weights, conv_state: torch.Tensor,
+                         ssm_state: torch.Tensor) -> torch.Tensor:
+    """hidden [batch, seqlen, hidden]; conv_state [batch, d_inner, w-1] and ssm_state [batch, d_inner, d_state]
+    hold the state before this call and are updated in place (zeros for a fresh sequence). One token takes the
+    step path, more the prefill path."""
+    d_state = w.A_log.shape[1]
+    dt_rank = w.dt_proj_weight.shape[1]
+    x, z = F.linear(hidden, w.in_proj_weight, w.in_proj_bias).chunk(2, dim=-1)
+    A = -torch.exp(w.A_log.float())
+    if hidden.shape[1] == 1:
+        x = causal_conv1d_update(x[:, 0], conv_state, w.conv_weight, w.conv_bias)
+        dt, B, C = F.linear(x, w.x_proj_weight).split([dt_rank, d_state, d_state], dim=-1)
+        y = selective_state_update(ssm_state, x, F.linear(dt, w.dt_proj_weight), A, B, C, w.D, z[:, 0],
+                                   w.dt_proj_bias)[:, None]
+    else:
+        x, new_conv = causal_conv1d(x, w.conv_weight, w.conv_bias, conv_state)
+        conv_state.copy_(new_conv)
+        dt, B, C = F.linear(x, w.x_proj_weight).split([dt_rank, d_state, d_state], dim=-1)
+        y, h = selective_scan(x, F.linear(dt, w.dt_proj_weight), A, B, C, w.D, z, w.dt_proj_bias,
+                              initial_state=ssm_state)
+        ssm_state.copy_(h)
+    return F.linear(y.to(hidden.dtype), w.out_proj_weight, w.out_proj_bias)
+
+
+def mamba2_mixer_forward(hidden: torch.Tensor, w: Mamba2Weights, conv_state: torch.Tensor,
+                         ssm_state: torch.Tensor) -> torch.Tensor:
+    """hidden [batch, seqlen, hidden]; conv_state [batch, conv_dim, w-1] and ssm_state [batch, heads, head_dim,
+    d_state] hold the state before this call and are updated in place. One token takes the step path."""
+    batch, seqlen, _ = hidden.shape
+    heads = w.A_log.shape[0]
+    d_inner = heads * w.head_dim
+    group_dim = w.n_groups * w.d_state
+    z, xBC, dt = F.linear(hidden, w.in_proj_weight, w.in_proj_bias).split(
+        [d_inner, d_inner + 2 * group_dim, heads], dim=-1)
+    A = -torch.exp(w.A_log.float())
+    if seqlen == 1:
+        xBC = causal_conv1d_update(xBC[:, 0], conv_state, w.conv_weight, w.conv_bias)[:, None]
+    else:
+        xBC, new_conv = causal_conv1d(xBC, w.conv_weight, w.conv_bias, conv_state)
+        conv_state.copy_(new_conv)
+    x, B, C = xBC.split([d_inner, group_dim, group_dim], dim=-1)
+    x = x.unflatten(-1, (heads, w.head_dim))
+    B = B.unflatten(-1, (w.n_groups, w.d_state))
+    C = C.unflatten(-1, (w.n_groups, w.d_state))
+    if seqlen == 1:
+        y = ssd_state_update(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], w.D, w.dt_bias,
+                             dt_limit=w.dt_limit)[:, None]
+    else:
+        y, h = ssd_chunked(x, dt, A, B, C, w.D, w.dt_bias, dt_limit=w.dt_limit, initial_state=ssm_state,
+                           chunk_size=w.chunk_size)
+        ssm_state.copy_(h)
+    y = gated_rms_norm(y.reshape(batch, seqlen, d_inner), z, w.norm_weight, w.norm_eps, d_inner // w.n_groups)
+    return F.linear(y.to(hidden.dtype), w.out_proj_weight, w.out_proj_bias)
