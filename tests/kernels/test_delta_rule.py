@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pressroom.kernels import delta_rule as dr
 
 # (name, key heads, value heads, d_k, d_v, per-channel gate)
-VARIANTS = {"gdn": (2, 4, 16, 32, False), "kda": (3, 3, 16, 16, True)}
+VARIANTS = {"gdn": (2, 4, 16, 48, False), "kda": (3, 3, 24, 16, True)}
 
 
 def make_inputs(variant: str, tokens: int, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -125,3 +125,52 @@ def test_decode_step_equals_recurrence(variant: str, dtype: torch.dtype) -> None
     o, new_states = dr.recurrent_decode_step(**x, states=states)
     close(o, expected_o, 1e-5 if dtype == torch.float32 else 1e-2)
     close(new_states, expected_states, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _triton_decode():
+    """The Triton module, or a skip where triton or anything to run it on (CUDA, the interpreter) is missing."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    from pressroom.kernels.triton import delta_rule as triton_delta_rule
+    return triton_delta_rule
+
+
+def decode_into_pool_reference(x: dict[str, torch.Tensor], pool: torch.Tensor,
+                               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch decode step on the pool's rows named by slots (negative: padding, zero output, pool untouched)."""
+    live = slots >= 0
+    o = torch.zeros(x["v"].shape, dtype=x["v"].dtype, device=x["v"].device)
+    pool = pool.clone()
+    inputs = {name: x[name][live] for name in ("q", "k", "v", "g", "beta")}
+    o[live], pool[slots[live]] = dr.recurrent_decode_step(**inputs, states=pool[slots[live]])
+    return o, pool
+
+
+def check_triton_decode(variant: str, dtype: torch.dtype, pool_dtype: torch.dtype, device: str,
+                        num_seqs: int, num_slots: int, seed: int = 0) -> None:
+    """Sequences reading scattered slots of a pool (some padding), q/k strided views of a fused qk tensor."""
+    triton_delta_rule = _triton_decode()
+    x = make_inputs(variant, tokens=num_seqs, dtype=dtype, seed=seed)
+    x = {name: t.to(device) for name, t in x.items() if name != "initial_state"}
+    x["q"], x["k"] = torch.cat((x["q"], x["k"]), dim=1).split(x["q"].shape[1], dim=1)
+    gen = torch.Generator().manual_seed(seed)
+    hv, dk, dv = x["v"].shape[1], x["q"].shape[2], x["v"].shape[2]
+    pool = (torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.1).to(pool_dtype).to(device)
+    slots = torch.randperm(num_slots, generator=gen)[:num_seqs]
+    slots[::3] = -1
+    slots = slots.to(device)
+    expected_o, expected_pool = decode_into_pool_reference(x, pool, slots)
+    o = triton_delta_rule.fused_recurrent_decode(**x, state_pool=pool, slots=slots)
+    tol = 1e-5 if dtype == pool_dtype == torch.float32 else 2e-2
+    close(o, expected_o, tol)
+    close(pool, expected_pool, tol)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+def test_triton_decode_equals_torch_step(variant: str, dtype: torch.dtype, pool_dtype: torch.dtype) -> None:
+    check_triton_decode(variant, dtype, pool_dtype, "cuda" if torch.cuda.is_available() else "cpu",
+                        num_seqs=5, num_slots=9)
