@@ -51,13 +51,13 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of N sequences on prepared fp32 inputs: q, k [N, H, d_k] (expanded, normalized, scaled),
     v [N, H, d_v], g [N, H] or [N, H, d_k], beta [N, H], state [N, H, d_k, d_v] fp32. Returns (o [N, H, d_v], state)."""
-    state = state * _gate_factor(g, q.shape[-1], scalar=g.dim() == q.dim() - 1)
+    state = state * _gate_factor(g, scalar=_is_scalar_gate(g, v))
     delta = (v.float() - torch.einsum("nhkv,nhk->nhv", state, k)) * beta.float().unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return torch.einsum("nhkv,nhk->nhv", state, q), state
 
 
-def _gate_factor(g: torch.Tensor, d_k: int, scalar: bool) -> torch.Tensor:
+def _gate_factor(g: torch.Tensor, scalar: bool) -> torch.Tensor:
     """exp(g) shaped to multiply states [..., H, d_k, d_v]: a scalar gate per head, or one per key channel."""
     a = g.float().exp()
     return a[..., None, None] if scalar else a[..., None]
@@ -68,18 +68,32 @@ def _is_scalar_gate(g: torch.Tensor, v: torch.Tensor) -> bool:
     return g.dim() == v.dim() - 1
 
 
+def _check_layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None, num_seqs: int) -> None:
+    """The module docstring's layouts, or a ValueError that names every shape."""
+    tokens, h_k, d_k = k.shape
+    h_v, d_v = v.shape[-2:]
+    state_ok = initial_state is None or initial_state.shape == (num_seqs, h_v, d_k, d_v)
+    if (q.shape != k.shape or v.shape[0] != tokens or h_v % h_k or g.shape not in ((tokens, h_v), (tokens, h_v, d_k))
+            or beta.shape != (tokens, h_v) or not state_ok):
+        raise ValueError(f"gated delta rule: q, k [T, H_k, d_k], v [T, H_v, d_v] (H_v a multiple of H_k), g [T, H_v] "
+                         f"or [T, H_v, d_k], beta [T, H_v], initial_state [{num_seqs} sequences, H_v, d_k, d_v]; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta "
+                         f"{tuple(beta.shape)}, initial_state "
+                         f"{None if initial_state is None else tuple(initial_state.shape)}")
+
+
 def _initial_states(initial_state: torch.Tensor | None, num_seqs: int, v: torch.Tensor,
                     d_k: int) -> torch.Tensor:
+    """The given states, or zeros in fp32 (a fresh sequence)."""
     if initial_state is None:
         return torch.zeros(num_seqs, v.shape[-2], d_k, v.shape[-1], dtype=torch.float32, device=v.device)
     return initial_state
 
 
-def _whole_batch(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """cu_seqlens, or one sequence of all the tokens when there is none."""
-    if cu_seqlens is not None:
-        return cu_seqlens
-    return torch.tensor([0, q.shape[0]], device=q.device)
+def _sequence_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[int]:
+    """cu_seqlens as a list, or one sequence of all the tokens when there is none."""
+    return [0, q.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -88,8 +102,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact token-by-token recurrence over packed sequences (layouts in the module docstring); the reference
     and the decode path (a decode batch is N sequences of one token). Returns (o [T, H_v, d_v], states [N, ...])."""
+    bounds = _sequence_bounds(q, cu_seqlens)
+    _check_layouts(q, k, v, g, beta, initial_state, len(bounds) - 1)
     q, k = prepare_qk(q, k, v.shape[-2], normalize_qk, scale)
-    bounds = _whole_batch(q, cu_seqlens).tolist()
     states = _initial_states(initial_state, len(bounds) - 1, v, q.shape[-1])
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(states)
@@ -108,6 +123,7 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of N sequences, batched (no loop): q, k [N, H_k, d_k], states [N, H_v, d_k, d_v].
     Returns (o [N, H_v, d_v] in v's dtype, new states in the states' dtype)."""
+    _check_layouts(q, k, v, g, beta, states, q.shape[0])
     q, k = prepare_qk(q, k, v.shape[-2], normalize_qk, scale)
     o, new = delta_rule_step(q, k, v, g, beta, states.float())
     return o.to(v.dtype), new.to(states.dtype)
@@ -119,8 +135,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunkwise-parallel form over packed sequences, each continuing from its initial state (so a prompt
     may be prefilled over several engine chunks). Same arguments and results as `recurrent_gated_delta_rule`."""
+    bounds = _sequence_bounds(q, cu_seqlens)
+    _check_layouts(q, k, v, g, beta, initial_state, len(bounds) - 1)
     q, k = prepare_qk(q, k, v.shape[-2], normalize_qk, scale)
-    bounds = _whole_batch(q, cu_seqlens).tolist()
     states = _initial_states(initial_state, len(bounds) - 1, v, q.shape[-1])
     scalar = _is_scalar_gate(g, v)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)

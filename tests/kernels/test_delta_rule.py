@@ -127,6 +127,15 @@ def test_decode_step_equals_recurrence(variant: str, dtype: torch.dtype) -> None
     close(new_states, expected_states, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_wrong_layouts_name_every_shape() -> None:
+    x = make_inputs("kda", tokens=4, num_seqs=2)
+    with pytest.raises(ValueError, match=r"initial_state \(2, 3, 24, 16\)"):
+        dr.chunk_gated_delta_rule(**x)  # two states for one sequence
+    x["g"] = x["g"][..., :5]
+    with pytest.raises(ValueError, match=r"g \(4, 3, 5\)"):
+        dr.recurrent_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 1, 4]))
+
+
 def _triton_decode():
     """The Triton module, or a skip where triton or anything to run it on (CUDA, the interpreter) is missing."""
     pytest.importorskip("triton", reason="triton is not installed")
