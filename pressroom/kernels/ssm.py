@@ -244,6 +244,23 @@ def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
     return y.to(x.dtype)
 
 
+def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                          A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                          dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+                          dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """ssd_state_update on a state pool [num_slots, heads, head_dim, d_state]: row i steps states[slots[i]] in
+    place; a negative slot is padding (its output is zeros, no state is touched). The reference of the Triton
+    kernel."""
+    y = torch.zeros_like(x)
+    rows = (slots >= 0).nonzero().flatten()
+    if rows.numel():
+        picked = slots[rows].long()
+        state = states[picked]
+        y[rows] = ssd_state_update(state, x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, dt_softplus, dt_limit)
+        states[picked] = state.to(states.dtype)
+    return y
+
+
 def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                cu_seqlens: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, D: torch.Tensor | None = None,
                dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,

@@ -287,3 +287,44 @@ def test_mixer_prefill_in_two_calls_equals_one(version: int):
     _close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-4)
     _close(conv, whole_conv)
     _close(state, whole_ssm, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- Triton: Mamba2 step on a state pool
+
+
+def _pool_step_inputs(batch: int, heads: int, head_dim: int, groups: int, d_state: int, slots: int,
+                      dtype: torch.dtype, device: str = "cpu", seed: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    states = r(slots, heads, head_dim, d_state).to(dtype)
+    args = dict(x=r(batch, heads, head_dim).to(dtype), dt=r(batch, heads).to(dtype),
+                A=-torch.rand(heads, generator=g).to(device) * 2, B=r(batch, groups, d_state).to(dtype),
+                C=r(batch, groups, d_state).to(dtype), D=r(heads), dt_bias=r(heads))
+    return states, args
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_ssd_pool_step_matches_torch(dtype: torch.dtype):
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    from pressroom.kernels.triton import ssm as triton_ssm
+    states, args = _pool_step_inputs(batch=4, heads=4, head_dim=24, groups=2, d_state=12, slots=6, dtype=dtype)
+    slots = torch.tensor([5, -1, 0, 2])  # out of order, one padding row
+    expected_states = states.clone()
+    expected = ssm.ssd_state_update_pool(expected_states, slots, **args)
+    actual = triton_ssm.ssd_state_update_pool(states, slots, **args)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    _close(actual, expected, **tol)
+    _close(states, expected_states, **tol)
+    assert torch.equal(states[[1, 3, 4]], expected_states[[1, 3, 4]])  # untouched slots
+
+
+def test_ssd_pool_step_is_the_batched_step():
+    states, args = _pool_step_inputs(batch=3, heads=4, head_dim=3, groups=1, d_state=5, slots=4,
+                                     dtype=torch.float32)
+    slots = torch.tensor([2, 0, 3])
+    picked = states[slots].clone()
+    expected = ssm.ssd_state_update(picked, **args)
+    _close(ssm.ssd_state_update_pool(states, slots, **args), expected)
+    _close(states[slots], picked)

@@ -1,0 +1,95 @@
+"""Mamba2's one-token SSD step on a state pool, in place: one program per (row, head, head_dim block).
+
+Reference: pressroom.kernels.ssm.ssd_state_update_pool. The pool is [num_slots, heads, head_dim, d_state]; row i
+of the batch steps pool[slots[i]], and a negative slot (a CUDA-graph padding row) writes nothing, not even y.
+Math in fp32; the state is rounded to the pool's dtype once, when it is stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: above it, softplus(x) == x
+
+
+@triton.jit
+def _ssd_state_update_kernel(state_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
+                             stride_s_slot, stride_s_head, stride_s_dim, stride_x_row, stride_x_head,
+                             stride_dt_row, stride_b_row, stride_b_group, stride_y_row, stride_y_head,
+                             head_dim, d_state, heads_per_group, dt_min, dt_max,
+                             HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        dims = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        states_n = tl.arange(0, BLOCK_N)
+        dim_ok = dims < head_dim
+        n_ok = states_n < d_state
+        group = head // heads_per_group
+
+        dt = tl.load(dt_ptr + row * stride_dt_row + head).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + head).to(tl.float32)
+        if SOFTPLUS:
+            dt = tl.where(dt > _SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+
+        x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + dims, mask=dim_ok, other=0.0)
+        x = x.to(tl.float32)
+        b_off = row * stride_b_row + group * stride_b_group + states_n
+        B = tl.load(B_ptr + b_off, mask=n_ok, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + b_off, mask=n_ok, other=0.0).to(tl.float32)
+
+        tile = (state_ptr + slot * stride_s_slot + head * stride_s_head + dims[:, None] * stride_s_dim
+                + states_n[None, :])
+        tile_ok = dim_ok[:, None] & n_ok[None, :]
+        h = tl.load(tile, mask=tile_ok, other=0.0).to(tl.float32)
+        h = decay * h + (dt * x)[:, None] * B[None, :]
+        tl.store(tile, h.to(state_ptr.dtype.element_ty), mask=tile_ok)
+
+        y = tl.sum(h * C[None, :], 1)
+        if HAS_D:
+            y += tl.load(D_ptr + head).to(tl.float32) * x
+        tl.store(y_ptr + row * stride_y_row + head * stride_y_head + dims, y.to(y_ptr.dtype.element_ty),
+                 mask=dim_ok)
+
+
+def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                          A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                          dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
+                          dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """states [num_slots, heads, head_dim, d_state] stepped in place at slots [batch]; x [batch, heads, head_dim];
+    dt [batch, heads]; A, D, dt_bias [heads]; B, C [batch, n_groups, d_state]. Returns y [batch, heads, head_dim]
+    (zeros on padding rows)."""
+    batch, heads, head_dim = x.shape
+    d_state = states.shape[-1]
+    n_groups = B.shape[1]
+    _check(states, x, dt, B, C, heads, n_groups)
+    y = torch.zeros_like(x)
+    if batch == 0:
+        return y
+    block_p = min(triton.next_power_of_2(head_dim), 64)
+    block_n = triton.next_power_of_2(d_state)
+    grid = (batch, heads, triton.cdiv(head_dim, block_p))
+    _ssd_state_update_kernel[grid](
+        states, slots, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, y,
+        states.stride(0), states.stride(1), states.stride(2), x.stride(0), x.stride(1),
+        dt.stride(0), B.stride(0), B.stride(1), y.stride(0), y.stride(1),
+        head_dim, d_state, heads // n_groups, float(dt_limit[0]), float(dt_limit[1]),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+    return y
+
+
+def _check(states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, heads: int,
+           n_groups: int) -> None:
+    """The kernel addresses the innermost dim of each tensor with unit stride and B, C with one set of strides."""
+    unit = all(t.stride(-1) == 1 for t in (states, x, dt, B, C))
+    if not unit or B.stride() != C.stride() or heads % n_groups or states.shape[1:3] != x.shape[1:]:
+        raise ValueError(f"ssd_state_update_pool: states {tuple(states.shape)}, x {tuple(x.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}: needs unit inner strides, B and C laid out "
+                         "alike, heads divisible by n_groups and states [slots, heads, head_dim, d_state]")
