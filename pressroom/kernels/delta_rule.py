@@ -100,8 +100,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                                cu_seqlens: torch.Tensor | None = None, normalize_qk: bool = True,
                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact token-by-token recurrence over packed sequences (layouts in the module docstring); the reference
-    and the decode path (a decode batch is N sequences of one token). Returns (o [T, H_v, d_v], states [N, ...])."""
+    """The exact token-by-token recurrence over packed sequences (layouts in the module docstring): the reference
+    the other forms are tested against (decode batches go through `recurrent_decode_step`, with no token loop).
+    Returns (o [T, H_v, d_v], final states [N, H_v, d_k, d_v])."""
     bounds = _sequence_bounds(q, cu_seqlens)
     _check_layouts(q, k, v, g, beta, initial_state, len(bounds) - 1)
     q, k = prepare_qk(q, k, v.shape[-2], normalize_qk, scale)
