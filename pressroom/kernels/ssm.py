@@ -71,16 +71,29 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     return y.to(x.dtype)
 
 
+def causal_conv1d_update_pool(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                              weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True) -> torch.Tensor:
+    """causal_conv1d_update on a pool [num_slots, channels, w-1]: row i shifts conv_states[slots[i]] in place; a
+    negative slot is padding (zeros out, no state touched). The reference of the Triton kernel."""
+    y = torch.zeros_like(x)
+    rows = (slots >= 0).nonzero().flatten()
+    if rows.numel():
+        picked = slots[rows].long()
+        state = conv_states[picked]
+        y[rows] = causal_conv1d_update(x[rows], state, weight, bias, silu)
+        conv_states[picked] = state
+    return y
+
+
 def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None, conv_states: torch.Tensor, slots: torch.Tensor,
                          silu: bool = True) -> torch.Tensor:
     """Packed prefill: x [num_tokens, channels]; sequence i reads and writes conv_states[slots[i]] (the pool is
-    [num_slots, channels, w-1])."""
-    y = torch.empty_like(x)
-    for i, (start, end) in enumerate(_spans(cu_seqlens)):
-        slot = int(slots[i])
-        out, state = causal_conv1d(x[None, start:end], weight, bias, conv_states[slot:slot + 1], silu)
-        y[start:end] = out[0]
+    [num_slots, channels, w-1]). Tokens of padding sequences (slot < 0) come out as zeros."""
+    y = torch.zeros_like(x)
+    for part, slot in _spans(cu_seqlens, slots):
+        out, state = causal_conv1d(x[None, part], weight, bias, conv_states[slot:slot + 1], silu)
+        y[part] = out[0]
         conv_states[slot:slot + 1] = state
     return y
 
@@ -156,10 +169,8 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                           dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
     """Packed Mamba1 prefill: x, dt, z [num_tokens, d_inner], B, C [num_tokens, d_state]; sequence i starts from
     states[slots[i]] and leaves its final state there (pool [num_slots, d_inner, d_state])."""
-    y = torch.empty_like(x)
-    for i, (start, end) in enumerate(_spans(cu_seqlens)):
-        slot = int(slots[i])
-        part = slice(start, end)
+    y = torch.zeros_like(x)
+    for part, slot in _spans(cu_seqlens, slots):
         out, h = selective_scan(x[None, part], dt[None, part], A, B[None, part], C[None, part], D,
                                 None if z is None else z[None, part], dt_bias, dt_softplus, states[slot:slot + 1])
         y[part] = out[0]
@@ -267,10 +278,8 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = SSD_CHUNK_SIZE) -> torch.Tensor:
     """Packed Mamba2 prefill: x [num_tokens, heads, head_dim], dt [num_tokens, heads], B, C [num_tokens, n_groups,
     d_state]; sequence i starts from states[slots[i]] and leaves its final state there."""
-    y = torch.empty_like(x)
-    for i, (start, end) in enumerate(_spans(cu_seqlens)):
-        slot = int(slots[i])
-        part = slice(start, end)
+    y = torch.zeros_like(x)
+    for part, slot in _spans(cu_seqlens, slots):
         out, h = ssd_chunked(x[None, part], dt[None, part], A, B[None, part], C[None, part], D, dt_bias,
                              dt_softplus, dt_limit, states[slot:slot + 1], chunk_size)
         y[part] = out[0]
@@ -290,9 +299,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
     return weight * grouped.flatten(-2).to(x.dtype)
 
 
-def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+def _spans(cu_seqlens: torch.Tensor, slots: torch.Tensor) -> list[tuple[slice, int]]:
+    """(tokens, state slot) of each sequence of a packed batch; empty sequences and negative (padding) slots are
+    skipped, their states untouched."""
+    bounds, slot_ids = cu_seqlens.tolist(), slots.tolist()
+    return [(slice(start, end), slot) for start, end, slot in zip(bounds[:-1], bounds[1:], slot_ids)
+            if end > start and slot >= 0]
 
 
 # ---------------------------------------------------------------- whole mixers from weights

@@ -1,6 +1,6 @@
 """State-space kernels on CUDA at real shapes (Nemotron-H-8B's and Mamba2-2.7B's Mamba2 layers, Mamba-2.8B's
-Mamba1 layer): the chunked prefill against the step recurrence, the Triton pool step against torch, and whole
-mixers against HF transformers' torch paths (prefill past several chunks, then cached decode)."""
+Mamba1 layer): the chunked prefill against the step recurrence, the Triton pool steps (SSD, conv) against torch,
+and whole mixers against HF transformers' torch paths (prefill past several chunks, then cached decode)."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +68,23 @@ def test_triton_pool_step_matches_torch_at_real_shape(shape, state_dtype: torch.
     actual = triton_ssm.ssd_state_update_pool(states, slots, **args)
     _close(actual, expected, 3e-2)
     _close(states, expected_states, 1e-5 if state_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_triton_conv_pool_update_matches_torch_at_real_shape(state_dtype: torch.dtype):
+    channels = 128 * 64 + 2 * 8 * 128  # Nemotron-H-8B's conv over x, B and C
+    g = torch.Generator(device="cuda").manual_seed(2)
+    pool = torch.randn(256, channels, 3, generator=g, device="cuda").to(state_dtype)
+    x = torch.randn(64, channels, generator=g, device="cuda").bfloat16()
+    weight, bias = (torch.randn(channels, 4, generator=g, device="cuda"),
+                    torch.randn(channels, generator=g, device="cuda"))
+    slots = torch.randperm(256, device="cuda")[:64]
+    slots[3] = -1
+    expected_pool = pool.clone()
+    expected = ssm.causal_conv1d_update_pool(x, expected_pool, slots, weight, bias)
+    actual = triton_ssm.causal_conv1d_update_pool(x, pool, slots, weight, bias)
+    _close(actual, expected, 3e-2)
+    assert torch.equal(pool, expected_pool)
 
 
 def _decode_parity(mixer, config, forward, weights, conv_state, ssm_state, hidden: int, tol: float) -> None:

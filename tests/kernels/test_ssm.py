@@ -155,16 +155,18 @@ def test_ssd_continued_from_a_mid_state_equals_the_whole_run():
 
 
 def test_ssd_varlen_uses_each_slot_state():
+    """An empty sequence and a padding one (slot -1, its tokens zeros out) leave their states alone."""
     a = _ssd_inputs(batch=1, seqlen=12)
     pool = torch.randn(3, 4, 3, 5)
-    cu, slots = torch.tensor([0, 1, 9, 12]), torch.tensor([1, 2, 0])
+    cu, slots = torch.tensor([0, 1, 1, 9, 12]), torch.tensor([1, 2, 0, -1])
     expected_pool = pool.clone()
     expected = []
-    for i, part in enumerate([slice(0, 1), slice(1, 9), slice(9, 12)]):
+    for slot, part in [(1, slice(0, 1)), (0, slice(1, 9))]:
         y, h = ssm.ssd_chunked(a["x"][:, part], a["dt"][:, part], a["A"], a["B"][:, part], a["C"][:, part], a["D"],
-                               a["dt_bias"], initial_state=pool[slots[i]][None], chunk_size=4)
+                               a["dt_bias"], initial_state=pool[slot][None], chunk_size=4)
         expected.append(y[0])
-        expected_pool[slots[i]] = h[0]
+        expected_pool[slot] = h[0]
+    expected.append(torch.zeros(3, 4, 3))
     y = ssm.ssd_varlen(a["x"][0], a["dt"][0], a["A"], a["B"][0], a["C"][0], cu, pool, slots, a["D"], a["dt_bias"],
                        chunk_size=4)
     _close(y, torch.cat(expected))
@@ -328,3 +330,32 @@ def test_ssd_pool_step_is_the_batched_step():
     expected = ssm.ssd_state_update(picked, **args)
     _close(ssm.ssd_state_update_pool(states, slots, **args), expected)
     _close(states[slots], picked)
+
+
+@pytest.mark.parametrize("width,dtype", [(4, torch.float32), (2, torch.float32), (4, torch.bfloat16)])
+def test_triton_conv_pool_update_matches_torch(width: int, dtype: torch.dtype):
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    from pressroom.kernels.triton import ssm as triton_ssm
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(5, 20, width - 1, generator=g).to(dtype)
+    x, weight, bias = (torch.randn(3, 20, generator=g).to(dtype), torch.randn(20, width, generator=g),
+                       torch.randn(20, generator=g))
+    slots = torch.tensor([4, -1, 1])
+    expected_pool = pool.clone()
+    expected = ssm.causal_conv1d_update_pool(x, expected_pool, slots, weight, bias)
+    actual = triton_ssm.causal_conv1d_update_pool(x, pool, slots, weight, bias)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    _close(actual, expected, **tol)
+    assert torch.equal(pool, expected_pool)  # the state is a shift of stored values and x: exact
+
+
+def test_conv_pool_update_is_the_batched_update():
+    x, weight, bias = _conv_inputs(batch=1, seqlen=3)
+    pool = torch.randn(4, 6, 3)
+    slots = torch.tensor([2, 0, 3])
+    picked = pool[slots].clone()
+    expected = ssm.causal_conv1d_update(x[0], picked, weight, bias)
+    _close(ssm.causal_conv1d_update_pool(x[0], pool, slots, weight, bias), expected)
+    _close(pool[slots], picked)

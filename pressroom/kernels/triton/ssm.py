@@ -1,8 +1,9 @@
-"""Mamba2's one-token SSD step on a state pool, in place: one program per (row, head, head_dim block).
+"""One-token decode steps of state-space layers on state pools, in place: Mamba2's SSD step (one program per
+row, head and head_dim block) and the causal conv update (one program per row and channel block).
 
-Reference: pressroom.kernels.ssm.ssd_state_update_pool. The pool is [num_slots, heads, head_dim, d_state]; row i
-of the batch steps pool[slots[i]], and a negative slot (a CUDA-graph padding row) writes nothing, not even y.
-Math in fp32; the state is rounded to the pool's dtype once, when it is stored.
+References: pressroom.kernels.ssm.ssd_state_update_pool and causal_conv1d_update_pool. Row i of the batch steps
+pool[slots[i]]; a negative slot (a CUDA-graph padding row) touches no state and its output stays zero. Math in
+fp32; a state is rounded to its pool's dtype once, when it is stored.
 """
 from __future__ import annotations
 
@@ -93,3 +94,60 @@ def _check(states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Ten
         raise ValueError(f"ssd_state_update_pool: states {tuple(states.shape)}, x {tuple(x.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)}: needs unit inner strides, B and C laid out "
                          "alike, heads divisible by n_groups and states [slots, heads, head_dim, d_state]")
+
+
+@triton.jit
+def _conv_update_kernel(state_ptr, slot_ptr, x_ptr, weight_ptr, bias_ptr, y_ptr, channels,
+                        stride_s_slot, stride_s_channel, stride_x_row, stride_w_channel, stride_y_row,
+                        WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        taps = tl.arange(0, BLOCK_W)
+        chan_ok = chans < channels
+        state_row = state_ptr + slot * stride_s_slot + chans[:, None] * stride_s_channel
+        x = tl.load(x_ptr + row * stride_x_row + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        # the window, oldest first: the w-1 stored inputs then this token's
+        in_state = chan_ok[:, None] & (taps[None, :] < WIDTH - 1)
+        window = tl.load(state_row + taps[None, :], mask=in_state, other=0.0).to(tl.float32)
+        window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], window)
+        # the next state is the window shifted by one: read it before anything is stored
+        shifted_in_state = chan_ok[:, None] & (taps[None, :] < WIDTH - 2)
+        shifted = tl.load(state_row + taps[None, :] + 1, mask=shifted_in_state, other=0.0).to(tl.float32)
+        shifted = tl.where(taps[None, :] == WIDTH - 2, x[:, None], shifted)
+
+        w = tl.load(weight_ptr + chans[:, None] * stride_w_channel + taps[None, :],
+                    mask=chan_ok[:, None] & (taps[None, :] < WIDTH), other=0.0).to(tl.float32)
+        y = tl.sum(window * w, 1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(state_row + taps[None, :], shifted.to(state_ptr.dtype.element_ty),
+                 mask=chan_ok[:, None] & (taps[None, :] < WIDTH - 1))
+        tl.store(y_ptr + row * stride_y_row + chans, y.to(y_ptr.dtype.element_ty), mask=chan_ok)
+
+
+def causal_conv1d_update_pool(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                              weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = True) -> torch.Tensor:
+    """x [batch, channels]; conv_states [num_slots, channels, w-1] shifted in place at slots [batch];
+    weight [channels, w]. Returns y [batch, channels] (zeros on padding rows)."""
+    batch, channels = x.shape
+    width = weight.shape[1]
+    if (conv_states.shape[1:] != (channels, width - 1) or width < 2 or weight.shape[0] != channels
+            or any(t.stride(-1) != 1 for t in (x, conv_states, weight))):
+        raise ValueError(f"causal_conv1d_update_pool: x {tuple(x.shape)}, conv_states {tuple(conv_states.shape)}, "
+                         f"weight {tuple(weight.shape)}: needs conv_states [slots, channels, w-1] and weight "
+                         "[channels, w >= 2], unit inner strides")
+    y = torch.zeros_like(x)
+    if batch == 0:
+        return y
+    block_c = min(triton.next_power_of_2(channels), 256)
+    _conv_update_kernel[(batch, triton.cdiv(channels, block_c))](
+        conv_states, slots, x, weight, weight if bias is None else bias, y, channels,
+        conv_states.stride(0), conv_states.stride(1), x.stride(0), weight.stride(0), y.stride(0),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK_C=block_c,
+        BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+    return y
