@@ -21,7 +21,7 @@ and the scan has a quadratic "attention" form inside a chunk. B and C are shared
     h_t = exp(a_t) * h_{t-1} + dt_t * x_t (outer) B_t       state h [batch, heads, head_dim, d_state]
     y_t = h_t @ C_t + D[h] * x_t
 Chunked (length L): with the in-chunk cumulative sum s_l = a_1 + ... + a_l, the segment sum
-seg[l, j] = s_l - s_j (j <= l, else -inf) gives
+seg[l, j] = a_{j+1} + ... + a_l = s_l - s_j (j <= l, else -inf; summed term by term for fp32) gives
     y_l = sum_{j<=l} exp(seg[l, j]) (C_l . B_j) dt_j x_j  +  exp(s_l) C_l . h_start        (intra + inter)
     h_end = exp(s_L) h_start + sum_j exp(s_L - s_j) dt_j x_j (outer) B_j                   (state passing)
 
@@ -185,12 +185,14 @@ def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[-2], dim=-2)
 
 
-def _segment_sum(cumsum: torch.Tensor) -> torch.Tensor:
-    """seg[..., l, j] = cumsum[l] - cumsum[j] for j <= l, -inf above the diagonal (exp of it is the causal decay)."""
-    length = cumsum.shape[-1]
-    seg = cumsum[..., :, None] - cumsum[..., None, :]
-    causal = torch.ones(length, length, dtype=torch.bool, device=cumsum.device).tril()
-    return seg.masked_fill(~causal, float("-inf"))
+def _segment_sum(log_decay: torch.Tensor) -> torch.Tensor:
+    """seg[..., l, j] = a[j+1] + ... + a[l] for j <= l, -inf above the diagonal (exp of it is the causal decay).
+    Summed term by term rather than as cumsum[l] - cumsum[j]: deep in a chunk both cumsums are large and their
+    difference would lose the fp32 digits that the nearby (largest) decays need."""
+    length = log_decay.shape[-1]
+    ones = torch.ones(length, length, dtype=torch.bool, device=log_decay.device)
+    terms = log_decay[..., :, None].expand(*log_decay.shape, length).masked_fill(~ones.tril(-1), 0.0)
+    return terms.cumsum(-2).masked_fill(~ones.tril(), float("-inf"))
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -215,11 +217,12 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     Ch = chunked(_heads_of_groups(C.float(), heads))
     log_decay = chunked(dt * A.float()).permute(0, 1, 3, 2)                # [b, c, h, l]; padding decays by 1
     cumsum = log_decay.cumsum(-1)
+    segment = _segment_sum(log_decay)                                      # [b, c, h, l, j]
     # intra-chunk: the quadratic form, masked by the causal decay
-    scores = torch.einsum("bclhn,bcjhn->bchlj", Ch, Bh) * torch.exp(_segment_sum(cumsum))
+    scores = torch.einsum("bclhn,bcjhn->bchlj", Ch, Bh) * torch.exp(segment)
     y = torch.einsum("bchlj,bcjhp->bclhp", scores, xdt)
     # each chunk's own contribution to the state at its end
-    to_end = torch.exp(cumsum[..., -1:] - cumsum)                          # [b, c, h, l]
+    to_end = torch.exp(segment[..., -1, :])                                # [b, c, h, l]
     chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", to_end, Bh, xdt)
     # inter-chunk: pass the state along, one chunk at a time
     h = (x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32) if initial_state is None
