@@ -163,6 +163,23 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     return _gate(y, x, D, z).to(x.dtype)
 
 
+def selective_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                                A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                                z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                dt_softplus: bool = True) -> torch.Tensor:
+    """selective_state_update on a pool [num_slots, d_inner, d_state]: row i steps states[slots[i]] in place; a
+    negative slot is padding (zeros out, no state touched). The reference of the Triton kernel."""
+    y = torch.zeros_like(x)
+    rows = (slots >= 0).nonzero().flatten()
+    if rows.numel():
+        picked = slots[rows].long()
+        state = states[picked].float()
+        y[rows] = selective_state_update(state, x[rows], dt[rows], A, B[rows], C[rows], D,
+                                         None if z is None else z[rows], dt_bias, dt_softplus)
+        states[picked] = state.to(states.dtype)
+    return y
+
+
 def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           cu_seqlens: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                           D: torch.Tensor | None = None, z: torch.Tensor | None = None,

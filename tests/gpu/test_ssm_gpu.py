@@ -1,6 +1,7 @@
 """State-space kernels on CUDA at real shapes (Nemotron-H-8B's and Mamba2-2.7B's Mamba2 layers, Mamba-2.8B's
-Mamba1 layer): the chunked prefill against the step recurrence, the Triton pool steps (SSD, conv) against torch,
-and whole mixers against HF transformers' torch paths (prefill past several chunks, then cached decode)."""
+Mamba1 layer): the chunked prefill against the step recurrence, the Triton pool steps (SSD, selective, conv)
+against torch, and whole mixers against HF transformers' torch paths (prefill past several chunks, then cached
+decode)."""
 from __future__ import annotations
 
 import pytest
@@ -66,6 +67,24 @@ def test_triton_pool_step_matches_torch_at_real_shape(shape, state_dtype: torch.
     expected_states = states.clone()
     expected = ssm.ssd_state_update_pool(expected_states, slots, **args)
     actual = triton_ssm.ssd_state_update_pool(states, slots, **args)
+    _close(actual, expected, 3e-2)
+    _close(states, expected_states, 1e-5 if state_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_triton_selective_pool_step_matches_torch_at_real_shape(state_dtype: torch.dtype):
+    d_inner, d_state = 5120, 16  # Mamba-2.8B
+    g = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    args = dict(x=r(64, d_inner).bfloat16(), dt=(r(64, d_inner) - 2).bfloat16(),
+                A=-torch.rand(d_inner, d_state, generator=g, device="cuda") * 8, B=r(64, d_state).bfloat16(),
+                C=r(64, d_state).bfloat16(), D=r(d_inner), z=r(64, d_inner).bfloat16(), dt_bias=r(d_inner))
+    states = r(256, d_inner, d_state).to(state_dtype)
+    slots = torch.randperm(256, device="cuda")[:64]
+    slots[5] = -1
+    expected_states = states.clone()
+    expected = ssm.selective_state_update_pool(expected_states, slots, **args)
+    actual = triton_ssm.selective_state_update_pool(states, slots, **args)
     _close(actual, expected, 3e-2)
     _close(states, expected_states, 1e-5 if state_dtype == torch.float32 else 1e-2)
 

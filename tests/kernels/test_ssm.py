@@ -359,3 +359,35 @@ def test_conv_pool_update_is_the_batched_update():
     expected = ssm.causal_conv1d_update(x[0], picked, weight, bias)
     _close(ssm.causal_conv1d_update_pool(x[0], pool, slots, weight, bias), expected)
     _close(pool[slots], picked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_selective_pool_step_matches_torch(dtype: torch.dtype):
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    from pressroom.kernels.triton import ssm as triton_ssm
+    a = _scan_inputs(batch=4, seqlen=1, d_inner=40, d_state=12)
+    args = dict(x=a["x"][:, 0].to(dtype), dt=a["dt"][:, 0].to(dtype), A=a["A"], B=a["B"][:, 0].to(dtype),
+                C=a["C"][:, 0].to(dtype), D=a["D"], z=a["z"][:, 0].to(dtype), dt_bias=a["dt_bias"])
+    pool = torch.randn(6, 40, 12).to(dtype)
+    slots = torch.tensor([5, -1, 0, 2])
+    expected_pool = pool.clone()
+    expected = ssm.selective_state_update_pool(expected_pool, slots, **args)
+    actual = triton_ssm.selective_state_update_pool(pool, slots, **args)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    _close(actual, expected, **tol)
+    _close(pool, expected_pool, **tol)
+    assert torch.equal(pool[[1, 3, 4]], expected_pool[[1, 3, 4]])
+
+
+def test_selective_pool_step_is_the_batched_step():
+    a = _scan_inputs(batch=3, seqlen=1)
+    step = dict(x=a["x"][:, 0], dt=a["dt"][:, 0], A=a["A"], B=a["B"][:, 0], C=a["C"][:, 0], D=a["D"],
+                z=a["z"][:, 0], dt_bias=a["dt_bias"])
+    pool = torch.randn(4, 6, 4)
+    slots = torch.tensor([2, 0, 3])
+    picked = pool[slots].clone()
+    expected = ssm.selective_state_update(picked, **step)
+    _close(ssm.selective_state_update_pool(pool, slots, **step), expected)
+    _close(pool[slots], picked)

@@ -1,7 +1,9 @@
 """One-token decode steps of state-space layers on state pools, in place: Mamba2's SSD step (one program per
-row, head and head_dim block) and the causal conv update (one program per row and channel block).
+row, head and head_dim block), Mamba1's selective step and the causal conv update (one program per row and
+channel block).
 
-References: pressroom.kernels.ssm.ssd_state_update_pool and causal_conv1d_update_pool. Row i of the batch steps
+References: pressroom.kernels.ssm.ssd_state_update_pool, selective_state_update_pool and
+causal_conv1d_update_pool. Row i of the batch steps
 pool[slots[i]]; a negative slot (a CUDA-graph padding row) touches no state and its output stays zero. Math in
 fp32; a state is rounded to its pool's dtype once, when it is stored.
 """
@@ -94,6 +96,72 @@ def _check(states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, B: torch.Ten
         raise ValueError(f"ssd_state_update_pool: states {tuple(states.shape)}, x {tuple(x.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)}: needs unit inner strides, B and C laid out "
                          "alike, heads divisible by n_groups and states [slots, heads, head_dim, d_state]")
+
+
+@triton.jit
+def _selective_update_kernel(state_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr,
+                             y_ptr, d_inner, d_state, stride_s_slot, stride_s_channel, stride_x_row, stride_dt_row,
+                             stride_a_channel, stride_b_row, stride_c_row, stride_z_row, stride_y_row,
+                             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                             SOFTPLUS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        states_n = tl.arange(0, BLOCK_N)
+        chan_ok = chans < d_inner
+        tile_ok = chan_ok[:, None] & (states_n < d_state)[None, :]
+
+        dt = tl.load(dt_ptr + row * stride_dt_row + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        if SOFTPLUS:
+            dt = tl.where(dt > _SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(dt)))
+        x = tl.load(x_ptr + row * stride_x_row + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + chans[:, None] * stride_a_channel + states_n[None, :], mask=tile_ok, other=0.0)
+        B = tl.load(B_ptr + row * stride_b_row + states_n, mask=states_n < d_state, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + row * stride_c_row + states_n, mask=states_n < d_state, other=0.0).to(tl.float32)
+
+        tile = state_ptr + slot * stride_s_slot + chans[:, None] * stride_s_channel + states_n[None, :]
+        h = tl.load(tile, mask=tile_ok, other=0.0).to(tl.float32)
+        h = tl.exp(dt[:, None] * A.to(tl.float32)) * h + (dt * x)[:, None] * B[None, :]
+        tl.store(tile, h.to(state_ptr.dtype.element_ty), mask=tile_ok)
+
+        y = tl.sum(h * C[None, :], 1)
+        if HAS_D:
+            y += tl.load(D_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32) * x
+        if HAS_Z:
+            z = tl.load(z_ptr + row * stride_z_row + chans, mask=chan_ok, other=0.0).to(tl.float32)
+            y = y * z / (1.0 + tl.exp(-z))
+        tl.store(y_ptr + row * stride_y_row + chans, y.to(y_ptr.dtype.element_ty), mask=chan_ok)
+
+
+def selective_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                                A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                                z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                dt_softplus: bool = True) -> torch.Tensor:
+    """states [num_slots, d_inner, d_state] stepped in place at slots [batch]; x, dt, z [batch, d_inner];
+    A [d_inner, d_state]; B, C [batch, d_state]; D, dt_bias [d_inner]. Returns y [batch, d_inner] (zeros on
+    padding rows)."""
+    batch, d_inner = x.shape
+    d_state = states.shape[-1]
+    if (states.shape[1:] != A.shape or A.shape[0] != d_inner
+            or any(t.stride(-1) != 1 for t in (states, x, dt, A, B, C) + (() if z is None else (z,)))):
+        raise ValueError(f"selective_state_update_pool: states {tuple(states.shape)}, x {tuple(x.shape)}, "
+                         f"A {tuple(A.shape)}: needs states [slots, d_inner, d_state] matching A, unit inner strides")
+    y = torch.zeros_like(x)
+    if batch == 0:
+        return y
+    block_n = triton.next_power_of_2(d_state)
+    block_d = max(1, min(triton.next_power_of_2(d_inner), 4096 // block_n))
+    zz = x if z is None else z  # a placeholder pointer when there is no gate
+    _selective_update_kernel[(batch, triton.cdiv(d_inner, block_d))](
+        states, slots, x, dt, A, B, C, A if D is None else D, zz, A if dt_bias is None else dt_bias, y,
+        d_inner, d_state, states.stride(0), states.stride(1), x.stride(0), dt.stride(0), A.stride(0),
+        B.stride(0), C.stride(0), zz.stride(0), y.stride(0),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
+    return y
 
 
 @triton.jit
