@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 SSD_CHUNK_SIZE = 256
+DT_LIMIT = (0.0, float("inf"))  # Mamba2's default clamp of dt after softplus: none in effect
 SCAN_CHUNK_SIZE = 128  # Mamba1: tokens whose decays are materialized at once ([batch, L, d_inner, d_state] fp32)
 
 
@@ -101,14 +102,15 @@ def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torc
 # ---------------------------------------------------------------- Mamba1 selective scan
 
 def _time_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
-               limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
-    """dt in fp32 after its bias, softplus and clamp: the one place the time step is discretized."""
+               limit: tuple[float, float] | None = None) -> torch.Tensor:
+    """dt in fp32 after its bias, softplus and clamp (Mamba2 clamps, Mamba1 does not): the one place the time step
+    is discretized."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     if softplus:
         dt = F.softplus(dt)
-    if limit != (0.0, float("inf")):
+    if limit is not None:
         dt = dt.clamp(min=limit[0], max=limit[1])
     return dt
 
@@ -214,7 +216,7 @@ def _segment_sum(log_decay: torch.Tensor) -> torch.Tensor:
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-                dt_limit: tuple[float, float] = (0.0, float("inf")), initial_state: torch.Tensor | None = None,
+                dt_limit: tuple[float, float] = DT_LIMIT, initial_state: torch.Tensor | None = None,
                 chunk_size: int = SSD_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2 prefill. x [batch, seqlen, heads, head_dim]; dt [batch, seqlen, heads]; A [heads];
     B, C [batch, seqlen, n_groups, d_state]; initial_state [batch, heads, head_dim, d_state] (None: zeros).
@@ -260,7 +262,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      C: torch.Tensor, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                      dt_softplus: bool = True,
-                     dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+                     dt_limit: tuple[float, float] = DT_LIMIT) -> torch.Tensor:
     """Mamba2 one-token step. x [batch, heads, head_dim]; dt [batch, heads]; B, C [batch, n_groups, d_state];
     state [batch, heads, head_dim, d_state] is updated in place. Returns y [batch, heads, head_dim]."""
     heads = x.shape[1]
@@ -278,7 +280,7 @@ def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
 def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
                           A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                           dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-                          dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+                          dt_limit: tuple[float, float] = DT_LIMIT) -> torch.Tensor:
     """ssd_state_update on a state pool [num_slots, heads, head_dim, d_state]: row i steps states[slots[i]] in
     place; a negative slot is padding (its output is zeros, no state is touched). The reference of the Triton
     kernel."""
@@ -295,7 +297,7 @@ def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Te
 def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                cu_seqlens: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, D: torch.Tensor | None = None,
                dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-               dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = SSD_CHUNK_SIZE) -> torch.Tensor:
+               dt_limit: tuple[float, float] = DT_LIMIT, chunk_size: int = SSD_CHUNK_SIZE) -> torch.Tensor:
     """Packed Mamba2 prefill: x [num_tokens, heads, head_dim], dt [num_tokens, heads], B, C [num_tokens, n_groups,
     d_state]; sequence i starts from states[slots[i]] and leaves its final state there."""
     y = torch.zeros_like(x)
@@ -365,7 +367,7 @@ class Mamba2Weights:
     d_state: int
     norm_eps: float = 1e-6
     chunk_size: int = SSD_CHUNK_SIZE
-    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    dt_limit: tuple[float, float] = DT_LIMIT
 
 
 def mamba1_mixer_forward(hidden: torch.Tensor, w: Mamba1Weights, conv_state: torch.Tensor,

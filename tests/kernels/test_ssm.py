@@ -143,6 +143,19 @@ def test_ssd_chunks_equal_the_step_recurrence(chunk_size: int):
     _close(final, state, atol=1e-4, rtol=1e-4)
 
 
+def test_ssd_chunks_clamp_dt_as_the_step_does():
+    a = _ssd_inputs()
+    y, final = ssm.ssd_chunked(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], dt_limit=(0.2, 0.9),
+                               chunk_size=4)
+    state = torch.zeros(2, 4, 3, 5)
+    steps = [ssm.ssd_state_update(state, a["x"][:, t], a["dt"][:, t], a["A"], a["B"][:, t], a["C"][:, t], a["D"],
+                                  a["dt_bias"], dt_limit=(0.2, 0.9)) for t in range(13)]
+    _close(y, torch.stack(steps, 1), atol=1e-4, rtol=1e-4)
+    _close(final, state, atol=1e-4, rtol=1e-4)
+    unclamped, _ = ssm.ssd_chunked(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], chunk_size=4)
+    assert not torch.allclose(y, unclamped)
+
+
 def test_ssd_continued_from_a_mid_state_equals_the_whole_run():
     a = _ssd_inputs()
     args = lambda part: (a["x"][:, part], a["dt"][:, part], a["A"], a["B"][:, part], a["C"][:, part],  # noqa: E731
@@ -305,8 +318,9 @@ def _pool_step_inputs(batch: int, heads: int, head_dim: int, groups: int, d_stat
     return states, args
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_ssd_pool_step_matches_torch(dtype: torch.dtype):
+@pytest.mark.parametrize("dtype,dt_limit", [(torch.float32, ssm.DT_LIMIT), (torch.bfloat16, ssm.DT_LIMIT),
+                                            (torch.float32, (0.2, 0.9))])
+def test_triton_ssd_pool_step_matches_torch(dtype: torch.dtype, dt_limit: tuple[float, float]):
     from pressroom.kernels import triton as triton_kernels
     if not triton_kernels.available():
         pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
@@ -314,8 +328,8 @@ def test_triton_ssd_pool_step_matches_torch(dtype: torch.dtype):
     states, args = _pool_step_inputs(batch=4, heads=4, head_dim=24, groups=2, d_state=12, slots=6, dtype=dtype)
     slots = torch.tensor([5, -1, 0, 2])  # out of order, one padding row
     expected_states = states.clone()
-    expected = ssm.ssd_state_update_pool(expected_states, slots, **args)
-    actual = triton_ssm.ssd_state_update_pool(states, slots, **args)
+    expected = ssm.ssd_state_update_pool(expected_states, slots, **args, dt_limit=dt_limit)
+    actual = triton_ssm.ssd_state_update_pool(states, slots, **args, dt_limit=dt_limit)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     _close(actual, expected, **tol)
     _close(states, expected_states, **tol)

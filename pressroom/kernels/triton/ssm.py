@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pressroom.kernels.ssm import DT_LIMIT
+
 _SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: above it, softplus(x) == x
 
 
@@ -64,7 +66,7 @@ def _ssd_state_update_kernel(state_ptr, slot_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C
 def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
                           A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                           dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-                          dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+                          dt_limit: tuple[float, float] = DT_LIMIT) -> torch.Tensor:
     """states [num_slots, heads, head_dim, d_state] stepped in place at slots [batch]; x [batch, heads, head_dim];
     dt [batch, heads]; A, D, dt_bias [heads]; B, C [batch, n_groups, d_state]. Returns y [batch, heads, head_dim]
     (zeros on padding rows)."""
