@@ -405,3 +405,33 @@ def test_selective_pool_step_is_the_batched_step():
     expected = ssm.selective_state_update(picked, **step)
     _close(ssm.selective_state_update_pool(pool, slots, **step), expected)
     _close(pool[slots], picked)
+
+
+def _bf16(weights):
+    """The same mixer weights rounded to bf16 (the dataclass's ints and floats kept)."""
+    fields = {k: v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in vars(weights).items()}
+    return type(weights)(**fields)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mixers_in_bf16_follow_fp32(version: int):
+    torch.manual_seed(0)
+    if version == 1:
+        mixer = MambaMixer(MambaConfig(hidden_size=16, state_size=4, intermediate_size=32, conv_kernel=4,
+                                       time_step_rank=4, num_hidden_layers=1, vocab_size=16), 0)
+        forward, weights, shapes = ssm.mamba1_mixer_forward, _mamba1_weights(mixer), ((2, 32, 3), (2, 32, 4))
+    else:
+        mixer = Mamba2Mixer(Mamba2Config(hidden_size=16, num_heads=8, head_dim=4, state_size=4, n_groups=2,
+                                         conv_kernel=4, chunk_size=4, num_hidden_layers=1, vocab_size=16), 0)
+        forward, weights, shapes = ssm.mamba2_mixer_forward, _mamba2_weights(mixer), ((2, 48, 3), (2, 8, 4, 4))
+    _randomize(mixer)
+    prompt, decode = torch.randn(2, 9, 16), torch.randn(2, 2, 16)
+    with torch.no_grad():
+        expected = _run_ours(forward, weights, torch.zeros(shapes[0]), torch.zeros(shapes[1]), prompt, decode)
+        actual = _run_ours(forward, _bf16(weights), torch.zeros(shapes[0], dtype=torch.bfloat16),
+                           torch.zeros(shapes[1]), prompt.bfloat16(), decode.bfloat16())
+    for a, e in zip(actual[:-1], expected[:-1]):
+        assert a.dtype == torch.bfloat16
+        _close(a, e, atol=0.1, rtol=0.05)
+    _close(actual[-1], expected[-1], atol=0.1, rtol=0.05)
