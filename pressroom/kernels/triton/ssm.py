@@ -15,7 +15,7 @@ import triton.language as tl
 
 from pressroom.kernels.ssm import DT_LIMIT
 
-_SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: above it, softplus(x) == x
+_SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's F.softplus default: above it, softplus(x) == x
 
 
 @triton.jit
