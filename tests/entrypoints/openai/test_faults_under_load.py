@@ -29,7 +29,9 @@ WHOLE = 8  # non-streamed requests beside them
 ENDED_WITHIN_S = 5.0  # a request ends this soon after the core's death
 SHUTDOWN_TIMEOUT_S = 2.0
 
-pytestmark = pytest.mark.timeout(180)
+# slow: two servers under 40 requests each (77 s on 2 cores); test_core_process.py keeps the same faults with 3
+# requests in the default suite
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _post_whole(url: str, result: dict) -> None:
