@@ -312,7 +312,8 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float,
                    group_size: int) -> torch.Tensor:
     """Mamba2's norm: RMSNorm of x * silu(z) over groups of group_size channels (d_inner // n_groups), in fp32;
-    rounded to x's dtype before the weight, as HF's Mamba2RMSNormGated does."""
+    rounded to x's dtype before the weight, as HF's Mamba2RMSNormGated does. Per group as mamba_ssm's Mamba2:
+    older transformers (5.17, the GPU image's) normalize over all of d_inner, so differ wherever n_groups > 1."""
     h = x.float()
     if z is not None:
         h = h * F.silu(z.float())

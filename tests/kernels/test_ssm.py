@@ -210,6 +210,9 @@ def test_gated_rms_norm_matches_hf():
 def _run_hf(mixer: torch.nn.Module, config, prompt: torch.Tensor, decode: torch.Tensor) -> list[torch.Tensor]:
     cache = DynamicCache(config=config)
     outs = [mixer(prompt, cache=cache)]
+    # transformers before the `cache` keyword (5.17, the GPU image's, says `cache_params`) swallows it in **kwargs
+    # and decodes from a zero state: fail on the oracle, not as a ~0.1 mismatch of ours
+    assert cache.layers[0].recurrent_states[0] is not None, "HF's mixer ignored the cache: transformers too old"
     outs += [mixer(decode[:, t:t + 1], cache=cache) for t in range(decode.shape[1])]
     return outs + [cache.layers[0].recurrent_states[0]]
 
@@ -247,14 +250,15 @@ def _randomize(module: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("use_bias", [False, True])
-def test_mamba1_mixer_matches_hf_prefill_and_decode(use_bias: bool):
+@pytest.mark.parametrize("use_bias,prompt_len", [(False, 7), (True, 7), (False, ssm.SCAN_CHUNK_SIZE + 3)])
+def test_mamba1_mixer_matches_hf_prefill_and_decode(use_bias: bool, prompt_len: int):
+    """The longer prompt spans two scan chunks, the second partial: its final states feed the decode steps."""
     torch.manual_seed(0)
     config = MambaConfig(hidden_size=16, state_size=4, intermediate_size=32, conv_kernel=4, time_step_rank=4,
                          num_hidden_layers=1, vocab_size=16, use_bias=use_bias)
     mixer = MambaMixer(config, 0).eval()
     _randomize(mixer)
-    prompt, decode = torch.randn(2, 7, 16), torch.randn(2, 3, 16)
+    prompt, decode = torch.randn(2, prompt_len, 16), torch.randn(2, 3, 16)
     with torch.no_grad():
         expected = _run_hf(mixer, config, prompt, decode)
         actual = _run_ours(ssm.mamba1_mixer_forward, _mamba1_weights(mixer), torch.zeros(2, 32, 3),
