@@ -120,6 +120,18 @@ def _decode_parity(mixer, config, forward, weights, conv_state, ssm_state, hidde
     _close(ssm_state, cache.layers[0].recurrent_states[0], tol)
 
 
+def _hf_before_5_25() -> bool:
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) < (5, 25)
+
+
+# The GPU image ships transformers 5.17, whose mixers take `cache_params=` (a `cache=` is dropped: HF decodes from
+# zero) and whose Mamba2 gated norm ignores n_groups; the CPU suite checks parity against 5.25.
+OLD_HF = pytest.mark.skipif(_hf_before_5_25(), reason="HF's Mamba mixers before 5.25 are not this oracle (see above)")
+
+
+@OLD_HF
 def test_mamba2_mixer_matches_hf_on_cuda():
     torch.manual_seed(0)
     config = Mamba2Config(hidden_size=2048, num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4,
@@ -135,6 +147,7 @@ def test_mamba2_mixer_matches_hf_on_cuda():
                    torch.zeros(2, 64, 64, 128, device="cuda"), 2048, 1e-3)
 
 
+@OLD_HF
 def test_mamba1_mixer_matches_hf_on_cuda():
     torch.manual_seed(0)
     config = MambaConfig(hidden_size=2560, state_size=16, intermediate_size=5120, conv_kernel=4, time_step_rank=160,
