@@ -1,6 +1,8 @@
 """Greedy tokens and prompt logprobs equal HF transformers' on the same weights (fp32)."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
@@ -27,7 +29,9 @@ def test_tiny_random_models_match_hf(arch, tiny_model_dir):
     path = tiny_model_dir(arch)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
-    _check(llm, hf_model, random_prompts(3, seed=hash(arch) % 1000))
+    # a fixed seed per arch (str hash() changes with each process): tiny random models' flat logits can hold a
+    # near-tie that fp32 rounding flips, so each run must check the same prompts
+    _check(llm, hf_model, random_prompts(3, seed=zlib.crc32(arch.encode()) % 1000))
 
 
 @pytest.fixture(scope="module")
