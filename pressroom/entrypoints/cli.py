@@ -145,7 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    server = serve.add_argument_group("server")
+    _add_server_args(serve.add_argument_group("server"))
+    _add_browser_args(serve.add_argument_group("browsers (a list: JSON, as vLLM takes it, or comma-separated)"))
+    add_limit_args(serve.add_argument_group("admission limits: what one request may cost (docs/LIMITS.md); "
+                                            "over one, a 400 naming the field"))
+    _add_log_args(serve.add_argument_group("logging"))
+    add_engine_args(serve)
+
+
+def _add_server_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--host", default=_server_default("host"), help="address to listen on")
     server.add_argument("--port", type=int, default=_server_default("port"), help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
@@ -187,7 +195,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="how tool calls are written in the model's output: hermes (<tool_call>{json}"
                              "</tool_call>, Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON calls)")
-    browsers = serve.add_argument_group("browsers (a list: JSON, as vLLM takes it, or comma-separated)")
+
+
+def _add_browser_args(browsers: argparse._ArgumentGroup) -> None:
     browsers.add_argument("--allowed-origins", type=_string_list, default=None,
                           help='origins besides the server\'s own whose pages may call it (CORS), e.g. '
                                '\'["http://a.example"]\'; "*": any. Others get no CORS headers, and a 403 for a '
@@ -202,9 +212,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                           help="Host header names answered, any port (\"*\": any; others get a 400), against DNS "
                                "rebinding (default: localhost, 127.0.0.1 and [::1] when --host is a loopback "
                                "address, any otherwise)")
-    add_limit_args(serve.add_argument_group("admission limits: what one request may cost (docs/LIMITS.md); "
-                                            "over one, a 400 naming the field"))
-    logs = serve.add_argument_group("logging")
+
+
+def _add_log_args(logs: argparse._ArgumentGroup) -> None:
     logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     logs.add_argument("--log-stats-interval", type=float, default=_server_default("log_stats_interval"),
@@ -212,7 +222,6 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     logs.add_argument("--uvicorn-log-level", default=_server_default("uvicorn_log_level"), choices=UVICORN_LOG_LEVELS,
                       help="uvicorn's own log level")
     logs.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log")
-    add_engine_args(serve)
 
 
 def _server_default(name: str) -> Any:
