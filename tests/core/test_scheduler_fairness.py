@@ -4,11 +4,11 @@ runs within a step or two, while the group still completes in its own order."""
 from __future__ import annotations
 
 import pytest
+from test_scheduler import _step
 
 from pressroom import LLMEngine, SamplingParams
 from pressroom.config import EngineArgs, SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
-from pressroom.core.outputs import ModelRunnerOutput
 from pressroom.core.request import Request
 from pressroom.core.scheduler import Scheduler
 
@@ -17,15 +17,6 @@ def _scheduler(max_num_seqs: int, budget: int = 512, policy: str = "fcfs", block
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=4096,
                              policy=policy)
     return Scheduler(config, KVCacheManager(blocks, 16, enable_caching=True))
-
-
-def _step(sched: Scheduler) -> dict[str, int]:
-    """One scheduled step, token 7 sampled for every request that reached its end."""
-    out = sched.schedule()
-    sampled = {rid: [7] for rid in out.num_scheduled_tokens
-               if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens}
-    sched.update_from_output(out, ModelRunnerOutput(sampled))
-    return out.num_scheduled_tokens
 
 
 def _fan_out(sched: Scheduler, name: str, n: int, max_tokens: int, arrival: float, priority: int = 0,

@@ -284,9 +284,9 @@ def test_mamba2_mixer_matches_hf_prefill_and_decode(chunk_size: int, n_groups: i
         _close(a, e, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_mixer_prefill_in_two_calls_equals_one(version: int):
-    """Chunked prefill: the conv and SSM states carried across calls give the outputs of one whole prefill."""
+def _tiny_mixer(version: int):
+    """A tiny random HF Mamba (1) or Mamba2 (2) mixer, our forward for it, its weights and its two states' shapes
+    (conv, SSM) for a batch of 2."""
     torch.manual_seed(0)
     if version == 1:
         mixer = MambaMixer(MambaConfig(hidden_size=16, state_size=4, intermediate_size=32, conv_kernel=4,
@@ -297,6 +297,13 @@ def test_mixer_prefill_in_two_calls_equals_one(version: int):
                                          conv_kernel=4, chunk_size=4, num_hidden_layers=1, vocab_size=16), 0)
         forward, weights, shapes = ssm.mamba2_mixer_forward, _mamba2_weights(mixer), ((2, 48, 3), (2, 8, 4, 4))
     _randomize(mixer)
+    return mixer, forward, weights, shapes
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mixer_prefill_in_two_calls_equals_one(version: int):
+    """Chunked prefill: the conv and SSM states carried across calls give the outputs of one whole prefill."""
+    mixer, forward, weights, shapes = _tiny_mixer(version)
     prompt = torch.randn(2, 13, 16)
     with torch.no_grad():
         whole_conv, whole_ssm = torch.zeros(shapes[0]), torch.zeros(shapes[1])
@@ -420,16 +427,7 @@ def _bf16(weights):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_mixers_in_bf16_follow_fp32(version: int):
-    torch.manual_seed(0)
-    if version == 1:
-        mixer = MambaMixer(MambaConfig(hidden_size=16, state_size=4, intermediate_size=32, conv_kernel=4,
-                                       time_step_rank=4, num_hidden_layers=1, vocab_size=16), 0)
-        forward, weights, shapes = ssm.mamba1_mixer_forward, _mamba1_weights(mixer), ((2, 32, 3), (2, 32, 4))
-    else:
-        mixer = Mamba2Mixer(Mamba2Config(hidden_size=16, num_heads=8, head_dim=4, state_size=4, n_groups=2,
-                                         conv_kernel=4, chunk_size=4, num_hidden_layers=1, vocab_size=16), 0)
-        forward, weights, shapes = ssm.mamba2_mixer_forward, _mamba2_weights(mixer), ((2, 48, 3), (2, 8, 4, 4))
-    _randomize(mixer)
+    mixer, forward, weights, shapes = _tiny_mixer(version)
     prompt, decode = torch.randn(2, 9, 16), torch.randn(2, 2, 16)
     with torch.no_grad():
         expected = _run_ours(forward, weights, torch.zeros(shapes[0]), torch.zeros(shapes[1]), prompt, decode)

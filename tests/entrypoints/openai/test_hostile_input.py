@@ -32,6 +32,7 @@ import httpx
 import pytest
 from conftest import tiny_args
 from serving import pid_serving, serve
+from test_edge_validation import SURROGATE_BODIES
 
 from pressroom.entrypoints.openai.chat_template import RENDER_TIMEOUT_S, RENDER_WORKERS
 
@@ -647,13 +648,7 @@ def test_a_header_past_int64_or_not_ascii_is_a_400(server, route, header, value)
     assert_json_error(r, 400, seconds, header)
 
 
-SURROGATE_BODIES = {  # a lone UTF-16 surrogate (JSON's \ud800) in `model`: was a 500 (UnicodeEncodeError)
-    "/v1/chat/completions": '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}',
-    "/v1/completions": '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}',
-    "/v1/embeddings": '{"model": "\\ud800", "input": "hi"}',
-    "/tokenize": '{"model": "\\udfff", "prompt": "hi"}',
-    "/score": '{"model": "\\ud800", "text_1": "a", "text_2": "b"}',
-}
+# SURROGATE_BODIES (test_edge_validation): a lone UTF-16 surrogate in `model` was a 500 (UnicodeEncodeError)
 
 
 @pytest.mark.parametrize("path", SURROGATE_BODIES)
