@@ -57,8 +57,9 @@ def test_bench_serve_random_dataset_max_concurrency(server, tmp_path):
     assert r["prompt_source"] == "token ids via /detokenize" and r["max_concurrency"] == 3
     # prompts re-tokenize to the requested length (plus a BOS, if the model adds one)
     assert all(in_len <= n <= in_len + 1 for n in r["input_lens"]), r["input_lens"]
-    # a chunk per token, unless the server coalesced tokens produced faster than it could send them
-    assert all(1 <= len(gaps) <= out_len - 1 for gaps in r["itls"]), r["itls"]
+    # a chunk per token, unless the server coalesced tokens produced faster than it could send them (all 8 in one
+    # chunk, no gap, has been seen on a loaded machine); never more chunks than tokens
+    assert all(len(gaps) <= out_len - 1 for gaps in r["itls"]) and any(r["itls"]), r["itls"]
 
 
 def test_bench_serve_jsonl_chat_at_a_request_rate(server, tmp_path):
