@@ -10,9 +10,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pressroom.attention.state import StateMetadata
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class AttentionMetadata:
     max_query_len: int = 0
     num_kv_splits: int = 1  # split-KV partitions per decode (flash-decoding), chosen by the backend's builder
     plan: object = None  # a backend's per-step precomputation, made by the first layer and reused by the rest
+    state: StateMetadata | None = None  # recurrent layers' slots and rounds (models with a recurrent state)
 
 
 class AttentionMetadataBuilder:

@@ -1,6 +1,8 @@
 """Architecture name -> model class."""
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
 from pressroom.model.models.bert import BertModel
@@ -26,19 +28,29 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
 }
+# Families with a recurrent state per layer (model/layers/state.py): imported when a config names them.
+_RECURRENT: dict[str, str] = {
+    "MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba", "Qwen3NextForCausalLM": "qwen3_next",
+    "KimiLinearForCausalLM": "kimi_linear", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
+}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM",
-                "bert": "BertModel"}
+                "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
+                "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
+                "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
 
 
 def resolve_architecture(hf_config) -> type[nn.Module]:
     names = list(getattr(hf_config, "architectures", None) or [])
     names.append(_MODEL_TYPES.get(getattr(hf_config, "model_type", ""), ""))
     for name in names:
+        if name in _RECURRENT:
+            module = importlib.import_module(f"pressroom.model.models.{_RECURRENT[name]}")
+            return getattr(module, name)
         if name in _ARCHITECTURES:
             if name == "Qwen2ForCausalLM":
                 hf_config.attention_bias = True  # Qwen2 always biases q, k and v
@@ -46,5 +58,5 @@ def resolve_architecture(hf_config) -> type[nn.Module]:
                 hf_config.attention_bias = bool(getattr(hf_config, "qkv_bias", True))
             return _ARCHITECTURES[name]
     raise ValueError(f"Model architecture {names[0] or hf_config.model_type!r} is not supported; "
-                     f"supported: {', '.join(_ARCHITECTURES)}.")
+                     f"supported: {', '.join([*_ARCHITECTURES, *_RECURRENT])}.")
 
