@@ -1,0 +1,79 @@
+"""The Triton recurrent prefill kernels (chunked gated delta rule, Mamba2 SSD, Mamba1 selective scan, causal conv)
+equal their torch references in pressroom.kernels over packed batches of mixed lengths with slot-indexed state
+pools: nonzero initial states, a one-token sequence, lengths that are not a multiple of the chunk, an empty
+sequence and padding (negative) slots. Run on the CPU by Triton's interpreter with tiny shapes (tests/conftest.py
+sets TRITON_INTERPRET=1 where CUDA is absent)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
+
+from pressroom.kernels import delta_rule as dr
+from pressroom.kernels import triton as triton_kernels
+from pressroom.kernels.triton import delta_rule_chunk
+
+pytestmark = pytest.mark.skipif(not triton_kernels.available(),
+                                reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+# per sequence: (tokens, slot); -1 is a padding entry. 64 + 1, 1, 0 (empty), 70, 3 (padding), 64
+LENGTHS_SLOTS = [(65, 5), (1, 0), (0, 2), (70, 3), (3, -1), (64, 6)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tol, rtol=tol)
+
+
+def _packing(spec: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([n for n, _ in spec])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    return cu.to(DEVICE), torch.tensor([s for _, s in spec], dtype=torch.int32, device=DEVICE)
+
+
+def _delta_inputs(tokens: int, h_k: int, h_v: int, d_k: int, d_v: int, per_channel: bool, dtype: torch.dtype,
+                  num_slots: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_shape = (tokens, h_v, d_k) if per_channel else (tokens, h_v)
+    x = {"q": torch.randn(tokens, h_k, d_k, generator=gen), "k": torch.randn(tokens, h_k, d_k, generator=gen),
+         "v": torch.randn(tokens, h_v, d_v, generator=gen),
+         "g": F.logsigmoid(torch.randn(gate_shape, generator=gen) + 2.0),
+         "beta": torch.rand(tokens, h_v, generator=gen)}
+    x = {name: t.to(dtype).to(DEVICE) for name, t in x.items()}
+    x["states"] = (torch.randn(num_slots, h_v, d_k, d_v, generator=gen) * 0.5).to(DEVICE)
+    return x
+
+
+def _delta_reference(x: dict[str, torch.Tensor], cu: torch.Tensor,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch chunked form on the live sequences, their outputs scattered back and states written to a copy of
+    the pool; padding sequences' tokens zero."""
+    bounds, slot_ids = cu.tolist(), slots.tolist()
+    out = torch.zeros_like(x["v"])
+    pool = x["states"].clone()
+    live = [i for i, s in enumerate(slot_ids) if s >= 0]
+    tokens = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in live]).to(DEVICE)
+    lengths = torch.tensor([bounds[i + 1] - bounds[i] for i in live])
+    live_cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(DEVICE)
+    picked = torch.tensor([slot_ids[i] for i in live], device=DEVICE)
+    o, final = dr.chunk_gated_delta_rule(x["q"][tokens], x["k"][tokens], x["v"][tokens], x["g"][tokens],
+                                         x["beta"][tokens], initial_state=pool[picked], cu_seqlens=live_cu)
+    out[tokens] = o
+    pool[picked] = final.to(pool.dtype)
+    return out, pool
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_delta_rule_varlen_equals_torch(per_channel: bool, dtype: torch.dtype) -> None:
+    cu, slots = _packing(LENGTHS_SLOTS)
+    x = _delta_inputs(int(cu[-1]), h_k=1, h_v=2, d_k=16, d_v=32, per_channel=per_channel, dtype=dtype, num_slots=8)
+    expected_out, expected_pool = _delta_reference(x, cu, slots)
+    pool = x.pop("states")
+    out = delta_rule_chunk.chunk_delta_rule_varlen(**x, cu_seqlens=cu, states=pool, slots=slots)
+    assert out.dtype == dtype
+    _close(out, expected_out, TOL[dtype])
+    _close(pool, expected_pool, TOL[torch.float32] if dtype == torch.float32 else 1e-3)
