@@ -92,3 +92,54 @@ def test_kda_layer_matches_hf_over_chunked_prefill_and_decodes(tiny_pair):
         out = run_step(layer, x, [(slots[i], n) for i, _, n in step], decodes)
         want = torch.cat([expected[i][start:start + n] for i, start, n in step])
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def run_model_step(model, tokens: list[torch.Tensor], starts: list[int], slots: list[int], num_decodes: int,
+                   block_size: int = 16) -> torch.Tensor:
+    """One engine step of the whole model, caches bound by the caller: request i feeds `tokens[i]` from position
+    `starts[i]`; request i's KV blocks are [i * 16, (i + 1) * 16). Returns the logits of every token."""
+    qsl, positions, slot_mapping = [0], [], []
+    for i, (t, start) in enumerate(zip(tokens, starts)):
+        qsl.append(qsl[-1] + len(t))
+        pos = torch.arange(start, start + len(t))
+        positions.append(pos)
+        slot_mapping.append((i * 16 + pos // block_size) * block_size + pos % block_size)
+    lens = [start + len(t) for t, start in zip(tokens, starts)]
+    meta = AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                             slot_mapping=torch.cat(slot_mapping), seq_lens=torch.tensor(lens),
+                             block_tables=torch.arange(16 * len(tokens)).view(len(tokens), 16),
+                             query_start_loc=qsl, seq_lens_host=lens,
+                             state=StateMetadata.one_round(qsl, slots, "cpu", num_decodes))
+    with forward_context(meta), torch.no_grad():
+        return model.compute_logits(model(torch.cat(tokens), torch.cat(positions)))
+
+
+def bind_caches(model, block_size: int = 16) -> None:
+    from pressroom.attention.torch_ref import TorchAttentionBackend
+    from pressroom.model.layers.attention import Attention
+    from pressroom.model.layers.state import RecurrentLayer
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_cache = torch.zeros(module.cache_shape(64, block_size))
+            module.backend = TorchAttentionBackend()
+        elif isinstance(module, RecurrentLayer):
+            module.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)
+                                for name, s in module.state_shapes().items()})
+
+
+def test_whole_model_logits_match_hf_over_prefill_and_decodes(tiny_pair):
+    """Two prompts (30 and 100 tokens) prefilled in one step, then three decode steps: every token's logits
+    equal HF's forward over the whole sequences (KDA states, the NoPE MLA's latent cache and the MoE)."""
+    hf_model, ours, _ = tiny_pair
+    bind_caches(ours)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(100, 49000, (n,), generator=gen) for n in (33, 103)]
+    with torch.no_grad():
+        expected = [hf_model(s.unsqueeze(0)).logits[0] for s in seqs]
+    got = run_model_step(ours, [seqs[0][:30], seqs[1][:100]], [0, 0], [2, 4], 0)
+    torch.testing.assert_close(got, torch.cat([expected[0][:30], expected[1][:100]]), atol=1e-4, rtol=1e-4)
+    for pos in range(3):
+        got = run_model_step(ours, [seqs[0][30 + pos:31 + pos], seqs[1][100 + pos:101 + pos]], [30 + pos, 100 + pos],
+                             [2, 4], 2)
+        torch.testing.assert_close(got, torch.stack([expected[0][30 + pos], expected[1][100 + pos]]),
+                                   atol=1e-4, rtol=1e-4)
