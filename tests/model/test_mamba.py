@@ -12,6 +12,7 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mi
 
 from pressroom.attention.backend import AttentionMetadata, forward_context  # noqa: E402
 from pressroom.attention.state import StateMetadata  # noqa: E402
+from pressroom.model.layers.state import RecurrentLayer  # noqa: E402
 from pressroom.model.models.mamba import Mamba1Mixer, Mamba2Mixer  # noqa: E402
 
 HIDDEN = 16
@@ -26,36 +27,44 @@ STEPS = [[("a", 7), ("b", 9)],
          [("c", 1), ("a", 1), ("b", 1)]]
 
 
-def _decode_counts() -> dict[str, int]:
-    counts = {name: -length for name, (_, length) in REQUESTS.items()}
-    for step in STEPS:
+def _decode_counts(requests: dict[str, tuple[int, int]], steps: list) -> dict[str, int]:
+    """Tokens each request runs past its prompt."""
+    counts = {name: -length for name, (_, length) in requests.items()}
+    for step in steps:
         for name, n in step:
             counts[name] += n
     return counts
 
 
-def _metadata(step: list[tuple[str, int]], num_decodes: int) -> AttentionMetadata:
+def _metadata(step: list[tuple[str, int]], slots: list[int], num_decodes: int) -> AttentionMetadata:
     qsl = [0]
     for _, n in step:
         qsl.append(qsl[-1] + n)
-    slots = [REQUESTS[name][0] for name, _ in step]
     return AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes, slot_mapping=torch.empty(0),
                              block_tables=torch.empty(0), seq_lens=torch.empty(0), query_start_loc=qsl,
                              seq_lens_host=[], state=StateMetadata.one_round(qsl, slots, "cpu", num_decodes))
 
 
-def _run_ours(mixer, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each request's outputs over its whole token stream, the steps run as the engine packs them."""
-    mixer.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)
-                       for name, s in mixer.state_shapes().items()})
-    done = {name: 0 for name in REQUESTS}
-    outs: dict[str, list[torch.Tensor]] = {name: [] for name in REQUESTS}
-    for step in STEPS:
-        num_decodes = sum(1 for name, n in step if n == 1 and done[name] >= REQUESTS[name][1])
+def _bind_fresh_states(model: torch.nn.Module) -> list[RecurrentLayer]:
+    layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+    for layer in layers:
+        layer.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)
+                           for name, s in layer.state_shapes().items()})
+    return layers
+
+
+def _run_steps(forward, inputs: dict[str, torch.Tensor], requests: dict[str, tuple[int, int]],
+               steps: list) -> dict[str, torch.Tensor]:
+    """Each request's outputs over its whole input stream, the steps run as the engine packs them (decodes
+    first, each request at its slot)."""
+    done = {name: 0 for name in requests}
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name in requests}
+    for step in steps:
+        num_decodes = sum(1 for name, n in step if n == 1 and done[name] >= requests[name][1])
         assert all(n == 1 for _, n in step[:num_decodes])
         tokens = torch.cat([inputs[name][done[name]:done[name] + n] for name, n in step])
-        with forward_context(_metadata(step, num_decodes)):
-            y = mixer(tokens)
+        with forward_context(_metadata(step, [requests[name][0] for name, _ in step], num_decodes)):
+            y = forward(tokens)
         for (name, n), part in zip(step, y.split([n for _, n in step])):
             outs[name].append(part)
             done[name] += n
@@ -89,13 +98,14 @@ def _randomize(module: torch.nn.Module) -> None:
 def _check_against_hf(hf_mixer, config, ours) -> None:
     _randomize(hf_mixer)
     ours.load_state_dict(hf_mixer.state_dict())
-    counts = _decode_counts()
+    counts = _decode_counts(REQUESTS, STEPS)
     g = torch.Generator().manual_seed(7)
     inputs = {name: torch.randn(length + counts[name], HIDDEN, generator=g)
               for name, (_, length) in REQUESTS.items()}
     with torch.no_grad():
         expected, hf_states = _run_hf(hf_mixer, config, inputs)
-        actual = _run_ours(ours, inputs)
+        _bind_fresh_states(ours)
+        actual = _run_steps(ours, inputs, REQUESTS, STEPS)
     for name, (slot, _) in REQUESTS.items():
         torch.testing.assert_close(actual[name], expected[name], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ours.states["ssm"][slot], hf_states[name], atol=1e-4, rtol=1e-4)
@@ -120,3 +130,64 @@ def test_mamba2_mixer_matches_hf_over_packed_steps(n_groups: int, chunk_size: in
                           conv_kernel=4, chunk_size=chunk_size, num_hidden_layers=1, vocab_size=16, expand=2,
                           use_conv_bias=True, time_step_limit=dt_limit)
     _check_against_hf(HFMamba2Mixer(config, 0).eval(), config, Mamba2Mixer(config))
+
+
+# ---------------------------------------------------------------- whole models from HF checkpoints
+
+VOCAB = 49152  # the tiny tokenizer's (tests/conftest.py)
+
+
+def tiny_mamba_config(version: int):
+    """Mamba1 ties its head to the embedding (HF's default), Mamba2 does not; Mamba2's 16-token chunks put the
+    longer prompts over several of them."""
+    if version == 1:
+        return MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2, conv_kernel=4,
+                           expand=2, use_conv_bias=True, residual_in_fp32=True, tie_word_embeddings=True)
+    return Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                        expand=2, conv_kernel=4, chunk_size=16, num_hidden_layers=2, tie_word_embeddings=False)
+
+
+def save_tiny_mamba(version: int, path: str) -> torch.nn.Module:
+    """A tiny random HF Mamba (1) or Mamba2 (2) saved at `path`, with random norms, D and conv biases so that
+    every parameter shows in the logits; returns the HF model."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_mamba_config(version), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith((".D", "conv1d.bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model
+
+
+# request -> (slot, prompt length); the long prompt comes in two chunks, the second beside a decode
+MODEL_REQUESTS = {"a": (2, 5), "b": (5, 45), "c": (4, 17)}
+MODEL_STEPS = [[("a", 5), ("b", 20)], [("a", 1), ("b", 25), ("c", 17)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 3
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_model_loads_hf_checkpoint_and_matches_hf_logits(version: int, tmp_path):
+    """Logits of every position of each request's stream (prompt, then tokens fed one per step) against HF's
+    forward over the whole stream."""
+    from safetensors.torch import load_file
+
+    from pressroom.model.models.mamba import Mamba2ForCausalLM, MambaForCausalLM
+    hf_model = save_tiny_mamba(version, str(tmp_path))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    ours = (MambaForCausalLM if version == 1 else Mamba2ForCausalLM)(config).eval()
+    loaded = ours.load_weights(load_file(str(tmp_path / "model.safetensors")).items())
+    assert loaded == ours.expected_weights()
+    assert ("lm_head.weight" in load_file(str(tmp_path / "model.safetensors"))) == (version == 2)
+    counts = _decode_counts(MODEL_REQUESTS, MODEL_STEPS)
+    g = torch.Generator().manual_seed(11)
+    ids = {name: torch.randint(0, VOCAB, (length + counts[name],), generator=g)
+           for name, (_, length) in MODEL_REQUESTS.items()}
+    with torch.no_grad():
+        _bind_fresh_states(ours)
+        actual = _run_steps(lambda t: ours.compute_logits(ours(t, torch.zeros_like(t))), ids, MODEL_REQUESTS,
+                            MODEL_STEPS)
+        for name, stream in ids.items():
+            torch.testing.assert_close(actual[name], hf_model(stream[None]).logits[0], atol=1e-4, rtol=1e-4)
