@@ -104,9 +104,8 @@ class Mamba2Mixer(RecurrentLayer):
         self.D = nn.Parameter(torch.ones(heads), requires_grad=False)
         self.norm = OutputGate(cfg)
         self.out_proj = RowParallelLinear(cfg.d_inner, cfg.hidden_size, cfg.out_proj_bias)
-        self.proj_scale: torch.Tensor | None = None
-        if any(m != 1.0 for m in cfg.proj_multipliers):
-            self.register_buffer("proj_scale", _proj_scale(cfg), persistent=False)
+        scaled = any(m != 1.0 for m in cfg.proj_multipliers)
+        self.register_buffer("proj_scale", _proj_scale(cfg) if scaled else None, persistent=False)
 
     def state_shapes(self) -> dict[str, StateShape]:
         c = self.cfg

@@ -1,0 +1,40 @@
+"""Falcon-H1: its Mamba2 mixer (the shared layers/mamba2_mixer.py, with Falcon-H1's multipliers and each of its
+output gates) equals HF transformers' over a packed batch of prefills, chunked prefills and decodes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_nemotron_h import PROMPT_LENS, copy_hf_weights, randomize, run_hf, run_schedule, sequences
+
+from pressroom.model.layers.mamba2_mixer import Mamba2Mixer
+from pressroom.model.models.falcon_h1 import mixer_config
+
+transformers = pytest.importorskip("transformers")
+from transformers import FalconH1Config  # noqa: E402
+from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector  # noqa: E402
+
+MULTIPLIERS = dict(ssm_in_multiplier=0.7, ssm_multipliers=[1.3, 0.6, 1.8, 0.4, 1.5])
+
+
+def falcon_config(**overrides) -> FalconH1Config:
+    args = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=24, mamba_d_ssm=24, mamba_n_heads=4, mamba_d_state=4, mamba_n_groups=2,
+                mamba_chunk_size=4, mamba_d_conv=4, mamba_proj_bias=True, projectors_bias=True)
+    return FalconH1Config(**(args | overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    MULTIPLIERS,  # no norm: y * silu(z)
+    MULTIPLIERS | dict(mamba_rms_norm=True),  # norm, then the gate
+    dict(mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_n_groups=1, mamba_chunk_size=256),
+])
+def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides):
+    config = falcon_config(**overrides)
+    theirs = FalconH1Mixer(config, 0).eval()
+    theirs.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)  # the model's job in HF
+    randomize(theirs)
+    ours = Mamba2Mixer(mixer_config(config))
+    copy_hf_weights(ours, theirs)
+    seqs = sequences(16)
+    for seq, actual, prompt_len in zip(seqs, run_schedule(ours, seqs), PROMPT_LENS):
+        torch.testing.assert_close(actual, run_hf(theirs, config, seq, prompt_len), atol=1e-5, rtol=1e-4)
