@@ -68,10 +68,18 @@ def run_step(layer, x: torch.Tensor, parts: list[tuple[int, int]], num_decodes: 
         return layer(None, x)
 
 
-def test_kda_layer_matches_hf_over_chunked_prefill_and_decodes(tiny_pair):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_kda_layer_matches_hf_over_chunked_prefill_and_decodes(kernels, tiny_pair, monkeypatch):
     """Three requests (slots 3, 1, 4): prompts of 5, 70 and 150 tokens, the last prefilled over two steps (the
-    second also decodes the others), then decodes. Each step's outputs equal HF's layer run over
-    each whole sequence at once (no cache), so the states carried between steps are right."""
+    second also decodes the others), then decodes. Each step's outputs equal HF's layer run over each whole
+    sequence at once (no cache), so the states carried between steps are right. "triton": the CUDA path's
+    kernels (Triton's interpreter where there is no GPU)."""
+    if kernels == "triton":
+        from pressroom.kernels import triton as triton_kernels
+        from pressroom.model.models import kimi_linear
+        if torch.cuda.is_available() or not triton_kernels.interpreting():
+            pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
+        monkeypatch.setattr(kimi_linear, "on_triton", lambda x: True)
     hf_model, ours, _ = tiny_pair
     hf_layer, layer = hf_model.model.layers[0].self_attn, ours.model.layers[0].self_attn
     layer.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)

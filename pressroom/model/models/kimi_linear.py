@@ -36,6 +36,11 @@ _KDA_NAME = re.compile(r"\.self_attn\.(" + "|".join(_KDA_STACKED) + r")\.weight$
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether the recurrent kernels run in Triton (CUDA tensors); the torch forms otherwise."""
+    return x.is_cuda
+
+
 class NoRotation:
     """The rotary interface without a rotation: Kimi's MLA leaves the shared key part as it is."""
     rotary_dim = 0
@@ -131,7 +136,7 @@ class KimiDeltaAttention(RecurrentLayer):
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         conv, states = self.states["conv"], self.states["recurrent"]
-        if qkv.is_cuda:
+        if on_triton(qkv):
             from pressroom.kernels.triton import delta_rule as triton_delta_rule
             from pressroom.kernels.triton import ssm as triton_ssm
             q, k, v = self._heads(triton_ssm.causal_conv1d_update_pool(qkv, conv, slots, self.conv.weight, None))
@@ -146,6 +151,9 @@ class KimiDeltaAttention(RecurrentLayer):
         states = self.states["recurrent"]
         q, k, v = self._heads(ssm.causal_conv1d_varlen(qkv, cu_seqlens, self.conv.weight, None, self.states["conv"],
                                                        slots))
+        if on_triton(qkv):
+            from pressroom.kernels.triton.delta_rule_chunk import chunk_delta_rule_varlen
+            return chunk_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, states, slots)
         out, final = delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, states.index_select(0, slots), cu_seqlens)
         states.index_copy_(0, slots, final)
         return out
