@@ -12,7 +12,9 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mi
 
 from pressroom.attention.backend import AttentionMetadata, forward_context  # noqa: E402
 from pressroom.attention.state import StateMetadata  # noqa: E402
+from pressroom.kernels import ssm  # noqa: E402
 from pressroom.model.layers.state import RecurrentLayer  # noqa: E402
+from pressroom.model.models import mamba  # noqa: E402
 from pressroom.model.models.mamba import Mamba1Mixer, Mamba2Mixer  # noqa: E402
 
 HIDDEN = 16
@@ -95,6 +97,17 @@ def _randomize(module: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
+def _use_decode_kernels(kind: str, monkeypatch) -> None:
+    """Decode rows through torch's pool kernels, or through the Triton ones (CUDA's; on the CPU Triton's
+    interpreter runs them) with the views the mixers hand them."""
+    if kind == "triton":
+        from pressroom.kernels import triton as triton_kernels
+        if not triton_kernels.available():
+            pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+        from pressroom.kernels.triton import ssm as triton_ssm
+        monkeypatch.setattr(mamba, "_pool_kernels", lambda x: triton_ssm)
+
+
 def _check_against_hf(hf_mixer, config, ours) -> None:
     _randomize(hf_mixer)
     ours.load_state_dict(hf_mixer.state_dict())
@@ -112,19 +125,23 @@ def _check_against_hf(hf_mixer, config, ours) -> None:
     assert not ours.states["ssm"][0].any() and not ours.states["conv"][0].any(), "the padding slot was written"
 
 
-@pytest.mark.parametrize("use_bias", [False, True])
-def test_mamba1_mixer_matches_hf_over_packed_steps(use_bias: bool):
+@pytest.mark.parametrize("use_bias,decode_kernels", [(False, "torch"), (True, "torch"), (False, "triton")])
+def test_mamba1_mixer_matches_hf_over_packed_steps(use_bias: bool, decode_kernels: str, monkeypatch):
+    _use_decode_kernels(decode_kernels, monkeypatch)
     torch.manual_seed(0)
     config = MambaConfig(hidden_size=HIDDEN, state_size=4, intermediate_size=32, conv_kernel=4, time_step_rank=4,
                          num_hidden_layers=1, vocab_size=16, use_bias=use_bias, use_conv_bias=not use_bias)
     _check_against_hf(MambaMixer(config, 0).eval(), config, Mamba1Mixer(config))
 
 
-@pytest.mark.parametrize("n_groups,chunk_size,dt_limit", [(2, 4, (0.0, float("inf"))), (1, 256, (0.0, float("inf"))),
-                                                          (2, 8, (0.02, 0.3))])
-def test_mamba2_mixer_matches_hf_over_packed_steps(n_groups: int, chunk_size: int, dt_limit: tuple[float, float]):
+@pytest.mark.parametrize("n_groups,chunk_size,dt_limit,decode_kernels", [
+    (2, 4, ssm.DT_LIMIT, "torch"), (1, 256, ssm.DT_LIMIT, "torch"), (2, 8, (0.02, 0.3), "torch"),
+    (2, 8, (0.02, 0.3), "triton")])
+def test_mamba2_mixer_matches_hf_over_packed_steps(n_groups: int, chunk_size: int, dt_limit: tuple[float, float],
+                                                   decode_kernels: str, monkeypatch):
     """b's 20-token prompt spans several chunks (split 9 + 11 on our side); a dt limit tighter than HF's init
     spread clamps some prefill time steps (HF's one-token step does not clamp: neither do we)."""
+    _use_decode_kernels(decode_kernels, monkeypatch)
     torch.manual_seed(0)
     config = Mamba2Config(hidden_size=HIDDEN, num_heads=8, head_dim=4, state_size=4, n_groups=n_groups,
                           conv_kernel=4, chunk_size=chunk_size, num_hidden_layers=1, vocab_size=16, expand=2,
