@@ -13,9 +13,10 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mi
 from pressroom.attention.backend import AttentionMetadata, forward_context  # noqa: E402
 from pressroom.attention.state import StateMetadata  # noqa: E402
 from pressroom.kernels import ssm  # noqa: E402
+from pressroom.model.layers import mamba2_mixer  # noqa: E402
 from pressroom.model.layers.state import RecurrentLayer  # noqa: E402
 from pressroom.model.models import mamba  # noqa: E402
-from pressroom.model.models.mamba import Mamba1Mixer, Mamba2Mixer  # noqa: E402
+from pressroom.model.models.mamba import Mamba1Mixer, mamba2_mixer_config  # noqa: E402
 
 HIDDEN = 16
 NUM_SLOTS = 8
@@ -105,7 +106,8 @@ def _use_decode_kernels(kind: str, monkeypatch) -> None:
         if not triton_kernels.available():
             pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
         from pressroom.kernels.triton import ssm as triton_ssm
-        monkeypatch.setattr(mamba, "_pool_kernels", lambda x: triton_ssm)
+        for module in (mamba, mamba2_mixer):
+            monkeypatch.setattr(module, "_pool_kernels", lambda x: triton_ssm)
 
 
 def _check_against_hf(hf_mixer, config, ours) -> None:
@@ -146,7 +148,7 @@ def test_mamba2_mixer_matches_hf_over_packed_steps(n_groups: int, chunk_size: in
     config = Mamba2Config(hidden_size=HIDDEN, num_heads=8, head_dim=4, state_size=4, n_groups=n_groups,
                           conv_kernel=4, chunk_size=chunk_size, num_hidden_layers=1, vocab_size=16, expand=2,
                           use_conv_bias=True, time_step_limit=dt_limit)
-    _check_against_hf(HFMamba2Mixer(config, 0).eval(), config, Mamba2Mixer(config))
+    _check_against_hf(HFMamba2Mixer(config, 0).eval(), config, mamba2_mixer.Mamba2Mixer(mamba2_mixer_config(config)))
 
 
 # ---------------------------------------------------------------- whole models from HF checkpoints

@@ -5,13 +5,14 @@ Each mixer is a `RecurrentLayer` (layers/state.py) with two states: the causal c
 model's dtype) and the SSM state (fp32). A step's tokens advance them round by round: decode rows (one token
 each, first) through the batched one-step kernels on the state pools (Triton on CUDA), prefill rows through the
 packed varlen kernels (kernels/ssm.py), each reading its request's states at `round.slots` and writing them back.
+Mamba1's mixer is here; Mamba2's is the shared layers/mamba2_mixer.py (Nemotron-H and Falcon-H1 carry it too).
 
 Weights load from HF checkpoints under HF's names (backbone.embeddings, backbone.layers.N.{norm, mixer.*},
 backbone.norm_f, lm_head); the head shares the embedding where the config ties them.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -24,6 +25,7 @@ from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import ssm
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.linear import ColumnParallelLinear
+from pressroom.model.layers.mamba2_mixer import DepthwiseConv, Mamba2Mixer, Mamba2MixerConfig
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 from pressroom.model.weights import expected_names, load_named_weights
@@ -46,42 +48,17 @@ def _has_prefill(r: StateRound) -> bool:
     return r.num_tokens > r.num_decodes
 
 
-class CausalConv1d(nn.Module):
-    """The depthwise causal conv's parameters, as HF's nn.Conv1d holds them (weight [channels, 1, width])."""
-
-    def __init__(self, channels: int, width: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
-
-    @property
-    def taps(self) -> torch.Tensor:
-        return self.weight[:, 0]
-
-    def run(self, r: StateRound, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """silu(conv) over a round's tokens x [tokens, channels]: decode rows shift their conv states one input,
-        prefill rows run from theirs; each request's state is read and written at its slot."""
-        nd = r.num_decodes
-        parts = []
-        if nd:
-            parts.append(_pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], self.taps,
-                                                                      self.bias))
-        if _has_prefill(r):
-            parts.append(ssm.causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), self.taps, self.bias, states,
-                                                  r.slots[nd:]))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-class GatedRMSNorm(nn.Module):
-    """Mamba2's norm of y * silu(z), per group of d_inner // n_groups channels."""
-
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.group_size, self.eps = group_size, eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ssm.gated_rms_norm(x, z, self.weight, self.eps, self.group_size)
+def _conv_round(r: StateRound, x: torch.Tensor, conv: DepthwiseConv, states: torch.Tensor) -> torch.Tensor:
+    """silu(causal conv) over a round's tokens x [tokens, channels]: decode rows shift their conv states by one
+    input, prefill rows run on from theirs; each request's state is read and written at its slot."""
+    nd, taps = r.num_decodes, conv.weight[:, 0]
+    parts = []
+    if nd:
+        parts.append(_pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], taps, conv.bias))
+    if _has_prefill(r):
+        parts.append(ssm.causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias, states,
+                                              r.slots[nd:]))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _check_config(config) -> None:
@@ -100,7 +77,7 @@ class Mamba1Mixer(RecurrentLayer):
         hidden, self.d_inner, self.d_state = config.hidden_size, config.intermediate_size, config.state_size
         self.dt_rank, self.width = int(config.time_step_rank), config.conv_kernel
         self.in_proj = ColumnParallelLinear(hidden, 2 * self.d_inner, bias=config.use_bias)
-        self.conv1d = CausalConv1d(self.d_inner, self.width, config.use_conv_bias)
+        self.conv1d = DepthwiseConv(self.d_inner, self.width, config.use_conv_bias)
         self.x_proj = ColumnParallelLinear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
         # its bias is dt's: added here, before the kernels' softplus, as HF adds it
         self.dt_proj = ColumnParallelLinear(self.dt_rank, self.d_inner, bias=True)
@@ -117,7 +94,7 @@ class Mamba1Mixer(RecurrentLayer):
         return self.out_proj(self.run_rounds(self._mix, x, z))
 
     def _mix(self, r: StateRound, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        x = self.conv1d.run(r, x, self.states["conv"])
+        x = _conv_round(r, x, self.conv1d, self.states["conv"])
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = self.dt_proj(dt)
         A = -torch.exp(self.A_log.float())
@@ -132,53 +109,14 @@ class Mamba1Mixer(RecurrentLayer):
         return y
 
 
-class Mamba2Mixer(RecurrentLayer):
-    """in_proj -> (z, xBC, dt); xBC through the causal conv, split into x (heads of head_dim) and the groups' B, C;
-    the SSD scan; the gated per-group RMSNorm with z; out_proj."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.heads, self.head_dim, self.d_state = config.num_heads, config.head_dim, config.state_size
-        self.n_groups, self.width, self.chunk_size = config.n_groups, config.conv_kernel, config.chunk_size
-        self.d_inner = self.heads * self.head_dim
-        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
-        self.dt_limit = tuple(float(v) for v in config.time_step_limit)
-        self.in_proj = ColumnParallelLinear(hidden, self.d_inner + self.conv_dim + self.heads, bias=config.use_bias)
-        self.conv1d = CausalConv1d(self.conv_dim, self.width, config.use_conv_bias)
-        self.dt_bias = nn.Parameter(torch.empty(self.heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(self.heads), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(self.heads), requires_grad=False)
-        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.n_groups, config.layer_norm_epsilon)
-        self.out_proj = ColumnParallelLinear(self.d_inner, hidden, bias=config.use_bias)
-
-    def state_shapes(self) -> dict[str, StateShape]:
-        return {"conv": StateShape((self.conv_dim, self.width - 1), self.conv1d.weight.dtype),
-                "ssm": StateShape((self.heads, self.head_dim, self.d_state), torch.float32)}
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        y = self.run_rounds(self._mix, xBC, dt)
-        return self.out_proj(self.norm(y, z).to(hidden.dtype))
-
-    def _mix(self, r: StateRound, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        xBC = self.conv1d.run(r, xBC, self.states["conv"])
-        group_dim = self.n_groups * self.d_state
-        x, B, C = xBC.split([self.d_inner, group_dim, group_dim], dim=-1)
-        x = x.unflatten(-1, (self.heads, self.head_dim))
-        B, C = B.unflatten(-1, (self.n_groups, self.d_state)), C.unflatten(-1, (self.n_groups, self.d_state))
-        A = -torch.exp(self.A_log.float())
-        nd, states = r.num_decodes, self.states["ssm"]
-        y = torch.empty_like(x)
-        if nd:
-            # no dt clamp on the one-token step: HF's (and mamba_ssm's) step applies time_step_limit only in prefill
-            y[:nd] = _pool_kernels(x).ssd_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A, B[:nd],
-                                                            C[:nd], self.D, self.dt_bias)
-        if _has_prefill(r):
-            y[nd:] = ssm.ssd_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:], _prefill_cu_seqlens(r), states,
-                                    r.slots[nd:], self.D, self.dt_bias, dt_limit=self.dt_limit,
-                                    chunk_size=self.chunk_size)
-        return y.flatten(1)
+def mamba2_mixer_config(config) -> Mamba2MixerConfig:
+    """HF Mamba2's mixer: the gated per-group RMSNorm, one eps for it and the blocks' norms, dt clamped in prefill."""
+    return Mamba2MixerConfig(
+        hidden_size=config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
+        n_groups=config.n_groups, d_state=config.state_size, conv_kernel=config.conv_kernel,
+        chunk_size=config.chunk_size, conv_bias=config.use_conv_bias, in_proj_bias=config.use_bias,
+        out_proj_bias=config.use_bias, norm_eps=config.layer_norm_epsilon,
+        dt_limit=tuple(float(v) for v in config.time_step_limit))
 
 
 class MambaBlock(nn.Module):
@@ -194,7 +132,7 @@ class MambaBlock(nn.Module):
 
 
 class MambaBackbone(nn.Module):
-    def __init__(self, config, make_mixer) -> None:
+    def __init__(self, config, make_mixer: Callable[[Any], RecurrentLayer]) -> None:
         super().__init__()
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MambaBlock(config, make_mixer(config)) for _ in range(config.num_hidden_layers))
@@ -228,13 +166,12 @@ class MambaForCausalLM(nn.Module):
     # Decode rounds are graph-safe (no host sync on the Triton pool kernels' path), but capturing them is not
     # verified yet; prefill rounds sync on the host (the varlen kernels loop over sequences).
     cuda_graphs_supported = False
-    mixer_class: type[RecurrentLayer] = Mamba1Mixer
 
     def __init__(self, config) -> None:
         super().__init__()
         _check_config(config)
         self.config = config
-        self.backbone = MambaBackbone(config, self.mixer_class)
+        self.backbone = MambaBackbone(config, self.make_mixer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -247,6 +184,10 @@ class MambaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @staticmethod
+    def make_mixer(config) -> RecurrentLayer:
+        return Mamba1Mixer(config)
 
     # ---- the name map (model/weights.py): HF's names are the parameters' own ----
 
@@ -276,4 +217,6 @@ class MambaForCausalLM(nn.Module):
 
 
 class Mamba2ForCausalLM(MambaForCausalLM):
-    mixer_class = Mamba2Mixer
+    @staticmethod
+    def make_mixer(config) -> RecurrentLayer:
+        return Mamba2Mixer(mamba2_mixer_config(config))
