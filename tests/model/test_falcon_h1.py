@@ -1,10 +1,21 @@
-"""Falcon-H1: its Mamba2 mixer (the shared layers/mamba2_mixer.py, with Falcon-H1's multipliers and each of its
-output gates) equals HF transformers' over a packed batch of prefills, chunked prefills and decodes."""
+"""Falcon-H1 against HF transformers (fp32, tiny random weights): its Mamba2 mixer (the shared
+layers/mamba2_mixer.py, with Falcon-H1's multipliers and each of its output gates) over a packed batch of prefills,
+chunked prefills and decodes, and the whole model from a save_pretrained checkpoint over the same kind of steps."""
 from __future__ import annotations
 
 import pytest
 import torch
-from test_nemotron_h import PROMPT_LENS, copy_hf_weights, randomize, run_hf, run_schedule, sequences
+from test_nemotron_h import (
+    PROMPT_LENS,
+    check_model_schedule,
+    copy_hf_weights,
+    load_ours,
+    randomize,
+    run_hf,
+    run_schedule,
+    save_tiny,
+    sequences,
+)
 
 from pressroom.model.layers.mamba2_mixer import Mamba2Mixer
 from pressroom.model.models.falcon_h1 import mixer_config
@@ -38,3 +49,21 @@ def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides):
     seqs = sequences(16)
     for seq, actual, prompt_len in zip(seqs, run_schedule(ours, seqs), PROMPT_LENS):
         torch.testing.assert_close(actual, run_hf(theirs, config, seq, prompt_len), atol=1e-5, rtol=1e-4)
+
+
+# every muP multiplier away from 1, a head_dim other than hidden // heads, biases and the mixer's norm
+MODEL_SHAPE = dict(vocab_size=49152, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=48, mamba_d_ssm=48, mamba_n_heads=8, mamba_d_state=8,
+                   mamba_n_groups=2, mamba_chunk_size=16, mamba_rms_norm=True, attention_bias=True, mlp_bias=True,
+                   mamba_proj_bias=True, projectors_bias=True, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+                   eos_token_id=2)
+MODEL_MULTIPLIERS = MULTIPLIERS | dict(embedding_multiplier=1.7, lm_head_multiplier=0.6, mlp_multipliers=[1.4, 0.8],
+                                       key_multiplier=0.9, attention_in_multiplier=1.2, attention_out_multiplier=0.7,
+                                       ssm_out_multiplier=1.3)
+
+
+def test_whole_model_logits_match_hf_over_packed_steps(tmp_path):
+    from pressroom.model.models.falcon_h1 import FalconH1ForCausalLM
+    config = FalconH1Config(**MODEL_SHAPE, **MODEL_MULTIPLIERS)
+    hf_model = save_tiny(config, tmp_path)
+    check_model_schedule(hf_model, load_ours(FalconH1ForCausalLM, tmp_path, config), config.vocab_size)

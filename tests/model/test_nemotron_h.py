@@ -1,5 +1,6 @@
-"""Nemotron-H: its Mamba2 mixer (the shared layers/mamba2_mixer.py) equals HF transformers' over a packed batch of
-prefills, chunked prefills and decodes on a state-slot pool."""
+"""Nemotron-H against HF transformers (fp32, tiny random weights): its Mamba2 mixer (the shared
+layers/mamba2_mixer.py) over a packed batch of prefills, chunked prefills and decodes on a state-slot pool, and the
+whole model (every block kind) from a save_pretrained checkpoint over the same kind of steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -107,3 +108,115 @@ def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides):
     seqs = sequences(16)
     for seq, actual, prompt_len in zip(seqs, run_schedule(ours, seqs), PROMPT_LENS):
         torch.testing.assert_close(actual, run_hf(theirs, config, seq, prompt_len), atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- whole models, caches bound by the test
+
+NUM_SLOTS, BLOCK_SIZE, BLOCKS_PER_SEQ = 4, 16, 8
+
+# Sequences of 33, 47 and 22 tokens: two prefills (one a chunk), then a decode beside a continued chunk and a fresh
+# prefill, then two all-decode steps. Requests hold KV blocks [8 seq, 8 seq + 8).
+MODEL_SCHEDULE = [
+    [Piece(0, 0, 30, 1), Piece(1, 0, 17, 3)],
+    [Piece(0, 30, 31, 1), Piece(1, 17, 45, 3), Piece(2, 0, 20, 2)],
+    [Piece(0, 31, 32, 1), Piece(1, 45, 46, 3), Piece(2, 20, 21, 2)],
+    [Piece(2, 21, 22, 2), Piece(0, 32, 33, 1), Piece(1, 46, 47, 3)],
+]
+MODEL_SEQ_LENS = (33, 47, 22)
+
+
+def save_tiny(config, path, seed: int = 1234):
+    """A tiny random HF checkpoint as save_pretrained writes it, every 1-d parameter (norm weights, A_log, D,
+    dt_bias, conv biases) and the routers' correction bias moved off its init; returns the HF model."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape) * 0.5)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def load_ours(cls, path, config):
+    from safetensors.torch import load_file
+    model = cls(config)
+    loaded = model.load_weights(load_file(f"{path}/model.safetensors").items())
+    assert model.expected_weights() == loaded
+    return model.eval()
+
+
+def bind_caches(model) -> None:
+    from pressroom.attention.torch_ref import TorchAttentionBackend
+    from pressroom.model.layers.attention import Attention
+    from pressroom.model.layers.state import RecurrentLayer
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_cache = torch.zeros(module.cache_shape(BLOCKS_PER_SEQ * NUM_SLOTS, BLOCK_SIZE))
+            module.backend = TorchAttentionBackend()
+        elif isinstance(module, RecurrentLayer):
+            module.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)
+                                for name, s in module.state_shapes().items()})
+
+
+def run_model_schedule(model, seqs: list[torch.Tensor], schedule=MODEL_SCHEDULE) -> list[torch.Tensor]:
+    """The whole model over `schedule` (token ids), one packed step each, decodes first; returns each sequence's
+    logits."""
+    bind_caches(model)
+    outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step in schedule:
+        step = sorted(step, key=lambda p: p.end - p.start > 1)
+        qsl, positions, slot_mapping = [0], [], []
+        for p in step:
+            qsl.append(qsl[-1] + p.end - p.start)
+            pos = torch.arange(p.start, p.end)
+            positions.append(pos)
+            slot_mapping.append((p.seq * BLOCKS_PER_SEQ + pos // BLOCK_SIZE) * BLOCK_SIZE + pos % BLOCK_SIZE)
+        num_decodes = sum(p.end - p.start == 1 for p in step)
+        lens = [p.end for p in step]
+        tables = torch.stack([torch.arange(BLOCKS_PER_SEQ) + p.seq * BLOCKS_PER_SEQ for p in step])
+        meta = AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                                 slot_mapping=torch.cat(slot_mapping), block_tables=tables,
+                                 seq_lens=torch.tensor(lens), query_start_loc=qsl, seq_lens_host=lens,
+                                 state=StateMetadata.one_round(qsl, [p.slot for p in step], "cpu", num_decodes))
+        with forward_context(meta), torch.no_grad():
+            tokens = torch.cat([seqs[p.seq][p.start:p.end] for p in step])
+            logits = model.compute_logits(model(tokens, torch.cat(positions)))
+        for p, start, end in zip(step, qsl[:-1], qsl[1:]):
+            outs[p.seq].append(logits[start:end])
+    return [torch.cat(o) for o in outs]
+
+
+def check_model_schedule(hf_model, ours, vocab_size: int) -> None:
+    """Every token's logits over MODEL_SCHEDULE equal HF's forward over each whole sequence."""
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, vocab_size, (n,), generator=gen) for n in MODEL_SEQ_LENS]
+    with torch.no_grad():
+        expected = [hf_model(s.unsqueeze(0)).logits[0] for s in seqs]
+    for actual, want in zip(run_model_schedule(ours, seqs), expected):
+        torch.testing.assert_close(actual, want, atol=1e-4, rtol=1e-4)
+
+
+LAYERS = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp"]
+
+
+def nemotron_model_config(**overrides) -> NemotronHConfig:
+    """Every block kind; MoE with 6 experts in 2 groups (top-1 group), top-2, a shared expert."""
+    args = dict(vocab_size=49152, hidden_size=32, layers_block_type=LAYERS, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, intermediate_size=48, ssm_state_size=8, mamba_num_heads=8,
+                mamba_head_dim=6, n_groups=2, chunk_size=16, n_routed_experts=6, num_experts_per_tok=2,
+                moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+                routed_scaling_factor=2.5, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return NemotronHConfig(**(args | overrides))
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(moe_latent_size=12, vocab_size=256, use_bias=True, mlp_bias=True)])
+def test_whole_model_logits_match_hf_over_packed_steps(overrides, tmp_path):
+    """The checkpoint's names (backbone., per-expert matrices) load; logits of chunked prefills and decodes."""
+    from pressroom.model.models.nemotron_h import NemotronHForCausalLM
+    config = nemotron_model_config(**overrides)
+    hf_model = save_tiny(config, tmp_path)
+    check_model_schedule(hf_model, load_ours(NemotronHForCausalLM, tmp_path, config), config.vocab_size)
