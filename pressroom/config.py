@@ -130,10 +130,18 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.92
     cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    # Recurrent layers (Mamba, delta rule): tokens between prefix-cache checkpoints of a prompt's state, a multiple
+    # of block_size. None: the block-size multiple at which a checkpoint takes about the attention layers' KV bytes
+    # of its tokens (256 tokens for an attention-free model).
+    mamba_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.mamba_block_size is not None and (self.mamba_block_size < self.block_size
+                                                  or self.mamba_block_size % self.block_size):
+            raise ValueError(f"mamba_block_size ({self.mamba_block_size}) must be a multiple of block_size "
+                             f"({self.block_size}): a state checkpoint ends at a block boundary.")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_blocks}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -613,6 +621,10 @@ class EngineArgs:
     block_size: int = _config_arg(CacheConfig, "block_size", "tokens per KV-cache block (a power of two)")
     enable_prefix_caching: bool = _config_arg(CacheConfig, "enable_prefix_caching",
                                               "reuse the KV-cache blocks of prompt prefixes seen before")
+    mamba_block_size: int | None = _config_arg(
+        CacheConfig, "mamba_block_size", "models with recurrent layers (Mamba, Gated DeltaNet, KDA): tokens between "
+        "prefix-cache checkpoints of a prompt's state, a multiple of --block-size (default: where a checkpoint takes "
+        "about the attention layers' KV bytes of its tokens; 256 for an attention-free model)")
     kv_cache_dtype: str = _arg("auto", "KV-cache element type; auto: the model's dtype; fp8 (= fp8_e4m3) or "
                                        "fp8_e5m2: CUDA only, scale 1", KV_CACHE_DTYPE_CHOICES)
     kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU "
@@ -747,7 +759,7 @@ class EngineArgs:
             gib = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB))
         return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory_bytes=None if gib is None else int(gib * (1 << 30)),
-                           num_blocks=self.num_gpu_blocks_override,
+                           num_blocks=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device))
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pressroom.attention.state import StateMetadata
+from pressroom.attention.state import StateMetadata
 
 
 @dataclass(slots=True)
@@ -112,3 +111,11 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention ran outside a forward_context")
     return _current
+
+
+def get_state_metadata() -> StateMetadata:
+    """The step's recurrent-state metadata (attention/state.py), for layers that keep a state per request."""
+    meta = get_attention_metadata().state
+    if meta is None:
+        raise RuntimeError("a recurrent layer ran in a step without state metadata")
+    return meta

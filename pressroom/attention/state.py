@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pressroom.attention.backend import get_attention_metadata
-
 
 @dataclass(slots=True)
 class StateRound:
@@ -43,9 +41,3 @@ class StateMetadata:
                                torch.tensor(query_start_loc, dtype=torch.int32, device=device),
                                torch.tensor(slots, dtype=torch.int64, device=device), num_decodes)])
 
-
-def get_state_metadata() -> StateMetadata:
-    meta = get_attention_metadata().state
-    if meta is None:
-        raise RuntimeError("a recurrent layer ran in a step without state metadata")
-    return meta

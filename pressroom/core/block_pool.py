@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ class BlockPool:
         self.blocks[0].ref_cnt = 1
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.on_evict: Callable[[BlockHash], None] | None = None  # told of each hash that stops being findable
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +91,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

@@ -3,7 +3,13 @@
 With KV offload on (`offload`, a kv_offload.TieredKVStore), a prefix lookup goes on in the tiers past the
 device's hits, and a request's released blocks are queued for storing; the scheduler hands both kinds of
 copy to the workers with its next step (`take_transfers`) and tells the store when that step's output is
-back (`transfers_done`)."""
+back (`transfers_done`).
+
+A model with recurrent layers (Mamba, delta rule) also holds a state slot per running request (`states`, a
+core.state_pool.StatePool): admission needs a free one as it needs blocks. With prefix caching, a prompt's state
+is checkpointed every `checkpoint_interval` tokens (a multiple of the block size) as its step passes the
+boundary; a prefix hit then ends at the longest boundary whose checkpoint is still held, and the request's
+live slot starts as a copy of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +18,7 @@ from typing import Any
 from pressroom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pressroom.core.outputs import KVTransfers
 from pressroom.core.request import Request
+from pressroom.core.state_pool import StatePool
 from pressroom.kv_offload.manager import OffloadHit
 
 
@@ -26,7 +33,8 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, offload: Any = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, offload: Any = None,
+                 states: StatePool | None = None, checkpoint_interval: int = 0) -> None:
         self.block_size = block_size
         self.offload = offload
         self._stores: list[tuple[int, str, list[int]]] = []  # (device block, chunk key, its tokens) to copy out
@@ -38,6 +46,14 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.states = states
+        self.checkpoint_interval = checkpoint_interval
+        self.live_slots: dict[str, int] = {}
+        self._restore: dict[str, int] = {}  # request -> checkpoint slot its admission starts from
+        self._saves: dict[str, list[tuple[int, int]]] = {}  # this step's checkpoint writes (see take_state_saves)
+        self._written: dict[int, BlockHash] = {}  # reserved checkpoint slot -> its boundary's hash
+        if states is not None:
+            self.pool.on_evict = states.drop
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -56,6 +72,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:
+            hits = self._hits_with_checkpoint(request, hashes, hits)
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -81,7 +99,9 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - free_hits:
+        no_state = self.states is not None and request.request_id not in self.live_slots \
+            and not self.states.num_free_live
+        if num_needed > self.pool.num_free_blocks - free_hits or no_state:
             if loaded:
                 self.offload.release(loaded)
             return False
@@ -96,6 +116,9 @@ class KVCacheManager:
             self.offload.count_lookup(loaded)
         # Only blocks whose tokens are all known: an input still in flight (async scheduling) waits.
         self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
+        if self.states is not None:
+            self._take_live_slot(request, bool(new_computed_blocks))
+            self._plan_checkpoints(request, num_computed, num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
@@ -105,9 +128,73 @@ class KVCacheManager:
         self.pool.release(blocks[::-1])
         self.req_hashes.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self._restore.pop(request.request_id, None)
+        slot = self.live_slots.pop(request.request_id, None)
+        if slot is not None:
+            self.states.release_live(slot)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.states.reset()
+
+    # ---- recurrent states ----
+
+    def state_slots(self, request_id: str) -> tuple[int, int]:
+        """A newly admitted request's (live slot, checkpoint slot it starts from or -1: zeros); (-1, -1) for a
+        model without recurrent layers."""
+        if self.states is None:
+            return -1, -1
+        return self.live_slots[request_id], self._restore.pop(request_id, -1)
+
+    def take_state_saves(self) -> dict[str, list[tuple[int, int]]]:
+        """The step's checkpoint writes: per request, (tokens of its step after which the state is the
+        boundary's, checkpoint slot), in order."""
+        saves, self._saves = self._saves, {}
+        return saves
+
+    def checkpoints_done(self, saves: dict[str, list[tuple[int, int]]], ok: bool = True) -> None:
+        """The step that wrote `saves` is over: its checkpoints become findable where it succeeded and their
+        blocks are still cached, else their slots go back."""
+        for writes in saves.values():
+            for _, slot in writes:
+                block_hash = self._written.pop(slot)
+                self.states.commit([block_hash], keep=ok and self.pool.lookup(block_hash) is not None)
+
+    def _hits_with_checkpoint(self, request: Request, hashes: list[BlockHash], hits: list[KVBlock]
+                              ) -> list[KVBlock]:
+        """The block hits cut back to the longest boundary whose state is checkpointed: the recurrent layers
+        cannot start anywhere else (no checkpoint: no hit at all)."""
+        per_checkpoint = self.checkpoint_interval // self.block_size
+        for k in range(len(hits) // per_checkpoint * per_checkpoint, 0, -per_checkpoint):
+            slot = self.states.lookup(hashes[k - 1])
+            if slot is not None:
+                self._restore[request.request_id] = slot
+                return hits[:k]
+        self._restore.pop(request.request_id, None)
+        return []
+
+    def _take_live_slot(self, request: Request, restored: bool) -> None:
+        if request.request_id not in self.live_slots:
+            self.live_slots[request.request_id] = self.states.allocate_live()
+            if not restored:
+                self._restore.pop(request.request_id, None)
+
+    def _plan_checkpoints(self, request: Request, num_computed: int, num_new_tokens: int) -> None:
+        """Reserves a checkpoint for each boundary of the prompt this step's tokens pass (none already held)."""
+        interval = self.checkpoint_interval
+        if not self.enable_caching or not interval:
+            return
+        end = min(num_computed + num_new_tokens, request.num_prompt_tokens)
+        for boundary in range((num_computed // interval + 1) * interval, end + 1, interval):
+            block_hash = self._hashes(request, boundary // self.block_size)[-1]
+            if self.states.has(block_hash):
+                continue
+            slot = self.states.reserve(block_hash)
+            if slot is None:
+                return
+            self._written[slot] = block_hash
+            self._saves.setdefault(request.request_id, []).append((boundary - num_computed, slot))
 
     def take_transfers(self) -> KVTransfers | None:
         """The copies the next step runs first (None: none): stores (device block -> a CPU slot reserved

@@ -25,6 +25,8 @@ class NewRequestData:
     pooling: PoolingParams | None = None  # a pooling request: its prompt's vector, no sampling
     # structured outputs: the runner masks its logits by it (xgrammar's JSON of it for worker processes)
     grammar: CompiledGrammar | str | None = None
+    state_slot: int = -1  # recurrent layers: the request's live state slot (-1: a model without them)
+    restore_slot: int = -1  # the prefix checkpoint its state starts from (-1: zeros)
 
 
 @dataclass(slots=True)
@@ -64,6 +66,9 @@ class SchedulerOutput:
     draft_limits: dict[str, int] = field(default_factory=dict)
     # KV offload copies the runner makes before the forward pass (None: none this step).
     kv_transfers: KVTransfers | None = None
+    # Recurrent layers' prefix checkpoints: per request, (tokens of its step after which its state is copied,
+    # checkpoint slot), in order.
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

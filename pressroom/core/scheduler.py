@@ -251,7 +251,7 @@ class Scheduler:
 
         stale, self._stale = self._stale, set()
         return SchedulerOutput(new_reqs, cached_reqs, scheduled, sum(scheduled.values()), stale, spec_tokens,
-                               self._plan_drafts(sampling), self.kv.take_transfers())
+                               self._plan_drafts(sampling), self.kv.take_transfers(), self.kv.take_state_saves())
 
     def _plan_drafts(self, sampling: list[Request]) -> dict[str, int]:
         """Where drafting costs a forward pass per draft position (a draft model), how many drafts each
@@ -278,6 +278,8 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.kv.transfers_done(sched.kv_transfers)
+        if sched.state_saves:
+            self.kv.checkpoints_done(sched.state_saves)
         results = []
         for rid in sched.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -364,7 +366,8 @@ class Scheduler:
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id, req.pooling,
-                                           req.grammar.result() if req.grammar is not None else None))
+                                           req.grammar.result() if req.grammar is not None else None,
+                                           *self.kv.state_slots(req.request_id)))
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)

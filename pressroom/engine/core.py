@@ -12,11 +12,13 @@ from concurrent import futures
 from dataclasses import dataclass, replace
 
 from pressroom.config import EngineConfig
+from pressroom.core.cache_plan import CachePlan, default_checkpoint_interval, plan_cache
 from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.core.spec_budget import AdaptiveBudget
+from pressroom.core.state_pool import StatePool
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
@@ -98,16 +100,21 @@ class EngineCore:
 
     def _start(self, config: EngineConfig) -> None:
         spec = self.model_spec = self.executor.load_model()
-        num_blocks = self._num_blocks(spec)
+        plan = self._plan_cache(spec)
+        num_blocks = plan.num_blocks
         self.max_model_len = self._max_model_len(spec, num_blocks)
         # the core's config from here on: its scheduler's holds the length the KV cache allows
         config = self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=self.max_model_len))
-        self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead)
+        states = StatePool(plan.num_live_slots, plan.num_checkpoints) if plan.num_live_slots else None
+        self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead,
+                                          states.num_slots if states else 1)
         self._log_capacity(num_blocks)
+        if states is not None:
+            self._log_states(plan)
         self.cuda_graphs = self.executor.compile_or_warm_up_model()
         self.kv_offload = self._make_offload(spec)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                       self.kv_offload)
+                                       self.kv_offload, states, plan.checkpoint_interval)
         adaptive = config.speculative is not None and config.speculative.adaptive_token_budget
         budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
@@ -133,6 +140,42 @@ class EngineCore:
                     offload.cpu_bytes // store.chunk_bytes, cache.block_size,
                     "".join(f", then {label}" for label in store.labels[1:]))
         return store
+
+    def _plan_cache(self, spec: ModelSpec) -> CachePlan:
+        """KV blocks alone, or for a model with recurrent layers, blocks and state slots from one budget."""
+        if not spec.state_bytes_per_slot:
+            return CachePlan(self._num_blocks(spec), 0, 0, 0)
+        self._refuse_for_recurrent_state()
+        cache, sched = self.config.cache, self.config.scheduler
+        interval = cache.mamba_block_size or default_checkpoint_interval(
+            spec.kv_bytes_per_block, spec.state_bytes_per_slot, cache.block_size)
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.executor.determine_available_memory()
+        plan = plan_cache(budget, spec.kv_bytes_per_block, spec.state_bytes_per_slot, cache.block_size, interval,
+                          sched.max_num_seqs, cache.enable_prefix_caching, self._bookkeeping_blocks(spec))
+        if cache.num_blocks is not None:
+            plan = replace(plan, num_blocks=cache.num_blocks + 1)
+        return plan
+
+    def _refuse_for_recurrent_state(self) -> None:
+        """What a model with recurrent layers cannot do yet, said at start rather than wrong at run time."""
+        config = self.config
+        if config.speculative is not None:
+            raise ValueError(f"Speculative decoding ({config.speculative.method}) is not supported for models with "
+                             "recurrent layers (Mamba, Gated DeltaNet, KDA): verifying drafts would need a state per "
+                             "draft position rolled back on rejection. Drop --speculative-config.")
+        if config.offload is not None:
+            raise ValueError("KV offloading does not hold recurrent layers' states yet; drop --kv-offloading-size "
+                             "for this model.")
+
+    def _log_states(self, plan: CachePlan) -> None:
+        spec, bs = self.model_spec, self.config.cache.block_size
+        logger.info("recurrent state: %d bytes per request; %d live slots (max concurrency %d); %d prefix checkpoints "
+                    "every %d tokens; KV + state bytes per token at max_model_len %d: %.1f",
+                    spec.state_bytes_per_slot, plan.num_live_slots, plan.num_live_slots, plan.num_checkpoints,
+                    plan.checkpoint_interval, self.max_model_len,
+                    spec.kv_bytes_per_block / bs + spec.state_bytes_per_slot / self.max_model_len)
 
     def _num_blocks(self, spec: ModelSpec) -> int:
         cache = self.config.cache
@@ -358,6 +401,8 @@ class EngineCore:
         req_ids = sorted({rid for sched in failed for rid in sched.num_scheduled_tokens if rid in self.requests})
         for sched in failed:
             self.kv_cache.transfers_done(sched.kv_transfers, ok=False)
+            if sched.state_saves:
+                self.kv_cache.checkpoints_done(sched.state_saves, ok=False)
         culprit = len(req_ids) == 1
         self._count_fault(culprit, error)
         self._inflight = None

@@ -38,13 +38,14 @@ class Executor(ABC):
     def load_model(self) -> ModelSpec:
         """The driver's spec, with the largest per-block KV bytes of any rank (heads may split unevenly)."""
         specs = self.collective_rpc("load_model")
-        return replace(specs[0], kv_bytes_per_block=max(s.kv_bytes_per_block for s in specs))
+        return replace(specs[0], kv_bytes_per_block=max(s.kv_bytes_per_block for s in specs),
+                       state_bytes_per_slot=max(s.state_bytes_per_slot for s in specs))
 
     def determine_available_memory(self) -> int:
         return min(self.collective_rpc("determine_available_memory"))
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks, max_model_len)
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int, num_state_slots: int = 1) -> None:
+        self.collective_rpc("initialize_kv_cache", num_blocks, max_model_len, num_state_slots)
 
     def compile_or_warm_up_model(self) -> bool:
         return self.collective_rpc("compile_or_warm_up_model")[0]

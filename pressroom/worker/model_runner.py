@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pressroom.attention.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder, forward_context
+from pressroom.attention.state import StateMetadata
 from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.kv_offload.slab import SlabHandle
@@ -29,6 +30,7 @@ from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.request_state import CachedRequestState
 from pressroom.worker.sampler import needs_host_history, sample, sample_on_device, top_logprobs
 from pressroom.worker.speculator import NO_LIMIT, Speculator
+from pressroom.worker.state_cache import StateCache
 from pressroom.worker.step_batch import StepBatch, StepBatchBuilder
 from pressroom.worker.step_output import DeviceStep, Emission, PendingOutput
 
@@ -60,6 +62,7 @@ class ModelRunner:
         self.backend = make_backend(device, dtype, batch_invariant)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.state_cache = StateCache.of(model, device)  # recurrent layers' states (None: the model has none)
         self.max_blocks_per_seq = 0
         self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
         self._batches: StepBatchBuilder | None = None  # made at the first step after initialize_kv_cache
@@ -92,7 +95,11 @@ class ModelRunner:
         """Target layers whose outputs every forward pass returns for the proposer."""
         return self.proposer.aux_layers() if self.proposer is not None else ()
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int, num_state_slots: int = 1) -> None:
+        """`num_state_slots`: rows of each recurrent layer's state tensors (core/state_pool.py's count; 1, the
+        padding slot, for a profile's throw-away steps)."""
+        if self.state_cache is not None:
+            self.state_cache.bind(num_state_slots)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.attn_builder = self._make_builder()
         self._batches = None
@@ -104,11 +111,17 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.kv_cache = None
         self.kv_caches = []
+        if self.state_cache is not None:
+            self.state_cache.release()
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one cache block takes across every attention layer (a latent cache: one plane)."""
         return sum(math.prod(layer.cache_shape(1, self.block_size)) for layer in self.attention_layers) \
             * self.kv_dtype.itemsize
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one request's recurrent state takes across every recurrent layer (0: none)."""
+        return 0 if self.state_cache is None else self.state_cache.bytes_per_slot()
 
     def _make_builder(self) -> AttentionMetadataBuilder:
         kv_heads = self.attention_layers[0].num_kv_heads if self.attention_layers else 1
@@ -152,6 +165,9 @@ class ModelRunner:
         """Hidden states of a step and, where the proposer conditions on target layers, their outputs side
         by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager."""
         layers = self._aux_layers()
+        if self.state_cache is not None and meta.state is None:  # a profile's throw-away step: padding slot
+            meta.state = StateMetadata.one_round(meta.query_start_loc, [0] * (len(meta.query_start_loc) - 1),
+                                                 self.device, meta.num_decodes)
         if self.graphs is not None and self.graphs.aux_layers == layers:
             loc = meta.query_start_loc
             key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0])
@@ -185,6 +201,11 @@ class ModelRunner:
             pending = PendingOutput.done(ModelRunnerOutput({}))
         else:
             batch = self._batch_builder().build(sched, self.states, self.prev, self.speculator)
+            if self.state_cache is not None:
+                order = batch.order
+                batch.meta.state = self.state_cache.metadata([s.req_id for s in order], [s.state_slot for s in order],
+                                                             batch.meta.query_start_loc, batch.meta.num_decodes,
+                                                             sched.state_saves)
             hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
             pooled = self._pool(batch, sched, hidden)
             emission = self._emit(batch, sched, hidden)
@@ -217,6 +238,8 @@ class ModelRunner:
         self.pooler.forget(finished)
         for new in sched.new_requests:
             self.states[new.req_id] = CachedRequestState.start(new, self.grammars, self.device)
+        if self.state_cache is not None and sched.new_requests:
+            self.state_cache.start_requests(sched.new_requests)
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

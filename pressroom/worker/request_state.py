@@ -26,6 +26,7 @@ class CachedRequestState:
     pooling: PoolingParams | None = None  # a pooling request: pooled after its prompt, never sampled
     grammar: RequestGrammar | None = None  # structured outputs: the matcher that masks its logits
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias as tensors, made once
+    state_slot: int = -1  # its recurrent layers' live state slot (-1: the model has none)
 
     @classmethod
     def start(cls, new: NewRequestData, grammars: GrammarReader, device: str) -> CachedRequestState:
@@ -34,7 +35,7 @@ class CachedRequestState:
         bias = new.sampling_params.logit_bias
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
                    new.num_computed_tokens, new.eos_token_id, pooling=new.pooling, grammar=grammar,
-                   logit_bias=bias_tensors(bias, device) if bias else None)
+                   logit_bias=bias_tensors(bias, device) if bias else None, state_slot=new.state_slot)
 
     @property
     def num_outputs(self) -> int:

@@ -44,6 +44,7 @@ class ModelSpec:
     lookahead: int  # slots a request keeps past its step for a drafter's writes into the target's blocks
     device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
     kv_chunk_shape: tuple[int, ...] | None = None  # one block over every layer, as KV offload tiers hold it
+    state_bytes_per_slot: int = 0  # one request's recurrent state over every recurrent layer (0: none)
 
 
 @dataclass(slots=True)
@@ -103,7 +104,7 @@ class Worker:
             layers = runner.attention_layers
             chunk = kv_chunk_shape(layers, kv_head_range(self.model, layers), config.cache.block_size)
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config, self.model), per_block,
-                         lookahead, device_drafts, chunk)
+                         lookahead, device_drafts, chunk, runner.state_bytes_per_slot())
 
     def parameter_count(self) -> int:
         """Parameters this rank holds (its shards, and what every rank replicates)."""
@@ -137,9 +138,10 @@ class Worker:
                     outside_torch / (1 << 30), graphs / (1 << 30), budget / (1 << 30))
         return budget
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """`max_model_len`: the longest sequence a block table must hold (lookahead slots included)."""
-        self.model_runner.initialize_kv_cache(num_blocks, max_model_len)
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int, num_state_slots: int = 1) -> None:
+        """`max_model_len`: the longest sequence a block table must hold (lookahead slots included);
+        `num_state_slots`: rows of the recurrent layers' state tensors."""
+        self.model_runner.initialize_kv_cache(num_blocks, max_model_len, num_state_slots)
 
     def compile_or_warm_up_model(self) -> bool:
         """Captures CUDA graphs for decode steps and, with speculation, verification steps (up to 1 + K

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pressroom.attention.state import StateRound, get_state_metadata
+from pressroom.attention.backend import get_state_metadata
+from pressroom.attention.state import StateRound
 
 
 @dataclass(frozen=True, slots=True)
