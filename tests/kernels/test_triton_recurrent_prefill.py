@@ -12,16 +12,20 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's kernels cannot be checked")
 
 from pressroom.kernels import delta_rule as dr
+from pressroom.kernels import ssm
 from pressroom.kernels import triton as triton_kernels
-from pressroom.kernels.triton import delta_rule_chunk
+from pressroom.kernels.triton import delta_rule_chunk, ssm_prefill
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(),
                                 reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
-# per sequence: (tokens, slot); -1 is a padding entry. 64 + 1, 1, 0 (empty), 70, 3 (padding), 64
-LENGTHS_SLOTS = [(65, 5), (1, 0), (0, 2), (70, 3), (3, -1), (64, 6)]
+# per sequence: (tokens, slot); -1 is a padding entry. One 64-token chunk and a token, one token, none (its slot's
+# state stays), a partial chunk, padding, a whole chunk
+LENGTHS_SLOTS = [(65, 5), (1, 0), (0, 2), (20, 3), (3, -1), (64, 6)]
+# the same kinds for Mamba1, whose kernel scans blocks of 16 tokens (and is slow in the interpreter)
+SHORT_LENGTHS_SLOTS = [(17, 5), (1, 0), (0, 2), (35, 3), (3, -1), (16, 6)]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
@@ -77,3 +81,77 @@ def test_chunk_delta_rule_varlen_equals_torch(per_channel: bool, dtype: torch.dt
     assert out.dtype == dtype
     _close(out, expected_out, TOL[dtype])
     _close(pool, expected_pool, TOL[torch.float32] if dtype == torch.float32 else 1e-3)
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,has_bias", [(4, True), (2, False)])
+def test_causal_conv1d_varlen_equals_torch(dtype: torch.dtype, width: int, has_bias: bool) -> None:
+    cu, slots = _packing(LENGTHS_SLOTS + [(2, 7)])  # a sequence shorter than the conv state
+    gen = torch.Generator().manual_seed(1)
+    channels = 24
+    x = _randn(gen, int(cu[-1]), channels).to(dtype).to(DEVICE)
+    weight = _randn(gen, channels, width, scale=0.5).to(dtype).to(DEVICE)
+    bias = _randn(gen, channels).to(dtype).to(DEVICE) if has_bias else None
+    pool = _randn(gen, 9, channels, width - 1).to(dtype).to(DEVICE)
+    expected_pool = pool.clone()
+    expected = ssm.causal_conv1d_varlen(x, cu, weight, bias, expected_pool, slots)
+    y = ssm_prefill.causal_conv1d_varlen(x, cu, weight, bias, pool, slots)
+    _close(y, expected, TOL[dtype])
+    torch.testing.assert_close(pool, expected_pool, atol=0, rtol=0)  # the state is the inputs themselves
+
+
+def _selective_inputs(tokens: int, d_inner: int, d_state: int, dtype: torch.dtype, num_slots: int,
+                      seed: int = 2) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    a = {"x": _randn(gen, tokens, d_inner), "dt": _randn(gen, tokens, d_inner, scale=0.5) - 1.0,
+         "B": _randn(gen, tokens, d_state), "C": _randn(gen, tokens, d_state), "z": _randn(gen, tokens, d_inner)}
+    a = {name: t.to(dtype).to(DEVICE) for name, t in a.items()}
+    a["A"] = -torch.exp(torch.log(torch.arange(1, d_state + 1.0)).repeat(d_inner, 1)).to(DEVICE)
+    a["D"] = _randn(gen, d_inner).to(DEVICE)
+    a["dt_bias"] = _randn(gen, d_inner, scale=0.1).to(DEVICE)
+    a["states"] = _randn(gen, num_slots, d_inner, d_state).to(DEVICE)
+    return a
+
+
+@pytest.mark.parametrize("dtype,gated", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_selective_scan_varlen_equals_torch(dtype: torch.dtype, gated: bool) -> None:
+    cu, slots = _packing(SHORT_LENGTHS_SLOTS)
+    a = _selective_inputs(int(cu[-1]), d_inner=12, d_state=8, dtype=dtype, num_slots=8)
+    if not gated:
+        del a["z"], a["D"], a["dt_bias"]
+    pool = a.pop("states")
+    expected_pool = pool.clone()
+    expected = ssm.selective_scan_varlen(cu_seqlens=cu, states=expected_pool, slots=slots, **a)
+    y = ssm_prefill.selective_scan_varlen(cu_seqlens=cu, states=pool, slots=slots, **a)
+    _close(y, expected, 1e-4 if dtype == torch.float32 else TOL[dtype])
+    _close(pool, expected_pool, 1e-4)
+
+
+def _ssd_inputs(tokens: int, heads: int, head_dim: int, groups: int, d_state: int, dtype: torch.dtype,
+                num_slots: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    a = {"x": _randn(gen, tokens, heads, head_dim), "dt": _randn(gen, tokens, heads, scale=0.5) - 2.0,
+         "B": _randn(gen, tokens, groups, d_state), "C": _randn(gen, tokens, groups, d_state)}
+    a = {name: t.to(dtype).to(DEVICE) for name, t in a.items()}
+    a["A"] = -torch.arange(1, heads + 1.0).to(DEVICE)  # Mamba2's init: A_log = log(1..16)
+    a["D"] = _randn(gen, heads).to(DEVICE)
+    a["dt_bias"] = _randn(gen, heads, scale=0.1).to(DEVICE)
+    a["states"] = _randn(gen, num_slots, heads, head_dim, d_state).to(DEVICE)
+    return a
+
+
+@pytest.mark.parametrize("dtype,dt_limit", [(torch.float32, ssm.DT_LIMIT), (torch.float32, (0.05, 0.5)),
+                                             (torch.bfloat16, ssm.DT_LIMIT)])
+def test_ssd_varlen_equals_torch(dtype: torch.dtype, dt_limit: tuple[float, float]) -> None:
+    cu, slots = _packing(LENGTHS_SLOTS + [(150, 1)])
+    a = _ssd_inputs(int(cu[-1]), heads=4, head_dim=8, groups=2, d_state=16, dtype=dtype, num_slots=8)
+    pool = a.pop("states")
+    expected_pool = pool.clone()
+    expected = ssm.ssd_varlen(cu_seqlens=cu, states=expected_pool, slots=slots, dt_limit=dt_limit, **a)
+    y = ssm_prefill.ssd_varlen(cu_seqlens=cu, states=pool, slots=slots, dt_limit=dt_limit, **a)
+    _close(y, expected, 1e-4 if dtype == torch.float32 else TOL[dtype])
+    _close(pool, expected_pool, 1e-4)
