@@ -246,14 +246,15 @@ def chunk_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     wk, wv, aqk = (torch.empty(tokens, h_v, width, **f32) for width in (d_k, d_v, CHUNK_SIZE))
     chunk_grid = (starts.shape[0], h_v)
     _gate_cumsum_kernel[chunk_grid](g, G, starts, ends, g.stride(0), g.stride(1), G.stride(0), G.stride(1),
-                                    gate_width, CHUNK=CHUNK_SIZE, BLOCK_G=triton.next_power_of_2(gate_width))
+                                    gate_width, CHUNK=CHUNK_SIZE, BLOCK_G=max(2, triton.next_power_of_2(gate_width)))
     common = dict(NORMALIZE_QK=normalize_qk, SCALAR_GATE=scalar, DOT_PRECISION=precision, CHUNK=CHUNK_SIZE,
                   BLOCK_K=block_k)
     _wy_kernel[chunk_grid](q, k, v, beta, G, wk, wv, aqk, starts, ends,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            beta.stride(0), beta.stride(1), G.stride(0), G.stride(1), wk.stride(0), wk.stride(1),
                            wv.stride(0), wv.stride(1), aqk.stride(0), aqk.stride(1),
-                           h_v // h_k, d_k, d_v, scale, L2NORM_EPS, **common, BLOCK_DV=block_dv, num_warps=4)
+                           h_v // h_k, d_k, d_v, scale, L2NORM_EPS, **common, BLOCK_DV=block_dv,
+                           num_warps=8 if block_k >= 128 else 4)  # several [64, d_k] fp32 tiles live at once
     block_v = min(_BLOCK_V, block_dv)
     _scan_kernel[(num_seqs, h_v, triton.cdiv(d_v, block_v))](
         q, k, G, wk, wv, aqk, states, slots, cu_seqlens, out,

@@ -181,10 +181,11 @@ def _selective_scan_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_
             bn_ok = token_ok[:, None] & n_ok[None, :]
             B = tl.load(B_ptr + tokens[:, None] * stride_bt + ns[None, :], mask=bn_ok, other=0.0).to(tl.float32)
             C = tl.load(C_ptr + tokens[:, None] * stride_ct + ns[None, :], mask=bn_ok, other=0.0).to(tl.float32)
-            decay = tl.exp(dt[:, :, None] * A[None, :, :])  # [T, D, N]
-            inject = (dt * x)[:, :, None] * B[:, None, :]
+            # [T, D * N]: a 2D scan along the tokens (3D scans are less travelled ground in Triton's lowering)
+            decay = tl.reshape(tl.exp(dt[:, :, None] * A[None, :, :]), [BLOCK_T, BLOCK_D * BLOCK_N])
+            inject = tl.reshape((dt * x)[:, :, None] * B[:, None, :], [BLOCK_T, BLOCK_D * BLOCK_N])
             decay, inject = tl.associative_scan((decay, inject), 0, _linear_recurrence)
-            hs = inject + decay * h[None, :, :]  # the state after each token of the block
+            hs = tl.reshape(inject + decay * tl.reshape(h, [1, BLOCK_D * BLOCK_N]), [BLOCK_T, BLOCK_D, BLOCK_N])
             y = tl.sum(hs * C[:, None, :], 2)
             h = tl.sum(tl.where((steps == BLOCK_T - 1)[:, None, None], hs, 0.0), 0)
             if HAS_D:
