@@ -1,0 +1,316 @@
+"""Qwen3-Next: Gated DeltaNet linear-attention layers interleaved with gated full-attention layers (by default
+every fourth layer, `layer_types` in the config), each followed by a sparse MoE with a sigmoid-gated shared
+expert (or a dense MLP on `mlp_only_layers`).
+
+Gated DeltaNet (a `RecurrentLayer`): one projection gives q, k (per key head), v, z (per value head) and the
+per-value-head b (beta = sigmoid(b)) and a (the log-decay g = -exp(A_log) * softplus(a + dt_bias)); q, k, v go
+through a causal depthwise conv with SiLU (its conv state: the last w-1 inputs), then the gated delta rule
+(kernels/delta_rule.py; a float32 state [H_v, d_k, d_v] per request), then an RMSNorm of each value head gated by
+silu(z) (normalised first, then gated), then the output projection. The checkpoint lays in_proj_qkvz out per key
+head ([q_g, k_g, v_g, z_g] for each key head g, v_g and z_g holding that head's H_v / H_k value heads) and
+in_proj_ba as [b_g, a_g]; loading reorders the rows to [q | k | v | z | b | a], so the conv input is one
+contiguous slice of the projection.
+
+Gated attention: q_proj yields per head [q_h | gate_h]; q and k are RMS-normed per head, rotated over the first
+partial_rotary_factor of the head (NeoX layout), and the attention output is scaled by sigmoid(gate).
+
+Every Qwen3-Next RMSNorm but the gated one scales by (1 + w): the parameter holds 1 + w (GemmaRMSNorm's load).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.kernels import delta_rule, ssm
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pressroom.model.layers.fused_moe import RouterConfig
+from pressroom.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.state import RecurrentLayer, StateShape
+from pressroom.model.lazy_weight import materialize
+from pressroom.model.models.gemma3 import GemmaRMSNorm
+from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
+from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def layer_types(config) -> list[str]:
+    """The config's layer kinds, or every `full_attention_interval`-th layer full attention (older configs)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    interval = getattr(config, "full_attention_interval", 4)
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(config.num_hidden_layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class GdnShape:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_width: int
+
+    @classmethod
+    def of(cls, config) -> GdnShape:
+        return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                   config.linear_value_head_dim, config.linear_conv_kernel_dim)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:  # the conv runs over q, k and v
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def group(self) -> int:  # value heads per key head
+        return self.num_v_heads // self.num_k_heads
+
+
+def reorder_qkvz(w: torch.Tensor, s: GdnShape) -> torch.Tensor:
+    """in_proj_qkvz rows from per-key-head groups [q_g, k_g, v_g, z_g] to [q | k | v | z]."""
+    vz = s.group * s.head_v_dim
+    parts = w.reshape(s.num_k_heads, 2 * s.head_k_dim + 2 * vz, -1).split((s.head_k_dim, s.head_k_dim, vz, vz), 1)
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])
+
+
+def reorder_ba(w: torch.Tensor, s: GdnShape) -> torch.Tensor:
+    """in_proj_ba rows from per-key-head groups [b_g, a_g] to [b | a]."""
+    parts = w.reshape(s.num_k_heads, 2 * s.group, -1).split((s.group, s.group), 1)
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])
+
+
+class GatedRMSNorm(nn.Module):
+    """Qwen3-Next's per-head output norm: RMSNorm (weight w, not 1 + w), then times silu(gate)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)  # rounded to x's dtype before the weight, as HF does
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(RecurrentLayer):
+    def __init__(self, config) -> None:
+        super().__init__()
+        s = self.shape = GdnShape.of(config)
+        self.in_proj = ColumnParallelLinear(config.hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads)
+        self.in_proj.weight.weight_loader = self._load_in_proj
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_width, groups=s.conv_dim, bias=False)
+        self.conv1d.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(s.value_dim, config.hidden_size)
+
+    def state_shapes(self) -> dict[str, StateShape]:
+        s = self.shape
+        return {"conv": StateShape((s.conv_dim, s.conv_width - 1), self.conv1d.weight.dtype),
+                "ssm": StateShape((s.num_v_heads, s.head_k_dim, s.head_v_dim), torch.float32)}
+
+    def _load_in_proj(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        """The checkpoint's in_proj_qkvz ("qkvz") and in_proj_ba ("ba"), rows reordered (module docstring)."""
+        s = self.shape
+        rows = {"qkvz": (0, s.conv_dim + s.value_dim), "ba": (s.conv_dim + s.value_dim, 2 * s.num_v_heads)}
+        start, size = rows[shard_id]
+        loaded = materialize(loaded)
+        if tuple(loaded.shape) != (size, param.shape[1]):
+            raise ValueError(f"in_proj_{shard_id} has shape {tuple(loaded.shape)}; the model expects "
+                             f"{(size, param.shape[1])}.")
+        reorder = reorder_qkvz if shard_id == "qkvz" else reorder_ba
+        param.data.narrow(0, start, size).copy_(reorder(loaded, s))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        qkv, z, b, a = self.in_proj(x).split((s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads), dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log-decay, fp32
+        core = self.run_rounds(self._mix, qkv, g, beta)  # [T, H_v, d_v]
+        out = self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim))
+        return self.out_proj(out.flatten(1))
+
+    def _mix(self, r, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """One round: the conv then the delta rule, decode rows (the first num_decodes) by the one-step kernels,
+        the prefill rows by the varlen ones; states read from and written back to the round's slots."""
+        s, nd = self.shape, r.num_decodes
+        mixed = torch.cat((self._conv_decode(qkv[:nd], r.slots[:nd]),
+                           self._conv_prefill(qkv[nd:], r.cu_seqlens[nd:] - nd, r.slots[nd:])))
+        q, k, v = mixed.split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
+        q, k = (t.unflatten(-1, (s.num_k_heads, s.head_k_dim)) for t in (q, k))
+        v = v.unflatten(-1, (s.num_v_heads, s.head_v_dim))
+        decoded = self._rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], r.slots[:nd])
+        prefilled = self._rule_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], r.cu_seqlens[nd:] - nd,
+                                       r.slots[nd:])
+        return torch.cat((decoded, prefilled))
+
+    def _conv_decode(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x
+        weight = self.conv1d.weight.squeeze(1)
+        if x.is_cuda:
+            from pressroom.kernels.triton.ssm import causal_conv1d_update_pool
+            return causal_conv1d_update_pool(x, self.states["conv"], slots, weight, None)
+        return ssm.causal_conv1d_update_pool(x, self.states["conv"], slots, weight, None)
+
+    def _conv_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x
+        return ssm.causal_conv1d_varlen(x, cu_seqlens, self.conv1d.weight.squeeze(1), None, self.states["conv"],
+                                        slots)
+
+    def _rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        pool = self.states["ssm"]
+        if q.shape[0] == 0:
+            return v.new_empty(v.shape)
+        if q.is_cuda:
+            from pressroom.kernels.triton.delta_rule import fused_recurrent_decode
+            return fused_recurrent_decode(q, k, v, g, beta, pool, slots)
+        o, new = delta_rule.recurrent_decode_step(q, k, v, g, beta, pool.index_select(0, slots))
+        pool.index_copy_(0, slots, new)
+        return o
+
+    def _rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        pool = self.states["ssm"]
+        if q.shape[0] == 0:
+            return v.new_empty(v.shape)
+        o, final = delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, pool.index_select(0, slots), cu_seqlens)
+        pool.index_copy_(0, slots, final)
+        return o
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is scaled by sigmoid of a per-head gate that q_proj also yields."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        self.sizes = (2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, list(self.sizes), bias=bias)
+        self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(self.num_heads * hd, config.hidden_size, bias=bias)
+        self.attn = Attention(self.num_heads, hd, self.num_kv_heads, hd ** -0.5)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        q_gate, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q_gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim))
+        q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
+        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v.unflatten(-1, (self.num_kv_heads, -1)))
+        return self.o_proj(out * torch.sigmoid(gate.flatten(1)))
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, kind: str, mlp: nn.Module) -> None:
+        super().__init__()
+        self.linear = kind == LINEAR
+        if self.linear:  # the checkpoint's names: linear_attn or self_attn
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = mlp
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.linear_attn(x) if self.linear else self.self_attn(rope, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def rotary_dim(config) -> int:
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(config.head_dim * factor)
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config, make_mlp) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, kind, make_mlp(i))
+                                    for i, kind in enumerate(layer_types(config)))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = rotary_from_config(config, rotary_dim(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states; with `aux_layers`, also the residual stream after each of those layers."""
+        x, residual = self.embed_tokens(input_ids), None
+        rope = RopeTables(self.rotary, *self.rotary.cos_sin(positions))
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual)
+            if i in aux_layers:
+                taps[i] = x + residual
+        x, _ = self.norm(x, residual)
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+
+# checkpoint name part -> (our parameter's name part, shard id)
+_PROJECTIONS = {".self_attn.q_proj.": (".self_attn.qkv_proj.", 0), ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+                ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+                ".linear_attn.in_proj_qkvz.": (".linear_attn.in_proj.", "qkvz"),
+                ".linear_attn.in_proj_ba.": (".linear_attn.in_proj.", "ba")}
+
+
+class Qwen3NextForCausalLM(_MoeForCausalLM):
+    cuda_graphs_supported = False  # the varlen conv and chunked delta rule loop over sequences on the host
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)  # Llama's body is not built: the layers are Qwen3-Next's own
+        if get_tp_size() > 1:
+            raise ValueError("Qwen3-Next does not support tensor parallelism yet; run it with tp=1.")
+        self.config = config
+        self.model = Qwen3NextModel(config, self.make_mlp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        c = self.config
+        if c.num_experts == 0 or not self.is_sparse(layer):
+            return LlamaMLP(c.hidden_size, c.intermediate_size)
+        return SparseMoeBlock(c.hidden_size, c.num_experts, c.moe_intermediate_size,
+                              RouterConfig(top_k=c.num_experts_per_tok, renormalize=bool(c.norm_topk_prob)),
+                              shared_intermediate=c.shared_expert_intermediate_size, gated_shared=True)
+
+    def skips(self, name: str) -> bool:
+        return name.startswith("mtp.") or super().skips(name)  # the multi-token-prediction head is not used
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        for part, (ours, shard_id) in _PROJECTIONS.items():
+            if part in name:
+                return name.replace(part, ours), shard_id
+        return super().checkpoint_target(name)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        parts = [name.replace(ours, part) for part, (ours, _) in _PROJECTIONS.items() if ours in name]
+        return parts or super().checkpoint_parts(name)

@@ -1,0 +1,183 @@
+"""Qwen3-Next against HF transformers (fp32, tiny random weights): the Gated DeltaNet layer over packed steps
+(chunked prefill continued across steps, decodes mixed with prefills), and the whole model through `LLM`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pressroom.attention.backend import AttentionMetadata, forward_context
+from pressroom.attention.state import StateMetadata
+from pressroom.model.models.qwen3_next import GatedDeltaNet
+
+# layer 1 and 3 full attention; GQA in both kinds of layer (2 key heads for 4 value heads)
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            full_attention_interval=2, mlp_only_layers=[2], max_position_embeddings=2048,
+            initializer_range=0.2, tie_word_embeddings=False)
+
+
+def tiny_config():
+    import transformers
+    return transformers.Qwen3NextConfig(**TINY)
+
+
+def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Every parameter random and O(1)-scaled, so decays, betas and norm weights all differ per head."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+            elif name.endswith("norm.weight") or name.endswith("dt_bias"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def gdn_pair(seed: int = 0):
+    """HF's Qwen3NextGatedDeltaNet and ours on the same weights, our states bound to `NUM_SLOTS` slots."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    config = tiny_config()
+    gen = torch.Generator().manual_seed(seed)
+    hf = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    randomize_(hf, gen)
+    ours = GatedDeltaNet(config)
+    with torch.no_grad():
+        w = ours.in_proj.weight
+        w.weight_loader(w, hf.in_proj_qkvz.weight, "qkvz")
+        w.weight_loader(w, hf.in_proj_ba.weight, "ba")
+        for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+            ours.get_parameter(name).copy_(hf.get_parameter(name))
+    ours.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype) for name, s in ours.state_shapes().items()})
+    return hf, ours
+
+
+NUM_SLOTS = 6
+
+
+def run_step(layer: GatedDeltaNet, parts: list[tuple[int, torch.Tensor]], num_decodes: int) -> list[torch.Tensor]:
+    """One engine step: `parts` (state slot, tokens [n, hidden]) packed, decodes first; the outputs per part."""
+    qsl = [0]
+    for _, x in parts:
+        qsl.append(qsl[-1] + x.shape[0])
+    meta = AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes, slot_mapping=torch.empty(0),
+                             block_tables=torch.empty(0), seq_lens=torch.empty(0), query_start_loc=qsl,
+                             seq_lens_host=[],
+                             state=StateMetadata.one_round(qsl, [s for s, _ in parts], "cpu", num_decodes))
+    with forward_context(meta), torch.no_grad():
+        out = layer(torch.cat([x for _, x in parts]))
+    return [out[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
+
+
+def test_gated_deltanet_equals_hf_over_packed_steps():
+    """Four sequences through prefill chunks and decodes: A's 150-token prompt over two steps (three delta-rule
+    chunks in the first), B and C decoding beside A's second chunk and D's whole prompt, then decodes only.
+    Every output equals HF's layer run on each whole sequence at once (no cache): the conv and delta-rule states
+    carry exactly across steps, and slot 0 (padding) is never touched."""
+    hf, ours = gdn_pair()
+    gen = torch.Generator().manual_seed(1)
+    lengths = {"A": 150 + 3, "B": 7 + 5, "C": 1 + 5, "D": 40 + 3}
+    seqs = {n: torch.randn(k, TINY["hidden_size"], generator=gen) for n, k in lengths.items()}
+    slot = {"A": 3, "B": 1, "C": 5, "D": 2}
+    got: dict[str, list[torch.Tensor]] = {n: [] for n in seqs}
+    pos = dict.fromkeys(seqs, 0)
+
+    def step(plan: list[tuple[str, int]], num_decodes: int) -> None:
+        parts = [(slot[n], seqs[n][pos[n]:pos[n] + k]) for n, k in plan]
+        for (n, k), out in zip(plan, run_step(ours, parts, num_decodes)):
+            got[n].append(out)
+            pos[n] += k
+
+    step([("A", 100), ("B", 7), ("C", 1)], 0)
+    step([("B", 1), ("C", 1), ("A", 50), ("D", 40)], 2)
+    for _ in range(3):
+        step([(n, 1) for n in ("A", "B", "C", "D")], 4)
+    step([("B", 1), ("C", 1)], 2)
+
+    assert pos == lengths
+    with torch.no_grad():
+        for n, x in seqs.items():
+            torch.testing.assert_close(torch.cat(got[n]), hf(x[None])[0], atol=2e-5, rtol=2e-5)
+    assert not ours.states["conv"][0].any() and not ours.states["ssm"][0].any()
+
+
+def test_in_proj_rows_reordered_to_contiguous_qkvzba():
+    """The checkpoint's per-key-head groups become [q | k | v | z | b | a]: each row of our projection is the
+    HF row that fix_query_key_value_ordering routes to that place."""
+    hf, ours = gdn_pair(seed=3)
+    x = torch.randn(5, TINY["hidden_size"])
+    with torch.no_grad():
+        q, k, v, z, b, a = hf.fix_query_key_value_ordering(hf.in_proj_qkvz(x[None]), hf.in_proj_ba(x[None]))
+        expected = torch.cat([t[0].flatten(1) for t in (q, k, v, z)] + [b[0], a[0]], dim=-1)
+        torch.testing.assert_close(ours.in_proj(x), expected)
+
+
+# ---------------------------------------------------------------- the whole model through LLM
+
+GREEDY_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny random Qwen3-Next checkpoint: two GDN and two gated-attention layers, MoE on layers 0, 1 and 3,
+    norm weights random (HF initialises the (1 + w) ones at zero, which would hide a missing + 1)."""
+    import transformers
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape))
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    model.save_pretrained(path)
+    smollm_tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, TINY["vocab_size"] - 100, (n,), generator=gen).tolist() for n in lengths]
+
+
+def check_against_hf(path: str, batches: list[list[list[int]]], **engine_args) -> list:
+    """Each batch of prompts generated in turn by one LLM: greedy tokens equal HF's, and prompt logprobs within
+    1e-3 in the first batch (asking for them turns prefix-cache hits off, so the later batches do not).
+    Returns the outputs, batch after batch."""
+    import transformers
+    from conftest import hf_greedy, hf_prompt_logprobs
+
+    from pressroom import LLM, SamplingParams
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, **engine_args)
+    results = []
+    for i, prompts in enumerate(batches):
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                                prompt_logprobs=0 if i == 0 else None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY_TOKENS)
+            if i == 0:
+                ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+                theirs = hf_prompt_logprobs(hf_model, prompt)
+                assert len(ours) == len(theirs) == len(prompt) - 1
+                assert max((abs(a - b) for a, b in zip(ours, theirs)), default=0.0) < 1e-3
+        results += outs
+    return results
+
+
+def test_tiny_model_matches_hf(tiny_qwen3_next):
+    """Mixed prompt lengths, one of them over several 64-token engine chunks and delta-rule chunks; later
+    chunks of a prompt run beside other requests' decodes."""
+    check_against_hf(tiny_qwen3_next, [prompts_of([5, 37, 150], seed=0)], max_num_batched_tokens=64)
+
+
+@pytest.mark.slow
+def test_tiny_model_matches_hf_long_and_shared_prompts(tiny_qwen3_next):
+    """More and longer prompts (1 token up to five engine chunks) in small steps with few sequences at once;
+    then two prompts that extend an earlier 130-token one, served from its state checkpoint at 128 tokens."""
+    prompts = prompts_of([1, 2, 64, 65, 300, 130, 17], seed=1)
+    shared = prompts[5]
+    extended = [shared + prompts_of([20], seed=2)[0], shared + prompts_of([41], seed=3)[0]]
+    outs = check_against_hf(tiny_qwen3_next, [prompts, extended], max_num_batched_tokens=64, max_num_seqs=4)
+    assert [o.num_cached_tokens for o in outs[-2:]] == [128, 128]
