@@ -40,19 +40,20 @@ def _packing(spec: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _delta_inputs(tokens: int, h_k: int, h_v: int, d_k: int, d_v: int, per_channel: bool, dtype: torch.dtype,
                   num_slots: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """q, k, v as strided views of one fused projection (as a layer splits its in_proj), gates, states."""
     gen = torch.Generator().manual_seed(seed)
     gate_shape = (tokens, h_v, d_k) if per_channel else (tokens, h_v)
-    x = {"q": torch.randn(tokens, h_k, d_k, generator=gen), "k": torch.randn(tokens, h_k, d_k, generator=gen),
-         "v": torch.randn(tokens, h_v, d_v, generator=gen),
-         "g": F.logsigmoid(torch.randn(gate_shape, generator=gen) + 2.0),
-         "beta": torch.rand(tokens, h_v, generator=gen)}
-    x = {name: t.to(dtype).to(DEVICE) for name, t in x.items()}
+    qkv = torch.randn(tokens, 2 * h_k * d_k + h_v * d_v, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([h_k * d_k, h_k * d_k, h_v * d_v], dim=-1)
+    x = {"q": q.unflatten(-1, (h_k, d_k)), "k": k.unflatten(-1, (h_k, d_k)), "v": v.unflatten(-1, (h_v, d_v)),
+         "g": F.logsigmoid(torch.randn(gate_shape, generator=gen) + 2.0).to(dtype).to(DEVICE),
+         "beta": torch.rand(tokens, h_v, generator=gen).to(dtype).to(DEVICE)}
     x["states"] = (torch.randn(num_slots, h_v, d_k, d_v, generator=gen) * 0.5).to(DEVICE)
     return x
 
 
-def _delta_reference(x: dict[str, torch.Tensor], cu: torch.Tensor,
-                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _delta_reference(x: dict[str, torch.Tensor], cu: torch.Tensor, slots: torch.Tensor,
+                     **options) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch chunked form on the live sequences, their outputs scattered back and states written to a copy of
     the pool; padding sequences' tokens zero."""
     bounds, slot_ids = cu.tolist(), slots.tolist()
@@ -64,7 +65,8 @@ def _delta_reference(x: dict[str, torch.Tensor], cu: torch.Tensor,
     live_cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(DEVICE)
     picked = torch.tensor([slot_ids[i] for i in live], device=DEVICE)
     o, final = dr.chunk_gated_delta_rule(x["q"][tokens], x["k"][tokens], x["v"][tokens], x["g"][tokens],
-                                         x["beta"][tokens], initial_state=pool[picked], cu_seqlens=live_cu)
+                                         x["beta"][tokens], initial_state=pool[picked], cu_seqlens=live_cu,
+                                         **options)
     out[tokens] = o
     pool[picked] = final.to(pool.dtype)
     return out, pool
@@ -83,6 +85,20 @@ def test_chunk_delta_rule_varlen_equals_torch(per_channel: bool, dtype: torch.dt
     _close(pool, expected_pool, TOL[torch.float32] if dtype == torch.float32 else 1e-3)
 
 
+def test_chunk_delta_rule_varlen_without_normalization() -> None:
+    """normalize_qk=False and a given scale: q and k are used as they come (here unit rows, so the rule is stable)."""
+    cu, slots = _packing(LENGTHS_SLOTS)
+    x = _delta_inputs(int(cu[-1]), h_k=2, h_v=2, d_k=16, d_v=16, per_channel=False, dtype=torch.float32,
+                      num_slots=8)
+    x["q"], x["k"] = dr.l2normalize(x["q"]) * 1.5, dr.l2normalize(x["k"])
+    options = dict(normalize_qk=False, scale=0.3)
+    expected_out, expected_pool = _delta_reference(x, cu, slots, **options)
+    pool = x.pop("states")
+    out = delta_rule_chunk.chunk_delta_rule_varlen(**x, cu_seqlens=cu, states=pool, slots=slots, **options)
+    _close(out, expected_out, TOL[torch.float32])
+    _close(pool, expected_pool, TOL[torch.float32])
+
+
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=gen) * scale
 
@@ -93,7 +109,7 @@ def test_causal_conv1d_varlen_equals_torch(dtype: torch.dtype, width: int, has_b
     cu, slots = _packing(LENGTHS_SLOTS + [(2, 7)])  # a sequence shorter than the conv state
     gen = torch.Generator().manual_seed(1)
     channels = 24
-    x = _randn(gen, int(cu[-1]), channels).to(dtype).to(DEVICE)
+    x = _randn(gen, int(cu[-1]), channels + 5).to(dtype).to(DEVICE)[:, 5:]  # a view, as a split of in_proj's output
     weight = _randn(gen, channels, width, scale=0.5).to(dtype).to(DEVICE)
     bias = _randn(gen, channels).to(dtype).to(DEVICE) if has_bias else None
     pool = _randn(gen, 9, channels, width - 1).to(dtype).to(DEVICE)
@@ -106,10 +122,11 @@ def test_causal_conv1d_varlen_equals_torch(dtype: torch.dtype, width: int, has_b
 
 def _selective_inputs(tokens: int, d_inner: int, d_state: int, dtype: torch.dtype, num_slots: int,
                       seed: int = 2) -> dict[str, torch.Tensor]:
+    """x, z and B, C as strided views of fused projections (Mamba1's in_proj and x_proj outputs)."""
     gen = torch.Generator().manual_seed(seed)
-    a = {"x": _randn(gen, tokens, d_inner), "dt": _randn(gen, tokens, d_inner, scale=0.5) - 1.0,
-         "B": _randn(gen, tokens, d_state), "C": _randn(gen, tokens, d_state), "z": _randn(gen, tokens, d_inner)}
-    a = {name: t.to(dtype).to(DEVICE) for name, t in a.items()}
+    x, z = _randn(gen, tokens, 2 * d_inner).to(dtype).to(DEVICE).chunk(2, dim=-1)
+    _, B, C = _randn(gen, tokens, 3 + 2 * d_state).to(dtype).to(DEVICE).split([3, d_state, d_state], dim=-1)
+    a = {"x": x, "z": z, "B": B, "C": C, "dt": (_randn(gen, tokens, d_inner, scale=0.5) - 1.0).to(dtype).to(DEVICE)}
     a["A"] = -torch.exp(torch.log(torch.arange(1, d_state + 1.0)).repeat(d_inner, 1)).to(DEVICE)
     a["D"] = _randn(gen, d_inner).to(DEVICE)
     a["dt_bias"] = _randn(gen, d_inner, scale=0.1).to(DEVICE)
@@ -133,10 +150,13 @@ def test_selective_scan_varlen_equals_torch(dtype: torch.dtype, gated: bool) -> 
 
 def _ssd_inputs(tokens: int, heads: int, head_dim: int, groups: int, d_state: int, dtype: torch.dtype,
                 num_slots: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """x, B, C as strided views of the conv's output xBC and dt of the in_proj output, as Mamba2 splits them."""
     gen = torch.Generator().manual_seed(seed)
-    a = {"x": _randn(gen, tokens, heads, head_dim), "dt": _randn(gen, tokens, heads, scale=0.5) - 2.0,
-         "B": _randn(gen, tokens, groups, d_state), "C": _randn(gen, tokens, groups, d_state)}
-    a = {name: t.to(dtype).to(DEVICE) for name, t in a.items()}
+    xBC = _randn(gen, tokens, heads * head_dim + 2 * groups * d_state).to(dtype).to(DEVICE)
+    x, B, C = xBC.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
+    dt = (_randn(gen, tokens, 2 * heads, scale=0.5) - 2.0).to(dtype).to(DEVICE)[:, heads:]
+    a = {"x": x.unflatten(-1, (heads, head_dim)), "dt": dt, "B": B.unflatten(-1, (groups, d_state)),
+         "C": C.unflatten(-1, (groups, d_state))}
     a["A"] = -torch.arange(1, heads + 1.0).to(DEVICE)  # Mamba2's init: A_log = log(1..16)
     a["D"] = _randn(gen, heads).to(DEVICE)
     a["dt_bias"] = _randn(gen, heads, scale=0.1).to(DEVICE)
