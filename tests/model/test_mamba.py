@@ -210,3 +210,47 @@ def test_model_loads_hf_checkpoint_and_matches_hf_logits(version: int, tmp_path)
                             MODEL_STEPS)
         for name, stream in ids.items():
             torch.testing.assert_close(actual[name], hf_model(stream[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- through the engine
+
+def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation through HF's recurrent cache, one token per forward (conftest's hf_greedy passes
+    past_key_values, which HF's Mamba models do not take)."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        next_id = out.logits[0, -1].argmax()
+        tokens.append(int(next_id))
+        out = model(input_ids=next_id.view(1, 1), cache=out.cache, use_cache=True)
+    return tokens
+
+
+@pytest.mark.parametrize("version,lengths,max_tokens", [
+    (2, (7, 90), 8),
+    pytest.param(1, (3, 40, 150, 97), 64, marks=pytest.mark.slow),
+    pytest.param(2, (3, 40, 150, 97), 64, marks=pytest.mark.slow)])
+def test_llm_matches_hf_greedy_and_prompt_logprobs(version: int, lengths: tuple[int, ...], max_tokens: int, tmp_path,
+                                                   smollm_tokenizer):
+    """A batch of mixed prompt lengths, the longer ones prefilled over several 64-token steps (and many of
+    Mamba2's 16-token chunks) beside other requests' decodes, with state checkpoints every 32 tokens (rounds
+    inside a step): the greedy tokens and prompt logprobs equal HF's, and again when the prompts come back and
+    resume from their checkpointed states."""
+    from conftest import hf_prompt_logprobs
+
+    from pressroom import LLM, SamplingParams
+    hf_model = save_tiny_mamba(version, str(tmp_path))
+    smollm_tokenizer.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=64,
+              mamba_block_size=32)
+    g = torch.Generator().manual_seed(40 + version)
+    prompts = [torch.randint(100, VOCAB - 100, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+    with torch.no_grad():
+        expected = [(_hf_greedy(hf_model, p, max_tokens), hf_prompt_logprobs(hf_model, p)) for p in prompts]
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outs, expected):
+            assert out.outputs[0].token_ids == tokens
+            ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+            assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3
