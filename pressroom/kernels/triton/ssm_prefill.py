@@ -135,7 +135,7 @@ def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torc
     state_block_c = min(triton.next_power_of_2(channels), 256)
     _conv_state_kernel[(num_seqs, triton.cdiv(channels, state_block_c))](
         x, cu_seqlens, slots, conv_states, channels, x.stride(0), conv_states.stride(0), conv_states.stride(1),
-        WIDTH=width, BLOCK_C=state_block_c, BLOCK_W=triton.next_power_of_2(width - 1), num_warps=4)
+        WIDTH=width, BLOCK_C=state_block_c, BLOCK_W=max(2, triton.next_power_of_2(width - 1)), num_warps=4)
     return y
 
 
