@@ -70,11 +70,19 @@ def run_step(layer: GatedDeltaNet, parts: list[tuple[int, torch.Tensor]], num_de
     return [out[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
 
 
-def test_gated_deltanet_equals_hf_over_packed_steps():
-    """Four sequences through prefill chunks and decodes: A's 150-token prompt over two steps (three delta-rule
-    chunks in the first), B and C decoding beside A's second chunk and D's whole prompt, then decodes only.
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_gated_deltanet_equals_hf_over_packed_steps(kernels, monkeypatch):
+    """Four sequences through prefill chunks and decodes: A's 153 tokens prefilled over two steps (two delta-rule
+    chunks in the first), B and C decoding beside A's second part and D's whole prompt, then decodes only.
     Every output equals HF's layer run on each whole sequence at once (no cache): the conv and delta-rule states
-    carry exactly across steps, and slot 0 (padding) is never touched."""
+    carry exactly across steps, and slot 0 (padding) is never touched. "triton": the CUDA path's kernels
+    (Triton's interpreter where there is no GPU)."""
+    if kernels == "triton":
+        from pressroom.kernels import triton as triton_kernels
+        from pressroom.model.models import qwen3_next
+        if torch.cuda.is_available() or not triton_kernels.interpreting():
+            pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
+        monkeypatch.setattr(qwen3_next, "on_triton", lambda x: True)
     hf, ours = gdn_pair()
     gen = torch.Generator().manual_seed(1)
     lengths = {"A": 150 + 3, "B": 7 + 5, "C": 1 + 5, "D": 40 + 3}

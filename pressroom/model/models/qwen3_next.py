@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import delta_rule, ssm
 from pressroom.model.layers.attention import Attention
@@ -37,6 +38,11 @@ from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_confi
 from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
 
 LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether the recurrent kernels run in Triton (CUDA tensors); the torch forms otherwise."""
+    return x.is_cuda
 
 
 def layer_types(config) -> list[str]:
@@ -145,55 +151,49 @@ class GatedDeltaNet(RecurrentLayer):
         out = self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim))
         return self.out_proj(out.flatten(1))
 
-    def _mix(self, r, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """One round: the conv then the delta rule, decode rows (the first num_decodes) by the one-step kernels,
-        the prefill rows by the varlen ones; states read from and written back to the round's slots."""
-        s, nd = self.shape, r.num_decodes
-        mixed = torch.cat((self._conv_decode(qkv[:nd], r.slots[:nd]),
-                           self._conv_prefill(qkv[nd:], r.cu_seqlens[nd:] - nd, r.slots[nd:])))
-        q, k, v = mixed.split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
-        q, k = (t.unflatten(-1, (s.num_k_heads, s.head_k_dim)) for t in (q, k))
-        v = v.unflatten(-1, (s.num_v_heads, s.head_v_dim))
-        decoded = self._rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], r.slots[:nd])
-        prefilled = self._rule_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], r.cu_seqlens[nd:] - nd,
-                                       r.slots[nd:])
-        return torch.cat((decoded, prefilled))
+    def _mix(self, r: StateRound, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """One round: the conv then the delta rule, the decode rows (the first num_decodes) by the one-step
+        kernels, the rest chunked; each request's states read from and written back to its slot."""
+        s, decodes, tokens = self.shape, r.num_decodes, qkv.shape[0]
+        out = qkv.new_empty(tokens, s.num_v_heads, s.head_v_dim)
+        if decodes:
+            out[:decodes] = self._decode(qkv[:decodes], g[:decodes], beta[:decodes], r.slots[:decodes])
+        if tokens > decodes:
+            out[decodes:] = self._prefill(qkv[decodes:], g[decodes:], beta[decodes:], r.slots[decodes:],
+                                          r.cu_seqlens[decodes:] - decodes)
+        return out
 
-    def _conv_decode(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:
-            return x
-        weight = self.conv1d.weight.squeeze(1)
-        if x.is_cuda:
-            from pressroom.kernels.triton.ssm import causal_conv1d_update_pool
-            return causal_conv1d_update_pool(x, self.states["conv"], slots, weight, None)
-        return ssm.causal_conv1d_update_pool(x, self.states["conv"], slots, weight, None)
-
-    def _conv_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:
-            return x
-        return ssm.causal_conv1d_varlen(x, cu_seqlens, self.conv1d.weight.squeeze(1), None, self.states["conv"],
-                                        slots)
-
-    def _rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        pool = self.states["ssm"]
-        if q.shape[0] == 0:
-            return v.new_empty(v.shape)
-        if q.is_cuda:
-            from pressroom.kernels.triton.delta_rule import fused_recurrent_decode
-            return fused_recurrent_decode(q, k, v, g, beta, pool, slots)
-        o, new = delta_rule.recurrent_decode_step(q, k, v, g, beta, pool.index_select(0, slots))
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        conv, pool, weight = self.states["conv"], self.states["ssm"], self.conv1d.weight.squeeze(1)
+        if on_triton(qkv):
+            from pressroom.kernels.triton import delta_rule as triton_delta_rule
+            from pressroom.kernels.triton import ssm as triton_ssm
+            q, k, v = self._heads(triton_ssm.causal_conv1d_update_pool(qkv, conv, slots, weight, None))
+            return triton_delta_rule.fused_recurrent_decode(q, k, v, g, beta, pool, slots)
+        q, k, v = self._heads(ssm.causal_conv1d_update_pool(qkv, conv, slots, weight, None))
+        out, new = delta_rule.recurrent_decode_step(q, k, v, g, beta, pool.index_select(0, slots))
         pool.index_copy_(0, slots, new)
-        return o
+        return out
 
-    def _rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        pool = self.states["ssm"]
-        if q.shape[0] == 0:
-            return v.new_empty(v.shape)
-        o, final = delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, pool.index_select(0, slots), cu_seqlens)
+    def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor:
+        conv, pool, weight = self.states["conv"], self.states["ssm"], self.conv1d.weight.squeeze(1)
+        if on_triton(qkv):
+            from pressroom.kernels.triton.delta_rule_chunk import chunk_delta_rule_varlen
+            from pressroom.kernels.triton.ssm_prefill import causal_conv1d_varlen
+            q, k, v = self._heads(causal_conv1d_varlen(qkv, cu_seqlens, weight, None, conv, slots))
+            return chunk_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, pool, slots)
+        q, k, v = self._heads(ssm.causal_conv1d_varlen(qkv, cu_seqlens, weight, None, conv, slots))
+        out, final = delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, pool.index_select(0, slots), cu_seqlens)
         pool.index_copy_(0, slots, final)
-        return o
+        return out
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [tokens, H_k, d_k] and v [tokens, H_v, d_v] (views) of the convolved [q | k | v]."""
+        s = self.shape
+        q, k, v = mixed.split((s.key_dim, s.key_dim, s.value_dim), dim=-1)
+        return (q.unflatten(-1, (s.num_k_heads, s.head_k_dim)), k.unflatten(-1, (s.num_k_heads, s.head_k_dim)),
+                v.unflatten(-1, (s.num_v_heads, s.head_v_dim)))
 
 
 class GatedAttention(nn.Module):
@@ -281,7 +281,7 @@ _PROJECTIONS = {".self_attn.q_proj.": (".self_attn.qkv_proj.", 0), ".self_attn.k
 
 
 class Qwen3NextForCausalLM(_MoeForCausalLM):
-    cuda_graphs_supported = False  # the varlen conv and chunked delta rule loop over sequences on the host
+    cuda_graphs_supported = False  # not yet: the torch forms read sequence bounds on the host
 
     def __init__(self, config) -> None:
         nn.Module.__init__(self)  # Llama's body is not built: the layers are Qwen3-Next's own
