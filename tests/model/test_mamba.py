@@ -98,16 +98,18 @@ def _randomize(module: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
-def _use_decode_kernels(kind: str, monkeypatch) -> None:
-    """Decode rows through torch's pool kernels, or through the Triton ones (CUDA's; on the CPU Triton's
-    interpreter runs them) with the views the mixers hand them."""
+def _use_kernels(kind: str, monkeypatch) -> None:
+    """The mixers on torch's kernels, or on the Triton ones that CUDA runs (on the CPU Triton's interpreter runs
+    them) with the views the mixers hand them: decode rows for both families, Mamba1's prefill rows too."""
     if kind == "triton":
         from pressroom.kernels import triton as triton_kernels
         if not triton_kernels.available():
             pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
         from pressroom.kernels.triton import ssm as triton_ssm
+        from pressroom.kernels.triton import ssm_prefill
         for module in (mamba, mamba2_mixer):
             monkeypatch.setattr(module, "_pool_kernels", lambda x: triton_ssm)
+        monkeypatch.setattr(mamba, "_prefill_kernels", lambda x: ssm_prefill)
 
 
 def _check_against_hf(hf_mixer, config, ours) -> None:
@@ -127,23 +129,23 @@ def _check_against_hf(hf_mixer, config, ours) -> None:
     assert not ours.states["ssm"][0].any() and not ours.states["conv"][0].any(), "the padding slot was written"
 
 
-@pytest.mark.parametrize("use_bias,decode_kernels", [(False, "torch"), (True, "torch"), (False, "triton")])
-def test_mamba1_mixer_matches_hf_over_packed_steps(use_bias: bool, decode_kernels: str, monkeypatch):
-    _use_decode_kernels(decode_kernels, monkeypatch)
+@pytest.mark.parametrize("use_bias,kernels", [(False, "torch"), (True, "torch"), (False, "triton")])
+def test_mamba1_mixer_matches_hf_over_packed_steps(use_bias: bool, kernels: str, monkeypatch):
+    _use_kernels(kernels, monkeypatch)
     torch.manual_seed(0)
     config = MambaConfig(hidden_size=HIDDEN, state_size=4, intermediate_size=32, conv_kernel=4, time_step_rank=4,
                          num_hidden_layers=1, vocab_size=16, use_bias=use_bias, use_conv_bias=not use_bias)
     _check_against_hf(MambaMixer(config, 0).eval(), config, Mamba1Mixer(config))
 
 
-@pytest.mark.parametrize("n_groups,chunk_size,dt_limit,decode_kernels", [
+@pytest.mark.parametrize("n_groups,chunk_size,dt_limit,kernels", [
     (2, 4, ssm.DT_LIMIT, "torch"), (1, 256, ssm.DT_LIMIT, "torch"), (2, 8, (0.02, 0.3), "torch"),
     (2, 8, (0.02, 0.3), "triton")])
 def test_mamba2_mixer_matches_hf_over_packed_steps(n_groups: int, chunk_size: int, dt_limit: tuple[float, float],
-                                                   decode_kernels: str, monkeypatch):
+                                                   kernels: str, monkeypatch):
     """b's 20-token prompt spans several chunks (split 9 + 11 on our side); a dt limit tighter than HF's init
     spread clamps some prefill time steps (HF's one-token step does not clamp: neither do we)."""
-    _use_decode_kernels(decode_kernels, monkeypatch)
+    _use_kernels(kernels, monkeypatch)
     torch.manual_seed(0)
     config = Mamba2Config(hidden_size=HIDDEN, num_heads=8, head_dim=4, state_size=4, n_groups=n_groups,
                           conv_kernel=4, chunk_size=chunk_size, num_hidden_layers=1, vocab_size=16, expand=2,

@@ -3,8 +3,9 @@ state-space mixers, each a pre-norm residual block, with no KV cache, only a fix
 
 Each mixer is a `RecurrentLayer` (layers/state.py) with two states: the causal conv's last w-1 inputs (the
 model's dtype) and the SSM state (fp32). A step's tokens advance them round by round: decode rows (one token
-each, first) through the batched one-step kernels on the state pools (Triton on CUDA), prefill rows through the
-packed varlen kernels (kernels/ssm.py), each reading its request's states at `round.slots` and writing them back.
+each, first) through the batched one-step kernels on the state pools, prefill rows through the packed varlen
+kernels (kernels/ssm.py; Triton's on CUDA for both), each reading its request's states at `round.slots` and
+writing them back.
 Mamba1's mixer is here; Mamba2's is the shared layers/mamba2_mixer.py (Nemotron-H and Falcon-H1 carry it too).
 
 Weights load from HF checkpoints under HF's names (backbone.embeddings, backbone.layers.N.{norm, mixer.*},
@@ -39,6 +40,14 @@ def _pool_kernels(x: torch.Tensor) -> ModuleType:
     return ssm
 
 
+def _prefill_kernels(x: torch.Tensor) -> ModuleType:
+    """The packed varlen prefill kernels for x's device: Triton's on CUDA (no host sync), torch's elsewhere."""
+    if x.is_cuda:
+        from pressroom.kernels.triton import ssm_prefill
+        return ssm_prefill
+    return ssm
+
+
 def _prefill_cu_seqlens(r: StateRound) -> torch.Tensor:
     """The round's prefill rows packed from 0: decodes come first, one token each."""
     return r.cu_seqlens[r.num_decodes:] - r.num_decodes
@@ -56,8 +65,8 @@ def _conv_round(r: StateRound, x: torch.Tensor, conv: DepthwiseConv, states: tor
     if nd:
         parts.append(_pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], taps, conv.bias))
     if _has_prefill(r):
-        parts.append(ssm.causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias, states,
-                                              r.slots[nd:]))
+        parts.append(_prefill_kernels(x).causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias,
+                                                              states, r.slots[nd:]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -104,8 +113,9 @@ class Mamba1Mixer(RecurrentLayer):
             y[:nd] = _pool_kernels(x).selective_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A, B[:nd],
                                                                   C[:nd], self.D, z[:nd])
         if _has_prefill(r):
-            y[nd:] = ssm.selective_scan_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:], _prefill_cu_seqlens(r), states,
-                                               r.slots[nd:], self.D, z[nd:])
+            y[nd:] = _prefill_kernels(x).selective_scan_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:],
+                                                               _prefill_cu_seqlens(r), states, r.slots[nd:], self.D,
+                                                               z[nd:])
         return y
 
 
@@ -163,8 +173,8 @@ class MambaBackbone(nn.Module):
 
 
 class MambaForCausalLM(nn.Module):
-    # Decode rounds are graph-safe (no host sync on the Triton pool kernels' path), but capturing them is not
-    # verified yet; prefill rounds sync on the host (the varlen kernels loop over sequences).
+    # Decode rounds should be graph-safe (the Triton pool kernels read slots on the device, no host sync), but
+    # capturing them is not verified yet: off until a GPU test replays a captured decode against eager.
     cuda_graphs_supported = False
 
     def __init__(self, config) -> None:
