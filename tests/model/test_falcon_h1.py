@@ -1,20 +1,26 @@
 """Falcon-H1 against HF transformers (fp32, tiny random weights): its Mamba2 mixer (the shared
 layers/mamba2_mixer.py, with Falcon-H1's multipliers and each of its output gates) over a packed batch of prefills,
-chunked prefills and decodes, and the whole model from a save_pretrained checkpoint over the same kind of steps."""
+chunked prefills and decodes, and the whole model from a save_pretrained checkpoint over the same kind of steps,
+directly and through `LLM` (greedy tokens and prompt logprobs)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from test_nemotron_h import (
     PROMPT_LENS,
+    check_llm,
     check_model_schedule,
     copy_hf_weights,
+    engine_prompts,
     load_ours,
     randomize,
     run_hf,
     run_schedule,
     save_tiny,
     sequences,
+    shared_prefix_prompts,
+    tiny_llm,
+    use_triton_kernels,
 )
 
 from pressroom.model.layers.mamba2_mixer import Mamba2Mixer
@@ -34,12 +40,15 @@ def falcon_config(**overrides) -> FalconH1Config:
     return FalconH1Config(**(args | overrides))
 
 
-@pytest.mark.parametrize("overrides", [
-    MULTIPLIERS,  # no norm: y * silu(z)
-    MULTIPLIERS | dict(mamba_rms_norm=True),  # norm, then the gate
-    dict(mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_n_groups=1, mamba_chunk_size=256),
+@pytest.mark.parametrize("overrides,kernels", [
+    (MULTIPLIERS, "torch"),  # no norm: y * silu(z)
+    (MULTIPLIERS | dict(mamba_rms_norm=True), "torch"),  # norm, then the gate
+    (MULTIPLIERS | dict(mamba_rms_norm=True), "triton"),
+    (dict(mamba_rms_norm=True, mamba_norm_before_gate=False, mamba_n_groups=1, mamba_chunk_size=256), "torch"),
 ])
-def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides):
+def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides, kernels, monkeypatch):
+    if kernels == "triton":
+        use_triton_kernels(monkeypatch)
     config = falcon_config(**overrides)
     theirs = FalconH1Mixer(config, 0).eval()
     theirs.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)  # the model's job in HF
@@ -67,3 +76,28 @@ def test_whole_model_logits_match_hf_over_packed_steps(tmp_path):
     config = FalconH1Config(**MODEL_SHAPE, **MODEL_MULTIPLIERS)
     hf_model = save_tiny(config, tmp_path)
     check_model_schedule(hf_model, load_ours(FalconH1ForCausalLM, tmp_path, config), config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-falcon-h1")
+    hf_model = save_tiny(FalconH1Config(**MODEL_SHAPE, **MODEL_MULTIPLIERS), path)
+    smollm_tokenizer.save_pretrained(path)
+    return path, hf_model
+
+
+# 16 greedy tokens in the default suite (HF's reference runs its torch fallbacks a token per forward), 64 when slow
+@pytest.mark.parametrize("max_tokens", [16, pytest.param(64, marks=pytest.mark.slow)])
+def test_llm_matches_hf_greedy_and_prompt_logprobs(tiny_checkpoint, max_tokens: int):
+    path, hf_model = tiny_checkpoint
+    check_llm(tiny_llm(path), hf_model, engine_prompts(seed=72), max_tokens)
+
+
+@pytest.mark.slow
+def test_llm_matches_hf_from_cached_prefixes(tiny_checkpoint):
+    """Prompts sharing a 100-token prefix, the first alone before the rest: they start from the prefix cache's
+    recurrent-state checkpoints (and the attention's cached blocks)."""
+    path, hf_model = tiny_checkpoint
+    llm, prompts = tiny_llm(path), shared_prefix_prompts()
+    check_llm(llm, hf_model, prompts[:1])
+    check_llm(llm, hf_model, prompts)

@@ -1,15 +1,19 @@
 """Nemotron-H against HF transformers (fp32, tiny random weights): its Mamba2 mixer (the shared
 layers/mamba2_mixer.py) over a packed batch of prefills, chunked prefills and decodes on a state-slot pool, and the
-whole model (every block kind) from a save_pretrained checkpoint over the same kind of steps."""
+whole model (every block kind) from a save_pretrained checkpoint over the same kind of steps, directly and through
+`LLM` (greedy tokens and prompt logprobs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
 
+from pressroom import LLM, SamplingParams
 from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.attention.state import StateMetadata
+from pressroom.model.layers import mamba2_mixer
 from pressroom.model.layers.mamba2_mixer import Mamba2Mixer
 from pressroom.model.models.nemotron_h import mixer_config
 
@@ -98,8 +102,23 @@ def nemotron_config(**overrides) -> NemotronHConfig:
     return NemotronHConfig(**(args | overrides))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(n_groups=1, chunk_size=128, use_conv_bias=False, use_bias=False)])
-def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides):
+def use_triton_kernels(monkeypatch) -> None:
+    """Prefill and decode rows through the Triton kernels (CUDA's; on the CPU Triton's interpreter runs them) with
+    the views the mixer hands them."""
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    from pressroom.kernels.triton import ssm as triton_ssm
+    from pressroom.kernels.triton import ssm_prefill
+    monkeypatch.setattr(mamba2_mixer, "_pool_kernels", lambda x: triton_ssm)
+    monkeypatch.setattr(mamba2_mixer, "_prefill_kernels", lambda x: ssm_prefill)
+
+
+@pytest.mark.parametrize("overrides,kernels", [
+    ({}, "torch"), ({}, "triton"), (dict(n_groups=1, chunk_size=128, use_conv_bias=False, use_bias=False), "torch")])
+def test_mixer_matches_hf_over_packed_prefill_and_decode_steps(overrides, kernels, monkeypatch):
+    if kernels == "triton":
+        use_triton_kernels(monkeypatch)
     config = nemotron_config(**overrides)
     theirs = NemotronHMamba2Mixer(config, 0).eval()
     randomize(theirs)
@@ -220,3 +239,59 @@ def test_whole_model_logits_match_hf_over_packed_steps(overrides, tmp_path):
     config = nemotron_model_config(**overrides)
     hf_model = save_tiny(config, tmp_path)
     check_model_schedule(hf_model, load_ours(NemotronHForCausalLM, tmp_path, config), config.vocab_size)
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+
+
+def engine_prompts(seed: int) -> list[list[int]]:
+    """Mixed lengths: three short prompts and one of 150 tokens (three 64-token engine chunks, ten Mamba chunks)."""
+    return random_prompts(3, seed=seed) + random_prompts(1, low=150, high=151, seed=seed + 1)
+
+
+def tiny_llm(path, **engine_args) -> LLM:
+    return LLM(str(path), dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=64, **engine_args)
+
+
+def check_llm(llm: LLM, hf_model, prompts: list[list[int]], max_tokens: int = 64) -> None:
+    """`LLM`'s greedy tokens equal HF's (its own cache, a token per forward) and its prompt logprobs HF's."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, max_tokens)
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf_model, prompt))) < 1e-3
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    prefix = random_prompts(1, low=100, high=101, seed=5)[0]
+    return [prefix + tail for tail in random_prompts(3, low=3, high=30, seed=6)]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-nemotron-h")
+    hf_model = save_tiny(nemotron_model_config(), path)
+    smollm_tokenizer.save_pretrained(path)
+    return path, hf_model
+
+
+# HF's greedy reference runs its torch fallbacks a token per forward (~20 s for 4 x 64 tokens on 2 cores): the default
+# suite decodes 16 tokens, the slow one 64
+@pytest.mark.parametrize("max_tokens", [16, pytest.param(64, marks=pytest.mark.slow)])
+def test_llm_matches_hf_greedy_and_prompt_logprobs(tiny_checkpoint, max_tokens: int):
+    path, hf_model = tiny_checkpoint
+    check_llm(tiny_llm(path), hf_model, engine_prompts(seed=71), max_tokens)
+
+
+@pytest.mark.slow
+def test_llm_matches_hf_from_cached_prefixes(tiny_checkpoint):
+    """Prompts sharing a 100-token prefix, the first alone before the rest: they start from the prefix cache's
+    recurrent-state checkpoints."""
+    path, hf_model = tiny_checkpoint
+    llm, prompts = tiny_llm(path), shared_prefix_prompts()
+    check_llm(llm, hf_model, prompts[:1])
+    check_llm(llm, hf_model, prompts)

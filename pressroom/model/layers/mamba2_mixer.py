@@ -3,12 +3,14 @@ without Mamba2's grouped RMSNorm), over a flat varlen batch whose per-request co
 (layers/state.py). One class serves every family that carries the HF Mamba2 mixer's weights (Nemotron-H, Falcon-H1,
 and the attention-free Mamba2 could): `Mamba2MixerConfig` says where they differ.
 
-Prefill rows go through the varlen torch kernels (one chunked SSD scan per request, kernels/ssm.py); decode rows
-(one token each) step their slots with the batched pool kernels, Triton's on CUDA.
+Prefill rows go through the packed varlen kernels (Triton's on CUDA, kernels/triton/ssm_prefill.py; elsewhere the
+torch forms of kernels/ssm.py, one chunked SSD scan per request); decode rows (one token each) step their slots with
+the batched pool kernels (Triton's on CUDA, kernels/triton/ssm.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -125,15 +127,15 @@ class Mamba2Mixer(RecurrentLayer):
 
     def _mix(self, r: StateRound, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         """One round: its decode rows (the first num_decodes, one token each) stepped at once, then its prefill
-        chunks scanned request by request. Returns the scan's output with D's skip, [tokens, d_inner]."""
+        chunks scanned. Returns the scan's output with D's skip, [tokens, d_inner]."""
         nd = r.num_decodes
         if nd == r.num_tokens:
             return self._decode(xBC, dt, r.slots)
         if nd == 0:
-            return self._prefill(xBC, dt, r.query_start_loc, r.slots)
+            return self._prefill(xBC, dt, r.cu_seqlens, r.slots)
         out = xBC.new_empty(xBC.shape[0], self.cfg.d_inner)
         out[:nd] = self._decode(xBC[:nd], dt[:nd], r.slots[:nd])
-        out[nd:] = self._prefill(xBC[nd:], dt[nd:], [q - nd for q in r.query_start_loc[nd:]], r.slots[nd:])
+        out[nd:] = self._prefill(xBC[nd:], dt[nd:], r.cu_seqlens[nd:] - nd, r.slots[nd:])
         return out
 
     def _decode(self, xBC: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -145,15 +147,18 @@ class Mamba2Mixer(RecurrentLayer):
         y = kernels.ssd_state_update_pool(self.states["ssm"], slots, x, dt, self._A(), B, C, self.D, self.dt_bias)
         return y.flatten(1)
 
-    def _prefill(self, xBC: torch.Tensor, dt: torch.Tensor, query_start_loc: list[int],
+    def _prefill(self, xBC: torch.Tensor, dt: torch.Tensor, cu_seqlens: torch.Tensor,
                  slots: torch.Tensor) -> torch.Tensor:
+        """Packed prefill chunks, cu_seqlens on the device (int32): Triton's kernels on CUDA, the torch varlen
+        forms elsewhere (they split the batch on the host, scanning in the config's chunk length as HF does)."""
         c = self.cfg
-        cu_seqlens = torch.tensor(query_start_loc)  # host: the varlen kernels split on the CPU
-        xBC = ssm.causal_conv1d_varlen(xBC, cu_seqlens, self.conv1d.weight[:, 0], self.conv1d.bias,
-                                       self.states["conv"], slots)
+        kernels = _prefill_kernels(xBC)
+        xBC = kernels.causal_conv1d_varlen(xBC, cu_seqlens, self.conv1d.weight[:, 0], self.conv1d.bias,
+                                           self.states["conv"], slots)
         x, B, C = self._split(xBC)
-        y = ssm.ssd_varlen(x, dt, self._A(), B, C, cu_seqlens, self.states["ssm"], slots, self.D, self.dt_bias,
-                           dt_limit=c.dt_limit, chunk_size=c.chunk_size)
+        chunking = {} if kernels is not ssm else {"chunk_size": c.chunk_size}  # Triton's SSD has its own
+        y = kernels.ssd_varlen(x, dt, self._A(), B, C, cu_seqlens, self.states["ssm"], slots, self.D, self.dt_bias,
+                               dt_limit=c.dt_limit, **chunking)
         return y.flatten(1)
 
     def _split(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,9 +180,17 @@ def _proj_scale(cfg: Mamba2MixerConfig) -> torch.Tensor:
     return torch.cat([torch.full((n,), m) for n, m in zip(sizes, cfg.proj_multipliers)])
 
 
-def _pool_kernels(x: torch.Tensor):
+def _pool_kernels(x: torch.Tensor) -> ModuleType:
     """The one-token pool kernels for x's device: Triton's on CUDA, the torch references elsewhere."""
     if x.is_cuda:
         from pressroom.kernels.triton import ssm as triton_ssm
         return triton_ssm
+    return ssm
+
+
+def _prefill_kernels(x: torch.Tensor) -> ModuleType:
+    """The packed-prefill kernels for x's device: Triton's on CUDA, the torch references elsewhere."""
+    if x.is_cuda:
+        from pressroom.kernels.triton import ssm_prefill
+        return ssm_prefill
     return ssm
