@@ -9,6 +9,10 @@ context length of 0, so they attend to nothing; padding tokens (past the step's 
 request and write no KV (slot -1). The paged-attention launch depends only on the request count, the
 token count and Q, so one graph serves any context lengths and query lengths. Every graph shares one
 memory pool, captured largest first.
+
+A model with recurrent layers (model/layers/state.py) replays decode graphs only: each row's state slot is a
+graph input like its block table (padding rows step the padding slot 0), and a step that writes a prefix
+checkpoint runs eager.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder, forward_context
+from pressroom.attention.state import StateMetadata, StateRound
 
 logger = logging.getLogger("pressroom")
 
@@ -28,15 +33,16 @@ GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded 
 
 class CudaGraphs:
     def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
-                 builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = ()) -> None:
+                 builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = (),
+                 recurrent: bool = False) -> None:
         """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
         (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
         `builder`: the attention backend's metadata builder, which from here on splits a decode step as
         the graph of its padded size does; `aux_layers`: target layers a drafter conditions on, whose
-        outputs every graph also returns."""
+        outputs every graph also returns; `recurrent`: the model has recurrent layers (decode graphs only)."""
         self.model, self.builder, self.max_rows = model, builder, max_rows
-        self.aux_layers = aux_layers
-        self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes}
+        self.aux_layers, self.recurrent = aux_layers, recurrent
+        self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes and (q == 1 or not recurrent)}
         if len([q for q in self.shapes if q > 1]) > 1:
             raise ValueError("CUDA graphs hold one varlen family (one max query length).")
         self.varlen_q = max((q for q in self.shapes if q > 1), default=0)
@@ -49,6 +55,7 @@ class CudaGraphs:
         self.block_tables = torch.zeros(max_reqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self.state_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)  # 0: the padding slot
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         # With aux layers: each one's output, as each graph leaves them.
@@ -67,8 +74,12 @@ class CudaGraphs:
         sizes = self.shapes[1]
         return sizes[bisect.bisect_left(sizes, num_decodes)]
 
-    def key_for(self, num_reqs: int, max_query_len: int, num_tokens: int) -> GraphKey | None:
-        """The graph a step replays; None where none was captured that large (the step runs eager)."""
+    def key_for(self, num_reqs: int, max_query_len: int, num_tokens: int,
+                state: StateMetadata | None = None) -> GraphKey | None:
+        """The graph a step replays; None where none was captured that large, or where the step writes a
+        recurrent state's checkpoint (the step runs eager)."""
+        if state is not None and (len(state.rounds) > 1 or state.rounds[0].saves is not None):
+            return None
         if max_query_len == 1 and num_reqs <= self.max_decodes:
             return 1, self.padded_size(num_reqs)
         sizes = self.shapes.get(self.varlen_q)
@@ -78,11 +89,15 @@ class CudaGraphs:
 
     def _meta(self, q: int, size: int) -> AttentionMetadata:
         rows = self.rows(q, size)
-        return self.builder.build(
+        meta = self.builder.build(
             num_decodes=rows if q == 1 else 0, slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:rows], seq_lens=self.seq_lens[:rows],
             query_start_loc=[], seq_lens_host=[], max_query_len=q,
             query_start_loc_device=self.query_start_loc[:rows + 1])
+        if self.recurrent:  # decodes: one token per row
+            meta.state = StateMetadata([StateRound(None, list(range(rows + 1)), self.query_start_loc[:rows + 1],
+                                                   self.state_slots[:rows], rows)])
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -131,6 +146,9 @@ class CudaGraphs:
         self.query_start_loc[n + 1:rows + 1].fill_(t)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
+        if self.recurrent:
+            self.state_slots[:n].copy_(meta.state.rounds[0].slots)
+            self.state_slots[n:rows].fill_(0)
         self.graphs[key].replay()
         # Features are concatenated here, not in the graph: a fresh tensor outlives the next replay.
         features = torch.cat([a[:t] for a in self.aux[key]], dim=-1) if self.aux_layers else None

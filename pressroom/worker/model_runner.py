@@ -145,7 +145,7 @@ class ModelRunner:
         """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
         from pressroom.worker.cuda_graphs import CudaGraphs
         self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self.attn_builder,
-                                 self.device, self._aux_layers())
+                                 self.device, self._aux_layers(), recurrent=self.state_cache is not None)
         self.graphs.capture()
 
     def discard_inflight(self) -> None:
@@ -170,7 +170,7 @@ class ModelRunner:
                                                  self.device, meta.num_decodes)
         if self.graphs is not None and self.graphs.aux_layers == layers:
             loc = meta.query_start_loc
-            key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0])
+            key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0], meta.state)
             if key is not None:
                 return self.graphs.replay(key, input_ids, positions, meta)
         with forward_context(meta):
