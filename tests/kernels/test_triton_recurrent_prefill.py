@@ -85,6 +85,20 @@ def test_chunk_delta_rule_varlen_equals_torch(per_channel: bool, dtype: torch.dt
     _close(pool, expected_pool, TOL[torch.float32] if dtype == torch.float32 else 1e-3)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_chunk_delta_rule_varlen_strong_decay(per_channel: bool) -> None:
+    """Log-gates down to -30 a token: cumulative gates of -1000 within a chunk, whose exponents must be taken as
+    differences of nearby rows only (and masked before exp), or they overflow into NaNs."""
+    cu, slots = _packing(LENGTHS_SLOTS)
+    x = _delta_inputs(int(cu[-1]), h_k=1, h_v=1, d_k=16, d_v=16, per_channel=per_channel, dtype=torch.float32,
+                      num_slots=8)
+    x["g"] = -30.0 * torch.rand_like(x["g"])
+    expected_out, expected_pool = _delta_reference(x, cu, slots)
+    pool = x.pop("states")
+    out = delta_rule_chunk.chunk_delta_rule_varlen(**x, cu_seqlens=cu, states=pool, slots=slots)
+    _close(out, expected_out, 1e-5)
+    _close(pool, expected_pool, 1e-5)
+
 def test_chunk_delta_rule_varlen_without_normalization() -> None:
     """normalize_qk=False and a given scale: q and k are used as they come (here unit rows, so the rule is stable)."""
     cu, slots = _packing(LENGTHS_SLOTS)

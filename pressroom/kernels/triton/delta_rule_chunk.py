@@ -25,6 +25,7 @@ import triton.language as tl
 from pressroom.kernels.delta_rule import L2NORM_EPS
 
 CHUNK_SIZE = 64
+_SUB = tl.constexpr(16)  # KDA: rows of a diagonal block of the chunk's scores (see _per_channel_scores)
 _BLOCK_V = 32  # state columns per program of the scan: a 128 x 32 fp32 state tile
 _MAX_HEAD_DIM = 256
 
@@ -54,6 +55,46 @@ def _gate_cumsum_kernel(g_ptr, G_ptr, chunk_start_ptr, chunk_end_ptr, stride_gt,
         g = tl.load(g_ptr + tokens[:, None] * stride_gt + head * stride_gh + chans[None, :], mask=ok, other=0.0)
         G = tl.cumsum(g.to(tl.float32), 0)
         tl.store(G_ptr + tokens[:, None] * stride_Gt + head * stride_Gh + chans[None, :], G, mask=ok)
+
+
+@triton.jit
+def _per_channel_scores(q, k, G, k_ptr, G_ptr, start, length, stride_kt, stride_Gt, d_k, eps,
+                        NORMALIZE_QK: tl.constexpr, DOT_PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """KDA's decayed scores of a chunk: (L / beta, strictly below the diagonal; A_qk, on and below it), where
+    score_ij = sum_d a_i[d] k_j[d] exp(G_i[d] - G_j[d]). A per-channel decay has no exact matmul form over the whole
+    chunk, so blocks of _SUB rows are taken apart. Below a row block's diagonal block, the block's first row n is a
+    reference point: exp(G_i - G_j) = exp(G_i - G_n) exp(G_n - G_j), both factors <= 1 (i >= n > j), one matmul.
+    Within the diagonal blocks, column by column, exactly (the 4 blocks at once: row i takes column j of its own)."""
+    rows = tl.arange(0, CHUNK)
+    cols = tl.arange(0, CHUNK)
+    dk = tl.arange(0, BLOCK_K)
+    dk_ok = dk < d_k
+    row_ok = rows < length
+    block_first = (rows // _SUB) * _SUB
+    akk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for first in tl.static_range(_SUB, CHUNK, _SUB):
+        G_n = tl.load(G_ptr + (start + first) * stride_Gt + dk, mask=dk_ok & (first < length), other=0.0)
+        in_block = ((block_first == first) & row_ok)[:, None] & dk_ok[None, :]
+        earlier = ((rows < first) & (first < length))[:, None] & dk_ok[None, :]  # G_n is a real row's
+        # masked before exp: outside its rows each exponent could be positive and overflow
+        to_row = tl.exp(tl.where(in_block, G - G_n[None, :], -float("inf")))
+        keys = tl.trans(k * tl.exp(tl.where(earlier, G_n[None, :] - G, -float("inf"))))
+        akk += tl.dot(k * to_row, keys, input_precision=DOT_PRECISION)
+        aqk += tl.dot(q * to_row, keys, input_precision=DOT_PRECISION)
+    for offset in range(0, _SUB):
+        j = block_first + offset  # the column row i takes, in its own diagonal block
+        j_ok = j < length
+        k_j = _load_qk(k_ptr, start + j, stride_kt, dk, j_ok, dk_ok, 1.0, eps, NORMALIZE_QK)
+        G_j = tl.load(G_ptr + (start + j)[:, None] * stride_Gt + dk[None, :], mask=j_ok[:, None] & dk_ok[None, :],
+                      other=0.0)
+        later = ((rows >= j) & row_ok)[:, None] & dk_ok[None, :]
+        decayed = tl.exp(tl.where(later, G - G_j, -float("inf"))) * k_j
+        at_j = cols[None, :] == j[:, None]
+        akk = tl.where(at_j & (rows > j)[:, None], tl.sum(k * decayed, 1)[:, None], akk)
+        aqk = tl.where(at_j, tl.sum(q * decayed, 1)[:, None], aqk)
+    return akk, aqk
 
 
 @triton.jit
@@ -92,21 +133,9 @@ def _wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, wk_ptr, wv_ptr, aqk_ptr, ch
         else:
             tile_ok = row_ok[:, None] & dk_ok[None, :]
             G = tl.load(G_ptr + tokens[:, None] * stride_Gt + head * stride_Gh + dk[None, :], mask=tile_ok, other=0.0)
-            akk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-            aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-            # per-channel decay: no matmul form without a reference point, so one column j at a time, exactly
-            for j in range(0, length):
-                k_j = tl.load(k_ptr + (start + j) * stride_kt + key_head * stride_kh + dk, mask=dk_ok, other=0.0)
-                k_j = k_j.to(tl.float32)
-                if NORMALIZE_QK:
-                    k_j = k_j * tl.rsqrt(tl.sum(k_j * k_j, 0) + eps)
-                G_j = tl.load(G_ptr + (start + j) * stride_Gt + head * stride_Gh + dk, mask=dk_ok, other=0.0)
-                later = (rows >= j)[:, None] & tile_ok
-                decayed = tl.exp(tl.where(later, G - G_j[None, :], -float("inf"))) * k_j
-                col_k = tl.where(rows > j, tl.sum(k * decayed, 1), 0.0)
-                col_q = tl.sum(q * decayed, 1)
-                akk = tl.where(cols[None, :] == j, col_k[:, None], akk)
-                aqk = tl.where(cols[None, :] == j, col_q[:, None], aqk)
+            akk, aqk = _per_channel_scores(q, k, G, k_ptr + key_head * stride_kh, G_ptr + head * stride_Gh, start,
+                                           length, stride_kt, stride_Gt, d_k, eps, NORMALIZE_QK, DOT_PRECISION,
+                                           CHUNK, BLOCK_K)
             k_gated = k * tl.exp(G)
         akk = akk * beta[:, None]
         # T = (I + L)^-1, row by row: T_i = e_i - sum_{j<i} L_ij T_j (rows past the chunk's end stay e_i)
