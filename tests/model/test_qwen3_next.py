@@ -189,3 +189,30 @@ def test_tiny_model_matches_hf_long_and_shared_prompts(tiny_qwen3_next):
     extended = [shared + prompts_of([20], seed=2)[0], shared + prompts_of([41], seed=3)[0]]
     outs = check_against_hf(tiny_qwen3_next, [prompts, extended], max_num_batched_tokens=64, max_num_seqs=4)
     assert [o.num_cached_tokens for o in outs[-2:]] == [128, 128]
+
+
+@pytest.mark.slow
+def test_tiny_model_runs_in_bf16_on_the_cpu(tiny_qwen3_next):
+    """bf16 weights and conv states, fp32 delta-rule states: the prompt logprobs stray from HF's fp32 ones about
+    as far as HF's own bf16 run does (the tiny random model's logits are large, so bf16 rounding shows). Ours
+    stray twice as far: the (1 + w) norm weights are held as bf16(1 + w), where HF multiplies by 1 + w in fp32;
+    rounding HF's weights so accounts for most of it (0.108 of our 0.125 against HF's 0.061)."""
+    import transformers
+    from conftest import hf_prompt_logprobs
+
+    from pressroom import LLM, SamplingParams
+    prompts = prompts_of([9, 140], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(tiny_qwen3_next, dtype="bfloat16", kv_cache_memory_gib=0.05, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ours = [next(iter(pos.values())).logprob for o in outs for pos in o.prompt_logprobs[1:]]
+    layer = llm.engine.model.model.layers[0].linear_attn
+    assert layer.states["conv"].dtype == torch.bfloat16 and layer.states["ssm"].dtype == torch.float32
+    hf = {dtype: [lp for p in prompts for lp in hf_prompt_logprobs(
+        transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_next, dtype=dtype), p)]
+        for dtype in (torch.float32, torch.bfloat16)}
+
+    def mean_gap(a: list[float], b: list[float]) -> float:
+        assert len(a) == len(b) == 8 + 139
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+    assert 0 < mean_gap(ours, hf[torch.float32]) < 2.5 * mean_gap(hf[torch.bfloat16], hf[torch.float32])
