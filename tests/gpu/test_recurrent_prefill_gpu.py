@@ -81,6 +81,22 @@ def test_chunk_delta_rule_varlen_equals_torch(shape: str, dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("shape", DELTA_SHAPES)
+def test_chunk_delta_rule_varlen_with_model_gates(shape: str) -> None:
+    """Gates as the models make them, g = -exp(A_log) softplus(a) with A_log = log(uniform(1, 16)): log-decays of
+    several units a token (KDA's per channel), so cumulative gates of hundreds within a chunk."""
+    cu, slots = packing(LENGTHS_SLOTS)
+    x = delta_inputs(shape, int(cu[-1]), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    rates = torch.empty(x["g"].shape[1]).uniform_(1.0, 16.0, generator=gen).cuda()
+    x["g"] = -rates.view(-1, *[1] * (x["g"].dim() - 2)) * F.softplus(randn(gen, *x["g"].shape))
+    expected_out, expected_pool = delta_reference(x, LENGTHS_SLOTS)
+    pool = x.pop("states")
+    out = delta_rule_chunk.chunk_delta_rule_varlen(**x, cu_seqlens=cu, states=pool, slots=slots)
+    assert not out.isnan().any()
+    close(out, expected_out, TOL[torch.float32])
+    close(pool, expected_pool, TOL[torch.float32])
+
+@pytest.mark.parametrize("shape", DELTA_SHAPES)
 def test_chunk_delta_rule_continues_through_its_slot(shape: str) -> None:
     """A 1000-token prompt prefilled as 600 then 400 tokens (the engine's chunked prefill) equals one pass."""
     x = delta_inputs(shape, 1000, torch.float32)
