@@ -9,12 +9,13 @@ from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.attention.state import StateMetadata
 
 NUM_SLOTS = 5
+VOCAB = 4096  # ids the tokenizer saved beside the checkpoint (SmolLM2's) also knows
 
 
 def kimi_config(**overrides):
     """Layers: KDA, MLA, KDA, KDA; layer 0 dense, then MoE (6 experts in 2 groups, top-2, a shared expert)."""
     import transformers
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=6,
                  num_experts_per_token=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, linear_head_dim=16,
@@ -141,7 +142,7 @@ def test_whole_model_logits_match_hf_over_prefill_and_decodes(tiny_pair):
     hf_model, ours, _ = tiny_pair
     bind_caches(ours)
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(100, 49000, (n,), generator=gen) for n in (33, 103)]
+    seqs = [torch.randint(100, VOCAB, (n,), generator=gen) for n in (33, 103)]
     with torch.no_grad():
         expected = [hf_model(s.unsqueeze(0)).logits[0] for s in seqs]
     got = run_model_step(ours, [seqs[0][:30], seqs[1][:100]], [0, 0], [2, 4], 0)
@@ -151,3 +152,55 @@ def test_whole_model_logits_match_hf_over_prefill_and_decodes(tiny_pair):
                              [2, 4], 2)
         torch.testing.assert_close(got, torch.stack([expected[0][30 + pos], expected[1][100 + pos]]),
                                    atol=1e-4, rtol=1e-4)
+
+
+GREEDY_TOKENS = 64
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, VOCAB - 100, (n,), generator=gen).tolist() for n in lengths]
+
+
+def check_llm_against_hf(tiny_pair, tokenizer, batches: list[list[list[int]]], **engine_args) -> list:
+    """Each batch of prompts generated in turn by one LLM: greedy tokens equal HF's, and prompt logprobs within
+    1e-3 in the first batch (asking for them turns prefix-cache hits off, so the later batches do not).
+    Returns the outputs, batch after batch."""
+    from conftest import hf_greedy, hf_prompt_logprobs
+
+    from pressroom import LLM, SamplingParams
+    hf_model, _, path = tiny_pair
+    tokenizer.save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gib=0.05, **engine_args)
+    results = []
+    for i, prompts in enumerate(batches):
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                                prompt_logprobs=0 if i == 0 else None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY_TOKENS)
+            if i == 0:
+                ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+                theirs = hf_prompt_logprobs(hf_model, prompt)
+                assert len(ours) == len(theirs) == len(prompt) - 1
+                assert max((abs(a - b) for a, b in zip(ours, theirs)), default=0.0) < 1e-3
+        results += outs
+    return results
+
+
+def test_llm_matches_hf(tiny_pair, smollm_tokenizer):
+    """A 5- and a 150-token prompt: the long one prefills over three 64-token engine steps (each of one or more
+    delta-rule chunks), its later chunks beside the short one's decodes."""
+    check_llm_against_hf(tiny_pair, smollm_tokenizer, [prompts_of([5, 150], seed=0)], max_num_batched_tokens=64)
+
+
+@pytest.mark.slow
+def test_llm_matches_hf_long_and_shared_prompts(tiny_pair, smollm_tokenizer):
+    """More and longer prompts (1 token up to five engine chunks) in small steps with few sequences at once; then
+    two prompts that extend an earlier 130-token one, served from its KDA state checkpoint at 128 tokens."""
+    prompts = prompts_of([1, 2, 64, 65, 300, 130, 17], seed=1)
+    shared = prompts[5]
+    extended = [shared + prompts_of([20], seed=2)[0], shared + prompts_of([41], seed=3)[0]]
+    outs = check_llm_against_hf(tiny_pair, smollm_tokenizer, [prompts, extended], max_num_batched_tokens=64,
+                                max_num_seqs=4)
+    assert [o.num_cached_tokens for o in outs[-2:]] == [128, 128]

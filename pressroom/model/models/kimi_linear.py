@@ -148,12 +148,13 @@ class KimiDeltaAttention(RecurrentLayer):
 
     def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> torch.Tensor:
-        states = self.states["recurrent"]
-        q, k, v = self._heads(ssm.causal_conv1d_varlen(qkv, cu_seqlens, self.conv.weight, None, self.states["conv"],
-                                                       slots))
+        conv, states = self.states["conv"], self.states["recurrent"]
         if on_triton(qkv):
             from pressroom.kernels.triton.delta_rule_chunk import chunk_delta_rule_varlen
+            from pressroom.kernels.triton.ssm_prefill import causal_conv1d_varlen
+            q, k, v = self._heads(causal_conv1d_varlen(qkv, cu_seqlens, self.conv.weight, None, conv, slots))
             return chunk_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, states, slots)
+        q, k, v = self._heads(ssm.causal_conv1d_varlen(qkv, cu_seqlens, self.conv.weight, None, conv, slots))
         out, final = delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, states.index_select(0, slots), cu_seqlens)
         states.index_copy_(0, slots, final)
         return out
@@ -164,7 +165,7 @@ class KimiDeltaAttention(RecurrentLayer):
 
 
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
-    cuda_graphs_supported = False  # the varlen conv and chunked delta rule read sequence bounds on the host
+    cuda_graphs_supported = False
     expert_names = ("w1", "w3", "w2")
 
     def is_kda(self, layer: int) -> bool:
