@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.offload import add_offload_bench_args
     add_offload_bench_args(_subparser(bench_sub, "offload", "tiered KV offload: no offload vs the CPU tier vs CPU + "
                                                             "disk on a shared-document workload"))
+    from pressroom.benchmarks.context import add_context_bench_args
+    add_context_bench_args(_subparser(bench_sub, "context", "batch-1 decode step time against context length, "
+                                                            "linear-attention vs full-attention models, dummy weights"))
     from pressroom.benchmarks.sparse import add_sparse_bench_args
     add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
                                                                     "decode attention time against context length"))
@@ -359,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "offload":
             from pressroom.benchmarks import offload
             return offload.main(args)
+        if args.command == "bench" and args.bench_command == "context":
+            from pressroom.benchmarks import context
+            return context.main(args)
         if args.command == "bench" and args.bench_command == "sparse-attention":
             from pressroom.benchmarks import sparse
             return sparse.main(args)
