@@ -3,8 +3,8 @@ mixer is by the config's layers_block_type (hybrid_override_pattern): Mamba2 ("M
 without any position embedding ("*", full_attention), a ReLU² MLP ("-", mlp), or a mixture of ReLU² experts with a
 sigmoid router and a shared expert ("E", moe; Nemotron-3 Nano).
 
-Checkpoints name the body `backbone` and store each expert's matrices apart; HF's in-memory names (`model.`,
-stacked experts) load too.
+Checkpoints (the originals and HF's save_pretrained alike) name the body `backbone` and store each expert's
+matrices apart; multi-token-prediction layers (`mtp.`) are not loaded.
 """
 from __future__ import annotations
 
@@ -81,9 +81,9 @@ class NemotronHExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate), requires_grad=False)
         self.up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, expert: int | None = None) -> None:
-        """One expert's matrix (checkpoints), or all of them stacked (HF's in-memory form)."""
-        target = param.data if expert is None else param.data[expert]
+    def weight_loader(self, param: nn.Parameter, loaded: Any, expert: int) -> None:
+        """One expert's matrix, as the checkpoint has it ([out, in])."""
+        target = param.data[expert]
         if tuple(loaded.shape) != tuple(target.shape):
             raise ValueError(f"expert tensor has shape {tuple(loaded.shape)} where the model config implies "
                              f"{tuple(target.shape)}; the checkpoint and config.json disagree.")
@@ -191,6 +191,7 @@ class NemotronHModel(nn.Module):
 
 _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(up_proj|down_proj)\.weight$")
+_MTP = re.compile(r"(^|\.)mtp\.")  # HF skips these too (its _keys_to_ignore_on_load_unexpected)
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -216,7 +217,7 @@ class NemotronHForCausalLM(nn.Module):
     # ---- the name map (model/weights.py) ----
 
     def skips(self, name: str) -> bool:
-        return name.startswith("mtp.") or (self.tie_word_embeddings and name == "lm_head.weight")
+        return _MTP.search(name) is not None or (self.tie_word_embeddings and name == "lm_head.weight")
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         for part, shard in _QKV.items():
@@ -239,14 +240,9 @@ class NemotronHForCausalLM(nn.Module):
         return expected_names(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Checkpoint tensors into parameters; HF's in-memory prefix `model.` is read as the checkpoints'
-        `backbone.`. Returns the (so renamed) checkpoint names used."""
-        loaded = load_named_weights(self, ((_checkpoint_name(n), t) for n, t in weights))
+        """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
+        loaded = load_named_weights(self, weights)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.backbone.embeddings)
             loaded.add("lm_head.weight")
         return loaded
-
-
-def _checkpoint_name(name: str) -> str:
-    return "backbone." + name.removeprefix("model.") if name.startswith("model.") else name
