@@ -139,11 +139,10 @@ def _wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, wk_ptr, wv_ptr, aqk_ptr, ch
             k_gated = k * tl.exp(G)
         akk = akk * beta[:, None]
         # T = (I + L)^-1, row by row: T_i = e_i - sum_{j<i} L_ij T_j (rows past the chunk's end stay e_i)
-        eye = (rows[:, None] == cols[None, :]).to(tl.float32)
-        inverse = eye
+        inverse = (rows[:, None] == cols[None, :]).to(tl.float32)
         for i in range(1, length):
             l_i = tl.sum(tl.where(rows[:, None] == i, akk, 0.0), 0)
-            t_i = tl.sum(tl.where(cols[None, :] == i, eye, 0.0), 0) - tl.sum(l_i[:, None] * inverse, 0)
+            t_i = (cols == i).to(tl.float32) - tl.sum(l_i[:, None] * inverse, 0)
             inverse = tl.where(rows[:, None] == i, t_i[None, :], inverse)
         wk = tl.dot(inverse, k_gated * beta[:, None], input_precision=DOT_PRECISION)
         v_ok = row_ok[:, None] & (dv < d_v)[None, :]
