@@ -2,6 +2,9 @@
 (chunked prefill continued across steps, decodes mixed with prefills), and the whole model through `LLM`."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -137,10 +140,28 @@ def tiny_qwen3_next(tmp_path_factory, smollm_tokenizer) -> str:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn(p.shape))
-    path = str(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
     model.save_pretrained(path)
     smollm_tokenizer.save_pretrained(path)
-    return path
+    as_released(path)
+    return str(path)
+
+
+def as_released(path: Path) -> None:
+    """The checkpoint in the released models' form: the multi-token-prediction head's tensors beside the model's
+    (unused, skipped on load), and a config.json with full_attention_interval, rope_theta and
+    partial_rotary_factor in place of layer_types and rope_parameters."""
+    from safetensors.torch import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    hidden = TINY["hidden_size"]
+    weights |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.zeros(hidden)}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    assert config.pop("layer_types") == ["linear_attention", "full_attention"] * 2
+    rope = config.pop("rope_parameters")
+    config.update(full_attention_interval=2, rope_theta=rope["rope_theta"],
+                  partial_rotary_factor=rope["partial_rotary_factor"])
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
