@@ -238,8 +238,8 @@ def test_llm_matches_hf_greedy_and_prompt_logprobs(version: int, lengths: tuple[
                                                    smollm_tokenizer):
     """A batch of mixed prompt lengths, the longer ones prefilled over several 64-token steps (and many of
     Mamba2's 16-token chunks) beside other requests' decodes, with state checkpoints every 32 tokens (rounds
-    inside a step): the greedy tokens and prompt logprobs equal HF's, and again when the prompts come back and
-    resume from their checkpointed states."""
+    inside a step): the greedy tokens and prompt logprobs equal HF's; the prompts' second run resumes from the
+    last checkpoint before its last token, to the same tokens."""
     from conftest import hf_prompt_logprobs
 
     from pressroom import LLM, SamplingParams
@@ -252,9 +252,13 @@ def test_llm_matches_hf_greedy_and_prompt_logprobs(version: int, lengths: tuple[
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
     with torch.no_grad():
         expected = [(_hf_greedy(hf_model, p, max_tokens), hf_prompt_logprobs(hf_model, p)) for p in prompts]
-    for _ in range(2):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for out, (tokens, logprobs) in zip(outs, expected):
-            assert out.outputs[0].token_ids == tokens
-            ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
-            assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert out.outputs[0].token_ids == tokens
+        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3
+    # again without prompt logprobs (which compute every prompt token): served from the state checkpoints
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [out.num_cached_tokens for out in outs] == [(n - 1) // 32 * 32 for n in lengths]
+    assert [out.outputs[0].token_ids for out in outs] == [tokens for tokens, _ in expected]
