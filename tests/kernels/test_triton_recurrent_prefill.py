@@ -102,7 +102,7 @@ def test_chunk_delta_rule_varlen_strong_decay(per_channel: bool) -> None:
 def test_chunk_delta_rule_varlen_without_normalization() -> None:
     """normalize_qk=False and a given scale: q and k are used as they come (here unit rows, so the rule is stable)."""
     cu, slots = _packing(LENGTHS_SLOTS)
-    x = _delta_inputs(int(cu[-1]), h_k=2, h_v=2, d_k=16, d_v=16, per_channel=False, dtype=torch.float32,
+    x = _delta_inputs(int(cu[-1]), h_k=1, h_v=1, d_k=16, d_v=16, per_channel=False, dtype=torch.float32,
                       num_slots=8)
     x["q"], x["k"] = dr.l2normalize(x["q"]) * 1.5, dr.l2normalize(x["k"])
     options = dict(normalize_qk=False, scale=0.3)

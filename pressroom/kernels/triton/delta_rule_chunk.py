@@ -177,7 +177,7 @@ def _scan_kernel(q_ptr, k_ptr, G_ptr, wk_ptr, wv_ptr, aqk_ptr, pool_ptr, slot_pt
         tile = slot * stride_ps + head * stride_ph + dk[:, None] * stride_pk + dv[None, :]
         tile_ok = dk_ok[:, None] & dv_ok[None, :]
         state = tl.load(pool_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        for c in range(0, tl.cdiv(eos - bos, CHUNK)):
+        for c in range(0, tl.cdiv(eos - bos, CHUNK).to(tl.int32)):  # an int32 loop; offsets stay int64
             start = bos + c * CHUNK
             length = tl.minimum(eos - start, CHUNK).to(tl.int32)
             row_ok = rows < length

@@ -171,7 +171,8 @@ def _selective_scan_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_
             dt_bias = tl.load(dt_bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
         state_tile = state_ptr + slot * stride_ss + chans[:, None] * stride_sd + ns[None, :]
         h = tl.load(state_tile, mask=tile_ok, other=0.0).to(tl.float32)
-        for start in range(bos, eos, BLOCK_T):
+        for block in range(0, tl.cdiv(eos - bos, BLOCK_T).to(tl.int32)):  # an int32 loop; offsets stay int64
+            start = bos + block * BLOCK_T
             tokens = start + steps
             token_ok = tokens < eos
             ok = token_ok[:, None] & chan_ok[None, :]
@@ -259,7 +260,8 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, cu_ptr, 
         state_tile = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sp + ns[None, :]
         state_ok = dim_ok[:, None] & n_ok[None, :]
         h = tl.load(state_tile, mask=state_ok, other=0.0).to(tl.float32)
-        for start in range(bos, eos, CHUNK):
+        for chunk in range(0, tl.cdiv(eos - bos, CHUNK).to(tl.int32)):  # an int32 loop; offsets stay int64
+            start = bos + chunk * CHUNK
             tokens = start + rows
             row_ok = tokens < eos
             dt = tl.load(dt_ptr + tokens * stride_dtt + head, mask=row_ok, other=0.0).to(tl.float32)
