@@ -71,9 +71,11 @@ MODEL_MULTIPLIERS = MULTIPLIERS | dict(embedding_multiplier=1.7, lm_head_multipl
                                        ssm_out_multiplier=1.3)
 
 
-def test_whole_model_logits_match_hf_over_packed_steps(tmp_path):
+@pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, mamba_rms_norm=False, vocab_size=256)])
+def test_whole_model_logits_match_hf_over_packed_steps(overrides, tmp_path):
+    """The checkpoint loads (a tied head too); logits of chunked prefills and decodes."""
     from pressroom.model.models.falcon_h1 import FalconH1ForCausalLM
-    config = FalconH1Config(**MODEL_SHAPE, **MODEL_MULTIPLIERS)
+    config = FalconH1Config(**(MODEL_SHAPE | MODEL_MULTIPLIERS | overrides))
     hf_model = save_tiny(config, tmp_path)
     check_model_schedule(hf_model, load_ours(FalconH1ForCausalLM, tmp_path, config), config.vocab_size)
 

@@ -232,9 +232,11 @@ def nemotron_model_config(**overrides) -> NemotronHConfig:
     return NemotronHConfig(**(args | overrides))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(moe_latent_size=12, vocab_size=256, use_bias=True, mlp_bias=True)])
+@pytest.mark.parametrize("overrides", [{}, dict(moe_latent_size=12, vocab_size=256, use_bias=True, mlp_bias=True,
+                                                tie_word_embeddings=True)])
 def test_whole_model_logits_match_hf_over_packed_steps(overrides, tmp_path):
-    """The checkpoint's names (backbone., per-expert matrices) load; logits of chunked prefills and decodes."""
+    """The checkpoint's names (backbone., per-expert matrices) load, and the head stays untied whatever the config
+    says, as HF's; logits of chunked prefills and decodes."""
     from pressroom.model.models.nemotron_h import NemotronHForCausalLM
     config = nemotron_model_config(**overrides)
     hf_model = save_tiny(config, tmp_path)

@@ -154,7 +154,9 @@ class FalconH1ForCausalLM(nn.Module):
     # ---- the name map (model/weights.py) ----
 
     def skips(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+        """Rope tables, a tied head's copy, and a saved mup_vector (the mixer builds it from the config, as HF does)."""
+        return ("rotary_emb.inv_freq" in name or name.endswith(".mup_vector")
+                or (self.tie_word_embeddings and name == "lm_head.weight"))
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         for part, (stacked, shard_id) in _STACKED.items():

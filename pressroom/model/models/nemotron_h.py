@@ -201,10 +201,8 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backbone = NemotronHModel(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # its own weights whatever tie_word_embeddings says: HF's NemotronH never ties the head (and saves it)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -217,7 +215,7 @@ class NemotronHForCausalLM(nn.Module):
     # ---- the name map (model/weights.py) ----
 
     def skips(self, name: str) -> bool:
-        return _MTP.search(name) is not None or (self.tie_word_embeddings and name == "lm_head.weight")
+        return _MTP.search(name) is not None
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         for part, shard in _QKV.items():
@@ -241,8 +239,4 @@ class NemotronHForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy checkpoint tensors into parameters one by one; returns the checkpoint names used."""
-        loaded = load_named_weights(self, weights)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.backbone.embeddings)
-            loaded.add("lm_head.weight")
-        return loaded
+        return load_named_weights(self, weights)
