@@ -216,6 +216,44 @@ def test_model_loads_hf_checkpoint_and_matches_hf_logits(version: int, tmp_path)
             torch.testing.assert_close(actual[name], hf_model(stream[None]).logits[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_model_in_bf16_strays_from_fp32_as_hf_does(version: int, tmp_path):
+    """bf16 weights and conv states, fp32 SSM states, and (residual_in_fp32, as HF) an fp32 residual stream
+    between blocks: our logits stray from HF's fp32 ones about as far as HF's own bf16 run does."""
+    from safetensors.torch import load_file
+
+    from pressroom.model.models.mamba import Mamba2ForCausalLM, MambaForCausalLM
+    hf_model = save_tiny_mamba(version, str(tmp_path))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert config.residual_in_fp32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        ours = (MambaForCausalLM if version == 1 else Mamba2ForCausalLM)(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    ours.load_weights(load_file(str(tmp_path / "model.safetensors")).items())
+    streams = []
+    ours.backbone.layers[0].register_forward_hook(lambda module, args, out: streams.append(out.dtype))
+    counts = _decode_counts(MODEL_REQUESTS, MODEL_STEPS)
+    g = torch.Generator().manual_seed(11)
+    ids = {name: torch.randint(0, VOCAB, (length + counts[name],), generator=g)
+           for name, (_, length) in MODEL_REQUESTS.items()}
+    with torch.no_grad():
+        _bind_fresh_states(ours)
+        actual = _run_steps(lambda t: ours.compute_logits(ours(t, torch.zeros_like(t))), ids, MODEL_REQUESTS,
+                            MODEL_STEPS)
+        exact = {name: hf_model(stream[None]).logits[0] for name, stream in ids.items()}
+        hf_bf16 = hf_model.to(torch.bfloat16)
+        theirs = max((hf_bf16(stream[None]).logits[0].float() - exact[name]).abs().max().item()
+                      for name, stream in ids.items())
+    assert set(streams) == {torch.float32}
+    assert all(a.dtype == torch.bfloat16 for a in actual.values())
+    ours_error = max((actual[name].float() - exact[name]).abs().max().item() for name in ids)
+    assert ours_error < 1.5 * theirs
+
+
 # ---------------------------------------------------------------- through the engine
 
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
