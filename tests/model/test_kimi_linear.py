@@ -204,3 +204,32 @@ def test_llm_matches_hf_long_and_shared_prompts(tiny_pair, smollm_tokenizer):
     outs = check_llm_against_hf(tiny_pair, smollm_tokenizer, [prompts, extended], max_num_batched_tokens=64,
                                 max_num_seqs=4)
     assert [o.num_cached_tokens for o in outs[-2:]] == [128, 128]
+
+
+@pytest.mark.slow
+def test_llm_runs_in_bf16_on_the_cpu(tiny_pair, smollm_tokenizer):
+    """bf16 weights and conv states, fp32 delta-rule states (and fp32 dt_bias / A_log, as HF keeps them): the
+    prompt logprobs stray from HF's fp32 ones about as far as HF's own bf16 run does (the tiny random model's
+    logits are large, so bf16 rounding shows)."""
+    import transformers
+    from conftest import hf_prompt_logprobs
+
+    from pressroom import LLM, SamplingParams
+    hf_model, _, path = tiny_pair
+    smollm_tokenizer.save_pretrained(path)
+    prompts = prompts_of([9, 140], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_gib=0.05, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ours = [next(iter(pos.values())).logprob for o in outs for pos in o.prompt_logprobs[1:]]
+    layer = llm.engine.model.model.layers[0].self_attn
+    assert layer.states["conv"].dtype == torch.bfloat16 and layer.states["recurrent"].dtype == torch.float32
+    assert layer.dt_bias.dtype == layer.A_log.dtype == torch.float32
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = {name: [lp for p in prompts for lp in hf_prompt_logprobs(model, p)]
+          for name, model in (("fp32", hf_model), ("bf16", hf_bf16))}
+
+    def mean_gap(a: list[float], b: list[float]) -> float:
+        assert len(a) == len(b) == 8 + 139
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+    assert 0 < mean_gap(ours, hf["fp32"]) < 1.5 * mean_gap(hf["bf16"], hf["fp32"])

@@ -76,6 +76,13 @@ class StackedConvWeight(nn.Module):
         param.data[shard_id * self.part_channels:(shard_id + 1) * self.part_channels].copy_(part.squeeze(1))
 
 
+def _load_reshaped(param: nn.Parameter, loaded: Any) -> None:
+    tensor = materialize(loaded)
+    if tensor.numel() != param.numel():
+        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}; the model expects {tuple(param.shape)}.")
+    param.data.copy_(tensor.reshape(param.shape))
+
+
 class KimiDeltaAttention(RecurrentLayer):
     def __init__(self, config) -> None:
         super().__init__()
@@ -91,6 +98,7 @@ class KimiDeltaAttention(RecurrentLayer):
         self.g_b_proj = ColumnParallelLinear(self.head_dim, self.qkv_dim)
         # fp32 as HF keeps them: the gate is computed in fp32
         self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1, dtype=torch.float32), requires_grad=False)
+        self.A_log.weight_loader = _load_reshaped  # Moonshot's checkpoints store (1, 1, heads, 1), fla's (heads,)
         self.dt_bias = nn.Parameter(torch.empty(self.qkv_dim, dtype=torch.float32), requires_grad=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim), requires_grad=False)
@@ -107,7 +115,7 @@ class KimiDeltaAttention(RecurrentLayer):
                                                  dim=-1)
         g = self.forget_gate(self.f_b_proj(f_a))
         beta = torch.sigmoid(b)
-        mixed = self.run_rounds(self._mix, qkv.contiguous(), g, beta.contiguous())
+        mixed = self.run_rounds(self._mix, qkv, g, beta)
         out = self._gated_norm(mixed, self.g_b_proj(g_a).view(tokens, self.num_heads, self.head_dim))
         return self.o_proj(out.view(tokens, self.qkv_dim))
 
