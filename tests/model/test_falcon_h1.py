@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_nemotron_h import (
     PROMPT_LENS,
+    check_cached_prefixes,
     check_llm,
     check_model_schedule,
     copy_hf_weights,
@@ -18,7 +19,6 @@ from test_nemotron_h import (
     run_schedule,
     save_tiny,
     sequences,
-    shared_prefix_prompts,
     tiny_llm,
     use_triton_kernels,
 )
@@ -97,9 +97,4 @@ def test_llm_matches_hf_greedy_and_prompt_logprobs(tiny_checkpoint, max_tokens: 
 
 @pytest.mark.slow
 def test_llm_matches_hf_from_cached_prefixes(tiny_checkpoint):
-    """Prompts sharing a 100-token prefix, the first alone before the rest: they start from the prefix cache's
-    recurrent-state checkpoints (and the attention's cached blocks)."""
-    path, hf_model = tiny_checkpoint
-    llm, prompts = tiny_llm(path), shared_prefix_prompts()
-    check_llm(llm, hf_model, prompts[:1])
-    check_llm(llm, hf_model, prompts)
+    check_cached_prefixes(*tiny_checkpoint, max_tokens=16)

@@ -268,9 +268,21 @@ def check_llm(llm: LLM, hf_model, prompts: list[list[int]], max_tokens: int = 64
         assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(hf_model, prompt))) < 1e-3
 
 
-def shared_prefix_prompts() -> list[list[int]]:
-    prefix = random_prompts(1, low=100, high=101, seed=5)[0]
-    return [prefix + tail for tail in random_prompts(3, low=3, high=30, seed=6)]
+PREFIX, CHECKPOINT_EVERY = 100, 32
+
+
+def check_cached_prefixes(path, hf_model, max_tokens: int) -> None:
+    """Prompts sharing a 100-token prefix, the first alone first (with prompt logprobs, which compute every prompt
+    token): the rest then start from its state checkpoint and KV blocks at token 96 (checkpoints every 32 tokens),
+    to HF's greedy tokens."""
+    prefix = random_prompts(1, low=PREFIX, high=PREFIX + 1, seed=5)[0]
+    prompts = [prefix + tail for tail in random_prompts(3, low=3, high=30, seed=6)]
+    llm = tiny_llm(path, mamba_block_size=CHECKPOINT_EVERY)
+    check_llm(llm, hf_model, prompts[:1], max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    assert [out.num_cached_tokens for out in outs] == [PREFIX // CHECKPOINT_EVERY * CHECKPOINT_EVERY] * 2
+    assert [out.outputs[0].token_ids for out in outs] == [hf_greedy(hf_model, p, max_tokens) for p in prompts[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -289,11 +301,5 @@ def test_llm_matches_hf_greedy_and_prompt_logprobs(tiny_checkpoint, max_tokens: 
     check_llm(tiny_llm(path), hf_model, engine_prompts(seed=71), max_tokens)
 
 
-@pytest.mark.slow
 def test_llm_matches_hf_from_cached_prefixes(tiny_checkpoint):
-    """Prompts sharing a 100-token prefix, the first alone before the rest: they start from the prefix cache's
-    recurrent-state checkpoints."""
-    path, hf_model = tiny_checkpoint
-    llm, prompts = tiny_llm(path), shared_prefix_prompts()
-    check_llm(llm, hf_model, prompts[:1])
-    check_llm(llm, hf_model, prompts)
+    check_cached_prefixes(*tiny_checkpoint, max_tokens=8)
