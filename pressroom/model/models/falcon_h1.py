@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.kernels.ssm import DT_LIMIT
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -33,7 +34,8 @@ def mixer_config(config) -> Mamba2MixerConfig:
         n_groups=config.mamba_n_groups, d_state=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
         chunk_size=config.mamba_chunk_size, conv_bias=bool(config.mamba_conv_bias),
         in_proj_bias=bool(config.mamba_proj_bias), out_proj_bias=bool(config.projectors_bias),
-        norm_eps=config.rms_norm_eps, gate=gate, dt_limit=tuple(float(t) for t in config.time_step_limit),
+        norm_eps=config.rms_norm_eps, gate=gate,
+        dt_limit=tuple(float(t) for t in config.time_step_limit or DT_LIMIT),
         in_multiplier=float(config.ssm_in_multiplier), proj_multipliers=tuple(map(float, config.ssm_multipliers)))
 
 
@@ -132,7 +134,7 @@ _STACKED = {
 
 
 class FalconH1ForCausalLM(nn.Module):
-    cuda_graphs_supported = False  # the Mamba2 mixers' varlen prefill splits requests on the host
+    cuda_graphs_supported = False  # not yet: graph capture of the Mamba2 mixers is untried
 
     def __init__(self, config) -> None:
         super().__init__()
