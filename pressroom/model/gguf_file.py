@@ -1,8 +1,9 @@
 """Read GGUF checkpoints (llama.cpp's format) into HF-style configs, weights and tokenizers.
 
 Decoder architectures that map 1:1 onto HF's modules are supported (Llama, Qwen2/3 and their MoEs, Gemma 3's
-text model); everything is dequantized to float32 so the rest of the engine never sees GGML types, except
-4-bit and Q8_0 forms kept for the CPU's kernels (`keep_4bit`).
+text model, the state-space Mamba and Mamba2, whose few reshaped or transformed tensors are undone); everything
+is dequantized to float32 so the rest of the engine never sees GGML types, except 4-bit and Q8_0 forms kept for
+the CPU's kernels (`keep_4bit`).
 Weights come as LazyWeights: a tensor-parallel rank reads and dequantizes only the rows and columns it holds.
 """
 
@@ -13,7 +14,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,13 @@ class _ArchSpec:
     renamed_blocks: tuple[tuple[str, str], ...] = ()
     # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) folded in): taken off again.
     norm_shift: float = 0.0
+    # Where the HF checkpoint keeps its blocks and the tensors outside them (`_TOP_NAMES` where not renamed).
+    layer_prefix: str = "model.layers"
+    renamed_top: tuple[tuple[str, str], ...] = ()
+    # HF names llama.cpp's converter renamed before mapping them (Mamba2's dt_bias became dt_proj.bias): undone.
+    renamed_tensors: tuple[tuple[str, str], ...] = ()
+    # llama.cpp stores Mamba2's per-head A and D and its per-group norm as matrices; HF keeps them as vectors.
+    flat_ssm_vectors: bool = False
 
 
 _ARCHS: dict[str, _ArchSpec] = {
@@ -66,6 +74,19 @@ _ARCHS: dict[str, _ArchSpec] = {
                                                         ("post_attention_norm", "post_attention_layernorm"),
                                                         ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
+# Mamba's and Mamba2's blocks (llama.cpp's ssm_* tensors) under HF's backbone.layers.N.
+_MAMBA_BLOCKS = (("attn_norm", "norm"), ("ssm_in", "mixer.in_proj"), ("ssm_conv1d", "mixer.conv1d"),
+                 ("ssm_x", "mixer.x_proj"), ("ssm_dt", "mixer.dt_proj"), ("ssm_a", "mixer.A_log"), ("ssm_d", "mixer.D"),
+                 ("ssm_norm", "mixer.norm"), ("ssm_out", "mixer.out_proj"))
+_MAMBA_TOP = (("token_embd", "backbone.embeddings"), ("output_norm", "backbone.norm_f"))
+_ARCHS |= {
+    "mamba": _ArchSpec("mamba", "MambaForCausalLM", permuted_qk=False, default_attention_bias=False,
+                       renamed_blocks=_MAMBA_BLOCKS, layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP),
+    "mamba2": _ArchSpec("mamba2", "Mamba2ForCausalLM", permuted_qk=False, default_attention_bias=False,
+                        renamed_blocks=_MAMBA_BLOCKS, layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP,
+                        renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
+}
+_SSM_TYPES = ("mamba", "mamba2")
 # llama.cpp writes Mixtral as a llama whose metadata counts experts.
 _MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
                      expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
@@ -97,7 +118,8 @@ _TOP_NAMES: dict[str, str] = {
 }
 # Precomputed llama3-style RoPE frequencies; HF derives them from rope_scaling instead.
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+# SSM tensors A and D carry no .weight suffix (blk.N.ssm_a), as HF's A_log and D carry none.
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias))?$")
 
 _KNOWN_GGML_TYPES = frozenset(int(t) for t in gguf.GGML_QUANT_SIZES)
 
@@ -196,11 +218,17 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         hf_name = names[0]
         cols = info.shape[-1]
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        ssm_form = _ssm_form(hf_name, info.shape, file.spec)
+        if ssm_form is not None:
+            shape, values = ssm_form
+            stored = _StoredWeight(file, info, hf_name, tally, rows, cols)
+            yield hf_name, LazyWeight(shape, torch.float32, _ReshapedWeight(stored, shape, values))
+            continue
         if hf_name.endswith("shared_expert_gate.weight"):  # GGUF keeps this [1, hidden] matrix as a vector
             yield hf_name, _lazy(_StoredWeight(file, info, hf_name, tally, 1, cols))
             continue
         form = "dense"
-        if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _HEAD_NAMES:
+        if keep_4bit and info.ggml_type == gguf.GGMLQuantizationType.Q8_0 and hf_name in _head_names(file.spec):
             form = "q8"
         elif keep_4bit and info.ggml_type in _Q4_TYPES and hf_name.endswith("_proj.weight"):
             form = "q4"
@@ -213,7 +241,13 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
 
 
 _Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
-_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _head_names(spec: _ArchSpec) -> tuple[str, str]:
+    """The embedding's and the LM head's HF names."""
+    return f"{dict(spec.renamed_top).get('token_embd', _TOP_NAMES['token_embd'])}.weight", "lm_head.weight"
+
+
 _T = gguf.GGMLQuantizationType
 _GGML_FORMS = {  # raw rows -> the C kernels' layout
     _T.Q8_0: lambda raw: Q8Weight(*gguf_quants.unpack_q8_0(raw)),
@@ -282,6 +316,38 @@ class _StoredWeight:
             part = _dequantize(raw, self.file, self.info)
         skip, width = c0 - b0 * block, c1 - c0
         return part if (skip, width) == (0, part.shape[1]) else part.narrow(1, skip, width)
+
+
+def _ssm_form(hf_name: str, stored: tuple[int, ...], spec: _ArchSpec
+              ) -> tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None] | None:
+    """HF's shape for a state-space tensor llama.cpp reshaped, and the inverse of any change to its values;
+    None for every other tensor."""
+    if hf_name.endswith(".mixer.conv1d.weight"):  # squeezed from nn.Conv1d's [channels, 1, width]
+        return (stored[0], 1, stored[-1]), None
+    flat = (int(np.prod(stored, dtype=np.int64)),)
+    if hf_name.endswith(".mixer.A_log"):  # stored as A = -exp(A_log)
+        return (flat if spec.flat_ssm_vectors else stored), _a_log
+    if spec.flat_ssm_vectors and hf_name.endswith((".mixer.D", ".mixer.norm.weight")):
+        return flat, None
+    return None
+
+
+def _a_log(a: torch.Tensor) -> torch.Tensor:
+    return torch.log(-a)
+
+
+@dataclass(slots=True, frozen=True)
+class _ReshapedWeight:
+    """A small stored tensor read whole, given HF's shape and values, then cut to the index asked."""
+    stored: _StoredWeight
+    shape: tuple[int, ...]
+    values: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def __call__(self, index: Index) -> torch.Tensor:
+        whole = self.stored(((0, self.stored.rows), (0, self.stored.cols))).reshape(self.shape)
+        if self.values is not None:
+            whole = self.values(whole)
+        return whole[tuple(slice(start, stop) for start, stop in index)]
 
 
 def _unpack_q4(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> Q4Weight:
@@ -484,6 +550,8 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantiz
 
 def _build_config(file: _GgufFile) -> dict[str, Any]:
     shapes = {info.name: info.shape for info in file.tensors}
+    if file.spec.model_type in _SSM_TYPES:
+        return _mamba_config(file, shapes)
     hidden = _required(file, "embedding_length")
     heads = _required(file, "attention.head_count")
     config: dict[str, Any] = {
@@ -518,6 +586,45 @@ def _build_config(file: _GgufFile) -> dict[str, Any]:
     if file.spec.model_type == "gemma3_text":
         config = _gemma3_config(file, config)
     return config
+
+
+def _mamba_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """MambaConfig's or Mamba2Config's keys from llama.cpp's {arch}.ssm.* metadata. Its converter writes no
+    biases' flags (the tensors say), no Mamba2 chunk size or dt limits (HF's defaults hold), and counts Mamba2's
+    heads as its time_step_rank."""
+    hidden, inner = _required(file, "embedding_length"), _required(file, "ssm.inner_size")
+    if inner % hidden:
+        raise ValueError(f"GGUF file {file.path}: ssm.inner_size {inner} is not a multiple of the {hidden} "
+                         "hidden size, as HF's Mamba configs need (expand)")
+    config: dict[str, Any] = {
+        "architectures": [file.spec.hf_architecture],
+        "model_type": file.spec.model_type,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "expand": inner // hidden,  # HF derives the inner size from it
+        "num_hidden_layers": _required(file, "block_count"),
+        "state_size": _required(file, "ssm.state_size"),
+        "conv_kernel": _required(file, "ssm.conv_kernel"),
+        "layer_norm_epsilon": _from_f32(file.arch_meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "blk.0.ssm_in.bias" in shapes,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in shapes,
+        "residual_in_fp32": True,  # HF's default, and what llama.cpp computes in
+        "vocab_size": _vocab_size(file, shapes),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": file.meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": file.meta("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": file.meta("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": _add_bos_token(file),
+    }
+    rank = _required(file, "ssm.time_step_rank")
+    if file.spec.model_type == "mamba":
+        if file.arch_meta("ssm.dt_b_c_rms"):
+            raise ValueError(f"GGUF file {file.path} is a Falcon-Mamba (RMSNorm on dt, B and C), which pressroom "
+                             "does not support; plain Mamba is")
+        return config | {"time_step_rank": rank}
+    if inner % rank:
+        raise ValueError(f"GGUF file {file.path}: Mamba2's {rank} heads do not divide ssm.inner_size {inner}")
+    return config | {"num_heads": rank, "head_dim": inner // rank, "n_groups": file.arch_meta("ssm.group_count", 1)}
 
 
 # llama.cpp's fixed choices for Gemma 3 (llama-model.cpp), which its converter does not write into the file.
@@ -643,7 +750,7 @@ def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:
     match = _BLOCK_RE.match(info.name)
     if match is not None and match.group(3) == "weight":
         layer, part = match.group(1), match.group(2)
-        block = f"model.layers.{layer}.{file.spec.expert_block}"
+        block = f"{file.spec.layer_prefix}.{layer}.{file.spec.expert_block}"
         if part in _EXPERT_PARTS:
             name = file.spec.expert_names[_EXPERT_PARTS[part]]
             return [f"{block}.experts.{e}.{name}.weight" for e in range(info.shape[0])]
@@ -658,11 +765,13 @@ def _hf_name(gguf_name: str, path: str, spec: _ArchSpec) -> str:
         layer, part, kind = match.groups()
         names = _BLOCK_NAMES | dict(spec.renamed_blocks) if spec.renamed_blocks else _BLOCK_NAMES
         if part in names:
-            return f"model.layers.{layer}.{names[part]}.{kind}"
+            leaf = f"{names[part]}.{kind}" if kind else names[part]
+            return f"{spec.layer_prefix}.{layer}.{dict(spec.renamed_tensors).get(leaf, leaf)}"
     else:
         stem, _, kind = gguf_name.rpartition(".")
-        if stem in _TOP_NAMES and kind in ("weight", "bias"):
-            return f"{_TOP_NAMES[stem]}.{kind}"
+        top = _TOP_NAMES | dict(spec.renamed_top)
+        if stem in top and kind in ("weight", "bias"):
+            return f"{top[stem]}.{kind}"
     # Failing loudly beats running a model with a silently dropped tensor.
     raise ValueError(f"GGUF file {path} has tensor {gguf_name!r} with no known HF counterpart")
 

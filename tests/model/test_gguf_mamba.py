@@ -1,0 +1,221 @@
+"""Mamba and Mamba2 GGUFs written in llama.cpp's layout (convert_hf_to_gguf's names, metadata and transforms: A stored
+as -exp(A_log), the conv weight squeezed to [channels, width], Mamba2's A and D as [heads, 1], its norm as
+[groups, d_inner / groups] and its dt_bias as ssm_dt.bias) load as HF's config and weights, and generate what HF
+generates from the original weights; a Q8_0 file (quantized as the converter's --outtype q8_0 does) follows HF on
+its own dequantized weights.
+
+Not compared against llama.cpp itself: llama-cpp-python has no wheel here and building llama.cpp from its sdist
+would take far longer than this suite allows.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import hf_prompt_logprobs
+
+from pressroom import LLM, SamplingParams
+from pressroom.model.gguf_file import iter_gguf_weights, read_gguf_config
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+T = gguf.GGMLQuantizationType
+# HF's leaf names under backbone.layers.N -> llama.cpp's under blk.N (Mamba2's dt_bias: renamed dt_proj.bias first)
+_BLOCK = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight",
+          "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",
+          "mixer.x_proj.weight": "ssm_x.weight", "mixer.dt_proj.weight": "ssm_dt.weight",
+          "mixer.dt_proj.bias": "ssm_dt.bias", "mixer.dt_bias": "ssm_dt.bias", "mixer.A_log": "ssm_a",
+          "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight", "mixer.out_proj.weight": "ssm_out.weight"}
+_TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _config(version: int):
+    """Mamba1 ties its head to the embedding (HF's default), Mamba2 does not; Mamba2 in two groups."""
+    if version == 1:
+        return transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2,
+                                        conv_kernel=4, expand=2, tie_word_embeddings=True)
+    return transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+                                     n_groups=2, expand=2, conv_kernel=4, num_hidden_layers=2,
+                                     tie_word_embeddings=False)
+
+
+def _hf_model(version: int) -> torch.nn.Module:
+    """A tiny random HF model whose norms, D, conv biases and A all vary, so that each transform shows."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(_config(version), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith((".D", "conv1d.bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".A_log"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _llama_cpp_tensors(model: torch.nn.Module, version: int) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf's MambaModel / Mamba2Model.modify_tensors on the HF state dict."""
+    cfg = model.config
+    state = model.state_dict()
+    out = {}
+    for name, t in state.items():
+        if name == "lm_head.weight" and torch.equal(t, state["backbone.embeddings.weight"]):
+            continue  # a tied head is left out
+        if name in _TOP:
+            out[_TOP[name]] = t
+            continue
+        layer, leaf = name.removeprefix("backbone.layers.").split(".", 1)
+        if leaf == "mixer.conv1d.weight":
+            t = t.squeeze()
+        elif version == 2 and leaf in ("mixer.A_log", "mixer.D"):
+            t = t.reshape(*t.shape, 1)
+        elif version == 2 and leaf == "mixer.norm.weight":
+            t = t.reshape(cfg.n_groups, -1)
+        if leaf == "mixer.A_log":
+            t = -torch.exp(t)
+        out[f"blk.{layer}.{_BLOCK[leaf]}"] = t
+    return {name: t.float().contiguous().numpy() for name, t in out.items()}
+
+
+def _stored(name: str, values: np.ndarray, qtype: T) -> tuple[np.ndarray, T]:
+    """The converter's type choice: 1-D tensors, norms, the conv and suffix-less A and D stay F32; other matrices
+    take qtype, falling back to F16 where a row is not whole Q8_0 blocks."""
+    if qtype == T.F32 or values.ndim == 1 or name.endswith(("_norm.weight", "ssm_conv1d.weight")) \
+            or not name.endswith(".weight"):
+        return values, T.F32
+    if values.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return values.astype(np.float16), T.F16
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def _write_gguf(path: str, model: torch.nn.Module, version: int, qtype: T) -> dict[str, T]:
+    """The file convert_hf_to_gguf writes (its metadata, none of it for a tokenizer); returns each tensor's type."""
+    cfg = model.config
+    arch = "mamba" if version == 1 else "mamba2"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_ssm_conv_kernel(cfg.conv_kernel)
+    inner = cfg.expand * cfg.hidden_size
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(cfg.state_size)
+    if version == 1:
+        writer.add_ssm_time_step_rank(cfg.time_step_rank)
+        writer.add_ssm_dt_b_c_rms(False)
+    else:
+        writer.add_ssm_time_step_rank(inner // cfg.head_dim)
+        writer.add_ssm_group_count(cfg.n_groups)
+    writer.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    types = {}
+    for name, values in _llama_cpp_tensors(model, version).items():
+        data, types[name] = _stored(name, values, qtype)
+        writer.add_tensor(name, data, raw_dtype=types[name] if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation through HF's recurrent cache, one token per forward."""
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        next_id = out.logits[0, -1].argmax()
+        tokens.append(int(next_id))
+        out = model(input_ids=next_id.view(1, 1), cache=out.cache, use_cache=True)
+    return tokens
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 70)]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.05, max_num_batched_tokens=64,
+               **kwargs)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [next(iter(pos.values())).logprob for pos in o.prompt_logprobs[1:]])
+            for o in outs]
+
+
+def _matches_hf(llm: LLM, model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> None:
+    """Greedy tokens equal, prompt logprobs as close as HF's own safetensors load gets (tests/model/test_mamba.py)."""
+    with torch.no_grad():
+        expected = [(_hf_greedy(model, p, max_tokens), hf_prompt_logprobs(model, p)) for p in prompts]
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(_generate(llm, prompts, max_tokens), expected):
+        assert tokens == hf_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_f32_gguf_gives_hfs_config_and_weights(version: int, tmp_path):
+    model = _hf_model(version)
+    path = str(tmp_path / "model.gguf")
+    _write_gguf(path, model, version, T.F32)
+    config = transformers.AutoConfig.for_model(**read_gguf_config(path))
+    keys = ["model_type", "hidden_size", "num_hidden_layers", "state_size", "conv_kernel",
+            "expand", "vocab_size", "use_bias", "use_conv_bias", "tie_word_embeddings", "layer_norm_epsilon"]
+    keys += ["intermediate_size", "time_step_rank"] if version == 1 else ["num_heads", "head_dim", "n_groups"]
+    assert {k: getattr(config, k) for k in keys} == {k: getattr(model.config, k) for k in keys}
+    assert config.architectures == [type(model).__name__]
+    loaded = {name: weight.load() for name, weight in iter_gguf_weights(path)}
+    expected = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and version == 1)}
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        if name.endswith(".A_log"):  # log(-(-exp(a))): rounded twice
+            torch.testing.assert_close(loaded[name], value, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_f32_gguf_generates_what_hf_does(version: int, tmp_path):
+    """The 70-token prompt over two 64-token steps."""
+    model = _hf_model(version)
+    path = str(tmp_path / "model.gguf")
+    _write_gguf(path, model, version, T.F32)
+    _matches_hf(_llm(path), model, _prompts(), 12)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_q8_0_gguf_follows_hf_on_its_dequantized_weights(version: int, tmp_path):
+    """Projections and the embedding in Q8_0 (Mamba1's dt_proj, 4-wide rows, in F16): the weights load as their
+    dequantized values (near the originals); dense, the model generates what HF does on those values, and kept in
+    Q8_0 for the CPU's kernels its prompt logprobs stay within their activation rounding of it."""
+    model = _hf_model(version)
+    path = str(tmp_path / "model.gguf")
+    types = _write_gguf(path, model, version, T.Q8_0)
+    assert types["blk.0.ssm_in.weight"] == T.Q8_0 and types["token_embd.weight"] == T.Q8_0
+    assert types["blk.0.ssm_a"] == T.F32 and types["blk.0.ssm_conv1d.weight"] == T.F32
+    if version == 1:
+        assert types["blk.0.ssm_dt.weight"] == T.F16
+    dequantized = {name: weight.load() for name, weight in iter_gguf_weights(path)}
+    original = model.state_dict()
+    for name, value in dequantized.items():
+        torch.testing.assert_close(value, original[name], rtol=0.02, atol=0.02)
+    model.load_state_dict(dequantized, strict=version == 2)
+    prompts = _prompts()
+    _matches_hf(_llm(path, quantization="none"), model, prompts, 4)
+    kept = _llm(path)
+    assert kept.engine.model.backbone.layers[0].mixer.in_proj.ggml is not None
+    with torch.no_grad():
+        expected = [hf_prompt_logprobs(model, p) for p in prompts]
+    gaps = [abs(a - b) for (_, logprobs), hf_logprobs in zip(_generate(kept, prompts, 1), expected)
+            for a, b in zip(logprobs, hf_logprobs)]
+    assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 0.2  # measured: 0.01 and 0.06 (AVX-512)
+    assert max(gaps) > 1e-6  # the kernels' rounding is really there: the Q8_0 forms ran
