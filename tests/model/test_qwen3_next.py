@@ -38,8 +38,9 @@ def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
 
 
-def gdn_pair(seed: int = 0):
-    """HF's Qwen3NextGatedDeltaNet and ours on the same weights, our states bound to `NUM_SLOTS` slots."""
+def gdn_pair(seed: int = 0, device: str = "cpu"):
+    """HF's Qwen3NextGatedDeltaNet (on the CPU) and ours on the same weights, on `device`, our states bound to
+    `NUM_SLOTS` slots."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
     config = tiny_config()
     gen = torch.Generator().manual_seed(seed)
@@ -52,41 +53,48 @@ def gdn_pair(seed: int = 0):
         w.weight_loader(w, hf.in_proj_ba.weight, "ba")
         for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
             ours.get_parameter(name).copy_(hf.get_parameter(name))
-    ours.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype) for name, s in ours.state_shapes().items()})
+    ours.to(device)
+    ours.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype, device=device)
+                      for name, s in ours.state_shapes().items()})
     return hf, ours
 
 
 NUM_SLOTS = 6
 
 
-def run_step(layer: GatedDeltaNet, parts: list[tuple[int, torch.Tensor]], num_decodes: int) -> list[torch.Tensor]:
-    """One engine step: `parts` (state slot, tokens [n, hidden]) packed, decodes first; the outputs per part."""
+def run_step(layer: GatedDeltaNet, parts: list[tuple[int, torch.Tensor]], num_decodes: int,
+             device: str = "cpu") -> list[torch.Tensor]:
+    """One engine step on `device`: `parts` (state slot, tokens [n, hidden]) packed, decodes first; the outputs
+    per part (on the CPU)."""
     qsl = [0]
     for _, x in parts:
         qsl.append(qsl[-1] + x.shape[0])
     meta = AttentionMetadata(num_decodes=num_decodes, num_decode_tokens=num_decodes, slot_mapping=torch.empty(0),
                              block_tables=torch.empty(0), seq_lens=torch.empty(0), query_start_loc=qsl,
                              seq_lens_host=[],
-                             state=StateMetadata.one_round(qsl, [s for s, _ in parts], "cpu", num_decodes))
+                             state=StateMetadata.one_round(qsl, [s for s, _ in parts], device, num_decodes))
     with forward_context(meta), torch.no_grad():
-        out = layer(torch.cat([x for _, x in parts]))
+        out = layer(torch.cat([x for _, x in parts]).to(device)).cpu()
     return [out[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "cuda"])
 def test_gated_deltanet_equals_hf_over_packed_steps(kernels, monkeypatch):
     """Four sequences through prefill chunks and decodes: A's 153 tokens prefilled over two steps (two delta-rule
     chunks in the first), B and C decoding beside A's second part and D's whole prompt, then decodes only.
     Every output equals HF's layer run on each whole sequence at once (no cache): the conv and delta-rule states
     carry exactly across steps, and slot 0 (padding) is never touched. "triton": the CUDA path's kernels
-    (Triton's interpreter where there is no GPU)."""
+    (Triton's interpreter where there is no GPU); "cuda": the layer on a GPU."""
+    if kernels == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     if kernels == "triton":
         from pressroom.kernels import triton as triton_kernels
         from pressroom.model.models import qwen3_next
         if torch.cuda.is_available() or not triton_kernels.interpreting():
             pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
         monkeypatch.setattr(qwen3_next, "on_triton", lambda x: True)
-    hf, ours = gdn_pair()
+    device = "cuda" if kernels == "cuda" else "cpu"
+    hf, ours = gdn_pair(device=device)
     gen = torch.Generator().manual_seed(1)
     lengths = {"A": 150 + 3, "B": 7 + 5, "C": 1 + 5, "D": 40 + 3}
     seqs = {n: torch.randn(k, TINY["hidden_size"], generator=gen) for n, k in lengths.items()}
@@ -96,7 +104,7 @@ def test_gated_deltanet_equals_hf_over_packed_steps(kernels, monkeypatch):
 
     def step(plan: list[tuple[str, int]], num_decodes: int) -> None:
         parts = [(slot[n], seqs[n][pos[n]:pos[n] + k]) for n, k in plan]
-        for (n, k), out in zip(plan, run_step(ours, parts, num_decodes)):
+        for (n, k), out in zip(plan, run_step(ours, parts, num_decodes, device)):
             got[n].append(out)
             pos[n] += k
 
@@ -107,9 +115,10 @@ def test_gated_deltanet_equals_hf_over_packed_steps(kernels, monkeypatch):
     step([("B", 1), ("C", 1)], 2)
 
     assert pos == lengths
+    tol = 1e-4 if device == "cuda" else 2e-5  # the GPU's reductions run in another order
     with torch.no_grad():
         for n, x in seqs.items():
-            torch.testing.assert_close(torch.cat(got[n]), hf(x[None])[0], atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(torch.cat(got[n]), hf(x[None])[0], atol=tol, rtol=tol)
     assert not ours.states["conv"][0].any() and not ours.states["ssm"][0].any()
 
 
