@@ -16,10 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.state import StateRound
 from pressroom.kernels import delta_rule, ssm
+from pressroom.model.layers.fused_moe import RouterConfig, select_experts
 from pressroom.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 from pressroom.model.lazy_weight import materialize
@@ -172,6 +174,21 @@ class KimiDeltaAttention(RecurrentLayer):
         return qkv.view(qkv.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
 
 
+class KimiMoE(DeepseekMoE):
+    """DeepSeek-V3's experts and router, the router in fp32 as HF keeps it (weight and correction bias): in bf16
+    the scores of close experts would round together and the choice among them would differ."""
+
+    def __init__(self, config, num_experts: int, router: RouterConfig) -> None:
+        super().__init__(config, num_experts, router)
+        self.gate.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(F.linear(x.float(), self.gate.weight), self.router,
+                                      self.gate.e_score_correction_bias)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     cuda_graphs_supported = False
     expert_names = ("w1", "w3", "w2")
@@ -185,7 +202,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module | None:
         if self.config.mlp_layer_types[layer] == "dense":
             return None
-        return DeepseekMoE(self.config, self._num_experts(), self.router_config())
+        return KimiMoE(self.config, self._num_experts(), self.router_config())
 
     def make_rotary(self) -> NoRotation:
         return NoRotation()
