@@ -293,8 +293,8 @@ def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
     return path, hf_model
 
 
-# HF's greedy reference runs its torch fallbacks a token per forward (~20 s for 4 x 64 tokens on 2 cores): the default
-# suite decodes 16 tokens, the slow one 64
+# HF's greedy reference runs its torch fallbacks a token per forward (4 x 64 tokens: 4-20 s on 2 busy cores): the
+# default suite decodes 16 tokens, the slow one 64
 @pytest.mark.parametrize("max_tokens", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_llm_matches_hf_greedy_and_prompt_logprobs(tiny_checkpoint, max_tokens: int):
     path, hf_model = tiny_checkpoint
