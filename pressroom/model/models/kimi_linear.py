@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.state import StateRound
+from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import delta_rule, ssm
 from pressroom.model.layers.fused_moe import RouterConfig, select_experts
 from pressroom.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
@@ -88,6 +89,8 @@ def _load_reshaped(param: nn.Parameter, loaded: Any) -> None:
 class KimiDeltaAttention(RecurrentLayer):
     def __init__(self, config) -> None:
         super().__init__()
+        if get_tp_size() > 1:  # heads, conv channels and states are not split across ranks
+            raise ValueError("Kimi Linear does not run with tensor parallelism yet; use tensor_parallel_size=1.")
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
         self.qkv_dim = self.num_heads * self.head_dim
