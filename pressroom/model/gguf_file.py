@@ -51,8 +51,10 @@ class _ArchSpec:
     renormalize_top_k: bool = True
     # GGUF block tensor names whose HF module differs from Llama's (`_BLOCK_NAMES`).
     renamed_blocks: tuple[tuple[str, str], ...] = ()
-    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) folded in): taken off again.
+    # Added to every norm weight by llama.cpp's converter (Gemma's (1 + w) folded in): taken off again,
+    # except on the HF names ending so (a plain RMSNorm among (1 + w) ones).
     norm_shift: float = 0.0
+    unshifted_norms: tuple[str, ...] = ()
     # Where the HF checkpoint keeps its blocks and the tensors outside them (`_TOP_NAMES` where not renamed).
     layer_prefix: str = "model.layers"
     renamed_top: tuple[tuple[str, str], ...] = ()
@@ -87,6 +89,18 @@ _ARCHS |= {
                         renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
 }
 _SSM_TYPES = ("mamba", "mamba2")
+# Qwen3-Next: its Gated DeltaNet's tensors, llama.cpp's ssm_* and attn_qkv + attn_gate (joined back into HF's
+# in_proj_qkvz: `_QKVZ`), under model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
+_ARCHS["qwen3next"] = _ArchSpec(
+    "qwen3_next", "Qwen3NextForCausalLM", permuted_qk=False, default_attention_bias=False, norm_shift=1.0,
+    unshifted_norms=(".linear_attn.norm.weight",),
+    renamed_blocks=(("post_attention_norm", "post_attention_layernorm"), ("ssm_ba", "linear_attn.in_proj_ba"),
+                    ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_dt", "linear_attn.dt_proj"),
+                    ("ssm_a", "linear_attn.A_log"), ("ssm_norm", "linear_attn.norm"),
+                    ("ssm_out", "linear_attn.out_proj"), ("attn_qkv", "linear_attn.in_proj_qkvz")),
+    renamed_tensors=(("linear_attn.dt_proj.bias", "linear_attn.dt_bias"),))
+# llama.cpp splits a layer's in_proj_qkvz (rows grouped per key head) into attn_qkv ([q | k | v]) and attn_gate (z).
+_QKVZ, _GATE = "attn_qkv", "attn_gate"
 # llama.cpp writes Mixtral as a llama whose metadata counts experts.
 _MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
                      expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
@@ -203,8 +217,14 @@ def iter_gguf_weights(path: str, keep_4bit: bool = False, tally: ReadTally | Non
     # Open and validate eagerly so a bad path fails at the call, not at the first next().
     file = _open(path)
     # Name every tensor up front: an unmappable one should fail before any weight is consumed.
-    named = [(_hf_names(info, file), info) for info in file.tensors if info.name not in _SKIPPED_TENSORS]
+    named = [(_hf_names(info, file), info) for info in file.tensors
+             if info.name not in _SKIPPED_TENSORS and not _is_block_part(info.name, _GATE)]
     return _iter_weights(file, _build_config(file), named, keep_4bit, tally)
+
+
+def _is_block_part(gguf_name: str, part: str) -> bool:
+    match = _BLOCK_RE.match(gguf_name)
+    return match is not None and match.group(2) == part
 
 
 def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[list[str], _TensorInfo]],
@@ -218,6 +238,14 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         hf_name = names[0]
         cols = info.shape[-1]
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        if _is_block_part(info.name, _QKVZ):
+            gate = _tensor(file, info.name.replace(f".{_QKVZ}.", f".{_GATE}."))
+            rows += gate.shape[0]
+            yield hf_name, LazyWeight((rows, cols), torch.float32, _JoinedQkvz(
+                _StoredWeight(file, info, hf_name, tally, info.shape[0], cols),
+                _StoredWeight(file, gate, hf_name, tally, gate.shape[0], cols), config["linear_num_key_heads"],
+                config["linear_key_head_dim"]))
+            continue
         ssm_form = _ssm_form(hf_name, info.shape, file.spec)
         if ssm_form is not None:
             shape, values = ssm_form
@@ -235,7 +263,8 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         elif keep_4bit and info.ggml_type in _GGML_FORMS and hf_name.endswith("_proj.weight"):
             form = "ggml"
         heads = _rotary_heads(hf_name, config) if file.spec.permuted_qk else 0
-        shift = file.spec.norm_shift if hf_name.endswith("norm.weight") else 0.0
+        shifted = hf_name.endswith("norm.weight") and not hf_name.endswith(file.spec.unshifted_norms or ("",))
+        shift = file.spec.norm_shift if shifted else 0.0
         stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads, shift=shift)
         yield hf_name, _lazy(stored, vector=len(info.shape) == 1)
 
@@ -322,10 +351,10 @@ def _ssm_form(hf_name: str, stored: tuple[int, ...], spec: _ArchSpec
               ) -> tuple[tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None] | None:
     """HF's shape for a state-space tensor llama.cpp reshaped, and the inverse of any change to its values;
     None for every other tensor."""
-    if hf_name.endswith(".mixer.conv1d.weight"):  # squeezed from nn.Conv1d's [channels, 1, width]
+    if hf_name.endswith(".conv1d.weight"):  # squeezed from nn.Conv1d's [channels, 1, width]
         return (stored[0], 1, stored[-1]), None
     flat = (int(np.prod(stored, dtype=np.int64)),)
-    if hf_name.endswith(".mixer.A_log"):  # stored as A = -exp(A_log)
+    if hf_name.endswith(".A_log"):  # stored as A = -exp(A_log)
         return (flat if spec.flat_ssm_vectors else stored), _a_log
     if spec.flat_ssm_vectors and hf_name.endswith((".mixer.D", ".mixer.norm.weight")):
         return flat, None
@@ -334,6 +363,24 @@ def _ssm_form(hf_name: str, stored: tuple[int, ...], spec: _ArchSpec
 
 def _a_log(a: torch.Tensor) -> torch.Tensor:
     return torch.log(-a)
+
+
+@dataclass(slots=True, frozen=True)
+class _JoinedQkvz:
+    """HF's in_proj_qkvz from llama.cpp's attn_qkv and attn_gate, read whole: per key head g its rows
+    [q_g, k_g, v_g, z_g] (v_g and z_g: that head's share of the value heads)."""
+    qkv: _StoredWeight
+    z: _StoredWeight
+    key_heads: int
+    key_head_dim: int
+
+    def __call__(self, index: Index) -> torch.Tensor:
+        qkv, z = (part(((0, part.rows), (0, part.cols))) for part in (self.qkv, self.z))
+        key_rows = self.key_heads * self.key_head_dim
+        q, k, v = qkv.split([key_rows, key_rows, qkv.shape[0] - 2 * key_rows])
+        groups = [t.reshape(self.key_heads, -1, t.shape[-1]) for t in (q, k, v, z)]
+        whole = torch.cat(groups, dim=1).reshape(-1, qkv.shape[-1])
+        return whole[tuple(slice(start, stop) for start, stop in index)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -585,7 +632,31 @@ def _build_config(file: _GgufFile) -> dict[str, Any]:
         config |= _moe_config(file, experts)
     if file.spec.model_type == "gemma3_text":
         config = _gemma3_config(file, config)
+    elif file.spec.model_type == "qwen3_next":
+        config = _qwen3_next_config(file, config)
     return config
+
+
+def _qwen3_next_config(file: _GgufFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3NextConfig's keys from llama.cpp's: the Gated DeltaNet's shape in ssm.* (state_size: the key head
+    dim, group_count: the key heads, time_step_rank: the value heads), the layer pattern from
+    full_attention_interval, the partial rotary factor from rope.dimension_count. llama.cpp has no dense layers
+    for it and always renormalizes the top-k experts' weights."""
+    value_heads, inner = _required(file, "ssm.time_step_rank"), _required(file, "ssm.inner_size")
+    interval = _required(file, "full_attention_interval")
+    rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+            "partial_rotary_factor": _required(file, "rope.dimension_count") / config["head_dim"]}
+    rope |= config.pop("rope_scaling", {})
+    return config | {
+        "linear_conv_kernel_dim": _required(file, "ssm.conv_kernel"),
+        "linear_key_head_dim": _required(file, "ssm.state_size"),
+        "linear_num_key_heads": _required(file, "ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                        for i in range(config["num_hidden_layers"])],
+        "rope_parameters": rope,
+    }
 
 
 def _mamba_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -743,6 +814,13 @@ def _dequantize(raw: np.ndarray, file: _GgufFile, info: _TensorInfo) -> torch.Te
     if not values.flags.writeable:
         values = values.copy()
     return torch.from_numpy(values)
+
+
+def _tensor(file: _GgufFile, name: str) -> _TensorInfo:
+    found = next((info for info in file.tensors if info.name == name), None)
+    if found is None:
+        raise ValueError(f"GGUF file {file.path} lacks tensor {name!r}")
+    return found
 
 
 def _hf_names(info: _TensorInfo, file: _GgufFile) -> list[str]:

@@ -219,3 +219,129 @@ def test_q8_0_gguf_follows_hf_on_its_dequantized_weights(version: int, tmp_path)
             for a, b in zip(logprobs, hf_logprobs)]
     assert sum(gaps) / len(gaps) < 0.03 and max(gaps) < 0.2  # measured: 0.01 and 0.06 (AVX-512)
     assert max(gaps) > 1e-6  # the kernels' rounding is really there: the Q8_0 forms ran
+
+
+# ---------------------------------------------------------------- Qwen3-Next (llama.cpp's qwen3next)
+
+# layer 1 and 3 full attention, GQA in both kinds of layer; every layer MoE (llama.cpp's qwen3next has no dense ones)
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  layer_types=["linear_attention", "full_attention"] * 2, initializer_range=0.2,
+                  tie_word_embeddings=False)
+_QWEN3_NEXT_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                     "self_attn.k_norm": "attn_k_norm", "linear_attn.in_proj_ba": "ssm_ba",
+                     "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+                     "linear_attn.out_proj": "ssm_out", "mlp.gate": "ffn_gate_inp",
+                     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _qwen3_next_checkpoint(path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny random HF Qwen3-Next (norm weights random: HF starts the (1 + w) ones at zero) and its checkpoint's
+    tensors (per-expert, as convert_hf_to_gguf reads them)."""
+    from safetensors.torch import load_file
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**QWEN3_NEXT),
+                                                          dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model, load_file(f"{path}/model.safetensors")
+
+
+def _qwen3_next_tensors(hf: dict[str, torch.Tensor], cfg) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf's Qwen3NextModel (over Qwen2MoeModel): norms but the gated one stored as 1 + w, A as
+    -exp(A_log), dt_bias as ssm_dt.bias, the conv squeezed, in_proj_qkvz's per-key-head [q, k, v, z] groups split
+    into attn_qkv ([q | k | v]) and attn_gate (z), experts stacked."""
+    out = {"token_embd.weight": hf.pop("model.embed_tokens.weight"), "output.weight": hf.pop("lm_head.weight"),
+           "output_norm.weight": hf.pop("model.norm.weight") + 1}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in hf.items():
+        layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+        blk, module = f"blk.{layer}.", leaf.rpartition(".")[0]
+        if leaf.endswith("norm.weight") and leaf != "linear_attn.norm.weight":
+            t = t + 1
+        if leaf.startswith("mlp.experts."):
+            expert, proj = leaf.split(".")[2:4]
+            experts.setdefault((blk, _EXPERTS[proj]), {})[int(expert)] = t
+        elif leaf == "linear_attn.in_proj_qkvz.weight":
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            vz = cfg.linear_num_value_heads // cfg.linear_num_key_heads * dv
+            q, k, v, z = t.reshape(cfg.linear_num_key_heads, -1, t.shape[-1]).split([dk, dk, vz, vz], dim=1)
+            out[blk + "attn_qkv.weight"] = torch.cat([p.reshape(-1, t.shape[-1]) for p in (q, k, v)])
+            out[blk + "attn_gate.weight"] = z.reshape(-1, t.shape[-1])
+        elif leaf == "linear_attn.A_log":
+            out[blk + "ssm_a"] = -torch.exp(t)
+        elif leaf == "linear_attn.dt_bias":
+            out[blk + "ssm_dt.bias"] = t
+        elif leaf == "linear_attn.conv1d.weight":
+            out[blk + "ssm_conv1d.weight"] = t.squeeze()
+        elif leaf == "mlp.shared_expert_gate.weight":
+            out[blk + "ffn_gate_inp_shexp.weight"] = t.reshape(-1)
+        else:
+            out[blk + f"{_QWEN3_NEXT_BLOCK[module]}.weight"] = t
+    for (blk, part), by_expert in experts.items():
+        out[f"{blk}{part}.weight"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return {name: t.float().contiguous().numpy() for name, t in out.items()}
+
+
+def _write_qwen3_next_gguf(path: str, hf: dict[str, torch.Tensor], cfg) -> None:
+    writer = gguf.GGUFWriter(path, "qwen3next")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_full_attention_interval(2)
+    writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    for name, values in _qwen3_next_tensors(hf, cfg).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_next_gguf_generates_what_hf_does(tmp_path):
+    """Its config as HF's, in_proj_qkvz joined back from attn_qkv and attn_gate, every other tensor as the
+    checkpoint's; then greedy tokens and prompt logprobs as HF's (every layer kind, the full-attention ones over
+    a paged KV cache)."""
+    model, hf = _qwen3_next_checkpoint(tmp_path / "hf")
+    path = str(tmp_path / "model.gguf")
+    _write_qwen3_next_gguf(path, dict(hf), model.config)
+    config = transformers.AutoConfig.for_model(**read_gguf_config(path))
+    for key in [*(k for k in QWEN3_NEXT if k != "initializer_range"), "rope_parameters", "norm_topk_prob",
+                "mlp_only_layers", "rms_norm_eps", "decoder_sparse_step"]:
+        assert getattr(config, key) == getattr(model.config, key), key
+    loaded = {name: weight.load() for name, weight in iter_gguf_weights(path)}
+    assert loaded.keys() == hf.keys()
+    for name, value in hf.items():
+        if name.endswith(".A_log"):
+            torch.testing.assert_close(loaded[name], value, rtol=1e-6, atol=1e-6)
+        elif name.endswith("norm.weight") and ".linear_attn." not in name:  # (w + 1) - 1
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(loaded[name], value), name
+    _matches_hf(_llm(path), model, _prompts(), 12)
