@@ -246,3 +246,24 @@ def test_tiny_model_runs_in_bf16_on_the_cpu(tiny_qwen3_next):
         assert len(a) == len(b) == 8 + 139
         return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
     assert 0 < mean_gap(ours, hf[torch.float32]) < 2.5 * mean_gap(hf[torch.bfloat16], hf[torch.float32])
+
+
+@pytest.mark.slow  # two gloo worker processes on the CPU
+def test_two_ranks_give_the_tokens_of_one(tiny_qwen3_next):
+    """Tensor parallelism over two ranks: each holds one of the two key heads (with its value heads) of every GDN
+    layer, two of the four attention heads, half of every expert; greedy tokens equal one rank's."""
+    from pressroom import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([6, 90, 33], seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    tokens, counts = {}, {}
+    for tp in (1, 2):
+        llm = LLM(tiny_qwen3_next, dtype="float32", device="cpu", skip_tokenizer_init=True, kv_cache_memory_gib=0.05,
+                  max_num_batched_tokens=64, tensor_parallel_size=tp)
+        try:
+            tokens[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            counts[tp] = llm.engine.core.executor.collective_rpc("parameter_count")
+        finally:
+            llm.shutdown()
+    assert tokens[2] == tokens[1]
+    (whole,) = counts[1]  # each rank holds about half: norms and routers are replicated
+    assert all(0.45 * whole < c < 0.55 * whole for c in counts[2]) and sum(counts[2]) >= whole, (counts, whole)

@@ -11,6 +11,10 @@ head ([q_g, k_g, v_g, z_g] for each key head g, v_g and z_g holding that head's 
 in_proj_ba as [b_g, a_g]; loading reorders the rows to [q | k | v | z | b | a], so the conv input is one
 contiguous slice of the projection.
 
+Tensor parallelism deals out whole key heads (with their value heads) and whole attention heads (`head_split`):
+each rank's rows of every stacked part, conv channels, A_log and dt_bias are its heads'; the output projections
+are row-parallel, the experts and MLPs as in the other MoE families.
+
 Gated attention: q_proj yields per head [q_h | gate_h]; q and k are RMS-normed per head, rotated over the first
 partial_rotary_factor of the head (NeoX layout), and the attention output is scaled by sigmoid(gate).
 
@@ -25,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.state import StateRound
-from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size
 from pressroom.kernels import delta_rule, ssm
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.fused_moe import RouterConfig
-from pressroom.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.linear import LinearBase, RowParallelLinear, head_split
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.gemma3 import GemmaRMSNorm
@@ -83,6 +87,13 @@ class GdnShape:
     def group(self) -> int:  # value heads per key head
         return self.num_v_heads // self.num_k_heads
 
+    def local(self, tp_size: int) -> GdnShape:
+        """One rank's share: num_k_heads / tp_size key heads with their value heads."""
+        if self.num_k_heads % tp_size:
+            raise ValueError(f"{self.num_k_heads} linear-attention key heads cannot be split over {tp_size} ranks.")
+        return GdnShape(self.num_k_heads // tp_size, self.num_v_heads // tp_size, self.head_k_dim, self.head_v_dim,
+                        self.conv_width)
+
 
 def reorder_qkvz(w: torch.Tensor, s: GdnShape) -> torch.Tensor:
     """in_proj_qkvz rows from per-key-head groups [q_g, k_g, v_g, z_g] to [q | k | v | z]."""
@@ -95,6 +106,48 @@ def reorder_ba(w: torch.Tensor, s: GdnShape) -> torch.Tensor:
     """in_proj_ba rows from per-key-head groups [b_g, a_g] to [b | a]."""
     parts = w.reshape(s.num_k_heads, 2 * s.group, -1).split((s.group, s.group), 1)
     return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])
+
+
+def rank_rows(w: torch.Tensor, part_sizes: tuple[int, ...], tp_size: int, rank: int) -> torch.Tensor:
+    """This rank's even share of the rows of each of w's stacked parts, stacked again."""
+    shares = (p.narrow(0, rank * (p.shape[0] // tp_size), p.shape[0] // tp_size) for p in w.split(part_sizes))
+    return torch.cat(list(shares))
+
+
+def rank_rows_loader(part_sizes: tuple[int, ...]):
+    """A weight_loader that keeps this rank's rows of each part (the conv's q, k, v channels; A_log, dt_bias)."""
+    tp_size, rank = get_tp_size(), get_tp_rank()
+
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        loaded = materialize(loaded)
+        if loaded.shape[0] != sum(part_sizes) or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"tensor has shape {tuple(loaded.shape)}; the model expects "
+                             f"{(sum(part_sizes), *param.shape[1:])}.")
+        param.data.copy_(rank_rows(loaded, part_sizes, tp_size, rank))
+    return load
+
+
+class GdnInProjection(LinearBase):
+    """in_proj_qkvz ("qkvz") and in_proj_ba ("ba") in one matrix, rows [q | k | v | z | b | a] of this rank's
+    heads (module docstring)."""
+
+    def __init__(self, hidden_size: int, shape: GdnShape) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.full, local = shape, shape.local(self.tp_size)
+        self.ba_row = local.conv_dim + local.value_dim  # where b and a start
+        super().__init__(hidden_size, self.ba_row + 2 * local.num_v_heads, bias=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        s, loaded = self.full, materialize(loaded)
+        if shard_id == "qkvz":
+            rows, offset, reordered = s.conv_dim + s.value_dim, 0, reorder_qkvz
+            parts = (s.key_dim, s.key_dim, s.value_dim, s.value_dim)
+        else:
+            rows, offset, reordered, parts = 2 * s.num_v_heads, self.ba_row, reorder_ba, (s.num_v_heads,) * 2
+        if tuple(loaded.shape) != (rows, param.shape[1]):
+            raise ValueError(f"in_proj_{shard_id} has shape {tuple(loaded.shape)}; the model expects "
+                             f"{(rows, param.shape[1])}.")
+        self._store_rows(param, offset, rank_rows(reordered(loaded, s), parts, self.tp_size, self.tp_rank))
 
 
 class GatedRMSNorm(nn.Module):
@@ -115,32 +168,23 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(RecurrentLayer):
     def __init__(self, config) -> None:
         super().__init__()
-        s = self.shape = GdnShape.of(config)
-        self.in_proj = ColumnParallelLinear(config.hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads)
-        self.in_proj.weight.weight_loader = self._load_in_proj
+        full = GdnShape.of(config)
+        s = self.shape = full.local(get_tp_size())  # this rank's heads
+        self.in_proj = GdnInProjection(config.hidden_size, full)
         self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_width, groups=s.conv_dim, bias=False)
         self.conv1d.requires_grad_(False)
+        self.conv1d.weight.weight_loader = rank_rows_loader((full.key_dim, full.key_dim, full.value_dim))
         self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads), requires_grad=False)
+        for p in (self.dt_bias, self.A_log):
+            p.weight_loader = rank_rows_loader((full.num_v_heads,))
         self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(s.value_dim, config.hidden_size)
+        self.out_proj = RowParallelLinear(full.value_dim, config.hidden_size)
 
     def state_shapes(self) -> dict[str, StateShape]:
         s = self.shape
         return {"conv": StateShape((s.conv_dim, s.conv_width - 1), self.conv1d.weight.dtype),
                 "ssm": StateShape((s.num_v_heads, s.head_k_dim, s.head_v_dim), torch.float32)}
-
-    def _load_in_proj(self, param: nn.Parameter, loaded, shard_id: str) -> None:
-        """The checkpoint's in_proj_qkvz ("qkvz") and in_proj_ba ("ba"), rows reordered (module docstring)."""
-        s = self.shape
-        rows = {"qkvz": (0, s.conv_dim + s.value_dim), "ba": (s.conv_dim + s.value_dim, 2 * s.num_v_heads)}
-        start, size = rows[shard_id]
-        loaded = materialize(loaded)
-        if tuple(loaded.shape) != (size, param.shape[1]):
-            raise ValueError(f"in_proj_{shard_id} has shape {tuple(loaded.shape)}; the model expects "
-                             f"{(size, param.shape[1])}.")
-        reorder = reorder_qkvz if shard_id == "qkvz" else reorder_ba
-        param.data.narrow(0, start, size).copy_(reorder(loaded, s))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
@@ -196,19 +240,42 @@ class GatedDeltaNet(RecurrentLayer):
                 v.unflatten(-1, (s.num_v_heads, s.head_v_dim)))
 
 
+class GatedQKVLinear(LinearBase):
+    """q_proj (per head [q_h | gate_h]), k_proj and v_proj (shards 0, 1, 2) in one matrix, this rank's heads only
+    (`head_split`, as QKVParallelLinear)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        self.head_dim, self.total_heads, self.total_kv_heads = head_dim, num_heads, num_kv_heads
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = head_split(
+            num_heads, num_kv_heads, get_tp_size(), get_tp_rank())
+        self.sizes = (2 * self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim)
+        super().__init__(hidden_size, sum(self.sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        d, (q_size, kv_size, _) = self.head_dim, self.sizes
+        offset, size, start, rows = ((0, q_size, 2 * self.q_start * d, 2 * self.total_heads * d),
+                                     (q_size, kv_size, self.kv_start * d, self.total_kv_heads * d),
+                                     (q_size + kv_size, kv_size, self.kv_start * d, self.total_kv_heads * d))[shard_id]
+        if tuple(loaded.shape) != (rows, *param.shape[1:]):
+            raise ValueError(f"tensor has shape {tuple(loaded.shape)}; the model expects {(rows, *param.shape[1:])}.")
+        self._store_rows(param, offset, loaded.narrow(0, start, size))
+
+
 class GatedAttention(nn.Module):
     """Full attention whose output is scaled by sigmoid of a per-head gate that q_proj also yields."""
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = hd = config.head_dim
-        self.sizes = (2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, list(self.sizes), bias=bias)
+        self.qkv_proj = GatedQKVLinear(config.hidden_size, hd, config.num_attention_heads,
+                                       config.num_key_value_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.sizes = self.qkv_proj.sizes
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
-        self.o_proj = RowParallelLinear(self.num_heads * hd, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=bias,
+                                        input_slice=(self.qkv_proj.q_start * hd, self.num_heads * hd))
         self.attn = Attention(self.num_heads, hd, self.num_kv_heads, hd ** -0.5)
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
@@ -285,8 +352,6 @@ class Qwen3NextForCausalLM(_MoeForCausalLM):
 
     def __init__(self, config) -> None:
         nn.Module.__init__(self)  # Llama's body is not built: the layers are Qwen3-Next's own
-        if get_tp_size() > 1:
-            raise ValueError("Qwen3-Next does not support tensor parallelism yet; run it with tp=1.")
         self.config = config
         self.model = Qwen3NextModel(config, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
