@@ -1,5 +1,7 @@
 """Qwen3-Next against HF transformers (fp32, tiny random weights): the Gated DeltaNet layer over packed steps
-(chunked prefill continued across steps, decodes mixed with prefills), and the whole model through `LLM`."""
+(chunked prefill continued across steps, decodes mixed with prefills; torch, Triton and GPU kernels), and the
+whole model through `LLM`: greedy tokens and prompt logprobs, a prefix hit served from a state checkpoint, bf16,
+and two tensor-parallel ranks (the last three slow)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,8 @@ import torch
 from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.attention.state import StateMetadata
 from pressroom.model.models.qwen3_next import GatedDeltaNet
+
+NUM_SLOTS = 6  # state slots bound in the layer tests (slot 0: padding, never used)
 
 # layer 1 and 3 full attention; GQA in both kinds of layer (2 key heads for 4 value heads)
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -57,9 +61,6 @@ def gdn_pair(seed: int = 0, device: str = "cpu"):
     ours.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype, device=device)
                       for name, s in ours.state_shapes().items()})
     return hf, ours
-
-
-NUM_SLOTS = 6
 
 
 def run_step(layer: GatedDeltaNet, parts: list[tuple[int, torch.Tensor]], num_decodes: int,
