@@ -1,9 +1,9 @@
 """Read GGUF checkpoints (llama.cpp's format) into HF-style configs, weights and tokenizers.
 
 Decoder architectures that map 1:1 onto HF's modules are supported (Llama, Qwen2/3 and their MoEs, Gemma 3's
-text model, the state-space Mamba and Mamba2, whose few reshaped or transformed tensors are undone); everything
-is dequantized to float32 so the rest of the engine never sees GGML types, except 4-bit and Q8_0 forms kept for
-the CPU's kernels (`keep_4bit`).
+text model, and the state-space Mamba, Mamba2 and Qwen3-Next, whose few reshaped, split or transformed tensors
+are undone); everything is dequantized to float32 so the rest of the engine never sees GGML types, except 4-bit
+and Q8_0 forms kept for the CPU's kernels (`keep_4bit`).
 Weights come as LazyWeights: a tensor-parallel rank reads and dequantizes only the rows and columns it holds.
 """
 
@@ -62,6 +62,8 @@ class _ArchSpec:
     renamed_tensors: tuple[tuple[str, str], ...] = ()
     # llama.cpp stores Mamba2's per-head A and D and its per-group norm as matrices; HF keeps them as vectors.
     flat_ssm_vectors: bool = False
+    # Qwen3-Next's in_proj_qkvz, split by llama.cpp into attn_qkv and attn_gate (`_JoinedQkvz`): joined back.
+    joined_qkvz: bool = False
 
 
 _ARCHS: dict[str, _ArchSpec] = {
@@ -89,8 +91,8 @@ _ARCHS |= {
                         renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
 }
 _SSM_TYPES = ("mamba", "mamba2")
-# Qwen3-Next: its Gated DeltaNet's tensors, llama.cpp's ssm_* and attn_qkv + attn_gate (joined back into HF's
-# in_proj_qkvz: `_QKVZ`), under model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
+# Qwen3-Next: its Gated DeltaNet's tensors (llama.cpp's ssm_*, and attn_qkv with attn_gate) under
+# model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
 _ARCHS["qwen3next"] = _ArchSpec(
     "qwen3_next", "Qwen3NextForCausalLM", permuted_qk=False, default_attention_bias=False, norm_shift=1.0,
     unshifted_norms=(".linear_attn.norm.weight",),
@@ -98,9 +100,7 @@ _ARCHS["qwen3next"] = _ArchSpec(
                     ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_dt", "linear_attn.dt_proj"),
                     ("ssm_a", "linear_attn.A_log"), ("ssm_norm", "linear_attn.norm"),
                     ("ssm_out", "linear_attn.out_proj"), ("attn_qkv", "linear_attn.in_proj_qkvz")),
-    renamed_tensors=(("linear_attn.dt_proj.bias", "linear_attn.dt_bias"),))
-# llama.cpp splits a layer's in_proj_qkvz (rows grouped per key head) into attn_qkv ([q | k | v]) and attn_gate (z).
-_QKVZ, _GATE = "attn_qkv", "attn_gate"
+    renamed_tensors=(("linear_attn.dt_proj.bias", "linear_attn.dt_bias"),), joined_qkvz=True)
 # llama.cpp writes Mixtral as a llama whose metadata counts experts.
 _MIXTRAL = _ArchSpec("mixtral", "MixtralForCausalLM", permuted_qk=True, default_attention_bias=False,
                      expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
@@ -218,8 +218,12 @@ def iter_gguf_weights(path: str, keep_4bit: bool = False, tally: ReadTally | Non
     file = _open(path)
     # Name every tensor up front: an unmappable one should fail before any weight is consumed.
     named = [(_hf_names(info, file), info) for info in file.tensors
-             if info.name not in _SKIPPED_TENSORS and not _is_block_part(info.name, _GATE)]
+             if info.name not in _SKIPPED_TENSORS and not (file.spec.joined_qkvz and _is_block_part(info.name, _GATE))]
     return _iter_weights(file, _build_config(file), named, keep_4bit, tally)
+
+
+# llama.cpp's halves of a Qwen3-Next in_proj_qkvz; attn_gate is read with its layer's attn_qkv.
+_QKV, _GATE = "attn_qkv", "attn_gate"
 
 
 def _is_block_part(gguf_name: str, part: str) -> bool:
@@ -238,8 +242,8 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         hf_name = names[0]
         cols = info.shape[-1]
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-        if _is_block_part(info.name, _QKVZ):
-            gate = _tensor(file, info.name.replace(f".{_QKVZ}.", f".{_GATE}."))
+        if file.spec.joined_qkvz and _is_block_part(info.name, _QKV):
+            gate = _tensor(file, info.name.replace(f".{_QKV}.", f".{_GATE}."))
             rows += gate.shape[0]
             yield hf_name, LazyWeight((rows, cols), torch.float32, _JoinedQkvz(
                 _StoredWeight(file, info, hf_name, tally, info.shape[0], cols),
@@ -263,7 +267,7 @@ def _iter_weights(file: _GgufFile, config: dict[str, Any], named: list[tuple[lis
         elif keep_4bit and info.ggml_type in _GGML_FORMS and hf_name.endswith("_proj.weight"):
             form = "ggml"
         heads = _rotary_heads(hf_name, config) if file.spec.permuted_qk else 0
-        shifted = hf_name.endswith("norm.weight") and not hf_name.endswith(file.spec.unshifted_norms or ("",))
+        shifted = hf_name.endswith("norm.weight") and not hf_name.endswith(file.spec.unshifted_norms)
         shift = file.spec.norm_shift if shifted else 0.0
         stored = _StoredWeight(file, info, hf_name, tally, rows, cols, form=form, heads=heads, shift=shift)
         yield hf_name, _lazy(stored, vector=len(info.shape) == 1)
