@@ -268,3 +268,26 @@ def test_two_ranks_give_the_tokens_of_one(tiny_qwen3_next):
     assert tokens[2] == tokens[1]
     (whole,) = counts[1]  # each rank holds about half: norms and routers are replicated
     assert all(0.45 * whole < c < 0.55 * whole for c in counts[2]) and sum(counts[2]) >= whole, (counts, whole)
+
+
+def test_online_fp8_quantizes_the_reordered_rows(tiny_qwen3_next):
+    """--quantization fp8 on the fp32 checkpoint: the stacked GDN and attention projections hold exactly the fp8
+    quantization of the checkpoint's rows in our order (reordered [q | k | v | z | b | a]; [q+gate | k | v])."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from pressroom import LLM
+    from pressroom.kernels import fp8
+    from pressroom.model.models.qwen3_next import GdnShape, reorder_ba, reorder_qkvz
+    shape = GdnShape.of(transformers.AutoConfig.from_pretrained(tiny_qwen3_next))
+    shipped = load_file(f"{tiny_qwen3_next}/model.safetensors")
+    llm = LLM(tiny_qwen3_next, dtype="float32", kv_cache_memory_gib=0.05, quantization="fp8")
+    layers = llm.engine.model.model.layers
+    gdn = "model.layers.0.linear_attn."
+    expected = {layers[0].linear_attn.in_proj: torch.cat((reorder_qkvz(shipped[gdn + "in_proj_qkvz.weight"], shape),
+                                                          reorder_ba(shipped[gdn + "in_proj_ba.weight"], shape))),
+                layers[1].self_attn.qkv_proj: torch.cat([shipped[f"model.layers.1.self_attn.{n}_proj.weight"]
+                                                         for n in "qkv"])}
+    for linear, rows in expected.items():
+        assert linear.weight.dtype == fp8.FP8
+        assert torch.equal(linear.quant_method.dequantized(linear), fp8.dequantize(*fp8.quantize(rows, 128), 128))

@@ -22,6 +22,7 @@ Every Qwen3-Next RMSNorm but the gated one scales by (1 + w): the parameter hold
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ def rank_rows(w: torch.Tensor, part_sizes: tuple[int, ...], tp_size: int, rank: 
     return torch.cat(list(shares))
 
 
-def rank_rows_loader(part_sizes: tuple[int, ...]):
+def rank_rows_loader(part_sizes: tuple[int, ...]) -> Callable[..., None]:
     """A weight_loader that keeps this rank's rows of each part (the conv's q, k, v channels; A_log, dt_bias)."""
     tp_size, rank = get_tp_size(), get_tp_rank()
 
