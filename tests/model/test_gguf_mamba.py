@@ -16,6 +16,7 @@ import torch
 from conftest import hf_prompt_logprobs
 
 from pressroom import LLM, SamplingParams
+from pressroom.model import gguf_file
 from pressroom.model.gguf_file import iter_gguf_weights, read_gguf_config
 
 transformers = pytest.importorskip("transformers")
@@ -32,20 +33,20 @@ _TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weig
         "lm_head.weight": "output.weight"}
 
 
-def _config(version: int):
+def _config(version: int, vocab: int):
     """Mamba1 ties its head to the embedding (HF's default), Mamba2 does not; Mamba2 in two groups."""
     if version == 1:
-        return transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2,
+        return transformers.MambaConfig(vocab_size=vocab, hidden_size=64, state_size=8, num_hidden_layers=2,
                                         conv_kernel=4, expand=2, tie_word_embeddings=True)
-    return transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+    return transformers.Mamba2Config(vocab_size=vocab, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
                                      n_groups=2, expand=2, conv_kernel=4, num_hidden_layers=2,
                                      tie_word_embeddings=False)
 
 
-def _hf_model(version: int) -> torch.nn.Module:
+def _hf_model(version: int, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny random HF model whose norms, D, conv biases and A all vary, so that each transform shows."""
     torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(_config(version), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(_config(version, vocab), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -93,11 +94,15 @@ def _stored(name: str, values: np.ndarray, qtype: T) -> tuple[np.ndarray, T]:
     return gguf.quants.quantize(values, qtype), qtype
 
 
-def _write_gguf(path: str, model: torch.nn.Module, version: int, qtype: T) -> dict[str, T]:
-    """The file convert_hf_to_gguf writes (its metadata, none of it for a tokenizer); returns each tensor's type."""
+def _write_gguf(path: str, model: torch.nn.Module, version: int, qtype: T, tokenizer_from: str | None = None
+                ) -> dict[str, T]:
+    """The file convert_hf_to_gguf writes (its metadata; a tokenizer's only if given the GGUF to take it from);
+    returns each tensor's type."""
     cfg = model.config
     arch = "mamba" if version == 1 else "mamba2"
     writer = gguf.GGUFWriter(path, arch)
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, tokenizer_from)
     writer.add_context_length(2**20)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(0)
@@ -123,6 +128,16 @@ def _write_gguf(path: str, model: torch.nn.Module, version: int, qtype: T) -> di
     writer.write_tensors_to_file()
     writer.close()
     return types
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> None:
+    meta = gguf_file._open(source).metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_token_list(list(meta["tokenizer.ggml.tokens"]))
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(list(meta["tokenizer.ggml.merges"]))
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -190,6 +205,23 @@ def test_f32_gguf_generates_what_hf_does(version: int, tmp_path):
     path = str(tmp_path / "model.gguf")
     _write_gguf(path, model, version, T.F32)
     _matches_hf(_llm(path), model, _prompts(), 12)
+
+
+def test_mamba2_gguf_with_a_tokenizer_serves_text(tmp_path, embedded_path, smollm_tokenizer):
+    """With the tokenizer in the file (SmolLM2's BPE vocabulary here), a Mamba2 GGUF, an architecture transformers'
+    own GGUF loading refuses, runs from text: its tokens as SmolLM2's tokenizer gives them, its greedy
+    continuation as HF's."""
+    model = _hf_model(2, vocab=len(smollm_tokenizer))
+    path = str(tmp_path / "model.gguf")
+    _write_gguf(path, model, 2, T.F32, tokenizer_from=embedded_path)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
+    text = "The state of a selective scan"
+    ids = smollm_tokenizer(text)["input_ids"]
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == ids
+    with torch.no_grad():
+        assert list(out.outputs[0].token_ids) == _hf_greedy(model, ids, 8)
+    assert out.outputs[0].text == smollm_tokenizer.decode(out.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("version", [1, 2])
