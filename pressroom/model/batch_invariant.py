@@ -41,8 +41,9 @@ def unsupported(model: nn.Module) -> str | None:
         if problem is not None:
             return problem
     for layer in model.model.layers:
-        if not isinstance(layer.self_attn, LlamaAttention):
-            return f"{type(layer.self_attn).__name__} attention"
+        attention = getattr(layer, "self_attn", None)
+        if not isinstance(attention, LlamaAttention):  # None: a recurrent layer (Gated DeltaNet) instead
+            return f"the {type(attention or layer).__name__} layer"
         if not isinstance(layer.mlp, LlamaMLP) or not isinstance(layer.mlp.act, SiluAndMul):
             return f"the {type(layer.mlp).__name__} feed-forward block"
     return None
