@@ -27,7 +27,7 @@ from pressroom.platforms.cpu import cpu_info
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c",
-                                             "workshare.c", "ggml_numerics.c")]
+                                             "workshare.c", "ggml_numerics.c", "recurrent.c")]
 _HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h", "workshare.h", "layer_ops.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
@@ -60,6 +60,12 @@ _QUANT_SIGNATURES = {
     "ggml_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
     "ggml_set_q4_k_gemm_rows": [_P],
     "argmax_rows_f32": [_P, _P, _I, _I, _I],
+}
+# recurrent.c: these return 0, or -1 when a slot lies outside the state pool (nothing is done then).
+_RECURRENT_SIGNATURES = {
+    "mamba1_scan": [_P] * 13 + [_I] * 4 + [_T] * 3,
+    "ssd_step": [_P] * 11 + [_I] * 6 + [_F, _F, _T, _T, _T],
+    "delta_rule_step": [_P] * 9 + [_I] * 6 + [_F, _T, _T, _T, _T],
 }
 _COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
@@ -137,6 +143,9 @@ def _library() -> ctypes.CDLL | None:
     for name, argtypes in _QUANT_SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _RECURRENT_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int64
     for name in _COUNTS:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
     _check_tables(lib)
@@ -414,3 +423,104 @@ def ggml_k4_matmul(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
 def ggml_q6_k_matmul(x: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, sc: torch.Tensor,
                      d: torch.Tensor) -> torch.Tensor:
     return _ggml_call("ggml_q6_k_matmul_f32", x, ql.shape[0], ql, qh, sc, d)
+
+
+# --- the recurrent layers' token loops (recurrent.c): fp32 state pools, activations fp32 or bf16 ---
+
+RECURRENT_MAX_DIM = 256  # recurrent.c's MAX_DIM: d_state, d_k and d_v up to this
+
+
+def recurrent_fits(states: torch.Tensor, buffered_dims: int, *tensors: torch.Tensor) -> bool:
+    """True when recurrent.c can take these: an fp32 contiguous state pool whose last `buffered_dims` dims fit its
+    buffers, and CPU tensors of its dtypes."""
+    return (states.dtype == torch.float32 and states.is_contiguous()
+            and max(states.shape[-buffered_dims:]) <= RECURRENT_MAX_DIM and supports(states, *tensors))
+
+
+def _unit_inner(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype with a unit stride in its last dim (a copy when needed); its other strides go to the kernel."""
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _strides(*tensors: torch.Tensor) -> ctypes.Array:
+    """The row (and head, for 3-d tensors) strides of each, in elements, as one int64 array."""
+    values = [s for t in tensors for s in t.stride()[:-1]]
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _slots_checked(status: int) -> None:
+    if status != 0:
+        raise IndexError("recurrent kernel: a slot lies outside the state pool")
+
+
+def mamba1_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
+                states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Mamba1's selective scan with ssm.selective_scan_varlen's contract: x, dt, z [tokens, d_inner], B, C [tokens,
+    d_state]; sequence i (tokens cu_seqlens[i]..cu_seqlens[i+1]; cu_seqlens None: token i alone, the one-token
+    step) runs on from states[slots[i]] (fp32 [num_slots, d_inner, d_state], contiguous) and leaves its state there;
+    a negative slot is padding (zero output). Returns y [tokens, d_inner] in x's dtype."""
+    tokens, d_inner = x.shape
+    d_state = states.shape[-1]
+    # every tensor whose pointer goes to C is held by a name until the call returns
+    x, dt, B, C = (_unit_inner(t, x.dtype) for t in (x, dt, B, C))
+    z = None if z is None else _unit_inner(z, x.dtype)
+    A, D, dt_bias = _f32(A), _f32(D), _f32(dt_bias)
+    slots, cu = _index(slots), None if cu_seqlens is None else _index(cu_seqlens)
+    y = torch.zeros(tokens, d_inner, dtype=x.dtype)
+    _slots_checked(_library().mamba1_scan(
+        y.data_ptr(), x.data_ptr(), dt.data_ptr(), _ptr(z), B.data_ptr(), C.data_ptr(),
+        _strides(x, dt, x if z is None else z, B, C), A.data_ptr(), _ptr(D), _ptr(dt_bias), states.data_ptr(),
+        _ptr(cu), slots.data_ptr(), slots.shape[0], states.shape[0], d_inner, d_state, int(x.dtype == torch.bfloat16),
+        int(dt_softplus), _threads(tokens * d_inner * d_state)))
+    return y
+
+
+def ssd_step(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+             dt_softplus: bool, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """Mamba2's one-token step with ssm.ssd_state_update_pool's contract: x [rows, heads, head_dim], dt [rows,
+    heads], B, C [rows, n_groups, d_state]; states fp32 [num_slots, heads, head_dim, d_state] contiguous, stepped
+    in place at slots (negative: padding, zero output). Returns y [rows, heads, head_dim] in x's dtype."""
+    rows, heads, head_dim = x.shape
+    x, dt, B, C = (_unit_inner(t, x.dtype) for t in (x, dt, B, C))
+    A, D, dt_bias, slots = _f32(A), _f32(D), _f32(dt_bias), _index(slots)
+    y = torch.zeros(rows, heads, head_dim, dtype=x.dtype)
+    _slots_checked(_library().ssd_step(
+        y.data_ptr(), x.data_ptr(), dt.data_ptr(), B.data_ptr(), C.data_ptr(), _strides(x, dt, B, C), A.data_ptr(),
+        _ptr(D), _ptr(dt_bias), states.data_ptr(), slots.data_ptr(), rows, states.shape[0], heads, head_dim,
+        states.shape[-1], B.shape[1], float(dt_limit[0]), float(dt_limit[1]), int(x.dtype == torch.bfloat16),
+        int(dt_softplus), _threads(rows * heads * head_dim * states.shape[-1])))
+    return y
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    states: torch.Tensor, slots: torch.Tensor | None, normalize_qk: bool, scale: float) -> torch.Tensor:
+    """The gated delta rule's one-token step (kernels/delta_rule.py): q, k [rows, H_k, d_k], v [rows, H_v, d_v],
+    g [rows, H_v] (GDN) or [rows, H_v, d_k] (KDA), beta [rows, H_v]; row n's state, states[slots[n]] (slots None:
+    states[n]; fp32 [num_slots, H_v, d_k, d_v] contiguous), is advanced in place (negative slot: padding, zero
+    output). q, k are L2-normalized if asked, then q scaled by scale. Returns o [rows, H_v, d_v] in v's dtype."""
+    rows, key_heads, d_k = k.shape
+    heads, d_v = v.shape[-2:]
+    q, k, v = (_unit_inner(t, v.dtype) for t in (q, k, v))
+    scalar_gate = g.dim() == 2
+    g, beta, slots = _f32(g), _f32(beta), None if slots is None else _index(slots)
+    o = torch.zeros(rows, heads, d_v, dtype=v.dtype)
+    _slots_checked(_library().delta_rule_step(
+        o.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides(q, k, v), g.data_ptr(), beta.data_ptr(),
+        states.data_ptr(), _ptr(slots), rows, states.shape[0], heads, key_heads, d_k, d_v, scale,
+        int(v.dtype == torch.bfloat16), int(scalar_gate), int(normalize_qk), _threads(rows * heads * d_k * d_v)))
+    return o

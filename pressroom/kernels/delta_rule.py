@@ -22,10 +22,18 @@ Layouts (tokens packed, the engine's shape): q, k [T, H_k, d_k]; v [T, H_v, d_v]
 [T, H_v, d_k] (KDA); beta [T, H_v]; cu_seqlens [N + 1] token offsets; states [N, H_v, d_k, d_v]. H_v is a
 multiple of H_k and value head h reads key head h // (H_v // H_k). Arithmetic is fp32; outputs take v's dtype,
 final states the initial states' dtype (fp32 when none are given).
+
+On the CPU the one-token steps run in C (kernels/csrc/recurrent.c through kernels/cpu.py) where the tensors fit it
+(fp32 states, fp32 or bf16 activations); the torch code here is their reference and the fallback, and
+`CPU_KERNELS = False` forces it.
 """
 from __future__ import annotations
 
 import torch
+
+from pressroom.kernels import cpu
+
+CPU_KERNELS = True  # False: the torch forms below even where the C kernels fit (tests compare the two)
 
 DEFAULT_CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
@@ -125,9 +133,44 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     """One token for each of N sequences, batched (no loop): q, k [N, H_k, d_k], states [N, H_v, d_k, d_v].
     Returns (o [N, H_v, d_v] in v's dtype, new states in the states' dtype)."""
     _check_layouts(q, k, v, g, beta, states, q.shape[0])
+    if _on_c(states, q, k, v, g, beta):
+        new = states.clone(memory_format=torch.contiguous_format)
+        return cpu.delta_rule_step(q, k, v, g, beta, new, None, normalize_qk, _scale(k, scale)), new
     q, k = prepare_qk(q, k, v.shape[-2], normalize_qk, scale)
     o, new = delta_rule_step(q, k, v, g, beta, states.float())
     return o.to(v.dtype), new.to(states.dtype)
+
+
+def recurrent_decode_step_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                               normalize_qk: bool = True, scale: float | None = None) -> torch.Tensor:
+    """`recurrent_decode_step` on a state pool [num_slots, H_v, d_k, d_v]: row n advances state_pool[slots[n]] in
+    place; a negative slot is padding (zero output, no state touched). Returns o [N, H_v, d_v] in v's dtype. The
+    arguments of the Triton kernel (kernels/triton/delta_rule.py's fused_recurrent_decode)."""
+    n, _, d_k = k.shape
+    _check_layouts(q, k, v, g, beta, None, n)
+    if state_pool.shape[1:] != (v.shape[1], d_k, v.shape[2]) or slots.shape != (n,):
+        raise ValueError(f"gated delta rule decode: state_pool [slots, H_v, d_k, d_v] and slots [N] for q "
+                         f"{tuple(q.shape)}, v {tuple(v.shape)}; got {tuple(state_pool.shape)}, {tuple(slots.shape)}")
+    if _on_c(state_pool, q, k, v, g, beta):
+        return cpu.delta_rule_step(q, k, v, g, beta, state_pool, slots, normalize_qk, _scale(k, scale))
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    rows = (slots >= 0).nonzero().flatten()
+    if rows.numel():
+        picked = slots[rows].long()
+        o[rows], new = recurrent_decode_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state_pool[picked],
+                                             normalize_qk, scale)
+        state_pool[picked] = new
+    return o
+
+
+def _on_c(states: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """This call goes to the C kernels: switched on, and they take its states and tensors."""
+    return CPU_KERNELS and cpu.recurrent_fits(states, 2, *tensors)
+
+
+def _scale(k: torch.Tensor, scale: float | None) -> float:
+    return scale if scale is not None else k.shape[-1] ** -0.5
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

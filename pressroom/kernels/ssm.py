@@ -27,6 +27,10 @@ seg[l, j] = a_{j+1} + ... + a_l = s_l - s_j (j <= l, else -inf; summed term by t
 
 The one-token steps update their states in place; the prefill functions take an initial state and return the
 final one. The varlen functions read and write a state pool [num_slots, ...] at per-sequence slot indices.
+
+On the CPU, Mamba1's scan and step and Mamba2's step run in C (kernels/csrc/recurrent.c through kernels/cpu.py)
+where the tensors fit it (fp32 states, fp32 or bf16 activations); the torch code here is their reference and the
+fallback, and `CPU_KERNELS = False` forces it.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pressroom.kernels import cpu
+
+CPU_KERNELS = True  # False: the torch forms below even where the C kernels fit (tests compare the two)
 SSD_CHUNK_SIZE = 256
 DT_LIMIT = (0.0, float("inf"))  # Mamba2's default clamp of dt after softplus: none in effect
 SCAN_CHUNK_SIZE = 128  # Mamba1: tokens whose decays are materialized at once ([batch, L, d_inner, d_state] fp32)
@@ -101,6 +108,11 @@ def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, weight: torc
 
 # ---------------------------------------------------------------- Mamba1 selective scan
 
+def _on_c(states: torch.Tensor, buffered_dims: int, *tensors: torch.Tensor | None) -> bool:
+    """This call goes to the C kernels: switched on, and they take its state pool and tensors."""
+    return CPU_KERNELS and cpu.recurrent_fits(states, buffered_dims, *(t for t in tensors if t is not None))
+
+
 def _time_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
                limit: tuple[float, float] | None = None) -> torch.Tensor:
     """dt in fp32 after its bias, softplus and clamp (Mamba2 clamps, Mamba1 does not): the one place the time step
@@ -135,7 +147,13 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     The decays and inputs of a chunk are computed at once; the recurrence then runs token by token over them."""
     batch, seqlen, d_inner = x.shape
     h = (x.new_zeros(batch, d_inner, A.shape[1], dtype=torch.float32) if initial_state is None
-         else initial_state.float().clone())
+         else initial_state.float().clone(memory_format=torch.contiguous_format))
+    if seqlen and _on_c(h, 1, x, dt, A, B, C, D, z, dt_bias):
+        cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen)
+        y = cpu.mamba1_scan(x.flatten(0, 1), dt.flatten(0, 1), A, B.flatten(0, 1), C.flatten(0, 1), D,
+                            None if z is None else z.flatten(0, 1), dt_bias, dt_softplus, h, torch.arange(batch),
+                            cu_seqlens)
+        return y.view(batch, seqlen, d_inner), h
     dt = _time_step(dt, dt_bias, dt_softplus)
     A = A.float()
     ys = []
@@ -158,6 +176,8 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
                            dt_softplus: bool = True) -> torch.Tensor:
     """Mamba1 one-token step. x, dt, z [batch, d_inner]; B, C [batch, d_state]; state [batch, d_inner, d_state]
     is updated in place. Returns y [batch, d_inner]."""
+    if _on_c(state, 1, x, dt, A, B, C, D, z, dt_bias):
+        return cpu.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, state, torch.arange(x.shape[0]))
     dt = _time_step(dt, dt_bias, dt_softplus)[..., None]
     h = torch.exp(dt * A.float()) * state.float() + dt * B.float()[:, None, :] * x.float()[..., None]
     state.copy_(h)
@@ -170,7 +190,9 @@ def selective_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: to
                                 z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                                 dt_softplus: bool = True) -> torch.Tensor:
     """selective_state_update on a pool [num_slots, d_inner, d_state]: row i steps states[slots[i]] in place; a
-    negative slot is padding (zeros out, no state touched). The reference of the Triton kernel."""
+    negative slot is padding (zeros out, no state touched). The reference of the Triton and C kernels."""
+    if _on_c(states, 1, x, dt, A, B, C, D, z, dt_bias):
+        return cpu.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, states, slots)
     y = torch.zeros_like(x)
     rows = (slots >= 0).nonzero().flatten()
     if rows.numel():
@@ -188,6 +210,8 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                           dt_bias: torch.Tensor | None = None, dt_softplus: bool = True) -> torch.Tensor:
     """Packed Mamba1 prefill: x, dt, z [num_tokens, d_inner], B, C [num_tokens, d_state]; sequence i starts from
     states[slots[i]] and leaves its final state there (pool [num_slots, d_inner, d_state])."""
+    if _on_c(states, 1, x, dt, A, B, C, D, z, dt_bias):
+        return cpu.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, states, slots, cu_seqlens)
     y = torch.zeros_like(x)
     for part, slot in _spans(cu_seqlens, slots):
         out, h = selective_scan(x[None, part], dt[None, part], A, B[None, part], C[None, part], D,
@@ -265,6 +289,8 @@ def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
                      dt_limit: tuple[float, float] = DT_LIMIT) -> torch.Tensor:
     """Mamba2 one-token step. x [batch, heads, head_dim]; dt [batch, heads]; B, C [batch, n_groups, d_state];
     state [batch, heads, head_dim, d_state] is updated in place. Returns y [batch, heads, head_dim]."""
+    if _on_c(state, 2, x, dt, A, B, C, D, dt_bias):
+        return cpu.ssd_step(state, torch.arange(x.shape[0]), x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     heads = x.shape[1]
     dt = _time_step(dt, dt_bias, dt_softplus, dt_limit)                   # [batch, heads]
     decay = torch.exp(dt * A.float())[..., None, None]
@@ -282,8 +308,10 @@ def ssd_state_update_pool(states: torch.Tensor, slots: torch.Tensor, x: torch.Te
                           dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
                           dt_limit: tuple[float, float] = DT_LIMIT) -> torch.Tensor:
     """ssd_state_update on a state pool [num_slots, heads, head_dim, d_state]: row i steps states[slots[i]] in
-    place; a negative slot is padding (its output is zeros, no state is touched). The reference of the Triton
-    kernel."""
+    place; a negative slot is padding (its output is zeros, no state is touched). The reference of the Triton and C
+    kernels."""
+    if _on_c(states, 2, x, dt, A, B, C, D, dt_bias):
+        return cpu.ssd_step(states, slots, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     y = torch.zeros_like(x)
     rows = (slots >= 0).nonzero().flatten()
     if rows.numel():
