@@ -1,9 +1,9 @@
 """Read GGUF checkpoints (llama.cpp's format) into HF-style configs, weights and tokenizers.
 
 Decoder architectures that map 1:1 onto HF's modules are supported (Llama, Qwen2/3 and their MoEs, Gemma 3's
-text model, and the state-space Mamba, Mamba2 and Qwen3-Next, whose few reshaped, split or transformed tensors
-are undone); everything is dequantized to float32 so the rest of the engine never sees GGML types, except 4-bit
-and Q8_0 forms kept for the CPU's kernels (`keep_4bit`).
+text model, and the state-space Mamba, Mamba2, Qwen3-Next and Nemotron-H, whose few reshaped, split or
+transformed tensors are undone); everything is dequantized to float32 so the rest of the engine never sees GGML
+types, except 4-bit and Q8_0 forms kept for the CPU's kernels (`keep_4bit`).
 Weights come as LazyWeights: a tensor-parallel rank reads and dequantizes only the rows and columns it holds.
 """
 
@@ -90,6 +90,14 @@ _ARCHS |= {
                         renamed_blocks=_MAMBA_BLOCKS, layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP,
                         renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
 }
+# Nemotron-H (dense): one mixer a block (Mamba2, attention or a ReLU² MLP) under the Mamba names; llama.cpp's
+# converter permutes its attention's q and k rows as for rotary llamas though no rotation follows.
+_ARCHS["nemotron_h"] = _ArchSpec(
+    "nemotron_h", "NemotronHForCausalLM", permuted_qk=True, default_attention_bias=False,
+    renamed_blocks=(*_MAMBA_BLOCKS, ("attn_q", "mixer.q_proj"), ("attn_k", "mixer.k_proj"), ("attn_v", "mixer.v_proj"),
+                    ("attn_output", "mixer.o_proj"), ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj")),
+    layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP, renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),),
+    flat_ssm_vectors=True)
 _SSM_TYPES = ("mamba", "mamba2")
 # Qwen3-Next: its Gated DeltaNet's tensors (llama.cpp's ssm_*, and attn_qkv with attn_gate) under
 # model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
@@ -603,6 +611,8 @@ def _build_config(file: _GgufFile) -> dict[str, Any]:
     shapes = {info.name: info.shape for info in file.tensors}
     if file.spec.model_type in _SSM_TYPES:
         return _mamba_config(file, shapes)
+    if file.spec.model_type == "nemotron_h":
+        return _nemotron_h_config(file, shapes)
     hidden = _required(file, "embedding_length")
     heads = _required(file, "attention.head_count")
     config: dict[str, Any] = {
@@ -684,12 +694,7 @@ def _mamba_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[s
         "use_bias": "blk.0.ssm_in.bias" in shapes,
         "use_conv_bias": "blk.0.ssm_conv1d.bias" in shapes,
         "residual_in_fp32": True,  # HF's default, and what llama.cpp computes in
-        "vocab_size": _vocab_size(file, shapes),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": file.meta("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": file.meta("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": file.meta("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": _add_bos_token(file),
+        **_vocabulary_keys(file, shapes),
     }
     rank = _required(file, "ssm.time_step_rank")
     if file.spec.model_type == "mamba":
@@ -700,6 +705,59 @@ def _mamba_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[s
     if inner % rank:
         raise ValueError(f"GGUF file {file.path}: Mamba2's {rank} heads do not divide ssm.inner_size {inner}")
     return config | {"num_heads": rank, "head_dim": inner // rank, "n_groups": file.arch_meta("ssm.group_count", 1)}
+
+
+def _nemotron_h_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """NemotronHConfig's keys (dense Nemotron-H). llama.cpp's converter writes the layer pattern as per-layer
+    arrays: a layer with key/value heads is attention, one with a feed-forward length the MLP, any other Mamba2."""
+    layers = _required(file, "block_count")
+    kv_heads = _per_layer(file, "attention.head_count_kv", layers)
+    ffn = _per_layer(file, "feed_forward_length", layers)
+    kinds = ["full_attention" if kv else "mlp" if width else "linear_attention" for kv, width in zip(kv_heads, ffn)]
+    heads, inner = _required(file, "ssm.time_step_rank"), _required(file, "ssm.inner_size")
+    present = {name.split(".", 2)[2] for name in shapes if name.startswith("blk.")}
+    return {
+        "architectures": [file.spec.hf_architecture],
+        "model_type": file.spec.model_type,
+        "hidden_size": _required(file, "embedding_length"),
+        "layers_block_type": kinds,
+        "num_attention_heads": max(_per_layer(file, "attention.head_count", layers)),
+        "num_key_value_heads": max(kv_heads),
+        "head_dim": _required(file, "attention.key_length"),
+        "intermediate_size": max(ffn),
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "ssm_state_size": _required(file, "ssm.state_size"),
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "n_groups": _required(file, "ssm.group_count"),
+        "conv_kernel": _required(file, "ssm.conv_kernel"),
+        "layer_norm_epsilon": _from_f32(file.arch_meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_bias": "ssm_in.bias" in present,
+        "use_conv_bias": "ssm_conv1d.bias" in present,
+        "mlp_bias": "ffn_up.bias" in present,
+        "attention_bias": "attn_q.bias" in present,
+        "max_position_embeddings": file.arch_meta("context_length"),
+        **_vocabulary_keys(file, shapes),
+    }
+
+
+def _per_layer(file: _GgufFile, key: str, layers: int) -> list[int]:
+    """A per-layer metadata array, or one value for every layer."""
+    value = _required(file, key)
+    return [int(v) for v in value] if isinstance(value, Sequence) else [int(value)] * layers
+
+
+def _vocabulary_keys(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    return {
+        "vocab_size": _vocab_size(file, shapes),
+        # llama.cpp writes output.weight only when it differs from the embedding.
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": file.meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": file.meta("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": file.meta("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": _add_bos_token(file),
+    }
 
 
 # llama.cpp's fixed choices for Gemma 3 (llama-model.cpp), which its converter does not write into the file.
@@ -861,9 +919,9 @@ def _hf_name(gguf_name: str, path: str, spec: _ArchSpec) -> str:
 def _rotary_heads(hf_name: str, config: dict[str, Any]) -> int:
     # llama.cpp stores each head's rotary pairs interleaved (x0,x1),(x2,x3)...; HF keeps them as
     # two halves (rotate_half). Rows of q use n_heads groups, rows of k use n_kv_heads groups.
-    if ".self_attn.q_proj." in hf_name:
+    if ".self_attn.q_proj." in hf_name or ".mixer.q_proj." in hf_name:
         return config["num_attention_heads"]
-    if ".self_attn.k_proj." in hf_name:
+    if ".self_attn.k_proj." in hf_name or ".mixer.k_proj." in hf_name:
         return config["num_key_value_heads"]
     return 0
 

@@ -25,10 +25,15 @@ VOCAB = 512
 T = gguf.GGMLQuantizationType
 # HF's leaf names under backbone.layers.N -> llama.cpp's under blk.N (Mamba2's dt_bias: renamed dt_proj.bias first)
 _BLOCK = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight",
+          "mixer.in_proj.bias": "ssm_in.bias", "mixer.out_proj.bias": "ssm_out.bias",
           "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",
           "mixer.x_proj.weight": "ssm_x.weight", "mixer.dt_proj.weight": "ssm_dt.weight",
           "mixer.dt_proj.bias": "ssm_dt.bias", "mixer.dt_bias": "ssm_dt.bias", "mixer.A_log": "ssm_a",
-          "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight", "mixer.out_proj.weight": "ssm_out.weight"}
+          "mixer.D": "ssm_d", "mixer.norm.weight": "ssm_norm.weight", "mixer.out_proj.weight": "ssm_out.weight",
+          # Nemotron-H's other mixers
+          "mixer.q_proj.weight": "attn_q.weight", "mixer.k_proj.weight": "attn_k.weight",
+          "mixer.v_proj.weight": "attn_v.weight", "mixer.o_proj.weight": "attn_output.weight",
+          "mixer.up_proj.weight": "ffn_up.weight", "mixer.down_proj.weight": "ffn_down.weight"}
 _TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -59,10 +64,15 @@ def _hf_model(version: int, vocab: int = VOCAB) -> torch.nn.Module:
     return model
 
 
-def _llama_cpp_tensors(model: torch.nn.Module, version: int) -> dict[str, np.ndarray]:
-    """convert_hf_to_gguf's MambaModel / Mamba2Model.modify_tensors on the HF state dict."""
-    cfg = model.config
-    state = model.state_dict()
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf's interleaving of q/k rows on the llama path (Nemotron-H's attention takes it too)."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _llama_cpp_tensors(state: dict[str, torch.Tensor], cfg, version: int) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf's MambaModel / Mamba2Model.modify_tensors on an HF checkpoint's tensors (version 2:
+    Mamba2's layout, Nemotron-H's too, whose attention rows it permutes as a llama's)."""
     out = {}
     for name, t in state.items():
         if name == "lm_head.weight" and torch.equal(t, state["backbone.embeddings.weight"]):
@@ -77,6 +87,8 @@ def _llama_cpp_tensors(model: torch.nn.Module, version: int) -> dict[str, np.nda
             t = t.reshape(*t.shape, 1)
         elif version == 2 and leaf == "mixer.norm.weight":
             t = t.reshape(cfg.n_groups, -1)
+        elif leaf in ("mixer.q_proj.weight", "mixer.k_proj.weight"):
+            t = _permute(t, cfg.num_attention_heads if leaf[6] == "q" else cfg.num_key_value_heads)
         if leaf == "mixer.A_log":
             t = -torch.exp(t)
         out[f"blk.{layer}.{_BLOCK[leaf]}"] = t
@@ -120,7 +132,7 @@ def _write_gguf(path: str, model: torch.nn.Module, version: int, qtype: T, token
         writer.add_ssm_group_count(cfg.n_groups)
     writer.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
     types = {}
-    for name, values in _llama_cpp_tensors(model, version).items():
+    for name, values in _llama_cpp_tensors(model.state_dict(), cfg, version).items():
         data, types[name] = _stored(name, values, qtype)
         writer.add_tensor(name, data, raw_dtype=types[name] if data.dtype == np.uint8 else None)
     writer.write_header_to_file()
@@ -141,7 +153,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> None:
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation through HF's recurrent cache, one token per forward."""
+    """Greedy continuation through HF's cache (recurrent states and KV), one token per forward."""
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     tokens = []
     for _ in range(max_new_tokens):
@@ -374,6 +386,74 @@ def test_qwen3_next_gguf_generates_what_hf_does(tmp_path):
             torch.testing.assert_close(loaded[name], value, rtol=1e-6, atol=1e-6)
         elif name.endswith("norm.weight") and ".linear_attn." not in name:  # (w + 1) - 1
             torch.testing.assert_close(loaded[name], value, rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(loaded[name], value), name
+    _matches_hf(_llm(path), model, _prompts(), 12)
+
+
+# ---------------------------------------------------------------- Nemotron-H (llama.cpp's nemotron_h)
+
+NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                                       "linear_attention"],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, ssm_state_size=16,
+                  mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, use_bias=True,
+                  initializer_range=0.2)
+
+
+def _write_nemotron_h_gguf(path: str, checkpoint: dict[str, torch.Tensor], cfg) -> None:
+    """convert_hf_to_gguf's NemotronHModel (over GraniteHybridModel): the layer pattern as per-layer key/value
+    head counts and feed-forward lengths."""
+    kinds = cfg.layers_block_type
+    writer = gguf.GGUFWriter(path, "nemotron_h")
+    writer.add_block_count(len(kinds))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length([cfg.intermediate_size if k == "mlp" else 0 for k in kinds])
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv([cfg.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    writer.add_ssm_conv_kernel(cfg.conv_kernel)
+    writer.add_ssm_state_size(cfg.ssm_state_size)
+    writer.add_ssm_group_count(cfg.n_groups)
+    writer.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    writer.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    for name, values in _llama_cpp_tensors(checkpoint, cfg, 2).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_nemotron_h_gguf_generates_what_hf_does(tmp_path):
+    """Every dense block kind (Mamba2, attention, ReLU² MLP): the config and weights as HF's, q and k rows unpermuted,
+    then greedy tokens and prompt logprobs as HF's."""
+    from safetensors.torch import load_file
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**NEMOTRON_H),
+                                                          dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith((".D", "conv1d.bias", "in_proj.bias", "out_proj.bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "hf")  # the checkpoint's names (backbone.), as the converter reads them
+    checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
+    path = str(tmp_path / "model.gguf")
+    _write_nemotron_h_gguf(path, checkpoint, model.config)
+    config = transformers.AutoConfig.for_model(**read_gguf_config(path))
+    for key in [*(k for k in NEMOTRON_H if k != "initializer_range"), "mlp_bias", "use_conv_bias", "attention_bias",
+                "layer_norm_epsilon", "tie_word_embeddings", "mlp_hidden_act"]:
+        assert getattr(config, key) == getattr(model.config, key), key
+    loaded = {name: weight.load() for name, weight in iter_gguf_weights(path)}
+    assert loaded.keys() == checkpoint.keys()
+    for name, value in checkpoint.items():
+        if name.endswith(".A_log"):
+            torch.testing.assert_close(loaded[name], value, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(loaded[name], value), name
     _matches_hf(_llm(path), model, _prompts(), 12)
