@@ -439,12 +439,14 @@ def recurrent_fits(states: torch.Tensor, buffered_dims: int, *tensors: torch.Ten
 
 def _unit_inner(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype with a unit stride in its last dim (a copy when needed); its other strides go to the kernel."""
-    t = t.to(dtype)
+    t = t if t.dtype == dtype else t.to(dtype)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float().contiguous()
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    return t.float().contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -17,7 +17,8 @@
 #include "workshare.h"
 
 #define LANES 16
-#define CHUNK_LANE_BLOCKS 4  /* Mamba1: lane blocks (64 channels) a work piece */
+#define CHUNK_CHANNELS 64    /* Mamba1: channels a work piece (a multiple of LANES) */
+#define DELTA_COLS 32        /* delta rule: state columns a pass (d_k x 32 fp32: 16 KiB at d_k 128) */
 #define MAX_DIM 256          /* d_state, d_k, d_v: the stack buffers' size (kernels/cpu.py checks) */
 
 /* element i of an fp32 or bf16 array, as fp32 */
@@ -153,25 +154,31 @@ static void mamba1_block(const Mamba1Scan *a, int64_t start, int64_t end, int64_
         if (a->D) D[l] = a->D[d0 + l];
     }
     for (int64_t t = start; t < end; t++) {
-        float dt[LANES], x[LANES], y[LANES], z[LANES];
+        float dt[LANES], x[LANES], dtx[LANES], y[LANES] = {0}, z[LANES], b[MAX_DIM], c[MAX_DIM];
         load_lanes(dt, coffset(a->dt, t * a->sdt + d0, bf16), nl, bf16);
         load_lanes(x, coffset(a->x, t * a->sx + d0, bf16), nl, bf16);
-        for (int l = 0; l < LANES; l++) {
-            dt[l] += bias[l];
-            if (a->dt_softplus) dt[l] = softplus(dt[l]);
-            y[l] = 0.f;
+        load_row(b, coffset(a->B, t * a->sB, bf16), S, bf16);
+        load_row(c, coffset(a->C, t * a->sC, bf16), S, bf16);
+        #pragma omp simd
+        for (int l = 0; l < LANES; l++) dt[l] += bias[l];
+        if (a->dt_softplus) {
+            #pragma omp simd
+            for (int l = 0; l < LANES; l++) dt[l] = softplus(dt[l]);
         }
-        const void *Bt = coffset(a->B, t * a->sB, bf16), *Ct = coffset(a->C, t * a->sC, bf16);
+        #pragma omp simd
+        for (int l = 0; l < LANES; l++) dtx[l] = dt[l] * x[l];
         for (int64_t n = 0; n < S; n++) {
-            const float b = load1(Bt, n, bf16), c = load1(Ct, n, bf16);
+            #pragma omp simd
             for (int l = 0; l < LANES; l++) {
-                h[n][l] = exp_f32(dt[l] * At[n][l]) * h[n][l] + dt[l] * b * x[l];
-                y[l] += h[n][l] * c;
+                h[n][l] = exp_f32(dt[l] * At[n][l]) * h[n][l] + dtx[l] * b[n];
+                y[l] += h[n][l] * c[n];
             }
         }
+        #pragma omp simd
         for (int l = 0; l < LANES; l++) y[l] += x[l] * D[l];
         if (a->z) {
             load_lanes(z, coffset(a->z, t * a->sz + d0, bf16), nl, bf16);
+            #pragma omp simd
             for (int l = 0; l < LANES; l++) y[l] *= silu(z[l]);
         }
         store_row(offset(a->y, t * a->d_inner + d0, bf16), y, nl, bf16);
@@ -180,13 +187,51 @@ static void mamba1_block(const Mamba1Scan *a, int64_t start, int64_t end, int64_
         for (int l = 0; l < nl; l++) state[l * S + n] = h[n][l];
 }
 
+/* A sequence of one token (a decode row) on channels [d0, d0 + count): each channel's state row updated where it
+ * lies, its d_state in the vector lanes; a transpose into lanes would cost more than the one token's update. */
+static void mamba1_token(const Mamba1Scan *a, int64_t t, int64_t slot, int64_t d0, int64_t count) {
+    const int64_t S = a->d_state;
+    const int bf16 = a->bf16;
+    float dt[CHUNK_CHANNELS], x[CHUNK_CHANNELS], y[CHUNK_CHANNELS], z[CHUNK_CHANNELS], b[MAX_DIM], c[MAX_DIM];
+    load_row(dt, coffset(a->dt, t * a->sdt + d0, bf16), count, bf16);
+    load_row(x, coffset(a->x, t * a->sx + d0, bf16), count, bf16);
+    load_row(b, coffset(a->B, t * a->sB, bf16), S, bf16);
+    load_row(c, coffset(a->C, t * a->sC, bf16), S, bf16);
+    if (a->dt_bias)
+        for (int64_t i = 0; i < count; i++) dt[i] += a->dt_bias[d0 + i];
+    if (a->dt_softplus) {
+        #pragma omp simd
+        for (int64_t i = 0; i < count; i++) dt[i] = softplus(dt[i]);
+    }
+    for (int64_t i = 0; i < count; i++) {
+        float *h = a->states + (slot * a->d_inner + d0 + i) * S, acc = 0.f;
+        const float *A = a->A + (d0 + i) * S, dtx = dt[i] * x[i];
+        #pragma omp simd reduction(+:acc)
+        for (int64_t n = 0; n < S; n++) {
+            h[n] = exp_f32(dt[i] * A[n]) * h[n] + dtx * b[n];
+            acc += h[n] * c[n];
+        }
+        y[i] = acc + (a->D ? x[i] * a->D[d0 + i] : 0.f);
+    }
+    if (a->z) {
+        load_row(z, coffset(a->z, t * a->sz + d0, bf16), count, bf16);
+        #pragma omp simd
+        for (int64_t i = 0; i < count; i++) y[i] *= silu(z[i]);
+    }
+    store_row(offset(a->y, t * a->d_inner + d0, bf16), y, count, bf16);
+}
+
 static void mamba1_chunk(void *ctx, int64_t chunk) {
     const Mamba1Scan *a = ctx;
-    const int64_t seq = chunk / a->chunks_per_seq, first = chunk % a->chunks_per_seq * CHUNK_LANE_BLOCKS * LANES;
+    const int64_t seq = chunk / a->chunks_per_seq, first = chunk % a->chunks_per_seq * CHUNK_CHANNELS;
     const int64_t start = a->cu_seqlens ? a->cu_seqlens[seq] : seq, end = a->cu_seqlens ? a->cu_seqlens[seq + 1] : seq + 1;
     const int64_t slot = a->slots[seq];
     if (slot < 0) return;  /* padding: its output rows stay zero */
-    for (int64_t d0 = first; d0 < first + CHUNK_LANE_BLOCKS * LANES && d0 < a->d_inner; d0 += LANES) {
+    if (end - start == 1) {
+        mamba1_token(a, start, slot, first, a->d_inner - first < CHUNK_CHANNELS ? a->d_inner - first : CHUNK_CHANNELS);
+        return;
+    }
+    for (int64_t d0 = first; d0 < first + CHUNK_CHANNELS && d0 < a->d_inner; d0 += LANES) {
         const int64_t nl = a->d_inner - d0 < LANES ? a->d_inner - d0 : LANES;
         mamba1_block(a, start, end, slot, d0, nl);
     }
@@ -198,9 +243,8 @@ int64_t mamba1_scan(void *y, const void *x, const void *dt, const void *z, const
                     const int64_t *cu_seqlens, const int64_t *slots, int64_t seqs, int64_t num_slots,
                     int64_t d_inner, int64_t d_state, int bf16, int dt_softplus, int threads) {
     if (!slots_fit(slots, seqs, num_slots)) return -1;
-    const int64_t chunk_channels = CHUNK_LANE_BLOCKS * LANES;
     Mamba1Scan a = {x, dt, z, B, C, strides[0], strides[1], strides[2], strides[3], strides[4], A, D, dt_bias,
-                    states, cu_seqlens, slots, y, d_inner, d_state, (d_inner + chunk_channels - 1) / chunk_channels,
+                    states, cu_seqlens, slots, y, d_inner, d_state, (d_inner + CHUNK_CHANNELS - 1) / CHUNK_CHANNELS,
                     bf16, dt_softplus};
     workshare_run(mamba1_chunk, &a, seqs * a.chunks_per_seq, threads);
     return 0;
@@ -298,21 +342,26 @@ static void delta_chunk(void *ctx, int64_t chunk) {
     for (int64_t i = 0; i < K; i++) decay[i] = exp_f32(g[a->scalar_gate ? 0 : i]);
     const float beta = a->beta[row * a->heads + head];
     float *state = a->states + (slot * a->heads + head) * K * V;
-    /* S = diag(a) S and the read S^T k in one pass, the update and the output in a second */
-    for (int64_t j = 0; j < V; j++) read[j] = 0.f, out[j] = 0.f;
-    for (int64_t i = 0; i < K; i++) {
-        float *s = state + i * V;
-        for (int64_t j = 0; j < V; j++) {
-            s[j] *= decay[i];
-            read[j] += s[j] * k[i];
+    /* A block of DELTA_COLS columns at a time (the columns are independent), small enough to stay in L1 between
+     * its two passes: S = diag(a) S and the read S^T k, then the update and the output. */
+    for (int64_t j0 = 0; j0 < V; j0 += DELTA_COLS) {
+        const int64_t w = V - j0 < DELTA_COLS ? V - j0 : DELTA_COLS;
+        float *r = read + j0, *d = v + j0, *y = out + j0;
+        for (int64_t j = 0; j < w; j++) r[j] = 0.f, y[j] = 0.f;
+        for (int64_t i = 0; i < K; i++) {
+            float *s = state + i * V + j0;
+            for (int64_t j = 0; j < w; j++) {
+                s[j] *= decay[i];
+                r[j] += s[j] * k[i];
+            }
         }
-    }
-    for (int64_t j = 0; j < V; j++) v[j] = (v[j] - read[j]) * beta;  /* the delta */
-    for (int64_t i = 0; i < K; i++) {
-        float *s = state + i * V;
-        for (int64_t j = 0; j < V; j++) {
-            s[j] += k[i] * v[j];
-            out[j] += s[j] * q[i];
+        for (int64_t j = 0; j < w; j++) d[j] = (d[j] - r[j]) * beta;  /* v becomes the delta */
+        for (int64_t i = 0; i < K; i++) {
+            float *s = state + i * V + j0;
+            for (int64_t j = 0; j < w; j++) {
+                s[j] += k[i] * d[j];
+                y[j] += s[j] * q[i];
+            }
         }
     }
     store_row(offset(a->o, (row * a->heads + head) * V, bf16), out, V, bf16);
