@@ -90,14 +90,21 @@ _ARCHS |= {
                         renamed_blocks=_MAMBA_BLOCKS, layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP,
                         renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
 }
-# Nemotron-H (dense): one mixer a block (Mamba2, attention or a ReLU² MLP) under the Mamba names; llama.cpp's
-# converter permutes its attention's q and k rows as for rotary llamas though no rotation follows.
-_ARCHS["nemotron_h"] = _ArchSpec(
-    "nemotron_h", "NemotronHForCausalLM", permuted_qk=True, default_attention_bias=False,
+# Nemotron-H: one mixer a block (Mamba2, attention, a ReLU² MLP or, in nemotron_h_moe, a mixture of ReLU² experts)
+# under the Mamba names; llama.cpp's converter permutes its attention's q and k rows as for rotary llamas though
+# no rotation follows.
+_NEMOTRON_H = _ArchSpec(
+    "nemotron_h", "NemotronHForCausalLM", permuted_qk=True, default_attention_bias=False, expert_block="mixer",
     renamed_blocks=(*_MAMBA_BLOCKS, ("attn_q", "mixer.q_proj"), ("attn_k", "mixer.k_proj"), ("attn_v", "mixer.v_proj"),
-                    ("attn_output", "mixer.o_proj"), ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj")),
-    layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP, renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),),
-    flat_ssm_vectors=True)
+                    ("attn_output", "mixer.o_proj"), ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj"),
+                    ("ffn_up_shexp", "mixer.shared_experts.up_proj"),
+                    ("ffn_down_shexp", "mixer.shared_experts.down_proj"),
+                    ("ffn_latent_down", "mixer.fc1_latent_proj"), ("ffn_latent_up", "mixer.fc2_latent_proj"),
+                    ("exp_probs_b", "mixer.gate.e_score_correction")),
+    layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP, flat_ssm_vectors=True,
+    renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),
+                     ("mixer.gate.e_score_correction.bias", "mixer.gate.e_score_correction_bias")))
+_ARCHS |= {"nemotron_h": _NEMOTRON_H, "nemotron_h_moe": _NEMOTRON_H}
 _SSM_TYPES = ("mamba", "mamba2")
 # Qwen3-Next: its Gated DeltaNet's tensors (llama.cpp's ssm_*, and attn_qkv with attn_gate) under
 # model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
@@ -708,23 +715,22 @@ def _mamba_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[s
 
 
 def _nemotron_h_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """NemotronHConfig's keys (dense Nemotron-H). llama.cpp's converter writes the layer pattern as per-layer
-    arrays: a layer with key/value heads is attention, one with a feed-forward length the MLP, any other Mamba2."""
+    """NemotronHConfig's keys. Each block's kind is read from its tensors (llama.cpp's per-layer head_count_kv and
+    feed_forward_length arrays say as much, but call any feed-forward block of a MoE model an expert one)."""
     layers = _required(file, "block_count")
-    kv_heads = _per_layer(file, "attention.head_count_kv", layers)
-    ffn = _per_layer(file, "feed_forward_length", layers)
-    kinds = ["full_attention" if kv else "mlp" if width else "linear_attention" for kv, width in zip(kv_heads, ffn)]
+    present = [{name.split(".", 2)[2] for name in shapes if name.startswith(f"blk.{i}.")} for i in range(layers)]
+    kinds = [_nemotron_h_kind(parts, file, i) for i, parts in enumerate(present)]
     heads, inner = _required(file, "ssm.time_step_rank"), _required(file, "ssm.inner_size")
-    present = {name.split(".", 2)[2] for name in shapes if name.startswith("blk.")}
-    return {
+    every = set().union(*present)
+    ffn = [shapes[f"blk.{i}.ffn_up.weight"][0] for i, kind in enumerate(kinds) if kind == "mlp"]
+    config = {
         "architectures": [file.spec.hf_architecture],
         "model_type": file.spec.model_type,
         "hidden_size": _required(file, "embedding_length"),
         "layers_block_type": kinds,
         "num_attention_heads": max(_per_layer(file, "attention.head_count", layers)),
-        "num_key_value_heads": max(kv_heads),
+        "num_key_value_heads": max(_per_layer(file, "attention.head_count_kv", layers)),
         "head_dim": _required(file, "attention.key_length"),
-        "intermediate_size": max(ffn),
         "mlp_hidden_act": "relu2",
         "mamba_hidden_act": "silu",
         "ssm_state_size": _required(file, "ssm.state_size"),
@@ -733,12 +739,47 @@ def _nemotron_h_config(file: _GgufFile, shapes: dict[str, tuple[int, ...]]) -> d
         "n_groups": _required(file, "ssm.group_count"),
         "conv_kernel": _required(file, "ssm.conv_kernel"),
         "layer_norm_epsilon": _from_f32(file.arch_meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "use_bias": "ssm_in.bias" in present,
-        "use_conv_bias": "ssm_conv1d.bias" in present,
-        "mlp_bias": "ffn_up.bias" in present,
-        "attention_bias": "attn_q.bias" in present,
+        "use_bias": "ssm_in.bias" in every,
+        "use_conv_bias": "ssm_conv1d.bias" in every,
+        "mlp_bias": "ffn_up.bias" in every or "ffn_up_shexp.bias" in every,
+        "attention_bias": "attn_q.bias" in every,
         "max_position_embeddings": file.arch_meta("context_length"),
         **_vocabulary_keys(file, shapes),
+    }
+    if ffn:
+        config["intermediate_size"] = ffn[0]
+    if "moe" in kinds:
+        config |= _nemotron_h_moe_config(file)
+    return config
+
+
+def _nemotron_h_kind(parts: set[str], file: _GgufFile, layer: int) -> str:
+    for tensor, kind in (("ssm_in.weight", "linear_attention"), ("attn_q.weight", "full_attention"),
+                         ("ffn_up_exps.weight", "moe"), ("ffn_up.weight", "mlp")):
+        if tensor in parts:
+            return kind
+    raise ValueError(f"GGUF file {file.path}: block {layer} is none of Nemotron-H's kinds (its tensors: "
+                     f"{sorted(parts)})")
+
+
+def _nemotron_h_moe_config(file: _GgufFile) -> dict[str, Any]:
+    """The experts' keys. The converter writes no group top-k: it can only be 1 where there is one group."""
+    groups = file.arch_meta("expert_group_count", 1)
+    top_groups = file.arch_meta("expert_group_used_count", 1 if groups == 1 else None)
+    if top_groups is None:
+        raise ValueError(f"GGUF file {file.path}: {groups} expert groups but no expert_group_used_count")
+    latent = file.arch_meta("moe_latent_size")
+    return {
+        "n_routed_experts": _required(file, "expert_count"),
+        "num_experts_per_tok": _required(file, "expert_used_count"),
+        "moe_intermediate_size": _required(file, "expert_feed_forward_length"),
+        "moe_shared_expert_intermediate_size": _required(file, "expert_shared_feed_forward_length"),
+        "n_shared_experts": file.arch_meta("expert_shared_count", 1),
+        "norm_topk_prob": bool(file.arch_meta("expert_weights_norm", True)),
+        "routed_scaling_factor": _from_f32(file.arch_meta("expert_weights_scale", 1.0)),
+        "n_group": groups,
+        "topk_group": top_groups,
+        "moe_latent_size": None if latent is None else int(latent),
     }
 
 

@@ -33,7 +33,12 @@ _BLOCK = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.wei
           # Nemotron-H's other mixers
           "mixer.q_proj.weight": "attn_q.weight", "mixer.k_proj.weight": "attn_k.weight",
           "mixer.v_proj.weight": "attn_v.weight", "mixer.o_proj.weight": "attn_output.weight",
-          "mixer.up_proj.weight": "ffn_up.weight", "mixer.down_proj.weight": "ffn_down.weight"}
+          "mixer.up_proj.weight": "ffn_up.weight", "mixer.down_proj.weight": "ffn_down.weight",
+          "mixer.gate.weight": "ffn_gate_inp.weight", "mixer.gate.e_score_correction_bias": "exp_probs_b.bias",
+          "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+          "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+          "mixer.fc1_latent_proj.weight": "ffn_latent_down.weight",
+          "mixer.fc2_latent_proj.weight": "ffn_latent_up.weight"}
 _TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -72,8 +77,9 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _llama_cpp_tensors(state: dict[str, torch.Tensor], cfg, version: int) -> dict[str, np.ndarray]:
     """convert_hf_to_gguf's MambaModel / Mamba2Model.modify_tensors on an HF checkpoint's tensors (version 2:
-    Mamba2's layout, Nemotron-H's too, whose attention rows it permutes as a llama's)."""
+    Mamba2's layout, Nemotron-H's too, whose attention rows it permutes as a llama's and whose experts it stacks)."""
     out = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in state.items():
         if name == "lm_head.weight" and torch.equal(t, state["backbone.embeddings.weight"]):
             continue  # a tied head is left out
@@ -81,6 +87,10 @@ def _llama_cpp_tensors(state: dict[str, torch.Tensor], cfg, version: int) -> dic
             out[_TOP[name]] = t
             continue
         layer, leaf = name.removeprefix("backbone.layers.").split(".", 1)
+        if leaf.startswith("mixer.experts."):
+            expert, proj = leaf.split(".")[2:4]
+            experts.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", {})[int(expert)] = t
+            continue
         if leaf == "mixer.conv1d.weight":
             t = t.squeeze()
         elif version == 2 and leaf in ("mixer.A_log", "mixer.D"):
@@ -92,6 +102,7 @@ def _llama_cpp_tensors(state: dict[str, torch.Tensor], cfg, version: int) -> dic
         if leaf == "mixer.A_log":
             t = -torch.exp(t)
         out[f"blk.{layer}.{_BLOCK[leaf]}"] = t
+    out |= {name: torch.stack([by_expert[e] for e in sorted(by_expert)]) for name, by_expert in experts.items()}
     return {name: t.float().contiguous().numpy() for name, t in out.items()}
 
 
@@ -216,7 +227,7 @@ def test_f32_gguf_generates_what_hf_does(version: int, tmp_path):
     model = _hf_model(version)
     path = str(tmp_path / "model.gguf")
     _write_gguf(path, model, version, T.F32)
-    _matches_hf(_llm(path), model, _prompts(), 12)
+    _matches_hf(_llm(path), model, _prompts(), 8)
 
 
 def test_mamba2_gguf_with_a_tokenizer_serves_text(tmp_path, embedded_path, smollm_tokenizer):
@@ -388,7 +399,7 @@ def test_qwen3_next_gguf_generates_what_hf_does(tmp_path):
             torch.testing.assert_close(loaded[name], value, rtol=0, atol=1e-7)
         else:
             assert torch.equal(loaded[name], value), name
-    _matches_hf(_llm(path), model, _prompts(), 12)
+    _matches_hf(_llm(path), model, _prompts(), 8)
 
 
 # ---------------------------------------------------------------- Nemotron-H (llama.cpp's nemotron_h)
@@ -404,11 +415,13 @@ def _write_nemotron_h_gguf(path: str, checkpoint: dict[str, torch.Tensor], cfg) 
     """convert_hf_to_gguf's NemotronHModel (over GraniteHybridModel): the layer pattern as per-layer key/value
     head counts and feed-forward lengths."""
     kinds = cfg.layers_block_type
-    writer = gguf.GGUFWriter(path, "nemotron_h")
+    moe = "moe" in kinds
+    writer = gguf.GGUFWriter(path, "nemotron_h_moe" if moe else "nemotron_h")
     writer.add_block_count(len(kinds))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length([cfg.intermediate_size if k == "mlp" else 0 for k in kinds])
+    ffn = cfg.moe_intermediate_size if moe else cfg.intermediate_size
+    writer.add_feed_forward_length([ffn if k in ("mlp", "moe") else 0 for k in kinds])
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv([cfg.num_key_value_heads if k == "full_attention" else 0 for k in kinds])
     writer.add_key_length(cfg.head_dim)
@@ -419,6 +432,17 @@ def _write_nemotron_h_gguf(path: str, checkpoint: dict[str, torch.Tensor], cfg) 
     writer.add_ssm_group_count(cfg.n_groups)
     writer.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
     writer.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    if moe:
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+        writer.add_expert_count(cfg.n_routed_experts)
+        writer.add_expert_shared_count(cfg.n_shared_experts)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_group_count(cfg.n_group)
+        if cfg.moe_latent_size is not None:
+            writer.add_moe_latent_size(cfg.moe_latent_size)
     for name, values in _llama_cpp_tensors(checkpoint, cfg, 2).items():
         writer.add_tensor(name, values)
     writer.write_header_to_file()
@@ -427,27 +451,38 @@ def _write_nemotron_h_gguf(path: str, checkpoint: dict[str, torch.Tensor], cfg) 
     writer.close()
 
 
-def test_nemotron_h_gguf_generates_what_hf_does(tmp_path):
-    """Every dense block kind (Mamba2, attention, ReLU² MLP): the config and weights as HF's, q and k rows unpermuted,
-    then greedy tokens and prompt logprobs as HF's."""
+# llama.cpp's nemotron_h_moe: experts in place of the MLP (top-2 of 4, a shared expert, routed weights scaled), once
+# with the latent projections around the experts
+NEMOTRON_H_MOE = dict({k: v for k, v in NEMOTRON_H.items() if k != "intermediate_size"},
+                      layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_routed_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                      n_group=1, topk_group=1, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("args", [NEMOTRON_H, NEMOTRON_H_MOE,
+                                  pytest.param(dict(NEMOTRON_H_MOE, moe_latent_size=32), marks=pytest.mark.slow)],
+                         ids=["dense", "moe", "moe-latent"])
+def test_nemotron_h_gguf_generates_what_hf_does(args: dict, tmp_path):
+    """Every block kind (Mamba2, attention, ReLU² MLP or experts): the config and weights as HF's, q and k rows
+    unpermuted, then greedy tokens and prompt logprobs as HF's."""
     from safetensors.torch import load_file
     torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**NEMOTRON_H),
+    model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**args),
                                                           dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith((".D", "conv1d.bias", "in_proj.bias", "out_proj.bias")):
+            elif name.endswith((".D", "conv1d.bias", "in_proj.bias", "out_proj.bias", "e_score_correction_bias")):
                 p.copy_(torch.randn(p.shape, generator=g))
     model.save_pretrained(tmp_path / "hf")  # the checkpoint's names (backbone.), as the converter reads them
     checkpoint = load_file(tmp_path / "hf" / "model.safetensors")
     path = str(tmp_path / "model.gguf")
     _write_nemotron_h_gguf(path, checkpoint, model.config)
     config = transformers.AutoConfig.for_model(**read_gguf_config(path))
-    for key in [*(k for k in NEMOTRON_H if k != "initializer_range"), "mlp_bias", "use_conv_bias", "attention_bias",
-                "layer_norm_epsilon", "tie_word_embeddings", "mlp_hidden_act"]:
+    for key in [*(k for k in args if k != "initializer_range"), "mlp_bias", "use_conv_bias", "attention_bias",
+                "layer_norm_epsilon", "tie_word_embeddings", "mlp_hidden_act", "moe_latent_size", "norm_topk_prob"]:
         assert getattr(config, key) == getattr(model.config, key), key
     loaded = {name: weight.load() for name, weight in iter_gguf_weights(path)}
     assert loaded.keys() == checkpoint.keys()
@@ -456,4 +491,4 @@ def test_nemotron_h_gguf_generates_what_hf_does(tmp_path):
             torch.testing.assert_close(loaded[name], value, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(loaded[name], value), name
-    _matches_hf(_llm(path), model, _prompts(), 12)
+    _matches_hf(_llm(path), model, _prompts(), 8)
