@@ -90,6 +90,7 @@ _ARCHS |= {
                         renamed_blocks=_MAMBA_BLOCKS, layer_prefix="backbone.layers", renamed_top=_MAMBA_TOP,
                         renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),), flat_ssm_vectors=True),
 }
+_SSM_TYPES = ("mamba", "mamba2")  # attention-free: configs of their own (`_mamba_config`)
 # Nemotron-H: one mixer a block (Mamba2, attention, a ReLU² MLP or, in nemotron_h_moe, a mixture of ReLU² experts)
 # under the Mamba names; llama.cpp's converter permutes its attention's q and k rows as for rotary llamas though
 # no rotation follows.
@@ -105,7 +106,6 @@ _NEMOTRON_H = _ArchSpec(
     renamed_tensors=(("mixer.dt_proj.bias", "mixer.dt_bias"),
                      ("mixer.gate.e_score_correction.bias", "mixer.gate.e_score_correction_bias")))
 _ARCHS |= {"nemotron_h": _NEMOTRON_H, "nemotron_h_moe": _NEMOTRON_H}
-_SSM_TYPES = ("mamba", "mamba2")
 # Qwen3-Next: its Gated DeltaNet's tensors (llama.cpp's ssm_*, and attn_qkv with attn_gate) under
 # model.layers.N.linear_attn; every norm but the gated one stored as 1 + w.
 _ARCHS["qwen3next"] = _ArchSpec(

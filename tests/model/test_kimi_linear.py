@@ -89,10 +89,10 @@ def test_kda_layer_matches_hf_over_chunked_prefill_and_decodes(kernels, tiny_pai
     kernels (Triton's interpreter where there is no GPU)."""
     if kernels == "triton":
         from pressroom.kernels import triton as triton_kernels
-        from pressroom.model.models import kimi_linear
+        from pressroom.model.layers import state
         if torch.cuda.is_available() or not triton_kernels.interpreting():
             pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
-        monkeypatch.setattr(kimi_linear, "on_triton", lambda x: True)
+        monkeypatch.setattr(state, "on_triton", lambda x: True)
     hf_model, ours, _ = tiny_pair
     hf_layer, layer = hf_model.model.layers[0].self_attn, ours.model.layers[0].self_attn
     layer.bind_states({name: torch.zeros(NUM_SLOTS, *s.shape, dtype=s.dtype)

@@ -15,7 +15,6 @@ from pressroom.attention.state import StateMetadata  # noqa: E402
 from pressroom.kernels import ssm  # noqa: E402
 from pressroom.model.layers import mamba2_mixer  # noqa: E402
 from pressroom.model.layers.state import RecurrentLayer  # noqa: E402
-from pressroom.model.models import mamba  # noqa: E402
 from pressroom.model.models.mamba import Mamba1Mixer, mamba2_mixer_config  # noqa: E402
 
 HIDDEN = 16
@@ -105,11 +104,8 @@ def _use_kernels(kind: str, monkeypatch) -> None:
         from pressroom.kernels import triton as triton_kernels
         if not triton_kernels.available():
             pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
-        from pressroom.kernels.triton import ssm as triton_ssm
-        from pressroom.kernels.triton import ssm_prefill
-        for module in (mamba, mamba2_mixer):
-            monkeypatch.setattr(module, "_pool_kernels", lambda x: triton_ssm)
-            monkeypatch.setattr(module, "_prefill_kernels", lambda x: ssm_prefill)
+        from pressroom.model.layers import state
+        monkeypatch.setattr(state, "on_triton", lambda x: True)
 
 
 def _check_against_hf(hf_mixer, config, ours) -> None:

@@ -13,7 +13,6 @@ from conftest import hf_greedy, hf_prompt_logprobs, random_prompts
 from pressroom import LLM, SamplingParams
 from pressroom.attention.backend import AttentionMetadata, forward_context
 from pressroom.attention.state import StateMetadata
-from pressroom.model.layers import mamba2_mixer
 from pressroom.model.layers.mamba2_mixer import Mamba2Mixer
 from pressroom.model.models.nemotron_h import mixer_config
 
@@ -108,10 +107,8 @@ def use_triton_kernels(monkeypatch) -> None:
     from pressroom.kernels import triton as triton_kernels
     if not triton_kernels.available():
         pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
-    from pressroom.kernels.triton import ssm as triton_ssm
-    from pressroom.kernels.triton import ssm_prefill
-    monkeypatch.setattr(mamba2_mixer, "_pool_kernels", lambda x: triton_ssm)
-    monkeypatch.setattr(mamba2_mixer, "_prefill_kernels", lambda x: ssm_prefill)
+    from pressroom.model.layers import state
+    monkeypatch.setattr(state, "on_triton", lambda x: True)
 
 
 @pytest.mark.parametrize("overrides,kernels", [

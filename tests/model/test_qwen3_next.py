@@ -90,10 +90,10 @@ def test_gated_deltanet_equals_hf_over_packed_steps(kernels, monkeypatch):
         pytest.skip("needs a GPU")
     if kernels == "triton":
         from pressroom.kernels import triton as triton_kernels
-        from pressroom.model.models import qwen3_next
+        from pressroom.model.layers import state
         if torch.cuda.is_available() or not triton_kernels.interpreting():
             pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
-        monkeypatch.setattr(qwen3_next, "on_triton", lambda x: True)
+        monkeypatch.setattr(state, "on_triton", lambda x: True)
     device = "cuda" if kernels == "cuda" else "cpu"
     hf, ours = gdn_pair(device=device)
     gen = torch.Generator().manual_seed(1)

@@ -10,7 +10,6 @@ the batched pool kernels (Triton's on CUDA, kernels/triton/ssm.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch import nn
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import ssm
+from pressroom.model.layers import state
 from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 
@@ -139,7 +139,7 @@ class Mamba2Mixer(RecurrentLayer):
         return out
 
     def _decode(self, xBC: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        kernels = _pool_kernels(xBC)
+        kernels = state.pool_kernels(xBC)
         xBC = kernels.causal_conv1d_update_pool(xBC, self.states["conv"], slots, self.conv1d.weight[:, 0],
                                                 self.conv1d.bias)
         x, B, C = self._split(xBC)
@@ -152,7 +152,7 @@ class Mamba2Mixer(RecurrentLayer):
         """Packed prefill chunks, cu_seqlens on the device (int32): Triton's kernels on CUDA, the torch varlen
         forms elsewhere (they split the batch on the host, scanning in the config's chunk length as HF does)."""
         c = self.cfg
-        kernels = _prefill_kernels(xBC)
+        kernels = state.prefill_kernels(xBC)
         xBC = kernels.causal_conv1d_varlen(xBC, cu_seqlens, self.conv1d.weight[:, 0], self.conv1d.bias,
                                            self.states["conv"], slots)
         x, B, C = self._split(xBC)
@@ -180,17 +180,3 @@ def _proj_scale(cfg: Mamba2MixerConfig) -> torch.Tensor:
     return torch.cat([torch.full((n,), m) for n, m in zip(sizes, cfg.proj_multipliers)])
 
 
-def _pool_kernels(x: torch.Tensor) -> ModuleType:
-    """The one-token pool kernels for x's device: Triton's on CUDA, the torch references elsewhere."""
-    if x.is_cuda:
-        from pressroom.kernels.triton import ssm as triton_ssm
-        return triton_ssm
-    return ssm
-
-
-def _prefill_kernels(x: torch.Tensor) -> ModuleType:
-    """The packed-prefill kernels for x's device: Triton's on CUDA, the torch references elsewhere."""
-    if x.is_cuda:
-        from pressroom.kernels.triton import ssm_prefill
-        return ssm_prefill
-    return ssm

@@ -14,12 +14,36 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from pressroom.attention.backend import get_state_metadata
 from pressroom.attention.state import StateRound
+from pressroom.kernels import ssm
+
+
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether the recurrent kernels run in Triton for `x` (CUDA tensors); the torch forms otherwise. Tests
+    patch this one switch to run the Triton kernels under the CPU interpreter."""
+    return x.is_cuda
+
+
+def pool_kernels(x: torch.Tensor) -> ModuleType:
+    """The SSM one-token kernels on state pools for x (kernels/triton/ssm.py or kernels/ssm.py: same signatures)."""
+    if on_triton(x):
+        from pressroom.kernels.triton import ssm as triton_ssm
+        return triton_ssm
+    return ssm
+
+
+def prefill_kernels(x: torch.Tensor) -> ModuleType:
+    """The SSM packed-prefill kernels for x (kernels/triton/ssm_prefill.py or kernels/ssm.py)."""
+    if on_triton(x):
+        from pressroom.kernels.triton import ssm_prefill
+        return ssm_prefill
+    return ssm
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from torch import nn
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import delta_rule, ssm
+from pressroom.model.layers import state
 from pressroom.model.layers.fused_moe import RouterConfig, select_experts
 from pressroom.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.state import RecurrentLayer, StateShape
@@ -38,10 +39,6 @@ _KDA_STACKED = {"q_proj": ("in_proj", 0), "k_proj": ("in_proj", 1), "v_proj": ("
 _KDA_NAME = re.compile(r"\.self_attn\.(" + "|".join(_KDA_STACKED) + r")\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
-
-def on_triton(x: torch.Tensor) -> bool:
-    """Whether the recurrent kernels run in Triton (CUDA tensors); the torch forms otherwise."""
-    return x.is_cuda
 
 
 class NoRotation:
@@ -149,7 +146,7 @@ class KimiDeltaAttention(RecurrentLayer):
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         conv, states = self.states["conv"], self.states["recurrent"]
-        if on_triton(qkv):
+        if state.on_triton(qkv):
             from pressroom.kernels.triton import delta_rule as triton_delta_rule
             from pressroom.kernels.triton import ssm as triton_ssm
             q, k, v = self._heads(triton_ssm.causal_conv1d_update_pool(qkv, conv, slots, self.conv.weight, None))
@@ -162,7 +159,7 @@ class KimiDeltaAttention(RecurrentLayer):
     def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> torch.Tensor:
         conv, states = self.states["conv"], self.states["recurrent"]
-        if on_triton(qkv):
+        if state.on_triton(qkv):
             from pressroom.kernels.triton.delta_rule_chunk import chunk_delta_rule_varlen
             from pressroom.kernels.triton.ssm_prefill import causal_conv1d_varlen
             q, k, v = self._heads(causal_conv1d_varlen(qkv, cu_seqlens, self.conv.weight, None, conv, slots))

@@ -14,7 +14,6 @@ backbone.norm_f, lm_head); the head shares the embedding where the config ties t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -23,29 +22,13 @@ from torch import nn
 
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
-from pressroom.kernels import ssm
+from pressroom.model.layers import state
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.mamba2_mixer import DepthwiseConv, Mamba2Mixer, Mamba2MixerConfig
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 from pressroom.model.weights import expected_names, load_named_weights
-
-
-def _pool_kernels(x: torch.Tensor) -> ModuleType:
-    """The one-step kernels on state pools for x's device: Triton's on CUDA, torch's elsewhere (same signatures)."""
-    if x.is_cuda:
-        from pressroom.kernels.triton import ssm as triton_ssm
-        return triton_ssm
-    return ssm
-
-
-def _prefill_kernels(x: torch.Tensor) -> ModuleType:
-    """The packed varlen prefill kernels for x's device: Triton's on CUDA (no host sync), torch's elsewhere."""
-    if x.is_cuda:
-        from pressroom.kernels.triton import ssm_prefill
-        return ssm_prefill
-    return ssm
 
 
 def _prefill_cu_seqlens(r: StateRound) -> torch.Tensor:
@@ -63,9 +46,9 @@ def _conv_round(r: StateRound, x: torch.Tensor, conv: DepthwiseConv, states: tor
     nd, taps = r.num_decodes, conv.weight[:, 0]
     parts = []
     if nd:
-        parts.append(_pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], taps, conv.bias))
+        parts.append(state.pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], taps, conv.bias))
     if _has_prefill(r):
-        parts.append(_prefill_kernels(x).causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias,
+        parts.append(state.prefill_kernels(x).causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias,
                                                               states, r.slots[nd:]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -110,10 +93,10 @@ class Mamba1Mixer(RecurrentLayer):
         nd, states = r.num_decodes, self.states["ssm"]
         y = torch.empty_like(x)
         if nd:
-            y[:nd] = _pool_kernels(x).selective_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A, B[:nd],
+            y[:nd] = state.pool_kernels(x).selective_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A, B[:nd],
                                                                   C[:nd], self.D, z[:nd])
         if _has_prefill(r):
-            y[nd:] = _prefill_kernels(x).selective_scan_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:],
+            y[nd:] = state.prefill_kernels(x).selective_scan_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:],
                                                                _prefill_cu_seqlens(r), states, r.slots[nd:], self.D,
                                                                z[nd:])
         return y

@@ -32,6 +32,7 @@ from torch import nn
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size
 from pressroom.kernels import delta_rule, ssm
+from pressroom.model.layers import state
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pressroom.model.layers.fused_moe import RouterConfig
@@ -44,10 +45,6 @@ from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
-
-def on_triton(x: torch.Tensor) -> bool:
-    """Whether the recurrent kernels run in Triton (CUDA tensors); the torch forms otherwise."""
-    return x.is_cuda
 
 
 def layer_types(config) -> list[str]:
@@ -210,7 +207,7 @@ class GatedDeltaNet(RecurrentLayer):
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         conv, pool, weight = self.states["conv"], self.states["ssm"], self.conv1d.weight.squeeze(1)
-        if on_triton(qkv):
+        if state.on_triton(qkv):
             from pressroom.kernels.triton import delta_rule as triton_delta_rule
             from pressroom.kernels.triton import ssm as triton_ssm
             q, k, v = self._heads(triton_ssm.causal_conv1d_update_pool(qkv, conv, slots, weight, None))
@@ -223,7 +220,7 @@ class GatedDeltaNet(RecurrentLayer):
     def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> torch.Tensor:
         conv, pool, weight = self.states["conv"], self.states["ssm"], self.conv1d.weight.squeeze(1)
-        if on_triton(qkv):
+        if state.on_triton(qkv):
             from pressroom.kernels.triton.delta_rule_chunk import chunk_delta_rule_varlen
             from pressroom.kernels.triton.ssm_prefill import causal_conv1d_varlen
             q, k, v = self._heads(causal_conv1d_varlen(qkv, cu_seqlens, weight, None, conv, slots))
