@@ -230,6 +230,22 @@ def test_f32_gguf_generates_what_hf_does(version: int, tmp_path):
     _matches_hf(_llm(path), model, _prompts(), 8)
 
 
+def test_falcon_mamba_is_refused(tmp_path):
+    """llama.cpp writes Falcon-Mamba as a mamba with RMSNorms on dt, B and C (ssm.dt_b_c_rms), which HF's
+    MambaForCausalLM lacks: refused by name rather than run without them."""
+    path = str(tmp_path / "falcon-mamba.gguf")
+    writer = gguf.GGUFWriter(path, "mamba")
+    for add, value in [(writer.add_block_count, 1), (writer.add_embedding_length, 64), (writer.add_ssm_inner_size, 128),
+                       (writer.add_ssm_state_size, 16), (writer.add_ssm_conv_kernel, 4),
+                       (writer.add_ssm_time_step_rank, 4), (writer.add_ssm_dt_b_c_rms, True)]:
+        add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="Falcon-Mamba"):
+        read_gguf_config(path)
+
+
 def test_mamba2_gguf_with_a_tokenizer_serves_text(tmp_path, embedded_path, smollm_tokenizer):
     """With the tokenizer in the file (SmolLM2's BPE vocabulary here), a Mamba2 GGUF, an architecture transformers'
     own GGUF loading refuses, runs from text: its tokens as SmolLM2's tokenizer gives them, its greedy
