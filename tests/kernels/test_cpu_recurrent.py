@@ -130,10 +130,11 @@ def test_mamba1_step_pool_matches_reference(monkeypatch, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_ssd_step_pool_matches_reference(monkeypatch, dtype, tol):
-    """6 heads of 5 channels in 3 groups (2 heads a group), d_state 7, dt clamped, a padding row; x, B and C are
-    views of one convolved [x | B | C] row as Mamba2's mixer splits it."""
-    rows, heads, head_dim, groups, d_state = 4, 6, 5, 3, 7
+@pytest.mark.parametrize("heads,head_dim,groups,d_state", [(6, 5, 3, 7), (16, 64, 2, 64)], ids=["odd", "threaded"])
+def test_ssd_step_pool_matches_reference(monkeypatch, dtype, tol, heads, head_dim, groups, d_state):
+    """Heads in groups (B and C shared), dt clamped, a padding row; x, B and C are views of one convolved [x | B | C]
+    row as Mamba2's mixer splits it. Odd sizes, and a size that the helper threads share."""
+    rows = 4
     g = torch.Generator().manual_seed(1)
     xBC, dt = _columns(g, rows, [heads * head_dim + 2 * groups * d_state, heads], dtype)
     x, B, C = xBC.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
@@ -170,9 +171,11 @@ def _delta_inputs(rows: int, key_heads: int, heads: int, d_k: int, d_v: int, sca
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("scalar_gate", [True, False], ids=["gdn", "kda"])
-def test_delta_rule_step_pool_matches_reference(monkeypatch, dtype, tol, scalar_gate):
-    """2 key heads shared by 4 value heads, d_k 24, d_v 20; a padding row keeps its output zero and slots state."""
-    q, k, v, gate, beta, states = _delta_inputs(4, 2, 4, 24, 20, scalar_gate, dtype, num_slots=6)
+@pytest.mark.parametrize("key_heads,heads,d_k,d_v", [(2, 4, 24, 20), (4, 8, 128, 96)], ids=["odd", "threaded"])
+def test_delta_rule_step_pool_matches_reference(monkeypatch, dtype, tol, scalar_gate, key_heads, heads, d_k, d_v):
+    """Key heads shared by value heads; a padding row keeps its output zero and its slot's state. Odd sizes (d_v
+    not a multiple of the column block), and a size that the helper threads share."""
+    q, k, v, gate, beta, states = _delta_inputs(4, key_heads, heads, d_k, d_v, scalar_gate, dtype, num_slots=6)
     slots = torch.tensor([5, -1, 0, 3])
     expected_states = states.clone()
     expected = _reference(monkeypatch, delta_rule.recurrent_decode_step_pool, q, k, v, gate, beta, expected_states,
@@ -209,13 +212,14 @@ def test_slot_outside_the_pool_raises_and_changes_nothing():
     assert torch.equal(states, before)
 
 
-@pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX512 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
-                    reason="the AVX2 build: on an AVX-512 CPU, from the top-level run only")
-def test_avx2_build():
-    """The same kernels built for AVX2 (CI's second pass), on a few of these tests."""
-    env = {**os.environ, "PRESSROOM_CPU_ISA": "avx2"}
+@pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
+                    reason="the other tiers: on an AVX2 CPU, from the top-level run only")
+@pytest.mark.parametrize("tier", ["avx2", "generic"])
+def test_other_tiers_builds(tier):
+    """The same kernels built for AVX2 (CI's second pass) and as plain C, on a few of these tests."""
+    env = {**os.environ, "PRESSROOM_CPU_ISA": tier}
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-            "-k", "varlen_matches and 16-fp32 or step_pool_matches and bf16"]
+            "-k", "varlen_matches and 16-fp32 or step_pool and bf16 and not threaded"]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    assert "5 passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

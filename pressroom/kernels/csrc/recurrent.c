@@ -7,8 +7,14 @@
  * Mamba1 runs LANES channels side by side: each token's update is, per state index n, LANES independent
  * h = exp(dt A) h + dt B x, and y = sum_n C h accumulates lane-wise, so the compiler's vectors (AVX-512 or AVX2,
  * whichever -march allows) hold channels and no horizontal sum is needed. A block's state [d_state, LANES] stays
- * in L1 along all of its sequence's tokens. Work is split into (sequence, channel chunk) pieces, run by
- * workshare.c's helpers. Each function returns 0, or -1 (nothing done) when a slot lies outside the pool. */
+ * in L1 along all of its sequence's tokens; a sequence of one token (a decode row) skips that transpose and
+ * updates each channel's state row where it lies, d_state in the lanes. Mamba2's step and the delta rule work a
+ * (row, head) at a time. The pieces of work are shared by workshare.c's helpers. Each entry point returns 0, or
+ * -1 (nothing done) when a slot lies outside the pool.
+ *
+ * Measured on one thread of a busy 2-core AVX-512 machine, against the torch forms: a 512-token Mamba-130M scan
+ * (1536 channels, d_state 16) 5.8 ms (torch 30-47 ms); a decode row of GDN or KDA (32 heads, 128 x 128) 0.09 ms
+ * in place (torch 0.5 ms, gathering and scattering the states). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -224,11 +230,13 @@ static void mamba1_token(const Mamba1Scan *a, int64_t t, int64_t slot, int64_t d
 static void mamba1_chunk(void *ctx, int64_t chunk) {
     const Mamba1Scan *a = ctx;
     const int64_t seq = chunk / a->chunks_per_seq, first = chunk % a->chunks_per_seq * CHUNK_CHANNELS;
-    const int64_t start = a->cu_seqlens ? a->cu_seqlens[seq] : seq, end = a->cu_seqlens ? a->cu_seqlens[seq + 1] : seq + 1;
+    const int64_t start = a->cu_seqlens ? a->cu_seqlens[seq] : seq;
+    const int64_t end = a->cu_seqlens ? a->cu_seqlens[seq + 1] : seq + 1;
     const int64_t slot = a->slots[seq];
     if (slot < 0) return;  /* padding: its output rows stay zero */
     if (end - start == 1) {
-        mamba1_token(a, start, slot, first, a->d_inner - first < CHUNK_CHANNELS ? a->d_inner - first : CHUNK_CHANNELS);
+        const int64_t count = a->d_inner - first < CHUNK_CHANNELS ? a->d_inner - first : CHUNK_CHANNELS;
+        mamba1_token(a, start, slot, first, count);
         return;
     }
     for (int64_t d0 = first; d0 < first + CHUNK_CHANNELS && d0 < a->d_inner; d0 += LANES) {
