@@ -155,6 +155,22 @@ def test_ssd_step_pool_matches_reference(monkeypatch, dtype, tol, heads, head_di
     assert torch.equal(states[[1, 3]], expected_states[[1, 3]])
 
 
+def test_unpooled_steps_match_reference(monkeypatch):
+    """selective_state_update and ssd_state_update (a state per row, as the whole-mixer forms call them)."""
+    x, dt, z, B, C, A, D, dt_bias, states = _mamba1_inputs(3, 21, 16, torch.float32, num_slots=3)
+    expected_states = states.clone()
+    expected = _reference(monkeypatch, ssm.selective_state_update, expected_states, x, dt, A, B, C, D, z, dt_bias)
+    _close(ssm.selective_state_update(states, x, dt, A, B, C, D, z, dt_bias), expected, FP32)
+    _close(states, expected_states, FP32)
+    g = torch.Generator().manual_seed(2)
+    x, B, C = torch.randn(3, 4, 8, generator=g), torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    dt, A, states = torch.randn(3, 4, generator=g), -torch.rand(4, generator=g), torch.randn(3, 4, 8, 16, generator=g)
+    expected_states = states.clone()
+    expected = _reference(monkeypatch, ssm.ssd_state_update, expected_states, x, dt, A, B, C)
+    _close(ssm.ssd_state_update(states, x, dt, A, B, C), expected, FP32)
+    _close(states, expected_states, FP32)
+
+
 # ---------------------------------------------------------------- gated delta rule
 
 
