@@ -13,7 +13,7 @@
  * -1 (nothing done) when a slot lies outside the pool.
  *
  * Measured on one thread of a busy 2-core AVX-512 machine, against the torch forms: a 512-token Mamba-130M scan
- * (1536 channels, d_state 16) 5.8 ms (torch 30-47 ms); a decode row of GDN or KDA (32 heads, 128 x 128) 0.09 ms
+ * (1536 channels, d_state 16) 5.0 ms (torch 30-47 ms); a decode row of GDN or KDA (32 heads, 128 x 128) 0.09 ms
  * in place (torch 0.5 ms, gathering and scattering the states). */
 #include <math.h>
 #include <stdint.h>
@@ -67,14 +67,20 @@ static inline const void *coffset(const void *p, int64_t elements, int bf16) {
     return (const char *)p + elements * (bf16 ? 2 : 4);
 }
 
-/* exp(x) to about an ulp (Cephes' expf: x = n ln2 + r with ln2 in two parts, |r| <= ln2 / 2, a degree-5
- * polynomial). common.h's fast_expf scales x by log2(e) in one rounding, an error that grows with |x| (7e-6
- * relative near |x| = 27): along a scan the state would drift by that much a token. Vectorises as well. */
+/* exp(x) to about an ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial). common.h's
+ * fast_expf scales x by log2(e) in one rounding, an error that grows with |x| (7e-6 relative near |x| = 27): along
+ * a scan the state would drift by that much a token. r takes ln2 in two parts, as fused multiply-adds where the
+ * target has them (the build's reassociation would merge the parts of plain products back into one), else in
+ * double. Vectorises as well. */
 static inline float exp_f32(float x) {
     x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
+#ifdef __FP_FAST_FMAF
+    float r = __builtin_fmaf(-n, 0.693359375f, x);
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+#else
+    const float r = (float)((double)x - (double)n * 0.69314718055994531);
+#endif
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -89,9 +95,11 @@ static inline float exp_f32(float x) {
     return p;
 }
 
-/* log(u) for u >= 1, finite (Cephes' logf: the mantissa in [sqrt(1/2), sqrt(2)), a degree-9 polynomial); unlike
- * libm's logf the compiler vectorises it */
-static inline float log_ge1(float u) {
+/* log(1 + w) for w >= 0, finite, to about an ulp (Cephes' logf on the mantissa in [sqrt(1/2), sqrt(2)), a
+ * degree-9 polynomial in its offset from 1; below sqrt(2) that offset is w itself, not the rounded (1 + w) - 1,
+ * whose absolute error of 6e-8 would be a large relative one for small w); unlike libm's log1pf it vectorises. */
+static inline float log1p_pos(float w) {
+    const float u = 1.f + w;
     uint32_t bits;
     memcpy(&bits, &u, sizeof bits);
     float e = (float)((int32_t)(bits >> 23) - 126);
@@ -100,7 +108,7 @@ static inline float log_ge1(float u) {
     memcpy(&m, &bits, sizeof m);
     const int low = m < 0.70710678f;
     e = low ? e - 1.f : e;
-    const float x = low ? m + m - 1.f : m - 1.f;
+    const float x = e == 0.f ? w : (low ? m + m - 1.f : m - 1.f);
     const float z = x * x;
     float p = 7.0376836292e-2f;
     p = p * x - 1.1514610310e-1f;
@@ -111,14 +119,13 @@ static inline float log_ge1(float u) {
     p = p * x + 2.0000714765e-1f;
     p = p * x - 2.4999993993e-1f;
     p = p * x + 3.3333331174e-1f;
-    float y = p * x * z - 2.12194440e-4f * e - 0.5f * z;
+    const float y = p * x * z - 2.12194440e-4f * e - 0.5f * z;
     return x + y + 0.693359375f * e;
 }
 
-/* torch's softplus (threshold 20): log1p(exp(x)), where the rounding of 1 + exp(x) is corrected to first order */
+/* torch's softplus: log1p(exp(x)), x itself above 20 */
 static inline float softplus(float x) {
-    const float w = exp_f32(x), u = 1.f + w;
-    const float lp = log_ge1(u) + (w - (u - 1.f)) / u;
+    const float lp = log1p_pos(exp_f32(x));
     return x > 20.f ? x : lp;
 }
 
@@ -290,6 +297,7 @@ static void ssd_chunk(void *ctx, int64_t chunk) {
     for (int64_t p = 0; p < P; p++) {
         float *s = state + p * S, acc = 0.f;
         const float dtx = dt * x[p];
+        #pragma omp simd reduction(+:acc)
         for (int64_t n = 0; n < S; n++) {
             s[n] = decay * s[n] + dtx * b[n];
             acc += s[n] * c[n];
@@ -331,6 +339,7 @@ typedef struct {
 static void prepare_key(float *dst, const void *src, int64_t n, int bf16, int normalize, float scale) {
     load_row(dst, src, n, bf16);
     float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
     for (int64_t i = 0; i < n; i++) sum += dst[i] * dst[i];
     const float inv = normalize ? 1.f / sqrtf(sum + L2NORM_EPS) : 1.f;
     for (int64_t i = 0; i < n; i++) dst[i] = dst[i] * inv * scale;
