@@ -4,6 +4,9 @@ Scales cover groups of `group` consecutive inputs of a row: group = in_features 
 activations, per output channel for weights), 128 is DeepSeek's 1x128 activation groups against a weight's
 128x128 blocks (stored here per row: [rows, ceil(in / 128)], each row holding its block's scale).
 
+DeepSeek's checkpoints that declare `scale_fmt: "ue8m0"` were trained with power-of-two activation scales (each
+group's amax / 448 rounded up to 2^k, what DeepGEMM's UE8M0 scales hold): `pow2_scales` quantizes that way.
+
 Two paths compute the same sums: `scaled_mm` (torch._scaled_mm: FP8 tensor cores on Hopper, per-token x
 per-channel scales applied to the fp32 accumulator) and `reference` (dequantize both, fp32 matmul), which
 runs anywhere and is the oracle the other is tested against.
@@ -17,14 +20,17 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 
 
-def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, group: int, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] -> (FP8 values [rows, cols], fp32 scales [rows, ceil(cols / group)]), each group
-    scaled so its largest magnitude lands on FP8's largest value."""
+    scaled so its largest magnitude lands on FP8's largest value (`pow2_scales`: at or below it, the scale
+    rounded up to a power of two)."""
     rows, cols = x.shape
     groups = -(-cols // group)
     padded = x if groups * group == cols else torch.nn.functional.pad(x, (0, groups * group - cols))
     blocks = padded.float().view(rows, groups, group)
     scale = blocks.abs().amax(dim=-1).clamp(min=_MIN_AMAX) / FP8_MAX
+    if pow2_scales:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows, groups * group)[:, :cols], scale
 
@@ -35,10 +41,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor
 
 
 def reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, group: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, pow2_scales: bool = False) -> torch.Tensor:
     """x [tokens, in] quantized in groups of `group` inputs, times the FP8 weight [out, in] with its per-row
     group scales [out, ceil(in / group)]: dequantized, multiplied in fp32; returned in x's dtype."""
-    x_q, x_scale = quantize(x, group)
+    x_q, x_scale = quantize(x, group, pow2_scales)
     y = dequantize(x_q, x_scale, group) @ dequantize(w_q, w_scale, group).t()
     if bias is not None:
         y = y + bias.float()

@@ -9,6 +9,13 @@ multi-query attention with one KV head whose values are the first `kv_lora_rank`
 
 DeepSeek rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes the rope rows of q and of the
 shared key to (even dims, odd dims), so the rotate-half kernels compute the same rotation.
+
+FP8 checkpoints as DeepSeek ships them (128x128 block scales, `weight_scale_inv`; model/quantization/fp8.py)
+stay in FP8 in every linear layer: MLA's q_a/q_b (or q) projection, kv_a_proj_with_mqa and o_proj, the dense
+MLPs, the shared experts and the indexer's projections. The rope reorder is exact on them: pressroom keeps a
+block's scale on each of its rows, so permuting rows moves each row's scales with it, whatever the block grid.
+Dequantized at load: kv_b_proj (used as per-head batched matrices in the absorbed form, never as a linear layer;
+vLLM dequantizes it too, to form W_UK and W_UV) and the routed experts (until an FP8 experts method exists).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
 from pressroom.model.models.moe import _MoeForCausalLM
+from pressroom.model.quantization.fp8 import Fp8Weight
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
 
@@ -221,14 +229,13 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
 
     def _main_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (numbered after the last decoder
-        layer; no drafter uses them yet); FP8 weights kept in FP8 are refused (--quantization none dequantizes)."""
+        layer; the MTP drafter reads them itself). FP8 weights arrive joined with their scales by the FP8
+        method: a scale tensor seen here had no method to read it."""
         layers = self.config.num_hidden_layers
         for name, tensor in weights:
-            if name.endswith("weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn:
-                # MLA's rope rows are reordered on load, which FP8 blocks do not survive
-                raise ValueError(f"{name}: this checkpoint stores FP8 block-quantized weights, which pressroom "
-                                 "keeps in FP8 only for Llama-family models yet; load it with --quantization none "
-                                 "(dequantized at load) or use a bf16 conversion of it.")
+            if name.endswith(("weight_scale_inv", "weight_scale")):
+                raise ValueError(f"{name}: this checkpoint stores FP8 block-quantized weights, but its config.json "
+                                 "has no quantization_config (quant_method 'fp8', weight_block_size) to read them.")
             parts = name.split(".")
             if parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
                 continue
@@ -249,18 +256,27 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
     def _reorder_rope_rows(self, name: str, tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         if not self.rope_interleaved():
             return tensor
+        rows = self._rope_row_order(name, order)
+        if rows is None:
+            return tensor
+        # The reorder needs the whole tensor: it is read here (MLA is not tensor-parallel, so a rank would keep
+        # all of it anyway); other tensors pass through still lazy.
+        tensor = materialize(tensor)
+        if isinstance(tensor, Fp8Weight):  # kept in FP8: rows move with their scales, lazy again for the loader
+            return tensor.take_rows(rows).lazy()
+        return tensor[rows]
+
+    def _rope_row_order(self, name: str, order: torch.Tensor) -> torch.Tensor | None:
+        """The weight's rows in their new order, with the rope rows of each q head (or of the shared key, after
+        the latent) taken in `order`; None for a weight without rope rows."""
         c = self.config
         rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
-        # These reorders need the whole tensor: it is read here (MLA is not tensor-parallel, so a rank
-        # would keep all of it anyway); other tensors pass through still lazy.
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            tensor = materialize(tensor)
-            heads = tensor.reshape(c.num_attention_heads, nope + rope, -1)
-            return torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(tensor.shape)
-        if ".self_attn.kv_a_proj_with_mqa." in name:
-            rank, tensor = c.kv_lora_rank, materialize(tensor)
-            return torch.cat((tensor[:rank], tensor[rank:][order]), dim=0)
-        return tensor
+            head = torch.cat((torch.arange(nope), nope + order))
+            return (torch.arange(c.num_attention_heads)[:, None] * (nope + rope) + head).reshape(-1)
+        if ".self_attn.kv_a_proj_with_mqa." in name:  # its weight and any bias
+            return torch.cat((torch.arange(c.kv_lora_rank), c.kv_lora_rank + order))
+        return None
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -15,6 +15,10 @@ cut a block, need nothing special. On CUDA, steps of at most 16 tokens (decode) 
 GEMV (kernels/triton/quant_gemv.py: FP8 read, dequantized in registers, bf16 activations as they are); larger
 per-channel steps through torch._scaled_mm on FP8 GPUs; larger block-scaled steps, and every weight on the CPU,
 through the dequantizing reference (kernels/fp8.py).
+DeepSeek's form (`fmt: "e4m3"`, `weight_block_size: [128, 128]`, `activation_scheme: "dynamic"`) may add
+`scale_fmt: "ue8m0"`: its block scales are powers of two, stored as float32 or as exponent bytes (uint8 or
+float8_e8m0fnu: 2^(byte - 127)), and activations are scaled by powers of two as well (kernels/fp8.py). Another
+`fmt` or `scale_fmt`, or a scale that is not what `scale_fmt` says, is refused with a ValueError naming it.
 Static activation scales (`input_scale`) are not used: where activations are quantized, they are scaled per
 token (per token and 128-input group against block weights, DeepSeek's recipe).
 """
@@ -50,19 +54,43 @@ class Fp8Weight:
     def dequantize(self) -> torch.Tensor:
         return kernels.dequantize(self.q, self.scale, self.group)
 
+    def take_rows(self, order: torch.Tensor) -> Fp8Weight:
+        """Rows `order` (a permutation or selection): exact, since every row carries its own scales."""
+        return Fp8Weight(self.q[order], self.scale[order], self.group)
+
+    def part(self, index) -> Fp8Weight:
+        """Rows [r0, r1) and columns [c0, c1) (a LazyWeight's index); columns split only at group edges."""
+        (r0, r1), (c0, c1) = index
+        if c0 % self.group or (c1 % self.group and c1 != self.q.shape[1]):
+            raise ValueError(f"an FP8 weight in groups of {self.group} inputs cannot be split at columns [{c0}, {c1}).")
+        return Fp8Weight(self.q[r0:r1, c0:c1], self.scale[r0:r1, c0 // self.group: -(-c1 // self.group)], self.group)
+
+    def lazy(self) -> LazyWeight:
+        """This in-memory weight as a lazy tensor again, for the layers' loaders (which narrow what they read)."""
+        return LazyWeight(tuple(self.q.shape), FP8, self.part)
+
+
+# quantization_config's fmt and scale_fmt values read here (None: not given)
+FORMATS = (None, "e4m3")
+SCALE_FORMATS = (None, "ue8m0")
+
 
 class Fp8Method(QuantizationMethod):
     name = "fp8"
 
     def __init__(self, checkpoint_config: dict | None = None) -> None:
         super().__init__(checkpoint_config)
-        block = (checkpoint_config or {}).get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) < 1):
-            raise ValueError(f"quantization_config.weight_block_size must be [rows, columns]; got {block!r}.")
-        self.block: tuple[int, int] | None = tuple(block) if block else None
+        config = checkpoint_config or {}
+        self.block: tuple[int, int] | None = _block_size(config.get("weight_block_size"))
+        if config.get("fmt") not in FORMATS:
+            raise ValueError(f"quantization_config.fmt is {config['fmt']!r}; FP8 checkpoints are read in e4m3 only.")
+        if config.get("scale_fmt") not in SCALE_FORMATS:
+            raise ValueError(f"quantization_config.scale_fmt is {config['scale_fmt']!r}, an unknown scale format; "
+                             "FP8 checkpoints are read with float32 scales (no scale_fmt) or ue8m0.")
+        self.ue8m0 = config.get("scale_fmt") == "ue8m0"
 
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None)
+        return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None, self.ue8m0)
 
     def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
         tensor = tensors[name]
@@ -71,13 +99,16 @@ class Fp8Method(QuantizationMethod):
         if tensor.dtype != FP8:
             return ((name, tensor),)
         keep = loads_into(model, name, Fp8LinearMethod)
-        return ((name, self._paired(tensor, _scale_of(tensors, name), keep, name)),)
+        scale_name = _scale_of(tensors, name)
+        return ((name, self._paired(tensor, tensors[scale_name], keep, scale_name)),)
 
-    def _paired(self, weight: LazyWeight, scale: LazyWeight, keep: bool, name: str) -> LazyWeight:
-        """The weight and its scale as one lazy tensor: an Fp8Weight of the rows and columns read (kept by an
-        FP8 layer), or those rows dequantized to fp32 (for any other parameter, or --quantization none)."""
+    def _paired(self, weight: LazyWeight, scale: LazyWeight, keep: bool, scale_name: str) -> LazyWeight:
+        """The weight and its scale (`scale_name`) as one lazy tensor: an Fp8Weight of the rows and columns read
+        (kept by an FP8 layer), or those rows dequantized to fp32 (for any other parameter, or --quantization
+        none)."""
         rows, cols = weight.shape
-        scales = _ScaleLayout.of(scale.load(), rows, cols, self.block, name)
+        scales = _ScaleLayout.of(_scale_values(scale.load(), self.ue8m0, scale_name), rows, cols, self.block,
+                                 scale_name)
 
         def read(index) -> Fp8Weight:
             (r0, r1), (c0, c1) = index
@@ -93,11 +124,41 @@ def _weight_only_fits(x: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
     return x.shape[0] <= SMALL_M and fp8_block_k(group, scale.shape[1], 16) is not None
 
 
-def _scale_of(tensors: dict[str, LazyWeight], name: str) -> LazyWeight:
+def _block_size(block: Any) -> tuple[int, int] | None:
+    if block is None:
+        return None
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be [rows, columns] of positive integers; "
+                         f"got {block!r}.")
+    return tuple(block)
+
+
+_EXPONENT_BYTES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+
+
+def _scale_values(scale: torch.Tensor, ue8m0: bool, name: str) -> torch.Tensor:
+    """A checkpoint's scale tensor `name` as fp32 multipliers: floats as they are, ue8m0 exponent bytes as
+    2^(byte - 127); under scale_fmt ue8m0 every scale must be a power of two."""
+    if scale.dtype in _EXPONENT_BYTES:
+        if not ue8m0:
+            raise ValueError(f"{name} is stored as {scale.dtype} exponent bytes, but quantization_config has no "
+                             "scale_fmt 'ue8m0' to say so.")
+        exponents = scale.view(torch.uint8)
+        if (exponents == 255).any():  # e8m0's NaN
+            raise ValueError(f"{name} holds the ue8m0 NaN (byte 255).")
+        return torch.exp2(exponents.float() - 127)
+    values = scale.float()
+    if ue8m0 and not ((values > 0) & (torch.frexp(values).mantissa == 0.5)).all():
+        raise ValueError(f"{name} has scales that are not powers of two, which quantization_config's scale_fmt "
+                         "'ue8m0' promises.")
+    return values
+
+
+def _scale_of(tensors: dict[str, LazyWeight], name: str) -> str:
     base = name.removesuffix(".weight")
     for suffix in _SCALES:
         if base + suffix in tensors:
-            return tensors[base + suffix]
+            return base + suffix
     raise ValueError(f"{name} is stored in FP8 but the checkpoint has no {base}.weight_scale or "
                      f"{base}.weight_scale_inv to scale it.")
 
@@ -118,7 +179,7 @@ class _ScaleLayout:
         if block is not None and tuple(scale.shape) == (-(-rows // block[0]), -(-cols // block[1])):
             return cls(scale, block)
         expected = "[1], [out], [out, 1]" + (f" or [{-(-rows // block[0])}, {-(-cols // block[1])}]" if block else "")
-        raise ValueError(f"{name}'s FP8 scale has shape {tuple(scale.shape)}; a weight of shape {(rows, cols)} "
+        raise ValueError(f"{name} has shape {tuple(scale.shape)}; for its FP8 weight of shape {(rows, cols)} "
                          f"takes {expected} (block scales need quantization_config.weight_block_size).")
 
     def rows(self, r0: int, r1: int, c0: int, c1: int) -> tuple[torch.Tensor, int]:
@@ -136,10 +197,11 @@ class _ScaleLayout:
 
 class Fp8LinearMethod(LinearMethod):
     """`serialized`: rows come in FP8 from the checkpoint; else the dense weight is quantized after loading.
-    `block_cols`: the checkpoint's block width (its scales' group), None for one scale per row."""
+    `block_cols`: the checkpoint's block width (its scales' group), None for one scale per row. `pow2_scales`:
+    activations are scaled by powers of two (scale_fmt ue8m0)."""
 
-    def __init__(self, serialized: bool, block_cols: int | None = None) -> None:
-        self.serialized, self.block_cols = serialized, block_cols
+    def __init__(self, serialized: bool, block_cols: int | None = None, pow2_scales: bool = False) -> None:
+        self.serialized, self.block_cols, self.pow2_scales = serialized, block_cols, pow2_scales
 
     def create_weights(self, layer: nn.Module) -> None:
         out, cols = layer.weight.shape
@@ -184,7 +246,7 @@ class Fp8LinearMethod(LinearMethod):
         elif scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
             y = kernels.scaled_mm(flat, w, scale, bias)
         else:
-            y = kernels.reference(flat, w, scale, layer.weight_group, bias)
+            y = kernels.reference(flat, w, scale, layer.weight_group, bias, self.pow2_scales)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
