@@ -97,6 +97,17 @@ def test_mamba1_scan_without_options_matches_reference(monkeypatch):
     _close(states, expected_states, FP32)
 
 
+def test_mamba1_small_time_steps_are_relatively_exact(monkeypatch):
+    """dt = softplus(-18..-6) (trained Mamba dt runs to 1e-3 and below): from a zero state one step leaves
+    dt B x, so the state shows dt's relative error, which an absolute tolerance on y would hide."""
+    x, dt, z, B, C, A, D, _, _ = _mamba1_inputs(4, 40, 16, torch.float32, num_slots=4)
+    dt = torch.linspace(-18, -6, 40).expand(4, 40)
+    states, expected_states = torch.zeros(4, 40, 16), torch.zeros(4, 40, 16)
+    _reference(monkeypatch, ssm.selective_state_update_pool, expected_states, torch.arange(4), x, dt, A, B, C, D, z)
+    ssm.selective_state_update_pool(states, torch.arange(4), x, dt, A, B, C, D, z)
+    torch.testing.assert_close(states, expected_states, atol=0.0, rtol=1e-5)
+
+
 def test_mamba1_batched_scan_matches_reference(monkeypatch):
     """selective_scan's [batch, seqlen, ...] form, from a given state and from zeros."""
     x, dt, z, B, C, A, D, dt_bias, states = _mamba1_inputs(2 * 33, 21, 16, torch.float32, num_slots=2)
