@@ -29,3 +29,11 @@ class ClampedSwiglu:
 def gated(gate: torch.Tensor, up: torch.Tensor, clamped: ClampedSwiglu | None = None) -> torch.Tensor:
     """SwiGLU, or `clamped`'s form where given."""
     return F.silu(gate) * up if clamped is None else clamped(gate, up)
+
+
+@dataclass(slots=True, frozen=True)
+class Relu2:
+    """Nemotron-H's experts: no gate half, relu(up)² between the up and down projections."""
+
+    def __call__(self, up: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(up))

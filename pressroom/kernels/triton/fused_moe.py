@@ -15,6 +15,9 @@ never widened in memory. Not measured on a GPU yet (no sweep: default launches).
 
 Both take gpt-oss's options: expert biases (gate/up's added before the activation, down's before the top-k
 weight) and its clamped SwiGLU (kernels/moe_activation.py) in the gate/up pass instead of SwiGLU.
+
+`fused_moe_relu2`: experts with no gate half (Nemotron-H): the first GEMM reads only the up rows and applies
+relu(up)² in the same pass; the down pass is fused_moe's.
 """
 from __future__ import annotations
 
@@ -359,6 +362,80 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
     _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
                            mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, *act[:2],
+                           A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
+                           HAS_BIAS=b2[2], **common)
+    return sum_top_k(out.view(tokens, k, hidden))
+
+
+@triton.jit
+def _relu2(x):
+    x = tl.maximum(x, 0.0)
+    return x * x
+
+
+@triton.jit
+def _moe_up_relu2_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, bias_ptr, n_out, k_in, num_pairs, stride_a,
+                         stride_we, stride_wn, stride_c, stride_be, top_k, EVEN_K: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The first GEMM of experts with no gate half: each pair's token times its expert's up rows (n_out of them),
+    plus the expert's bias, through ReLU², out to c's pair row."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    slot, valid, a_row, cols, col_ok = _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, True,
+                                                    BLOCK_M, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = k0 + ks < k_in
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc, _ = _add_bias(acc, acc, bias_ptr, expert, stride_be, cols, col_ok, n_out, False, HAS_BIAS)
+    _store_pairs(_relu2(acc), acc, c_ptr, bias_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
+                 stride_be, 1.0, 0.0, False, False, False, False)
+
+
+def fused_moe_relu2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    launch: MoeLaunch | None = None, all_local: bool = False, w1_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe for experts with no gate half (Nemotron-H): x [T, H]; w1 [E, I, H] the up matrices, relu(up)²
+    between them and w2 [E, H, I]; optional biases w1_bias [E, I], w2_bias [E, H]; weights (fp32) and ids [T, k]
+    as in fused_moe. Returns [T, H] in x's dtype. Default launches (no sweep for these experts yet)."""
+    tokens, hidden = x.shape
+    experts, inter, _ = w1.shape
+    if w1.shape[2] != hidden or w2.shape != (experts, hidden, inter):
+        raise ValueError(f"experts of shapes {tuple(w1.shape)} and {tuple(w2.shape)} do not fit {hidden} hidden "
+                         "features.")
+    k = ids.shape[1]
+    pairs = tokens * k
+    cfg = launch or default_launch(tokens, k, experts)
+    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    b1, b2 = _bias_args(w1_bias, flat_weights), _bias_args(w2_bias, flat_weights)
+    grid = (block_expert.numel(), triton.cdiv(inter, cfg.block_n))
+    _moe_up_relu2_kernel[grid](x, w1, mid, slots, block_expert, b1[0], inter, hidden, pairs, x.stride(0),
+                               w1.stride(0), w1.stride(1), mid.stride(0), b1[1], k,
+                               EVEN_K=hidden % cfg.block_k == 0, HAS_BIAS=b1[2], **common)
+    grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
+    _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
+                           mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, 1.0, 0.0,
                            A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
                            HAS_BIAS=b2[2], **common)
     return sum_top_k(out.view(tokens, k, hidden))

@@ -8,7 +8,8 @@ Kimi). `FusedMoE` holds the experts' weights stacked ([experts, 2 * inter, hidde
 experts some token chose: the tokens are sorted by expert, each expert runs once over its rows. A
 quantization method may hold the experts instead (`set_quant_method`: a `MoeMethod`, model/quantization/).
 Options for gpt-oss: expert biases (`w13_bias` [experts, 2 * inter], `w2_bias` [experts, hidden]) and its
-clamped SwiGLU (kernels/moe_activation.py) in place of SwiGLU.
+clamped SwiGLU (kernels/moe_activation.py) in place of SwiGLU. For Nemotron-H: experts with no gate half
+(activation `Relu2`): `w13` holds only the up matrices [experts, inter, hidden], relu(up)² feeds down.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pressroom.kernels.moe_activation import ClampedSwiglu, gated
+from pressroom.kernels.moe_activation import ClampedSwiglu, Relu2, gated
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import MoeMethod
 
@@ -87,11 +88,12 @@ class FusedMoE(nn.Module):
     this rank holds; a token routed elsewhere contributes nothing here (expert parallelism sums ranks).
     `inter_shard` (rank, ranks): the slice of every expert's intermediate features this rank holds (tensor
     parallelism: each rank's output is a partial sum, too). `bias`: each expert's gate/up and down projections add
-    a bias (gpt-oss); `activation`: the clamped SwiGLU instead of SwiGLU (gpt-oss)."""
+    a bias (gpt-oss); `activation`: the clamped SwiGLU instead of SwiGLU (gpt-oss), or `Relu2` for experts with
+    no gate half (Nemotron-H: w13 holds the up matrices alone, [experts, inter, hidden])."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  expert_range: tuple[int, int] | None = None, inter_shard: tuple[int, int] = (0, 1),
-                 bias: bool = False, activation: ClampedSwiglu | None = None) -> None:
+                 bias: bool = False, activation: ClampedSwiglu | Relu2 | None = None) -> None:
         super().__init__()
         start, end = expert_range or (0, num_experts)
         if not 0 <= start < end <= num_experts:
@@ -106,19 +108,24 @@ class FusedMoE(nn.Module):
         intermediate //= ranks
         self.hidden, self.intermediate, self.inter_start = hidden, intermediate, rank * intermediate
         local = end - start
-        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden), requires_grad=False)
+        self.gated = not isinstance(activation, Relu2)
+        w13_rows = 2 * intermediate if self.gated else intermediate
+        self.w13 = nn.Parameter(torch.empty(local, w13_rows, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         self.activation = activation
         self.w13_bias = self.w2_bias = None
         if bias:  # zeros: a rank holding a slice of the inputs of down adds no share of its bias (see bias_loader)
-            self.w13_bias = nn.Parameter(torch.zeros(local, 2 * intermediate), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.zeros(local, w13_rows), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.zeros(local, hidden), requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.quant_method: MoeMethod | None = None
 
     def set_quant_method(self, method: MoeMethod) -> None:
         """Before loading: hand the experts to a quantization method (model/quantization/)."""
+        if not self.gated:  # the quantized kernels all read a gate half
+            raise ValueError(f"{type(method).__name__} cannot hold experts with no gate half (ReLU² experts, "
+                             "Nemotron-H); leave them dense.")
         self.quant_method = method
         method.create_weights(self)
 
@@ -137,7 +144,7 @@ class FusedMoE(nn.Module):
         if part == DOWN:
             self._store("w2", i, 0, loaded.narrow(1, self.inter_start, inter))
         else:
-            self._store("w13", i, 0 if part == GATE else inter, loaded.narrow(0, self.inter_start, inter))
+            self._store("w13", i, self._up_row(part, expert), loaded.narrow(0, self.inter_start, inter))
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         """One expert's gate, up or down bias ([out]). Down's bias is added once per token-expert pair: by the
@@ -155,8 +162,17 @@ class FusedMoE(nn.Module):
             if self.inter_start == 0:
                 param.data[i].copy_(materialize(loaded))
             return
-        row = 0 if part == GATE else inter
+        row = self._up_row(part, expert)
         param.data[i, row:row + inter].copy_(materialize(loaded.narrow(0, self.inter_start, inter)))
+
+    def _up_row(self, part: str, expert: int) -> int:
+        """Where a gate or up part begins in w13's rows: gate first, then up; experts with no gate half hold up
+        alone."""
+        if self.gated:
+            return 0 if part == GATE else self.intermediate
+        if part == GATE:
+            raise ValueError(f"expert {expert} has a gate matrix, but the model's experts have no gate half.")
+        return 0
 
     def _local_index(self, expert: int) -> int | None:
         """Checkpoint expert `expert`'s place among this rank's experts; None where another rank holds it."""
@@ -180,6 +196,10 @@ class FusedMoE(nn.Module):
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, weights, ids)
+        if x.is_cuda and not self.gated:
+            from pressroom.kernels.triton.fused_moe import fused_moe_relu2
+            return fused_moe_relu2(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids),
+                                   all_local=self.owns_all, w1_bias=self.w13_bias, w2_bias=self.w2_bias)
         if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
             from pressroom.kernels.triton.fused_moe import fused_moe
             return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all,
@@ -199,10 +219,17 @@ class FusedMoE(nn.Module):
                 continue
             local = expert - self.start
             idx = tokens[rows]
-            gate, up = F.linear(x[idx], self.w13[local], _row(self.w13_bias, local)).chunk(2, dim=-1)
-            y = F.linear(gated(gate, up, self.activation), self.w2[local], _row(self.w2_bias, local))
+            y = F.linear(self._activated(x[idx], local), self.w2[local], _row(self.w2_bias, local))
             out.index_add_(0, idx, y * scale[rows].unsqueeze(1).to(y.dtype))
         return out
+
+    def _activated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Local expert `expert`'s first projection of x through its activation: what its down projection reads."""
+        projected = F.linear(x, self.w13[expert], _row(self.w13_bias, expert))
+        if not self.gated:
+            return self.activation(projected)
+        gate, up = projected.chunk(2, dim=-1)
+        return gated(gate, up, self.activation)
 
 
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
