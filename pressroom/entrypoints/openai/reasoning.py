@@ -12,12 +12,37 @@ generation prompt) or from the output beginning with the start marker.
 
 Reasoning tokens are counted on token ids: generated tokens up to and including the end marker (all of
 them while the span is still open).
+
+The DeepSeek parsers (vLLM's names) differ only in how the span opens and ends (`SpanRules`):
+- `deepseek_r1`: R1's template opens `<think>` in the generation prompt (older ones let the model write it), so
+  the output always starts inside the span; a leading `<think>` is skipped.
+- `deepseek_v3`: V3.1's template ends the generation prompt with `<think>` (thinking on) or `</think>` (off); the
+  prompt alone says which, and an output of a prompt that did not open the span has no span.
+- `deepseek_v4`: as V3.1, and a DSML tool-call block ends the span too (V4 may call tools right after thinking,
+  without `</think>`); the block is content, for the tool-call parser.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PARSERS = ("think",)
+DSML_TOOL_CALLS = "<｜DSML｜tool_calls>"  # DeepSeek V4's tool-call block (tool_parsers/deepseek.py)
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRules:
+    """How a parser's span opens and ends, beyond its start and end markers."""
+    always_open: bool = False  # the output starts inside the span whatever the prompt; a leading start is skipped
+    output_may_open: bool = True  # after a prompt that leaves the span closed, the output may open it itself
+    content_starts: tuple[str, ...] = ()  # markers that end the span and begin the content (kept in it)
+
+
+RULES = {
+    "think": SpanRules(),
+    "deepseek_r1": SpanRules(always_open=True),
+    "deepseek_v3": SpanRules(output_may_open=False),
+    "deepseek_v4": SpanRules(output_may_open=False, content_starts=(DSML_TOOL_CALLS,)),
+}
+PARSERS = tuple(RULES)
 
 
 @dataclass(slots=True)
@@ -31,14 +56,16 @@ class _SplitState:
 
 
 class ReasoningParser:
-    """`<think>...</think>` (start and end strings configurable)."""
+    """`<think>...</think>` (start and end strings configurable), the span opening and ending by `rules`."""
 
-    def __init__(self, tokenizer, start: str = "<think>", end: str = "</think>") -> None:
+    def __init__(self, tokenizer, start: str = "<think>", end: str = "</think>",
+                 rules: SpanRules = RULES["think"]) -> None:
         if not start or not end:
             raise ValueError("The reasoning markers must be non-empty strings.")
-        self.start, self.end = start, end
+        self.start, self.end, self.rules = start, end, rules
         self.start_ids = self._ids(tokenizer, start)
         self.end_ids = self._ids(tokenizer, end)
+        self.content_start_ids = [self._ids(tokenizer, marker) for marker in rules.content_starts]
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         # Markers that are special tokens vanish from text decoded with skip_special_tokens; the server then
         # keeps special tokens in the text of requests it parses.
@@ -64,6 +91,8 @@ class ReasoningParser:
 
     def prompt_opens(self, prompt_ids: list[int]) -> bool:
         """The prompt ends inside an open thinking span (its last start marker has no end marker after it)."""
+        if self.rules.always_open:
+            return True
         opened = _end_of_last(prompt_ids, self.start_ids)
         return opened >= 0 and _end_of_last(prompt_ids, self.end_ids) < opened
 
@@ -86,11 +115,12 @@ class ReasoningParser:
         """Generated tokens up to and including the end marker; all of them while the span is open."""
         start = 0
         if not prompt_opens:
-            if output_ids[:len(self.start_ids)] != self.start_ids:
+            if not self.rules.output_may_open or output_ids[:len(self.start_ids)] != self.start_ids:
                 return 0
             start = len(self.start_ids)
-        end = _end_of_first(output_ids, self.end_ids, start)
-        return len(output_ids) if end < 0 else end
+        ends = [_end_of_first(output_ids, self.end_ids, start)]
+        ends += [_start_of_first(output_ids, ids, start) for ids in self.content_start_ids]
+        return min((e for e in ends if e >= 0), default=len(output_ids))
 
 
 class ReasoningStream:
@@ -98,7 +128,10 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser, prompt_opens: bool) -> None:
         self.parser = parser
-        self.state = _SplitState(in_reasoning=prompt_opens, may_open=not prompt_opens, seen_span=prompt_opens)
+        rules = parser.rules
+        # an always-open span may still begin with its start marker: skipped like an opening one
+        may_open = rules.always_open or (not prompt_opens and rules.output_may_open)
+        self.state = _SplitState(in_reasoning=prompt_opens, may_open=may_open, seen_span=prompt_opens)
 
     def feed(self, delta: str) -> tuple[str, str]:
         st, p = self.state, self.parser
@@ -116,13 +149,14 @@ class ReasoningStream:
             else:
                 st.may_open = False
         if st.in_reasoning:
-            at = text.find(p.end)
+            at, marker = _first_span_end(text, p)
             if at >= 0:
                 reasoning.append(text[:at])
                 st.in_reasoning = False
-                content.append(text[at + len(p.end):])
+                # the end marker is dropped; a content start is the content's beginning
+                content.append(text[at + len(marker):] if marker == p.end else text[at:])
             else:
-                keep = _partial_suffix(text, p.end)
+                keep = max(_partial_suffix(text, m) for m in (p.end, *p.rules.content_starts))
                 reasoning.append(text[:len(text) - keep])
                 st.pending = text[len(text) - keep:]
         else:
@@ -143,7 +177,7 @@ class ReasoningStream:
 
 
 def make_parser(name: str | None, tokenizer, start: str = "<think>", end: str = "</think>") -> ReasoningParser | None:
-    """`--reasoning-parser`: "think", "none", or None/"auto" (think when the model has the markers)."""
+    """`--reasoning-parser`: one of PARSERS, "none", or None/"auto" (think when the model has the markers)."""
     if tokenizer is None:  # skip_tokenizer_init: token ids only, nothing to parse
         if name not in (None, "auto", "none"):
             raise ValueError("A reasoning parser needs the tokenizer; drop --skip-tokenizer-init.")
@@ -154,7 +188,13 @@ def make_parser(name: str | None, tokenizer, start: str = "<think>", end: str = 
         return None
     if name not in PARSERS:
         raise ValueError(f"Unknown reasoning parser {name!r}; choose from {', '.join(PARSERS)}, auto or none.")
-    return ReasoningParser(tokenizer, start, end)
+    return ReasoningParser(tokenizer, start, end, RULES[name])
+
+
+def _first_span_end(text: str, parser: ReasoningParser) -> tuple[int, str]:
+    """(where, which) of the earliest marker in `text` that ends the span: the end marker or a content start."""
+    found = [(text.find(m), m) for m in (parser.end, *parser.rules.content_starts)]
+    return min(((at, m) for at, m in found if at >= 0), default=(-1, ""))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -174,8 +214,13 @@ def _end_of_last(ids: list[int], seq: list[int]) -> int:
 
 
 def _end_of_first(ids: list[int], seq: list[int], start: int) -> int:
+    at = _start_of_first(ids, seq, start)
+    return at + len(seq) if at >= 0 else -1
+
+
+def _start_of_first(ids: list[int], seq: list[int], start: int) -> int:
     n = len(seq)
     for i in range(start, len(ids) - n + 1):
         if ids[i:i + n] == seq:
-            return i + n
+            return i
     return -1

@@ -6,6 +6,12 @@ OpenAI-shaped tool-call deltas; `extract` runs one over a whole output.
 from __future__ import annotations
 
 from pressroom.entrypoints.openai.tool_parsers.base import Extraction, ToolCallStream, ToolDelta, assemble, extract
+from pressroom.entrypoints.openai.tool_parsers.deepseek import (
+    DeepSeekV3ToolStream,
+    DeepSeekV4ToolStream,
+    DeepSeekV31ToolStream,
+    DeepSeekV32ToolStream,
+)
 from pressroom.entrypoints.openai.tool_parsers.forced import (
     NamedToolStream,
     RequiredToolStream,
@@ -16,10 +22,15 @@ from pressroom.entrypoints.openai.tool_parsers.hermes import HermesToolStream
 from pressroom.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolStream
 
 TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
+    "deepseek_v3": DeepSeekV3ToolStream,
+    "deepseek_v31": DeepSeekV31ToolStream,
+    "deepseek_v32": DeepSeekV32ToolStream,
+    "deepseek_v4": DeepSeekV4ToolStream,
     "hermes": HermesToolStream,
     "llama3_json": Llama3JsonToolStream,
 }
 
-__all__ = ["TOOL_PARSERS", "Extraction", "HermesToolStream", "Llama3JsonToolStream", "NamedToolStream",
+__all__ = ["TOOL_PARSERS", "DeepSeekV31ToolStream", "DeepSeekV32ToolStream", "DeepSeekV3ToolStream",
+           "DeepSeekV4ToolStream", "Extraction", "HermesToolStream", "Llama3JsonToolStream", "NamedToolStream",
            "RequiredToolStream", "ToolCallStream", "ToolDelta", "assemble", "extract", "named_schema",
            "required_schema"]
