@@ -4,7 +4,8 @@ without any position embedding ("*", full_attention), a ReLU² MLP ("-", mlp), o
 sigmoid router and a shared expert ("E", moe; Nemotron-3 Nano).
 
 Checkpoints (the originals and HF's save_pretrained alike) name the body `backbone` and store each expert's
-matrices apart; multi-token-prediction layers (`mtp.`) are not loaded.
+matrices apart (they load into FusedMoE's stacked w13, up alone: the experts have no gate half, and w2);
+multi-token-prediction layers (`mtp.`) are not loaded.
 """
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pressroom.kernels.moe_activation import Relu2
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pressroom.model.layers.fused_moe import RouterConfig, select_experts
+from pressroom.model.layers.fused_moe import DOWN, UP, FusedMoE, RouterConfig, select_experts
 from pressroom.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pressroom.model.layers.mamba2_mixer import Mamba2Mixer, Mamba2MixerConfig
 from pressroom.model.layers.norm import RMSNorm
-from pressroom.model.lazy_weight import materialize
 from pressroom.model.weights import expected_names, load_named_weights
 
 
@@ -71,40 +72,6 @@ class NemotronHAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class NemotronHExperts(nn.Module):
-    """The routed experts' ReLU² MLPs (no gate projection), stacked: up_proj [experts, inter, in],
-    down_proj [experts, in, inter]; each expert runs once over the tokens that chose it."""
-
-    def __init__(self, num_experts: int, in_dim: int, intermediate: int) -> None:
-        super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, in_dim), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate), requires_grad=False)
-        self.up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: Any, expert: int) -> None:
-        """One expert's matrix, as the checkpoint has it ([out, in])."""
-        target = param.data[expert]
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"expert tensor has shape {tuple(loaded.shape)} where the model config implies "
-                             f"{tuple(target.shape)}; the checkpoint and config.json disagree.")
-        target.copy_(materialize(loaded))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        tokens = order // ids.shape[1]
-        scale = weights.reshape(-1)[order]
-        experts, counts = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
-        begin = 0
-        for expert, count in zip(experts.tolist(), counts.tolist()):
-            rows = slice(begin, begin + count)
-            begin += count
-            idx = tokens[rows]
-            y = F.linear(relu2(F.linear(x[idx], self.up_proj[expert])), self.down_proj[expert])
-            out.index_add_(0, idx, (y * scale[rows, None]).to(out.dtype))  # HF's order: fp32 weight, then cast
-        return out
-
-
 class NemotronHRouter(nn.Module):
     """Sigmoid scores of an fp32 linear; the correction bias steers the choice only."""
 
@@ -127,7 +94,9 @@ class NemotronHMoE(nn.Module):
                                    num_groups=c.n_group, topk_groups=c.topk_group,
                                    routed_scaling_factor=float(c.routed_scaling_factor))
         self.gate = NemotronHRouter(c.hidden_size, c.n_routed_experts)
-        self.experts = NemotronHExperts(c.n_routed_experts, latent or c.hidden_size, c.moe_intermediate_size)
+        # every expert whole on every rank: the Mamba2 layers refuse tensor parallelism anyway
+        self.experts = FusedMoE(c.n_routed_experts, latent or c.hidden_size, c.moe_intermediate_size,
+                                activation=Relu2())
         self.shared_experts = NemotronHMLP(c.hidden_size, c.moe_shared_expert_intermediate_size, bool(c.mlp_bias))
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if latent is not None:
@@ -191,12 +160,15 @@ class NemotronHModel(nn.Module):
 
 _QKV = {".q_proj.": "q", ".k_proj.": "k", ".v_proj.": "v"}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"up_proj": ("w13", UP), "down_proj": ("w2", DOWN)}  # FusedMoE's stacked parameter and part
+_HF_BODY = re.compile(r"^backbone\.")
 _MTP = re.compile(r"(^|\.)mtp\.")  # HF skips these too (its _keys_to_ignore_on_load_unexpected)
 
 
 class NemotronHForCausalLM(nn.Module):
-    # not yet: graph capture of the Mamba2 layers is untried, and the experts' loop reads the routing on the host
-    cuda_graphs_supported = False
+    # its decode forward reads nothing on the host: the Mamba2 decode kernels, attention, the router
+    # (route_topk, or torch's grouped top-k) and the fused experts take device tensors and host shapes only
+    cuda_graphs_supported = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -224,16 +196,24 @@ class NemotronHForCausalLM(nn.Module):
                 return name.replace(part, ".qkv_proj."), shard
         m = _EXPERT.search(name)
         if m is not None:
-            return f"{name[:m.start()]}.experts.{m.group(2)}", int(m.group(1))
+            param, part = _EXPERT_PARTS[m.group(2)]
+            return f"{name[:m.start()]}.experts.{param}", (part, int(m.group(1)))
         return name, None
 
     def checkpoint_parts(self, name: str) -> list[str]:
         if ".qkv_proj." in name:
             return [name.replace(".qkv_proj.", part) for part in _QKV]
-        if name.endswith((".experts.up_proj", ".experts.down_proj")):
-            block, proj = name.rsplit(".", 1)
-            return [f"{block}.{e}.{proj}.weight" for e in range(self.config.n_routed_experts)]
+        for proj, (param, _) in _EXPERT_PARTS.items():
+            if name.endswith(f".experts.{param}"):
+                block = name.removesuffix(f".{param}")
+                return [f"{block}.{e}.{proj}.weight" for e in range(self.config.n_routed_experts)]
         return [name]
+
+    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """bench gpu's HF names -> HF's NemotronH module names: the body `model`, not the checkpoints' `backbone`;
+        the stacked experts' w13 holds the up matrices alone (no gate half)."""
+        return {_HF_BODY.sub("model.", name).replace(".experts.gate_up_proj", ".experts.up_proj"): t
+                for name, t in state.items()}
 
     def expected_weights(self) -> set[str]:
         return expected_names(self)
