@@ -1,0 +1,279 @@
+"""Fused mixture-of-experts over FP8 experts with DeepSeek's 128 x 128 block scales (kernels/fp8_moe.py's form):
+fused_moe.py's two grouped GEMMs over the (token, expert) pairs sorted by expert (its alignment, pair epilogue and
+top-k sum, imported), each tile reading FP8 weights and their blocks' scales.
+
+With `quantize_activations` (the default, DeepSeek's recipe) the activations are quantized to FP8 per token and
+128-input group by one launch before each GEMM (the experts' input, then the intermediate SiLU(gate) * up, stored in
+x's dtype first), and each tile is an FP8 x FP8 tl.dot (FP8 tensor cores: compute capability 8.9 and later); a tile
+spans at most one group (BLOCK_K divides 128), so its fp32 product takes one activation scale per row and one weight
+scale per output column. Without, the weights are widened in registers and multiplied with the activations as they
+are (weight-only, as kernels/triton/quant_gemv.py does for linear layers).
+
+Launches come from a sweep per shape and GPU (`sweep`, written to moe_configs/ beside the bf16 tables, names ending
+in `_fp8_block128_<gpu>.json`), looked up by the nearest token count; without one, `default_launch`'s rows per
+block with 128 inputs a tile.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from pressroom.kernels import fp8
+from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts, quantize
+from pressroom.kernels.triton.fused_moe import (
+    SWEEP_DIR,
+    MoeLaunch,
+    _block_pairs,
+    _store_pairs,
+    align_by_expert,
+    default_launch,
+    load_sweep,
+    nearest_launch,
+    sum_top_k,
+)
+
+SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes a launch's pipelined tiles may take (H100 and H200: 227 KiB per block)
+GROUPS_PER_PROGRAM = 8  # activation groups one quantization program takes
+
+
+def fp8_sweep_path(experts: int, inter: int, hidden: int, top_k: int, gpu: str) -> Path:
+    return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}_fp8_block128_{gpu.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _launch_table(experts: int, inter: int, hidden: int, top_k: int, device: int) -> dict[int, MoeLaunch]:
+    return load_sweep(fp8_sweep_path(experts, inter, hidden, top_k, torch.cuda.get_device_name(device)))
+
+
+def fp8_default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
+    """default_launch's rows per block, a whole 128-input group per tile."""
+    launch = default_launch(tokens, top_k, experts)
+    return MoeLaunch(launch.block_m, launch.block_n, BLOCK, launch.num_warps, launch.num_stages)
+
+
+def choose_launch(tokens: int, w13: Fp8Experts, top_k: int) -> MoeLaunch:
+    experts, double_inter, hidden = w13.shape
+    if w13.weight.device.type != "cuda":  # Triton's interpreter: correctness only
+        return fp8_default_launch(tokens, top_k, experts)
+    table = _launch_table(experts, double_inter // 2, hidden, top_k, w13.weight.device.index or 0)
+    return nearest_launch(table, tokens) if table else fp8_default_launch(tokens, top_k, experts)
+
+
+@triton.jit
+def _on_fp8_grid(x):
+    """fp32 x (|x| <= 448) rounded to e4m3's nearest value, ties to even, still fp32, so the cast that follows is
+    exact. Triton 3.6's interpreter casts fp32 to fp8 rounding half up without carrying into the exponent (7.9 became
+    4.0); on the GPU this costs a few integer ops of a memory-bound launch."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (x + 24576.0) - 24576.0  # multiples of 2^-9: the ulp of fp32 in [2^14, 2^15)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, MIN_AMAX: tl.constexpr,
+                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """One row's GROUPS groups of GROUP inputs: kernels/fp8.py's `quantize` (the same fp32 operations)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = col < cols
+    x = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_LIMIT
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_LIMIT, FP8_LIMIT)  # rounded division, as torch's
+    tl.store(q_ptr + row * stride_q + col, _on_fp8_grid(q).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_s + group, scale, mask=group * GROUP < cols)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (FP8 [rows, cols], fp32 scales [rows, ceil(cols / 128)]): fp8.quantize(x, 128), one launch."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, BLOCK)
+    q = torch.empty(rows, cols, dtype=fp8.FP8, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    per_program = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
+    _quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
+        x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), MIN_AMAX=1e-12, FP8_LIMIT=fp8.FP8_MAX,
+        GROUP=BLOCK, GROUPS=per_program, num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def _fp8_tile(a, a_scale, w_cols, ws_cols, ks, k_ok, k0, A_FP8: tl.constexpr, PRECISION: tl.constexpr,
+              GROUP: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of activations times the weight columns' tile (w_cols: [1, BLOCK_N] row pointers,
+    inputs ks), scaled: fp32 [BLOCK_M, BLOCK_N]. The tile lies in one group of inputs, the one k0 starts."""
+    w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None], other=0.0)
+    w_scale = tl.load(ws_cols + k0 // GROUP)
+    if A_FP8:
+        return tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+    return tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * w_scale[None, :]
+
+
+@triton.jit
+def _moe_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr,
+                         n_out, k_in, num_pairs, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn,
+                         stride_c, top_k, up_scale_rows, limit, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
+                         MUL_WEIGHTS: tl.constexpr, A_FP8: tl.constexpr, LIMITED: tl.constexpr,
+                         PRECISION: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """fused_moe.py's _moe_gemm_kernel over FP8 weights [E, N, K] with block scales [E, ceil(N / GROUP) (per half
+    where GATED: up's from block row up_scale_rows), ceil(K / GROUP)]; A_FP8: FP8 activations with per-group scales
+    [rows, ceil(K / GROUP)]. LIMITED: DeepSeek-V4's clamp of gate and up at `limit` before SwiGLU."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # a block past the used ones (a Triton helper cannot end its caller: the exit stays here)
+        return
+    slot, valid, a_row, cols, col_ok = _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN,
+                                                    BLOCK_M, BLOCK_N)
+    e = expert.to(tl.int64)
+    n = tl.where(col_ok, cols, 0)
+    a_rows = a_ptr + a_row.to(tl.int64)[:, None] * stride_a
+    as_rows = as_ptr + a_row.to(tl.int64) * stride_as
+    w_cols = w_ptr + e * stride_we + n.to(tl.int64)[None, :] * stride_wn
+    ws_cols = ws_ptr + e * stride_wse + (n // GROUP) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_in
+        a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if A_FP8:
+            a_scale = tl.load(as_rows + k0 // GROUP, mask=valid, other=0.0)
+        acc += _fp8_tile(a, a_scale, w_cols, ws_cols, ks, k_ok, k0, A_FP8, PRECISION, GROUP)
+        if GATED:  # up's rows lie n_out rows below gate's, its blocks' scales up_scale_rows block rows below
+            acc_up += _fp8_tile(a, a_scale, w_cols + n_out * stride_wn, ws_cols + up_scale_rows * stride_wsn, ks,
+                                k_ok, k0, A_FP8, PRECISION, GROUP)
+    if LIMITED:
+        acc = tl.minimum(acc, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    _store_pairs(acc, acc_up, c_ptr, weights_ptr, weights_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
+                 0, 1.0, 0.0, GATED, MUL_WEIGHTS, False, False)
+
+
+def check_experts(w13: Fp8Experts, w2: Fp8Experts, hidden: int) -> None:
+    experts, double_inter, _ = w13.shape
+    if w13.halves != 2 or w2.halves != 1:
+        raise ValueError("FP8 experts: w13 must hold gate and up on grids of their own (halves=2), w2 one grid.")
+    if w13.shape[2] != hidden or w2.shape != (experts, hidden, double_inter // 2):
+        raise ValueError(f"FP8 experts of shapes {w13.shape} and {w2.shape} do not fit {hidden} hidden features.")
+
+
+def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: torch.Tensor, ids: torch.Tensor,
+                  launch: MoeLaunch | None = None, all_local: bool = False, quantize_activations: bool = True,
+                  swiglu_limit: float | None = None) -> torch.Tensor:
+    """x [T, H] (bf16 on CUDA; any float dtype under the interpreter); w13 [E, 2I, H] (halves=2) and w2 [E, H, I] as
+    Fp8Experts; weights (fp32) and ids [T, k] local to the experts (-1: another rank's; `all_local`: there are none).
+    Returns [T, H] in x's dtype, what kernels/fp8_moe.py's `reference` computes. `swiglu_limit`: DeepSeek-V4's
+    clamped SwiGLU."""
+    tokens, hidden = x.shape
+    check_experts(w13, w2, hidden)
+    experts, double_inter, _ = w13.shape
+    inter, k = double_inter // 2, ids.shape[1]
+    pairs = tokens * k
+    cfg = launch or choose_launch(tokens, w13, k)
+    if BLOCK % cfg.block_k:
+        raise ValueError(f"an FP8 tile of {cfg.block_k} inputs straddles the 128-input groups; use 32, 64 or 128.")
+    if tokens == 0:
+        return torch.empty_like(x)
+    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    common = dict(num_pairs=pairs, top_k=k, limit=swiglu_limit or 0.0, A_FP8=quantize_activations,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP=BLOCK, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    x = x.contiguous()
+    passes = ((x, w13, mid, inter, hidden, True), (mid, w2, out, hidden, inter, False))
+    for a, w, c, n_out, k_in, by_token in passes:
+        a, a_scale = quantize_groups(a) if quantize_activations else (a, flat_weights)
+        grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
+        _moe_fp8_gemm_kernel[grid](
+            a, a_scale, w.weight, w.scale, c, slots, block_expert, flat_weights, n_out=n_out, k_in=k_in,
+            stride_a=a.stride(0), stride_as=a_scale.stride(0), stride_we=w.weight.stride(0),
+            stride_wn=w.weight.stride(1), stride_wse=w.scale.stride(0), stride_wsn=w.scale.stride(1),
+            stride_c=c.stride(0), up_scale_rows=w.scale.shape[1] // 2, A_BY_TOKEN=by_token, GATED=by_token,
+            MUL_WEIGHTS=not by_token, LIMITED=by_token and swiglu_limit is not None, **common)
+    return sum_top_k(out.view(tokens, k, hidden))
+
+
+def sweep_candidates(tokens: int, top_k: int, experts: int) -> list[MoeLaunch]:
+    """Rows per block no larger than twice the pairs an expert gets on average (16 always); the pipelined FP8 tiles
+    (activations, gate's and up's weights) within the shared-memory budget."""
+    per_expert = tokens * top_k / experts
+    space = {16: ((32, 64, 128), (64, 128), (4, 8), (3, 4, 5)),
+             32: ((64, 128), (64, 128), (4, 8), (3, 4)),
+             64: ((64, 128, 256), (64, 128), (4, 8), (3, 4)),
+             128: ((64, 128, 256), (128,), (4, 8), (3, 4))}
+    out = []
+    for block_m, (ns, ks, warps, stages) in space.items():
+        if block_m > 16 and block_m > 2 * per_expert:
+            continue
+        for n, k, w, s in itertools.product(ns, ks, warps, stages):
+            if s * (block_m * k + 2 * k * n) <= SHARED_MEMORY_BUDGET:
+                out.append(MoeLaunch(block_m, n, k, w, s))
+    return out
+
+
+def _random_experts(experts: int, rows: int, cols: int, halves: int) -> Fp8Experts:
+    """Random FP8 experts on the GPU, quantized a few experts at a time (a whole fp32 stack would not fit)."""
+    parts = [quantize(torch.randn(min(8, experts - e), rows, cols, device="cuda") * 0.02, halves)
+             for e in range(0, experts, 8)]
+    return Fp8Experts(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), halves)
+
+
+def _time_launch(args: tuple, launch: MoeLaunch) -> float | None:
+    """Microseconds per call replayed from a CUDA graph; None where the launch does not fit the GPU."""
+    from triton.testing import do_bench_cudagraph
+    try:
+        fused_moe_fp8(*args, launch=launch, all_local=True)  # compile outside the graph
+        return do_bench_cudagraph(lambda: fused_moe_fp8(*args, launch=launch, all_local=True), rep=20) * 1e3
+    except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
+        print(f"  skip {launch}: {type(e).__name__}", flush=True)
+        return None
+
+
+def sweep(experts: int, inter: int, hidden: int, top_k: int, token_counts: tuple[int, ...] = SWEEP_TOKENS,
+          path: Path | None = None) -> Path:
+    """Time every candidate launch of fused_moe_fp8 (both quantizations, alignment, both GEMMs, the top-k sum, from
+    a CUDA graph, uniform random routing, bf16 activations) for this expert shape on this GPU, and write the fastest
+    per token count where choose_launch reads it (or to `path`), saving after each count (a cut-short run keeps
+    what it has). DeepSeek-V3 on one GPU: sweep(256, 2048, 7168, 8)."""
+    gpu = torch.cuda.get_device_name()
+    path = path or fp8_sweep_path(experts, inter, hidden, top_k, gpu)
+    w13, w2 = _random_experts(experts, 2 * inter, hidden, 2), _random_experts(experts, hidden, inter, 1)
+    header = {"shape": {"experts": experts, "inter": inter, "hidden": hidden, "top_k": top_k},
+              "dtype": "fp8_e4m3 weights, 128x128 block scales; bf16 activations quantized per 1x128 group",
+              "gpu": gpu, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+              "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe_fp8: activation quantization + alignment + both "
+                        "GEMMs + top-k sum; uniform random routing"}
+    best, best_us, default_us = {}, {}, {}
+    for tokens in token_counts:
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        top = torch.randn(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1)
+        args = (x, w13, w2, torch.softmax(top.values, dim=-1), top.indices)
+        start = time.perf_counter()
+        timed = {c: _time_launch(args, c) for c in sweep_candidates(tokens, top_k, experts)}
+        timed = {c: t for c, t in timed.items() if t is not None}
+        winner = min(timed, key=timed.get)
+        fallback = fp8_default_launch(tokens, top_k, experts)
+        base = timed.get(fallback) or _time_launch(args, fallback)
+        best[str(tokens)], best_us[str(tokens)] = asdict(winner), round(timed[winner], 2)
+        default_us[str(tokens)] = None if base is None else round(base, 2)
+        print(f"tokens {tokens:>6}: best {timed[winner]:9.1f} us {winner}; default {base} us; "
+              f"{len(timed)} launches in {time.perf_counter() - start:.0f} s", flush=True)
+        path.write_text(json.dumps({**header, "best": best, "best_us": best_us, "default_us": default_us},
+                                   indent=1) + "\n")
+    return path
