@@ -55,11 +55,12 @@ V31_TEMPLATE = r"""
 {%- if add_generation_prompt %}<｜Assistant｜>{{ '<think>' if thinking else '</think>' }}{% endif %}"""
 
 # V4: the mode and effort from the request, the effort's prompt first (thinking mode), tools after the system
-# prompt, tool results merged into a user turn, reasoning kept for the turns after the last user turn only.
+# prompt, tool results merged into a user turn; in thinking mode, earlier turns lose their reasoning (and open
+# with `</think>`) unless there are tools.
 EFFORT_PROMPTS = {"low": "", "high": "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\n",
                   "max": "Reasoning Effort: Beyond maximum.\n\n"}
 V4_TEMPLATE = r"""
-{%- set ns = namespace(last_user=-1, thinking=true, effort='high') %}
+{%- set ns = namespace(last_user=-1, thinking=true, effort='high', drop=not tools) %}
 {%- if thinking is defined or enable_thinking is defined %}
 {%- set ns.thinking = (thinking is defined and thinking) or (enable_thinking is defined and enable_thinking) %}
 {%- endif %}
@@ -79,7 +80,8 @@ V4_TEMPLATE = r"""
 {%- elif m.role == 'tool' %}{{ '<｜User｜>' if loop.previtem.role != 'tool' else '\n\n' }}<tool_result>
 {{- m.content }}</tool_result>
 {%- elif m.role == 'assistant' %}
-{%- if ns.thinking and loop.index0 > ns.last_user %}{{ (m.reasoning_content or '') + '</think>' }}{% endif %}
+{%- if ns.thinking and (loop.index0 > ns.last_user or not ns.drop) %}{{ (m.reasoning_content or '') + '</think>' }}
+{%- endif %}
 {{- m.content or '' }}
 {%- if m.tool_calls %}{{ '\n\n<｜DSML｜tool_calls>\n' }}
 {%- for call in m.tool_calls %}{{ '<｜DSML｜invoke name="' + call.function.name + '">\n' }}
@@ -90,7 +92,7 @@ V4_TEMPLATE = r"""
 {%- endfor %}{{ '\n</｜DSML｜tool_calls>' }}{% endif %}{{ eos_token }}
 {%- endif %}
 {%- if m.role in ['user', 'tool'] and (loop.last or loop.nextitem.role == 'assistant') %}<｜Assistant｜>
-{{- '<think>' if ns.thinking else '</think>' }}
+{{- '<think>' if ns.thinking and (loop.index0 >= ns.last_user or not ns.drop) else '</think>' }}
 {%- endif %}
 {%- endfor %}"""
 
