@@ -191,7 +191,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
-    common = dict(num_pairs=pairs, top_k=k, limit=swiglu_limit or 0.0, A_FP8=quantize_activations,
+    common = dict(num_pairs=pairs, top_k=k, limit=float(swiglu_limit or 0.0), A_FP8=quantize_activations,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP=BLOCK, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     x = x.contiguous()
