@@ -190,6 +190,21 @@ def test_triton_fp8_moe_applies_deepseek_v4s_clamp():
     assert not torch.allclose(want, fp8_moe.reference(x, w13, w2, weights, ids), rtol=1e-3)
 
 
+@needs_triton
+def test_triton_fp8_moe_refuses_mismatched_experts_and_tiles_across_groups():
+    from pressroom.kernels.triton.fused_moe import MoeLaunch
+    from pressroom.kernels.triton.fused_moe_fp8 import fused_moe_fp8
+    w13, w2 = _experts(2, 256, 128, seed=18)
+    weights, ids = _routing(1, 2, 2, seed=19)
+    with pytest.raises(ValueError, match="do not fit 200 hidden features"):
+        fused_moe_fp8(_x(1, 200, seed=20), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="gate and up on grids of their own"):
+        fused_moe_fp8(_x(1, 256, seed=20), fp8_moe.quantize(w13.dequantize(0)[None].expand(2, -1, -1)), w2, weights,
+                      ids)
+    with pytest.raises(ValueError, match="straddles the 128-input groups"):
+        fused_moe_fp8(_x(1, 256, seed=20), w13, w2, weights, ids, launch=MoeLaunch(16, 64, 256, 4, 2))
+
+
 def _on(w: fp8_moe.Fp8Experts, lo: int = 0, hi: int | None = None) -> fp8_moe.Fp8Experts:
     """Experts [lo, hi) on the kernel's device."""
     return fp8_moe.Fp8Experts(w.weight[lo:hi].to(DEVICE), w.scale[lo:hi].to(DEVICE), w.halves)
