@@ -98,10 +98,13 @@ def test_fp8_moe_time_beside_bf16(deepseek_v3_experts):
 
 
 def test_sweep_writes_a_table_the_lookup_reads(tmp_path, monkeypatch):
-    """Two candidate launches at a small shape: the table names the faster per token count in MoeLaunch's form."""
+    """Two candidate launches at a small shape, swept in two parts: the table keeps both parts' token counts, each
+    naming one of the candidates in MoeLaunch's form."""
     candidates = [kernel.MoeLaunch(16, 64, 128, 4, 3), kernel.MoeLaunch(16, 128, 64, 4, 3)]
     monkeypatch.setattr(kernel, "sweep_candidates", lambda tokens, top_k, experts: candidates)
-    path = kernel.sweep(16, 256, 512, 2, token_counts=(1, 64), path=tmp_path / "table.json")
+    path = tmp_path / "table.json"
+    for part in ((1,), (64,)):
+        kernel.sweep(16, 256, 512, 2, token_counts=part, path=path)
     table = load_sweep(path)
     assert set(table) == {1, 64} and all(launch in candidates for launch in table.values())
     assert json.loads(path.read_text())["shape"] == {"experts": 16, "inter": 256, "hidden": 512, "top_k": 2}

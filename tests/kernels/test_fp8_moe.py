@@ -201,7 +201,7 @@ def test_triton_fp8_moe_refuses_mismatched_experts_and_tiles_across_groups():
     with pytest.raises(ValueError, match="gate and up on grids of their own"):
         fused_moe_fp8(_x(1, 256, seed=20), fp8_moe.quantize(w13.dequantize(0)[None].expand(2, -1, -1)), w2, weights,
                       ids)
-    with pytest.raises(ValueError, match="straddles the 128-input groups"):
+    with pytest.raises(ValueError, match="a tile lies in one 128-input group"):
         fused_moe_fp8(_x(1, 256, seed=20), w13, w2, weights, ids, launch=MoeLaunch(16, 64, 256, 4, 2))
 
 

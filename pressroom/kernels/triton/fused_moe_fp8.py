@@ -184,7 +184,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
     pairs = tokens * k
     cfg = launch or choose_launch(tokens, w13, k)
     if BLOCK % cfg.block_k or cfg.block_k < 32:
-        raise ValueError(f"an FP8 tile of {cfg.block_k} inputs straddles the 128-input groups; use 32, 64 or 128.")
+        raise ValueError(f"FP8 tiles of {cfg.block_k} inputs: use 32, 64 or 128 (a tile lies in one 128-input group).")
     if tokens == 0:
         return torch.empty_like(x)
     slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
@@ -244,36 +244,51 @@ def _time_launch(args: tuple, launch: MoeLaunch) -> float | None:
         return None
 
 
+def _routed(tokens: int, experts: int, top_k: int, hidden: int) -> tuple[torch.Tensor, ...]:
+    """bf16 activations and uniform random routing: (x, weights, ids)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    top = torch.randn(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1)
+    return x, torch.softmax(top.values, dim=-1), top.indices
+
+
+def _table_so_far(path: Path, shape: dict[str, int]) -> dict[str, dict]:
+    """The entries an earlier run wrote to `path` for this shape (a long sweep may run in parts), else empty ones."""
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    if earlier.get("shape") != shape:
+        return {"best": {}, "best_us": {}, "default_us": {}}
+    return {key: earlier[key] for key in ("best", "best_us", "default_us")}
+
+
 def sweep(experts: int, inter: int, hidden: int, top_k: int, token_counts: tuple[int, ...] = SWEEP_TOKENS,
           path: Path | None = None) -> Path:
     """Time every candidate launch of fused_moe_fp8 (both quantizations, alignment, both GEMMs, the top-k sum, from
     a CUDA graph, uniform random routing, bf16 activations) for this expert shape on this GPU, and write the fastest
-    per token count where choose_launch reads it (or to `path`), saving after each count (a cut-short run keeps
-    what it has). DeepSeek-V3 on one GPU: sweep(256, 2048, 7168, 8)."""
+    per token count where choose_launch reads it (or to `path`), saving after each count and keeping the counts an
+    earlier run of the same shape wrote (a long sweep can run in parts). DeepSeek-V3 on one GPU:
+    sweep(256, 2048, 7168, 8)."""
     gpu = torch.cuda.get_device_name()
     path = path or fp8_sweep_path(experts, inter, hidden, top_k, gpu)
+    shape = {"experts": experts, "inter": inter, "hidden": hidden, "top_k": top_k}
+    table = _table_so_far(path, shape)
     w13, w2 = _random_experts(experts, 2 * inter, hidden, 2), _random_experts(experts, hidden, inter, 1)
-    header = {"shape": {"experts": experts, "inter": inter, "hidden": hidden, "top_k": top_k},
-              "dtype": "fp8_e4m3 weights, 128x128 block scales; bf16 activations quantized per 1x128 group",
-              "gpu": gpu, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+    header = {"shape": shape, "dtype": "fp8_e4m3 weights, 128x128 block scales; bf16 activations quantized per 1x128 "
+                                       "group", "gpu": gpu, "triton": triton.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M"),
               "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe_fp8: activation quantization + alignment + both "
                         "GEMMs + top-k sum; uniform random routing"}
-    best, best_us, default_us = {}, {}, {}
     for tokens in token_counts:
-        gen = torch.Generator(device="cuda").manual_seed(tokens)
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        top = torch.randn(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1)
-        args = (x, w13, w2, torch.softmax(top.values, dim=-1), top.indices)
+        x, weights, ids = _routed(tokens, experts, top_k, hidden)
+        args = (x, w13, w2, weights, ids)
         start = time.perf_counter()
         timed = {c: _time_launch(args, c) for c in sweep_candidates(tokens, top_k, experts)}
         timed = {c: t for c, t in timed.items() if t is not None}
         winner = min(timed, key=timed.get)
         fallback = fp8_default_launch(tokens, top_k, experts)
         base = timed.get(fallback) or _time_launch(args, fallback)
-        best[str(tokens)], best_us[str(tokens)] = asdict(winner), round(timed[winner], 2)
-        default_us[str(tokens)] = None if base is None else round(base, 2)
+        table["best"][str(tokens)], table["best_us"][str(tokens)] = asdict(winner), round(timed[winner], 2)
+        table["default_us"][str(tokens)] = None if base is None else round(base, 2)
         print(f"tokens {tokens:>6}: best {timed[winner]:9.1f} us {winner}; default {base} us; "
               f"{len(timed)} launches in {time.perf_counter() - start:.0f} s", flush=True)
-        path.write_text(json.dumps({**header, "best": best, "best_us": best_us, "default_us": default_us},
-                                   indent=1) + "\n")
+        path.write_text(json.dumps({**header, **table}, indent=1) + "\n")
     return path
