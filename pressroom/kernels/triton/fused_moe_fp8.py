@@ -168,6 +168,8 @@ def check_experts(w13: Fp8Experts, w2: Fp8Experts, hidden: int) -> None:
         raise ValueError("FP8 experts: w13 must hold gate and up on grids of their own (halves=2), w2 one grid.")
     if w13.shape[2] != hidden or w2.shape != (experts, hidden, double_inter // 2):
         raise ValueError(f"FP8 experts of shapes {w13.shape} and {w2.shape} do not fit {hidden} hidden features.")
+    if any(t.stride(2) != 1 for w in (w13, w2) for t in (w.weight, w.scale)):
+        raise ValueError("FP8 experts and their scales must be contiguous along their inputs (the last dimension).")
 
 
 def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: torch.Tensor, ids: torch.Tensor,
