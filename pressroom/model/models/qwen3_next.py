@@ -213,9 +213,7 @@ class GatedDeltaNet(RecurrentLayer):
             q, k, v = self._heads(triton_ssm.causal_conv1d_update_pool(qkv, conv, slots, weight, None))
             return triton_delta_rule.fused_recurrent_decode(q, k, v, g, beta, pool, slots)
         q, k, v = self._heads(ssm.causal_conv1d_update_pool(qkv, conv, slots, weight, None))
-        out, new = delta_rule.recurrent_decode_step(q, k, v, g, beta, pool.index_select(0, slots))
-        pool.index_copy_(0, slots, new)
-        return out
+        return delta_rule.recurrent_decode_step_pool(q, k, v, g, beta, pool, slots)
 
     def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,8 @@ class Fp4Method(QuantizationMethod):
         return self.linear_method(self.serialized)
 
     def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        if not getattr(layer, "gated", True):  # relu² experts (Nemotron-H): FP4 kernels read a gate half
+            return None
         if self.serialized and excluded(prefix, self.kept_dense):
             return None
         check_experts(self.name, layer, prefix)
