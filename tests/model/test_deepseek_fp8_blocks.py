@@ -221,6 +221,18 @@ def test_ue8m0_exponent_scales_and_power_of_two_activations(checkpoints):
     _assert_near(prompt_logprobs(llm), rounded, FAKE_QUANT_TOLERANCE, FAKE_QUANT_FLIPS)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_triton_block_gemm_equals_the_reference(pow2):
+    """kernels/triton/fp8_block_gemm.py (Triton's interpreter without CUDA) against kernels/fp8.py's reference:
+    partial row blocks, a partial last group, tokens past one tile."""
+    from pressroom.kernels.triton.fp8_block_gemm import block_fp8_linear
+    gen = torch.Generator().manual_seed(5)
+    x, w, bias = torch.randn(70, 320, generator=gen), torch.randn(200, 320, generator=gen) * 0.05, torch.randn(200)
+    w_q, w_scale = fp8.quantize(w, BLOCK)
+    want = fp8.reference(x, w_q, w_scale, BLOCK, bias, pow2)
+    torch.testing.assert_close(block_fp8_linear(x, w_q, w_scale, bias, pow2), want, rtol=0, atol=1e-5)
+
+
 def _with_config(checkpoint: Path, path: Path, **settings) -> Path:
     """`checkpoint`'s weights under a config.json whose quantization_config takes `settings`."""
     config = json.loads((checkpoint / "config.json").read_text())

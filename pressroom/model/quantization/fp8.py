@@ -13,8 +13,11 @@ of `group` inputs, the one form all three layouts take (a per-tensor scale repea
 scale repeated over its 128 rows), so stacked parts (q, k, v) with scales of their own, and row slices that
 cut a block, need nothing special. On CUDA, steps of at most 16 tokens (decode) go through the weight-only Triton
 GEMV (kernels/triton/quant_gemv.py: FP8 read, dequantized in registers, bf16 activations as they are); larger
-per-channel steps through torch._scaled_mm on FP8 GPUs; larger block-scaled steps, and every weight on the CPU,
-through the dequantizing reference (kernels/fp8.py).
+per-channel steps through torch._scaled_mm on FP8 GPUs; larger steps over 128-input blocks (DeepSeek's) through the
+block-scaled FP8 GEMM on FP8 GPUs (kernels/triton/fp8_block_gemm.py: activations quantized per token and 128 inputs);
+anything else, and every weight on the CPU, through the dequantizing reference (kernels/fp8.py). The CPU keeps the
+weight in FP8 and dequantizes it at each call rather than holding a bf16 copy: a DeepSeek-V3 is ~700 GB in FP8 and
+twice that in bf16, so memory, not the per-call dequantization, decides what a host can serve.
 DeepSeek's form (`fmt: "e4m3"`, `weight_block_size: [128, 128]`, `activation_scheme: "dynamic"`) may add
 `scale_fmt: "ue8m0"`: its block scales are powers of two, stored as float32 or as exponent bytes (uint8 or
 float8_e8m0fnu: 2^(byte - 127)), and activations are scaled by powers of two as well (kernels/fp8.py). Another
@@ -154,6 +157,12 @@ def _scale_values(scale: torch.Tensor, ue8m0: bool, name: str) -> torch.Tensor:
     return values
 
 
+def _block_gemm_fits(x: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
+    """Block scales in 128-input groups, on a GPU with FP8 tensor cores (compute capability 8.9 and later)."""
+    from pressroom.kernels.triton.fp8_block_gemm import supported
+    return supported(scale, group) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
 def _scale_of(tensors: dict[str, LazyWeight], name: str) -> str:
     base = name.removesuffix(".weight")
     for suffix in _SCALES:
@@ -245,6 +254,9 @@ class Fp8LinearMethod(LinearMethod):
             y = fp8_linear(flat, w, scale, layer.weight_group, bias)
         elif scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
             y = kernels.scaled_mm(flat, w, scale, bias)
+        elif flat.is_cuda and _block_gemm_fits(flat, scale, layer.weight_group):
+            from pressroom.kernels.triton.fp8_block_gemm import block_fp8_linear
+            y = block_fp8_linear(flat, w, scale, bias, self.pow2_scales)
         else:
             y = kernels.reference(flat, w, scale, layer.weight_group, bias, self.pow2_scales)
         return y.view(*x.shape[:-1], y.shape[-1])
