@@ -42,7 +42,8 @@ TWIN_BF16_TOLERANCE = 2e-2
 FAKE_QUANT_TOLERANCE, FAKE_QUANT_FLIPS = 1e-4, 2
 # --quantization none (dequantized, fp32) against HF on the twin
 DEQUANTIZED_TOLERANCE = 1e-4
-_DENSE = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")  # what DeepSeek leaves unquantized
+# what DeepSeek leaves unquantized: embeddings, LM head, router, V3.2's indexer head weights
+_DENSE = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
 
 
 def _block_quantize(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,17 +139,20 @@ def prompt_logprobs(llm: LLM) -> torch.Tensor:
 
 def _hf_logprobs(twin: Path, fake_quant: bool = False, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's prompt logprobs on the twin, as it is and with each linear layer pressroom keeps in FP8 (all but
-    kv_b_proj, the router and the LM head; HF's routed experts are no nn.Linear) taking its input rounded to FP8
-    per token and 128 inputs (`pow2`: by power-of-two scales)."""
+    kv_b_proj, the router, the indexer's head weights and the LM head; HF's routed experts are no nn.Linear) taking
+    its input rounded to FP8 per token and 128 inputs (`pow2`: by power-of-two scales)."""
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32)
     with torch.no_grad():
         plain = torch.tensor([lp for p in PROMPTS for lp in hf_prompt_logprobs(hf, p["prompt_token_ids"])])
         for name, module in hf.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith(("kv_b_proj", "lm_head", "mlp.gate")):
+            if isinstance(module, nn.Linear) and not name.endswith(_NOT_KEPT_IN_FP8):
                 module.forward = _fake_quant(module, pow2)
         rounded = torch.tensor([lp for p in PROMPTS for lp in hf_prompt_logprobs(hf, p["prompt_token_ids"])])
     return plain, rounded
+
+
+_NOT_KEPT_IN_FP8 = ("kv_b_proj", "lm_head", "mlp.gate", "weights_proj")
 
 
 def _fake_quant(module: nn.Linear, pow2: bool):
@@ -207,6 +211,26 @@ def test_fp8_blocks_stay_in_fp8_and_match_the_dequantized_twin(checkpoints, hf_o
 def test_quantization_none_matches_hf_on_the_dequantized_weights(dequantized, hf_on_twin):
     assert all(m.quant_method is None for m in dequantized.engine.model.modules() if isinstance(m, LinearBase))
     _assert_near(prompt_logprobs(dequantized), hf_on_twin[0], DEQUANTIZED_TOLERANCE)
+
+
+@pytest.mark.slow  # ~5 s each: their own checkpoints and HF oracles
+@pytest.mark.parametrize("arch, kept", [
+    ("deepseek_v2", ("self_attn.q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.down_proj")),
+    ("deepseek_v32", ("q_b_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk")),
+])
+def test_v2_and_v32_keep_their_linear_layers_in_fp8(arch, kept, tiny_model_dir, tmp_path):
+    """V2-Lite's form (q_proj, no q compression) and V3.2's (the indexer's wq_b and wk in FP8, its head weights
+    dense), one partial block per weight (hidden 64), against HF with FP8-rounded inputs."""
+    write_deepseek_fp8(Path(tiny_model_dir(arch)), tmp_path / "fp8", tmp_path / "twin")
+    llm, dequantized = _llm(tmp_path / "fp8"), _dequantized_llm(tmp_path / "fp8")
+    held, dense = _held_weights(llm.engine.model), _held_weights(dequantized.engine.model)
+    assert all(torch.equal(w, dense[name]) for name, w in held.items())
+    fp8_layers = [name for name, m in llm.engine.model.named_modules()
+                  if isinstance(m, LinearBase) and m.weight.dtype == fp8.FP8]
+    assert all(any(part in name for name in fp8_layers) for part in kept), fp8_layers
+    assert not any("weights_proj" in name for name in fp8_layers)
+    _, rounded = _hf_logprobs(tmp_path / "twin")
+    _assert_near(prompt_logprobs(llm), rounded, FAKE_QUANT_TOLERANCE, FAKE_QUANT_FLIPS)
 
 
 def test_ue8m0_exponent_scales_and_power_of_two_activations(checkpoints):

@@ -302,7 +302,10 @@ class LightningIndexer(nn.Module):
         self.wk = ColumnParallelLinear(config.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
         self.k_norm.requires_grad_(False)
-        self.weights_proj = ColumnParallelLinear(config.hidden_size, self.heads)
+        # never quantized in DeepSeek's FP8 checkpoints (vLLM builds it with quant_config=None): a plain linear
+        # layer, which no quantization method takes
+        self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
+        self.weights_proj.requires_grad_(False)
 
     def keys(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         """[tokens, dim]: rotated (rotate-half, on the first qk_rope_head_dim dimensions)."""

@@ -37,7 +37,7 @@ from torch import nn
 from pressroom.kernels import fp8 as kernels
 from pressroom.kernels.fp8 import FP8
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, lazy_quantized, loads_into
+from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, excluded, lazy_quantized, loads_into
 
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale",)  # static activation scales: activations are scaled per token instead
@@ -91,8 +91,12 @@ class Fp8Method(QuantizationMethod):
             raise ValueError(f"quantization_config.scale_fmt is {config['scale_fmt']!r}, an unknown scale format; "
                              "FP8 checkpoints are read with float32 scales (no scale_fmt) or ue8m0.")
         self.ue8m0 = config.get("scale_fmt") == "ue8m0"
+        # HF's and vLLM's names for the modules a checkpoint left unquantized
+        self.kept_dense = [*(config.get("modules_to_not_convert") or ()), *(config.get("ignored_layers") or ())]
 
     def layer_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if self.serialized and excluded(prefix, self.kept_dense):
+            return None
         return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None, self.ue8m0)
 
     def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
