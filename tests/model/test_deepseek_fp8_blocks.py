@@ -257,6 +257,19 @@ def test_the_triton_block_gemm_equals_the_reference(pow2):
     torch.testing.assert_close(block_fp8_linear(x, w_q, w_scale, bias, pow2), want, rtol=0, atol=1e-5)
 
 
+def test_ue8m0_scales_read_as_exponent_bytes_or_powers_of_two():
+    from pressroom.model.quantization.fp8 import _scale_values
+    exponents = torch.tensor([[120, 127], [130, 1]], dtype=torch.uint8)
+    want = torch.exp2(exponents.float() - 127)
+    assert torch.equal(_scale_values(exponents, True, "s"), want)
+    assert torch.equal(_scale_values(want.to(torch.float8_e8m0fnu), True, "s"), want)
+    assert torch.equal(_scale_values(want, True, "s"), want)
+    with pytest.raises(ValueError, match="x.weight_scale_inv is stored as torch.uint8 exponent bytes, but"):
+        _scale_values(exponents, False, "x.weight_scale_inv")
+    with pytest.raises(ValueError, match="the ue8m0 NaN"):
+        _scale_values(torch.tensor([255], dtype=torch.uint8), True, "s")
+
+
 def _with_config(checkpoint: Path, path: Path, **settings) -> Path:
     """`checkpoint`'s weights under a config.json whose quantization_config takes `settings`."""
     config = json.loads((checkpoint / "config.json").read_text())
