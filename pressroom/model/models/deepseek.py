@@ -12,7 +12,7 @@ shared key to (even dims, odd dims), so the rotate-half kernels compute the same
 
 FP8 checkpoints as DeepSeek ships them (128x128 block scales, `weight_scale_inv`; model/quantization/fp8.py)
 stay in FP8 in every linear layer: MLA's q_a/q_b (or q) projection, kv_a_proj_with_mqa and o_proj, the dense
-MLPs, the shared experts and the indexer's projections. The rope reorder is exact on them: pressroom keeps a
+MLPs, the shared experts and V3.2 indexer's wq_b and wk. The rope reorder is exact on them: pressroom keeps a
 block's scale on each of its rows, so permuting rows moves each row's scales with it, whatever the block grid.
 Dequantized at load: kv_b_proj (used as per-head batched matrices in the absorbed form, never as a linear layer;
 vLLM dequantizes it too, to form W_UK and W_UV) and the routed experts (until an FP8 experts method exists).
