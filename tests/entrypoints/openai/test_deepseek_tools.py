@@ -5,15 +5,25 @@ reads it back into the same content and calls, whole and streamed in small rando
 what a model may get wrong (a call that does not parse, an output cut inside a call, text after the block).
 
 The templates render through the server's own sandboxed renderer (`template_worker.Renderer`), given the
-messages as the server gives them (`chat_template.template_messages`: tool-call arguments as objects)."""
+messages as the server gives them (`chat_template.template_messages`: tool-call arguments as objects). One test
+runs the server on loopback (the shared tiny engine, `--reasoning-parser deepseek_r1 --tool-call-parser
+deepseek_v3`, R1-0528's pair) with the official openai client, the output forced by structured outputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import threading
+import time
 
+import openai
 import pytest
+import uvicorn
+from serving import free_port
 
 from pressroom.entrypoints.openai.chat_template import template_messages
+from pressroom.entrypoints.openai.server import build_app
+from pressroom.entrypoints.openai.settings import ServerSettings
 from pressroom.entrypoints.openai.template_worker import Renderer
 from pressroom.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -258,3 +268,54 @@ def test_registry_has_vllms_deepseek_names():
     assert {name: TOOL_PARSERS[name] for name in ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4")} == {
         "deepseek_v3": DeepSeekV3ToolStream, "deepseek_v31": DeepSeekV31ToolStream,
         "deepseek_v32": DeepSeekV32ToolStream, "deepseek_v4": DeepSeekV4ToolStream}
+
+
+# ---- through the server ----
+
+R1_SETTINGS = ServerSettings(served_model_name=("tiny",), log_stats_interval=0, log_requests=False,
+                             reasoning_parser="deepseek_r1", enable_auto_tool_choice=True,
+                             tool_call_parser="deepseek_v3", trust_request_chat_template=True)
+
+
+@contextlib.contextmanager
+def _loopback(app):
+    """The app under uvicorn on a free loopback port, in a thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_r1_reasoning_and_v3_calls_through_the_server(tiny_async_engine):
+    """R1 thinks, then calls in V3's format: reasoning_content, no content, the call, whole and streamed (the
+    engine's first grammar costs seconds on the CPU; the forced output itself well under one)."""
+    reasoning = "Hm.\n"
+    output = f"{reasoning}</think>\n\n{BEGIN}{V3_CALL}{END}"
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                max_tokens=200, temperature=0,
+                extra_body={"chat_template": V3_TEMPLATE, "structured_outputs": {"choice": [output]}})
+    with _loopback(build_app(tiny_async_engine, R1_SETTINGS)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        whole = client.chat.completions.create(**body)
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.reasoning_content == reasoning and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [UTC]
+    assert whole.usage.completion_tokens_details.reasoning_tokens > 0  # exact counts: the reasoning tests
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert not "".join(d.content or "" for d in deltas)
+    streamed = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed[0].function.name == UTC[0] and streamed[0].id and streamed[0].type == "function"
+    assert json.loads("".join(t.function.arguments or "" for t in streamed)) == UTC[1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage == whole.usage
