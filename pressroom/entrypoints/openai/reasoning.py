@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DSML_TOOL_CALLS = "<｜DSML｜tool_calls>"  # DeepSeek V4's tool-call block (tool_parsers/deepseek.py)
+from pressroom.entrypoints.openai.tool_parsers.deepseek import V4_BLOCK
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ RULES = {
     "think": SpanRules(),
     "deepseek_r1": SpanRules(always_open=True),
     "deepseek_v3": SpanRules(output_may_open=False),
-    "deepseek_v4": SpanRules(output_may_open=False, content_starts=(DSML_TOOL_CALLS,)),
+    "deepseek_v4": SpanRules(output_may_open=False, content_starts=(V4_BLOCK.open,)),
 }
 PARSERS = tuple(RULES)
 
