@@ -171,11 +171,15 @@ class EngineCore:
 
     def _log_states(self, plan: CachePlan) -> None:
         spec, bs = self.model_spec, self.config.cache.block_size
+        per_token = spec.kv_bytes_per_block / bs + spec.state_bytes_per_slot / self.max_model_len
         logger.info("recurrent state: %d bytes per request; %d live slots (max concurrency %d); %d prefix checkpoints "
                     "every %d tokens; KV + state bytes per token at max_model_len %d: %.1f",
                     spec.state_bytes_per_slot, plan.num_live_slots, plan.num_live_slots, plan.num_checkpoints,
-                    plan.checkpoint_interval, self.max_model_len,
-                    spec.kv_bytes_per_block / bs + spec.state_bytes_per_slot / self.max_model_len)
+                    plan.checkpoint_interval, self.max_model_len, per_token)
+        if spec.full_attention_bytes_per_block:
+            full = spec.full_attention_bytes_per_block / bs
+            logger.info("full-attention equivalent (every layer like its attention layers): %.1f KV bytes per token; "
+                        "capacity multiplier %.2fx at max_model_len %d", full, full / per_token, self.max_model_len)
 
     def _num_blocks(self, spec: ModelSpec) -> int:
         cache = self.config.cache

@@ -45,6 +45,8 @@ class ModelSpec:
     device_drafts: int  # drafts a device drafter makes per request and step (async scheduling), else 0
     kv_chunk_shape: tuple[int, ...] | None = None  # one block over every layer, as KV offload tiers hold it
     state_bytes_per_slot: int = 0  # one request's recurrent state over every recurrent layer (0: none)
+    # A hybrid's KV bytes per block if every decoder layer were one of its attention layers (0: no attention)
+    full_attention_bytes_per_block: int = 0
 
 
 @dataclass(slots=True)
@@ -104,7 +106,8 @@ class Worker:
             layers = runner.attention_layers
             chunk = kv_chunk_shape(layers, kv_head_range(self.model, layers), config.cache.block_size)
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config, self.model), per_block,
-                         lookahead, device_drafts, chunk, runner.state_bytes_per_slot())
+                         lookahead, device_drafts, chunk, runner.state_bytes_per_slot(),
+                         _full_attention_bytes_per_block(runner, hf_config))
 
     def parameter_count(self) -> int:
         """Parameters this rank holds (its shards, and what every rank replicates)."""
@@ -211,6 +214,15 @@ class Worker:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _full_attention_bytes_per_block(runner: ModelRunner, hf_config) -> int:
+    """For a model with recurrent layers beside attention ones: its attention layers' KV bytes per block scaled to
+    every decoder layer, the full-attention equivalent its capacity is set against."""
+    layers = len(runner.attention_layers)
+    if runner.state_cache is None or not layers:
+        return 0
+    return runner.kv_cache_bytes_per_block() * getattr(hf_config, "num_hidden_layers", layers) // layers
 
 
 def _max_position(hf_config, model) -> int:

@@ -124,3 +124,23 @@ def test_a_prompt_past_the_model_length_is_a_clear_error(mamba_dir):
         _generate(llm, _prompts(5, 0, [80]))
     assert _tokens(_generate(llm, _prompts(5, 0, [20]))) and llm.engine.core.scheduler is not None
     llm.shutdown()
+
+
+def test_a_hybrid_logs_its_capacity_against_the_full_attention_equivalent(tmp_path, caplog):
+    """Nemotron-H with one attention layer in four: the log sets KV + state bytes per token against every layer
+    holding that attention layer's KV."""
+    import transformers
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"], intermediate_size=48,
+        ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=6, n_groups=2, chunk_size=16)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="pressroom"):
+        llm = _llm(str(tmp_path), max_model_len=512)
+    kv = 2 * 2 * 8 * 4  # one attention layer: k and v, 2 heads of 8, fp32
+    full = re.search(r"full-attention equivalent .*: ([\d.]+) KV bytes per token; capacity multiplier ([\d.]+)x",
+                     caplog.text)
+    per_token = float(re.search(r"KV \+ state bytes per token at max_model_len 512: ([\d.]+)", caplog.text).group(1))
+    assert full is not None and float(full.group(1)) == 4 * kv
+    assert float(full.group(2)) == pytest.approx(4 * kv / per_token, rel=1e-2) and per_token > kv
+    llm.shutdown()
