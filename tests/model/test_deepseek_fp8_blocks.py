@@ -238,9 +238,6 @@ def test_ue8m0_exponent_scales_and_power_of_two_activations(checkpoints):
     o_proj = llm.engine.model.model.layers[1].self_attn.o_proj
     assert o_proj.quant_method.pow2_scales
     assert torch.equal(torch.exp2(torch.log2(o_proj.weight_scale).round()), o_proj.weight_scale)
-    dequantized = _dequantized_llm(checkpoints.ue8m0)  # held: an LLM let go shuts its engine down
-    dense = _held_weights(dequantized.engine.model)
-    assert all(torch.equal(w, dense[name]) for name, w in _held_weights(llm.engine.model).items())
     _, rounded = _hf_logprobs(checkpoints.ue8m0_twin, pow2=True)
     _assert_near(prompt_logprobs(llm), rounded, FAKE_QUANT_TOLERANCE, FAKE_QUANT_FLIPS)
 
