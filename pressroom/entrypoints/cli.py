@@ -20,7 +20,8 @@ from pressroom.logger import FORMAT, configure_logging  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers' registry (not imported: start-up)
+# entrypoints/openai/tool_parsers' registry (not imported: start-up)
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "hermes", "llama3_json")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -187,7 +188,8 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                         help="prefix of /metrics names, e.g. vllm: for existing vLLM dashboards")
     server.add_argument("--reasoning-parser", default=_server_default("reasoning_parser"), choices=REASONING_PARSERS,
                         help="split <think>...</think> into reasoning_content (auto: when the model's chat "
-                             "template or vocabulary has the markers)")
+                             "template or vocabulary has the markers; deepseek_r1: the output starts inside the "
+                             "reasoning; deepseek_v3 / deepseek_v4: the prompt's end says whether thinking is on)")
     server.add_argument("--reasoning-start-str", default=_server_default("reasoning_start"),
                         help="the reasoning span's start marker")
     server.add_argument("--reasoning-end-str", default=_server_default("reasoning_end"),

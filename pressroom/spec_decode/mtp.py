@@ -29,6 +29,7 @@ from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.loader import iter_safetensors
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
+from pressroom.model.quantization import checkpoint_quantization, resolve_method
 from pressroom.model.weights import load_named_weights
 from pressroom.spec_decode.draft_model import draw_rows
 from pressroom.worker.device import to_device
@@ -159,7 +160,11 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
             predictor = MultiTokenPredictor(model)
     finally:
         torch.set_default_dtype(previous)
-    loaded = predictor.load_mtp_weights(iter_safetensors(config.model))
+    weights = iter_safetensors(config.model)
+    method = resolve_method("none", checkpoint_quantization(model.config, config.model))
+    if method is not None:  # an FP8 block checkpoint: its weights joined with their scales, dequantized
+        weights = method.checkpoint_weights(predictor, weights)
+    loaded = predictor.load_mtp_weights(weights)
     if not loaded:
         raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
                          f"prediction layer (model.layers.{predictor.mtp[0].index}.*), though its config says "

@@ -359,7 +359,7 @@ class ChatMessage(OpenAIModel):
         return self.content or ""
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ChatCompletionRequest(_SamplingRequest):
