@@ -133,7 +133,7 @@ def add_context_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=positive_ints, default=[4096, 16384, 65536, 131072],
                         help="comma-separated context lengths")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed at each context")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU the engine takes")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="the cache's size (CPU runs)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the dummy weights")
     parser.add_argument("--output-json", default=None, help="write the report here")

@@ -95,7 +95,7 @@ def test_the_walk_reaches_every_subcommand():
     assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("make-prompts",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
                             ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
-                            ("bench", "embed"), ("bench", "structured")}
+                            ("bench", "context"), ("bench", "embed"), ("bench", "structured")}
 
 
 @pytest.mark.parametrize("path", PARSERS, ids=lambda p: " ".join(p) or "pressroom")
