@@ -49,7 +49,7 @@ def _conv_round(r: StateRound, x: torch.Tensor, conv: DepthwiseConv, states: tor
         parts.append(state.pool_kernels(x).causal_conv1d_update_pool(x[:nd], states, r.slots[:nd], taps, conv.bias))
     if _has_prefill(r):
         parts.append(state.prefill_kernels(x).causal_conv1d_varlen(x[nd:], _prefill_cu_seqlens(r), taps, conv.bias,
-                                                              states, r.slots[nd:]))
+                                                                   states, r.slots[nd:]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -93,12 +93,12 @@ class Mamba1Mixer(RecurrentLayer):
         nd, states = r.num_decodes, self.states["ssm"]
         y = torch.empty_like(x)
         if nd:
-            y[:nd] = state.pool_kernels(x).selective_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A, B[:nd],
-                                                                  C[:nd], self.D, z[:nd])
+            y[:nd] = state.pool_kernels(x).selective_state_update_pool(states, r.slots[:nd], x[:nd], dt[:nd], A,
+                                                                       B[:nd], C[:nd], self.D, z[:nd])
         if _has_prefill(r):
             y[nd:] = state.prefill_kernels(x).selective_scan_varlen(x[nd:], dt[nd:], A, B[nd:], C[nd:],
-                                                               _prefill_cu_seqlens(r), states, r.slots[nd:], self.D,
-                                                               z[nd:])
+                                                                    _prefill_cu_seqlens(r), states, r.slots[nd:],
+                                                                    self.D, z[nd:])
         return y
 
 
