@@ -40,7 +40,6 @@ _KDA_NAME = re.compile(r"\.self_attn\.(" + "|".join(_KDA_STACKED) + r")\.weight$
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-
 class NoRotation:
     """The rotary interface without a rotation: Kimi's MLA leaves the shared key part as it is."""
     rotary_dim = 0

@@ -46,7 +46,6 @@ from pressroom.model.models.moe import SparseMoeBlock, _MoeForCausalLM
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-
 def layer_types(config) -> list[str]:
     """The config's layer kinds, or every `full_attention_interval`-th layer full attention (older configs)."""
     kinds = getattr(config, "layer_types", None)
