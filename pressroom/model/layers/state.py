@@ -89,6 +89,18 @@ class RecurrentLayer(nn.Module):
             self._save(r)
         return out
 
+    @staticmethod
+    def decodes_then_prefills(r: StateRound, out: torch.Tensor, decode: Callable[..., torch.Tensor],
+                              prefill: Callable[..., torch.Tensor], *tokens: torch.Tensor) -> torch.Tensor:
+        """Fills `out` for a round: `decode(*rows, slots)` on its decode rows (the first `r.num_decodes`, one token
+        each), `prefill(*rows, slots, cu_seqlens)` on the rest, each given its own rows of `tokens`."""
+        decodes, total = r.num_decodes, out.shape[0]
+        if decodes:
+            out[:decodes] = decode(*(t[:decodes] for t in tokens), r.slots[:decodes])
+        if total > decodes:
+            out[decodes:] = prefill(*(t[decodes:] for t in tokens), r.slots[decodes:], r.cu_seqlens[decodes:] - decodes)
+        return out
+
     def _save(self, r: StateRound) -> None:
         if r.saves is None:
             return

@@ -134,14 +134,8 @@ class KimiDeltaAttention(RecurrentLayer):
 
     def _mix(self, r: StateRound, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """One round: conv then delta rule, the decode rows (first) by the one-step kernels, the rest chunked."""
-        decodes, tokens = r.num_decodes, qkv.shape[0]
-        out = qkv.new_empty(tokens, self.num_heads, self.head_dim)
-        if decodes:
-            out[:decodes] = self._decode(qkv[:decodes], g[:decodes], beta[:decodes], r.slots[:decodes])
-        if tokens > decodes:
-            out[decodes:] = self._prefill(qkv[decodes:], g[decodes:], beta[decodes:], r.slots[decodes:],
-                                          r.cu_seqlens[decodes:] - decodes)
-        return out
+        out = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+        return self.decodes_then_prefills(r, out, self._decode, self._prefill, qkv, g, beta)
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         conv, states = self.states["conv"], self.states["recurrent"]

@@ -195,14 +195,8 @@ class GatedDeltaNet(RecurrentLayer):
     def _mix(self, r: StateRound, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """One round: the conv then the delta rule, the decode rows (the first num_decodes) by the one-step
         kernels, the rest chunked; each request's states read from and written back to its slot."""
-        s, decodes, tokens = self.shape, r.num_decodes, qkv.shape[0]
-        out = qkv.new_empty(tokens, s.num_v_heads, s.head_v_dim)
-        if decodes:
-            out[:decodes] = self._decode(qkv[:decodes], g[:decodes], beta[:decodes], r.slots[:decodes])
-        if tokens > decodes:
-            out[decodes:] = self._prefill(qkv[decodes:], g[decodes:], beta[decodes:], r.slots[decodes:],
-                                          r.cu_seqlens[decodes:] - decodes)
-        return out
+        out = qkv.new_empty(qkv.shape[0], self.shape.num_v_heads, self.shape.head_v_dim)
+        return self.decodes_then_prefills(r, out, self._decode, self._prefill, qkv, g, beta)
 
     def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         conv, pool, weight = self.states["conv"], self.states["ssm"], self.conv1d.weight.squeeze(1)
