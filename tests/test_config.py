@@ -28,7 +28,8 @@ OTHER_VALUES = {"tokenizer": "tok", "load_format": "dummy", "quantization": "non
                 "skip_tokenizer_init": True, "batch_invariant": True, "block_size": 32,
                 "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 9,
                 "scheduling_policy": "priority", "tensor_parallel_size": 2, "enable_expert_parallel": True,
-                "data_parallel_size": 2, "num_threads": 3, "enforce_eager": True, "max_cudagraph_capture_size": 64}
+                "data_parallel_size": 2, "num_threads": 3, "enforce_eager": True, "max_cudagraph_capture_size": 64,
+                "mamba_block_size": 64}
 
 
 def _sets() -> dict[str, tuple[type, str]]:
