@@ -104,6 +104,7 @@ def test_bf16_weights_skip_onednn_prepacking_below_avx512(forced):
     assert torch.allclose(layer(x).float(), x.float() @ layer.weight.float().t(), atol=0.05, rtol=0.02)
 
 
+@pytest.mark.slow  # CI's second pass (make test-avx2) serves the embedded model on the AVX2 path in every server test
 def test_embedded_model_serves_on_a_forced_avx2_path(tmp_path):
     """A fresh process, as a user on an AVX2-only CPU gets it: fp32 (prepacked for oneDNN), no oneDNN bf16,
     C kernels for AVX2."""

@@ -294,6 +294,7 @@ def _loopback(app):
         thread.join(30)
 
 
+@pytest.mark.slow  # a server and a grammar's first compile (~10 s); the parsers' round trips above run by default
 def test_r1_reasoning_and_v3_calls_through_the_server(tiny_async_engine):
     """R1 thinks, then calls in V3's format: reasoning_content, no content, the call, whole and streamed (the
     engine's first grammar costs seconds on the CPU; the forced output itself well under one)."""
