@@ -28,9 +28,10 @@ def mamba_dir(tmp_path_factory) -> str:
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    # one step holds any of these prompts but the 1,000-token ones (which checkpoints a chunk passes is asserted)
+    # one step holds any of these prompts whole but the 1,000-token ones (the eviction test asserts which
+    # checkpoints a step reserves, so neither the step's size nor a long prompt's share may depend on the CPU)
     options = dict(dtype="float32", kv_cache_memory_gib=0.02, skip_tokenizer_init=True, block_size=8,
-                   mamba_block_size=40, max_num_batched_tokens=512)
+                   mamba_block_size=40, max_num_batched_tokens=512, long_prefill_token_threshold=0)
     return LLM(path, **(options | kwargs))
 
 

@@ -241,8 +241,9 @@ def test_slot_outside_the_pool_raises_and_changes_nothing():
 
 @pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
                     reason="the other tiers: on an AVX2 CPU, from the top-level run only")
-# the AVX2 tier: CI's second pass (make test-avx2) runs every kernel test on it, so here only with test-slow
-@pytest.mark.parametrize("tier", [pytest.param("avx2", marks=pytest.mark.slow), "generic"])
+# the AVX2 tier: CI's second pass runs every kernel test on it; the plain-C tier is built by test_ggml_ops too
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx2", "generic"])
 def test_other_tiers_builds(tier):
     """The same kernels built for AVX2 (CI's second pass) and as plain C, on a few of these tests."""
     env = {**os.environ, "PRESSROOM_CPU_ISA": tier}

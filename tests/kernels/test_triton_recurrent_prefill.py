@@ -72,8 +72,12 @@ def _delta_reference(x: dict[str, torch.Tensor], cu: torch.Tensor, slots: torch.
     return out, pool
 
 
+# bf16 under the interpreter only with test-slow (the suite's time); the GPU tests run it at real shapes
+BF16_SLOW = pytest.param(torch.bfloat16, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_SLOW])
 def test_chunk_delta_rule_varlen_equals_torch(per_channel: bool, dtype: torch.dtype) -> None:
     cu, slots = _packing(LENGTHS_SLOTS)
     x = _delta_inputs(int(cu[-1]), h_k=1, h_v=2, d_k=16, d_v=32, per_channel=per_channel, dtype=dtype, num_slots=8)
@@ -117,7 +121,7 @@ def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tenso
     return torch.randn(*shape, generator=gen) * scale
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_SLOW])
 @pytest.mark.parametrize("width,has_bias", [(4, True), (2, False)])
 def test_causal_conv1d_varlen_equals_torch(dtype: torch.dtype, width: int, has_bias: bool) -> None:
     cu, slots = _packing(LENGTHS_SLOTS + [(2, 7)])  # a sequence shorter than the conv state
@@ -148,7 +152,8 @@ def _selective_inputs(tokens: int, d_inner: int, d_state: int, dtype: torch.dtyp
     return a
 
 
-@pytest.mark.parametrize("dtype,gated", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,gated", [(torch.float32, True), (torch.float32, False),
+                                         pytest.param(torch.bfloat16, True, marks=pytest.mark.slow)])
 def test_selective_scan_varlen_equals_torch(dtype: torch.dtype, gated: bool) -> None:
     cu, slots = _packing(SHORT_LENGTHS_SLOTS)
     a = _selective_inputs(int(cu[-1]), d_inner=12, d_state=8, dtype=dtype, num_slots=8)

@@ -263,6 +263,7 @@ def test_mamba2_gguf_with_a_tokenizer_serves_text(tmp_path, embedded_path, smoll
     assert out.outputs[0].text == smollm_tokenizer.decode(out.outputs[0].token_ids)
 
 
+@pytest.mark.slow  # the F32 files above check every transform; Q8_0 adds llama.cpp's quantization of them
 @pytest.mark.parametrize("version", [1, 2])
 def test_q8_0_gguf_follows_hf_on_its_dequantized_weights(version: int, tmp_path):
     """Projections and the embedding in Q8_0 (Mamba1's dt_proj, 4-wide rows, in F16): the weights load as their
