@@ -78,6 +78,7 @@ def test_bad_offload_configs_are_refused_clearly(config, message, tiny_model_dir
         engine(tiny_model_dir("llama"), kv_transfer_config=config)
 
 
+@pytest.mark.slow  # two engines with two rank processes (12 s): the default suite's time
 def test_chunks_are_the_same_whatever_the_tensor_parallel_size(tiny_model_dir, tmp_path):
     """Two ranks (worker processes, gloo) copy their KV heads into and out of the shared CPU tier: outputs
     equal no offload; then a single-rank engine serves from the disk chunks the two ranks wrote, and two
