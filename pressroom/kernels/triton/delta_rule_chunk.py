@@ -289,5 +289,13 @@ def chunk_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), G.stride(0), G.stride(1), wk.stride(0), wk.stride(1),
         wv.stride(0), wv.stride(1), aqk.stride(0), aqk.stride(1), states.stride(0), states.stride(1),
         states.stride(2), out.stride(0), out.stride(1),
-        h_v // h_k, d_k, d_v, scale, L2NORM_EPS, **common, BLOCK_V=block_v, num_warps=4)
+        h_v // h_k, d_k, d_v, scale, L2NORM_EPS, **common, BLOCK_V=block_v, num_warps=4,
+        num_stages=scan_pipeline_stages(block_k, v.dtype == torch.float32, scalar))
     return out
+
+
+def scan_pipeline_stages(block_k: int, fp32: bool, scalar_gate: bool) -> int:
+    """How many chunks' tiles the scan loads ahead. Each stage buffers a chunk's q, k, W_k, W_v, A_qk (and KDA's
+    per-channel G) in shared memory: two stages fit an H100's 227 KiB at d_k <= 128 except fp32 KDA (233 KiB);
+    d_k 256 fits only one (measured with tests/kernels/test_triton_smem.py)."""
+    return 2 if block_k <= 128 and not (fp32 and not scalar_gate) else 1
