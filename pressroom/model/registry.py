@@ -32,6 +32,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
 _RECURRENT: dict[str, str] = {
     "MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba", "Qwen3NextForCausalLM": "qwen3_next",
     "KimiLinearForCausalLM": "kimi_linear", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
+    "DeepseekV4ForCausalLM": "deepseek_v4",  # its compressors keep the tokens of a window not yet compressed
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -41,7 +42,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
-                "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
+                "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+                "deepseek_v4": "DeepseekV4ForCausalLM"}
 
 
 def resolve_architecture(hf_config) -> type[nn.Module]:
