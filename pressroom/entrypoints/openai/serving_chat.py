@@ -45,6 +45,7 @@ from pressroom.entrypoints.openai.serving import (
 )
 from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
+from pressroom.entrypoints.openai.tool_parsers.base import markers_are_special
 from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
 from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
@@ -60,6 +61,9 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, names, stats, max_request_bytes, preprocessor, limits)
         self.reasoning = reasoning
         self.auto_tool_parser = auto_tool_parser
+        # e.g. DeepSeek's tool-call tags where a tokenizer marks them special: kept in the text the parser reads
+        self._tool_markers_special = auto_tool_parser is not None and engine.tokenizer is not None \
+            and markers_are_special(engine.tokenizer, auto_tool_parser.markers())
         if reasoning is not None:
             logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
 
@@ -73,6 +77,8 @@ class OpenAIServingChat(OpenAIServing):
                                    max_tokens=self.engine.max_model_len)
         params = self._with_tool_schema(self._sampling_params(req, req.requested_max_tokens, ids, "messages"), tools)
         self._admit(req.tokens_cost([len(ids)], self.engine.max_model_len))
+        if tools.auto and self._tool_markers_special:
+            params = params.clone(skip_special_tokens=False)  # else the calls' tags vanish from the text
         parser = self.reasoning
         opens = parser is not None and parser.prompt_opens(ids)
         if parser is not None:

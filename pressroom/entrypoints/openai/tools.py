@@ -32,6 +32,7 @@ class ToolPlan:
     template_tools: list[dict[str, Any]] | None = None  # the `tools` variable of the chat template
     schema: dict[str, Any] | None = None  # the JSON schema the output is constrained to (required, named)
     make_stream: Callable[[], ToolCallStream] | None = None  # None: the output is not parsed for calls
+    auto: bool = False  # parsed by the server's --tool-call-parser (tool_choice "auto")
 
 
 def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallStream] | None) -> ToolPlan:
@@ -46,7 +47,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallStream] | N
     if choice == "auto":
         if auto_parser is None:
             raise APIError(400, AUTO_NEEDS_FLAGS + ".", param="tool_choice")
-        plan.make_stream = lambda: auto_parser(parallel)
+        plan.make_stream, plan.auto = (lambda: auto_parser(parallel)), True
     elif choice == "required":
         plan.schema = required_schema(tools, parallel)
         plan.make_stream = lambda: RequiredToolStream(parallel)

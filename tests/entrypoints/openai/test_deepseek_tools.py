@@ -35,6 +35,8 @@ from pressroom.entrypoints.openai.tool_parsers import (
     assemble,
     extract,
 )
+from pressroom.entrypoints.openai.tool_parsers.base import markers_are_special
+from pressroom.entrypoints.openai.tool_parsers.deepseek import V3_BLOCK
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -268,6 +270,28 @@ def test_registry_has_vllms_deepseek_names():
     assert {name: TOOL_PARSERS[name] for name in ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4")} == {
         "deepseek_v3": DeepSeekV3ToolStream, "deepseek_v31": DeepSeekV31ToolStream,
         "deepseek_v32": DeepSeekV32ToolStream, "deepseek_v4": DeepSeekV4ToolStream}
+
+
+def _tokenizer_with_special(special: list[str]):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    words = ["a", "b", "[UNK]", *special]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                                              unk_token="[UNK]")))
+    tok.add_special_tokens({"additional_special_tokens": special})
+    return tok
+
+
+def test_tool_tags_that_are_special_tokens_are_detected():
+    """A tokenizer marking V3's tags special would drop them from text decoded with skip_special_tokens: the
+    chat server keeps special tokens in the text of auto tool choice for such a parser (serving_chat)."""
+    v3 = DeepSeekV3ToolStream.markers()
+    assert v3 == (V3_BLOCK.open, V3_BLOCK.close, V3_BLOCK.call_open, V3_BLOCK.call_close)
+    special = _tokenizer_with_special(list(v3))
+    assert markers_are_special(special, v3)
+    assert special.decode(special.convert_tokens_to_ids([v3[0], "a"]), skip_special_tokens=True) == "a"
+    assert not markers_are_special(_tokenizer_with_special([]), v3)
+    assert not markers_are_special(special, DeepSeekV4ToolStream.markers())  # DSML tags are text
 
 
 # ---- through the server ----

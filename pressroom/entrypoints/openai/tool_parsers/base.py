@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pressroom.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
@@ -41,6 +41,12 @@ class ToolCallStream:
     Trailing whitespace of the content is held until more content follows, and dropped at the end of an
     output with calls: whitespace around calls is not content, and holding it keeps the streamed content
     equal to the whole output's."""
+
+    MARKERS: ClassVar[tuple[str, ...]] = ()  # the literal strings the format matches (its tags)
+
+    @classmethod
+    def markers(cls) -> tuple[str, ...]:
+        return cls.MARKERS
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
@@ -139,3 +145,10 @@ def partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def markers_are_special(tokenizer, markers: tuple[str, ...]) -> bool:
+    """Whether any marker is one of the tokenizer's special tokens: decoded with skip_special_tokens, such a
+    marker vanishes from the text and the parser never sees the call."""
+    special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    return any(marker in special for marker in markers)

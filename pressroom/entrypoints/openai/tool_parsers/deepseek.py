@@ -47,6 +47,11 @@ class BlockToolStream(ToolCallStream):
     """The shared state machine; a format gives its markers (`BLOCK`) and reads one call's body (`parse_call`)."""
     BLOCK: ClassVar[CallBlock]
 
+    @classmethod
+    def markers(cls) -> tuple[str, ...]:
+        block = cls.BLOCK
+        return block.open, block.close, block.call_open, block.call_close
+
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self._pending = ""  # text that may be the start of a marker, or an unfinished call

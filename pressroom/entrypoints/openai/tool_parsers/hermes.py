@@ -12,6 +12,8 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 class HermesToolStream(ToolCallStream):
+    MARKERS = (OPEN, CLOSE)
+
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self._pending = ""  # content that may be the start of OPEN, or the body of an open call
