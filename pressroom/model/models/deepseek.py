@@ -10,6 +10,14 @@ multi-query attention with one KV head whose values are the first `kv_lora_rank`
 DeepSeek rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes the rope rows of q and of the
 shared key to (even dims, odd dims), so the rotate-half kernels compute the same rotation.
 
+Tensor parallelism splits the attention heads evenly over the ranks, as vLLM does: q_b_proj (or q_proj) is
+column-parallel by heads, each rank keeps its heads' W_UK and W_UV of kv_b_proj, and o_proj is row-parallel
+(its all-reduce joins the heads). The latent path is replicated: q_a_proj, kv_a_proj_with_mqa and their norms,
+so every rank computes the same latent and caches it (one KV head, replicated), and V3.2's lightning indexer,
+whose top-k is then the same on every rank. The MoE splits as Qwen-MoE's (models/moe.py): each expert's
+intermediate features sliced, or whole experts per rank under expert parallelism, the partial sums all-reduced;
+shared experts and dense layers split as any dense MLP.
+
 FP8 checkpoints as DeepSeek ships them (128x128 block scales, `weight_scale_inv`; model/quantization/fp8.py)
 stay in FP8 in every linear layer: MLA's q_a/q_b (or q) projection, kv_a_proj_with_mqa and o_proj, the dense
 MLPs, the shared experts and V3.2 indexer's wq_b and wk. The rope reorder is exact on them: pressroom keeps a
@@ -26,15 +34,15 @@ import torch
 from torch import nn
 
 from pressroom.attention.backend import get_attention_metadata
-from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from pressroom.model.layers.attention import Attention
-from pressroom.model.layers.fused_moe import FusedMoE, RouterConfig, select_experts
-from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.fused_moe import RouterConfig, select_experts
+from pressroom.model.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding, yarn_mscale
-from pressroom.model.lazy_weight import materialize
+from pressroom.model.lazy_weight import Index, LazyWeight, materialize
 from pressroom.model.models.llama import LlamaMLP, RopeTables, rotary_from_config
-from pressroom.model.models.moe import _MoeForCausalLM
+from pressroom.model.models.moe import _MoeForCausalLM, _rank_experts
 from pressroom.model.quantization.fp8 import Fp8Weight
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the checkpoints' code keeps the default
@@ -44,33 +52,67 @@ def _rope_parameters(config) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
+class ReplicatedLinear(LinearBase):
+    """A linear layer every rank holds whole (MLA's latent projections, the indexer's): the ranks compute the same
+    output from the same input, with no communication."""
+    tp_size = 1
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
+                             f"{tuple(param.shape)}; the checkpoint and config.json disagree.")
+        self._store_rows(param, 0, loaded)
+
+
+def heads_per_rank(num_heads: int, tp_size: int) -> int:
+    """The attention heads each tensor-parallel rank holds: MLA splits its heads evenly."""
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({tp_size}): "
+                         "DeepSeek's attention splits its heads evenly over the ranks; choose a "
+                         f"tensor_parallel_size that divides {num_heads}.")
+    return num_heads // tp_size
+
+
 class MLAAttention(nn.Module):
+    """Multi-head latent attention; under tensor parallelism this rank's `num_heads` of the model's `total_heads`
+    (from `head_start`), over a latent every rank computes."""
+
     def __init__(self, config) -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError("DeepSeek models do not run with tensor parallelism yet; use tensor_parallel_size=1.")
-        heads, hidden = config.num_attention_heads, config.hidden_size
-        self.num_heads = heads
+        self.total_heads, hidden = config.num_attention_heads, config.hidden_size
+        heads = self.num_heads = heads_per_rank(self.total_heads, get_tp_size())
+        self.head_start = get_tp_rank() * heads
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         bias = bool(getattr(config, "attention_bias", False))
-        q_out = heads * (self.nope + self.rope_dim)
+        # column-parallel over whole heads: each head's nope + rope rows are contiguous, the split even
+        q_out = self.total_heads * (self.nope + self.rope_dim)
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         if self.q_lora_rank:
-            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
         else:
             self.q_proj = ColumnParallelLinear(hidden, q_out)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
-        # W_UK and W_UV of every head, used as batched matrices (absorbed), never as a linear layer
+        # W_UK and W_UV of this rank's heads, used as batched matrices (absorbed), never as a linear layer
         self.kv_b_proj = nn.Module()
         self.kv_b_proj.weight = nn.Parameter(torch.empty(heads * (self.nope + self.v_dim), self.rank),
                                              requires_grad=False)
-        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj.weight.weight_loader = self._load_kv_b
+        self.o_proj = RowParallelLinear(self.total_heads * self.v_dim, hidden, bias=bias)  # by heads: an even split
         self.attn = Attention(heads, self.rank + self.rope_dim, 1, self._softmax_scale(config),
                               v_head_dim=self.rank, latent=True)
+
+    def _load_kv_b(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """kv_b_proj's rows of this rank's heads (each head's W_UK rows, then its W_UV rows)."""
+        per_head = self.nope + self.v_dim
+        expected = (self.total_heads * per_head, self.rank)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
+                             f"{expected}; the checkpoint and config.json disagree.")
+        param.data.copy_(materialize(loaded.narrow(0, self.head_start * per_head, param.shape[0])))
 
     def _softmax_scale(self, config) -> float:
         scale = (self.nope + self.rope_dim) ** -0.5
@@ -160,7 +202,8 @@ class PerHeadMLAAttention(MLAAttention):
 
 class DeepseekMoE(nn.Module):
     """Router (with DeepSeek-V3's correction bias where it scores by sigmoid), routed experts and the
-    always-on shared experts."""
+    always-on shared experts. The router is replicated: every rank routes every token; the routed experts are this
+    rank's slices or whole experts (models/moe.py's split), their partial sums all-reduced."""
 
     def __init__(self, config, num_experts: int, router: RouterConfig) -> None:
         super().__init__()
@@ -170,15 +213,15 @@ class DeepseekMoE(nn.Module):
         self.gate.weight.requires_grad_(False)
         if router.scoring == "sigmoid":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
-        self.experts = FusedMoE(num_experts, hidden, inter)
+        self.experts = _rank_experts(num_experts, hidden, inter)
         shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = LlamaMLP(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, ids = select_experts(self.gate(x), self.router, bias)
-        out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = tp_all_reduce(self.experts(x, weights, ids))
+        return out if self.shared_experts is None else out + self.shared_experts(x)  # reduced inside
 
 
 class DeepseekV2ForCausalLM(_MoeForCausalLM):
@@ -253,30 +296,48 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
         rope = self.config.qk_rope_head_dim
         return self._reorder_rope_rows(name, tensor, torch.arange(rope).view(2, -1).t().reshape(-1))
 
-    def _reorder_rope_rows(self, name: str, tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    def _reorder_rope_rows(self, name: str, tensor, order: torch.Tensor):
+        """`tensor` (a checkpoint's, lazy or read, or a parameter of any rank) with its rope rows taken in `order`."""
         if not self.rope_interleaved():
             return tensor
-        rows = self._rope_row_order(name, order)
+        rows = self._rope_row_order(name, tensor.shape[0], order)
         if rows is None:
             return tensor
-        # The reorder needs the whole tensor: it is read here (MLA is not tensor-parallel, so a rank would keep
-        # all of it anyway); other tensors pass through still lazy.
-        tensor = materialize(tensor)
+        if isinstance(tensor, LazyWeight):  # still unread: a rank's loader reads only the rows of its heads
+            return _rows_in_order(tensor, rows)
         if isinstance(tensor, Fp8Weight):  # kept in FP8: rows move with their scales, lazy again for the loader
             return tensor.take_rows(rows).lazy()
         return tensor[rows]
 
-    def _rope_row_order(self, name: str, order: torch.Tensor) -> torch.Tensor | None:
-        """The weight's rows in their new order, with the rope rows of each q head (or of the shared key, after
-        the latent) taken in `order`; None for a weight without rope rows."""
+    def _rope_row_order(self, name: str, num_rows: int, order: torch.Tensor) -> torch.Tensor | None:
+        """The weight's rows in their new order, with the rope rows of each q head (of `num_rows` / head_dim heads:
+        the checkpoint's or a rank's) or of the shared key (after the latent) taken in `order`; None for a weight
+        without rope rows. Each head's rows stay within the head, so the order commutes with the split by heads."""
         c = self.config
         rope, nope = c.qk_rope_head_dim, c.qk_nope_head_dim
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
             head = torch.cat((torch.arange(nope), nope + order))
-            return (torch.arange(c.num_attention_heads)[:, None] * (nope + rope) + head).reshape(-1)
+            return (torch.arange(num_rows // (nope + rope))[:, None] * (nope + rope) + head).reshape(-1)
         if ".self_attn.kv_a_proj_with_mqa." in name:  # its weight and any bias
             return torch.cat((torch.arange(c.kv_lora_rank), c.kv_lora_rank + order))
         return None
+
+
+def _rows_in_order(weight: LazyWeight, rows: torch.Tensor) -> LazyWeight:
+    """`weight` with its rows taken in the order `rows`, still unread. Reading rows [r0, r1) of it reads only the
+    stored rows they come from (a rank's heads of a per-head reorder: just those heads' rows), then reorders them."""
+    def read(index: Index):
+        (r0, r1), *others = index
+        wanted = rows[r0:r1]
+        first = int(wanted.min())
+        part = weight.narrow(0, first, int(wanted.max()) + 1 - first)
+        for dim, (start, stop) in enumerate(others, start=1):
+            part = part.narrow(dim, start, stop - start)
+        loaded = part.load()  # a tensor, or an Fp8Weight kept in FP8 (rows move with their scales)
+        local = wanted - first
+        return loaded.take_rows(local) if isinstance(loaded, Fp8Weight) else loaded[local]
+
+    return LazyWeight(tuple(weight.shape), weight.dtype, read)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -298,8 +359,9 @@ class LightningIndexer(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.wq_b = ColumnParallelLinear(config.q_lora_rank, self.heads * self.dim)
-        self.wk = ColumnParallelLinear(config.hidden_size, self.dim)
+        # replicated, not split by heads: each rank picks the same tokens from the same scores
+        self.wq_b = ReplicatedLinear(config.q_lora_rank, self.heads * self.dim)
+        self.wk = ReplicatedLinear(config.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
         self.k_norm.requires_grad_(False)
         # never quantized in DeepSeek's FP8 checkpoints (vLLM builds it with quant_config=None): a plain linear
