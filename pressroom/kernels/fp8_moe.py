@@ -11,8 +11,9 @@ gate's block rows then up's (the same as one grid over 2 * inter rows where inte
 
 Activations follow DeepSeek's recipe where `quantize_activations` (the default): quantized to FP8 per token and
 128-input group at run time (kernels/fp8.py's `quantize`), both the experts' input and the intermediate SiLU(gate) *
-up, which is first rounded to the input's dtype as the kernel stores it. Without, the experts run weight-only on the
-activations as they are (fp32 compute on the dequantized weights).
+up, which is first rounded to the input's dtype as the kernel stores it; `pow2_scales` (checkpoints with scale_fmt
+ue8m0) rounds each group's scale up to a power of two, as kernels/fp8.py's linear layers do. Without, the experts run
+weight-only on the activations as they are (fp32 compute on the dequantized weights).
 """
 from __future__ import annotations
 
@@ -83,12 +84,12 @@ def quantize(w: torch.Tensor, halves: int = 1) -> Fp8Experts:
     return Fp8Experts(torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1), halves)
 
 
-def as_fed(x: torch.Tensor, quantize_activations: bool) -> torch.Tensor:
+def as_fed(x: torch.Tensor, quantize_activations: bool, pow2_scales: bool = False) -> torch.Tensor:
     """The activations [rows, cols] the experts multiply, in fp32: quantized per 128-input group and dequantized
-    (DeepSeek's recipe), or x as it is."""
+    (DeepSeek's recipe; `pow2_scales`: power-of-two scales), or x as it is."""
     if not quantize_activations:
         return x.float()
-    return fp8.dequantize(*fp8.quantize(x, BLOCK), BLOCK)
+    return fp8.dequantize(*fp8.quantize(x, BLOCK, pow2_scales), BLOCK)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
@@ -100,18 +101,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> 
 
 
 def reference(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: torch.Tensor, ids: torch.Tensor,
-              quantize_activations: bool = True, swiglu_limit: float | None = None) -> torch.Tensor:
+              quantize_activations: bool = True, swiglu_limit: float | None = None, pow2_scales: bool = False
+              ) -> torch.Tensor:
     """x [tokens, hidden] through each token's chosen experts (ids [tokens, k] local to the experts, -1: another
     rank's), weighted by `weights` and summed; fp32 products on the dequantized experts. Each pair's output is
     rounded to x's dtype before the sum over k, as the kernel stores it. Returns [tokens, hidden] in x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    fed = as_fed(x, quantize_activations)
+    fed = as_fed(x, quantize_activations, pow2_scales)
     for expert in ids.unique().tolist():
         if expert < 0:
             continue
         token, slot = (ids == expert).nonzero(as_tuple=True)
         gate, up = (fed[token] @ w13.dequantize(expert).t()).chunk(2, dim=-1)
         mid = swiglu(gate, up, swiglu_limit).to(x.dtype)
-        y = as_fed(mid, quantize_activations) @ w2.dequantize(expert).t()
+        y = as_fed(mid, quantize_activations, pow2_scales) @ w2.dequantize(expert).t()
         out.index_add_(0, token, (y * weights[token, slot].float().unsqueeze(1)).to(x.dtype).float())
     return out.to(x.dtype)

@@ -4,7 +4,8 @@ top-k sum, imported), each tile reading FP8 weights and their blocks' scales.
 
 With `quantize_activations` (the default, DeepSeek's recipe) the activations are quantized to FP8 per token and
 128-input group by one launch before each GEMM (the experts' input, then the intermediate SiLU(gate) * up, stored in
-x's dtype first), and each tile is an FP8 x FP8 tl.dot (FP8 tensor cores: compute capability 8.9 and later); a tile
+x's dtype first; `pow2_scales`: each group's scale rounded up to a power of two, for checkpoints with scale_fmt
+ue8m0), and each tile is an FP8 x FP8 tl.dot (FP8 tensor cores: compute capability 8.9 and later); a tile
 spans at most one group (BLOCK_K divides 128), so its fp32 product takes one activation scale per row and one weight
 scale per output column. Without, the weights are widened in registers and multiplied with the activations as they
 are (weight-only, as kernels/triton/quant_gemv.py does for linear layers).
@@ -80,22 +81,33 @@ def _on_fp8_grid(x):
 
 
 @triton.jit
+def _power_of_two_above(x):
+    """Positive normal fp32 x rounded up to a power of two (itself where it is one): exact, by its bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, MIN_AMAX: tl.constexpr,
-                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
-    """One row's GROUPS groups of GROUP inputs: kernels/fp8.py's `quantize` (the same fp32 operations)."""
+                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, POW2: tl.constexpr):
+    """One row's GROUPS groups of GROUP inputs: kernels/fp8.py's `quantize` (the same fp32 operations; POW2: its
+    power-of-two scales)."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = col < cols
     x = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_LIMIT
+    if POW2:
+        scale = _power_of_two_above(scale)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_LIMIT, FP8_LIMIT)  # rounded division, as torch's
     tl.store(q_ptr + row * stride_q + col, _on_fp8_grid(q).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_s + group, scale, mask=group * GROUP < cols)
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, cols] -> (FP8 [rows, cols], fp32 scales [rows, ceil(cols / 128)]): fp8.quantize(x, 128), one launch."""
+def quantize_groups(x: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (FP8 [rows, cols], fp32 scales [rows, ceil(cols / 128)]): fp8.quantize(x, 128, pow2_scales),
+    one launch."""
     rows, cols = x.shape
     groups = triton.cdiv(cols, BLOCK)
     q = torch.empty(rows, cols, dtype=fp8.FP8, device=x.device)
@@ -103,7 +115,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     per_program = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
     _quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
         x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), MIN_AMAX=1e-12, FP8_LIMIT=fp8.FP8_MAX,
-        GROUP=BLOCK, GROUPS=per_program, num_warps=4)
+        GROUP=BLOCK, GROUPS=per_program, POW2=pow2_scales, num_warps=4)
     return q, scale
 
 
@@ -174,11 +186,11 @@ def check_experts(w13: Fp8Experts, w2: Fp8Experts, hidden: int) -> None:
 
 def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: torch.Tensor, ids: torch.Tensor,
                   launch: MoeLaunch | None = None, all_local: bool = False, quantize_activations: bool = True,
-                  swiglu_limit: float | None = None) -> torch.Tensor:
+                  swiglu_limit: float | None = None, pow2_scales: bool = False) -> torch.Tensor:
     """x [T, H] (bf16, fp16 or fp32); w13 [E, 2I, H] (halves=2) and w2 [E, H, I] as
     Fp8Experts; weights (fp32) and ids [T, k] local to the experts (-1: another rank's; `all_local`: there are none).
     Returns [T, H] in x's dtype, what kernels/fp8_moe.py's `reference` computes. `swiglu_limit`: DeepSeek-V4's
-    clamped SwiGLU."""
+    clamped SwiGLU; `pow2_scales`: activations scaled by powers of two (checkpoints with scale_fmt ue8m0)."""
     tokens, hidden = x.shape
     check_experts(w13, w2, hidden)
     experts, double_inter, _ = w13.shape
@@ -199,7 +211,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
     x = x.contiguous()
     passes = ((x, w13, mid, inter, hidden, True), (mid, w2, out, hidden, inter, False))
     for a, w, c, n_out, k_in, by_token in passes:
-        a, a_scale = quantize_groups(a) if quantize_activations else (a, flat_weights)
+        a, a_scale = quantize_groups(a, pow2_scales) if quantize_activations else (a, flat_weights)
         grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
         _moe_fp8_gemm_kernel[grid](
             a, a_scale, w.weight, w.scale, c, slots, block_expert, flat_weights, n_out=n_out, k_in=k_in,

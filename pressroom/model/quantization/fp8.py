@@ -18,10 +18,19 @@ block-scaled FP8 GEMM on FP8 GPUs (kernels/triton/fp8_block_gemm.py: activations
 anything else, and every weight on the CPU, through the dequantizing reference (kernels/fp8.py). The CPU keeps the
 weight in FP8 and dequantizes it at each call rather than holding a bf16 copy: a DeepSeek-V3 is ~700 GB in FP8 and
 twice that in bf16, so memory, not the per-call dequantization, decides what a host can serve.
+
+The routed experts of such a checkpoint (128 x 128 blocks) stay in FP8 too (`Fp8MoeMethod`): a FusedMoE holds them
+stacked with one scale per block, gate's and up's on grids of their own (kernels/fp8_moe.py's `Fp8Experts`), and runs
+them through the FP8 fused MoE (kernels/triton/fused_moe_fp8.py) on CUDA, the torch reference on the CPU. Under
+tensor parallelism each rank's slice of the experts' intermediate features must be whole blocks (refused otherwise,
+naming tensor_parallel_size); expert parallelism holds whole experts. Experts with other scale layouts, or quantized
+online, load dense.
+
 DeepSeek's form (`fmt: "e4m3"`, `weight_block_size: [128, 128]`, `activation_scheme: "dynamic"`) may add
 `scale_fmt: "ue8m0"`: its block scales are powers of two, stored as float32 or as exponent bytes (uint8 or
 float8_e8m0fnu: 2^(byte - 127)), and activations are scaled by powers of two as well (kernels/fp8.py). Another
-`fmt` or `scale_fmt`, or a scale that is not what `scale_fmt` says, is refused with a ValueError naming it.
+`fmt` or `scale_fmt`, a scale that is not what `scale_fmt` says or of a shape its weight's grid does not give, or a
+scale beside a weight that is not float8_e4m3fn, is refused with a ValueError naming it.
 Static activation scales (`input_scale`) are not used: where activations are quantized, they are scaled per
 token (per token and 128-input group against block weights, DeepSeek's recipe).
 """
@@ -35,9 +44,18 @@ import torch
 from torch import nn
 
 from pressroom.kernels import fp8 as kernels
+from pressroom.kernels import fp8_moe
 from pressroom.kernels.fp8 import FP8
+from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts
 from pressroom.model.lazy_weight import LazyWeight
-from pressroom.model.quantization.base import LinearMethod, QuantizationMethod, excluded, lazy_quantized, loads_into
+from pressroom.model.quantization.base import (
+    LinearMethod,
+    MoeMethod,
+    QuantizationMethod,
+    excluded,
+    lazy_quantized,
+    loads_into,
+)
 
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale",)  # static activation scales: activations are scaled per token instead
@@ -99,13 +117,25 @@ class Fp8Method(QuantizationMethod):
             return None
         return Fp8LinearMethod(self.serialized, self.block[1] if self.block else None, self.ue8m0)
 
+    def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
+        """FP8 experts where a checkpoint ships them in 128 x 128 blocks (the form the experts' kernels read) and
+        they are plain SwiGLU MLPs; others load dense (online --quantization fp8, other scale layouts: dequantized at
+        load)."""
+        if not self.serialized or self.block != (BLOCK, BLOCK) or excluded(prefix, self.kept_dense):
+            return None
+        if not layer.gated or layer.activation is not None or layer.w13_bias is not None:
+            return None
+        _check_whole_blocks(layer, prefix)
+        return Fp8MoeMethod(self.ue8m0)
+
     def loads_as(self, model: nn.Module, name: str, tensors: dict[str, LazyWeight]) -> Iterable[tuple[str, Any]]:
         tensor = tensors[name]
         if name.endswith(_SCALES + _DROPPED):
             return ()
         if tensor.dtype != FP8:
+            _refuse_scaled_non_fp8(tensors, name)
             return ((name, tensor),)
-        keep = loads_into(model, name, Fp8LinearMethod)
+        keep = loads_into(model, name, (Fp8LinearMethod, Fp8MoeMethod))
         scale_name = _scale_of(tensors, name)
         return ((name, self._paired(tensor, tensors[scale_name], keep, scale_name)),)
 
@@ -124,11 +154,33 @@ class Fp8Method(QuantizationMethod):
         return lazy_quantized((rows, cols), FP8, read, keep)
 
 
-def _weight_only_fits(x: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
-    """Small steps (decode) read the FP8 weight through the weight-only Triton GEMV: activations stay in their
-    dtype. Larger ones quantize activations per token for _scaled_mm's FP8 tensor cores."""
+def _weight_only_fits(x: torch.Tensor, scale: torch.Tensor, group: int, any_size: bool) -> bool:
+    """Small steps (decode), or any step of a weight-only layer (`any_size`), read the FP8 weight through the
+    weight-only Triton GEMV: activations stay in their dtype. Larger ones quantize activations per token for
+    _scaled_mm's FP8 tensor cores."""
     from pressroom.kernels.triton.quant_gemv import SMALL_M, fp8_block_k
-    return x.shape[0] <= SMALL_M and fp8_block_k(group, scale.shape[1], 16) is not None
+    return (any_size or x.shape[0] <= SMALL_M) and fp8_block_k(group, scale.shape[1], 16) is not None
+
+
+def _check_whole_blocks(layer: nn.Module, prefix: str) -> None:
+    """A rank holding a slice of each expert's intermediate features (tensor parallelism) must hold whole 128-row
+    blocks of gate and up and whole 128-column blocks of down: a block's scale cannot be split."""
+    inter, full = layer.intermediate, layer.full_intermediate
+    if inter != full and (inter % BLOCK or layer.inter_start % BLOCK):
+        raise ValueError(f"{prefix}: FP8 experts come in {BLOCK} x {BLOCK} blocks, and this rank's share of their "
+                         f"{full} intermediate features ({inter} from {layer.inter_start}) cuts a block; use a "
+                         f"tensor_parallel_size that leaves each rank a multiple of {BLOCK} features, or "
+                         "enable_expert_parallel (whole experts per rank).")
+
+
+def _refuse_scaled_non_fp8(tensors: dict[str, LazyWeight], name: str) -> None:
+    """A weight with a scale beside it that is not float8_e4m3fn (e5m2, or any other dtype) would load with its
+    scale dropped: refused."""
+    base = name.removesuffix(".weight")
+    scales = [base + suffix for suffix in _SCALES if name.endswith(".weight") and base + suffix in tensors]
+    if scales:
+        raise ValueError(f"{name} is stored as {tensors[name].dtype} beside the scale {scales[0]}; FP8 checkpoints "
+                         "are read in float8_e4m3fn only.")
 
 
 def _block_size(block: Any) -> tuple[int, int] | None:
@@ -215,6 +267,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def __init__(self, serialized: bool, block_cols: int | None = None, pow2_scales: bool = False) -> None:
         self.serialized, self.block_cols, self.pow2_scales = serialized, block_cols, pow2_scales
+        # off: weight-only at every step, activations as they are (to compare with a dense twin)
+        self.quantize_activations = True
 
     def create_weights(self, layer: nn.Module) -> None:
         out, cols = layer.weight.shape
@@ -253,9 +307,11 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         w, scale = layer.weight, layer.weight_scale
-        if flat.is_cuda and _weight_only_fits(flat, scale, layer.weight_group):
+        if flat.is_cuda and _weight_only_fits(flat, scale, layer.weight_group, not self.quantize_activations):
             from pressroom.kernels.triton.quant_gemv import fp8_linear
             y = fp8_linear(flat, w, scale, layer.weight_group, bias)
+        elif not self.quantize_activations:
+            y = torch.nn.functional.linear(flat.float(), self.dequantized(layer), bias).to(flat.dtype)
         elif scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
             y = kernels.scaled_mm(flat, w, scale, bias)
         elif flat.is_cuda and _block_gemm_fits(flat, scale, layer.weight_group):
@@ -268,3 +324,87 @@ class Fp8LinearMethod(LinearMethod):
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         """The weight the layer multiplies by, in fp32 (for tests and inspection)."""
         return kernels.dequantize(layer.weight.data, layer.weight_scale, layer.weight_group)
+
+
+class Fp8MoeMethod(MoeMethod):
+    """A FusedMoE's experts kept as DeepSeek's FP8 checkpoints ship them (kernels/fp8_moe.py's `Fp8Experts`): `w13`
+    float8_e4m3fn [experts, 2 * inter, hidden] with `w13_scale` fp32 [experts, 2 * ceil(inter / 128),
+    ceil(hidden / 128)] (gate's block rows, then up's), `w2` [experts, hidden, inter] with `w2_scale`
+    [experts, ceil(hidden / 128), ceil(inter / 128)]; this rank's experts and slices, one byte a weight.
+
+    `quantize_activations` (DeepSeek's recipe, the default): activations quantized per token and 128 inputs,
+    `pow2_scales` by powers of two (scale_fmt ue8m0); off, the experts run weight-only (to compare with a dense
+    twin). On CUDA GPUs with FP8 tensor cores through kernels/triton/fused_moe_fp8.py, elsewhere through the torch
+    reference, which dequantizes the chosen experts at each call."""
+
+    def __init__(self, pow2_scales: bool = False) -> None:
+        self.pow2_scales = pow2_scales
+        self.quantize_activations = True
+
+    def create_weights(self, layer: nn.Module) -> None:
+        for param, halves in _EXPERT_GRIDS:
+            dense = getattr(layer, param)
+            experts, rows, cols = dense.shape
+            dense.data = torch.empty(experts, rows, cols, dtype=FP8, device=dense.device)
+            grid = (experts, halves * fp8_moe.blocks(rows // halves), fp8_moe.blocks(cols))
+            layer.register_buffer(f"{param}_scale", torch.ones(grid, dtype=torch.float32, device=dense.device))
+
+    def store_rows(self, layer: nn.Module, param: str, expert: int, row: int, loaded: Any) -> bool:
+        target = getattr(layer, param).data[expert]
+        half = target.shape[0] // dict(_EXPERT_GRIDS)[param]
+        if tuple(loaded.shape) != (half, target.shape[1]) or row % half:
+            raise ValueError(f"an FP8 expert part of shape {tuple(loaded.shape)} at row {row} is not one whole part "
+                             f"({half} rows) of {param}, a matrix of shape {tuple(target.shape)}.")
+        q, scale = _block_form(loaded)
+        first = row // half * fp8_moe.blocks(half)
+        target[row:row + half].copy_(q)
+        getattr(layer, f"{param}_scale")[expert, first:first + scale.shape[0]].copy_(scale)
+        return True
+
+    def experts(self, layer: nn.Module) -> tuple[Fp8Experts, Fp8Experts]:
+        """The layer's w13 and w2 in kernels/fp8_moe.py's stacked form."""
+        return (Fp8Experts(layer.w13.data, layer.w13_scale, 2), Fp8Experts(layer.w2.data, layer.w2_scale))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        (w13, w2), local = self.experts(layer), layer.local_ids(ids)
+        options = dict(quantize_activations=self.quantize_activations, pow2_scales=self.pow2_scales)
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):  # Triton's FP8 needs sm_89 or later
+            from pressroom.kernels.triton.fused_moe_fp8 import fused_moe_fp8
+            return fused_moe_fp8(x.contiguous(), w13, w2, weights, local, all_local=layer.owns_all, **options)
+        return fp8_moe.reference(x, w13, w2, weights, local, **options)
+
+    def dequantized(self, layer: nn.Module, param: str, expert: int) -> torch.Tensor:
+        """Local expert `expert`'s `param` in fp32, as it multiplies (for tests and inspection)."""
+        return self.experts(layer)[param == "w2"].dequantize(expert)
+
+
+# each expert matrix and the grids of blocks down its rows: gate's and up's, down's one
+_EXPERT_GRIDS = (("w13", 2), ("w2", 1))
+
+
+def _block_form(loaded: Fp8Weight | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of an expert matrix as FP8 values and 128 x 128 block scales [ceil(rows / 128), ceil(cols / 128)]: a
+    checkpoint's block-scaled rows as they come (exact); rows it scales otherwise (per tensor, per channel) or ships
+    dense, quantized into blocks."""
+    if isinstance(loaded, Fp8Weight):
+        scale = _block_scales(loaded)
+        if scale is not None:
+            return loaded.q, scale
+        loaded = loaded.dequantize()
+    q, scale = fp8_moe.quantize_blocks(loaded)
+    return q, scale
+
+
+def _block_scales(w: Fp8Weight) -> torch.Tensor | None:
+    """w's per-row group scales as one scale per 128 x 128 block, where they are that (None otherwise)."""
+    rows, cols = w.q.shape
+    if w.scale.shape[1] == 1:  # one scale per row: every block of the row
+        scale = w.scale.expand(rows, fp8_moe.blocks(cols))
+    elif w.group == BLOCK:
+        scale = w.scale
+    else:
+        return None
+    per_block = scale[::BLOCK]
+    if not torch.equal(per_block.repeat_interleave(BLOCK, 0)[:rows], scale):
+        return None
+    return per_block.contiguous()
