@@ -47,7 +47,8 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict):
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     names = kernel.arg_names
-    values = dict(zip(names, args)) | kwargs
+    defaults = {param.name: param.default for param in kernel.params if param.has_default}
+    values = defaults | dict(zip(names, args)) | kwargs
     constexpr_names = {names[i] for i in kernel.constexprs}
     signature, constexprs = {}, {}
     for name in names:
