@@ -1,0 +1,622 @@
+"""DeepSeek-V4: shared-KV multi-query attention over a sliding window plus compressed entries (CSA, HCA),
+manifold-constrained hyper-connections, and a mixture of experts routed by sqrt-softplus scores or by a hash of
+the token id.
+
+Attention (HF DeepseekV4Attention). Each layer projects one KV head (keys = values, normalised, the trailing
+rope slice rotated, interleaved pairs) and queries through q_a / q_b (q_b's output normalised per head, no
+weight). A query at position p reads jointly, in one softmax with a per-head sink logit:
+- the K=V vectors of positions p - sliding_window + 1 .. p: an `Attention` (latent, one plane) in the paged cache;
+- in HCA layers every compressed entry w with w < (p + 1) // m' (all its tokens are at or before p);
+- in CSA layers only the `index_topk` of its causal entries that the lightning indexer scores best.
+Its output's rope slice is rotated back by its own position, then the grouped low-rank projection (o_a per
+head group, o_b) mixes the heads. Sliding-only layers use the "main" rope, compressed layers the "compress" one
+(compress_rope_theta, the config's YaRN) for queries, keys and entries alike.
+
+Compressed entries. Entry w of a layer with rate m is a softmax-gated mix of the projected tokens of window w
+(w * m .. w * m + m - 1; HCA), or of window w's second half-features and window w - 1's first half-features
+(CSA's overlapping windows, width 2m, stride m; window -1 has weight 0), normalised (kv_norm) and rotated at
+position w * m. They live in `CompressedKVCache`s (layers/compressed_kv.py) addressed through the tokens' block
+tables: HCA's holds head_dim values per entry, CSA's head_dim + index_head_dim (the indexer's own compressed key
+after the entry). The tokens of a window that has not closed yet, and for CSA the previous window's, are a
+per-request state (`V4Compressor`, a RecurrentLayer): a ring of the last m (HCA) or 2m (CSA) tokens' projected
+kv and gate (fp32), token p at row p % ring. Each step appends a request's tokens and writes every entry whose
+window closes (position % m == m - 1) into the cache; chunked prefill, decodes and prefix-cache checkpoints
+(state copies at block boundaries) all go through the same code.
+
+Hyper-connections keep hc_mult streams per token ([tokens, hc_mult, hidden], fp32 weights) between blocks; the
+hyper head collapses them before the final norm. The experts use the clamped SwiGLU (`swiglu_limit`); the
+first `hash_moe` layers pick experts by `tid2eid[input_id]`, the rest by sqrt-softplus scores plus a correction
+bias; both weight the chosen experts by their renormalised scores times `routed_scaling_factor`.
+
+Not yet: tensor parallelism, CUDA graphs and GPU kernels (the sparse attention here is torch, request by request
+on the host), FP8 checkpoints, and the MTP layers (skipped at load; the drafter will read them itself).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
+from pressroom.attention.state import StateRound
+from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.kernels.moe_activation import LimitedSwiglu
+from pressroom.model.layers.attention import Attention
+from pressroom.model.layers.compressed_kv import CompressedKVCache
+from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pressroom.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
+from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pressroom.model.layers.norm import RMSNorm
+from pressroom.model.layers.rotary import _inv_freq
+from pressroom.model.layers.state import RecurrentLayer, StateShape
+from pressroom.model.lazy_weight import materialize
+from pressroom.model.models.llama import LlamaMLP
+from pressroom.model.weights import expected_names, load_named_weights
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+# ---- rope: interleaved pairs on the trailing slice of a head ----
+
+class InterleavedRope(nn.Module):
+    """cos/sin per position computed on the fly (V4's contexts reach 1M positions: no table)."""
+
+    def __init__(self, rope_dim: int, params: dict) -> None:
+        super().__init__()
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        inv, self.magnitude = _inv_freq(rope_dim, params["rope_theta"], scaling)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, rope_dim / 2] each, fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq
+        return freqs.cos() * self.magnitude, freqs.sin() * self.magnitude
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, ..., dim] with its last 2 * cos.shape[-1] dims rotated as interleaved pairs (in fp32);
+    cos, sin [tokens, rope / 2]. The inverse rotation: pass -sin."""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rope = x[..., -2 * half:].float()
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-2 * half], rotated), dim=-1)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# ---- the compressors: per-request rings of pending tokens, entries written into a paged cache ----
+
+class V4Compressor(RecurrentLayer):
+    """One layer's compressor (and, in CSA layers, the indexer's compressor beside it, over the same windows):
+    projects every token's kv and gate, advances each request's ring of pending tokens and writes the entries of
+    the windows that close into `cache` (CSA: [entry | indexer key] per slot)."""
+
+    def __init__(self, config, layer_type: str, rope: InterleavedRope) -> None:
+        super().__init__()
+        self.rate = config.compress_rates[layer_type]
+        self.overlap = layer_type == CSA
+        self.head_dim, eps = config.head_dim, config.rms_norm_eps
+        width = 2 if self.overlap else 1  # CSA: two series per token, Ca (next entry) and Cb (its own entry)
+        hidden = config.hidden_size
+        self.width = width * self.head_dim  # projected features per token
+        self.kv_proj = ColumnParallelLinear(hidden, self.width)
+        self.gate_proj = ColumnParallelLinear(hidden, self.width)
+        self.position_bias = nn.Parameter(torch.zeros(self.rate, self.width, dtype=torch.float32),
+                                          requires_grad=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.rope = rope
+        self.indexer = V4Indexer(config, self.rate, rope) if self.overlap else None
+        entry_dim = self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)
+        self.cache = CompressedKVCache(entry_dim, self.rate)
+        self.ring = (2 if self.overlap else 1) * self.rate
+
+    def state_shapes(self) -> dict[str, StateShape]:
+        shapes = {"kv": StateShape((self.ring, self.width), torch.float32),
+                  "gate": StateShape((self.ring, self.width), torch.float32)}
+        if self.indexer is not None:
+            width = 2 * self.indexer.head_dim
+            shapes |= {"index_kv": StateShape((self.ring, width), torch.float32),
+                       "index_gate": StateShape((self.ring, width), torch.float32)}
+        return shapes
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> None:
+        """Writes the entries of every window the step's tokens close."""
+        tokens = [self.kv_proj(x).float(), self.gate_proj(x).float()]
+        if self.indexer is not None:
+            tokens += [self.indexer.kv_proj(x).float(), self.indexer.gate_proj(x).float()]
+        slots = self.cache.slots_of_tokens(meta.slot_mapping, block_size)
+        self.run_rounds(self._mix, positions, slots, *tokens)
+
+    def _mix(self, r: StateRound, positions: torch.Tensor, slots: torch.Tensor, *tokens: torch.Tensor
+             ) -> torch.Tensor:
+        loc, pos, request_slots = r.query_start_loc, positions.tolist(), r.slots.tolist()
+        names = list(self.state_shapes())
+        parts = [(self.position_bias, self.head_dim, self.kv_norm)]
+        if self.indexer is not None:
+            parts.append((self.indexer.position_bias, self.indexer.head_dim, self.indexer.kv_norm))
+        for i in range(len(loc) - 1):
+            start, end = loc[i], loc[i + 1]
+            if start == end:
+                continue
+            slot = request_slots[i]
+            first, stop = pos[start], pos[end - 1] + 1
+            closing = torch.arange(first // self.rate, stop // self.rate, device=positions.device)
+            entries = []
+            for j, (bias, dim, norm) in enumerate(parts):
+                kv_ring, gate_ring = self.states[names[2 * j]][slot], self.states[names[2 * j + 1]][slot]
+                kv, gate, base = self._history(kv_ring, gate_ring, tokens[2 * j][start:end],
+                                               tokens[2 * j + 1][start:end], first, stop)
+                if len(closing):
+                    entries.append(self._entries(kv, gate + bias[self._offsets(base, stop)], base, closing, dim,
+                                                 norm))
+            if len(closing):
+                self.cache.write(slots[start + (closing * self.rate + self.rate - 1 - first)], torch.cat(entries, -1))
+        return tokens[0].new_empty(tokens[0].shape[0], 0)
+
+    def _offsets(self, base: int, stop: int) -> torch.Tensor:
+        return torch.arange(base, stop, device=self.position_bias.device) % self.rate
+
+    def _history(self, kv_ring: torch.Tensor, gate_ring: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+                 first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A request's projections of positions base .. stop - 1 (the pending ones from the ring, then the new
+        ones), base the start of the first window a new entry reads; the ring keeps the last of them."""
+        window = first // self.rate * self.rate
+        base = max(0, window - self.rate) if self.overlap else window
+        old = torch.arange(base, first, device=kv.device) % self.ring
+        kv, gate = torch.cat((kv_ring[old], kv)), torch.cat((gate_ring[old], gate))
+        keep = torch.arange(max(base, stop - self.ring), stop, device=kv.device)
+        kv_ring[keep % self.ring] = kv[keep - base]
+        gate_ring[keep % self.ring] = gate[keep - base]
+        return kv, gate, base
+
+    def _entries(self, kv: torch.Tensor, gate: torch.Tensor, base: int, windows: torch.Tensor, dim: int,
+                 norm: RMSNorm) -> torch.Tensor:
+        """Entries of `windows` from positions base .. (kv, gate [positions, width * dim], gate biased):
+        normalised and rotated at each window's first position."""
+        m = self.rate
+        rows = (windows * m - base)[:, None] + torch.arange(m, device=kv.device)  # [windows, m]
+        if self.overlap:  # window w - 1's Ca beside window w's Cb; the window before 0 weighs nothing
+            prev = (rows - m).clamp(min=0)
+            kv_w = torch.cat((kv[prev][..., :dim], kv[rows][..., dim:]), dim=1)
+            prev_gate = gate[prev][..., :dim].masked_fill((windows == 0)[:, None, None], float("-inf"))
+            gate_w = torch.cat((prev_gate, gate[rows][..., dim:]), dim=1)
+        else:
+            kv_w, gate_w = kv[rows], gate[rows]
+        mixed = (kv_w * gate_w.softmax(dim=1)).sum(dim=1)
+        mixed = norm(mixed.to(norm.weight.dtype).contiguous())
+        return rotate_tail(mixed, *self.rope.cos_sin(windows * m))
+
+
+class V4Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its compressor's projections (run by V4Compressor) and its scoring
+    head; a query's score for entry s is sum_h w_h * relu(q_h . k_s) / sqrt(dim), w_h from weights_proj."""
+
+    def __init__(self, config, rate: int, rope: InterleavedRope) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        hidden = config.hidden_size
+        self.kv_proj = ColumnParallelLinear(hidden, 2 * self.head_dim)
+        self.gate_proj = ColumnParallelLinear(hidden, 2 * self.head_dim)
+        self.position_bias = nn.Parameter(torch.zeros(rate, 2 * self.head_dim, dtype=torch.float32),
+                                          requires_grad=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, self.heads * self.head_dim)
+        self.weights_proj = nn.Linear(hidden, self.heads, bias=False)
+        self.weights_proj.requires_grad_(False)
+        self.rope = rope
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated queries [tokens, heads, dim] (fp32) and head weights [tokens, heads]."""
+        q = rotate_tail(self.q_b_proj(q_resid).view(-1, self.heads, self.head_dim), cos, sin)
+        return q.float(), self.weights_proj(x).float() * self.heads ** -0.5
+
+    def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+               ) -> torch.Tensor:
+        """Which of the entries `keys` [entries, dim] each query reads: [queries, entries] bool, the best
+        index_topk of its `visible` (causal) ones."""
+        scores = torch.relu(torch.einsum("qhd,sd->qhs", q, keys.float())) * self.head_dim ** -0.5
+        index = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        chosen = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        picked = torch.zeros_like(visible).scatter_(1, chosen, True)
+        return picked & visible
+
+
+# ---- attention ----
+
+class GroupedLinear(nn.Module):
+    """o_a: each of `groups` head groups projected on its own ([groups * rank, in / groups] in the checkpoint)."""
+
+    def __init__(self, in_per_group: int, out: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out, in_per_group), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, groups, in / groups] -> [tokens, groups * rank]."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("tgi,gri->tgr", x, w).flatten(1)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.groups, self.eps, self.window = config.o_groups, config.rms_norm_eps, config.sliding_window
+        hidden, heads, dim = config.hidden_size, self.num_heads, self.head_dim
+        self.q_a_proj = ColumnParallelLinear(hidden, config.q_lora_rank)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * dim)
+        self.kv_proj = ColumnParallelLinear(hidden, dim)
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(heads * dim // self.groups, self.groups * config.o_lora_rank, self.groups)
+        self.o_b_proj = RowParallelLinear(self.groups * config.o_lora_rank, hidden)
+        self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32), requires_grad=False)
+        self.attn = Attention(heads, dim, 1, dim ** -0.5, latent=True, sliding_window=self.window)
+        self.compressor = None if self.layer_type == SLIDING else V4Compressor(config, self.layer_type,
+                                                                               ropes["compress"])
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        cos, sin = self.rope.cos_sin(positions)
+        q_resid = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_resid).view(tokens, self.num_heads, self.head_dim), self.eps)
+        q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if self.compressor is None:
+            out = self.attn(q, kv.unsqueeze(1), sinks=self.sinks).view(tokens, self.num_heads, self.head_dim)
+        else:
+            out = self._compressed_attention(q, kv, q_resid, x, positions, cos, sin)
+        out = rotate_tail(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.reshape(tokens, self.groups, -1)))
+
+    def _compressed_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
+                              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Torch, request by request over the host's query starts: the window's K=V and the causal (CSA: chosen)
+        compressed entries in one softmax with the sink."""
+        meta = get_attention_metadata()
+        cache = self.attn.kv_cache
+        block_size = cache.shape[2]
+        cache[0].view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, kv.to(cache.dtype))
+        self.compressor(x, positions, meta, block_size)
+        indexer = self.compressor.indexer
+        index_q = index_w = None
+        if indexer is not None:
+            index_q, index_w = indexer.queries(q_resid, x, cos, sin)
+        out = torch.empty_like(q)
+        loc, lens = meta.query_start_loc, meta.seq_lens_host
+        for i in range(len(loc) - 1):
+            start, end, context = loc[i], loc[i + 1], lens[i]
+            if start == end:
+                continue
+            table = meta.block_tables[i]
+            query_pos = torch.arange(context - (end - start), context, device=q.device)
+            keys, key_mask = self._window(cache, table, query_pos, block_size)
+            entries = self.compressor.cache.read(table, context // self.compressor.rate, block_size)
+            visible = torch.arange(entries.shape[0], device=q.device) < \
+                ((query_pos + 1) // self.compressor.rate)[:, None]
+            if indexer is not None and entries.shape[0]:
+                visible = indexer.choose(index_q[start:end], index_w[start:end], entries[:, self.head_dim:],
+                                         visible)
+            out[start:end] = self._attend(q[start:end], keys, key_mask, entries[:, :self.head_dim], visible)
+        return out
+
+    def _window(self, cache: torch.Tensor, table: torch.Tensor, query_pos: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K=V vectors the queries' windows cover [keys, dim] and which each query sees [queries, keys]."""
+        last = int(query_pos[-1]) + 1
+        key_pos = torch.arange(max(0, int(query_pos[0]) - self.window + 1), last, device=query_pos.device)
+        slots = table[key_pos // block_size].long() * block_size + key_pos % block_size
+        keys = cache[0].view(-1, self.head_dim)[slots]
+        seen = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
+        return keys, seen
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, entries: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        values = torch.cat((keys, entries)).to(q.dtype)
+        mask = torch.cat((key_mask, visible), dim=1)
+        logits = torch.einsum("qhd,kd->qhk", q, values) * self.attn.scale
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        logits = torch.cat((logits, sinks), dim=-1)
+        probs = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1)[..., :-1]
+        return torch.einsum("qhk,kd->qhd", probs, values)
+
+
+# ---- hyper-connections ----
+
+class HyperConnection(nn.Module):
+    """mHC around one block: from the hc_mult streams, the weights that collapse them into the block's input
+    (pre), spread its output over them (post) and mix them (comb, made doubly stochastic by Sinkhorn)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        n = self.n = config.hc_mult
+        self.iters, self.eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        f32 = dict(dtype=torch.float32)
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * config.hidden_size, **f32), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, **f32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, **f32), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [tokens, n, hidden] -> post [tokens, n], comb [tokens, n, n] (fp32), collapsed [tokens, hidden]."""
+        n = self.n
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn).split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The streams after the block: its output spread by post, plus the input streams mixed by comb."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                streams)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        n = config.hc_mult
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        f32 = dict(dtype=torch.float32)
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, **f32), requires_grad=False)
+        self.hc_base = nn.Parameter(torch.zeros(n, **f32), requires_grad=False)
+        self.hc_scale = nn.Parameter(torch.ones(1, **f32), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+# ---- mixture of experts ----
+
+class ClampedSiluAndMul(nn.Module):
+    """The shared expert's activation over [gate | up]."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.act = LimitedSwiglu(limit)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.act(*gate_up.chunk(2, dim=-1))
+
+
+class V4Router(nn.Module):
+    """sqrt(softplus) scores; the experts chosen by score plus correction bias, or by `tid2eid[token]` (hash)."""
+
+    def __init__(self, config, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
+        experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size), requires_grad=False)
+        self.e_score_correction_bias = None
+        if hashed:  # loaded by the model (an integer table is no parameter); distinct defaults for dummy weights
+            self.register_buffer("tid2eid", torch.arange(self.top_k).repeat(config.vocab_size, 1) % experts)
+        else:
+            self.tid2eid = None
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
+                                                        requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()
+        if self.tid2eid is not None:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
+
+
+class V4MoE(nn.Module):
+    def __init__(self, config, hashed: bool) -> None:
+        super().__init__()
+        hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.gate = V4Router(config, hashed)
+        self.experts = FusedMoE(config.n_routed_experts, hidden, inter, activation=LimitedSwiglu(limit))
+        self.shared_experts = LlamaMLP(hidden, inter, ClampedSiluAndMul(limit))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+# ---- the model ----
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+        super().__init__()
+        self.self_attn = V4Attention(config, layer, ropes)
+        self.mlp = V4MoE(config, config.mlp_layer_types[layer] == "hash_moe")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, self.self_attn(self.input_layernorm(x), positions), post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.mlp(self.post_attention_layernorm(x), input_ids), post, comb)
+
+
+class V4Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        rope_dim = int(config.head_dim * config.partial_rotary_factor)
+        ropes = {name: InterleavedRope(rope_dim, config.rope_parameters[name]) for name in ("main", "compress")}
+        self.ropes = nn.ModuleDict(ropes)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, ropes) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        return self.norm(self.hc_head(streams))
+
+
+# DeepSeek's checkpoint names (as DeepSeek ships them and as HF's save_pretrained writes them back) -> HF's module
+# names, which ours follow; applied in order, like HF's conversion mapping for deepseek_v4.
+_RENAMES = [(re.compile(p), r) for p, r in [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.weights_proj."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.scorer\.weights_proj\.", ".weights_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+]]
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT_PARTS = {"w1": ("w13", GATE), "w3": ("w13", UP), "w2": ("w2", DOWN)}
+_SHARED = {".shared_experts.gate_proj.": 0, ".shared_experts.up_proj.": 1}
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name in HF's module naming (with the `model.` prefix, lm_head outside it)."""
+    name = name.removeprefix("model.")
+    if name in ("head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    return "model." + name
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    cuda_graphs_supported = False  # the compressed layers loop over requests on the host
+    applies_sliding_window = True  # contexts run past the window: its layers mask by it
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if get_tp_size() > 1:
+            raise ValueError("DeepSeek-V4 does not run tensor-parallel yet; use tensor_parallel_size=1.")
+        self.config = config
+        self.model = V4Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor:
+        if aux_layers:
+            raise ValueError("DeepSeek-V4 does not hand layer outputs to a drafter yet.")
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- the name map (model/weights.py), over canonical names ----
+
+    def skips(self, name: str) -> bool:
+        return False
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        m = _EXPERT.search(name)
+        if m is not None:
+            param, part = _EXPERT_PARTS[m.group(2)]
+            return name[:m.start()] + f".mlp.experts.{param}", (part, int(m.group(1)))
+        for part, shard in _SHARED.items():
+            if part in name:
+                return name.replace(part, ".shared_experts.gate_up_proj."), shard
+        return name, None
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        experts = self.config.n_routed_experts
+        for param, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            if name.endswith(f".mlp.experts.{param}"):
+                block = name.removesuffix(f".experts.{param}")
+                return [f"{block}.experts.{e}.{p}.weight" for e in range(experts) for p in parts]
+        if ".shared_experts.gate_up_proj." in name:
+            return [name.replace(".shared_experts.gate_up_proj.", part) for part in _SHARED]
+        return [name]
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """Canonical names; HF-style fused experts split per expert; the MTP layers left out (the MTP drafter
+        reads them itself)."""
+        layers = self.config.num_hidden_layers
+        for raw, tensor in weights:
+            if raw.endswith(("weight_scale_inv", ".scale")) and "hc_" not in raw:
+                raise ValueError(f"{raw}: FP8 DeepSeek-V4 checkpoints are not supported yet.")
+            name = canonical_name(raw)
+            parts = name.split(".")
+            if parts[1] == "mtp" or parts[1] == "layers" and int(parts[2]) >= layers:
+                continue
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                yield from self._split_experts(name, tensor)
+                continue
+            yield name, tensor
+
+    def _split_experts(self, name: str, tensor: Any) -> Iterable[tuple[str, Any]]:
+        """HF's fused [experts, 2 * inter, hidden] gate_up (gate first) or [experts, hidden, inter] down."""
+        tensor = materialize(tensor)
+        block = name.rsplit(".", 1)[0]
+        if name.endswith("gate_up_proj"):
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{block}.{e}.w1.weight", tensor[e, :inter]
+                yield f"{block}.{e}.w3.weight", tensor[e, inter:]
+            return
+        for e in range(tensor.shape[0]):
+            yield f"{block}.{e}.w2.weight", tensor[e]
+
+    def expected_weights(self) -> set[str]:
+        return expected_names(self) | {f"{prefix}.tid2eid" for prefix in self._hash_routers()}
+
+    def _hash_routers(self) -> dict[str, V4Router]:
+        return {f"{name}": m for name, m in self.named_modules() if isinstance(m, V4Router) and m.tid2eid is not None}
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        routers, tables = self._hash_routers(), {}
+
+        def tensors():
+            for name, tensor in self.checkpoint_tensors(weights):
+                if name.endswith(".tid2eid"):
+                    tables[name] = tensor
+                    continue
+                yield name, tensor
+
+        loaded = load_named_weights(self, tensors())
+        for name, tensor in tables.items():
+            router = routers.get(name.removesuffix(".tid2eid"))
+            if router is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in DeepseekV4ForCausalLM.")
+            self._load_hash_table(name, router, materialize(tensor))
+            loaded.add(name)
+        return loaded
+
+    def _load_hash_table(self, name: str, router: V4Router, table: torch.Tensor) -> None:
+        expected = tuple(router.tid2eid.shape)
+        if tuple(table.shape) != expected:
+            raise ValueError(f"{name}: checkpoint tensor has shape {tuple(table.shape)}; the model expects {expected}.")
+        experts = self.config.n_routed_experts
+        if table.numel() and (int(table.min()) < 0 or int(table.max()) >= experts):
+            raise ValueError(f"{name}: expert ids must lie in [0, {experts}).")
+        router.tid2eid.copy_(table)
