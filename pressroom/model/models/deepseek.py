@@ -57,6 +57,9 @@ class ReplicatedLinear(LinearBase):
     output from the same input, with no communication."""
     tp_size = 1
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
