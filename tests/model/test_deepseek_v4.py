@@ -4,12 +4,11 @@ CSA with its lightning indexer, HCA), hash and sqrt-softplus routed MoE layers a
 checkpoints with a missing or misshaped tensor."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
-
-from pressroom.model.layers.compressed_kv import CompressedKVCache
 
 WINDOW, CSA_RATE, HCA_RATE, TOPK = 12, 4, 8, 5
 TINY = dict(vocab_size=49152, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -62,13 +61,24 @@ def tiny_v4(tmp_path_factory, smollm_tokenizer) -> str:
 
 
 @torch.inference_mode()
-def hf_greedy_recomputed(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens with the whole sequence recomputed at each step (no HF cache: its compressor state is
-    the part under test)."""
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+def hf_log_softmax(model, ids: list[int]) -> torch.Tensor:
+    """HF's log-probabilities after each token of `ids`, from one forward pass without a cache ([len, vocab])."""
+    return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def check_against_hf(hf_model, prompt: list[int], out, with_prompt_logprobs: bool) -> None:
+    """Greedy tokens: HF's choice after the prompt and each of our tokens, all in one forward pass over the whole
+    sequence with no cache (HF's causal forward gives each position what recomputing up to it would: the same
+    oracle as recomputing the sequence at every step, at the cost of one pass). Prompt logprobs within 1e-3."""
+    tokens = list(out.outputs[0].token_ids)
+    assert len(tokens) == GREEDY_TOKENS
+    logprobs = hf_log_softmax(hf_model, prompt + tokens[:-1])
+    assert logprobs[len(prompt) - 1:].argmax(dim=-1).tolist() == tokens
+    if with_prompt_logprobs:
+        ours = torch.tensor([next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]])
+        theirs = logprobs[:len(prompt) - 1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+        assert out.prompt_logprobs[0] is None
+        assert (ours - theirs).abs().max() < 1e-3
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -76,18 +86,57 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(100, TINY["vocab_size"] - 100, (n,), generator=gen).tolist() for n in lengths]
 
 
-def test_tiny_model_matches_hf(tiny_v4):
+def run_batches(path: str, batches: list[list[list[int]]], **engine_args) -> list:
+    """Each batch generated in turn by one LLM and checked against HF; prompt logprobs in the first batch only
+    (asking for them turns prefix-cache hits off). Returns the outputs, batch after batch."""
     import transformers
-    from conftest import hf_prompt_logprobs
 
     from pressroom import LLM, SamplingParams
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, **engine_args)
+    results = []
+    for i, prompts in enumerate(batches):
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                                prompt_logprobs=0 if i == 0 else None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            check_against_hf(hf_model, prompt, out, i == 0)
+        results += outs
+    return results
+
+
+def test_tiny_model_matches_hf(tiny_v4):
+    """Prompts shorter than the window and far longer than it and than the indexer's top-k, prefilled in 48-token
+    chunks beside other requests' decodes; then a prompt that extends the long one, served from its prefix cache
+    (compressor state restored from a checkpoint), and the long one again."""
     prompts = prompts_of([5, 11, 40, 150], seed=0)
-    llm = LLM(tiny_v4, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
-        theirs = hf_prompt_logprobs(hf_model, prompt)
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3
-        assert out.outputs[0].token_ids == hf_greedy_recomputed(hf_model, prompt, GREEDY_TOKENS)
+    extended = prompts[3] + prompts_of([21], seed=1)[0]
+    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=48)
+    assert all(o.num_cached_tokens > 0 for o in outs[-2:])
+    assert outs[-1].outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fault", ["missing", "misshaped", "hash_table"])
+def test_bad_checkpoint_names_the_tensor(fault, tiny_v4, tmp_path):
+    """A tensor left out, one of the wrong shape, and a hash table pointing past the experts: each a ValueError
+    that names the tensor (in HF's module naming; a misshaped one by its checkpoint name too)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pressroom import LLM
+    for f in Path(tiny_v4).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = load_file(tmp_path / "model.safetensors")
+    if fault == "missing":
+        del weights["model.layers.1.attn.indexer.compressor.wkv.weight"]
+        named = "model.layers.1.self_attn.compressor.indexer.kv_proj.weight"
+    elif fault == "misshaped":
+        weights["model.layers.2.attn.wo_a.weight"] = torch.zeros(32, 65)
+        named = "model.layers.2.attn.wo_a.weight"
+    else:
+        weights["model.layers.0.ffn.gate.tid2eid"][7, 1] = TINY["n_routed_experts"]
+        named = "model.layers.0.mlp.gate.tid2eid"
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(named)):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.05)

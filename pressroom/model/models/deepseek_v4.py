@@ -594,16 +594,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         return {f"{name}": m for name, m in self.named_modules() if isinstance(m, V4Router) and m.tid2eid is not None}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        routers, tables = self._hash_routers(), {}
+        routers, tables, current = self._hash_routers(), {}, [""]
 
         def tensors():
-            for name, tensor in self.checkpoint_tensors(weights):
-                if name.endswith(".tid2eid"):
-                    tables[name] = tensor
-                    continue
-                yield name, tensor
+            for raw, tensor in weights:
+                current[0] = raw
+                for name, part in self.checkpoint_tensors([(raw, tensor)]):
+                    if name.endswith(".tid2eid"):
+                        tables[name] = tensor
+                        continue
+                    yield name, part
 
-        loaded = load_named_weights(self, tensors())
+        try:
+            loaded = load_named_weights(self, tensors())
+        except ValueError as e:  # the model's name for it first, then the checkpoint's own
+            raise ValueError(f"{e} (checkpoint tensor {current[0]!r})") from None
         for name, tensor in tables.items():
             router = routers.get(name.removesuffix(".tid2eid"))
             if router is None:
