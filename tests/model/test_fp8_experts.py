@@ -7,7 +7,6 @@ slices a rank holds (tensor and expert parallelism), the refusals, and the kerne
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,7 +302,7 @@ def _rewritten(checkpoint: Path, path: Path, **changed: torch.Tensor) -> Path:
     return path
 
 
-def test_an_expert_scale_off_the_grid_or_a_weight_not_e4m3_is_refused_by_name(checkpoints, tmp_path):
+def test_an_expert_scale_of_an_unknown_shape_or_format_or_a_weight_not_e4m3_is_refused_by_name(checkpoints, tmp_path):
     stem = "model.layers.1.mlp.experts.3.down_proj"
     with pytest.raises(ValueError, match=rf"{stem}.weight_scale_inv has shape \(4, 2\)"):  # [256, 256] takes [2, 2]
         _llm(_rewritten(checkpoints.fp8, tmp_path / "grid", **{f"{stem}.weight_scale_inv": torch.ones(4, 2)}))
@@ -311,8 +310,11 @@ def test_an_expert_scale_off_the_grid_or_a_weight_not_e4m3_is_refused_by_name(ch
     with pytest.raises(ValueError, match=rf"{stem}.weight is stored as torch.float8_e5m2 beside the scale "
                                          rf"{stem}.weight_scale_inv; FP8 checkpoints are read in float8_e4m3fn"):
         _llm(_rewritten(checkpoints.fp8, tmp_path / "e5m2", **{f"{stem}.weight": e5m2}))
-    config = json.loads((checkpoints.fp8 / "config.json").read_text())
-    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    scale = f"{stem}.weight_scale_inv"
+    with pytest.raises(ValueError, match=rf"{scale} is stored as torch.int32, an unknown scale format"):
+        _llm(_rewritten(checkpoints.fp8, tmp_path / "int", **{scale: torch.ones(2, 2, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match=rf"{scale} holds scales that are not finite"):
+        _llm(_rewritten(checkpoints.fp8, tmp_path / "nan", **{scale: torch.full((2, 2), float("nan"))}))
 
 
 needs_triton = pytest.mark.skipif(not triton_kernels.available(),

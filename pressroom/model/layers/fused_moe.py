@@ -6,7 +6,8 @@ sigmoid scores with a correction bias, grouped top-k and a routed scaling factor
 Kimi). `FusedMoE` holds the experts' weights stacked ([experts, 2 * inter, hidden] for gate and up,
 [experts, hidden, inter] for down) for the range of experts this rank owns, and computes only the
 experts some token chose: the tokens are sorted by expert, each expert runs once over its rows. A
-quantization method may hold the experts instead (`set_quant_method`: a `MoeMethod`, model/quantization/).
+quantization method may hold the experts instead (`set_quant_method`: a `MoeMethod`, model/quantization/: MXFP4 and
+NVFP4 in fp4.py, DeepSeek's FP8 blocks in fp8.py), in its own form and with its own kernels.
 Options for gpt-oss: expert biases (`w13_bias` [experts, 2 * inter], `w2_bias` [experts, hidden]) and its
 clamped SwiGLU (kernels/moe_activation.py) in place of SwiGLU. For Nemotron-H: experts with no gate half
 (activation `Relu2`): `w13` holds only the up matrices [experts, inter, hidden], relu(up)² feeds down.

@@ -193,11 +193,13 @@ def _block_size(block: Any) -> tuple[int, int] | None:
 
 
 _EXPONENT_BYTES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+_FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _scale_values(scale: torch.Tensor, ue8m0: bool, name: str) -> torch.Tensor:
     """A checkpoint's scale tensor `name` as fp32 multipliers: floats as they are, ue8m0 exponent bytes as
-    2^(byte - 127); under scale_fmt ue8m0 every scale must be a power of two."""
+    2^(byte - 127); under scale_fmt ue8m0 every scale must be a power of two. Scales of another dtype, or not
+    finite, are refused."""
     if scale.dtype in _EXPONENT_BYTES:
         if not ue8m0:
             raise ValueError(f"{name} is stored as {scale.dtype} exponent bytes, but quantization_config has no "
@@ -206,7 +208,12 @@ def _scale_values(scale: torch.Tensor, ue8m0: bool, name: str) -> torch.Tensor:
         if (exponents == 255).any():  # e8m0's NaN
             raise ValueError(f"{name} holds the ue8m0 NaN (byte 255).")
         return torch.exp2(exponents.float() - 127)
+    if scale.dtype not in _FLOAT_SCALES:
+        raise ValueError(f"{name} is stored as {scale.dtype}, an unknown scale format; FP8 scales are read as float "
+                         "multipliers (float32, bfloat16, float16), or as exponent bytes under scale_fmt 'ue8m0'.")
     values = scale.float()
+    if not torch.isfinite(values).all():
+        raise ValueError(f"{name} holds scales that are not finite (inf or NaN).")
     if ue8m0 and not ((values > 0) & (torch.frexp(values).mantissa == 0.5)).all():
         raise ValueError(f"{name} has scales that are not powers of two, which quantization_config's scale_fmt "
                          "'ue8m0' promises.")
