@@ -302,7 +302,7 @@ def _rewritten(checkpoint: Path, path: Path, **changed: torch.Tensor) -> Path:
     return path
 
 
-def test_an_expert_scale_of_an_unknown_shape_or_format_or_a_weight_not_e4m3_is_refused_by_name(checkpoints, tmp_path):
+def test_an_expert_scale_off_the_grid_or_a_weight_not_e4m3_is_refused_by_name(checkpoints, tmp_path):
     stem = "model.layers.1.mlp.experts.3.down_proj"
     with pytest.raises(ValueError, match=rf"{stem}.weight_scale_inv has shape \(4, 2\)"):  # [256, 256] takes [2, 2]
         _llm(_rewritten(checkpoints.fp8, tmp_path / "grid", **{f"{stem}.weight_scale_inv": torch.ones(4, 2)}))
@@ -310,11 +310,17 @@ def test_an_expert_scale_of_an_unknown_shape_or_format_or_a_weight_not_e4m3_is_r
     with pytest.raises(ValueError, match=rf"{stem}.weight is stored as torch.float8_e5m2 beside the scale "
                                          rf"{stem}.weight_scale_inv; FP8 checkpoints are read in float8_e4m3fn"):
         _llm(_rewritten(checkpoints.fp8, tmp_path / "e5m2", **{f"{stem}.weight": e5m2}))
-    scale = f"{stem}.weight_scale_inv"
-    with pytest.raises(ValueError, match=rf"{scale} is stored as torch.int32, an unknown scale format"):
-        _llm(_rewritten(checkpoints.fp8, tmp_path / "int", **{scale: torch.ones(2, 2, dtype=torch.int32)}))
-    with pytest.raises(ValueError, match=rf"{scale} holds scales that are not finite"):
-        _llm(_rewritten(checkpoints.fp8, tmp_path / "nan", **{scale: torch.full((2, 2), float("nan"))}))
+
+
+def test_scales_of_an_unknown_dtype_or_not_finite_are_refused_by_name():
+    """What the load above reads each scale through (fp8.py's _scale_values, handed the tensor's name)."""
+    from pressroom.model.quantization.fp8 import _scale_values
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match=rf"{name} is stored as torch.int32, an unknown scale format"):
+        _scale_values(torch.ones(2, 2, dtype=torch.int32), False, name)
+    with pytest.raises(ValueError, match=rf"{name} holds scales that are not finite"):
+        _scale_values(torch.tensor([[1.0, float("nan")]]), False, name)
+    assert torch.equal(_scale_values(torch.tensor([0.5], dtype=torch.bfloat16), False, name), torch.tensor([0.5]))
 
 
 needs_triton = pytest.mark.skipif(not triton_kernels.available(),
@@ -341,3 +347,22 @@ def test_triton_power_of_two_activation_scales_equal_torchs():
     got = fused_moe_fp8(x.to(device), *on, weights.to(device), ids.to(device), pow2_scales=True).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert not torch.allclose(want, fp8_moe.reference(x, w13, w2, weights, ids), rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("expert_range", [(2, 4), pytest.param(None, marks=pytest.mark.slow)])  # ~3 s each
+def test_the_triton_kernel_reads_a_layers_fp8_experts_as_its_cpu_path_does(expert_range):
+    """What Fp8MoeMethod hands fused_moe_fp8 on CUDA (its held experts, local ids, all_local), here in Triton's
+    interpreter, against the layer's CPU path: partial last blocks, all of the experts or a rank's two."""
+    from pressroom.kernels.triton.fused_moe_fp8 import fused_moe_fp8
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = _loaded_layer(expert_range=expert_range)
+    gen = torch.Generator().manual_seed(4)
+    x, ids = torch.randn(5, HIDDEN, generator=gen), torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 1]])
+    weights = torch.softmax(torch.randn(5, 2, generator=gen), dim=-1)
+    want = layer(x, weights, ids)
+    held = [fp8_moe.Fp8Experts(w.weight.to(device), w.scale.to(device), w.halves)
+            for w in layer.quant_method.experts(layer)]
+    got = fused_moe_fp8(x.to(device), *held, weights.to(device), layer.local_ids(ids).to(device),
+                        all_local=layer.owns_all).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
