@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pressroom.model.layers.compressed_kv import CompressedKVCache
+
 WINDOW, CSA_RATE, HCA_RATE, TOPK = 12, 4, 8, 5
 TINY = dict(vocab_size=49152, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4,
@@ -44,9 +46,9 @@ def randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
                 b.copy_(torch.rand(b.shape, generator=gen) * 0.5)
 
 
-def save_tiny(path: Path, tokenizer, seed: int = 0) -> None:
+def save_tiny(path: Path, tokenizer, seed: int = 0, **overrides) -> None:
     import transformers
-    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(**TINY),
+    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(**TINY | overrides),
                                                           dtype=torch.float32)
     randomize_(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
@@ -78,7 +80,8 @@ def check_against_hf(hf_model, prompt: list[int], out, with_prompt_logprobs: boo
         ours = torch.tensor([next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]])
         theirs = logprobs[:len(prompt) - 1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
         assert out.prompt_logprobs[0] is None
-        assert (ours - theirs).abs().max() < 1e-3
+        assert len(ours) == len(prompt) - 1
+        assert torch.all((ours - theirs).abs() < 1e-3)
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -103,6 +106,23 @@ def run_batches(path: str, batches: list[list[list[int]]], **engine_args) -> lis
             check_against_hf(hf_model, prompt, out, i == 0)
         results += outs
     return results
+
+
+def test_compressed_cache_pages_entries_through_the_block_table():
+    """Entry w lives in the block of its window's last token: several per block (rate 4, blocks of 16), or one
+    slot per block used by the block that closes the window (rate 32); rates and blocks that do not divide one
+    another are refused."""
+    table = torch.tensor([5, 2, 9, 7])
+    small = CompressedKVCache(3, 4)
+    assert small.cache_shape(10, 16) == (1, 10, 4, 1, 3)
+    assert small.entry_slots(table, 6, 16).tolist() == [20, 21, 22, 23, 8, 9]
+    token_slots = table[torch.arange(24) // 16] * 16 + torch.arange(24) % 16
+    assert small.slots_of_tokens(token_slots, 16)[3::4].tolist() == [20, 21, 22, 23, 8, 9]
+    large = CompressedKVCache(3, 32)
+    assert large.cache_shape(10, 16) == (1, 10, 1, 1, 3)
+    assert large.entry_slots(table, 2, 16).tolist() == [2, 7]
+    with pytest.raises(ValueError, match="divide"):
+        CompressedKVCache(3, 12).cache_shape(10, 16)
 
 
 def test_tiny_model_matches_hf(tiny_v4):
@@ -140,3 +160,18 @@ def test_bad_checkpoint_names_the_tensor(fault, tiny_v4, tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=re.escape(named)):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.05)
+
+
+@pytest.mark.slow
+def test_tiny_model_matches_hf_yarn_wide_windows(tmp_path, smollm_tokenizer):
+    """The compressed layers' YaRN rope, four hyper-connection streams, an HCA rate of 32 over blocks of 8 (a
+    window spans four blocks) and a CSA rate of 8; prompts of 1 token up to several chunks in 32-token steps with
+    three sequences at once, then prompts that extend two of them from the prefix cache."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+            "beta_slow": 1}
+    save_tiny(tmp_path, smollm_tokenizer, seed=3, rope_parameters=yarn, hc_mult=4, sliding_window=16,
+              compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 32})
+    prompts = prompts_of([1, 16, 17, 70, 260], seed=4)
+    extended = [prompts[3] + prompts_of([9], seed=5)[0], prompts[4] + prompts_of([40], seed=6)[0]]
+    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=32, max_num_seqs=3, block_size=8)
+    assert all(o.num_cached_tokens > 0 for o in outs[-2:])
