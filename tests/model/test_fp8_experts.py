@@ -31,6 +31,7 @@ from pressroom.config import ModelConfig
 from pressroom.distributed import parallel_state
 from pressroom.kernels import fp8, fp8_moe
 from pressroom.kernels import triton as triton_kernels
+from pressroom.kernels.moe_activation import LimitedSwiglu
 from pressroom.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
 from pressroom.model.loader import load_model
 from pressroom.model.quantization.fp8 import Fp8LinearMethod, Fp8Method, Fp8MoeMethod, Fp8Weight
@@ -234,11 +235,16 @@ def _fp8_expert_weights(seed: int) -> dict[tuple[str, int], Fp8Weight]:
     return out
 
 
-def _loaded_layer(expert_range=None, inter_shard=(0, 1), inter: int = 320) -> FusedMoE:
-    moe = FusedMoE(4, HIDDEN, inter, expert_range=expert_range, inter_shard=inter_shard)
-    moe.set_quant_method(Fp8Method(CONFIG).moe_method(moe, "model.layers.1.mlp.experts"))
+def _loaded_layer(expert_range=None, inter_shard=(0, 1), inter: int = 320, activation=None, fp8_held: bool = True
+                  ) -> FusedMoE:
+    """Experts loaded from _fp8_expert_weights: held in FP8, or (not `fp8_held`) dense, dequantized."""
+    moe = FusedMoE(4, HIDDEN, inter, expert_range=expert_range, inter_shard=inter_shard, activation=activation)
+    if fp8_held:
+        moe.set_quant_method(Fp8Method(CONFIG).moe_method(moe, "model.layers.1.mlp.experts"))
     for (part, e), w in _fp8_expert_weights(seed=1).items():
-        moe.weight_loader(moe.w2 if part == DOWN else moe.w13, w.lazy() if inter == 320 else _cut(w, inter), (part, e))
+        loaded = w.lazy() if inter == 320 else _cut(w, inter)
+        moe.weight_loader(moe.w2 if part == DOWN else moe.w13, loaded if fp8_held else loaded.load().dequantize(),
+                          (part, e))
     return moe
 
 
@@ -286,6 +292,20 @@ def test_a_tensor_parallel_slice_that_cuts_a_block_is_refused(shard, message):
     moe = FusedMoE(4, HIDDEN, 320, inter_shard=shard)
     with pytest.raises(ValueError, match=rf"model.layers.1.mlp.experts: FP8 experts .* {message}"):
         Fp8Method(CONFIG).moe_method(moe, "model.layers.1.mlp.experts")
+
+
+def test_deepseek_v4s_clamped_swiglu_runs_in_fp8():
+    """FP8 experts with LimitedSwiglu (weight-only here) give the dense layer's output on the same weights, and the
+    clamp bites."""
+    gen = torch.Generator().manual_seed(6)
+    x, ids = torch.randn(5, HIDDEN, generator=gen), torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 1]])
+    weights = torch.softmax(torch.randn(5, 2, generator=gen), dim=-1)
+    clamped = _loaded_layer(activation=LimitedSwiglu(limit=20.0))
+    clamped.quant_method.quantize_activations = False
+    want = _loaded_layer(activation=LimitedSwiglu(limit=20.0), fp8_held=False)(x, weights, ids)
+    got = clamped(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.allclose(got, _loaded_layer(fp8_held=False)(x, weights, ids), rtol=1e-3)
 
 
 def test_experts_load_dense_where_blocks_are_not_128_or_quantized_online():

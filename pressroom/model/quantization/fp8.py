@@ -47,6 +47,7 @@ from pressroom.kernels import fp8 as kernels
 from pressroom.kernels import fp8_moe
 from pressroom.kernels.fp8 import FP8
 from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts
+from pressroom.kernels.moe_activation import LimitedSwiglu
 from pressroom.model.lazy_weight import LazyWeight
 from pressroom.model.quantization.base import (
     LinearMethod,
@@ -119,11 +120,12 @@ class Fp8Method(QuantizationMethod):
 
     def moe_method(self, layer: nn.Module, prefix: str) -> MoeMethod | None:
         """FP8 experts where a checkpoint ships them in 128 x 128 blocks (the form the experts' kernels read) and
-        they are plain SwiGLU MLPs; others load dense (online --quantization fp8, other scale layouts: dequantized at
-        load)."""
+        they are SwiGLU MLPs (DeepSeek-V4's clamped SwiGLU included) without biases; others load dense (online
+        --quantization fp8, other scale layouts: dequantized at load)."""
         if not self.serialized or self.block != (BLOCK, BLOCK) or excluded(prefix, self.kept_dense):
             return None
-        if not layer.gated or layer.activation is not None or layer.w13_bias is not None:
+        if not layer.gated or not isinstance(layer.activation, (type(None), LimitedSwiglu)) or \
+                layer.w13_bias is not None:
             return None
         _check_whole_blocks(layer, prefix)
         return Fp8MoeMethod(self.ue8m0)
@@ -341,7 +343,8 @@ class Fp8MoeMethod(MoeMethod):
 
     `quantize_activations` (DeepSeek's recipe, the default): activations quantized per token and 128 inputs,
     `pow2_scales` by powers of two (scale_fmt ue8m0); off, the experts run weight-only (to compare with a dense
-    twin). On CUDA GPUs with FP8 tensor cores through kernels/triton/fused_moe_fp8.py, elsewhere through the torch
+    twin). DeepSeek-V4's clamped SwiGLU (the layer's `LimitedSwiglu`) runs as the kernels' `swiglu_limit`. On CUDA
+    GPUs with FP8 tensor cores through kernels/triton/fused_moe_fp8.py, elsewhere through the torch
     reference, which dequantizes the chosen experts at each call."""
 
     def __init__(self, pow2_scales: bool = False) -> None:
@@ -374,7 +377,9 @@ class Fp8MoeMethod(MoeMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         (w13, w2), local = self.experts(layer), layer.local_ids(ids)
-        options = dict(quantize_activations=self.quantize_activations, pow2_scales=self.pow2_scales)
+        limit = layer.activation.limit if isinstance(layer.activation, LimitedSwiglu) else None
+        options = dict(quantize_activations=self.quantize_activations, pow2_scales=self.pow2_scales,
+                       swiglu_limit=limit)
         if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):  # Triton's FP8 needs sm_89 or later
             from pressroom.kernels.triton.fused_moe_fp8 import fused_moe_fp8
             return fused_moe_fp8(x.contiguous(), w13, w2, weights, local, all_local=layer.owns_all, **options)
