@@ -386,3 +386,14 @@ def test_the_triton_kernel_reads_a_layers_fp8_experts_as_its_cpu_path_does(exper
     got = fused_moe_fp8(x.to(device), *held, weights.to(device), layer.local_ids(ids).to(device),
                         all_local=layer.owns_all).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H100/H200 box)")
+def test_fp8_experts_on_cuda_match_the_twin_in_bf16(checkpoints):
+    """On the GPU the experts stay in FP8 on the device and run through fused_moe_fp8 (FP8 tensor cores)."""
+    llm = _llm(checkpoints.fp8, "bfloat16", device="cuda")
+    moe = _experts_of(llm)[0]
+    assert isinstance(moe.quant_method, Fp8MoeMethod) and moe.w13.is_cuda and moe.w13.dtype == fp8.FP8
+    twin = _llm(checkpoints.twin, "bfloat16", device="cuda")
+    _assert_near(prompt_logprobs(llm), prompt_logprobs(twin), TWIN_BF16_TOLERANCE)
