@@ -40,16 +40,16 @@ class CompressedKVCache(Attention):
         return token_slots // block_size * per_block + token_slots % block_size // self.rate
 
     def entry_slots(self, block_table: torch.Tensor, count: int, block_size: int) -> torch.Tensor:
-        """Flat slots of one sequence's entries 0 .. count - 1."""
+        """Flat slots of entries 0 .. count - 1 of the sequences of `block_table` ([..., blocks] -> [..., count])."""
         last = torch.arange(count, device=block_table.device) * self.rate + self.rate - 1
-        return block_table[last // block_size].long() * self.entries_per_block(block_size) \
+        return block_table[..., last // block_size].long() * self.entries_per_block(block_size) \
             + last % block_size // self.rate
 
     def write(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
         self.kv_cache.view(-1, self.head_dim).index_copy_(0, slots, entries.to(self.kv_cache.dtype))
 
     def read(self, block_table: torch.Tensor, count: int, block_size: int) -> torch.Tensor:
-        """One sequence's entries 0 .. count - 1: [count, entry_dim]."""
+        """Entries 0 .. count - 1 of the sequences of `block_table`: [..., count, entry_dim]."""
         return self.kv_cache.view(-1, self.head_dim)[self.entry_slots(block_table, count, block_size)]
 
     def forward(self, *args, **kwargs) -> torch.Tensor:

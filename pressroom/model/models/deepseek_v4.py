@@ -143,9 +143,13 @@ class V4Compressor(RecurrentLayer):
         parts = [(self.position_bias, self.head_dim, self.kv_norm)]
         if self.indexer is not None:
             parts.append((self.indexer.position_bias, self.indexer.head_dim, self.indexer.kv_norm))
+        decodes = r.num_decodes
+        if decodes:  # one token each: into the rings at once; only those that close a window go on below
+            for name, t in zip(names, tokens):
+                self.states[name][r.slots[:decodes], positions[:decodes] % self.ring] = t[:decodes]
         for i in range(len(loc) - 1):
             start, end = loc[i], loc[i + 1]
-            if start == end:
+            if start == end or i < decodes and pos[start] % self.rate != self.rate - 1:
                 continue
             slot = request_slots[i]
             first, stop = pos[start], pos[end - 1] + 1
@@ -222,11 +226,11 @@ class V4Indexer(nn.Module):
 
     def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> torch.Tensor:
-        """Which of the entries `keys` [entries, dim] each query reads: [queries, entries] bool, the best
-        index_topk of its `visible` (causal) ones."""
-        scores = torch.relu(torch.einsum("qhd,sd->qhs", q, keys.float())) * self.head_dim ** -0.5
+        """Which of the entries `keys` [1 or queries, entries, dim] each query reads: [queries, entries] bool, the
+        best index_topk of its `visible` (causal) ones."""
+        scores = torch.relu(torch.matmul(q, keys.float().transpose(1, 2))) * self.head_dim ** -0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-        chosen = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        chosen = index.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         picked = torch.zeros_like(visible).scatter_(1, chosen, True)
         return picked & visible
 
@@ -283,8 +287,8 @@ class V4Attention(nn.Module):
 
     def _compressed_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
                               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Torch, request by request over the host's query starts: the window's K=V and the causal (CSA: chosen)
-        compressed entries in one softmax with the sink."""
+        """Torch: the decodes batched, then the other requests one by one over the host's query starts; each query
+        reads its window's K=V and its causal (CSA: chosen) compressed entries in one softmax with the sink."""
         meta = get_attention_metadata()
         cache = self.attn.kv_cache
         block_size = cache.shape[2]
@@ -295,43 +299,55 @@ class V4Attention(nn.Module):
         if indexer is not None:
             index_q, index_w = indexer.queries(q_resid, x, cos, sin)
         out = torch.empty_like(q)
+        decodes = meta.num_decodes
+        if decodes:
+            tables, query_pos = meta.block_tables[:decodes], positions[:decodes]
+            count = max(meta.seq_lens_host[:decodes]) // self.compressor.rate
+            out[:decodes] = self._attend_rows(q[:decodes], tables, query_pos, query_pos[:, None], count, block_size,
+                                              *(None if t is None else t[:decodes] for t in (index_q, index_w)))
         loc, lens = meta.query_start_loc, meta.seq_lens_host
-        for i in range(len(loc) - 1):
+        for i in range(decodes, len(loc) - 1):
             start, end, context = loc[i], loc[i + 1], lens[i]
             if start == end:
                 continue
-            table = meta.block_tables[i]
             query_pos = torch.arange(context - (end - start), context, device=q.device)
-            keys, key_mask = self._window(cache, table, query_pos, block_size)
-            entries = self.compressor.cache.read(table, context // self.compressor.rate, block_size)
-            visible = torch.arange(entries.shape[0], device=q.device) < \
-                ((query_pos + 1) // self.compressor.rate)[:, None]
-            if indexer is not None and entries.shape[0]:
-                visible = indexer.choose(index_q[start:end], index_w[start:end], entries[:, self.head_dim:],
-                                         visible)
-            out[start:end] = self._attend(q[start:end], keys, key_mask, entries[:, :self.head_dim], visible)
+            rows = slice(start, end)
+            out[rows] = self._attend_rows(q[rows], meta.block_tables[i:i + 1], query_pos, query_pos[None, :],
+                                          context // self.compressor.rate, block_size,
+                                          *(None if t is None else t[rows] for t in (index_q, index_w)))
         return out
 
-    def _window(self, cache: torch.Tensor, table: torch.Tensor, query_pos: torch.Tensor, block_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K=V vectors the queries' windows cover [keys, dim] and which each query sees [queries, keys]."""
-        last = int(query_pos[-1]) + 1
-        key_pos = torch.arange(max(0, int(query_pos[0]) - self.window + 1), last, device=query_pos.device)
-        slots = table[key_pos // block_size].long() * block_size + key_pos % block_size
-        keys = cache[0].view(-1, self.head_dim)[slots]
-        seen = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
-        return keys, seen
+    def _attend_rows(self, q: torch.Tensor, tables: torch.Tensor, query_pos: torch.Tensor, key_end: torch.Tensor,
+                     count: int, block_size: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """Queries q [n, heads, dim] at `query_pos` [n] over b = 1 (one request's queries) or n (one query per
+        request) sequences: `tables` [b, blocks], `key_end` [b, 1 or n] their last positions (the window's keys
+        end there), `count` the entries to read (more than a sequence has: masked)."""
+        cache, window, rate = self.attn.kv_cache, self.window, self.compressor.rate
+        first = key_end.amin(dim=1, keepdim=True) - window + 1
+        span = int((key_end.amax(dim=1) - key_end.amin(dim=1)).max()) + window
+        key_pos = first + torch.arange(span, device=q.device)  # [b, keys]
+        slots = tables.gather(1, key_pos.clamp(min=0) // block_size).long() * block_size \
+            + key_pos.clamp(min=0) % block_size
+        keys = cache[0].view(-1, self.head_dim)[slots]  # [b, keys, dim]
+        seen = (key_pos <= query_pos[:, None]) & (key_pos > query_pos[:, None] - window) & (key_pos >= 0)
+        entries = self.compressor.cache.read(tables, count, block_size)  # [b, count, entry]
+        visible = torch.arange(count, device=q.device) < ((query_pos + 1) // rate)[:, None]
+        if index_q is not None and count:
+            visible = self.compressor.indexer.choose(index_q, index_w, entries[..., self.head_dim:], visible)
+        return self._attend(q, keys, seen, entries[..., :self.head_dim], visible)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, entries: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
-        values = torch.cat((keys, entries)).to(q.dtype)
+        """q [n, heads, dim]; keys [b, k, dim] and entries [b, e, dim] (b: 1 or n); masks [n, k] and [n, e]."""
+        values = torch.cat((keys, entries), dim=1).to(q.dtype)
         mask = torch.cat((key_mask, visible), dim=1)
-        logits = torch.einsum("qhd,kd->qhk", q, values) * self.attn.scale
+        logits = torch.matmul(q, values.transpose(1, 2)) * self.attn.scale
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
         logits = torch.cat((logits, sinks), dim=-1)
         probs = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1)[..., :-1]
-        return torch.einsum("qhk,kd->qhd", probs, values)
+        return torch.matmul(probs, values)
 
 
 # ---- hyper-connections ----
