@@ -126,12 +126,12 @@ def test_compressed_cache_pages_entries_through_the_block_table():
 
 
 def test_tiny_model_matches_hf(tiny_v4):
-    """Prompts shorter than the window and far longer than it and than the indexer's top-k, prefilled in 48-token
+    """Prompts shorter than the window and far longer than it and than the indexer's top-k, prefilled in 45-token
     chunks beside other requests' decodes; then a prompt that extends the long one, served from its prefix cache
     (compressor state restored from a checkpoint), and the long one again."""
     prompts = prompts_of([5, 11, 40, 150], seed=0)
     extended = prompts[3] + prompts_of([21], seed=1)[0]
-    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=48)
+    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45)
     assert all(o.num_cached_tokens > 0 for o in outs[-2:])
     assert outs[-1].outputs[0].token_ids == outs[3].outputs[0].token_ids
 
@@ -165,7 +165,7 @@ def test_bad_checkpoint_names_the_tensor(fault, tiny_v4, tmp_path):
 @pytest.mark.slow
 def test_tiny_model_matches_hf_yarn_wide_windows(tmp_path, smollm_tokenizer):
     """The compressed layers' YaRN rope, four hyper-connection streams, an HCA rate of 32 over blocks of 8 (a
-    window spans four blocks) and a CSA rate of 8; prompts of 1 token up to several chunks in 32-token steps with
+    window spans four blocks) and a CSA rate of 8; prompts of 1 token up to several chunks in 30-token steps with
     three sequences at once, then prompts that extend two of them from the prefix cache."""
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128, "beta_fast": 32,
             "beta_slow": 1}
@@ -173,5 +173,27 @@ def test_tiny_model_matches_hf_yarn_wide_windows(tmp_path, smollm_tokenizer):
               compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 32})
     prompts = prompts_of([1, 16, 17, 70, 260], seed=4)
     extended = [prompts[3] + prompts_of([9], seed=5)[0], prompts[4] + prompts_of([40], seed=6)[0]]
-    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=32, max_num_seqs=3, block_size=8)
+    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=30, max_num_seqs=3, block_size=8)
     assert all(o.num_cached_tokens > 0 for o in outs[-2:])
+
+
+def test_hf_module_names_and_fused_experts_load_alike(tiny_v4):
+    """The checkpoint as HF's save_pretrained writes it (DeepSeek's names, one tensor per expert) and as HF's
+    modules name it (fused [experts, 2 * inter, hidden] gate_up): the same parameters and hash tables; MTP layers
+    are skipped."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from pressroom.model.models.deepseek_v4 import DeepseekV4ForCausalLM
+    config = transformers.AutoConfig.from_pretrained(tiny_v4)
+    saved = load_file(Path(tiny_v4) / "model.safetensors")
+    hf_named = transformers.AutoModelForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32).state_dict()
+    hf_named["mtp.0.ffn.gate.weight"] = torch.zeros(1)  # DeepSeek ships its MTP layer under mtp.*
+    models = []
+    for weights in (saved, hf_named):
+        model = DeepseekV4ForCausalLM(config)
+        assert model.load_weights(weights.items()) >= model.expected_weights()
+        models.append(model)
+    ours, theirs = (dict(m.state_dict()) for m in models)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -579,9 +579,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         reads them itself)."""
         layers = self.config.num_hidden_layers
         for raw, tensor in weights:
-            if raw.endswith(("weight_scale_inv", ".scale")) and "hc_" not in raw:
-                raise ValueError(f"{raw}: FP8 DeepSeek-V4 checkpoints are not supported yet.")
             name = canonical_name(raw)
+            if name.endswith(("weight_scale_inv", "weight_scale")) or name.endswith(".scale") and "_hc." not in name:
+                raise ValueError(f"{raw}: FP8 DeepSeek-V4 checkpoints (block scales) are not supported yet.")
             parts = name.split(".")
             if parts[1] == "mtp" or parts[1] == "layers" and int(parts[2]) >= layers:
                 continue
