@@ -139,8 +139,8 @@ def prompt_logprobs(llm: LLM) -> torch.Tensor:
 
 def _hf_logprobs(twin: Path, fake_quant: bool = False, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's prompt logprobs on the twin, as it is and with each linear layer pressroom keeps in FP8 (all but
-    kv_b_proj, the router, the indexer's head weights and the LM head; HF's routed experts are no nn.Linear) taking
-    its input rounded to FP8 per token and 128 inputs (`pow2`: by power-of-two scales)."""
+    kv_b_proj, the router, the indexer's head weights and the LM head) and each routed expert (HF's stacked
+    experts) taking its inputs rounded to FP8 per token and 128 inputs (`pow2`: by power-of-two scales)."""
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32)
     with torch.no_grad():
@@ -148,6 +148,8 @@ def _hf_logprobs(twin: Path, fake_quant: bool = False, pow2: bool = False) -> tu
         for name, module in hf.named_modules():
             if isinstance(module, nn.Linear) and not name.endswith(_NOT_KEPT_IN_FP8):
                 module.forward = _fake_quant(module, pow2)
+            elif isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # HF's stacked routed experts
+                module.forward = _fake_quant_experts(module, pow2)
         rounded = torch.tensor([lp for p in PROMPTS for lp in hf_prompt_logprobs(hf, p["prompt_token_ids"])])
     return plain, rounded
 
@@ -160,6 +162,23 @@ def _fake_quant(module: nn.Linear, pow2: bool):
         flat = x.reshape(-1, x.shape[-1])
         rounded = fp8.dequantize(*fp8.quantize(flat, BLOCK, pow2), BLOCK)
         return (rounded @ module.weight.t()).view(*x.shape[:-1], -1)
+    return forward
+
+
+def _fake_quant_experts(module: nn.Module, pow2: bool):
+    """HF's stacked experts with each expert's input and its intermediate SiLU(gate) * up rounded to FP8 per token
+    and 128 inputs, as pressroom's FP8 experts run them (DeepSeek's recipe)."""
+    def rounded(a: torch.Tensor) -> torch.Tensor:
+        return fp8.dequantize(*fp8.quantize(a, BLOCK, pow2), BLOCK)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        fed, out = rounded(hidden_states), torch.zeros_like(hidden_states)
+        for e in range(module.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = (fed[token] @ module.gate_up_proj[e].t()).chunk(2, dim=-1)
+            y = rounded(nn.functional.silu(gate) * up) @ module.down_proj[e].t()
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
     return forward
 
 
@@ -198,7 +217,7 @@ def test_fp8_blocks_stay_in_fp8_and_match_the_dequantized_twin(checkpoints, hf_o
     for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "layers.0.mlp.gate_up_proj",
                  "layers.0.mlp.down_proj", "shared_experts.gate_up_proj", "shared_experts.down_proj"):
         assert sum(part in name for name in kept) >= 1, (part, kept)
-    assert next(m for m in model.modules() if isinstance(m, FusedMoE)).w13.dtype == torch.float32  # dequantized
+    assert next(m for m in model.modules() if isinstance(m, FusedMoE)).w13.dtype == fp8.FP8  # kept (Fp8MoeMethod)
     # the weights of the dequantized load, rope rows reordered with their scales: bit for bit
     dense = _held_weights(dequantized.engine.model)
     for name, weight in _held_weights(model).items():
