@@ -45,6 +45,16 @@ def test_two_ranks_give_the_tokens_of_one(arch, expert_parallel, tiny_model_dir)
     assert two == _generate(model)
 
 
+@pytest.mark.slow
+def test_per_head_caching_over_two_ranks(tiny_model_dir, monkeypatch):
+    """PRESSROOM_MLA_DISABLE=1 (each rank's heads expanded from the latent and cached per head) gives the latent
+    cache's tokens of one rank."""
+    model = tiny_model_dir("deepseek_v2")
+    one = _generate(model)
+    monkeypatch.setenv("PRESSROOM_MLA_DISABLE", "1")  # the worker processes inherit it
+    assert _generate(model, tensor_parallel_size=2) == one
+
+
 def _load(path: str, monkeypatch, rank: int, ranks: int) -> LoadedModel:
     """The model rank `rank` of `ranks` builds and loads (no process group: loading needs no collective), its
     weights left in their plain layout for comparing."""

@@ -221,10 +221,13 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = LlamaMLP(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = select_experts(self.gate(x), self.router, bias)
-        out = tp_all_reduce(self.experts(x, weights, ids))
+        out = tp_all_reduce(self.experts(x, *self.route(x)))
         return out if self.shared_experts is None else out + self.shared_experts(x)  # reduced inside
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's expert weights and ids [tokens, top_k] (select_experts')."""
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        return select_experts(self.gate(x), self.router, bias)
 
 
 class DeepseekV2ForCausalLM(_MoeForCausalLM):
