@@ -114,7 +114,7 @@ class V4Compressor(RecurrentLayer):
                                           requires_grad=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
         self.rope = rope
-        self.indexer = V4Indexer(config, self.rate, rope) if self.overlap else None
+        self.indexer = V4Indexer(config, self.rate) if self.overlap else None
         entry_dim = self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)
         self.cache = CompressedKVCache(entry_dim, self.rate)
         self.ring = (2 if self.overlap else 1) * self.rate
@@ -204,7 +204,7 @@ class V4Indexer(nn.Module):
     """The lightning indexer of a CSA layer: its compressor's projections (run by V4Compressor) and its scoring
     head; a query's score for entry s is sum_h w_h * relu(q_h . k_s) / sqrt(dim), w_h from weights_proj."""
 
-    def __init__(self, config, rate: int, rope: InterleavedRope) -> None:
+    def __init__(self, config, rate: int) -> None:
         super().__init__()
         self.heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         hidden = config.hidden_size
@@ -216,7 +216,6 @@ class V4Indexer(nn.Module):
         self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, self.heads * self.head_dim)
         self.weights_proj = nn.Linear(hidden, self.heads, bias=False)
         self.weights_proj.requires_grad_(False)
-        self.rope = rope
 
     def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
