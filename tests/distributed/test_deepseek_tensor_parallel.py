@@ -68,27 +68,28 @@ def _attention(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if ".self_attn." in name}
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
-def test_each_rank_holds_and_reads_half_of_the_heads(arch, tiny_model_dir, monkeypatch):
-    """Rank r holds the r-th half of q_b_proj's (V2: q_proj's) and kv_b_proj's rows and of o_proj's columns (the
+@pytest.mark.parametrize("arch, ranks", [("deepseek_v32", 2), ("deepseek_v3", 4),
+                                         pytest.param("deepseek_v2", 2, marks=pytest.mark.slow)])
+def test_each_rank_holds_and_reads_its_share_of_the_heads(arch, ranks, tiny_model_dir, monkeypatch):
+    """Rank r holds the r-th share of q_b_proj's (V2: q_proj's) and kv_b_proj's rows and of o_proj's columns (the
     rope rows reordered within each head, as one rank does), reads only those rows of the checkpoint, and holds
-    the latent projections, their norms and the indexer whole."""
+    the latent projections, their norms and the indexer whole. Four ranks: one head each."""
     path = tiny_model_dir(arch)
     whole = _load(path, monkeypatch, 0, 1)
     full = _attention(whole.model)
     head_params = [name for name in full if name.endswith(tuple(HEAD_SPLIT))]
     assert len(head_params) == 3 * tiny_config(arch).num_hidden_layers
-    for rank in range(2):
-        loaded = _load(path, monkeypatch, rank, 2)
+    for rank in range(ranks):
+        loaded = _load(path, monkeypatch, rank, ranks)
         held = _attention(loaded.model)
         for name, param in held.items():
             dim = next((d for suffix, d in HEAD_SPLIT.items() if name.endswith(suffix)), None)
-            want = full[name] if dim is None else full[name].chunk(2, dim)[rank]
+            want = full[name] if dim is None else full[name].chunk(ranks, dim)[rank]
             assert torch.equal(param, want), (rank, name)
-        assert sum(held[n].numel() for n in head_params) * 2 == sum(full[n].numel() for n in head_params)
+        assert sum(held[n].numel() for n in head_params) * ranks == sum(full[n].numel() for n in head_params)
         for name in head_params:
             if name.endswith(("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight")):
-                assert loaded.reads.by_name[name] * 2 == whole.reads.by_name[name], name
+                assert loaded.reads.by_name[name] * ranks == whole.reads.by_name[name], name
 
 
 def test_a_head_count_the_ranks_do_not_divide_is_refused(tiny_model_dir, monkeypatch):
