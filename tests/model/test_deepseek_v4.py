@@ -12,7 +12,7 @@ import torch
 
 from pressroom.model.layers.compressed_kv import CompressedKVCache
 
-WINDOW, CSA_RATE, HCA_RATE, TOPK = 12, 4, 8, 5
+WINDOW, CSA_RATE, HCA_RATE, TOPK = 12, 4, 16, 5
 TINY = dict(vocab_size=49152, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4,
             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -127,12 +127,14 @@ def test_compressed_cache_pages_entries_through_the_block_table():
 
 def test_tiny_model_matches_hf(tiny_v4):
     """Prompts shorter than the window and far longer than it and than the indexer's top-k, prefilled in 45-token
-    chunks beside other requests' decodes; then a prompt that extends the long one, served from its prefix cache
-    (compressor state restored from a checkpoint), and the long one again."""
+    chunks beside other requests' decodes, over blocks of 8 (an HCA window spans two); then a prompt that extends
+    the long one and the long one again, served from the prefix cache: compressor states restored from the
+    checkpoint at 120 tokens, half-way through an HCA window."""
     prompts = prompts_of([5, 11, 40, 150], seed=0)
     extended = prompts[3] + prompts_of([21], seed=1)[0]
-    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45)
-    assert all(o.num_cached_tokens > 0 for o in outs[-2:])
+    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45, block_size=8,
+                       mamba_block_size=40)
+    assert [o.num_cached_tokens for o in outs[-2:]] == [120, 120] and 120 % HCA_RATE
     assert outs[-1].outputs[0].token_ids == outs[3].outputs[0].token_ids
 
 
@@ -173,8 +175,9 @@ def test_tiny_model_matches_hf_yarn_wide_windows(tmp_path, smollm_tokenizer):
               compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 32})
     prompts = prompts_of([1, 16, 17, 70, 260], seed=4)
     extended = [prompts[3] + prompts_of([9], seed=5)[0], prompts[4] + prompts_of([40], seed=6)[0]]
-    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=30, max_num_seqs=3, block_size=8)
-    assert all(o.num_cached_tokens > 0 for o in outs[-2:])
+    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=30, max_num_seqs=3, block_size=8,
+                       mamba_block_size=24)
+    assert [o.num_cached_tokens for o in outs[-2:]] == [48, 240]  # both half-way through an HCA window
 
 
 def test_hf_module_names_and_fused_experts_load_alike(tiny_v4):
