@@ -89,9 +89,9 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(100, TINY["vocab_size"] - 100, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_batches(path: str, batches: list[list[list[int]]], **engine_args) -> list:
+def run_batches(path: str, batches: list[list[list[int]]], **engine_args) -> tuple[list, object]:
     """Each batch generated in turn by one LLM and checked against HF; prompt logprobs in the first batch only
-    (asking for them turns prefix-cache hits off). Returns the outputs, batch after batch."""
+    (asking for them turns prefix-cache hits off). Returns the outputs, batch after batch, and the LLM."""
     import transformers
 
     from pressroom import LLM, SamplingParams
@@ -105,7 +105,7 @@ def run_batches(path: str, batches: list[list[list[int]]], **engine_args) -> lis
         for prompt, out in zip(prompts, outs):
             check_against_hf(hf_model, prompt, out, i == 0)
         results += outs
-    return results
+    return results, llm
 
 
 def test_compressed_cache_pages_entries_through_the_block_table():
@@ -132,8 +132,8 @@ def test_tiny_model_matches_hf(tiny_v4):
     checkpoint at 120 tokens, half-way through an HCA window."""
     prompts = prompts_of([5, 11, 40, 150], seed=0)
     extended = prompts[3] + prompts_of([21], seed=1)[0]
-    outs = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45, block_size=8,
-                       mamba_block_size=40)
+    outs, _ = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45, block_size=8,
+                          mamba_block_size=40)
     assert [o.num_cached_tokens for o in outs[-2:]] == [120, 120] and 120 % HCA_RATE
     assert outs[-1].outputs[0].token_ids == outs[3].outputs[0].token_ids
 
@@ -175,9 +175,18 @@ def test_tiny_model_matches_hf_yarn_wide_windows(tmp_path, smollm_tokenizer):
               compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 32})
     prompts = prompts_of([1, 16, 17, 70, 260], seed=4)
     extended = [prompts[3] + prompts_of([9], seed=5)[0], prompts[4] + prompts_of([40], seed=6)[0]]
-    outs = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=30, max_num_seqs=3, block_size=8,
-                       mamba_block_size=24)
+    outs, _ = run_batches(str(tmp_path), [prompts, extended], max_num_batched_tokens=30, max_num_seqs=3,
+                          block_size=8, mamba_block_size=24)
     assert [o.num_cached_tokens for o in outs[-2:]] == [48, 240]  # both half-way through an HCA window
+
+
+@pytest.mark.slow
+def test_preempted_requests_recompute_to_hf_tokens(tiny_v4):
+    """Sixty blocks of 8 for six requests that need up to 27 each: the scheduler preempts and recomputes (fresh
+    compressor state, entries written again), and every request still gets HF's tokens."""
+    _, llm = run_batches(tiny_v4, [prompts_of([5, 11, 40, 150, 90, 60], seed=7)], max_num_batched_tokens=45,
+                         block_size=8, num_gpu_blocks_override=60)
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_hf_module_names_and_fused_experts_load_alike(tiny_v4):
