@@ -19,9 +19,9 @@ position w * m. They live in `CompressedKVCache`s (layers/compressed_kv.py) addr
 tables: HCA's holds head_dim values per entry, CSA's head_dim + index_head_dim (the indexer's own compressed key
 after the entry). The tokens of a window that has not closed yet, and for CSA the previous window's, are a
 per-request state (`V4Compressor`, a RecurrentLayer): a ring of the last m (HCA) or 2m (CSA) tokens' projected
-kv and gate (fp32), token p at row p % ring. Each step appends a request's tokens and writes every entry whose
-window closes (position % m == m - 1) into the cache; chunked prefill, decodes and prefix-cache checkpoints
-(state copies at block boundaries) all go through the same code.
+kv and gate (in the model dtype, as projected; mixed in fp32), token p at row p % ring. Each step appends a
+request's tokens and writes every entry whose window closes (position % m == m - 1) into the cache; chunked
+prefill, decodes and prefix-cache checkpoints (state copies at block boundaries) all go through the same code.
 
 Hyper-connections keep hc_mult streams per token ([tokens, hc_mult, hidden], fp32 weights) between blocks; the
 hyper head collapses them before the final norm. The experts use the clamped SwiGLU (`swiglu_limit`); the
@@ -118,21 +118,23 @@ class V4Compressor(RecurrentLayer):
         entry_dim = self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)
         self.cache = CompressedKVCache(entry_dim, self.rate)
         self.ring = (2 if self.overlap else 1) * self.rate
+        # the projections' own dtype: a ring holds them as they come (the mixing runs in fp32)
+        self.ring_dtype = torch.get_default_dtype()
 
     def state_shapes(self) -> dict[str, StateShape]:
-        shapes = {"kv": StateShape((self.ring, self.width), torch.float32),
-                  "gate": StateShape((self.ring, self.width), torch.float32)}
+        shapes = {"kv": StateShape((self.ring, self.width), self.ring_dtype),
+                  "gate": StateShape((self.ring, self.width), self.ring_dtype)}
         if self.indexer is not None:
             width = 2 * self.indexer.head_dim
-            shapes |= {"index_kv": StateShape((self.ring, width), torch.float32),
-                       "index_gate": StateShape((self.ring, width), torch.float32)}
+            shapes |= {"index_kv": StateShape((self.ring, width), self.ring_dtype),
+                       "index_gate": StateShape((self.ring, width), self.ring_dtype)}
         return shapes
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> None:
         """Writes the entries of every window the step's tokens close."""
-        tokens = [self.kv_proj(x).float(), self.gate_proj(x).float()]
+        tokens = [self.kv_proj(x), self.gate_proj(x)]
         if self.indexer is not None:
-            tokens += [self.indexer.kv_proj(x).float(), self.indexer.gate_proj(x).float()]
+            tokens += [self.indexer.kv_proj(x), self.indexer.gate_proj(x)]
         slots = self.cache.slots_of_tokens(meta.slot_mapping, block_size)
         self.run_rounds(self._mix, positions, slots, *tokens)
 
@@ -172,7 +174,7 @@ class V4Compressor(RecurrentLayer):
     def _history(self, kv_ring: torch.Tensor, gate_ring: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
                  first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A request's projections of positions base .. stop - 1 (the pending ones from the ring, then the new
-        ones), base the start of the first window a new entry reads; the ring keeps the last of them."""
+        ones) in fp32, base the start of the first window a new entry reads; the ring keeps the last of them."""
         window = first // self.rate * self.rate
         base = max(0, window - self.rate) if self.overlap else window
         old = torch.arange(base, first, device=kv.device) % self.ring
@@ -180,7 +182,7 @@ class V4Compressor(RecurrentLayer):
         keep = torch.arange(max(base, stop - self.ring), stop, device=kv.device)
         kv_ring[keep % self.ring] = kv[keep - base]
         gate_ring[keep % self.ring] = gate[keep - base]
-        return kv, gate, base
+        return kv.float(), gate.float(), base
 
     def _entries(self, kv: torch.Tensor, gate: torch.Tensor, base: int, windows: torch.Tensor, dim: int,
                  norm: RMSNorm) -> torch.Tensor:
