@@ -189,6 +189,25 @@ def test_preempted_requests_recompute_to_hf_tokens(tiny_v4):
     assert llm.engine.core.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("raw, canonical", [
+    ("embed.weight", "model.embed_tokens.weight"), ("head.weight", "lm_head.weight"),
+    ("norm.weight", "model.norm.weight"), ("hc_head_fn", "model.hc_head.hc_fn"),
+    ("layers.3.hc_ffn_scale", "model.layers.3.ffn_hc.scale"),
+    ("layers.2.attn.wq_b.weight", "model.layers.2.self_attn.q_b_proj.weight"),
+    ("layers.2.attn.norm.weight", "model.layers.2.self_attn.kv_norm.weight"),
+    ("layers.2.attn.indexer.wq_b.weight", "model.layers.2.self_attn.compressor.indexer.q_b_proj.weight"),
+    ("layers.2.attn.indexer.compressor.ape", "model.layers.2.self_attn.compressor.indexer.position_bias"),
+    ("model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight",
+     "model.layers.2.self_attn.compressor.indexer.weights_proj.weight"),
+    ("layers.5.ffn.gate.bias", "model.layers.5.mlp.gate.e_score_correction_bias"),
+    ("layers.5.ffn.shared_experts.w3.weight", "model.layers.5.mlp.shared_experts.up_proj.weight"),
+])
+def test_deepseek_checkpoint_names(raw, canonical):
+    """DeepSeek's own names (no `model.` prefix, as its checkpoints ship) and HF's map onto the model's."""
+    from pressroom.model.models.deepseek_v4 import canonical_name
+    assert canonical_name(raw) == canonical
+
+
 def test_hf_module_names_and_fused_experts_load_alike(tiny_v4):
     """The checkpoint as HF's save_pretrained writes it (DeepSeek's names, one tensor per expert) and as HF's
     modules name it (fused [experts, 2 * inter, hidden] gate_up): the same parameters and hash tables; MTP layers
