@@ -28,8 +28,10 @@ hyper head collapses them before the final norm. The experts use the clamped Swi
 first `hash_moe` layers pick experts by `tid2eid[input_id]`, the rest by sqrt-softplus scores plus a correction
 bias; both weight the chosen experts by their renormalised scores times `routed_scaling_factor`.
 
-Not yet: tensor parallelism, CUDA graphs and GPU kernels (the sparse attention here is torch, request by request
-on the host), FP8 checkpoints, and the MTP layers (skipped at load; the drafter will read them itself).
+Not yet: tensor parallelism, CUDA graphs and GPU kernels (the compressed attention here is torch: decodes batched,
+prefill chunks request by request on the host), FP8 checkpoints, the MTP layers (skipped at load; the drafter will
+read them itself; the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V
+blocks that fall out of every window (the cache keeps every token's, like a full-attention layer's).
 """
 from __future__ import annotations
 
