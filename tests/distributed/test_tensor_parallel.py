@@ -31,8 +31,9 @@ def _generate_and_count(model: str, prompts: list[list[int]], **kw) -> tuple[lis
         llm.shutdown()
 
 
-# Each run spawns two worker processes (some 10 s on two cores): CI runs a dense and an MoE model, test-slow the
-# rest (Qwen3, the embedded model's uneven split, Qwen3-MoE sliced and expert-parallel).
+# Each run spawns two worker processes (some 10 s on two cores): CI runs a dense model here (and DeepSeek-V3's MoE
+# with expert parallelism in test_deepseek_tensor_parallel.py), test-slow the rest (Qwen3, the embedded model's
+# uneven split, Qwen3-MoE sliced and expert-parallel, Qwen2-MoE's shared expert over two ranks).
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_two_ranks_give_the_tokens_of_one(arch, tiny_model_dir):
     model = tiny_model_dir(arch)
@@ -72,7 +73,7 @@ def test_head_splits_that_cannot_work_are_refused():
 
 @pytest.mark.parametrize("arch, expert_parallel", [
     pytest.param("qwen3_moe", False, marks=pytest.mark.slow), pytest.param("qwen3_moe", True, marks=pytest.mark.slow),
-    ("qwen2_moe", True)])
+    pytest.param("qwen2_moe", True, marks=pytest.mark.slow)])  # CI's MoE over two ranks: DeepSeek-V3's, with EP
 def test_mixture_of_experts_over_two_ranks(arch, expert_parallel, tiny_model_dir):
     """Experts sliced (tensor parallel) or dealt out whole (expert parallel); Qwen2-MoE adds its gated shared
     expert and a dense layer."""
