@@ -48,7 +48,7 @@ class MTPModule(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.index = index
         self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
-        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
+        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden, gather_output=True)  # whole on every rank
         self.layer = LlamaDecoderLayer(config, False, target.make_mlp(index), target.make_attention(index))
         self.shared_head_norm = RMSNorm(hidden, eps)
 

@@ -72,6 +72,22 @@ def test_greedy_output_with_mtp_equals_without(mtp_model):
     assert llm.engine.scheduler.lookahead == 3 and llm.engine.scheduler.async_drafts == 0
 
 
+@pytest.mark.slow  # two engines over two worker processes each
+def test_mtp_over_two_ranks_keeps_greedy_output(mtp_model):
+    """Under tensor parallelism the MTP layer's eh_proj output is whole on every rank (its decoder layer's MLA
+    splits heads again), so drafting over two ranks keeps the one-rank greedy tokens."""
+    prompts = random_prompts(4, low=4, high=40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True, device="cpu")
+    plain = _gen(LLM(mtp_model, **engine), prompts, params)
+    llm = LLM(mtp_model, tensor_parallel_size=2, speculative_config=MTP, **engine)
+    try:
+        assert _gen(llm, prompts, params) == plain
+        assert llm.engine.stats().spec.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 def test_the_first_draft_equals_the_mtp_layer_computed_with_hfs_modules(mtp_model, monkeypatch):
     """What the proposer drafts first after a prompt is the argmax of the MTP layer as HF's own modules compute
     it on the checkpoint: the layer, its weights' rope order, the feature hand-over and positions are right
