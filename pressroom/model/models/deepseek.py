@@ -20,10 +20,12 @@ shared experts and dense layers split as any dense MLP.
 
 FP8 checkpoints as DeepSeek ships them (128x128 block scales, `weight_scale_inv`; model/quantization/fp8.py)
 stay in FP8 in every linear layer: MLA's q_a/q_b (or q) projection, kv_a_proj_with_mqa and o_proj, the dense
-MLPs, the shared experts and V3.2 indexer's wq_b and wk. The rope reorder is exact on them: pressroom keeps a
-block's scale on each of its rows, so permuting rows moves each row's scales with it, whatever the block grid.
-Dequantized at load: kv_b_proj (used as per-head batched matrices in the absorbed form, never as a linear layer;
-vLLM dequantizes it too, to form W_UK and W_UV) and the routed experts (until an FP8 experts method exists).
+MLPs, the shared experts, V3.2 indexer's wq_b and wk, and the routed experts (fp8.py's `Fp8MoeMethod`: stacked
+with one scale per 128x128 block, run by kernels/triton/fused_moe_fp8.py on CUDA; under tensor parallelism each
+rank's share of moe_intermediate_size must be whole blocks, else use expert parallelism). The rope reorder is
+exact on them: pressroom keeps a block's scale on each of its rows, so permuting rows moves each row's scales
+with it, whatever the block grid. Dequantized at load: kv_b_proj (used as per-head batched matrices in the
+absorbed form, never as a linear layer; vLLM dequantizes it too, to form W_UK and W_UV).
 """
 from __future__ import annotations
 
