@@ -4,6 +4,7 @@ CSA with its lightning indexer, HCA), hash and sqrt-softplus routed MoE layers a
 checkpoints with a missing or misshaped tensor."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -228,3 +229,30 @@ def test_hf_module_names_and_fused_experts_load_alike(tiny_v4):
     ours, theirs = (dict(m.state_dict()) for m in models)
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_triton_experts_take_the_limited_swiglu(tokens):
+    """V4's experts (gate clamped above, up to +-limit, silu(gate) * up) in the Triton fused MoE kernel equal
+    FusedMoE's torch path; the limit is small enough that the clamps decide the result."""
+    from pressroom.kernels.moe_activation import LimitedSwiglu
+    from pressroom.kernels.triton.fused_moe import fused_moe
+    from pressroom.model.layers.fused_moe import FusedMoE
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter, experts, top_k = 48, 40, 5, 2
+    act = LimitedSwiglu(limit=0.7)
+    layer = FusedMoE(experts, hidden, inter, activation=act)
+    with torch.no_grad():
+        layer.w13.copy_(torch.randn(layer.w13.shape, generator=gen))
+        layer.w2.copy_(0.3 * torch.randn(layer.w2.shape, generator=gen))
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = fused_moe(*(t.to(device) for t in (x, layer.w13.data, layer.w2.data, weights, ids)), activation=act)
+    want = layer(x, weights, ids)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    unclamped = fused_moe(*(t.to(device) for t in (x, layer.w13.data, layer.w2.data, weights, ids)))
+    assert (unclamped.cpu() - want).abs().max() > 0.1

@@ -14,7 +14,8 @@ byte meet the activations' even inputs, the high nibbles the odd ones, two tl.do
 never widened in memory. Not measured on a GPU yet (no sweep: default launches).
 
 Both take gpt-oss's options: expert biases (gate/up's added before the activation, down's before the top-k
-weight) and its clamped SwiGLU (kernels/moe_activation.py) in the gate/up pass instead of SwiGLU.
+weight) and its clamped SwiGLU (kernels/moe_activation.py) in the gate/up pass instead of SwiGLU; and
+DeepSeek-V4's SwiGLU on clamped halves (LimitedSwiglu).
 
 `fused_moe_relu2`: experts with no gate half (Nemotron-H): the first GEMM reads only the up rows and applies
 relu(up)² in the same pass; the down pass is fused_moe's.
@@ -31,8 +32,11 @@ import triton
 import triton.language as tl
 
 from pressroom.kernels.fp4_moe import Fp4Experts
-from pressroom.kernels.moe_activation import ClampedSwiglu
+from pressroom.kernels.moe_activation import ClampedSwiglu, LimitedSwiglu
 from pressroom.kernels.triton.quant_gemv import as_words, fp4_weights
+
+# The gate/up pass's activation (the kernels' ACTIVATION constexpr).
+SWIGLU, CLAMPED_SWIGLU, LIMITED_SWIGLU = 0, 1, 2
 
 SWEEP_DIR = Path(__file__).with_name("moe_configs")
 # Up to this many pairs one Triton program sorts them (one launch: decode steps are launch-bound);
@@ -254,13 +258,16 @@ def _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GAT
 
 
 @triton.jit
-def _gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
-    """SwiGLU, or gpt-oss's clamped form: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the gate
-    clamped above at limit."""
-    if CLAMPED:
+def _gated(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """SWIGLU; CLAMPED_SWIGLU (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g); LIMITED_SWIGLU
+    (DeepSeek-V4): silu(g) * clamp(up, -limit, limit); g the gate clamped above at limit in both."""
+    if ACTIVATION == 1:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    if ACTIVATION == 2:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
@@ -280,12 +287,12 @@ def _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN: t
 @triton.jit
 def _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
                  stride_be, alpha, limit, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 CLAMPED: tl.constexpr):
+                 ACTIVATION: tl.constexpr):
     """The block's products out to c's pair rows: plus the expert's bias, through the gated activation (GATED:
     acc the gate, acc_up the up projection), times each pair's top-k weight (MUL_WEIGHTS)."""
     acc, acc_up = _add_bias(acc, acc_up, bias_ptr, expert, stride_be, cols, col_ok, n_out, GATED, HAS_BIAS)
     if GATED:
-        acc = _gated(acc, acc_up, alpha, limit, CLAMPED)
+        acc = _gated(acc, acc_up, alpha, limit, ACTIVATION)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slot.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -298,7 +305,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
                      A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False,
-                     CLAMPED: tl.constexpr = False):
+                     ACTIVATION: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -330,15 +337,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
-                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, CLAMPED)
+                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, ACTIVATION)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               launch: MoeLaunch | None = None, all_local: bool = False, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | None = None) -> torch.Tensor:
+              w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | LimitedSwiglu | None = None
+              ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights (fp32) and ids [T, k], ids local to w13's experts
     (-1: another rank's expert; `all_local`: there are none). Returns [T, H] in x's dtype. gpt-oss: biases
-    w13_bias [E, 2I] and w2_bias [E, H], and its clamped SwiGLU as `activation`."""
+    w13_bias [E, 2I] and w2_bias [E, H], and its clamped SwiGLU as `activation`; DeepSeek-V4: its LimitedSwiglu."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -358,7 +366,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, b13[0], inter, hidden, pairs,
                            x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), b13[1], k, *act[:2],
                            A_BY_TOKEN=True, GATED=True, MUL_WEIGHTS=False, EVEN_K=hidden % cfg.block_k == 0,
-                           HAS_BIAS=b13[2], CLAMPED=act[2], **common)
+                           HAS_BIAS=b13[2], ACTIVATION=act[2], **common)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
     _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
                            mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, *act[:2],
@@ -441,9 +449,13 @@ def fused_moe_relu2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights
     return sum_top_k(out.view(tokens, k, hidden))
 
 
-def _activation_args(activation: ClampedSwiglu | None) -> tuple[float, float, bool]:
-    """(alpha, limit, CLAMPED) for the kernels."""
-    return (1.0, 0.0, False) if activation is None else (activation.alpha, activation.limit, True)
+def _activation_args(activation: ClampedSwiglu | LimitedSwiglu | None) -> tuple[float, float, int]:
+    """(alpha, limit, ACTIVATION) for the kernels."""
+    if activation is None:
+        return 1.0, 0.0, SWIGLU
+    if isinstance(activation, LimitedSwiglu):
+        return 1.0, activation.limit, LIMITED_SWIGLU
+    return activation.alpha, activation.limit, CLAMPED_SWIGLU
 
 
 def _bias_args(bias: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -470,7 +482,7 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
                          stride_gn, stride_c, stride_be, top_k, alpha, limit, A_BY_TOKEN: tl.constexpr,
                          GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr, BB: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
+                         HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0):
     """_moe_gemm_kernel over FP4 weights: packed [E, N, K / 2] read as int32 words [E, N, K / 8] (strides in
     words), block scales [E, N, K / (2 * BB)], NVFP4's per-row global scales [E, N] (MXFP4: unread)."""
     pid_m = tl.program_id(0)
@@ -494,7 +506,7 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
             acc_up += _fp4_dot(a_rows, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
                                g_rows + n_out * stride_gn, k0, col_ok, valid, k_in, PRECISION, BLOCK_N, BLOCK_K, BB)
     _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
-                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, CLAMPED)
+                 stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, ACTIVATION)
 
 
 def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
@@ -505,7 +517,8 @@ def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
 
 def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor, ids: torch.Tensor,
                   launch: MoeLaunch | None = None, all_local: bool = False, w13_bias: torch.Tensor | None = None,
-                  w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | None = None) -> torch.Tensor:
+                  w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | LimitedSwiglu | None = None
+              ) -> torch.Tensor:
     """fused_moe with FP4 experts (kernels/fp4_moe.py): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] as Fp4Experts of
     one format; weights (fp32) and ids [T, k] local to the experts (-1: another rank's). Returns [T, H] in x's
     dtype. gpt-oss's dense biases and clamped SwiGLU as in fused_moe."""
@@ -523,7 +536,7 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(PRECISION=precision, BB=w13.block // 2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    alpha, limit, clamped = _activation_args(activation)
+    alpha, limit, form = _activation_args(activation)
     passes = ((x, w13, w13_bias, mid, inter, hidden, True), (mid, w2, w2_bias, out, hidden, inter, False))
     for a, w, bias, c, n_out, k_in, by_token in passes:
         g = w.global_scale if w.global_scale is not None else w.scales  # MXFP4: a placeholder, never read
@@ -535,7 +548,7 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
                                    pairs, a.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
                                    w.scales.stride(1), *g_strides, c.stride(0), stride_be, k, alpha, limit,
                                    A_BY_TOKEN=by_token, GATED=by_token, MUL_WEIGHTS=not by_token, HAS_BIAS=has_bias,
-                                   CLAMPED=clamped and by_token, **common)
+                                   ACTIVATION=form if by_token else SWIGLU, **common)
     return sum_top_k(out.view(tokens, k, hidden))
 
 
