@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from pressroom.config import ModelConfig
 from pressroom.model import gguf_file
 from pressroom.model.batch_invariant import make_batch_invariant
+from pressroom.model.layers.deferred import DeferredWeights
 from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.model.layers.linear import LinearBase
@@ -183,6 +185,29 @@ def _finish_quantization(model: nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, method: QuantizationMethod | None,
+                 device: str) -> nn.Module:
+    """The model in the target dtype on `device`, each layer a quantization method takes handed to it. Those
+    layers never allocate their dense weights: they are built with stand-ins of them (layers/deferred.py), the
+    method chooses and creates its own tensors, and only then do the weights no method took get their dense
+    tensors. Everything else (norms, embeddings, buffers computed at construction) is built as ever."""
+    quantize = method is not None and config.quantization != "none"  # none: the method only reads the checkpoint
+    deferred = DeferredWeights() if quantize else nullcontext()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device), deferred:
+            model = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if quantize:
+        _attach_quantization(model, method)
+        dense = deferred.allocate(model)
+        logger.info("quantization %s: %.2f GiB of dense weights never allocated", method.name or type(method).__name__,
+                    (deferred.deferred_bytes - dense) / 2**30)
+    return model
+
+
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     path = resolve_model_path(config.model)
     fmt = config.load_format
@@ -194,15 +219,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config, path))
     if method is not None:
         method.check_device(device, config.dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(config.dtype)
-    try:
-        with torch.device(device):
-            model = model_cls(hf_config)
-    finally:
-        torch.set_default_dtype(previous)
-    if method is not None and config.quantization != "none":  # none: the method only reads the checkpoint
-        _attach_quantization(model, method)
+    model = _build_model(model_cls, hf_config, config, method, device)
     reads = ReadTally()
     if fmt == "dummy":
         _fill_dummy(model, config.seed)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.kernels.moe_activation import ClampedSwiglu, Relu2, gated
+from pressroom.model.layers.deferred import held_weight
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import MoeMethod
 
@@ -111,8 +112,9 @@ class FusedMoE(nn.Module):
         local = end - start
         self.gated = not isinstance(activation, Relu2)
         w13_rows = 2 * intermediate if self.gated else intermediate
-        self.w13 = nn.Parameter(torch.empty(local, w13_rows, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate), requires_grad=False)
+        # stand-ins while the loader defers them (layers/deferred.py): a quantization method may hold them instead
+        self.w13 = held_weight(local, w13_rows, hidden)
+        self.w2 = held_weight(local, hidden, intermediate)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         self.activation = activation
         self.w13_bias = self.w2_bias = None

@@ -13,6 +13,7 @@ from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.kernels import batch_invariant as invariant
+from pressroom.model.layers.deferred import held_weight
 from pressroom.model.layers.quant import (
     INT4_MAX_ROWS,
     GgmlRows,
@@ -39,7 +40,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = held_weight(out_features, in_features)  # a stand-in while the loader defers it
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
