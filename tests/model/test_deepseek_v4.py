@@ -256,3 +256,33 @@ def test_triton_experts_take_the_limited_swiglu(tokens):
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     unclamped = fused_moe(*(t.to(device) for t in (x, layer.w13.data, layer.w2.data, weights, ids)))
     assert (unclamped.cpu() - want).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_tiny_model_matches_hf_on_the_cuda_path_kernels(tiny_v4, monkeypatch):
+    """The CUDA path (Triton attention and indexer, the compressor's decodes on the device) on CPU tensors under
+    Triton's interpreter: HF's greedy tokens and prompt logprobs, chunked prefill beside decodes, then prefix-cache
+    hits."""
+    from pressroom.kernels import triton as triton_kernels
+    from pressroom.model.layers import state
+    if torch.cuda.is_available() or not triton_kernels.interpreting():
+        pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
+    from pressroom.kernels.triton import v4_attention
+    from pressroom.model.models.deepseek_v4 import V4Compressor
+    monkeypatch.setattr(state, "on_triton", lambda x: True)
+    calls = {"attention": 0, "decodes": 0}
+
+    def counted(name, f):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(v4_attention, "v4_attention", counted("attention", v4_attention.v4_attention))
+    monkeypatch.setattr(V4Compressor, "_decode_on_device", counted("decodes", V4Compressor._decode_on_device))
+    prompts = prompts_of([5, 40, 150], seed=0)
+    extended = prompts[2] + prompts_of([21], seed=1)[0]
+    outs, _ = run_batches(tiny_v4, [prompts, [extended]], max_num_batched_tokens=45, block_size=8,
+                          mamba_block_size=40)
+    assert outs[-1].num_cached_tokens == 120
+    assert calls["attention"] > 4 * GREEDY_TOKENS and calls["decodes"] > 3 * GREEDY_TOKENS

@@ -47,6 +47,7 @@ from pressroom.attention.backend import AttentionMetadata, get_attention_metadat
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels.moe_activation import LimitedSwiglu
+from pressroom.model.layers import state as state_layers
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.compressed_kv import CompressedKVCache
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -140,18 +141,29 @@ class V4Compressor(RecurrentLayer):
         slots = self.cache.slots_of_tokens(meta.slot_mapping, block_size)
         self.run_rounds(self._mix, positions, slots, *tokens)
 
-    def _mix(self, r: StateRound, positions: torch.Tensor, slots: torch.Tensor, *tokens: torch.Tensor
-             ) -> torch.Tensor:
-        loc, pos, request_slots = r.query_start_loc, positions.tolist(), r.slots.tolist()
-        names = list(self.state_shapes())
+    def _parts(self) -> list[tuple[torch.Tensor, int, RMSNorm]]:
+        """(position bias, head dim, norm) of the compressor's series: the entry's, then the indexer key's."""
         parts = [(self.position_bias, self.head_dim, self.kv_norm)]
         if self.indexer is not None:
             parts.append((self.indexer.position_bias, self.indexer.head_dim, self.indexer.kv_norm))
-        decodes = r.num_decodes
-        if decodes:  # one token each: into the rings at once; only those that close a window go on below
+        return parts
+
+    def _mix(self, r: StateRound, positions: torch.Tensor, slots: torch.Tensor, *tokens: torch.Tensor
+             ) -> torch.Tensor:
+        names, parts, decodes, loc = list(self.state_shapes()), self._parts(), r.num_decodes, r.query_start_loc
+        empty = tokens[0].new_empty(tokens[0].shape[0], 0)
+        first_request = 0
+        if decodes and state_layers.on_triton(tokens[0]):  # no host value decides anything: CUDA graphs capture this
+            self._decode_on_device(r.slots[:decodes], positions[:decodes], slots[:decodes],
+                                   [t[:decodes] for t in tokens])
+            first_request = decodes
+            if decodes == len(loc) - 1:
+                return empty
+        elif decodes:  # one token each: into the rings at once; only those that close a window go on below
             for name, t in zip(names, tokens):
                 self.states[name][r.slots[:decodes], positions[:decodes] % self.ring] = t[:decodes]
-        for i in range(len(loc) - 1):
+        pos, request_slots = positions.tolist(), r.slots.tolist()
+        for i in range(first_request, len(loc) - 1):
             start, end = loc[i], loc[i + 1]
             if start == end or i < decodes and pos[start] % self.rate != self.rate - 1:
                 continue
@@ -168,7 +180,42 @@ class V4Compressor(RecurrentLayer):
                                                  norm))
             if len(closing):
                 self.cache.write(slots[start + (closing * self.rate + self.rate - 1 - first)], torch.cat(entries, -1))
-        return tokens[0].new_empty(tokens[0].shape[0], 0)
+        return empty
+
+    def _decode_on_device(self, state_slots: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                          tokens: list[torch.Tensor]) -> None:
+        """Decodes (one token each): every one writes its projections into its ring row and mixes the entry of
+        the window its token would close; only those that close one (and are no padding row: slot -1) store it."""
+        from pressroom.kernels.triton.cache import write_kv
+        m, names = self.rate, list(self.state_shapes())
+        for name, t in zip(names, tokens):
+            self.states[name][state_slots, positions % self.ring] = t
+        windows = torch.div(positions, m, rounding_mode="floor")
+        base = (windows - 1 if self.overlap else windows) * m  # the first position the entry reads
+        offsets = torch.arange(self.ring, device=positions.device)
+        rows = (base[:, None] + offsets) % self.ring  # [decodes, ring] in position order
+        entries = []
+        for j, (bias, dim, norm) in enumerate(self._parts()):
+            kv = self.states[names[2 * j]][state_slots[:, None], rows].float()
+            gate = self.states[names[2 * j + 1]][state_slots[:, None], rows].float() + bias[offsets % m]
+            entries.append(self._window_entries(kv, gate, windows, dim, norm))
+        closes = positions % m == m - 1
+        write_kv(self.cache.kv_cache, torch.cat(entries, -1).unsqueeze(1), None, torch.where(closes, slots, -1))
+
+    def _window_entries(self, kv: torch.Tensor, gate: torch.Tensor, windows: torch.Tensor, dim: int, norm: RMSNorm
+                        ) -> torch.Tensor:
+        """The entries of `windows` [n] from each one's projections kv, gate [n, ring, width * dim] (gate biased;
+        CSA: window w - 1's tokens, then window w's), as `_entries` makes them."""
+        m = self.rate
+        if self.overlap:
+            kv_w = torch.cat((kv[:, :m, :dim], kv[:, m:, dim:]), dim=1)
+            prev_gate = gate[:, :m, :dim].masked_fill((windows == 0)[:, None, None], float("-inf"))
+            gate_w = torch.cat((prev_gate, gate[:, m:, dim:]), dim=1)
+        else:
+            kv_w, gate_w = kv, gate
+        mixed = (kv_w * gate_w.softmax(dim=1)).sum(dim=1)
+        mixed = norm(mixed.to(norm.weight.dtype).contiguous())
+        return rotate_tail(mixed, *self.rope.cos_sin(windows * m))
 
     def _offsets(self, base: int, stop: int) -> torch.Tensor:
         return torch.arange(base, stop, device=self.position_bias.device) % self.rate
@@ -281,12 +328,42 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_resid).view(tokens, self.num_heads, self.head_dim), self.eps)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
-        if self.compressor is None:
+        if state_layers.on_triton(q):
+            out = self._device_attention(q, kv, q_resid, x, positions, cos, sin)
+        elif self.compressor is None:
             out = self.attn(q, kv.unsqueeze(1), sinks=self.sinks).view(tokens, self.num_heads, self.head_dim)
         else:
             out = self._compressed_attention(q, kv, q_resid, x, positions, cos, sin)
         out = rotate_tail(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(tokens, self.groups, -1)))
+
+    def _device_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
+                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Triton (kernels/triton/v4_attention.py), every query of the step at once from device tensors only: the
+        window's K=V written, the compressor advanced, the indexer's choice made, one joint softmax per query."""
+        from pressroom.kernels.triton.cache import write_kv
+        from pressroom.kernels.triton.dsa import token_positions
+        from pressroom.kernels.triton.v4_attention import choose_entries, entry_table, v4_attention
+        meta = get_attention_metadata()
+        cache = self.attn.kv_cache
+        block_size = cache.shape[2]
+        write_kv(cache, kv.unsqueeze(1), None, meta.slot_mapping)
+        starts = meta.query_start_loc_device
+        if starts is None:  # a CPU backend's metadata (the interpreter's tests)
+            starts = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=q.device)
+        token_req, token_pos = token_positions(starts, meta.seq_lens, q.shape[0])
+        attend = dict(window_cache=cache, block_tables=meta.block_tables, token_req=token_req, token_pos=token_pos,
+                      sinks=self.sinks, window=self.window, scale=self.attn.scale)
+        if self.compressor is None:
+            return v4_attention(q, **attend)
+        self.compressor(x, positions, meta, block_size)
+        rate, indexer = self.compressor.rate, self.compressor.indexer
+        entries = (self.compressor.cache.kv_cache, *entry_table(meta.block_tables, rate, block_size), rate)
+        chosen = None
+        if indexer is not None:
+            index_q, index_w = indexer.queries(q_resid, x, cos, sin)
+            chosen = choose_entries(index_q, index_w, entries, token_req, token_pos, self.head_dim, indexer.topk)
+        return v4_attention(q, entries=entries, chosen=chosen, **attend)
 
     def _compressed_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
                               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
