@@ -119,3 +119,52 @@ def test_delta_rule_prefill_fits_hopper_shared_memory(dtype, per_channel_gate, h
     for name, shared in launches:
         assert 0 <= shared <= HOPPER_SMEM_BYTES, f"{name}: {shared} bytes of shared memory"
     assert dict(launches)["_scan_kernel"] > 0  # the scan's dots stage their operands in shared memory
+
+
+def _v4_decode_step(dtype: torch.dtype, mode: str):
+    """One DeepSeek-V4-Flash decode step's attention launches (64 heads of 512, window 128, blocks of 64; CSA:
+    rate 4, the indexer's 64 heads of 128 and top-512; HCA: rate 128) for 4 decodes over 4k-token tables."""
+    from pressroom.kernels.triton import v4_attention as v4
+    tokens, heads, dim, block_size, blocks = 4, 64, 512, 64, 64
+    q = torch.randn(tokens, heads, dim, dtype=dtype)
+    window = torch.zeros(1, blocks + 1, block_size, 1, dim, dtype=dtype)
+    tables = torch.arange(1, blocks + 1, dtype=torch.int32).repeat(tokens, 1)
+    req, pos = torch.arange(tokens), torch.full((tokens,), 4000)
+    sinks = torch.zeros(heads)
+    if mode == "sliding":
+        return lambda: v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5)
+    rate = 4 if mode == "csa" else 128
+    entry_dim = dim + (128 if mode == "csa" else 0)
+    cache = torch.zeros(1, blocks + 1, max(1, block_size // rate), 1, entry_dim, dtype=dtype)
+    entries = (cache, *v4.entry_table(tables, rate, block_size), rate)
+    if mode == "hca":
+        return lambda: v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries)
+
+    def csa():
+        index_q, index_w = torch.randn(tokens, 64, 128), torch.randn(tokens, 64)
+        chosen = v4.choose_entries(index_q, index_w, entries, req, pos, dim, 512)
+        v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries, chosen)
+    return csa
+
+
+def v4_attention_smem(dtype: str, mode: str) -> list[tuple[str, int]]:
+    """(kernel, shared bytes) of each launch of one V4 decode step's attention; run with TRITON_INTERPRET unset."""
+    from pressroom.kernels.triton import dsa
+    from pressroom.kernels.triton import v4_attention as v4
+    step = _v4_decode_step(_DTYPES[dtype], mode)
+    indexer = [lambda: recorded_launches(v4, ["_v4_attention_kernel", "_merge_token_splits_kernel"], step)]
+    launches = recorded_launches(dsa, ["_indexer_logits_kernel"], lambda: indexer.append(indexer[0]()))
+    launches += indexer[1]
+    return [(name, compile_for_hopper(kernel, args, kwargs).metadata.shared)
+            for name, kernel, args, kwargs in launches]
+
+
+@pytest.mark.parametrize("dtype, mode", [("bf16", "csa"), ("bf16", "hca"),
+                                         pytest.param("fp32", "csa", marks=pytest.mark.slow),
+                                         pytest.param("bf16", "sliding", marks=pytest.mark.slow)])
+def test_v4_attention_fits_hopper_shared_memory(dtype, mode):
+    launches = _in_compiling_child(f"v4_attention_smem({dtype!r}, {mode!r})")
+    names = [name for name, _ in launches]
+    assert "_v4_attention_kernel" in names and ("_indexer_logits_kernel" in names) == (mode == "csa")
+    for name, shared in launches:
+        assert 0 <= shared <= HOPPER_SMEM_BYTES, f"{name}: {shared} bytes of shared memory"

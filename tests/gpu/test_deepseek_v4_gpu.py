@@ -1,0 +1,52 @@
+"""DeepSeek-V4 on CUDA through the engine (Triton attention and lightning indexer, the compressor's decodes on the
+device, the Triton experts with V4's clamped SwiGLU), against HF transformers on the same tiny random weights
+(fp32, HF on the CPU): greedy tokens for 64 new tokens equal HF's, prompt logprobs within 1e-3, prompts of mixed
+lengths in one batch; eager, and with decode steps replayed from CUDA graphs; a second pass from the prefix cache
+(compressor states restored half-way through an HCA window)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200 machine)")]
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
+
+from test_deepseek_v4 import CSA_RATE, GREEDY_TOKENS, check_against_hf, prompts_of, save_tiny  # noqa: E402
+
+from pressroom import LLM, SamplingParams  # noqa: E402
+
+HCA_RATE, CHECKPOINT = 32, 48  # an HCA window spans two blocks of 16; checkpoints fall half-way through one
+LENGTHS = [5, 11, 40, 150, 97, 260]
+
+
+@pytest.fixture(scope="module")
+def tiny_v4_wide(tmp_path_factory, smollm_tokenizer) -> str:
+    path = tmp_path_factory.mktemp("tiny-deepseek-v4-gpu")
+    save_tiny(path, smollm_tokenizer, seed=11, compress_rates={"compressed_sparse_attention": CSA_RATE,
+                                                               "heavily_compressed_attention": HCA_RATE})
+    return str(path)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tiny_v4_matches_hf_on_cuda(tiny_v4_wide, graphs):
+    import transformers
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_v4_wide, dtype=torch.float32)
+    llm = LLM(tiny_v4_wide, device="cuda", dtype="float32", enforce_eager=not graphs, max_num_batched_tokens=64,
+              gpu_memory_utilization=0.3, block_size=16, mamba_block_size=CHECKPOINT)
+    assert bool(llm.engine.core.cuda_graphs) == graphs
+    prompts = prompts_of(LENGTHS, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_against_hf(hf_model, prompt, out, with_prompt_logprobs=True)
+    # again without prompt logprobs: compressor states restored from checkpoints, entries read from cached blocks
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [(n - 1) // CHECKPOINT * CHECKPOINT for n in LENGTHS]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    llm.shutdown()
