@@ -152,8 +152,8 @@ def loaded_decode_read_bytes(model: nn.Module) -> int:
     from pressroom.model.layers.fused_moe import FusedMoE
     from pressroom.model.layers.linear import LinearBase
     total, seen = 0.0, set()
-    top_k = {id(b.experts): b.router.top_k for b in model.modules()
-             if isinstance(getattr(b, "experts", None), FusedMoE) and getattr(b, "router", None) is not None}
+    top_k = {id(b.experts): _router_top_k(b) for b in model.modules()
+             if isinstance(getattr(b, "experts", None), FusedMoE) and _router_top_k(b)}
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
     for module in model.modules():
         if type(module) is VocabParallelEmbedding and module.weight is not head.weight:
@@ -173,12 +173,21 @@ def routed_expert_params(model: nn.Module) -> tuple[int, int]:
     from pressroom.model.layers.fused_moe import FusedMoE
     routed = unselected = 0
     for block in model.modules():
-        experts, router = getattr(block, "experts", None), getattr(block, "router", None)
-        if isinstance(experts, FusedMoE) and router is not None:
+        experts, top_k = getattr(block, "experts", None), _router_top_k(block)
+        if isinstance(experts, FusedMoE) and top_k:
             params = experts.w13.numel() + experts.w2.numel()
             routed += params
-            unselected += params * (experts.num_experts - router.top_k) // experts.num_experts
+            unselected += params * (experts.num_experts - top_k) // experts.num_experts
     return routed, unselected
+
+
+def _router_top_k(block: nn.Module) -> int | None:
+    """Experts per token of an MoE block: its `router` (a RouterConfig) or a `gate` module that knows it (V4)."""
+    for name in ("router", "gate"):
+        top_k = getattr(getattr(block, name, None), "top_k", None)
+        if top_k:
+            return top_k
+    return None
 
 
 def model_flops(size: ModelSize, body_tokens: int, lm_head_positions: int) -> float:

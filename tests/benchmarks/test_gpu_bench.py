@@ -195,6 +195,18 @@ def test_moe_decode_reads_the_selected_experts_only():
     assert size.decode_read_bytes == 2 * (size.active_non_embedding_params + size.lm_head_params)
 
 
+def test_deepseek_v4_decode_reads_the_selected_experts_only():
+    """V4-Flash: 43 MoE layers x 256 experts x 3 x 4096 x 2048 routed parameters (its router, `gate`, knows the
+    6 experts a token takes); the card's 13B activated counts the embedding and the LM head."""
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / "deepseek-v4-flash")), torch.bfloat16)
+    routed = 43 * 256 * 3 * 4096 * 2048
+    assert size.routed_expert_params == routed
+    assert size.active_non_embedding_params == size.non_embedding_params - routed * 250 // 256
+    activated = size.active_non_embedding_params + size.embedding_params + size.lm_head_params
+    assert activated == pytest.approx(13e9, rel=0.07)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_moe_bench_runs_hf_on_the_same_weights(tiny_model_dir, tmp_path, arch):
     """MoE families (DeepSeek's latent attention too) through the whole bench: pressroom's weights copied
