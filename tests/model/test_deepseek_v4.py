@@ -286,3 +286,87 @@ def test_tiny_model_matches_hf_on_the_cuda_path_kernels(tiny_v4, monkeypatch):
                           mamba_block_size=40)
     assert outs[-1].num_cached_tokens == 120
     assert calls["attention"] > 4 * GREEDY_TOKENS and calls["decodes"] > 3 * GREEDY_TOKENS
+
+
+def _bound_model(path: str, slots: int, blocks: int, block_size: int):
+    """Our model with HF's weights and caches bound as the runner binds them (torch backend for the CPU path)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from pressroom.attention.torch_ref import TorchAttentionBackend
+    from pressroom.model.layers.attention import Attention
+    from pressroom.model.layers.state import RecurrentLayer
+    from pressroom.model.models.deepseek_v4 import DeepseekV4ForCausalLM
+    model = DeepseekV4ForCausalLM(transformers.AutoConfig.from_pretrained(path))
+    model.load_weights(load_file(Path(path) / "model.safetensors").items())
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kv_cache = torch.zeros(module.cache_shape(blocks, block_size))
+            module.backend = TorchAttentionBackend()
+        elif isinstance(module, RecurrentLayer):
+            module.bind_states({name: torch.zeros(slots, *s.shape, dtype=s.dtype)
+                                for name, s in module.state_shapes().items()})
+    return model
+
+
+def test_padded_decode_step_reads_no_host_value(tiny_v4, monkeypatch):
+    """The CUDA path's decode step (Triton, under the interpreter) with metadata as a CUDA graph replays it: no
+    host query starts or lengths, two padding rows (no request: slot -1, state slot 0, block table of zeros, stale
+    positions), no `.tolist()`/`.item()`/truth value of a tensor anywhere. Three requests prefilled (eagerly) to
+    lengths inside the first window, past the top-k and at an HCA window's end, then two such decode steps: the
+    real rows' logits equal HF's."""
+    import transformers
+
+    from pressroom.attention.backend import AttentionMetadata, forward_context
+    from pressroom.attention.state import StateMetadata, StateRound
+    from pressroom.kernels import triton as triton_kernels
+    from pressroom.model.layers import state
+    if torch.cuda.is_available() or not triton_kernels.interpreting():
+        pytest.skip("checks the CUDA path's kernels on CPU tensors, under Triton's interpreter")
+    from pressroom.kernels.triton.fused_moe import fused_moe
+    from pressroom.model.layers.fused_moe import FusedMoE
+    monkeypatch.setattr(state, "on_triton", lambda x: True)
+    monkeypatch.setattr(FusedMoE, "forward", lambda self, x, weights, ids: fused_moe(  # the experts' CUDA path
+        x, self.w13, self.w2, weights, ids, activation=self.activation))
+    block_size, per_seq, lengths, state_slots = 8, 8, [3, 30, HCA_RATE * 2 - 1], [2, 3, 1]
+    model = _bound_model(tiny_v4, 4, 1 + per_seq * len(lengths), block_size)
+    tables = 1 + torch.arange(per_seq * len(lengths)).view(len(lengths), per_seq)
+    seqs = [torch.tensor(p) for p in prompts_of([n + 2 for n in lengths], seed=9)]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32)
+    with torch.no_grad():
+        expected = [hf_model(s.unsqueeze(0)).logits[0] for s in seqs]
+
+    def slot_of(i: int, pos: torch.Tensor) -> torch.Tensor:
+        return tables[i, pos // block_size] * block_size + pos % block_size
+
+    qsl = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    prefill = AttentionMetadata(
+        num_decodes=0, num_decode_tokens=0, block_tables=tables, seq_lens=torch.tensor(lengths),
+        slot_mapping=torch.cat([slot_of(i, torch.arange(n)) for i, n in enumerate(lengths)]),
+        query_start_loc=qsl, seq_lens_host=lengths, state=StateMetadata.one_round(qsl, state_slots, "cpu"))
+    with forward_context(prefill), torch.no_grad():
+        model(torch.cat([s[:n] for s, n in zip(seqs, lengths)]), torch.cat([torch.arange(n) for n in lengths]))
+
+    def refuse(*args):
+        raise AssertionError("a host value read in a graph-captured decode step")
+
+    rows = len(lengths) + 2
+    for step in range(2):
+        pos = torch.tensor(lengths) + step
+        starts = torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32)
+        meta = AttentionMetadata(
+            num_decodes=rows, num_decode_tokens=rows, query_start_loc=[], seq_lens_host=[], max_query_len=1,
+            block_tables=torch.cat((tables, torch.zeros(2, per_seq, dtype=tables.dtype))),
+            seq_lens=torch.cat((pos + 1, torch.zeros(2, dtype=torch.long))),
+            slot_mapping=torch.cat((torch.stack([slot_of(i, p) for i, p in enumerate(pos)]), torch.tensor([-1, -1]))),
+            query_start_loc_device=starts,
+            state=StateMetadata([StateRound(None, list(range(rows + 1)), starts,
+                                            torch.tensor(state_slots + [0, 0]), rows)]))
+        ids = torch.cat((torch.stack([s[p] for s, p in zip(seqs, pos)]), torch.tensor([7, 7])))
+        with forward_context(meta), torch.no_grad(), monkeypatch.context() as m:
+            for name in ("tolist", "item", "__bool__"):
+                m.setattr(torch.Tensor, name, refuse)
+            hidden = model(ids, torch.cat((pos, torch.tensor([40, 3]))))
+        got = model.compute_logits(hidden[:len(lengths)])
+        want = torch.stack([e[p] for e, p in zip(expected, pos)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

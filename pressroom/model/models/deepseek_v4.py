@@ -28,8 +28,14 @@ hyper head collapses them before the final norm. The experts use the clamped Swi
 first `hash_moe` layers pick experts by `tid2eid[input_id]`, the rest by sqrt-softplus scores plus a correction
 bias; both weight the chosen experts by their renormalised scores times `routed_scaling_factor`.
 
-Not yet: tensor parallelism, CUDA graphs and GPU kernels (the compressed attention here is torch: decodes batched,
-prefill chunks request by request on the host), FP8 checkpoints, the MTP layers (skipped at load; the drafter will
+On CUDA (`_device_attention`) every layer's attention is Triton (kernels/triton/v4_attention.py): the window's K=V,
+the compressed entries (HCA: all causal; CSA: the indexer's top-k, chosen on the device for the whole step) and
+the sink in one softmax per query, straight from the paged caches; the compressor's decodes run on the device too
+(every decode mixes the entry of the window its token would close, only closers store it), so a decode step reads
+no host value and is captured into CUDA graphs. Prefill chunks still advance the compressor request by request
+on the host. On the CPU the attention is torch (decodes batched, prefill chunks request by request).
+
+Not yet: tensor parallelism, FP8 checkpoints, the MTP layers (skipped at load; the drafter will
 read them itself; the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V
 blocks that fall out of every window (the cache keeps every token's, like a full-attention layer's).
 """
@@ -609,7 +615,7 @@ def canonical_name(name: str) -> str:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    cuda_graphs_supported = False  # the compressed layers loop over requests on the host
+    cuda_graphs_supported = True  # on CUDA a decode step reads device tensors only (the compressors' too)
     applies_sliding_window = True  # contexts run past the window: its layers mask by it
 
     def __init__(self, config) -> None:
