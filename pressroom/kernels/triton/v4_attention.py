@@ -41,8 +41,9 @@ def entry_table(block_tables: torch.Tensor, rate: int, block_size: int) -> tuple
 
 @triton.jit
 def _keys_step(q, m, l, acc, rows, ok, d, d_ok, scale_log2, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys (= values) at row pointers `rows` [TILE_N] (`ok`: real): the online softmax advanced."""
-    k = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    """One tile of keys (= values) at row pointers `rows` [TILE_N] (`ok`: real): the online softmax advanced. The
+    keys in q's type (an FP8 cache holds them unscaled)."""
+    k = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [BLOCK_H, TILE_N]
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -85,7 +86,7 @@ def _v4_attention_kernel(q_ptr, window_ptr, entries_ptr, out_ptr, block_tables_p
     for start in range(lo, tl.minimum(hi, WINDOW_PAD), TILE_N):
         j = start + tl.arange(0, TILE_N)
         key_pos = pos - window + 1 + j
-        ok = (j < window) & (key_pos >= 0) & (key_pos <= pos)
+        ok = (key_pos >= 0) & (key_pos <= pos)  # j < window: key_pos <= pos
         blocks = tl.load(table + key_pos // BLOCK_SIZE, mask=ok, other=0)
         rows = window_ptr + blocks.to(tl.int64) * stride_wb + (key_pos % BLOCK_SIZE) * stride_ws
         m, l, acc = _keys_step(q, m, l, acc, rows, ok, d, d_ok, scale_log2, UPCAST, PRECISION)
