@@ -96,13 +96,14 @@ def test_attention_matches_torch(dtype, mode, rate, block_size, splits):
     assert torch.all(got[len(LENGTHS):] == 0)  # padding rows read nothing
 
 
-@pytest.mark.parametrize("rate, block_size", [(4, 8), (16, 8)])
-def test_indexer_chooses_the_best_causal_entries(rate, block_size):
+@pytest.mark.parametrize("rate, block_size, dtype", [(4, 8, torch.float32), (16, 8, torch.float32),
+                                                     (4, 16, torch.bfloat16)])
+def test_indexer_chooses_the_best_causal_entries(rate, block_size, dtype):
     """Each query's top-k causal entries by sum_h w_h relu(q_h . k / sqrt(dim)), best first, -1 past its count;
     the entries read through the block table (several per block, or one window over two blocks)."""
     from pressroom.kernels.triton.v4_attention import choose_entries, entry_table
     gen = torch.Generator().manual_seed(rate)
-    tables, _, entries = _paged(LENGTHS, block_size, rate, gen, torch.float32)
+    tables, _, entries = _paged(LENGTHS, block_size, rate, gen, dtype)
     q, req, pos = _batch(LENGTHS, 1, gen, torch.float32)
     index_q = torch.randn(q.shape[0], INDEX_HEADS, INDEX_DIM, generator=gen)
     index_w = torch.randn(q.shape[0], INDEX_HEADS, generator=gen)
@@ -112,7 +113,7 @@ def test_indexer_chooses_the_best_causal_entries(rate, block_size):
                          req.to(**on), pos.to(**on), DIM, TOPK).cpu()
     for t, p in enumerate(pos.tolist()):
         count = max(0, (p + 1) // rate)
-        keys = _entry_rows(entries, tables[int(req[t])], rate, block_size, count)[:, DIM:]
+        keys = _entry_rows(entries, tables[int(req[t])], rate, block_size, count)[:, DIM:].float()
         scores = index_w[t] @ torch.relu(index_q[t] @ keys.t() * INDEX_DIM ** -0.5)
         want = scores.topk(min(TOPK, count)).indices.tolist()
         assert got[t, :len(want)].tolist() == want
