@@ -186,13 +186,15 @@ def _finish_quantization(model: nn.Module) -> None:
 
 
 def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, method: QuantizationMethod | None,
-                 device: str) -> nn.Module:
+                 device: str, ggml_rows: bool = False) -> nn.Module:
     """The model in the target dtype on `device`, each layer a quantization method takes handed to it. Those
     layers never allocate their dense weights: they are built with stand-ins of them (layers/deferred.py), the
     method chooses and creates its own tensors, and only then do the weights no method took get their dense
-    tensors. Everything else (norms, embeddings, buffers computed at construction) is built as ever."""
+    tensors. `ggml_rows` (a GGUF whose projections may stay as shipped): the linear layers' weights stay
+    stand-ins until some rows come dense (LinearBase allocates them then). Everything else (norms, embeddings,
+    buffers computed at construction) is built as ever."""
     quantize = method is not None and config.quantization != "none"  # none: the method only reads the checkpoint
-    deferred = DeferredWeights() if quantize else nullcontext()
+    deferred = DeferredWeights() if quantize or ggml_rows else nullcontext()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -202,9 +204,13 @@ def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, met
         torch.set_default_dtype(previous)
     if quantize:
         _attach_quantization(model, method)
-        dense = deferred.allocate(model)
-        logger.info("quantization %s: %.2f GiB of dense weights never allocated", method.name or type(method).__name__,
-                    (deferred.deferred_bytes - dense) / 2**30)
+    if quantize or ggml_rows:
+        later = [m.weight for m in model.modules() if isinstance(m, LinearBase) and m.quant_method is None] \
+            if ggml_rows else []
+        dense = deferred.allocate(model, later)
+        if quantize:
+            logger.info("quantization %s: %.2f GiB of dense weights never allocated",
+                        method.name or type(method).__name__, (deferred.deferred_bytes - dense) / 2**30)
     return model
 
 
@@ -219,12 +225,12 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config, path))
     if method is not None:
         method.check_device(device, config.dtype)
-    model = _build_model(model_cls, hf_config, config, method, device)
+    keep_4bit = fmt != "dummy" and _keep_4bit(config, device)
+    model = _build_model(model_cls, hf_config, config, method, device, ggml_rows=keep_4bit and _is_gguf(path))
     reads = ReadTally()
     if fmt == "dummy":
         _fill_dummy(model, config.seed)
     else:
-        keep_4bit = _keep_4bit(config, device)
         weights = gguf_file.iter_gguf_weights(path, keep_4bit, reads) if _is_gguf(path) else \
             iter_safetensors(path, reads)
         if method is not None:

@@ -1,7 +1,10 @@
-"""The layers a quantization method takes never allocate their dense weights (model/layers/deferred.py): the bytes
-allocated while the loader builds a model, counted op by op, with and without a method."""
+"""The layers a quantization method takes never allocate their dense weights (model/layers/deferred.py), nor do a
+GGUF's projections kept as shipped: the bytes allocated while the loader builds (or loads) a model, counted op by
+op, against the plain build and against building every weight dense first (as the loader did before)."""
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
@@ -14,6 +17,7 @@ from pressroom.model import loader
 from pressroom.model.layers.deferred import DeferredWeights, held_weight
 from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.model.layers.linear import LinearBase
+from pressroom.model.layers.quant import int4_kernel_available
 from pressroom.model.quantization import LinearMethod, QuantizationMethod, resolve_method
 from pressroom.model.registry import resolve_architecture
 
@@ -30,11 +34,16 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.bytes += t.untyped_storage().nbytes()
+            if isinstance(t, torch.Tensor) and _storage(t) not in inputs:
+                self.bytes += t.untyped_storage().nbytes() if t.layout == torch.strided else t.nbytes
         return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The tensor's storage (None for oneDNN's opaque layout: always new)."""
+    return t.untyped_storage()._cdata if t.layout == torch.strided else None
 
 
 def _deepseek_fp8():
@@ -160,3 +169,61 @@ def test_a_stand_in_refuses_writes_until_allocated():
     layer.weight.data[3:5].copy_(torch.ones(2, 32))
     assert layer.weight.is_contiguous() and layer.weight.weight_loader == "kept"
     assert deferred.allocate(layer) == 0 and held_weight(2, 2).untyped_storage().nbytes() == 16  # outside: dense
+
+
+HIDDEN, FFN, VOCAB, HEADS, KV_HEADS = 256, 512, 320, 4, 2
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def _q8_rows(rows: int, cols: int, rng) -> np.ndarray:
+    """Random Q8_0 blocks (an f16 scale, then 32 int8 values, per 32 inputs)."""
+    raw = rng.integers(-127, 128, (rows, cols // 32, 34)).astype(np.int8).view(np.uint8)
+    raw[..., :2] = np.full((rows, cols // 32, 1), 2e-3, np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory) -> str:
+    """A tiny llama GGUF whose projections are Q8_0 (kept as shipped on the CPU), the rest fp32."""
+    path = str(tmp_path_factory.mktemp("q8-gguf") / "tiny.gguf")
+    rng, writer = np.random.default_rng(0), gguf.GGUFWriter(path, "llama")
+    for add, value in [(writer.add_block_count, 2), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_rope_freq_base, 10000.0)]:
+        add(value)
+    kv = KV_HEADS * HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(2):
+        for name, (rows, cols) in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", _q8_rows(rows, cols, rng), raw_dtype=Q8_0)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _load(path: str, quantization: str) -> tuple[nn.Module, int]:
+    with Allocations() as counted:
+        model = loader.load_model(ModelConfig(model=path, dtype=torch.float32, quantization=quantization), "cpu").model
+    return model, counted.bytes
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="GGUF forms are kept only where the CPU kernels are")
+def test_gguf_projections_kept_as_shipped_never_allocate_their_dense_weights(q8_gguf, monkeypatch):
+    kept, kept_bytes = _load(q8_gguf, "auto")
+    projections = [m for m in kept.modules() if isinstance(m, LinearBase)]
+    assert len(projections) == 8 and all(m.ggml is not None and m.weight.numel() == 0 for m in projections)
+    build = loader._build_model
+    monkeypatch.setattr(loader, "_build_model", lambda *args, **kw: build(*args, **{**kw, "ggml_rows": False}))
+    _, dense_first_bytes = _load(q8_gguf, "auto")  # as before: every projection built dense, then dropped
+    kv = KV_HEADS * HIDDEN // HEADS
+    dense = 2 * 4 * HIDDEN * (HIDDEN + 2 * kv + HIDDEN + 3 * FFN)  # two layers' projections in fp32
+    assert dense - (dense_first_bytes - kept_bytes) in range(0, 64)

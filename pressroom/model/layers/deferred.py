@@ -6,13 +6,16 @@ default device, expanded to the dense shape, so the shape, dtype and device a me
 are the real ones while nothing of the dense size exists. The loader then hands the layers to their methods
 (which put their own tensors in the parameter's `.data`) and `allocate` gives every stand-in still in the model
 (a layer no method took, or a method that kept the dense weight) its dense tensor, as the layer would have made
-it: same Parameter object (its `weight_loader` and other attributes stay), shape, dtype and device. Not meta
+it: same Parameter object (its `weight_loader` and other attributes stay), shape, dtype and device. A GGUF whose
+projections may stay in their GGML forms leaves the linear layers' stand-ins in place (`allocate`'s `later`): a
+layer allocates its dense weight only when some rows come dense (LinearBase._allocate_weight). Not meta
 tensors: a meta parameter cannot take a real tensor's `.data`, and methods place their tensors on the weight's
 device. A stand-in is read-only (writing into it raises: all its elements share one), so a forgotten `allocate`
 fails loudly at loading. Outside the context `held_weight` is a plain dense parameter.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextvars import ContextVar
 
 import torch
@@ -50,15 +53,28 @@ class DeferredWeights:
         storage = tensor.untyped_storage()._cdata
         return any(storage == e.untyped_storage()._cdata for e in self._elements.values())
 
-    def allocate(self, model: nn.Module) -> int:
-        """Every parameter of `model` that is still a stand-in becomes a dense tensor (uninitialised, as
-        `torch.empty` makes it); returns the bytes allocated."""
+    def allocate(self, model: nn.Module, later: Iterable[nn.Parameter] = ()) -> int:
+        """Every parameter of `model` that is still a stand-in, but those in `later` (their layers allocate them
+        when they need to), becomes a dense tensor; returns the bytes allocated."""
+        kept = {id(p) for p in later}
         allocated = 0
         for param in model.parameters():
-            if self.is_stand_in(param):
-                param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            if id(param) not in kept and self.is_stand_in(param):
+                allocate_dense(param)
                 allocated += param.numel() * param.element_size()
         return allocated
+
+
+def allocate_dense(param: nn.Parameter) -> None:
+    """The parameter's dense tensor in place of its stand-in: its shape, dtype and device, uninitialised (as
+    `torch.empty` makes it); the Parameter and its attributes stay."""
+    param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+
+
+def is_expanded(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` is one element (a stand-in; a layer whose weight no method holds makes
+    no other such weight)."""
+    return tensor.dim() > 0 and not any(tensor.stride())
 
 
 def held_weight(*shape: int) -> nn.Parameter:

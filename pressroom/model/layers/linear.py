@@ -13,7 +13,7 @@ from torch import nn
 
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from pressroom.kernels import batch_invariant as invariant
-from pressroom.model.layers.deferred import held_weight
+from pressroom.model.layers.deferred import allocate_dense, held_weight, is_expanded
 from pressroom.model.layers.quant import (
     INT4_MAX_ROWS,
     GgmlRows,
@@ -109,13 +109,22 @@ class LinearBase(nn.Module):
                 raise ValueError("only weight matrices may come in 4 bits.")
             self.q4_parts.append((row, loaded))
             loaded = loaded.dequantize()
+        if param is self.weight:
+            self._allocate_weight()
         _copy(param.data.narrow(0, row, loaded.shape[0]), loaded)
+
+    def _allocate_weight(self) -> None:
+        """The dense weight, where the loader left a stand-in until some rows come dense (a GGUF's projections:
+        layers/deferred.py); a quantization method's weight is its own."""
+        if self.quant_method is None and is_expanded(self.weight):
+            allocate_dense(self.weight)
 
     def pack_int4(self) -> bool:
         """After loading: also keep the 4-bit form, if every row came in 4 bits (decode-sized batches use it);
         a matrix whose rows all came in GGML forms holds them instead of its dense weight."""
         if self.ggml_parts:
             return self._pack_ggml()
+        self._allocate_weight()  # rows that came dense or in Q4 allocated it already; this is for none at all
         parts, self.q4_parts = self.q4_parts, []
         if not parts or self.weight.device.type != "cpu":
             return False
@@ -127,6 +136,7 @@ class LinearBase(nn.Module):
         parts, self.ggml_parts = self.ggml_parts, []
         self.ggml = pack_ggml(parts, self.weight.shape[0])
         if self.ggml is None:  # some rows came dense: the quantized ones join them
+            self._allocate_weight()
             for row, part in parts:
                 _copy(self.weight.data.narrow(0, row, part.shape[0]), part.dequantize())
             return False
