@@ -123,7 +123,8 @@ def test_delta_rule_prefill_fits_hopper_shared_memory(dtype, per_channel_gate, h
 
 def _v4_decode_step(dtype: torch.dtype, mode: str):
     """One DeepSeek-V4-Flash decode step's attention launches (64 heads of 512, window 128, blocks of 64; CSA:
-    rate 4, the indexer's 64 heads of 128 and top-512; HCA: rate 128) for 4 decodes over 4k-token tables."""
+    rate 4, the indexer's 64 heads of 128 and top-512; HCA: rate 128) for 4 decodes over 4k-token tables; the
+    compressor's mixing too."""
     from pressroom.kernels.triton import v4_attention as v4
     tokens, heads, dim, block_size, blocks = 4, 64, 512, 64, 64
     q = torch.randn(tokens, heads, dim, dtype=dtype)
@@ -137,10 +138,19 @@ def _v4_decode_step(dtype: torch.dtype, mode: str):
     entry_dim = dim + (128 if mode == "csa" else 0)
     cache = torch.zeros(1, blocks + 1, max(1, block_size // rate), 1, entry_dim, dtype=dtype)
     entries = (cache, *v4.entry_table(tables, rate, block_size), rate)
+    ring = (2 if mode == "csa" else 1) * rate
+    width = ring // rate * dim
+    rings = [torch.zeros(3, ring, width, dtype=dtype) for _ in range(2)]
+
+    def compress():
+        v4.mix_closing_windows(*rings, torch.zeros(rate, width), torch.ones(tokens, dtype=torch.long), pos,
+                               torch.zeros(tokens, dtype=torch.long), dim, mode == "csa")
+
     if mode == "hca":
-        return lambda: v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries)
+        return lambda: (compress(), v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries))
 
     def csa():
+        compress()
         index_q, index_w = torch.randn(tokens, 64, 128), torch.randn(tokens, 64)
         chosen = v4.choose_entries(index_q, index_w, entries, req, pos, dim, 512)
         v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries, chosen)
@@ -152,7 +162,8 @@ def v4_attention_smem(dtype: str, mode: str) -> list[tuple[str, int]]:
     from pressroom.kernels.triton import dsa
     from pressroom.kernels.triton import v4_attention as v4
     step = _v4_decode_step(_DTYPES[dtype], mode)
-    indexer = [lambda: recorded_launches(v4, ["_v4_attention_kernel", "_merge_token_splits_kernel"], step)]
+    indexer = [lambda: recorded_launches(v4, ["_v4_attention_kernel", "_merge_token_splits_kernel",
+                                              "_mix_closing_kernel"], step)]
     launches = recorded_launches(dsa, ["_indexer_logits_kernel"], lambda: indexer.append(indexer[0]()))
     launches += indexer[1]
     return [(name, compile_for_hopper(kernel, args, kwargs).metadata.shared)
@@ -166,5 +177,6 @@ def test_v4_attention_fits_hopper_shared_memory(dtype, mode):
     launches = _in_compiling_child(f"v4_attention_smem({dtype!r}, {mode!r})")
     names = [name for name, _ in launches]
     assert "_v4_attention_kernel" in names and ("_indexer_logits_kernel" in names) == (mode == "csa")
+    assert ("_mix_closing_kernel" in names) == (mode != "sliding")
     for name, shared in launches:
         assert 0 <= shared <= HOPPER_SMEM_BYTES, f"{name}: {shared} bytes of shared memory"

@@ -118,3 +118,40 @@ def test_indexer_chooses_the_best_causal_entries(rate, block_size, dtype):
         want = scores.topk(min(TOPK, count)).indices.tolist()
         assert got[t, :len(want)].tolist() == want
         assert torch.all(got[t, len(want):] == -1)
+
+
+def _mix_reference(kv_ring, gate_ring, bias, slot: int, pos: int, dim: int, overlap: bool) -> torch.Tensor:
+    """The entry of the window `pos` closes, from the ring rows of its positions (CSA: window w - 1's first-half
+    features, none before window 0, beside window w's second-half ones), softmax-gated per feature."""
+    m, ring = bias.shape[0], kv_ring.shape[1]
+    w = pos // m
+    rows = (w * m + torch.arange(m)) % ring
+    kv, gate = kv_ring[slot, rows, -dim:].float(), gate_ring[slot, rows, -dim:].float() + bias[:, -dim:]
+    if overlap and w > 0:
+        prev = ((w - 1) * m + torch.arange(m)) % ring
+        kv = torch.cat((kv_ring[slot, prev, :dim].float(), kv))
+        gate = torch.cat((gate_ring[slot, prev, :dim].float() + bias[:, :dim], gate))
+    return (kv * gate.softmax(dim=0)).sum(dim=0)
+
+
+@pytest.mark.parametrize("rate, dim, overlap, dtype", [(16, 32, False, torch.float32), (32, 40, False, torch.bfloat16),
+                                                       (4, 24, True, torch.float32), (4, 24, True, torch.bfloat16)])
+def test_compressor_mixes_the_windows_decodes_close(rate, dim, overlap, dtype):
+    """Decodes that close a window (window 0 too), that close none, and a padding row: the closers' entries as the
+    softmax-gated mix of their rings' rows, zeros for the others."""
+    from pressroom.kernels.triton.v4_attention import mix_closing_windows
+    gen = torch.Generator().manual_seed(rate + dim)
+    ring, width = (2 if overlap else 1) * rate, (2 if overlap else 1) * dim
+    kv_ring = torch.randn(5, ring, width, generator=gen).to(dtype)
+    gate_ring = torch.randn(5, ring, width, generator=gen).to(dtype)
+    bias = torch.randn(rate, width, generator=gen)
+    slots = torch.tensor([3, 1, 4, 2, 0])
+    positions = torch.tensor([rate - 1, 5 * rate - 1, 3 * rate + 1, 2 * rate - 1, 9])
+    targets = torch.tensor([7, 2, -1, 11, -1])  # a closer (window 0), a closer, none, a closer, padding
+    on = dict(device=DEVICE)
+    got = mix_closing_windows(kv_ring.to(**on), gate_ring.to(**on), bias.to(**on), slots.to(**on),
+                              positions.to(**on), targets.to(**on), dim, overlap).cpu()
+    for t in range(len(slots)):
+        want = torch.zeros(dim) if targets[t] < 0 else _mix_reference(kv_ring, gate_ring, bias, int(slots[t]),
+                                                                      int(positions[t]), dim, overlap)
+        torch.testing.assert_close(got[t], want, atol=1e-5, rtol=1e-5)

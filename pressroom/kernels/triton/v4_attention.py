@@ -175,3 +175,71 @@ def choose_entries(index_q: torch.Tensor, index_w: torch.Tensor, entries: tuple[
     cache, table, _, rate = entries
     last = torch.div(token_pos + 1, rate, rounding_mode="floor") - 1  # the last entry a query sees (-1: none)
     return choose_positions(index_q, index_w, cache[0], table, token_req, last, index_offset, top_k)
+
+
+@triton.jit
+def _window_series(kv_ptr, gate_ptr, bias_ptr, row0, col0, cols, c_ok, stride_r, stride_br, M: tl.constexpr,
+                   M_PAD: tl.constexpr):
+    """One window's m ring rows from row0 at columns col0 + cols: kv and biased gate [M_PAD, BLOCK_D] (fp32;
+    rows past M: gate -inf; columns past the features: 0)."""
+    i = tl.arange(0, M_PAD)
+    ok = (i < M)[:, None] & c_ok[None, :]
+    offs = (row0 + i)[:, None] * stride_r + col0 + cols[None, :]
+    kv = tl.load(kv_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    gate += tl.load(bias_ptr + i[:, None] * stride_br + col0 + cols[None, :], mask=ok, other=0.0)
+    return kv, tl.where((i < M)[:, None], gate, float("-inf"))
+
+
+@triton.jit
+def _mix_closing_kernel(kv_ring_ptr, gate_ring_ptr, bias_ptr, slots_ptr, pos_ptr, targets_ptr, out_ptr, dim,
+                        stride_slot, stride_r, stride_br, stride_o, M: tl.constexpr, M_PAD: tl.constexpr,
+                        RING: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One decode, BLOCK_D features: where its token closes a window (target >= 0), the gated softmax mix of the
+    window's ring rows per feature (OVERLAP: window w - 1's first-half features beside window w's second-half
+    ones); zeros elsewhere."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_ok = cols < dim
+    mixed = tl.zeros([BLOCK_D], tl.float32)
+    if tl.load(targets_ptr + token) >= 0:
+        pos = tl.load(pos_ptr + token)
+        window = pos // M
+        ring = tl.load(slots_ptr + token).to(tl.int64) * stride_slot
+        kv_ptr, gate_ptr = kv_ring_ptr + ring, gate_ring_ptr + ring
+        kv, gate = _window_series(kv_ptr, gate_ptr, bias_ptr, window * M % RING, dim if OVERLAP else 0, cols, c_ok,
+                                  stride_r, stride_br, M, M_PAD)
+        top = tl.max(gate, 0)
+        if OVERLAP:  # window w - 1's rows (none before window 0)
+            kv_a, gate_a = _window_series(kv_ptr, gate_ptr, bias_ptr, (window + 1) * M % RING, 0, cols, c_ok,
+                                          stride_r, stride_br, M, M_PAD)
+            gate_a = tl.where(window > 0, gate_a, float("-inf"))
+            top = tl.maximum(top, tl.max(gate_a, 0))
+        weights = tl.exp(gate - top[None, :])
+        total = tl.sum(weights, 0)
+        mixed = tl.sum(weights * kv, 0)
+        if OVERLAP:
+            weights_a = tl.exp(gate_a - top[None, :])
+            total += tl.sum(weights_a, 0)
+            mixed += tl.sum(weights_a * kv_a, 0)
+        mixed = mixed / tl.where(c_ok, total, 1.0)
+    tl.store(out_ptr + token * stride_o + cols, mixed, mask=c_ok)
+
+
+def mix_closing_windows(kv_ring: torch.Tensor, gate_ring: torch.Tensor, bias: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor, targets: torch.Tensor, dim: int, overlap: bool) -> torch.Tensor:
+    """DeepSeek-V4's compressor for decodes whose projections are in their rings already: kv_ring, gate_ring
+    [slots, ring, width] (width = dim, or 2 * dim with `overlap`: CSA), bias [rate, width] (fp32); slots,
+    positions, targets [n] (target < 0: the token closes no window, or is padding). Returns [n, dim] fp32: the
+    mixed (not yet normalised or rotated) entry of each closed window, zeros for the others."""
+    n, rate = positions.shape[0], bias.shape[0]
+    out = torch.empty(n, dim, dtype=torch.float32, device=positions.device)
+    if n == 0:
+        return out
+    m_pad = max(16, triton.next_power_of_2(rate))
+    block_d = max(16, min(128, 4096 // m_pad))  # [m_pad, block_d] tiles of kv and gate in registers
+    _mix_closing_kernel[(n, triton.cdiv(dim, block_d))](
+        kv_ring, gate_ring, bias, slots, positions, targets, out, dim, kv_ring.stride(0), kv_ring.stride(1),
+        bias.stride(0), out.stride(0), M=rate, M_PAD=m_pad, RING=kv_ring.shape[1],
+        OVERLAP=overlap, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -190,38 +190,21 @@ class V4Compressor(RecurrentLayer):
 
     def _decode_on_device(self, state_slots: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                           tokens: list[torch.Tensor]) -> None:
-        """Decodes (one token each): every one writes its projections into its ring row and mixes the entry of
-        the window its token would close; only those that close one (and are no padding row: slot -1) store it."""
+        """Decodes (one token each): every one writes its projections into its ring row; those that close a window
+        (and are no padding row: slot -1) mix its entry (kernels/triton/v4_attention.py) and store it."""
         from pressroom.kernels.triton.cache import write_kv
+        from pressroom.kernels.triton.v4_attention import mix_closing_windows
         m, names = self.rate, list(self.state_shapes())
         for name, t in zip(names, tokens):
             self.states[name][state_slots, positions % self.ring] = t
-        windows = torch.div(positions, m, rounding_mode="floor")
-        base = (windows - 1 if self.overlap else windows) * m  # the first position the entry reads
-        offsets = torch.arange(self.ring, device=positions.device)
-        rows = (base[:, None] + offsets) % self.ring  # [decodes, ring] in position order
+        targets = torch.where(positions % m == m - 1, slots, -1)
+        cos, sin = self.rope.cos_sin(torch.div(positions, m, rounding_mode="floor") * m)
         entries = []
         for j, (bias, dim, norm) in enumerate(self._parts()):
-            kv = self.states[names[2 * j]][state_slots[:, None], rows].float()
-            gate = self.states[names[2 * j + 1]][state_slots[:, None], rows].float() + bias[offsets % m]
-            entries.append(self._window_entries(kv, gate, windows, dim, norm))
-        closes = positions % m == m - 1
-        write_kv(self.cache.kv_cache, torch.cat(entries, -1).unsqueeze(1), None, torch.where(closes, slots, -1))
-
-    def _window_entries(self, kv: torch.Tensor, gate: torch.Tensor, windows: torch.Tensor, dim: int, norm: RMSNorm
-                        ) -> torch.Tensor:
-        """The entries of `windows` [n] from each one's projections kv, gate [n, ring, width * dim] (gate biased;
-        CSA: window w - 1's tokens, then window w's), as `_entries` makes them."""
-        m = self.rate
-        if self.overlap:
-            kv_w = torch.cat((kv[:, :m, :dim], kv[:, m:, dim:]), dim=1)
-            prev_gate = gate[:, :m, :dim].masked_fill((windows == 0)[:, None, None], float("-inf"))
-            gate_w = torch.cat((prev_gate, gate[:, m:, dim:]), dim=1)
-        else:
-            kv_w, gate_w = kv, gate
-        mixed = (kv_w * gate_w.softmax(dim=1)).sum(dim=1)
-        mixed = norm(mixed.to(norm.weight.dtype).contiguous())
-        return rotate_tail(mixed, *self.rope.cos_sin(windows * m))
+            mixed = mix_closing_windows(self.states[names[2 * j]], self.states[names[2 * j + 1]], bias, state_slots,
+                                        positions, targets, dim, self.overlap)
+            entries.append(rotate_tail(norm(mixed.to(norm.weight.dtype)), cos, sin))
+        write_kv(self.cache.kv_cache, torch.cat(entries, -1).unsqueeze(1), None, targets)
 
     def _offsets(self, base: int, stop: int) -> torch.Tensor:
         return torch.arange(base, stop, device=self.position_bias.device) % self.rate
