@@ -1,6 +1,7 @@
 """DeepSeek-V4's attention on the GPU: each query's one softmax over its sliding window's K=V vectors, its
 compressed entries (HCA: every causal one; CSA: those its lightning indexer chose) and its head's sink, read
-straight from the paged caches; and the indexer's choice of entries, built for the whole step on the device.
+straight from the paged caches; the indexer's choice of entries, built for the whole step on the device; and the
+compressor's mixing of the windows that decodes close.
 
 Caches (model/models/deepseek_v4.py). The window's K=V cache is latent [1, blocks, block_size, 1, head_dim]:
 position p of a request at block table[p // block_size], offset p % block_size. A compressed cache
@@ -9,6 +10,10 @@ token w * rate + rate - 1. `entry_table` turns that into a table of entries: ent
 offset w % E (E entries per block; where a window spans several blocks, E = 1 and the table is every
 (rate / block_size)-th column of the block table). The keys are the values (MQA, one KV head); a CSA entry carries
 the indexer's key after its head_dim values.
+
+`mix_closing_windows`: the compressor's step for decodes, whose projections are in their rings already: the
+programs of decodes that close a window mix its entry, the others exit at once (only the normalisation and the
+rope of the entries are left to torch).
 
 The sink joins the softmax as a logit with no value: the first split of each query starts from (max = sink,
 sum = 1, acc = 0), the others from nothing, so dsa.py's token-split merge gives the whole softmax. Every launch

@@ -31,13 +31,14 @@ bias; both weight the chosen experts by their renormalised scores times `routed_
 On CUDA (`_device_attention`) every layer's attention is Triton (kernels/triton/v4_attention.py): the window's K=V,
 the compressed entries (HCA: all causal; CSA: the indexer's top-k, chosen on the device for the whole step) and
 the sink in one softmax per query, straight from the paged caches; the compressor's decodes run on the device too
-(every decode mixes the entry of the window its token would close, only closers store it), so a decode step reads
-no host value and is captured into CUDA graphs. Prefill chunks still advance the compressor request by request
-on the host. On the CPU the attention is torch (decodes batched, prefill chunks request by request).
+(every decode writes its ring row; one kernel mixes the entries of the windows that close, the other decodes exit
+at once), so a decode step reads no host value and is captured into CUDA graphs. Prefill chunks still advance the
+compressor request by request on the host. On the CPU the attention is torch (decodes batched, prefill chunks
+request by request).
 
-Not yet: tensor parallelism, FP8 checkpoints, the MTP layers (skipped at load; the drafter will
-read them itself; the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V
-blocks that fall out of every window (the cache keeps every token's, like a full-attention layer's).
+Not yet: tensor parallelism, FP8 checkpoints, the MTP layers (skipped at load; the drafter will read them itself;
+the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V blocks that fall
+out of every window (the cache keeps every token's, like a full-attention layer's).
 """
 from __future__ import annotations
 
