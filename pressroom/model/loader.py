@@ -2,7 +2,8 @@
 
 Sources: an HF directory (config.json, *.safetensors, sharded or not), a single GGUF file, or
 `load_format="dummy"` (random weights for a config, for benchmarks of large shapes). Weights go
-straight into the model's parameters through per-parameter loaders, never via a full HF copy.
+straight into the model's parameters through per-parameter loaders, never via a full HF copy. The layers a
+quantization method takes are handed to it before their dense weights exist (`_build_model`, layers/deferred.py).
 """
 from __future__ import annotations
 
@@ -194,17 +195,17 @@ def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, met
     stand-ins until some rows come dense (LinearBase allocates them then). Everything else (norms, embeddings,
     buffers computed at construction) is built as ever."""
     quantize = method is not None and config.quantization != "none"  # none: the method only reads the checkpoint
-    deferred = DeferredWeights() if quantize or ggml_rows else nullcontext()
+    deferred = DeferredWeights() if quantize or ggml_rows else None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        with torch.device(device), deferred:
+        with torch.device(device), deferred or nullcontext():
             model = model_cls(hf_config)
     finally:
         torch.set_default_dtype(previous)
     if quantize:
         _attach_quantization(model, method)
-    if quantize or ggml_rows:
+    if deferred is not None:
         later = [m.weight for m in model.modules() if isinstance(m, LinearBase) and m.quant_method is None] \
             if ggml_rows else []
         dense = deferred.allocate(model, later)
