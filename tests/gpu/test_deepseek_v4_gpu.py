@@ -25,9 +25,9 @@ LENGTHS = [5, 11, 40, 150, 97, 260]
 
 
 @pytest.fixture(scope="module")
-def tiny_v4_wide(tmp_path_factory, smollm_tokenizer) -> str:
-    path = tmp_path_factory.mktemp("tiny-deepseek-v4-gpu")
-    save_tiny(path, smollm_tokenizer, seed=11, compress_rates={"compressed_sparse_attention": CSA_RATE,
+def tiny_v4_wide(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-deepseek-v4-gpu")  # no tokenizer: the GPU image lacks the embedded model
+    save_tiny(path, None, seed=11, compress_rates={"compressed_sparse_attention": CSA_RATE,
                                                                "heavily_compressed_attention": HCA_RATE})
     return str(path)
 
@@ -36,8 +36,8 @@ def tiny_v4_wide(tmp_path_factory, smollm_tokenizer) -> str:
 def test_tiny_v4_matches_hf_on_cuda(tiny_v4_wide, graphs):
     import transformers
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_v4_wide, dtype=torch.float32)
-    llm = LLM(tiny_v4_wide, device="cuda", dtype="float32", enforce_eager=not graphs, max_num_batched_tokens=64,
-              gpu_memory_utilization=0.3, block_size=16, mamba_block_size=CHECKPOINT)
+    llm = LLM(tiny_v4_wide, device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=not graphs,
+              max_num_batched_tokens=64, gpu_memory_utilization=0.3, block_size=16, mamba_block_size=CHECKPOINT)
     assert bool(llm.engine.core.cuda_graphs) == graphs
     prompts = prompts_of(LENGTHS, seed=12)
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, prompt_logprobs=0)

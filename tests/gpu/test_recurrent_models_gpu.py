@@ -86,12 +86,8 @@ def family(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_family_matches_hf_on_cuda(family, graphs, monkeypatch):
+def test_family_matches_hf_on_cuda(family, graphs):
     name, path, prompts, expected = family
-    if graphs:
-        from pressroom.model.loader import load_hf_config
-        from pressroom.model.registry import resolve_architecture
-        monkeypatch.setattr(resolve_architecture(load_hf_config(path)), "cuda_graphs_supported", True)
     llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=not graphs,
               max_num_batched_tokens=64, gpu_memory_utilization=0.3, block_size=16, mamba_block_size=32)
     assert bool(llm.engine.core.cuda_graphs) == graphs

@@ -48,12 +48,14 @@ def randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def save_tiny(path: Path, tokenizer, seed: int = 0, **overrides) -> None:
+    """`tokenizer` None: weights and config only (the engine runs with skip_tokenizer_init)."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(**TINY | overrides),
                                                           dtype=torch.float32)
     randomize_(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")

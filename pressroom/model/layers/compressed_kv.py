@@ -46,6 +46,11 @@ class CompressedKVCache(Attention):
             + last % block_size // self.rate
 
     def write(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Entries at their flat slots; a negative slot (a token with no cache slot: the memory profile's pass)
+        is skipped."""
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, entries = slots[keep], entries[keep]
         self.kv_cache.view(-1, self.head_dim).index_copy_(0, slots, entries.to(self.kv_cache.dtype))
 
     def read(self, block_table: torch.Tensor, count: int, block_size: int) -> torch.Tensor:
