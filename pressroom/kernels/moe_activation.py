@@ -1,5 +1,5 @@
 """The experts' gated activation over their gate and up halves: SwiGLU (silu(gate) * up), gpt-oss's clamped
-form, or DeepSeek-V4's (SwiGLU on clamped halves; the Triton experts kernel does not know it yet). The torch forms
+form, or DeepSeek-V4's (SwiGLU on clamped halves). The torch forms
 here are what the experts' CPU paths run and what the Triton kernels (kernels/triton/fused_moe.py) are tested
 against."""
 from __future__ import annotations

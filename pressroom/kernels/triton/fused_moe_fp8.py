@@ -171,7 +171,7 @@ def _moe_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, slots_ptr, block_e
         acc = tl.minimum(acc, limit)
         acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
     _store_pairs(acc, acc_up, c_ptr, weights_ptr, weights_ptr, expert, slot, valid, cols, col_ok, n_out, stride_c,
-                 0, 1.0, 0.0, GATED, MUL_WEIGHTS, False, False)
+                 0, 1.0, 0.0, GATED, MUL_WEIGHTS, False, 0)  # ACTIVATION 0: SwiGLU (V4's clamp applied above)
 
 
 def check_experts(w13: Fp8Experts, w2: Fp8Experts, hidden: int) -> None:

@@ -26,7 +26,9 @@ class LinearMethod:
     """How one linear layer (a `LinearBase`: `weight` [out, in], `bias` or None) holds and applies its weight."""
 
     def create_weights(self, layer: nn.Module) -> None:
-        """Before loading: replace or add the layer's tensors (the dense `weight` is there already)."""
+        """Before loading: replace or add the layer's tensors. `weight` gives the dense shape, dtype and device; under
+        the loader it is a stand-in with no data (model/layers/deferred.py): replace its `.data`, or leave it and
+        the loader allocates it dense."""
 
     def store_rows(self, layer: nn.Module, row: int, loaded: Any) -> bool:
         """Take checkpoint rows [row, row + n) that come quantized (`loaded` is already this rank's slice);
@@ -46,7 +48,8 @@ class MoeMethod:
     rows) and `w2` [experts, hidden, inter], this rank's experts and slices."""
 
     def create_weights(self, layer: nn.Module) -> None:
-        """Before loading: replace or add the layer's tensors."""
+        """Before loading: replace or add the layer's tensors (`w13` and `w2` are stand-ins with the dense shape,
+        dtype and device, as a linear layer's `weight` is)."""
 
     def store_rows(self, layer: nn.Module, param: str, expert: int, row: int, loaded: Any) -> bool:
         """Take rows [row, row + n) of local expert `expert`'s `param` ("w13" or "w2"), already this rank's
