@@ -76,6 +76,7 @@ def test_a_quantized_engine_is_benched_without_hf(tiny_model_dir, tmp_path):
     assert report["engine_args"]["quantization"] == "mxfp4" and report["workloads"]["decode"]["hf"] is None
 
 
+@pytest.mark.slow  # two worker processes and a profile (~10 s on two cores); the TP engine runs in test_tensor_parallel
 def test_tensor_parallel_bench_profiles_each_ranks_all_reduces(tiny_model_dir, tmp_path):
     """TP 2 over gloo (the CPU form of the two-GPU run): the bound counts both ranks, HF is skipped, and each
     rank's all-reduces per step are counted from its profile (two per layer and the embedding's) and timed."""
@@ -97,6 +98,7 @@ def test_tensor_parallel_bench_profiles_each_ranks_all_reduces(tiny_model_dir, t
     assert abs(decode["bound_tokens_per_s"] - 2 * ceilings["copy_bytes_per_s"] / size["decode_read_bytes"]) < 0.01
 
 
+@pytest.mark.slow  # three engines, one in its own process (~10 s on two cores)
 def test_executors_side_by_side(tiny_model_dir, tmp_path):
     out = tmp_path / "executors.json"
     argv = ["bench", "gpu", "--model", tiny_model_dir("llama"), *TINY_FLAGS, "--workloads", "decode",
