@@ -36,7 +36,17 @@ at once), so a decode step reads no host value and is captured into CUDA graphs.
 compressor request by request on the host. On the CPU the attention is torch (decodes batched, prefill chunks
 request by request).
 
-Not yet: tensor parallelism, FP8 checkpoints, the MTP layers (skipped at load; the drafter will read them itself;
+Tensor parallelism splits the attention heads evenly over the ranks, as DeepSeek V2/V3's (models/deepseek.py):
+q_b_proj is column-parallel by heads, each rank keeps its heads' sinks and its head groups' rows of o_a_proj
+(o_groups must divide by the ranks: a rank's heads are whole groups), and o_b_proj is row-parallel (its all-reduce
+joins the groups). What every head shares is replicated: q_a_proj and its norm, the K=V head (kv_proj, kv_norm) and
+the window's cache, the compressors and the lightning indexer with their caches and rings, so every rank writes
+the same entries and picks the same top-k; so are the hyper-connections, the norms and the routers. The routed
+experts are sliced or dealt out whole (expert parallelism; models/moe.py), their partial sums all-reduced; the
+shared expert splits as a dense MLP. Checked on the CPU (gloo) only: the CUDA path takes each rank's heads through
+the same kernels, untested over several GPUs.
+
+Not yet: FP8 checkpoints, the MTP layers (skipped at load; the drafter will read them itself;
 the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V blocks that fall
 out of every window (the cache keeps every token's, like a full-attention layer's).
 """
@@ -52,19 +62,21 @@ from torch import nn
 
 from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
 from pressroom.attention.state import StateRound
-from pressroom.distributed.parallel_state import get_tp_size
+from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from pressroom.kernels.moe_activation import LimitedSwiglu
 from pressroom.model.layers import state as state_layers
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.compressed_kv import CompressedKVCache
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pressroom.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE
+from pressroom.model.layers.fused_moe import DOWN, GATE, UP
 from pressroom.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import _inv_freq
 from pressroom.model.layers.state import RecurrentLayer, StateShape
 from pressroom.model.lazy_weight import materialize
+from pressroom.model.models.deepseek import ReplicatedLinear, heads_per_rank
 from pressroom.model.models.llama import LlamaMLP
+from pressroom.model.models.moe import _rank_experts
 from pressroom.model.weights import expected_names, load_named_weights
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -118,8 +130,8 @@ class V4Compressor(RecurrentLayer):
         width = 2 if self.overlap else 1  # CSA: two series per token, Ca (next entry) and Cb (its own entry)
         hidden = config.hidden_size
         self.width = width * self.head_dim  # projected features per token
-        self.kv_proj = ColumnParallelLinear(hidden, self.width)
-        self.gate_proj = ColumnParallelLinear(hidden, self.width)
+        self.kv_proj = ReplicatedLinear(hidden, self.width)
+        self.gate_proj = ReplicatedLinear(hidden, self.width)
         self.position_bias = nn.Parameter(torch.zeros(self.rate, self.width, dtype=torch.float32),
                                           requires_grad=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
@@ -249,12 +261,12 @@ class V4Indexer(nn.Module):
         super().__init__()
         self.heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         hidden = config.hidden_size
-        self.kv_proj = ColumnParallelLinear(hidden, 2 * self.head_dim)
-        self.gate_proj = ColumnParallelLinear(hidden, 2 * self.head_dim)
+        self.kv_proj = ReplicatedLinear(hidden, 2 * self.head_dim)
+        self.gate_proj = ReplicatedLinear(hidden, 2 * self.head_dim)
         self.position_bias = nn.Parameter(torch.zeros(rate, 2 * self.head_dim, dtype=torch.float32),
                                           requires_grad=False)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, self.heads * self.head_dim)
+        self.q_b_proj = ReplicatedLinear(config.q_lora_rank, self.heads * self.head_dim)
         self.weights_proj = nn.Linear(hidden, self.heads, bias=False)
         self.weights_proj.requires_grad_(False)
 
@@ -277,13 +289,34 @@ class V4Indexer(nn.Module):
 
 # ---- attention ----
 
-class GroupedLinear(nn.Module):
-    """o_a: each of `groups` head groups projected on its own ([groups * rank, in / groups] in the checkpoint)."""
+def _load_rank_rows(param: nn.Parameter, loaded: Any, start: int, total: int) -> None:
+    """Rows start .. start + len(param) of a checkpoint tensor of `total` rows: this rank's heads' or groups'."""
+    expected = (total, *param.shape[1:])
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
+                         f"{expected}; the checkpoint and config.json disagree.")
+    param.data.copy_(materialize(loaded.narrow(0, start, param.shape[0])))
 
-    def __init__(self, in_per_group: int, out: int, groups: int) -> None:
+
+def groups_per_rank(groups: int, tp_size: int) -> int:
+    """o_a's head groups each tensor-parallel rank holds (whole groups: its heads are whole groups of heads)."""
+    if groups % tp_size:
+        raise ValueError(f"o_groups ({groups}) is not divisible by tensor_parallel_size ({tp_size}): DeepSeek-V4's "
+                         "grouped output projection splits its groups evenly over the ranks; choose a "
+                         f"tensor_parallel_size that divides {groups}.")
+    return groups // tp_size
+
+
+class GroupedLinear(nn.Module):
+    """o_a: each of `groups` head groups projected on its own ([groups * rank, in / groups] in the checkpoint).
+    Under tensor parallelism this rank's `groups` of `total_groups`, from group `first`."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int, total_groups: int, first: int) -> None:
         super().__init__()
         self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out, in_per_group), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group), requires_grad=False)
+        self.weight.weight_loader = lambda param, loaded, shard=None: _load_rank_rows(
+            param, loaded, first * out_per_group, total_groups * out_per_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, groups, in / groups] -> [tokens, groups * rank]."""
@@ -296,17 +329,24 @@ class V4Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer]
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.groups, self.eps, self.window = config.o_groups, config.rms_norm_eps, config.sliding_window
+        # tensor parallelism: this rank's heads (whole o_a groups of them); the query latent, the K=V head, the
+        # window's cache and the compressors are the same on every rank
+        tp, rank, total_heads = get_tp_size(), get_tp_rank(), config.num_attention_heads
+        self.num_heads, self.head_dim = heads_per_rank(total_heads, tp), config.head_dim
+        self.groups = groups_per_rank(config.o_groups, tp)
+        self.eps, self.window = config.rms_norm_eps, config.sliding_window
         hidden, heads, dim = config.hidden_size, self.num_heads, self.head_dim
-        self.q_a_proj = ColumnParallelLinear(hidden, config.q_lora_rank)
+        self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * dim)
-        self.kv_proj = ColumnParallelLinear(hidden, dim)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, total_heads * dim)  # by heads: an even split
+        self.kv_proj = ReplicatedLinear(hidden, dim)
         self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(heads * dim // self.groups, self.groups * config.o_lora_rank, self.groups)
-        self.o_b_proj = RowParallelLinear(self.groups * config.o_lora_rank, hidden)
+        self.o_a_proj = GroupedLinear(heads * dim // self.groups, config.o_lora_rank, self.groups, config.o_groups,
+                                      rank * self.groups)
+        self.o_b_proj = RowParallelLinear(config.o_groups * config.o_lora_rank, hidden)  # by groups: even
         self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32), requires_grad=False)
+        self.sinks.weight_loader = lambda param, loaded, shard=None: _load_rank_rows(param, loaded, rank * heads,
+                                                                                      total_heads)
         self.attn = Attention(heads, dim, 1, dim ** -0.5, latent=True, sliding_window=self.window)
         self.compressor = None if self.layer_type == SLIDING else V4Compressor(config, self.layer_type,
                                                                                ropes["compress"])
@@ -519,12 +559,13 @@ class V4MoE(nn.Module):
         super().__init__()
         hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.gate = V4Router(config, hashed)
-        self.experts = FusedMoE(config.n_routed_experts, hidden, inter, activation=LimitedSwiglu(limit))
+        # this rank's experts, or slices of every one (models/moe.py); the shared expert splits as a dense MLP
+        self.experts = _rank_experts(config.n_routed_experts, hidden, inter, activation=LimitedSwiglu(limit))
         self.shared_experts = LlamaMLP(hidden, inter, ClampedSiluAndMul(limit))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return tp_all_reduce(self.experts(x, weights, ids)) + self.shared_experts(x)  # the shared one: reduced inside
 
 
 # ---- the model ----
@@ -604,8 +645,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError("DeepSeek-V4 does not run tensor-parallel yet; use tensor_parallel_size=1.")
         self.config = config
         self.model = V4Model(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
