@@ -55,6 +55,14 @@ def test_two_ranks_give_the_tokens_of_one(expert_parallel, tiny_v4):
     assert two == _generate(tiny_v4)
 
 
+@pytest.mark.slow
+def test_chunked_prefill_over_two_ranks(tiny_v4):
+    """Prompts cut into chunks beside decodes (each rank's compressor rings carried across them) over small blocks:
+    the tokens of one rank run the same way."""
+    chunked = dict(max_num_batched_tokens=16, block_size=8)
+    assert _generate(tiny_v4, tensor_parallel_size=2, **chunked) == _generate(tiny_v4, **chunked)
+
+
 def _load(path: str, monkeypatch, rank: int, ranks: int) -> LoadedModel:
     """The model rank `rank` of `ranks` builds and loads (no process group: loading needs no collective), its
     weights left in their plain layout for comparing."""
@@ -110,3 +118,9 @@ def _build(monkeypatch, ranks: int, **overrides):
 def test_heads_or_groups_the_ranks_do_not_divide_are_refused(ranks, overrides, message, monkeypatch):
     with pytest.raises(ValueError, match=message):
         _build(monkeypatch, ranks, **overrides)
+
+
+@pytest.mark.slow  # three worker processes
+def test_the_engine_refuses_it_at_start(tiny_v4):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(tiny_v4, dtype="float32", device="cpu", skip_tokenizer_init=True, tensor_parallel_size=3)
