@@ -629,6 +629,18 @@ _EXPERT_PARTS = {"w1": ("w13", GATE), "w3": ("w13", UP), "w2": ("w2", DOWN)}
 _SHARED = {".shared_experts.gate_proj.": 0, ".shared_experts.up_proj.": 1}
 
 
+def _refuse_unread_scale(raw: str, name: str) -> None:
+    """An FP8 scale the quantization method did not take: the config has no quantization_config (the FP8 values
+    would load as plain numbers), or the scale is named `.scale` (DeepSeek's inference code's name, which the FP8
+    method does not pair with its weight)."""
+    if name.endswith(("weight_scale_inv", "weight_scale")):
+        raise ValueError(f"{raw}: this checkpoint stores FP8 block-quantized weights, but its config.json has no "
+                         "quantization_config (quant_method 'fp8', weight_block_size) to read them.")
+    if name.endswith(".scale") and "_hc." not in name:
+        raise ValueError(f"{raw}: FP8 scales named '.scale' are not read; rename them '.weight_scale_inv' (as "
+                         "DeepSeek's HF checkpoints name them) and add quantization_config to config.json.")
+
+
 def canonical_name(name: str) -> str:
     """A checkpoint tensor's name in HF's module naming (with the `model.` prefix, lm_head outside it)."""
     name = name.removeprefix("model.")
@@ -664,6 +676,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return False
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """A tensor's parameter and shard; `name` canonical or as the checkpoint spells it (an FP8 method asks
+        with the checkpoint's names which layer a weight loads into, before `checkpoint_tensors` renames it)."""
+        name = canonical_name(name)
         m = _EXPERT.search(name)
         if m is not None:
             param, part = _EXPERT_PARTS[m.group(2)]
@@ -689,8 +704,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         layers = self.config.num_hidden_layers
         for raw, tensor in weights:
             name = canonical_name(raw)
-            if name.endswith(("weight_scale_inv", "weight_scale")) or name.endswith(".scale") and "_hc." not in name:
-                raise ValueError(f"{raw}: FP8 DeepSeek-V4 checkpoints (block scales) are not supported yet.")
+            _refuse_unread_scale(raw, name)
             parts = name.split(".")
             if parts[1] == "mtp" or parts[1] == "layers" and int(parts[2]) >= layers:
                 continue
