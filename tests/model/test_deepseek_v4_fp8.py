@@ -51,20 +51,25 @@ def _is_fp8(name: str, w: torch.Tensor) -> bool:
     return name.endswith(".weight") and w.dim() == 2 and w.is_floating_point() and not name.endswith(_DENSE)
 
 
-def write_v4_fp8(src: Path, dst: Path, twin: Path, scale_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+def write_v4_fp8(src: Path, dst: Path, twin: Path, scale_shapes: dict[str, tuple[int, ...]] | None = None,
+                 not_converted: tuple[str, ...] = ()) -> None:
     """`src` with every projection (routed and shared experts included) in DeepSeek's FP8 block form at `dst`, and
-    at `twin` the dequantized weights in fp32. `scale_shapes`: scales of these weights reshaped (to be refused)."""
+    at `twin` the dequantized weights in fp32. `scale_shapes`: scales of these weights reshaped (to be refused).
+    `not_converted`: (checkpoint name part, module) of projections shipped dense, the modules listed in
+    quantization_config's modules_to_not_convert."""
     weights, shipped, dequantized = load_file(f"{src}/model.safetensors"), {}, {}
     for name, w in weights.items():
-        if not _is_fp8(name, w):
-            shipped[name] = dequantized[name] = w * HEAD_SHRINK if name == "head.weight" else w
+        if not _is_fp8(name, w) or any(part in name for part, _ in not_converted):
+            scale = HEAD_SHRINK if name == "head.weight" else SHRINK if _is_fp8(name, w) else 1
+            shipped[name] = dequantized[name] = w * scale
             continue
         q, scale = _block_quantize(w * SHRINK, pow2=False)
         dequantized[name] = _block_dequantize(q, scale)
         shipped |= {name: q, name.removesuffix("weight") + "weight_scale_inv":
                     scale.expand((scale_shapes or {}).get(name, scale.shape)).contiguous()}
     config = json.loads((src / "config.json").read_text())
-    for path, tensors, extra in ((dst, shipped, {"quantization_config": CONFIG}), (twin, dequantized, {})):
+    quantization = CONFIG | ({"modules_to_not_convert": [m for _, m in not_converted]} if not_converted else {})
+    for path, tensors, extra in ((dst, shipped, {"quantization_config": quantization}), (twin, dequantized, {})):
         path.mkdir()
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(config | extra))
@@ -161,6 +166,35 @@ def test_weight_only_matches_hf_on_the_fp32_twin(fp8_llm, checkpoints):
     finally:
         for method in methods:
             method.quantize_activations = True
+    assert off.max() < WEIGHT_ONLY_TOLERANCE, off
+
+
+# as DeepSeek-V4-Flash ships them (HF's _keep_in_fp32_modules for deepseek_v4): the compressors' and the indexer's
+# kv and gate projections in BF16, no scales
+_FLASH_DENSE = ((".compressor.wkv.", "self_attn.compressor.kv_proj"),
+                (".compressor.wgate.", "self_attn.compressor.gate_proj"),
+                (".indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj"),
+                (".indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj"))
+
+
+def test_projections_listed_as_not_converted_stay_dense(checkpoints, tmp_path):
+    """modules_to_not_convert keeps the compressors' dense projections dense (exactly as shipped), the rest in FP8;
+    weight-only, the model is HF's on the twin."""
+    write_v4_fp8(checkpoints.src, tmp_path / "fp8", tmp_path / "twin", not_converted=_FLASH_DENSE)
+    llm = _llm(tmp_path / "fp8")
+    shipped = load_file(f"{tmp_path / 'fp8'}/model.safetensors")
+    compressor = llm.engine.model.model.layers[1].self_attn.compressor
+    for layer, name in ((compressor.kv_proj, "attn.compressor.wkv"), (compressor.indexer.gate_proj,
+                                                                      "attn.indexer.compressor.wgate")):
+        x = torch.randn(3, TINY["hidden_size"])
+        want = x @ shipped[f"model.layers.1.{name}.weight"].t()
+        assert layer.quant_method is None and torch.allclose(layer(x), want, atol=1e-6)
+    assert isinstance(compressor.indexer.q_b_proj.quant_method, Fp8LinearMethod)
+    for module in llm.engine.model.modules():
+        if isinstance(getattr(module, "quant_method", None), (Fp8LinearMethod, Fp8MoeMethod)):
+            module.quant_method.quantize_activations = False
+    off = (prompt_logprobs(llm) - _hf_on_twin(tmp_path / "twin")).abs()
+    llm.shutdown()
     assert off.max() < WEIGHT_ONLY_TOLERANCE, off
 
 

@@ -46,7 +46,16 @@ experts are sliced or dealt out whole (expert parallelism; models/moe.py), their
 shared expert splits as a dense MLP. Checked on the CPU (gloo) only: the CUDA path takes each rank's heads through
 the same kernels, untested over several GPUs.
 
-Not yet: FP8 checkpoints, the MTP layers (skipped at load; the drafter will read them itself;
+FP8 checkpoints in DeepSeek's block form (`weight_scale_inv` per 128 x 128 block; model/quantization/fp8.py) keep
+every linear layer in FP8 (q_a, q_b, kv, o_b, the compressors' and the indexer's projections, the shared expert) and
+the routed experts too (`Fp8MoeMethod`, the clamped SwiGLU included); modules_to_not_convert keeps the ones it names
+dense. o_a_proj, a grouped einsum and no linear layer, is dequantized at load, as V3's kv_b_proj is: the FP8 layers
+multiply one matrix, and o_a is a few percent of the weights. What DeepSeek leaves dense (embeddings, head, routers,
+the indexer's weights_proj, norms, hyper-connections, sinks, position biases, tid2eid) has no scale and loads as
+shipped. The FP8 method asks `checkpoint_target` with the checkpoint's own names, so it canonicalises them first.
+Scales named `.scale` (DeepSeek's inference code's name) are refused, naming the tensor.
+
+Not yet: the MTP layers (skipped at load; the drafter will read them itself;
 the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V blocks that fall
 out of every window (the cache keeps every token's, like a full-attention layer's).
 """
