@@ -217,3 +217,14 @@ def test_scales_without_quantization_config_are_refused(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
     with pytest.raises(ValueError, match="weight_scale_inv: this checkpoint stores FP8 block-quantized weights"):
         load_model(ModelConfig(model=str(bad), dtype=torch.float32), "cpu")
+
+
+def test_scales_named_as_deepseeks_inference_code_names_them_are_refused(checkpoints, tmp_path):
+    """`X.scale` beside `X.weight` (DeepSeek's inference code's names) is not read: refused, naming a tensor."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(f"{checkpoints.fp8}/model.safetensors")
+    save_file({k.replace(".weight_scale_inv", ".scale"): v for k, v in tensors.items()}, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text((checkpoints.fp8 / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.attn\.\w+\.(scale|weight)\b"):
+        load_model(ModelConfig(model=str(bad), dtype=torch.float32), "cpu")

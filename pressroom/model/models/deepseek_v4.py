@@ -50,7 +50,7 @@ FP8 checkpoints in DeepSeek's block form (`weight_scale_inv` per 128 x 128 block
 every linear layer in FP8 (q_a, q_b, kv, o_b, the compressors' and the indexer's projections, the shared expert) and
 the routed experts too (`Fp8MoeMethod`, the clamped SwiGLU included); modules_to_not_convert keeps the ones it names
 dense. o_a_proj, a grouped einsum and no linear layer, is dequantized at load, as V3's kv_b_proj is: the FP8 layers
-multiply one matrix, and o_a is a few percent of the weights. What DeepSeek leaves dense (embeddings, head, routers,
+multiply one matrix, and o_a is a small share of the weights. What DeepSeek leaves dense (embeddings, head, routers,
 the indexer's weights_proj, norms, hyper-connections, sinks, position biases, tid2eid) has no scale and loads as
 shipped. The FP8 method asks `checkpoint_target` with the checkpoint's own names, so it canonicalises them first.
 Scales named `.scale` (DeepSeek's inference code's name) are refused, naming the tensor.
