@@ -88,6 +88,7 @@ def test_expected_acceptance_length_follows_the_synthetic_rates(report):
     assert spec.expected_acceptance_length([0.5], 3) == 1.875  # the last rate repeats
 
 
+@pytest.mark.slow  # the embedded target and its drafter through the whole bench (16 s in CI)
 def test_dflash2_runs_the_real_target_and_drafter_on_chat_prompts(tmp_path):
     """`--method dflash2`: the embedded model with its committed drafter, real weights and acceptance, the
     dataset's prompts as chat turns (the CPU's measurement of the adaptive budget); `--rounds 2`: the engines

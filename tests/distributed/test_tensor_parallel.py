@@ -85,6 +85,7 @@ def test_mixture_of_experts_over_two_ranks(arch, expert_parallel, tiny_model_dir
     assert all(c < 0.6 * whole for c in counts), (counts, whole)  # the experts, most of the weights, split
 
 
+@pytest.mark.slow  # two worker processes and a grammar's first compile (11 s in CI)
 def test_structured_outputs_over_two_ranks(tiny_model_dir):
     """Worker processes get each grammar as xgrammar's JSON (a compiled grammar does not pickle): the
     constrained greedy texts of two ranks are one rank's, and they keep to their constraints."""

@@ -156,7 +156,8 @@ def test_stacked_parts_of_two_types_multiply_as_one_matrix():
 @needs_c
 @pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
                     reason="the other tiers: on an AVX2 CPU, from the top-level run only")
-@pytest.mark.parametrize("tier", ["avx2", "generic"])
+# CI's AVX2 pass builds and runs the AVX2 tier itself: its build here runs with test-slow
+@pytest.mark.parametrize("tier", [pytest.param("avx2", marks=pytest.mark.slow), "generic"])
 def test_other_tiers_builds(tier):
     """The AVX2 build (CI's second pass) and the plain-C one, whatever this CPU's tier."""
     env = {**os.environ, "PRESSROOM_CPU_ISA": tier}

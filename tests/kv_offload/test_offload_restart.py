@@ -42,9 +42,10 @@ def fs_chunk_hits(url: str) -> float:
     return float(found.group(1))
 
 
-# The size (100 requests over 50 distinct 2,000-token prefixes, about a minute) runs with test-slow;
-# CI runs the same test at a fifth of it.
-@pytest.mark.parametrize("prefixes, prefix_len", [(10, 400), pytest.param(50, 2000, marks=pytest.mark.slow)])
+# Two servers each (11 s in CI at a fifth of the size, 100 requests over 50 distinct 2,000-token prefixes,
+# about a minute): both with test-slow. CI checks what the disk tier reads back in test_offload_faults.py.
+@pytest.mark.parametrize("prefixes, prefix_len", [pytest.param(10, 400, marks=pytest.mark.slow),
+                                                   pytest.param(50, 2000, marks=pytest.mark.slow)])
 def test_a_restarted_server_loads_its_prefixes_from_disk(prefixes, prefix_len, tiny_model_dir, tmp_path):
     model, disk = tiny_model_dir("llama"), tmp_path / "kv"
     args = ["serve", "--model", model, "--dtype", "float32", "--num-gpu-blocks-override", "520",

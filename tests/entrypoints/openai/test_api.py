@@ -127,6 +127,7 @@ def _cli_has(flag: str) -> bool:
     return not build_parser().parse_known_args(["serve", flag])[1]
 
 
+@pytest.mark.slow  # a server of its own (6 s in CI)
 @pytest.mark.skipif(not _cli_has("--disable-log-requests"), reason="the CLI has no --disable-log-* flags yet")
 def test_disable_log_flags(effort_model_dir, tmp_path):
     log_path = tmp_path / "server.log"
