@@ -153,7 +153,8 @@ class EngineCore:
         if budget is None:
             budget = self.executor.determine_available_memory()
         plan = plan_cache(budget, spec.kv_bytes_per_block, spec.state_bytes_per_slot, cache.block_size, interval,
-                          sched.max_num_seqs, cache.enable_prefix_caching, self._bookkeeping_blocks(spec))
+                          sched.max_num_seqs, cache.enable_prefix_caching, self._bookkeeping_blocks(spec),
+                          self.config.model.max_model_len or spec.max_position)
         if cache.num_blocks is not None:
             plan = replace(plan, num_blocks=cache.num_blocks + 1)
         return plan

@@ -22,22 +22,40 @@ def test_the_plan_shares_one_budget_between_blocks_states_and_checkpoints():
     kv, state = 1000, 3000
     interval = default_checkpoint_interval(kv, state, BS)
     assert interval == 3 * BS  # the checkpoint's bytes equal its tokens' KV bytes
-    plan = plan_cache(1_000_000, kv, state, BS, interval, max_num_seqs=8, caching=True, bookkeeping_blocks=0)
+    plan = plan_cache(1_000_000, kv, state, BS, interval, max_num_seqs=8, caching=True,
+                      bookkeeping_blocks=0, max_model_len=BS)
     used = plan.num_blocks * kv + (plan.num_live_slots + plan.num_checkpoints) * state
     assert plan.num_live_slots == 8 and 1_000_000 - state <= used <= 1_000_000
     # checkpoints cover about the tokens the blocks hold
     assert plan.num_checkpoints == pytest.approx(plan.num_blocks * BS / interval, abs=2)
-    off = plan_cache(1_000_000, kv, state, BS, interval, max_num_seqs=8, caching=False, bookkeeping_blocks=0)
+    off = plan_cache(1_000_000, kv, state, BS, interval, max_num_seqs=8, caching=False,
+                     bookkeeping_blocks=0, max_model_len=BS)
     assert off.num_checkpoints == 0 and off.num_blocks == (1_000_000 - 8 * state) // kv
 
 
 def test_a_state_larger_than_the_budget_is_refused_and_a_small_budget_limits_concurrency():
     with pytest.raises(ValueError, match="holds no request"):
-        plan_cache(5000, 1000, 4000, BS, BS, max_num_seqs=8, caching=True, bookkeeping_blocks=0)
-    plan = plan_cache(20_000, 1000, 4000, BS, BS, max_num_seqs=8, caching=False, bookkeeping_blocks=0)
-    assert plan.num_live_slots == 4  # (20000 - 2 blocks) // 4000
-    attention_free = plan_cache(100_000, 0, 4000, BS, 256, max_num_seqs=8, caching=True, bookkeeping_blocks=77)
+        plan_cache(5000, 1000, 4000, BS, BS, max_num_seqs=8, caching=True,
+                   bookkeeping_blocks=0, max_model_len=BS)
+    plan = plan_cache(20_000, 1000, 4000, BS, BS, max_num_seqs=8, caching=False,
+                      bookkeeping_blocks=0, max_model_len=BS)
+    assert plan.num_live_slots == 3  # (20000 - 2 blocks) // (4000 + one block of KV)
+    attention_free = plan_cache(100_000, 0, 4000, BS, 256, max_num_seqs=8, caching=True,
+                                bookkeeping_blocks=77, max_model_len=BS)
     assert (attention_free.num_blocks, attention_free.num_live_slots, attention_free.num_checkpoints) == (77, 8, 17)
+
+
+def test_live_slots_leave_each_the_kv_of_a_whole_request():
+    """A large state (Nemotron-H-8B: 102 MB a request, 16 KB of KV a token) and a large max_num_seqs: slots for
+    every request the budget's KV can also hold at max_model_len, not a budget of states with no room for blocks."""
+    kv, state, budget, max_len = 16384 * BS, 102_137_856, 45 << 30, 384
+    plan = plan_cache(budget, kv, state, BS, 6240, max_num_seqs=512, caching=False, bookkeeping_blocks=0,
+                      max_model_len=max_len)
+    assert plan.num_live_slots == (budget - 2 * kv) // (state + max_len // BS * kv) < 512
+    assert (plan.num_blocks - 1) * BS >= plan.num_live_slots * max_len  # every live request can reach max_model_len
+    short = plan_cache(budget, kv, state, BS, 6240, max_num_seqs=8, caching=False, bookkeeping_blocks=0,
+                       max_model_len=max_len)
+    assert short.num_live_slots == 8  # max_num_seqs still caps them
 
 
 def _manager(num_live: int = 2, num_checkpoints: int = 4, num_blocks: int = 64) -> KVCacheManager:
