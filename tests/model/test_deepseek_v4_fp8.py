@@ -15,6 +15,7 @@ from conftest import hf_prompt_logprobs
 from safetensors.torch import load_file, save_file
 from test_deepseek_fp8_blocks import CONFIG, _block_dequantize, _block_quantize, _llm
 from test_deepseek_v4 import TINY, prompts_of, save_tiny
+from test_fp8_experts import activations_unquantized
 
 from pressroom import SamplingParams
 from pressroom.config import ModelConfig
@@ -157,15 +158,8 @@ def _hf_on_twin(twin: Path) -> torch.Tensor:
 def test_weight_only_matches_hf_on_the_fp32_twin(fp8_llm, checkpoints):
     """Every FP8 layer and expert with activations as they are (`quantize_activations` off): the dequantized
     weights' model, which HF runs on the twin."""
-    methods = [m.quant_method for m in fp8_llm.engine.model.modules()
-               if isinstance(getattr(m, "quant_method", None), (Fp8LinearMethod, Fp8MoeMethod))]
-    try:
-        for method in methods:
-            method.quantize_activations = False
+    with activations_unquantized(fp8_llm):
         off = (prompt_logprobs(fp8_llm) - _hf_on_twin(checkpoints.twin)).abs()
-    finally:
-        for method in methods:
-            method.quantize_activations = True
     assert off.max() < WEIGHT_ONLY_TOLERANCE, off
 
 

@@ -7,6 +7,8 @@ slices a rank holds (tensor and expert parallelism), the refusals, and the kerne
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,18 +158,25 @@ def test_fp8_experts_match_the_twin_in_bf16_and_hf_with_the_same_roundings(fp8_l
     _assert_near(got, hf_on_twin[1], FAKE_QUANT_TOLERANCE, FAKE_QUANT_FLIPS)
 
 
-def test_weight_only_matches_the_fp32_twin(fp8_llm, hf_on_twin):
-    """Every FP8 layer and expert with activations as they are (`quantize_activations` off): the dequantized
-    weights' model, which HF runs on the twin."""
-    methods = [m.quant_method for m in fp8_llm.engine.model.modules()
+@contextmanager
+def activations_unquantized(llm) -> Iterator[None]:
+    """Every FP8 layer and expert of `llm` with activations as they are (`quantize_activations` off): the
+    dequantized weights' model."""
+    methods = [m.quant_method for m in llm.engine.model.modules()
                if isinstance(getattr(m, "quant_method", None), (Fp8LinearMethod, Fp8MoeMethod))]
     try:
         for method in methods:
             method.quantize_activations = False
-        _assert_near(prompt_logprobs(fp8_llm), hf_on_twin[0], WEIGHT_ONLY_TOLERANCE)
+        yield
     finally:
         for method in methods:
             method.quantize_activations = True
+
+
+def test_weight_only_matches_the_fp32_twin(fp8_llm, hf_on_twin):
+    """Activations unquantized: the dequantized weights' model, which HF runs on the twin."""
+    with activations_unquantized(fp8_llm):
+        _assert_near(prompt_logprobs(fp8_llm), hf_on_twin[0], WEIGHT_ONLY_TOLERANCE)
 
 
 @pytest.mark.slow  # another engine and HF oracle (~4 s)
