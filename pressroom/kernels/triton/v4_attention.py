@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pressroom.kernels.triton import interpreting
-from pressroom.kernels.triton.attention import _LOG2E, _dot, _write_rows, split_partials
+from pressroom.kernels.triton.attention import _LOG2E, _dot, _softmax_step, _write_rows, split_partials
 from pressroom.kernels.triton.dsa import _merge_token_splits_kernel, choose_positions
 
 _INTERPRETED = interpreting()
@@ -50,13 +50,7 @@ def _keys_step(q, m, l, acc, rows, ok, d, d_ok, scale_log2, UPCAST: tl.constexpr
     keys in q's type (an FP8 cache holds them unscaled)."""
     k = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2  # [BLOCK_H, TILE_N]
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, UPCAST, PRECISION)
-    return m_new, l, acc
+    return _softmax_step(tl.where(ok[None, :], s, float("-inf")), k, m, l, acc, UPCAST, PRECISION)
 
 
 @triton.jit
