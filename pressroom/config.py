@@ -100,6 +100,7 @@ class ModelConfig:
     pooler: PoolingParams | None = None  # --pooler-config: overrides the model's pooling defaults
     encoder_only: bool = False  # a BERT-family checkpoint: pooling only, each prompt whole in one step
     batch_invariant: bool = False  # a request's tokens and logprobs whatever its batch (model/batch_invariant.py)
+    hf_overrides: dict[str, Any] | None = None  # --hf-overrides: config.json values replaced at load
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS[1:]:
@@ -684,6 +685,9 @@ class EngineArgs:
                                         "dense Llama-family models, one rank); also VLLM_BATCH_INVARIANT=1")
     skip_tokenizer_init: bool = _config_arg(ModelConfig, "skip_tokenizer_init",
                                             "load no tokenizer: prompts and outputs are token ids only")
+    hf_overrides: dict | str | None = _arg(None, 'config.json values to replace, a JSON object, e.g. '
+                                                 '{"max_position_embeddings": 131072}; a nested object updates that '
+                                                 "sub-config (text_config, vision_config) key by key")
     async_scheduling: bool | None = _arg(None, "schedule and prepare step N+1 while the device runs step N "
                                                "(default: on for CUDA unless the speculative method drafts on "
                                                "the host; off on the CPU, with nothing to overlap)")
@@ -751,6 +755,8 @@ class EngineArgs:
         return ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                            dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                            seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
+                           hf_overrides=None if self.hf_overrides is None else json_object(self.hf_overrides,
+                                                                                           "hf_overrides"),
                            batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)
 
     def _cache_config(self, device: str, dtype: torch.dtype) -> CacheConfig:

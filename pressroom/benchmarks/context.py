@@ -28,6 +28,7 @@ from pressroom.benchmarks.gpu import (
     sync,
 )
 from pressroom.benchmarks.shapes import shape_arg, shape_help
+from pressroom.config import json_object
 from pressroom.benchmarks.workload import machine, random_prompts, report_from_args
 
 DEFAULT_MODELS = ["kimi-linear-48b-a3b", "qwen3-30b-a3b"]
@@ -40,9 +41,11 @@ NOTE = ("decode: median of --decode-steps engine steps of one request after its 
 def measure_model(model: str, args, device: torch.device, bandwidth: float) -> dict:
     from pressroom import LLM, SamplingParams
     from pressroom.model.loader import load_hf_config
-    hf_config = load_hf_config(model)
+    overrides = args.hf_overrides.get(Path(model).name)
+    hf_config = load_hf_config(model, overrides)
     contexts = args.contexts
     llm = LLM(model=model, load_format="dummy", dtype=args.dtype, device=args.device, skip_tokenizer_init=True,
+              hf_overrides=overrides,
               max_model_len=max(contexts) + args.decode_steps + 8, enable_prefix_caching=False, seed=args.seed,
               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=4,
               **({"kv_cache_memory_gib": args.kv_cache_memory_gib} if args.kv_cache_memory_gib else {}))
@@ -63,7 +66,7 @@ def measure_model(model: str, args, device: torch.device, bandwidth: float) -> d
     llm.shutdown()
     del llm
     free_device_memory(device)
-    return {"model": model, "kv_bytes_per_token": kv_per_token, "state_bytes_per_request": spec.state_bytes_per_slot,
+    return {"model": model, "hf_overrides": overrides, "kv_bytes_per_token": kv_per_token, "state_bytes_per_request": spec.state_bytes_per_slot,
             "weights_read_per_step": weights, "rows": rows,
             "growth": {str(r["context"]): round(r["decode_step_ms"] / rows[0]["decode_step_ms"], 4) for r in rows}}
 
@@ -136,6 +139,9 @@ def add_context_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU the engine takes")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=None, help="the cache's size (CPU runs)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the dummy weights")
+    parser.add_argument("--hf-overrides", type=lambda text: json_object(text, "--hf-overrides"), default={},
+                        help='per model (its name in --models), config values to replace, e.g. {"qwen3-30b-a3b": '
+                             '{"max_position_embeddings": 131200}} to time a model past its checkpoint\'s limit')
     parser.add_argument("--output-json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write a PNG of step time against context (needs matplotlib)")
     parser.add_argument("--from-json", default=None, help="plot a saved report instead of running")

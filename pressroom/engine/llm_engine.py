@@ -123,7 +123,7 @@ class LLMEngine:
 
     def _load_config_and_tokenizer(self, path: str) -> int | None:
         """Sets hf_config and tokenizer; returns the end-of-sequence id the core needs."""
-        self.hf_config = load_hf_config(path)
+        self.hf_config = load_hf_config(path, self.config.model.hf_overrides)
         skip = self.config.model.skip_tokenizer_init
         self.tokenizer = None if skip else load_tokenizer(self.config.model.tokenizer or path)
         return _eos_token_id(self.tokenizer, self.hf_config)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,15 +58,31 @@ def _is_gguf(path: str) -> bool:
     return os.path.isfile(path)
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, overrides: dict[str, Any] | None = None):
+    """The model's HF config, with `overrides` (vLLM's --hf-overrides) applied."""
     from transformers import AutoConfig
     if _is_gguf(path):
-        values = gguf_file.read_gguf_config(path)
-        return AutoConfig.for_model(**values)
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise ValueError(f"Could not read {os.path.join(path, 'config.json')}: {e}") from e
+        config = AutoConfig.for_model(**gguf_file.read_gguf_config(path))
+    else:
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"Could not read {os.path.join(path, 'config.json')}: {e}") from e
+    if overrides:
+        apply_hf_overrides(config, overrides)
+    return config
+
+
+def apply_hf_overrides(config, overrides: dict[str, Any]) -> None:
+    """Sets each key on the config; an object given for a sub-config (text_config, vision_config, ...) updates
+    that sub-config key by key, as vLLM does, rather than replacing it."""
+    from transformers import PretrainedConfig
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
 
 
 def load_tokenizer(path: str):
@@ -220,7 +237,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     fmt = config.load_format
     if fmt == "gguf" and not _is_gguf(path) or fmt == "safetensors" and _is_gguf(path):
         raise ValueError(f"load_format={fmt!r} does not match {path!r}.")
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, config.hf_overrides)
     model_cls = resolve_architecture(hf_config)
     # dummy weights are random, never a checkpoint's quantized ones: a method quantizes them at load
     method = resolve_method(config.quantization, None if fmt == "dummy" else checkpoint_quantization(hf_config, path))

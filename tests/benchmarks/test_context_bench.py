@@ -31,3 +31,13 @@ def test_bench_context_times_decode_steps_per_context(tiny_model_dir, tmp_path, 
     assert linear["rows"][0]["bytes_per_step"] == linear["rows"][1]["bytes_per_step"]
     assert full["rows"][1]["bytes_per_step"] - full["rows"][0]["bytes_per_step"] == 32 * full["kv_bytes_per_token"]
     assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])) == {"mamba", full["model"].split("/")[-1]}
+
+
+def test_a_models_hf_overrides_reach_its_engine(tiny_model_dir, capsys):
+    """Keyed by the model's name: a limit lowered below the contexts asked for is refused by that engine."""
+    llama = tiny_model_dir("llama")
+    name = llama.rstrip("/").split("/")[-1]
+    assert main(["bench", "context", "--device", "cpu", "--dtype", "float32", "--models", llama, "--contexts",
+                 "16,48", "--decode-steps", "3", "--kv-cache-memory-gib", "0.02",
+                 "--hf-overrides", json.dumps({name: {"max_position_embeddings": 40}})]) != 0
+    assert "max_model_len 59 exceeds the model's limit of 40 tokens" in capsys.readouterr().err
