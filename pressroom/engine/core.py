@@ -161,11 +161,7 @@ class EngineCore:
 
     def _refuse_for_recurrent_state(self) -> None:
         """What a model with recurrent layers cannot do yet, said at start rather than wrong at run time."""
-        config = self.config
-        if config.speculative is not None:
-            raise ValueError(f"Speculative decoding ({config.speculative.method}) is not supported for models with "
-                             "recurrent layers (Mamba, Gated DeltaNet, KDA): verifying drafts would need a state per "
-                             "draft position rolled back on rejection. Drop --speculative-config.")
+        config = self.config  # speculation: each layer says at load (RecurrentLayer.reserve_draft_rows)
         if config.offload is not None:
             raise ValueError("KV offloading does not hold recurrent layers' states yet; drop --kv-offloading-size "
                              "for this model.")

@@ -27,6 +27,11 @@ class StateCache:
         layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
         return cls(layers, device) if layers else None
 
+    def reserve_draft_rows(self, num_drafts: int) -> None:
+        """Every layer's state sized for speculative steps of 1 + num_drafts tokens, or a ValueError."""
+        for layer in self.layers:
+            layer.reserve_draft_rows(num_drafts)
+
     def bytes_per_slot(self) -> int:
         """One request's state over every recurrent layer."""
         return sum(layer.state_bytes() for layer in self.layers)

@@ -90,6 +90,8 @@ class Worker:
                              max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                              batch_invariant=config.model.batch_invariant)
         spec = config.speculative
+        if spec is not None and runner.state_cache is not None:  # before the states are sized
+            runner.state_cache.reserve_draft_rows(spec.num_speculative_tokens)
         if spec is not None and spec.method == "mtp" and not spec.model:  # the target's checkpoint holds the layer
             spec = replace(spec, model=loaded.source)
         synthetic = spec is not None and spec.rejection_sample_method == "synthetic"

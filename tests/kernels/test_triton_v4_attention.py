@@ -134,14 +134,16 @@ def _mix_reference(kv_ring, gate_ring, bias, slot: int, pos: int, dim: int, over
     return (kv * gate.softmax(dim=0)).sum(dim=0)
 
 
-@pytest.mark.parametrize("rate, dim, overlap, dtype", [(16, 32, False, torch.float32), (32, 40, False, torch.bfloat16),
-                                                       (4, 24, True, torch.float32), (4, 24, True, torch.bfloat16)])
-def test_compressor_mixes_the_windows_decodes_close(rate, dim, overlap, dtype):
+@pytest.mark.parametrize("rate, dim, overlap, dtype, windows", [
+    (16, 32, False, torch.float32, 1), (32, 40, False, torch.bfloat16, 1), (4, 24, True, torch.float32, 2),
+    (4, 24, True, torch.bfloat16, 2),
+    (4, 24, True, torch.float32, 3), (16, 32, False, torch.float32, 2)])  # rings grown for speculative steps
+def test_compressor_mixes_the_windows_decodes_close(rate, dim, overlap, dtype, windows):
     """Decodes that close a window (window 0 too), that close none, and a padding row: the closers' entries as the
-    softmax-gated mix of their rings' rows, zeros for the others."""
+    softmax-gated mix of their rings' rows, zeros for the others; rings of `windows` whole windows."""
     from pressroom.kernels.triton.v4_attention import mix_closing_windows
     gen = torch.Generator().manual_seed(rate + dim)
-    ring, width = (2 if overlap else 1) * rate, (2 if overlap else 1) * dim
+    ring, width = windows * rate, (2 if overlap else 1) * dim
     kv_ring = torch.randn(5, ring, width, generator=gen).to(dtype)
     gate_ring = torch.randn(5, ring, width, generator=gen).to(dtype)
     bias = torch.randn(rate, width, generator=gen)

@@ -210,8 +210,9 @@ def _mix_closing_kernel(kv_ring_ptr, gate_ring_ptr, bias_ptr, slots_ptr, pos_ptr
                                   stride_r, stride_br, M, M_PAD)
         top = tl.max(gate, 0)
         if OVERLAP:  # window w - 1's rows (none before window 0)
-            kv_a, gate_a = _window_series(kv_ptr, gate_ptr, bias_ptr, (window + 1) * M % RING, 0, cols, c_ok,
-                                          stride_r, stride_br, M, M_PAD)
+            prev = (window * M + RING - M) % RING
+            kv_a, gate_a = _window_series(kv_ptr, gate_ptr, bias_ptr, prev, 0, cols, c_ok, stride_r, stride_br, M,
+                                          M_PAD)
             gate_a = tl.where(window > 0, gate_a, float("-inf"))
             top = tl.maximum(top, tl.max(gate_a, 0))
         weights = tl.exp(gate - top[None, :])

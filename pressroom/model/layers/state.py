@@ -69,6 +69,14 @@ class RecurrentLayer(nn.Module):
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state_shapes().values())
 
+    def reserve_draft_rows(self, num_drafts: int) -> None:
+        """Lets the state take a speculative step of 1 + `num_drafts` tokens whose rejected tail is simply
+        computed again the next step. A true recurrence cannot: its state after a rejected draft is not its
+        state before it (that would take a state per draft position, rolled back on rejection)."""
+        raise ValueError(f"Speculative decoding is not supported for models with recurrent layers (Mamba, Gated "
+                         f"DeltaNet, KDA; here {type(self).__name__}): verifying drafts would need a state per draft "
+                         "position rolled back on rejection. Drop --speculative-config.")
+
     def bind_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states = states
 

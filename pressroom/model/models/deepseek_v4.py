@@ -148,7 +148,7 @@ class V4Compressor(RecurrentLayer):
         self.indexer = V4Indexer(config, self.rate) if self.overlap else None
         entry_dim = self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)
         self.cache = CompressedKVCache(entry_dim, self.rate)
-        self.ring = (2 if self.overlap else 1) * self.rate
+        self.ring = (2 if self.overlap else 1) * self.rate  # rows by position mod ring: whole windows
         # the projections' own dtype: a ring holds them as they come (the mixing runs in fp32)
         self.ring_dtype = torch.get_default_dtype()
 
@@ -160,6 +160,14 @@ class V4Compressor(RecurrentLayer):
             shapes |= {"index_kv": StateShape((self.ring, width), self.ring_dtype),
                        "index_gate": StateShape((self.ring, width), self.ring_dtype)}
         return shapes
+
+    def reserve_draft_rows(self, num_drafts: int) -> None:
+        """Rows go by position (mod ring), so a step of drafts the target then rejects only wrote rows of
+        positions computed again the next step, and entries of windows no query reads before they are written
+        again: nothing to roll back, as long as those writes miss the rows of the pending windows. So the ring
+        grows by the drafts, to whole windows (which the decode kernel reads without wrapping)."""
+        needed = (2 if self.overlap else 1) * self.rate + num_drafts
+        self.ring = -(-needed // self.rate) * self.rate
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> None:
         """Writes the entries of every window the step's tokens close."""
@@ -334,9 +342,9 @@ class GroupedLinear(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+    def __init__(self, config, layer_type: str, ropes: dict[str, InterleavedRope]) -> None:
         super().__init__()
-        self.layer_type = config.layer_types[layer]
+        self.layer_type = layer_type
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         # tensor parallelism: this rank's heads (whole o_a groups of them); the query latent, the K=V head, the
         # window's cache and the compressors are the same on every rank
@@ -580,10 +588,10 @@ class V4MoE(nn.Module):
 # ---- the model ----
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, ropes: dict[str, InterleavedRope]) -> None:
+    def __init__(self, config, layer_type: str, hashed: bool, ropes: dict[str, InterleavedRope]) -> None:
         super().__init__()
-        self.self_attn = V4Attention(config, layer, ropes)
-        self.mlp = V4MoE(config, config.mlp_layer_types[layer] == "hash_moe")
+        self.self_attn = V4Attention(config, layer_type, ropes)
+        self.mlp = V4MoE(config, hashed)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -604,16 +612,24 @@ class V4Model(nn.Module):
         ropes = {name: InterleavedRope(rope_dim, config.rope_parameters[name]) for name in ("main", "compress")}
         self.ropes = nn.ModuleDict(ropes)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i, ropes) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(V4DecoderLayer(config, config.layer_types[i], config.mlp_layer_types[i] == "hash_moe",
+                                                   ropes) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states; with `aux_layers` (a drafter's conditioning), also the streams after each of those
+        layers, flattened ([tokens, hc_mult * hidden]: what the MTP layer reads)."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        taps = {}
+        for i, layer in enumerate(self.layers):
             streams = layer(streams, positions, input_ids)
-        return self.norm(self.hc_head(streams))
+            if i in aux_layers:
+                taps[i] = streams.flatten(1)
+        hidden = self.norm(self.hc_head(streams))
+        return (hidden, [taps[i] for i in aux_layers]) if aux_layers else hidden
 
 
 # DeepSeek's checkpoint names (as DeepSeek ships them and as HF's save_pretrained writes them back) -> HF's module
@@ -672,9 +688,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
                 ) -> torch.Tensor:
-        if aux_layers:
-            raise ValueError("DeepSeek-V4 does not hand layer outputs to a drafter yet.")
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
