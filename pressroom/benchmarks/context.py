@@ -28,8 +28,8 @@ from pressroom.benchmarks.gpu import (
     sync,
 )
 from pressroom.benchmarks.shapes import shape_arg, shape_help
-from pressroom.config import json_object
 from pressroom.benchmarks.workload import machine, random_prompts, report_from_args
+from pressroom.config import json_object
 
 DEFAULT_MODELS = ["kimi-linear-48b-a3b", "qwen3-30b-a3b"]
 NOTE = ("decode: median of --decode-steps engine steps of one request after its prompt (dummy weights, bf16 on "
@@ -66,8 +66,8 @@ def measure_model(model: str, args, device: torch.device, bandwidth: float) -> d
     llm.shutdown()
     del llm
     free_device_memory(device)
-    return {"model": model, "hf_overrides": overrides, "kv_bytes_per_token": kv_per_token, "state_bytes_per_request": spec.state_bytes_per_slot,
-            "weights_read_per_step": weights, "rows": rows,
+    return {"model": model, "hf_overrides": overrides, "kv_bytes_per_token": kv_per_token,
+            "state_bytes_per_request": spec.state_bytes_per_slot, "weights_read_per_step": weights, "rows": rows,
             "growth": {str(r["context"]): round(r["decode_step_ms"] / rows[0]["decode_step_ms"], 4) for r in rows}}
 
 

@@ -28,10 +28,12 @@ from pressroom.config import SpeculativeConfig
 from pressroom.model.layers.linear import ColumnParallelLinear
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.loader import iter_safetensors
+from pressroom.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables
 from pressroom.model.quantization import checkpoint_quantization, resolve_method
 from pressroom.model.weights import load_named_weights
 from pressroom.spec_decode.draft_model import draw_rows
+from pressroom.spec_decode.mtp_v4 import V4MultiTokenPredictor
 from pressroom.worker.device import to_device
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.profiling import profile_step_costs
@@ -96,6 +98,10 @@ class MultiTokenPredictor(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(self.mtp[self.active].shared_head_norm(hidden))
 
+    def features(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the target hands over (its last layer's residual stream) as the layer reads it: normed."""
+        return self.target.model.norm(rows)
+
     def load_mtp_weights(self, weights) -> set[str]:
         """The MTP layers' tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
         handling (expert stacking, rope row order); their copies of the embedding and LM head are skipped.
@@ -145,11 +151,13 @@ class _MtpNames:
         return here + "layer." + target[len(prefix):], shard
 
 
-def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiTokenPredictor:
+def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiTokenPredictor | V4MultiTokenPredictor:
     model = target.model
     if not getattr(model.config, "num_nextn_predict_layers", 0):
         raise ValueError(f'speculative_config method "mtp" needs a checkpoint with next-token-prediction layers '
                          f"(num_nextn_predict_layers > 0); {type(model).__name__}'s config has none.")
+    if isinstance(model, DeepseekV4ForCausalLM):
+        return _build_v4_predictor(config, target)
     if not hasattr(model, "deinterleave_rope"):
         raise ValueError(f'speculative_config method "mtp" serves DeepSeek-V3-style checkpoints; '
                          f"{type(model).__name__} has no MTP layers pressroom can load.")
@@ -176,6 +184,29 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
     return predictor.eval()
 
 
+def _build_v4_predictor(config: SpeculativeConfig, target: ModelRunner) -> V4MultiTokenPredictor:
+    model = target.model
+    if checkpoint_quantization(model.config, config.model) is not None:
+        raise ValueError('speculative_config method "mtp": the FP8 MTP layers of DeepSeek-V4 checkpoints are not '
+                         "read yet; serve without --speculative-config.")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(target.dtype)
+    try:
+        with torch.device(target.device):
+            predictor = V4MultiTokenPredictor(model)
+    finally:
+        torch.set_default_dtype(previous)
+    loaded = predictor.load_mtp_weights(iter_safetensors(config.model))
+    if not loaded:
+        raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
+                         f"prediction layer (mtp.0.*), though its config says num_nextn_predict_layers="
+                         f"{model.config.num_nextn_predict_layers}; use a checkpoint that ships it.")
+    missing = sorted(predictor.expected_weights() - loaded)
+    if missing:
+        raise ValueError(f"The checkpoint's MTP layers lack {len(missing)} tensor(s), e.g. {missing[:3]}.")
+    return predictor.eval()
+
+
 class MTPProposer(Proposer):
     """Drafts with the MTP layer over the target's block tables: MTP position j of a request sits in the
     target's slot for position j, in a cache tensor of the layer's own (as many blocks as the target's), and
@@ -187,7 +218,6 @@ class MTPProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         self.predictor = build_predictor(config, target)
-        self.final_norm = target.model.model.norm
         self.runner = ModelRunner(self.predictor, target.block_size, target.dtype, seed=1, device=target.device,
                                   kv_dtype=target.kv_dtype)
         self.target = target
@@ -273,7 +303,7 @@ class MTPProposer(Proposer):
             start = end - rows.shape[0]
             ids.extend(r.token_ids[start + 1:end + 1])
             positions.extend(range(start, end))
-            hidden.append(self.final_norm(rows))
+            hidden.append(self.predictor.features(rows))
             loc.append(loc[-1] + end - start)
             lens.append(end)
         counts = torch.tensor(loc[1:]) - torch.tensor(loc[:-1])

@@ -50,3 +50,53 @@ def test_tiny_v4_matches_hf_on_cuda(tiny_v4_wide, graphs):
     assert [o.num_cached_tokens for o in again] == [(n - 1) // CHECKPOINT * CHECKPOINT for n in LENGTHS]
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     llm.shutdown()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_v4_mtp_and_partly_accepted_drafts_keep_greedy_output_on_cuda(tmp_path, monkeypatch, graphs):
+    """Speculation on CUDA: the MTP layer drafting (its first draft as HF's modules compute it), and drafts the
+    target accepts in part, verified through the compressors' rings (decodes on the device, verify steps eager;
+    with graphs on, plain decode steps replayed); greedy output equal to plain decoding."""
+    from test_deepseek_v4_mtp import MTP, NGRAM, TINY, _generate, _prompts, reference_first_draft, save_tiny_with_mtp
+
+    from pressroom.spec_decode.mtp import MTPProposer
+    from pressroom.spec_decode.ngram import NgramProposer
+    hf_model, mtp = save_tiny_with_mtp(tmp_path, seed=3)
+    engine = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=not graphs,
+                  max_num_batched_tokens=64, gpu_memory_utilization=0.3)
+    prompts = _prompts(5, [6, 30, 70, 150])
+    plain_llm = LLM(str(tmp_path), **engine)
+    plain = _generate(plain_llm, prompts, 40)
+    plain_llm.shutdown()
+    seen = []
+    propose = MTPProposer.propose
+
+    def recording(self, requests):
+        drafts = propose(self, requests)
+        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
+        return drafts
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    llm = LLM(str(tmp_path), speculative_config=MTP, **engine)
+    assert _generate(llm, prompts, 40) == plain
+    firsts = [(tokens, d) for tokens, d in seen if any(len(tokens) == len(p) + 1 and tokens[:len(p)] == p
+                                                       for p in prompts)]
+    assert len(firsts) == len(prompts)
+    for tokens, drafts in firsts:
+        assert drafts[0] == reference_first_draft(hf_model, mtp, tokens)
+    llm.shutdown()
+
+    def spoiled_truth(self, token_ids, max_drafts):
+        prompt, out = next((p, o) for p, o in zip(prompts, plain) if token_ids[:len(p)] == p)
+        done = len(token_ids) - len(prompt)
+        drafts = out[done:done + min(self.k, max_drafts)]
+        if done % 4 < len(drafts):
+            drafts[done % 4] = (drafts[done % 4] + 1) % TINY["vocab_size"]
+        return drafts
+
+    monkeypatch.setattr(NgramProposer, "lookup", spoiled_truth)
+    llm = LLM(str(tmp_path), speculative_config=NGRAM, **engine)
+    assert _generate(llm, prompts, 40) == plain
+    stats = llm.engine.stats().spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    llm.shutdown()

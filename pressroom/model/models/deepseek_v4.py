@@ -612,8 +612,9 @@ class V4Model(nn.Module):
         ropes = {name: InterleavedRope(rope_dim, config.rope_parameters[name]) for name in ("main", "compress")}
         self.ropes = nn.ModuleDict(ropes)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, config.layer_types[i], config.mlp_layer_types[i] == "hash_moe",
-                                                   ropes) for i in range(config.num_hidden_layers))
+        hashed = [kind == "hash_moe" for kind in config.mlp_layer_types]
+        self.layers = nn.ModuleList(V4DecoderLayer(config, config.layer_types[i], hashed[i], ropes)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
 
