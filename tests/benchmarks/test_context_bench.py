@@ -19,17 +19,23 @@ def test_bench_context_times_decode_steps_per_context(tiny_model_dir, tmp_path, 
     out = tmp_path / "context.json"
     assert main(["bench", "context", "--device", "cpu", "--dtype", "float32", "--models",
                  f"{mamba},{tiny_model_dir('llama')}", "--contexts", "16,48", "--decode-steps", "3",
-                 "--kv-cache-memory-gib", "0.02", "--output-json", str(out)]) == 0
+                 "--batch-sizes", "1,3", "--kv-cache-memory-gib", "0.02", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     linear, full = report["models"]
-    assert [r["context"] for r in linear["rows"]] == [16, 48] and linear["kv_bytes_per_token"] == 0
+    assert [(r["batch"], r["context"]) for r in linear["rows"]] == [(1, 16), (1, 48), (3, 16), (3, 48)]
+    assert linear["kv_bytes_per_token"] == 0
     assert linear["state_bytes_per_request"] == 2 * (64 * 3 + 64 * 8) * 4
     assert full["state_bytes_per_request"] == 0 and full["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     for row in linear["rows"] + full["rows"]:
         assert row["decode_step_ms"] > 0 and row["prefill_s"] > 0 and 0 < row["over_bound"]
-    # more context, more KV bytes to read: only the full-attention model's bytes per step grow
+    # more context, more KV bytes to read: only the full-attention model's bytes per step grow; a batch reads
+    # every request's KV and state
     assert linear["rows"][0]["bytes_per_step"] == linear["rows"][1]["bytes_per_step"]
     assert full["rows"][1]["bytes_per_step"] - full["rows"][0]["bytes_per_step"] == 32 * full["kv_bytes_per_token"]
+    assert linear["rows"][2]["bytes_per_step"] - linear["rows"][0]["bytes_per_step"] == \
+        2 * linear["state_bytes_per_request"]
+    assert full["rows"][3]["bytes_per_step"] - full["rows"][1]["bytes_per_step"] == 2 * 48 * full["kv_bytes_per_token"]
+    assert set(full["growth"]) == {"16", "48", "16@3", "48@3"} and full["growth"]["16@3"] == 1.0
     assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])) == {"mamba", full["model"].split("/")[-1]}
 
 
