@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_offload_bench_args(_subparser(bench_sub, "offload", "tiered KV offload: no offload vs the CPU tier vs CPU + "
                                                             "disk on a shared-document workload"))
     from pressroom.benchmarks.context import add_context_bench_args
-    add_context_bench_args(_subparser(bench_sub, "context", "batch-1 decode step time against context length, "
+    add_context_bench_args(_subparser(bench_sub, "context", "decode step time against context length (and batch), "
                                                             "linear-attention vs full-attention models, dummy weights"))
     from pressroom.benchmarks.sparse import add_sparse_bench_args
     add_sparse_bench_args(_subparser(bench_sub, "sparse-attention", "DeepSeek sparse attention vs dense MLA: "
