@@ -2,8 +2,10 @@
 over decode steps of a large batch (eager beyond the largest graph), Llama-3.1-8B shape, dummy weights.
 Prints per-step wall time, the top operators by device and host time, and from each Chrome trace the
 steps one by one (split at each step's first KV write): span, GPU-busy time and the largest kernels.
-Run on the GPU machine: python benchmarks/gpu/profile_decode.py [llama-3.1-8b] [OUT_DIR] [b1,b1000,b256]
-(the first argument: a shipped shape's name or a model path; the third picks the profiles, default all three).
+Run on the GPU machine: python benchmarks/gpu/profile_decode.py [llama-3.1-8b] [OUT_DIR] [b1,b1000,b256] [0.85]
+(the first argument: a shipped shape's name or a model path; the third picks the profiles, default all three;
+the fourth: the engine's gpu_memory_utilization, higher for a model that barely fits, e.g. 0.97 for the reduced
+DeepSeek-V4-Flash on an 80 GB card).
 """
 import collections
 import itertools
@@ -63,8 +65,9 @@ def main() -> None:
     model = str(resolve_shape(sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"))
     out = sys.argv[2] if len(sys.argv) > 2 else "."
     which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["b1", "b1000", "b256"]
+    utilization = float(sys.argv[4]) if len(sys.argv) > 4 else 0.85
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=utilization)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.hf_config.vocab_size
 
