@@ -186,9 +186,6 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
 
 def _build_v4_predictor(config: SpeculativeConfig, target: ModelRunner) -> V4MultiTokenPredictor:
     model = target.model
-    if checkpoint_quantization(model.config, config.model) is not None:
-        raise ValueError('speculative_config method "mtp": the FP8 MTP layers of DeepSeek-V4 checkpoints are not '
-                         "read yet; serve without --speculative-config.")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(target.dtype)
     try:
@@ -196,7 +193,11 @@ def _build_v4_predictor(config: SpeculativeConfig, target: ModelRunner) -> V4Mul
             predictor = V4MultiTokenPredictor(model)
     finally:
         torch.set_default_dtype(previous)
-    loaded = predictor.load_mtp_weights(iter_safetensors(config.model))
+    weights = predictor.mtp_tensors(iter_safetensors(config.model))
+    method = resolve_method("none", checkpoint_quantization(model.config, config.model))
+    if method is not None:  # DeepSeek's FP8 blocks: each weight joined with its scales, dequantized
+        weights = method.checkpoint_weights(predictor, weights)
+    loaded = predictor.load_mtp_weights(weights)
     if not loaded:
         raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
                          f"prediction layer (mtp.0.*), though its config says num_nextn_predict_layers="

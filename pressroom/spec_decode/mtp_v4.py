@@ -25,7 +25,7 @@ from pressroom.model.weights import expected_names, load_named_weights
 _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "e_proj.weight": "e_proj.weight",
         "h_proj.weight": "h_proj.weight", "norm.weight": "norm.weight", "hc_head_fn": "hc_head.hc_fn",
         "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
-_SHARED = ("emb.tok_emb.weight", "embed.weight", "head.weight")  # copies of the target's, never read
+_SHARED = ("emb.tok_emb.", "embed.", "head.")  # copies of the target's (and their scales), never read
 _MTP = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
 
 
@@ -92,16 +92,13 @@ class V4MultiTokenPredictor(nn.Module):
         target's canonical names for a layer L + i; the rest of the checkpoint left out."""
         for raw, tensor in weights:
             m = _MTP.match(raw)
-            if m is None or m.group(2) in _SHARED:
+            if m is None or m.group(2).startswith(_SHARED):
                 continue
             i, rest = int(m.group(1)), m.group(2)
             if i >= len(self.mtp):
                 raise ValueError(f"checkpoint tensor {raw!r}: the config has {len(self.mtp)} MTP layer(s) "
                                  "(num_nextn_predict_layers).")
-            if rest.endswith((".scale", "_scale_inv")) and rest not in _OWN:
-                raise ValueError(f"checkpoint tensor {raw!r}: FP8 MTP layers of DeepSeek-V4 are not read yet; "
-                                 "serve without --speculative-config, or with a bf16 checkpoint's MTP layer.")
-            if rest in _OWN:
+            if rest in _OWN or rest.removesuffix("_scale_inv") in _OWN:  # e_proj / h_proj and their FP8 scales
                 yield self._layer_prefix(i) + rest, tensor
             else:
                 yield canonical_name(f"layers.{self.config.num_hidden_layers + i}.{rest}"), tensor
@@ -127,9 +124,14 @@ class V4MultiTokenPredictor(nn.Module):
             return [self._layer_prefix(int(i)) + own]
         return self.target.checkpoint_parts(self._layer_prefix(int(i)) + rest)
 
+    def mtp_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's MTP tensors (FP8 scales beside their weights) under the names this module loads."""
+        return self._checkpoint_names(weights)
+
     def load_mtp_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Returns the (renamed) names loaded; `expected_weights` names the same way."""
-        return load_named_weights(self, self._checkpoint_names(weights), self)
+        """`weights` as `mtp_tensors` names them (dequantized, for an FP8 checkpoint); returns the names loaded,
+        as `expected_weights` names them."""
+        return load_named_weights(self, weights, self)
 
     def expected_weights(self) -> set[str]:
         return expected_names(self, self)

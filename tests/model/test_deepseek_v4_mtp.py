@@ -184,3 +184,23 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused(tiny_v4_mtp, tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lack 1 tensor\(s\).*h_proj"):
         LLM(str(tmp_path), speculative_config=MTP, **ENGINE)
+
+
+def test_an_fp8_checkpoints_mtp_layer_loads_dequantized_and_keeps_greedy_output(tiny_v4_mtp, tmp_path):
+    """DeepSeek's FP8 block form for the MTP layer too (its e_proj, h_proj, attention and experts): the drafter
+    holds the dequantized weights (the twin's, exactly), and greedy output with it equals plain decoding."""
+    from safetensors.torch import load_file
+    from test_deepseek_v4_fp8 import write_v4_fp8
+    fp8, twin = tmp_path / "fp8", tmp_path / "twin"
+    write_v4_fp8(Path(tiny_v4_mtp[0]), fp8, twin)
+    shipped = load_file(fp8 / "model.safetensors")
+    assert shipped["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
+    assert shipped["mtp.0.ffn.experts.1.w2.weight"].dtype == torch.float8_e4m3fn
+    prompts = _prompts(2, [9, 41])
+    plain = _generate(LLM(str(fp8), **ENGINE), prompts, 24)
+    llm = LLM(str(fp8), speculative_config=MTP, **ENGINE)
+    assert _generate(llm, prompts, 24) == plain
+    mtp, dense = llm.engine.runner.proposer.predictor.mtp[0], load_file(twin / "model.safetensors")
+    assert torch.equal(mtp.e_proj.weight, dense["mtp.0.e_proj.weight"])
+    assert torch.equal(mtp.layer.self_attn.q_b_proj.weight, dense["mtp.0.attn.wq_b.weight"])
+    assert torch.equal(mtp.layer.mlp.experts.w2[1], dense["mtp.0.ffn.experts.1.w2.weight"])
