@@ -631,6 +631,8 @@ class EngineArgs:
     kv_cache_memory_gib: float | None = _arg(None, "KV-cache size in GiB (default: on the CPU "
                                                    f"{CPU_KV_CACHE_GIB}, or PRESSROOM_CPU_KVCACHE_SPACE; on CUDA "
                                                    "what a memory profile leaves of --gpu-memory-utilization)")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV-cache size in bytes, vLLM's spelling of "
+                                                   "--kv-cache-memory-gib (give one of them)")
     num_gpu_blocks_override: int | None = _config_arg(CacheConfig, "num_blocks",
                                                       "KV-cache blocks, overriding the memory budget")
     max_num_batched_tokens: int | None = _arg(
@@ -760,14 +762,24 @@ class EngineArgs:
                            batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)
 
     def _cache_config(self, device: str, dtype: torch.dtype) -> CacheConfig:
-        gib = self.kv_cache_memory_gib
-        if gib is None and device == "cpu":
-            gib = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB))
         return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                           kv_cache_memory_bytes=None if gib is None else int(gib * (1 << 30)),
+                           kv_cache_memory_bytes=self._kv_cache_memory_bytes(device),
                            num_blocks=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device))
+
+    def _kv_cache_memory_bytes(self, device: str) -> int | None:
+        """The KV cache's size from either spelling (vLLM's bytes or GiB), else the CPU's default; None on CUDA:
+        what the memory profile leaves."""
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_gib is not None:
+            raise ValueError("--kv-cache-memory-bytes and --kv-cache-memory-gib both set the KV cache's size; "
+                             "give one.")
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        gib = self.kv_cache_memory_gib
+        if gib is None and device == "cpu":
+            gib = float(os.environ.get("PRESSROOM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB))
+        return None if gib is None else int(gib * (1 << 30))
 
     def _scheduler_config(self, device: str, checkpoint: CheckpointFacts,
                           speculative: SpeculativeConfig | None) -> SchedulerConfig:

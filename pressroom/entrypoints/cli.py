@@ -9,6 +9,7 @@ STARTED = time.monotonic()  # before the heavy imports: `pressroom serve` report
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
@@ -43,7 +44,8 @@ def _default_text(default: Any) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineArgs` field, all from the field: name, type (its annotation), default, help, choices."""
+    """One flag per `EngineArgs` field, all from the field: name, type (its annotation, or a size for vLLM's size
+    flags), default, help, choices."""
     group = parser.add_argument_group("engine arguments (EngineArgs)")
     hints = get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
@@ -52,8 +54,49 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %: a "25%" would break --help
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif f.name in SIZE_FLAGS:
+            parse = SIZE_FLAGS[f.name]
+            group.add_argument(flag, type=parse, default=f.default, help=text + _size_help(parse))
         else:
             group.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=text)
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def size(value: str) -> int:
+    """An integer as vLLM's size flags read it: a lowercase suffix multiplies by a power of 1000 (25.6k = 25600),
+    an uppercase one by a power of 1024 and takes a whole number only (32K = 32768)."""
+    text = value.strip()
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer or a size such as 4k or 32K") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; "
+                                         f"{number}{suffix.lower()} is a decimal one")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+def size_or_auto(value: str) -> int | None:
+    """`size`, or None (the engine's own choice) for vLLM's "auto" and -1."""
+    return None if value.strip().lower() in ("auto", "-1") else size(value)
+
+
+# vLLM's flags that read sizes, among those pressroom has
+SIZE_FLAGS = {"max_model_len": size_or_auto, "max_num_batched_tokens": size, "kv_cache_memory_bytes": size}
+
+
+def _size_help(parse: Any) -> str:
+    auto = "; auto or -1: the default" if parse is size_or_auto else ""
+    return f"; a size: 4k = 4000, 4K = 4096 (k, m, g, t: powers of 1000; K, M, G, T: of 1024){auto}"
 
 
 def _flag_type(hint: Any) -> type:

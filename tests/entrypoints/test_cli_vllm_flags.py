@@ -1,0 +1,48 @@
+"""vLLM 0.32's `vllm serve` command line on `pressroom serve`: sizes (4k, 32K), short forms (-tp, -dp, -ep, -q, -O),
+the version, the start-up lines, the port checked before the model loads, and vLLM's flags pressroom refuses by
+name."""
+from __future__ import annotations
+
+import pytest
+
+from pressroom.config import EngineArgs
+from pressroom.entrypoints import cli
+
+
+def _engine_args(*argv: str) -> EngineArgs:
+    return EngineArgs.from_kwargs(**cli.engine_kwargs(cli.build_parser().parse_args(["serve", *argv])))
+
+
+# ---- sizes, as vLLM reads them: lowercase suffixes decimal, uppercase binary ----
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("4k", 4000), ("4K", 4096), ("32K", 32768),
+                                             ("1m", 1_000_000), ("1M", 1 << 20), ("25.6k", 25_600),
+                                             ("2g", 2_000_000_000), ("1T", 1 << 40), (" 8k ", 8000)])
+def test_size_flags_read_vllm_suffixes(text, value):
+    assert _engine_args("--max-model-len", text).max_model_len == value
+    assert _engine_args("--max-num-batched-tokens", text).max_num_batched_tokens == value
+    assert _engine_args("--kv-cache-memory-bytes", text).kv_cache_memory_bytes == value
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
+def test_max_model_len_auto_is_the_default(text):
+    assert _engine_args("--max-model-len", text).max_model_len is None
+
+
+@pytest.mark.parametrize(("text", "says"), [("1.5K", "binary suffix"), ("4x", "not an integer"),
+                                            ("k", "not an integer"), ("4kb", "not an integer")])
+def test_bad_sizes_are_refused_at_parse(text, says, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--max-model-len", text])
+    err = capsys.readouterr().err
+    assert "argument --max-model-len" in err and says in err, err
+
+
+def test_kv_cache_size_has_two_spellings_and_one_value():
+    cpu = ("--device", "cpu")
+    assert _engine_args(*cpu, "--kv-cache-memory-bytes", "64M").create_engine_config().cache.kv_cache_memory_bytes \
+        == 64 << 20
+    assert _engine_args(*cpu, "--kv-cache-memory-gib", "0.0625").create_engine_config().cache.kv_cache_memory_bytes \
+        == 64 << 20
+    with pytest.raises(ValueError, match="give one"):
+        _engine_args(*cpu, "--kv-cache-memory-bytes", "64M", "--kv-cache-memory-gib", "1").create_engine_config()
