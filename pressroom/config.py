@@ -30,6 +30,7 @@ TASKS = ("auto", "generate", "embed")
 ENCODER_MODEL_TYPES = ("bert",)  # bidirectional attention: a prompt is computed whole, in one step
 DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O; 0 alone differs here: no CUDA graphs
 VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
 
 
@@ -420,6 +421,26 @@ def _tier_from_dict(entry: dict) -> OffloadTierSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LoRAConfig:
+    """--enable-lora: adapters served over the base model (pressroom/lora/)."""
+    max_loras: int = 1  # adapters one step may hold (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be at least 1; got {self.max_loras} and "
+                             f"{self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                             f"({self.max_loras}).")
+
+    @property
+    def pool_size(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -430,6 +451,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
     offload: OffloadConfig | None = None
+    lora: LoRAConfig | None = None  # None: no adapters
 
     def __post_init__(self) -> None:
         if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
@@ -679,12 +701,22 @@ class EngineArgs:
     gpu_memory_utilization: float = _config_arg(CacheConfig, "gpu_memory_utilization", "share of the GPU's memory "
                                                 "the engine may use (weights, activations, KV cache), in (0, 1]")
     enforce_eager: bool = _config_arg(CompilationConfig, "enforce_eager", "no CUDA graphs: every step runs eagerly")
+    optimization_level: int = _arg(2, "vLLM's -O: 0 runs every step eagerly, as --enforce-eager; 1, 2 (vLLM's default) "
+                                      "and 3 replay CUDA graphs as --enforce-eager and --max-cudagraph-capture-size "
+                                      "allow (pressroom compiles nothing with torch.compile, so the levels above 0 "
+                                      "run alike)")
     max_cudagraph_capture_size: int = _config_arg(CompilationConfig, "max_cudagraph_capture_size",
                                                   "largest decode batch replayed from a captured CUDA graph "
                                                   f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
     batch_invariant: bool = _config_arg(ModelConfig, "batch_invariant", "a request's tokens and logprobs do not "
                                         "depend on the requests beside it (fixed-order GEMMs, attention and norms; "
                                         "dense Llama-family models, one rank); also VLLM_BATCH_INVARIANT=1")
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT checkpoints) over the base model; a request names "
+                                    "one (LoRARequest offline, its name as `model` on the server)")
+    max_loras: int = _config_arg(LoRAConfig, "max_loras", "with --enable-lora: adapters one step may hold")
+    max_lora_rank: int = _config_arg(LoRAConfig, "max_lora_rank", "with --enable-lora: the largest adapter rank")
+    max_cpu_loras: int | None = _config_arg(LoRAConfig, "max_cpu_loras", "with --enable-lora: adapters kept read "
+                                            "in host memory (default: --max-loras)")
     skip_tokenizer_init: bool = _config_arg(ModelConfig, "skip_tokenizer_init",
                                             "load no tokenizer: prompts and outputs are token ids only")
     hf_overrides: dict | str | None = _arg(None, 'config.json values to replace, a JSON object, e.g. '
@@ -744,12 +776,14 @@ class EngineArgs:
                                     or default_executor_backend(self.tensor_parallel_size),
                                     enable_expert_parallel=self.enable_expert_parallel,
                                     data_parallel_size=self.data_parallel_size),
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager,
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager or self._optimization_level() == 0,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             device=device,
             speculative=speculative,
             num_threads=self.num_threads or None,
             offload=self._offload_config(),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None,
         )
 
     def _model_config(self, device: str, encoder_only: bool) -> ModelConfig:
@@ -767,6 +801,12 @@ class EngineArgs:
                            num_blocks=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device))
+
+    def _optimization_level(self) -> int:
+        if self.optimization_level not in OPTIMIZATION_LEVELS:
+            raise ValueError(f"optimization_level (-O) must be one of {', '.join(map(str, OPTIMIZATION_LEVELS))}; "
+                             f"got {self.optimization_level!r}.")
+        return self.optimization_level
 
     def _kv_cache_memory_bytes(self, device: str) -> int | None:
         """The KV cache's size from either spelling (vLLM's bytes or GiB), else the CPU's default; None on CUDA:

@@ -14,7 +14,7 @@ import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
 
-from pressroom.config import EngineArgs, default_of  # noqa: E402
+from pressroom.config import OPTIMIZATION_LEVELS, EngineArgs, default_of  # noqa: E402
 from pressroom.entrypoints.openai.limits import add_limit_args  # noqa: E402
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
 from pressroom.logger import FORMAT, configure_logging  # noqa: E402
@@ -49,16 +49,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (EngineArgs)")
     hints = get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *SHORT_FLAGS.get(f.name, ()))
         kind = _flag_type(hints[f.name])
         text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %: a "25%" would break --help
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         elif f.name in SIZE_FLAGS:
             parse = SIZE_FLAGS[f.name]
-            group.add_argument(flag, type=parse, default=f.default, help=text + _size_help(parse))
+            group.add_argument(*flags, type=parse, default=f.default, help=text + _size_help(parse))
         else:
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=text)
+            group.add_argument(*flags, type=VALUE_TYPES.get(f.name, kind), default=f.default,
+                               choices=f.metadata["choices"], help=text)
+
+
+# vLLM's short forms (-O also takes its level attached: -O0, -O3)
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
+               "quantization": ("-q",), "optimization_level": ("-O",)}
+
+
+def optimization_level(value: str) -> int:
+    """vLLM's -O levels, checked as the flag is read."""
+    try:
+        level = int(value)
+    except ValueError:
+        level = None
+    if level not in OPTIMIZATION_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a level: {', '.join(map(str, OPTIMIZATION_LEVELS))}")
+    return level
+
+
+VALUE_TYPES = {"optimization_level": optimization_level}  # flags whose values are checked as they are read
 
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -46,3 +46,34 @@ def test_kv_cache_size_has_two_spellings_and_one_value():
         == 64 << 20
     with pytest.raises(ValueError, match="give one"):
         _engine_args(*cpu, "--kv-cache-memory-bytes", "64M", "--kv-cache-memory-gib", "1").create_engine_config()
+
+
+# ---- vLLM's short forms ----
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["-tp", "2"], "tensor_parallel_size", 2), (["-tp=4"], "tensor_parallel_size", 4),
+    (["-dp", "3"], "data_parallel_size", 3), (["-ep"], "enable_expert_parallel", True),
+    (["-q", "fp8"], "quantization", "fp8"), (["-qfp8"], "quantization", "fp8"),
+    (["-O0"], "optimization_level", 0), (["-O", "3"], "optimization_level", 3), (["-O=1"], "optimization_level", 1),
+    (["--optimization-level", "0"], "optimization_level", 0)])
+def test_short_forms_set_their_long_flags(argv, field, value):
+    args = _engine_args(*argv)
+    assert getattr(args, field) == value
+    assert args == EngineArgs(**{field: value})  # nothing else moved
+
+
+@pytest.mark.parametrize("level", ["0", "1", "2", "3"])
+def test_O0_alone_runs_eagerly(level):
+    compilation = _engine_args("--device", "cpu", f"-O{level}").create_engine_config().compilation
+    assert compilation.enforce_eager is (level == "0")
+    assert _engine_args("--device", "cpu", f"-O{level}", "--enforce-eager").create_engine_config() \
+        .compilation.enforce_eager
+
+
+@pytest.mark.parametrize("text", ["4", "-1", "decode"])
+def test_O_refuses_levels_vllm_lacks(text, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", f"-O{text}"])
+    assert "argument --optimization-level/-O" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="optimization_level"):
+        EngineArgs(device="cpu", optimization_level=7).create_engine_config()
