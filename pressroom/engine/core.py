@@ -56,6 +56,7 @@ class CoreOutputs:
     scheduled: list[str]  # requests the step scheduled afresh (their queue time ends)
     stats: SchedulerStats | None = None  # sent along by the core process, for /metrics
     engine_index: int = 0  # which data-parallel engine core sent it
+    scheduled_time: float = 0.0  # time.monotonic() when the step was scheduled: `scheduled`'s queue time ends then
 
 
 @dataclass(slots=True)
@@ -339,7 +340,7 @@ class EngineCore:
         isolating = bool(self.scheduler.suspects)
         started = time.perf_counter()
         sched = self.scheduler.schedule()
-        scheduled = [new.req_id for new in sched.new_requests]
+        scheduled, scheduled_time = [new.req_id for new in sched.new_requests], time.monotonic()
         if self.grammars.portable and not self._workers_read_grammars and any(n.grammar for n in sched.new_requests):
             self.executor.collective_rpc("set_grammar_tokenizer", self.grammars.tokenizer_info_json())
             self._workers_read_grammars = True
@@ -358,10 +359,10 @@ class EngineCore:
             raise
         except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
             steps = [sched] + ([inflight[0]] if inflight is not None else [])
-            return CoreOutputs(failed + self._fail_step(steps, e), scheduled)
+            return CoreOutputs(failed + self._fail_step(steps, e), scheduled, scheduled_time=scheduled_time)
         if not sched.is_empty:
             self._failed_steps, self._unexplained = 0, False
-        return CoreOutputs(failed + outputs, scheduled)
+        return CoreOutputs(failed + outputs, scheduled, scheduled_time=scheduled_time)
 
     def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """A synchronous step's wall time, for the adaptive budget to check its profiled curves against: decode

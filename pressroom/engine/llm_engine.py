@@ -362,10 +362,11 @@ class LLMEngine:
         detokenization, stop strings, logprobs or output assembly) is reported finished with finish_reason
         "error" and dropped from the core; the others are unaffected."""
         now = time.monotonic()
-        for req_id in step.scheduled:
+        for req_id in step.scheduled:  # the core's clock when it scheduled them (not this step's return)
             entry = self.child_to_parent.get(req_id)
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
-                entry[0].metrics.first_scheduled_time = now
+                entry[0].metrics.first_scheduled_time = step.scheduled_time
+                entry[0].metrics.engine_index = step.engine_index
         moved: dict[str, _Parent] = {}
         outputs = []
         for out in step.outputs:

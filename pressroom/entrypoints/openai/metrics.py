@@ -1,115 +1,291 @@
-"""Prometheus metrics with vLLM's names under a configurable prefix (`pressroom:` or `vllm:`).
+"""Prometheus metrics under vLLM 0.32's names, labels and buckets, with a configurable prefix (`pressroom:` or
+`vllm:`).
 
-Per-request figures are observed on the output streams as they pass through the server; scheduler
-gauges and counters are a snapshot read on the engine thread at scrape time.
+The families (TARGET below), each labelled `model_name` and `engine` (the index of the data-parallel engine core,
+"0" with one), as vLLM's `PrometheusStatLogger` exports them:
+- scheduler state, each core's snapshot read at scrape time: num_requests_running, num_requests_waiting,
+  kv_cache_usage_perc (gauges); num_preemptions, prefix_cache_queries, prefix_cache_hits (counters); with
+  speculative decoding, spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
+  and spec_decode_num_accepted_tokens_per_pos (+ position) (counters);
+- requests, observed on their output streams: prompt_tokens, generation_tokens, prompt_tokens_cached,
+  prompt_tokens_by_source (+ source; without KV offload tiers, whose hits cannot be told from the device's),
+  request_success (+ finished_reason) (counters); request_prompt_tokens, request_generation_tokens,
+  request_max_num_generation_tokens, request_params_max_tokens and request_prefill_kv_computed_tokens
+  (1-2-5 buckets up to max_model_len), request_params_n, time_to_first_token_seconds,
+  inter_token_latency_seconds, request_time_per_output_token_seconds, e2e_request_latency_seconds,
+  request_queue_time_seconds, request_inference_time_seconds, request_prefill_time_seconds and
+  request_decode_time_seconds (histograms);
+- cache_config_info, a gauge of 1 whose labels are the cache config.
+Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics) and the process's own (process_*,
+python_*), as prometheus_client exports them to vLLM's registry.
+
+A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core; prefill = that to
+its first token; decode = first to last token; inference = scheduling to last token; time per output token =
+decode over the tokens after the first (the longest sample's, with n > 1). One observation per request (its n
+samples together), as request_success counts it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
+from dataclasses import dataclass, fields
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from pressroom.config import CacheConfig, EngineConfig
 from pressroom.core.scheduler import SchedulerStats
-from pressroom.engine.async_engine import merge_stats
 from pressroom.kv_offload.manager import TIME_BUCKETS, OffloadStats
 from pressroom.logger import printable
-from pressroom.outputs import RequestOutput
+from pressroom.outputs import RequestMetrics, RequestOutput
+from pressroom.sampling_params import SamplingParams
 
 logger = logging.getLogger("pressroom")
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM 0.32's families (names without the prefix) that this module exports.
+TARGET = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions", "prefix_cache_queries",
+    "prefix_cache_hits", "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached", "generation_tokens",
+    "request_success", "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+    "request_params_n", "request_params_max_tokens", "request_prefill_kv_computed_tokens",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds", "cache_config_info",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+)
+SPEC_FAMILIES = TARGET[-4:]  # exported with speculative decoding on
+
+# vLLM's bucket sets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+LABELS = ("model_name", "engine")
 
 # No `*_created` series (a creation timestamp beside every counter and histogram): they add a series per
 # counter to every scrape with nothing a dashboard plots. prometheus_client's switch is process-wide.
 disable_created_metrics()
 
 
+def count_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets of token counts, up to max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineShape:
+    """What the families' buckets and label sets follow. `max_model_len`: the count histograms' buckets run 1, 2,
+    5, ... up to it (1, the default: not told, one bucket). `cache_info`: cache_config_info's labels (empty: the
+    family is left out). `offload`: KV offload tiers serve part of the cached tokens."""
+    max_model_len: int = 1
+    num_engines: int = 1
+    num_speculative_tokens: int = 0  # 0: no speculative decoding, no spec_decode families
+    cache_info: tuple[tuple[str, str], ...] = ()
+    offload: bool = False
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int) -> EngineShape:
+        spec = config.speculative
+        return cls(max_model_len=max_model_len, num_engines=config.parallel.data_parallel_size,
+                   num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                   cache_info=cache_info(config.cache), offload=config.offload is not None)
+
+
+_VLLM_CACHE_NAMES = {"num_blocks": "num_gpu_blocks_override"}  # pressroom's field -> vLLM's CacheConfig field
+_FP8_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}  # torch's dtype -> vLLM's cache_dtype
+
+
+def cache_info(cache: CacheConfig) -> tuple[tuple[str, str], ...]:
+    """The cache config as cache_config_info's labels, under vLLM's field names and spellings (None as "None")."""
+    def spelled(name: str, value) -> str:
+        if name == "cache_dtype":
+            dtype = str(value).removeprefix("torch.")
+            return "auto" if value is None else _FP8_NAMES.get(dtype, dtype)
+        return str(value)
+    return tuple((_VLLM_CACHE_NAMES.get(f.name, f.name), spelled(f.name, getattr(cache, f.name)))
+                 for f in fields(cache))
+
+
 class ServerMetrics:
-    """`log_requests`: an INFO line per finished engine request (off with --disable-log-requests)."""
+    """`log_requests`: an INFO line per finished engine request (off with --disable-log-requests). `shape`: the
+    engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families."""
 
-    def __init__(self, prefix: str, model_name: str, log_requests: bool = True) -> None:
+    def __init__(self, prefix: str, model_name: str, log_requests: bool = True,
+                 shape: EngineShape | None = None) -> None:
         self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
+        self.shape = shape = shape if shape is not None else EngineShape()
+        self.engines = [str(i) for i in range(shape.num_engines)]
         self.registry = CollectorRegistry()
-        self.stats: list[SchedulerStats] = [SchedulerStats()]  # per engine core (data-parallel rank)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        self.stats: list[SchedulerStats] = [SchedulerStats() for _ in self.engines]
         self.total_prompt_tokens = self.total_generation_tokens = 0  # for the log line
-        # Only model_name (and finished_reason) label series. A request's session id goes to its log line,
-        # never to a label: session ids are unbounded, and one time series per session would grow the
-        # registry (and every scrape) without limit.
-        labels = ["model_name"]
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(prefix + name, doc, labels + list(extra), registry=self.registry)
-
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(prefix + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
-        self.request_success = counter("request_success", "Finished requests by finish reason.",
-                                       ("finished_reason",))
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.").labels(model_name)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.").labels(model_name)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.").labels(model_name)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.").labels(model_name)
+        # Only model_name, engine and a few bounded labels (finished_reason, source, position) label series. A
+        # request's session id goes to its log line, never to a label: session ids are unbounded, and one time
+        # series per session would grow the registry (and every scrape) without limit.
+        counts = count_buckets(shape.max_model_len)
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
+        self.prompt_tokens_cached = self._counter("prompt_tokens_cached", "Prompt tokens of finished requests "
+                                                  "found computed (prefix cache, KV offload tiers).")
+        self.prompt_tokens_by_source = None if shape.offload else self._counter(
+            "prompt_tokens_by_source", "Prompt tokens of finished requests by where their KV came from.",
+            ("source",), TOKEN_SOURCES)
+        self.request_success = self._counter("request_success", "Finished requests by finish reason.",
+                                             ("finished_reason",), FINISH_REASONS)
+        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.", counts)
+        self.request_generation_tokens = self._histogram("request_generation_tokens",
+                                                         "Generated tokens per request (its samples together).", counts)
+        self.request_max_num_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens", "Generated tokens of a request's longest sample.", counts)
+        self.request_params_n = self._histogram("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = self._histogram("request_params_max_tokens",
+                                                         "The max_tokens request parameter.", counts)
+        self.request_prefill_kv_computed_tokens = self._histogram(
+            "request_prefill_kv_computed_tokens", "Prompt tokens per request computed (not found cached).", counts)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between output tokens.", TOKEN_GAP_BUCKETS)
+        self.tpot = self._histogram("request_time_per_output_token_seconds",
+                                    "Per request: decode time over the tokens after the first.", TOKEN_GAP_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_TIME_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                          REQUEST_TIME_BUCKETS)
+        self.inference_time = self._histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                              REQUEST_TIME_BUCKETS)
+        self.prefill_time = self._histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                            REQUEST_TIME_BUCKETS)
+        self.decode_time = self._histogram("request_decode_time_seconds", "First token to last token.",
+                                           REQUEST_TIME_BUCKETS)
+        if shape.cache_info:
+            self._cache_config_info(dict(shape.cache_info))
         self.registry.register(_SchedulerCollector(self))
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = (), values: tuple[str, ...] = ()) -> Counter:
+        """A counter with a series per engine (and per value of its one extra label) from the start, as vLLM's."""
+        counter = Counter(self.prefix + name, doc, [*LABELS, *extra], registry=self.registry)
+        for engine in self.engines:
+            for value in values or [None]:
+                counter.labels(self.model_name, engine, *([value] if value is not None else []))
+        return counter
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        histogram = Histogram(self.prefix + name, doc, LABELS, buckets=buckets, registry=self.registry)
+        for engine in self.engines:
+            histogram.labels(self.model_name, engine)
+        return histogram
+
+    def _cache_config_info(self, info: dict[str, str]) -> None:
+        gauge = Gauge(self.prefix + "cache_config_info", "The KV cache's configuration (in the labels).",
+                      [*LABELS, *info], registry=self.registry)
+        for engine in self.engines:
+            gauge.labels(self.model_name, engine, *info.values()).set(1)
 
     def render(self, stats: list[SchedulerStats]) -> bytes:
         """The exposition text, scheduler figures from `stats`: each engine core's, by data-parallel rank."""
         self.stats = stats
         return generate_latest(self.registry)
 
-    async def observe(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Passes `stream` through, recording token counts and latencies; closing it closes `stream`."""
-        seen, last, finished = 0, None, False
+    async def observe(self, stream: AsyncIterator[RequestOutput],
+                      params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Passes `stream` through, recording token counts and latencies; closing it closes `stream`. `params`:
+        the request's (for request_params_max_tokens)."""
+        seen, last, finished, engine = 0, None, False, "0"
         try:
             async with aclosing(stream):
                 async for out in stream:
                     now = time.monotonic()
+                    if out.metrics is not None:
+                        engine = str(out.metrics.engine_index)
                     tokens = sum(len(c.token_ids) for c in out.outputs)
                     if tokens > seen:
-                        self.generation_tokens.inc(tokens - seen)
+                        self.generation_tokens.labels(self.model_name, engine).inc(tokens - seen)
                         self.total_generation_tokens += tokens - seen
                         if last is None and out.metrics is not None:
-                            self.ttft.observe((out.metrics.first_token_time or now) - out.metrics.arrival_time)
+                            self.ttft.labels(self.model_name, engine).observe(
+                                (out.metrics.first_token_time or now) - out.metrics.arrival_time)
                         elif last is not None:
-                            gap = (now - last) / (tokens - seen)
+                            gap, itl = (now - last) / (tokens - seen), self.itl.labels(self.model_name, engine)
                             for _ in range(tokens - seen):
-                                self.itl.observe(gap)
+                                itl.observe(gap)
                         seen, last = tokens, now
                     if out.finished:
                         finished = True
-                        self._finished(out, now)
+                        self._finished(out, now, engine, params)
                     yield out
         finally:
             if not finished:  # the client went away, or the engine died: vLLM counts it as an abort
-                self.request_success.labels(self.model_name, "abort").inc()
+                self.request_success.labels(self.model_name, engine, "abort").inc()
 
-    def _finished(self, out: RequestOutput, now: float) -> None:
+    def _finished(self, out: RequestOutput, now: float, engine: str, params: SamplingParams | None) -> None:
         if self.log_requests:
             _log_finished(out, now)
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.total_prompt_tokens += len(out.prompt_token_ids)
+        self._count_prompt(len(out.prompt_token_ids), out.num_cached_tokens, engine)
+        generated = [len(c.token_ids) for c in out.outputs]
+        for histogram, value in ((self.request_generation_tokens, sum(generated)),
+                                 (self.request_max_num_generation_tokens, max(generated, default=0)),
+                                 (self.request_params_n, len(out.outputs))):
+            histogram.labels(self.model_name, engine).observe(value)
+        if params is not None and params.max_tokens:
+            self.request_params_max_tokens.labels(self.model_name, engine).observe(params.max_tokens)
         if out.metrics is not None:
-            self.e2e.observe((out.metrics.finished_time or now) - out.metrics.arrival_time)
-            if out.metrics.first_scheduled_time is not None:
-                self.queue_time.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
+            self._observe_times(out.metrics, now, max(generated, default=0), engine)
         # One count per request (vLLM's), with its first choice's reason.
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, engine, reason).inc()
+
+    def _count_prompt(self, prompt: int, cached: int, engine: str) -> None:
+        self.total_prompt_tokens += prompt
+        self.prompt_tokens.labels(self.model_name, engine).inc(prompt)
+        self.prompt_tokens_cached.labels(self.model_name, engine).inc(cached)
+        if self.prompt_tokens_by_source is not None:
+            self.prompt_tokens_by_source.labels(self.model_name, engine, "local_compute").inc(prompt - cached)
+            self.prompt_tokens_by_source.labels(self.model_name, engine, "local_cache_hit").inc(cached)
+        self.request_prompt_tokens.labels(self.model_name, engine).observe(prompt)
+        self.request_prefill_kv_computed_tokens.labels(self.model_name, engine).observe(prompt - cached)
+
+    def _observe_times(self, m: RequestMetrics, now: float, longest: int, engine: str) -> None:
+        """vLLM's intervals of a finished request, as far as it got (scheduled; given a first token)."""
+        self.e2e.labels(self.model_name, engine).observe((m.finished_time or now) - m.arrival_time)
+        if m.first_scheduled_time is None:
+            return
+        self.queue_time.labels(self.model_name, engine).observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None or m.last_token_time is None:
+            return
+        decode = m.last_token_time - m.first_token_time
+        for histogram, value in ((self.prefill_time, m.first_token_time - m.first_scheduled_time),
+                                 (self.decode_time, decode),
+                                 (self.inference_time, m.last_token_time - m.first_scheduled_time)):
+            histogram.labels(self.model_name, engine).observe(value)
+        if longest > 1:
+            self.tpot.labels(self.model_name, engine).observe(decode / (longest - 1))
 
     async def log_periodically(self, read_stats, interval: float) -> None:
         """vLLM's periodic line: batch, KV usage, throughput and prefix-cache hit rate since the last one."""
@@ -148,41 +324,20 @@ class _SchedulerCollector:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         """Scheduler figures per engine core (vLLM's `engine` label: the data-parallel rank)."""
         m = self.metrics
         for kind, name, doc, attr in _ENGINE_FAMILIES:
-            family = kind(m.prefix + name, doc, labels=["model_name", "engine"])
+            family = kind(m.prefix + name, doc, labels=LABELS)
             for index, s in enumerate(m.stats):
                 family.add_metric([m.model_name, str(index)], getattr(s, attr))
             yield family
-        yield from self._spec_and_offload(merge_stats(m.stats))
-
-    def _spec_and_offload(self, s: SchedulerStats):
-        m = self.metrics
-        families = []
-        spec = s.spec
-        if spec is not None and spec.num_drafts:
-            families += [
-                (CounterMetricFamily, "spec_decode_num_drafts", "Request-steps that verified drafts.", spec.num_drafts),
-                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
-                 spec.num_draft_tokens),
-                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 spec.num_accepted_tokens),
-            ]
-        for kind, name, doc, value in families:
-            family = kind(m.prefix + name, doc, labels=["model_name"])
-            family.add_metric([m.model_name], value)
-            yield family
+        # with speculative decoding on: as configured, or (a shape not told) as some core's drafts show
+        if m.shape.num_speculative_tokens or any(s.spec is not None and s.spec.num_drafts for s in m.stats):
+            yield from _spec_families(m.prefix, m.model_name, m.shape.num_speculative_tokens, m.stats)
         offloads = [(str(i), e.offload) for i, e in enumerate(m.stats) if e.offload is not None]
         if offloads:
             yield from _offload_families(m.prefix, m.model_name, offloads)
-        if spec is not None and spec.num_drafts:
-            family = CounterMetricFamily(m.prefix + "spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
-            for pos, count in enumerate(spec.accepted_per_pos):
-                family.add_metric([m.model_name, str(pos)], count)
-            yield family
 
 
 _ENGINE_FAMILIES = (
@@ -194,6 +349,30 @@ _ENGINE_FAMILIES = (
      "prefix_cache_queries"),
     (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
 )
+
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Request-steps that verified drafts.", "num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+)
+
+
+def _spec_families(prefix: str, model_name: str, positions: int, stats: list[SchedulerStats]) -> Iterator[Metric]:
+    """Speculative decoding's counters per engine core; accepted tokens also by draft position, from 0 up to
+    num_speculative_tokens - 1 (and any further position an engine reported)."""
+    for name, doc, attr in _SPEC_COUNTERS:
+        family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+        for index, s in enumerate(stats):
+            family.add_metric([model_name, str(index)], getattr(s.spec, attr) if s.spec is not None else 0)
+        yield family
+    family = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by draft position.", labels=[*LABELS, "position"])
+    for index, s in enumerate(stats):
+        accepted = s.spec.accepted_per_pos if s.spec is not None else []
+        for pos in range(max(positions, len(accepted))):
+            family.add_metric([model_name, str(index), str(pos)], accepted[pos] if pos < len(accepted) else 0)
+    yield family
+
 
 _TIER_COUNTERS = (
     ("kv_offload_tiering_chunk_queries", "KV chunks looked up in the tier.", "chunk_queries"),

@@ -1,17 +1,35 @@
-"""ServerMetrics on output streams: request_success_total counts requests (not choices), labelled with vLLM's
-finished_reason; a request that ends without a final output (its client left, the engine ended it) counts as
-"abort", one whose output handling failed as "error"."""
+"""/metrics as vLLM 0.32 exports it. ServerMetrics on output streams: request_success_total counts requests (not
+choices), labelled with vLLM's finished_reason; a request that ends without a final output (its client left, the
+engine ended it) counts as "abort", one whose output handling failed as "error"; a request's counts and intervals.
+A real server (one sequence at a time, so a second request waits): every family of the target list present with
+model_name and engine labels and vLLM's buckets; queue time ends at the first scheduling, not at the first
+token."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
+import httpx
+import openai
 import pytest
+from conftest import tiny_args
+from prometheus_client.parser import text_string_to_metric_families
+from serving import serve
 
 from pressroom.engine.async_engine import EngineDeadError
-from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.metrics import (
+    REQUEST_TIME_BUCKETS,
+    TARGET,
+    TTFT_BUCKETS,
+    EngineShape,
+    ServerMetrics,
+    count_buckets,
+)
 from pressroom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pressroom.sampling_params import SamplingParams
 
 
 def _out(reasons: list[str | None], tokens: int) -> RequestOutput:
@@ -28,9 +46,11 @@ async def _stream(outputs: list[RequestOutput], error: BaseException | None = No
 
 
 def _success(metrics: ServerMetrics, reason: str) -> float:
-    value = metrics.registry.get_sample_value("pressroom:request_success_total",
-                                              {"model_name": "m", "finished_reason": reason})
-    return value or 0.0
+    return _sample(metrics, "pressroom:request_success_total", finished_reason=reason)
+
+
+def _sample(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels}) or 0.0
 
 
 async def _drain(stream) -> None:
@@ -44,8 +64,8 @@ def test_request_success_counts_requests_not_choices():
     n3 = [_out([None, None, None], 1), _out(["length", "stop", "length"], 4)]  # one request, n=3
     asyncio.run(_drain(metrics.observe(_stream(n3))))
     assert _success(metrics, "length") == 1 and _success(metrics, "stop") == 0  # its first choice's reason
-    assert metrics.registry.get_sample_value("pressroom:generation_tokens_total", {"model_name": "m"}) == 12
-    assert metrics.registry.get_sample_value("pressroom:prompt_tokens_total", {"model_name": "m"}) == 3
+    assert _sample(metrics, "pressroom:generation_tokens_total") == 12
+    assert _sample(metrics, "pressroom:prompt_tokens_total") == 3
 
 
 def test_abandoned_and_ended_requests_count_as_abort_and_failed_ones_as_error():
@@ -65,3 +85,112 @@ def test_abandoned_and_ended_requests_count_as_abort_and_failed_ones_as_error():
     total = sum(s.value for family in metrics.registry.collect() for s in family.samples
                 if s.name == "pressroom:request_success_total")
     assert total == 4  # one count per request, whatever happened to it
+
+
+def test_a_finished_request_is_counted_and_timed_under_its_engine():
+    metrics = ServerMetrics("vllm:", "m", log_requests=False, shape=EngineShape(max_model_len=100, num_engines=2))
+    times = RequestMetrics(10.0, first_scheduled_time=10.5, first_token_time=11.0, last_token_time=13.0,
+                           finished_time=13.5, engine_index=1)
+    choices = [CompletionOutput(0, "x", [7] * 5, finish_reason="length"), CompletionOutput(1, "y", [7] * 3,
+                                                                                          finish_reason="stop")]
+    out = RequestOutput("r", "p", list(range(40)), choices, True, num_cached_tokens=32, metrics=times)
+    asyncio.run(_drain(metrics.observe(_stream([out]), SamplingParams(n=2, max_tokens=5))))
+
+    def one(name: str, engine: str = "1", **labels: str) -> float | None:
+        return metrics.registry.get_sample_value("vllm:" + name, {"model_name": "m", "engine": engine, **labels})
+
+    seconds = {"request_queue_time_seconds": 0.5, "request_prefill_time_seconds": 0.5,
+               "request_decode_time_seconds": 2.0, "request_inference_time_seconds": 2.5,
+               "e2e_request_latency_seconds": 3.5, "time_to_first_token_seconds": 1.0,
+               "request_time_per_output_token_seconds": 0.5}  # decode over the longest sample's 4 later tokens
+    counts = {"request_prompt_tokens": 40, "request_generation_tokens": 8, "request_max_num_generation_tokens": 5,
+              "request_params_n": 2, "request_params_max_tokens": 5, "request_prefill_kv_computed_tokens": 8}
+    for name, value in {**seconds, **counts}.items():
+        assert (one(name + "_count"), one(name + "_sum")) == (1, value), name
+        assert one(name + "_count", engine="0") == 0, name  # the other engine's series, there from the start
+    assert one("prompt_tokens_total") == 40 and one("prompt_tokens_cached_total") == 32
+    assert [one("prompt_tokens_by_source_total", source=s) for s in
+            ("local_compute", "local_cache_hit", "external_kv_transfer")] == [8, 32, 0]
+    assert one("request_success_total", finished_reason="length") == 1
+    assert one("request_prompt_tokens_bucket", le="20.0") == 0 and one("request_prompt_tokens_bucket", le="50.0") == 1
+
+
+# ---- a real server, one sequence at a time ----
+
+def _families(url: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)}
+
+
+def _sums(url: str) -> dict[str, float]:
+    """The queue-time and TTFT histograms' sums and counts, over every series."""
+    families = _families(url)
+    return {f"{name}{suffix}": sum(s.value for s in families[f"vllm:{name}"].samples if s.name.endswith(suffix))
+            for name in ("request_queue_time_seconds", "time_to_first_token_seconds") for suffix in ("_sum", "_count")}
+
+
+def _since(url: str, before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before[k] for k, v in _sums(url).items()}
+
+
+@pytest.fixture(scope="module")
+def one_seq_server(tiny_model_dir, tmp_path_factory):
+    """The tiny llama serving one sequence at a time (a second request waits for the first to finish), under
+    vLLM's prefix, with ngram drafts (the spec_decode families)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "adaptive_token_budget": False})
+    args = tiny_args(tiny_model_dir("llama"), "--max-num-seqs", "1", "--metrics-prefix", "vllm:",
+                     "--speculative-config", spec)
+    with serve(args, tmp_path_factory.mktemp("one-seq") / "server.log") as (url, _):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_every_family_has_model_name_and_engine_labels_and_vllm_buckets(one_seq_server):
+    url, client = one_seq_server
+    client.completions.create(model="tiny", prompt="one two one two one two", max_tokens=6, n=2,
+                              extra_body={"ignore_eos": True})
+    families = _families(url)
+    missing = [name for name in TARGET if "vllm:" + name not in families]
+    assert not missing
+    for name in TARGET:
+        samples = families["vllm:" + name].samples
+        assert samples and all(s.labels["model_name"] == "tiny" and s.labels["engine"] == "0" for s in samples), name
+
+    def bounds(name: str) -> list[float]:
+        return [float(s.labels["le"]) for s in families["vllm:" + name].samples if s.name.endswith("_bucket")]
+
+    max_model_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+    assert bounds("time_to_first_token_seconds") == [*TTFT_BUCKETS, float("inf")]
+    assert bounds("request_queue_time_seconds") == [*REQUEST_TIME_BUCKETS, float("inf")]
+    assert bounds("request_prompt_tokens") == [*count_buckets(max_model_len), float("inf")]
+    n = [s.value for s in families["vllm:request_params_n"].samples if s.name.endswith("_sum")]
+    assert n and n[0] >= 2  # the n=2 request
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert info["block_size"] == "16" and info["enable_prefix_caching"] == "True"
+
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
+
+
+def test_queue_time_ends_at_first_scheduling_not_at_first_token(one_seq_server):
+    url, client = one_seq_server
+    # Alone: scheduled at once; its first token waits for the prefill of a long prompt.
+    before = _sums(url)
+    client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=1)
+    alone = _since(url, before)
+    assert alone["request_queue_time_seconds_count"] == 1
+    assert alone["request_queue_time_seconds_sum"] < alone["time_to_first_token_seconds_sum"] / 2, alone
+    # Behind another: sent once the first has streamed a token, the second waits until the first has finished.
+    before = _sums(url)
+    first = client.completions.create(model="tiny", prompt="Hi", max_tokens=64, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(first))
+    sent = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(client.completions.create, model="tiny", prompt="Hello", max_tokens=2)
+        for _ in first:
+            pass
+        waited = time.monotonic() - sent
+        second.result()
+    both = _since(url, before)
+    assert both["request_queue_time_seconds_count"] == 2
+    assert both["request_queue_time_seconds_sum"] > waited / 2, (both, waited)  # the second's wait
+    assert both["request_queue_time_seconds_sum"] < both["time_to_first_token_seconds_sum"], both
