@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from pressroom.config import EngineArgs
 from pressroom.engine.llm_engine import LLMEngine, PromptType
+from pressroom.lora.request import LoRARequest
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import RequestOutputKind, SamplingParams
@@ -39,14 +40,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model); needs
+        an engine started with enable_lora."""
         prompts = _as_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
+        loras = _broadcast(lora_request if not isinstance(lora_request, Sequence) else list(lora_request),
+                           len(prompts), "lora_request")
         ids: list[str] = []
         try:
-            for p, sp, pr in zip(prompts, params, priorities):
-                ids.append(self._add(p, sp, pr))
+            for p, sp, pr, lora in zip(prompts, params, priorities, loras):
+                ids.append(self._add(p, sp, pr, lora))
         except ValueError:
             self.engine.abort_request(ids)  # a rejected batch leaves nothing queued
             raise
@@ -88,9 +94,10 @@ class LLM:
                                             **(chat_template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, lora: LoRARequest | None = None) -> str:
         rid = self._next_id()
-        self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority)
+        self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority,
+                                lora_request=lora)
         return rid
 
     def _next_id(self) -> str:

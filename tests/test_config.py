@@ -21,7 +21,8 @@ from pressroom.config import (
 from pressroom.engine.llm_engine import start_config
 
 CONFIGS = (cfg.ModelConfig, cfg.CacheConfig, cfg.CompilationConfig, cfg.SchedulerConfig, cfg.ParallelConfig,
-           cfg.SpeculativeConfig, cfg.OffloadTierSpec, cfg.OffloadConfig, cfg.EngineConfig, cfg.CheckpointFacts,
+           cfg.SpeculativeConfig, cfg.OffloadTierSpec, cfg.OffloadConfig, cfg.LoRAConfig, cfg.EngineConfig,
+           cfg.CheckpointFacts,
            cfg.EngineArgs)
 # A value other than the default for each argument that a config field takes as it is.
 OTHER_VALUES = {"tokenizer": "tok", "load_format": "dummy", "quantization": "none", "max_model_len": 64, "seed": 7,
@@ -29,7 +30,7 @@ OTHER_VALUES = {"tokenizer": "tok", "load_format": "dummy", "quantization": "non
                 "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 9,
                 "scheduling_policy": "priority", "tensor_parallel_size": 2, "enable_expert_parallel": True,
                 "data_parallel_size": 2, "num_threads": 3, "enforce_eager": True, "max_cudagraph_capture_size": 64,
-                "mamba_block_size": 64}
+                "mamba_block_size": 64, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 4}
 
 
 def _sets() -> dict[str, tuple[type, str]]:
@@ -63,7 +64,8 @@ def test_every_argument_that_sets_a_field_reaches_it():
     for name, (kind, field_name) in _sets().items():
         value = OTHER_VALUES[name]
         assert value != EngineArgs.__dataclass_fields__[name].default, name
-        config = EngineArgs(model="m", device="cpu", **{name: value}).create_engine_config()
+        on = {"enable_lora": True} if kind is cfg.LoRAConfig else {}  # the LoRA config exists only then
+        config = EngineArgs(model="m", device="cpu", **on, **{name: value}).create_engine_config()
         assert getattr(_part(config, kind), field_name) == value, name
 
 

@@ -248,7 +248,9 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, self._block_tokens(request, i)))
+            # an adapter's KV differs from the base model's: its first block's key names it (the chain the rest)
+            extra = f"lora:{request.lora.lora_int_id}".encode() if i == 0 and request.lora is not None else b""
+            hashes.append(hash_block_tokens(parent, self._block_tokens(request, i), extra))
         return hashes[:num_blocks]
 
     def _block_tokens(self, request: Request, i: int) -> list[int]:

@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pressroom.lora.request import LoRARequest
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData:
     grammar: CompiledGrammar | str | None = None
     state_slot: int = -1  # recurrent layers: the request's live state slot (-1: a model without them)
     restore_slot: int = -1  # the prefix checkpoint its state starts from (-1: zeros)
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)

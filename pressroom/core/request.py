@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pressroom.lora.request import LoRARequest
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class Request:
     whole_prompt: bool = False
     # Structured outputs: its grammar's compile (core/structured_outputs.py); it waits in the queue until done.
     grammar: Future[CompiledGrammar] | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with: its KV is its own (prefix-cache keys)
 
     def __post_init__(self) -> None:
         if not self.group:

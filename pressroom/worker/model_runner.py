@@ -20,6 +20,8 @@ from pressroom.attention.state import StateMetadata
 from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from pressroom.kv_offload.slab import SlabHandle
+from pressroom.lora.layers import lora_step
+from pressroom.lora.manager import LoRAManager
 from pressroom.model.layers.attention import Attention
 from pressroom.worker.device import to_device
 from pressroom.worker.grammar import GrammarReader, constrain
@@ -70,6 +72,7 @@ class ModelRunner:
         self.kv_offload: OffloadCopier | None = None  # KV offload on: the steps' copies to and from the CPU tier
         self.pooler = Pooler()
         self.grammars = GrammarReader()
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots (set by the worker)
 
     # ---- set-up ----
 
@@ -206,7 +209,9 @@ class ModelRunner:
                 batch.meta.state = self.state_cache.metadata([s.req_id for s in order], [s.state_slot for s in order],
                                                              batch.meta.query_start_loc, batch.meta.num_decodes,
                                                              sched.state_saves)
-            hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
+            adapters = self.lora.step([s.lora for s in batch.order], batch.query_ends) if self.lora else None
+            with lora_step(adapters):
+                hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
             pooled = self._pool(batch, sched, hidden)
             emission = self._emit(batch, sched, hidden)
             pending = emission.pending

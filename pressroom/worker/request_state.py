@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pressroom.core.outputs import NewRequestData
+from pressroom.lora.request import LoRARequest
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.grammar import GrammarReader, RequestGrammar
@@ -27,6 +28,7 @@ class CachedRequestState:
     grammar: RequestGrammar | None = None  # structured outputs: the matcher that masks its logits
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias as tensors, made once
     state_slot: int = -1  # its recurrent layers' live state slot (-1: the model has none)
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @classmethod
     def start(cls, new: NewRequestData, grammars: GrammarReader, device: str) -> CachedRequestState:
@@ -35,7 +37,8 @@ class CachedRequestState:
         bias = new.sampling_params.logit_bias
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
                    new.num_computed_tokens, new.eos_token_id, pooling=new.pooling, grammar=grammar,
-                   logit_bias=bias_tensors(bias, device) if bias else None, state_slot=new.state_slot)
+                   logit_bias=bias_tensors(bias, device) if bias else None, state_slot=new.state_slot,
+                   lora=new.lora)
 
     @property
     def num_outputs(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pressroom.lora.manager import LoRAManager
 from pressroom.model.loader import load_model
 from pressroom.platforms import set_up_worker_threads
 from pressroom.worker.collective_profile import CollectiveProfile
@@ -89,6 +90,8 @@ class Worker:
                              config.device, sched.async_scheduling, config.cache.cache_dtype,
                              max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                              batch_invariant=config.model.batch_invariant)
+        if config.lora is not None:  # before the memory profile and graph capture (it turns graphs off)
+            runner.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         spec = config.speculative
         if spec is not None and runner.state_cache is not None:  # before the states are sized
             runner.state_cache.reserve_draft_rows(spec.num_speculative_tokens)

@@ -40,6 +40,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's (the weight may be repacked)
         self.weight = held_weight(out_features, in_features)  # a stand-in while the loader defers it
         self.weight.weight_loader = self.weight_loader
         self.bias = None
