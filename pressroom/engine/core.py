@@ -23,6 +23,7 @@ from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
 from pressroom.logger import printable
+from pressroom.lora.request import LoRARequest
 from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class CoreRequest:
     # the client's request it is one prompt of (a prompt list's), whose prompts the scheduler counts as one
     # group; None: the group of the sibling it follows, else its own (core/request.py)
     group: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -289,7 +291,7 @@ class EngineCore:
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
                       request.arrival_time, request.priority, follows=lead, group=request.group or "",
                       pooling=request.pooling,
-                      whole_prompt=request.pooling is not None and self.config.model.encoder_only)
+                      whole_prompt=request.pooling is not None and self.config.model.encoder_only, lora=request.lora)
         if request.params.structured_outputs is not None:
             req.grammar = self.grammars.compile(request.params.structured_outputs)
             self._compiling[req.request_id] = time.monotonic() + COMPILE_TIMEOUT_S

@@ -28,6 +28,8 @@ from pressroom.core.scheduler import SchedulerStats
 from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, StopStrings, fast_decoder
+from pressroom.lora.adapter import check_adapter_files
+from pressroom.lora.request import LoRARequest
 from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pressroom.model.pooling import model_pooling_defaults
 from pressroom.outputs import (
@@ -161,13 +163,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, session_id: str | None = None,
-                    data_parallel_rank: int | None = None, group: str | None = None) -> None:
+                    data_parallel_rank: int | None = None, group: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """`session_id` (optional) groups requests of one conversation or user; it comes back on every
         RequestOutput of this request. It does not change scheduling. `data_parallel_rank`: the engine core
         that serves it (with data_parallel_size > 1; None: the least busy, or the one holding its prefix).
         `group`: the client's request this one is a prompt of (a list of prompts): the scheduler shares its
-        slots fairly between such groups, as between the n samples of requests (None: a group of its own)."""
+        slots fairly between such groups, as between the n samples of requests (None: a group of its own).
+        `lora_request`: the adapter it runs with (needs enable_lora; None: the base model)."""
         self._check_data_parallel_rank(data_parallel_rank)
+        self._check_lora(lora_request)
         if self.pooling_defaults is not None:
             raise ValueError("This model is served for pooling only (runner pooling): it answers embeddings, "
                              "/pooling, /score and /rerank, not generation. Start it with --runner generate "
@@ -201,11 +206,24 @@ class LLMEngine:
                     n=1, seed=None if params.seed is None else (params.seed + child.index) % (1 << 64))
                 self.child_to_parent[child.request_id] = (parent, child)
                 self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
-                                                  data_parallel_rank=data_parallel_rank, group=group))
+                                                  data_parallel_rank=data_parallel_rank, group=group,
+                                                  lora=lora_request))
                 lead = lead or child.request_id
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
             raise
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        """A request for an adapter on an engine without LoRA, or an adapter whose files are not there: a
+        ValueError now (the adapter's tensors are checked against the model when the worker first reads it)."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest; got {type(lora).__name__}.")
+        if self.config.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but the engine was started without LoRA; "
+                             "start it with enable_lora=True (--enable-lora).")
+        check_adapter_files(lora.lora_name, lora.lora_path, self.config.lora.max_lora_rank)
 
     def _check_data_parallel_rank(self, rank: int | None) -> None:
         size = self.config.parallel.data_parallel_size
