@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 import os
 
-FORMAT = "%(levelname)s %(name)s: %(message)s"
+# Each line starts with its time as vLLM's do (month-day, local time); then level, logger and message, so that
+# `grep "INFO pressroom:"` finds the same lines as before the time was added.
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%m-%d %H:%M:%S"
 _HANDLER = "pressroom-default"
 
 
@@ -27,7 +30,7 @@ def configure_logging(level: str | int | None = None) -> None:
     if not any(h.name == _HANDLER for h in logger.handlers):
         handler = logging.StreamHandler()
         handler.name = _HANDLER
-        handler.setFormatter(logging.Formatter(FORMAT))
+        handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
         logger.addHandler(handler)
         logger.propagate = False  # a root handler the application adds would print each line twice
     logger.setLevel(level or os.environ.get("PRESSROOM_LOGGING_LEVEL", "INFO").upper())

@@ -14,15 +14,19 @@ import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
 
+import pressroom  # noqa: E402
 from pressroom.config import OPTIMIZATION_LEVELS, EngineArgs, default_of  # noqa: E402
 from pressroom.entrypoints.openai.limits import add_limit_args  # noqa: E402
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
-from pressroom.logger import FORMAT, configure_logging  # noqa: E402
+from pressroom.logger import DATE_FORMAT, FORMAT, configure_logging  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # entrypoints/openai/tool_parsers' registry (not imported: start-up)
 TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "hermes", "llama3_json")
+SECRET_ARGS = frozenset({"api_key"})  # masked in the start-up line of non-default arguments
+
+logger = logging.getLogger("pressroom")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -158,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
                         help="pressroom's log level (start-up lines and periodic stats are INFO)")
+    # default None: a version action's own default (argparse's SUPPRESS) would read as a value in --help's checks
+    parser.add_argument("--version", action="version", version=pressroom.__version__, default=None,
+                        help="print pressroom's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = _subparser(sub, "generate", "generate completions for prompts", "%(prog)s PROMPT [PROMPT ...] [options]")
@@ -398,7 +405,7 @@ def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=FORMAT)  # other libraries: warnings only
+    logging.basicConfig(level=logging.WARNING, format=FORMAT, datefmt=DATE_FORMAT)  # other libraries: warnings only
     configure_logging(args.log_level)
     try:
         if args.command == "generate":
@@ -467,8 +474,18 @@ def _serve(args) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"Two models given: {args.model_tag!r} and --model {args.model!r}; give one.")
     settings = ServerSettings.from_args(args)
+    logger.info("pressroom server version %s, serving model %s", pressroom.__version__,
+                args.model_tag or args.model or "(the embedded default)")
+    logger.info("non-default args: %s", non_default_args(args))
     from pressroom.entrypoints.openai.server import run_server
     return run_server(settings, engine_kwargs(args) | {"model": args.model_tag or args.model}, STARTED)
+
+
+def non_default_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`pressroom serve`'s arguments that differ from their defaults, as vLLM logs them at start (secrets masked)."""
+    defaults = vars(build_parser().parse_args(["serve"]))
+    return {name: "***" if name in SECRET_ARGS else value for name, value in vars(args).items()
+            if name not in defaults or defaults[name] != value}
 
 
 if __name__ == "__main__":
