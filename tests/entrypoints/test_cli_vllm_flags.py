@@ -3,8 +3,15 @@ the version, the start-up lines, the port checked before the model loads, and vL
 name."""
 from __future__ import annotations
 
+import ast
+import re
+import socket
+import subprocess
+import sys
+
 import pytest
 
+import pressroom
 from pressroom.config import EngineArgs
 from pressroom.entrypoints import cli
 
@@ -77,3 +84,34 @@ def test_O_refuses_levels_vllm_lacks(text, capsys):
     assert "argument --optimization-level/-O" in capsys.readouterr().err
     with pytest.raises(ValueError, match="optimization_level"):
         EngineArgs(device="cpu", optimization_level=7).create_engine_config()
+
+
+# ---- the version, the start-up lines, the port checked before the model loads ----
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as ended:
+        cli.build_parser().parse_args(["--version"])
+    assert ended.value.code == 0 and capsys.readouterr().out.strip() == pressroom.__version__
+
+
+LINE = re.compile(r"^\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING|ERROR) pressroom: ")  # time first, as vLLM's lines
+
+
+def test_a_taken_port_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pressroom.entrypoints.cli", "serve", "--device", "cpu", "--port",
+                            str(port), "-tp", "1", "--max-model-len", "2k", "--api-key", "sekrit"],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    lines = r.stderr.splitlines()
+    assert all(LINE.match(line) for line in lines), lines
+    # the version, the arguments, the error: nothing of the engine (it logs "engine ready" once the model loaded)
+    assert len(lines) == 3, lines
+    assert f"INFO pressroom: pressroom server version {pressroom.__version__}, serving model" in lines[0]
+    assert "INFO pressroom: non-default args: {" in lines[1]
+    given = ast.literal_eval(lines[1].split("non-default args: ", 1)[1])
+    assert given == {"port": port, "max_model_len": 2000, "device": "cpu", "api_key": "***"}  # -tp 1 is the default
+    assert f"ERROR pressroom: port {port} on 127.0.0.1 is in use" in lines[2]

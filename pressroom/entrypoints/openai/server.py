@@ -21,9 +21,11 @@ templates and tokenizer calls in chat_template.py.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import hmac
 import logging
+import socket
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -476,9 +478,41 @@ class _GracefulServer(uvicorn.Server):
                            ended)
 
 
+class PortUnavailableError(Exception):
+    """The server's address cannot be bound: its port in use, or not this process's to take."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening (uvicorn listens once the app is up, so until then a client
+    is refused rather than left waiting). Bound before the model loads, as vLLM does, so that a port in use is
+    reported at once, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds beside its old connections' TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortUnavailableError(f"port {port} on {host} is in use by another process: stop it, or choose "
+                                       "another port with --port") from None
+        raise PortUnavailableError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | None = None) -> int:
     """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
     started = time.monotonic() if started is None else started
+    try:
+        sock = bind_listener(settings.host, settings.port)
+    except PortUnavailableError as e:
+        logger.error("%s", e)
+        return 3  # uvicorn's exit code for a server that could not start
+    with sock:
+        return _serve_on(sock, settings, engine_kwargs, started)
+
+
+def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict, started: float) -> int:
     from pressroom.config import EngineArgs
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
     app = build_app(engine, settings)
@@ -498,7 +532,7 @@ def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | N
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
 
     app.router.lifespan_context = lifespan
-    logger.info("serving %s on http://%s:%d", served_names(settings, engine)[0], settings.host, settings.port)
+    logger.info("serving %s on http://%s:%d", served_names(settings, engine)[0], settings.host, sock.getsockname()[1])
     grace = max(0.0, settings.shutdown_timeout)
     header_timeout = settings.body_read_timeout
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
@@ -507,9 +541,9 @@ def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | N
                             http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
     server = _GracefulServer(config, engine, grace)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         engine.shutdown()
-    return 0 if server.started else 3  # 3: uvicorn's exit code for a server that could not start (port in use)
+    return 0 if server.started else 3  # 3: uvicorn's exit code for a server that could not start
