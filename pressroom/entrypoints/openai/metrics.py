@@ -16,8 +16,17 @@ The families (TARGET below), each labelled `model_name` and `engine` (the index 
   request_queue_time_seconds, request_inference_time_seconds, request_prefill_time_seconds and
   request_decode_time_seconds (histograms);
 - cache_config_info, a gauge of 1 whose labels are the cache config.
-Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics) and the process's own (process_*,
-python_*), as prometheus_client exports them to vLLM's registry.
+Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics), the process's own (process_*,
+python_*), as prometheus_client exports them to vLLM's registry, and with `ServerMetrics.instrument(app)` the HTTP
+families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http_request_size_bytes,
+http_response_size_bytes, http_request_duration_highr_seconds, http_request_duration_seconds).
+
+Left out, no figure pressroom has would be true: iteration_tokens_total (tokens per engine step: the front-end sees
+requests, not steps), num_requests_waiting_by_reason (the scheduler does not report which waiting requests are
+deferred: grammars compiling, siblings, KV loads), engine_sleep_state (no sleep mode), external_prefix_cache_* and
+the KV-connector families (no KV connector; the offload tiers have their own families), mm_cache_* (no multi-modal
+models), the estimated_*_per_gpu MFU estimates, and the opt-in ones (kv_block_* residency, lora_requests_info,
+corrupted_requests).
 
 A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core; prefill = that to
 its first token; decode = first to last token; inference = scheduling to last token; time per output token =
@@ -42,10 +51,14 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    Summary,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from starlette.applications import Starlette
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pressroom.config import CacheConfig, EngineConfig
 from pressroom.core.scheduler import SchedulerStats
@@ -80,7 +93,7 @@ TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason (pressroom never repeats)
 TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 LABELS = ("model_name", "engine")
 
@@ -207,6 +220,10 @@ class ServerMetrics:
                       [*LABELS, *info], registry=self.registry)
         for engine in self.engines:
             gauge.labels(self.model_name, engine, *info.values()).set(1)
+
+    def instrument(self, app: Starlette) -> None:
+        """Counts `app`'s HTTP requests into these metrics (call before it serves: it adds a middleware)."""
+        app.add_middleware(HttpMetrics, families=HttpFamilies(self.registry))
 
     def render(self, stats: list[SchedulerStats]) -> bytes:
         """The exposition text, scheduler figures from `stats`: each engine core's, by data-parallel rank."""
@@ -414,3 +431,72 @@ def _offload_families(prefix: str, model_name: str, offloads: list[tuple[str, Of
         for kind, nbytes in offload.total_bytes.items():
             family.add_metric([model_name, engine, kind], nbytes)
     yield family
+
+
+# prometheus_fastapi_instrumentator's defaults, as vLLM installs it (its excluded handlers)
+HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10, 30,
+                      60)
+HTTP_LOWR_BUCKETS = (0.1, 0.5, 1)
+HTTP_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+
+
+class HttpFamilies:
+    """The HTTP families: by route template ("none" for a path no route matches), method and status class."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("http_requests_total", "HTTP requests by handler, method and status class.",
+                                ["handler", "method", "status"], registry=registry)
+        self.request_size = Summary("http_request_size_bytes", "Request bodies' Content-Length.", ["handler"],
+                                    registry=registry)
+        self.response_size = Summary("http_response_size_bytes", "Response body bytes sent.", ["handler"],
+                                     registry=registry)
+        self.duration_highr = Histogram("http_request_duration_highr_seconds", "Request to whole response, "
+                                        "every handler.", buckets=HTTP_HIGHR_BUCKETS, registry=registry)
+        self.duration = Histogram("http_request_duration_seconds", "Request to whole response.",
+                                  ["handler", "method"], buckets=HTTP_LOWR_BUCKETS, registry=registry)
+
+    def observe(self, handler: str, method: str, status: int, request_bytes: int, response_bytes: int,
+                seconds: float) -> None:
+        self.requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.request_size.labels(handler).observe(request_bytes)
+        self.response_size.labels(handler).observe(response_bytes)
+        self.duration_highr.observe(seconds)
+        self.duration.labels(handler, method).observe(seconds)
+
+
+class HttpMetrics:
+    """ASGI middleware that observes each HTTP request into `families` once its response is sent (or it fails:
+    a 500 unless a status was sent)."""
+
+    def __init__(self, app: ASGIApp, families: HttpFamilies) -> None:
+        self.app, self.families = app, families
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = _route_template(scope) if scope["type"] == "http" else None
+        if handler is None or handler in HTTP_EXCLUDED:
+            await self.app(scope, receive, send)
+            return
+        started, status, sent = time.perf_counter(), 500, 0
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            self.families.observe(handler, scope["method"], status, int(length) if length.isdigit() else 0, sent,
+                                  time.perf_counter() - started)
+
+
+def _route_template(scope: Scope) -> str:
+    """The path template of the route that takes the request ("/v1/models"), or "none" (bounded labels)."""
+    for route in getattr(scope.get("app"), "routes", ()):
+        if route.matches(scope)[0] is Match.FULL:
+            return route.path
+    return "none"

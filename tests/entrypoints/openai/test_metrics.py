@@ -21,6 +21,7 @@ from serving import serve
 
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.metrics import (
+    HTTP_HIGHR_BUCKETS,
     REQUEST_TIME_BUCKETS,
     TARGET,
     TTFT_BUCKETS,
@@ -115,6 +116,48 @@ def test_a_finished_request_is_counted_and_timed_under_its_engine():
     assert one("request_prompt_tokens_bucket", le="20.0") == 0 and one("request_prompt_tokens_bucket", le="50.0") == 1
 
 
+def test_http_requests_are_counted_by_route_template_method_and_status_class():
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    app = FastAPI()
+    metrics = ServerMetrics("vllm:", "m", log_requests=False)
+    metrics.instrument(app)
+
+    @app.post("/v1/items/{item}")
+    async def item(item: int) -> dict:
+        return {"item": item}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        return StreamingResponse(iter([b"ab", b"cde"]))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+            assert (await http.post("/v1/items/7", content=b"{}")).status_code == 200
+            assert (await http.post("/v1/items/x")).status_code == 422
+            assert (await http.get("/nowhere")).status_code == 404
+            assert (await http.get("/health")).status_code == 200  # not counted, as vLLM's /health
+            assert (await http.get("/stream")).text == "abcde"
+
+    asyncio.run(main())
+    value = metrics.registry.get_sample_value
+    assert value("http_requests_total", {"handler": "/v1/items/{item}", "method": "POST", "status": "2xx"}) == 1
+    assert value("http_requests_total", {"handler": "/v1/items/{item}", "method": "POST", "status": "4xx"}) == 1
+    assert value("http_requests_total", {"handler": "none", "method": "GET", "status": "4xx"}) == 1
+    assert value("http_requests_total", {"handler": "/health", "method": "GET", "status": "2xx"}) is None
+    assert value("http_request_size_bytes_sum", {"handler": "/v1/items/{item}"}) == 2
+    assert value("http_response_size_bytes_sum", {"handler": "/stream"}) == 5
+    assert value("http_request_duration_highr_seconds_count", {}) == 4
+    assert value("http_request_duration_seconds_count", {"handler": "/stream", "method": "GET"}) == 1
+    bounds = [float(s.labels["le"]) for family in metrics.registry.collect() for s in family.samples
+              if s.name == "http_request_duration_highr_seconds_bucket"]
+    assert bounds == [*HTTP_HIGHR_BUCKETS, float("inf")]
+
+
 # ---- a real server, one sequence at a time ----
 
 def _families(url: str) -> dict:
@@ -165,6 +208,10 @@ def test_every_family_has_model_name_and_engine_labels_and_vllm_buckets(one_seq_
     assert n and n[0] >= 2  # the n=2 request
     info = families["vllm:cache_config_info"].samples[0].labels
     assert info["block_size"] == "16" and info["enable_prefix_caching"] == "True"
+    assert any(s.labels == {"handler": "/v1/completions", "method": "POST", "status": "2xx"} and s.value >= 1
+               for s in families["http_requests"].samples)
+    assert {"process_resident_memory_bytes", "python_gc_objects_collected", "http_request_duration_highr_seconds",
+            "http_request_duration_seconds", "http_request_size_bytes", "http_response_size_bytes"} <= set(families)
 
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
