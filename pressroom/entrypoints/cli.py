@@ -225,6 +225,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                                             "over one, a 400 naming the field"))
     _add_log_args(serve.add_argument_group("logging"))
     add_engine_args(serve)
+    add_refused_args(serve)
 
 
 def _add_server_args(server: argparse._ArgumentGroup) -> None:
@@ -232,6 +233,9 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--port", type=int, default=_server_default("port"), help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use; the first is reported (default: the model)")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help='with --enable-lora: adapters served by name, each name=path or JSON {"name": ..., '
+                             '"path": ..., "base_model_name": ...}')
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every route but /health (default: no key)")
     server.add_argument("--disable-metrics-auth", action="store_true",
@@ -297,6 +301,123 @@ def _add_log_args(logs: argparse._ArgumentGroup) -> None:
     logs.add_argument("--uvicorn-log-level", default=_server_default("uvicorn_log_level"), choices=UVICORN_LOG_LEVELS,
                       help="uvicorn's own log level")
     logs.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log")
+
+
+class RefusedFlag(argparse.Action):
+    """A vLLM flag pressroom cannot honour: given, it is an error that names it and says why; given with a value in
+    `honoured` (a switch: the spelling used), it is accepted, being what pressroom does anyway."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str, honoured: tuple[str, ...] = (),
+                 **kwargs: Any) -> None:
+        accepted = f" (accepted: {', '.join(honoured)})" if honoured else ""
+        super().__init__(option_strings, dest, default=None, help=(reason + accepted).replace("%", "%%"), **kwargs)
+        self.reason, self.honoured = reason, honoured
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = option_string if self.nargs == 0 else values
+        if given not in self.honoured:
+            raise argparse.ArgumentError(self, f"pressroom cannot honour it: {self.reason}")
+
+
+_HUB = "models are not fetched from a hub yet: give a local model directory or .gguf file"
+_MULTINODE = "pressroom runs on one node behind one API server"
+_MULTIMODAL = "pressroom serves text models only: no image, audio or video inputs"
+_TLS = "HTTPS is not served yet: put a TLS-terminating proxy in front"
+_CHAT_TEMPLATE = "pressroom renders the model's own chat template; another from the command line is not read yet"
+_PLUGINS = "parsers are built in (--tool-call-parser, --reasoning-parser): plug-ins are not loaded"
+_CLASSES = "pressroom's scheduler and workers cannot be replaced by a class"
+_COMPILE = ("pressroom compiles nothing with torch.compile: CUDA graphs follow -O, --enforce-eager and "
+            "--max-cudagraph-capture-size")
+_TRACES = "OpenTelemetry tracing is not implemented"
+# vLLM 0.32's `vllm serve` flags that pressroom cannot honour yet: option strings -> (reason, values accepted:
+# the ones that ask for what pressroom does anyway; a switch is accepted only in a spelling listed).
+# A flag pressroom has (a field of EngineArgs, a server flag) is never refused: add_refused_args skips it.
+REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
+    ("--pipeline-parallel-size", "-pp"): ("pipeline parallelism is not implemented: split a model with "
+                                          "--tensor-parallel-size (-tp), replicate it with --data-parallel-size "
+                                          "(-dp)", ("1",)),
+    ("--decode-context-parallel-size", "-dcp"): ("context parallelism is not implemented", ("1",)),
+    ("--prefill-context-parallel-size", "-pcp"): ("context parallelism is not implemented", ("1",)),
+    ("--nnodes", "-n"): (_MULTINODE + " (a Ray cluster may host tensor-parallel ranks: --distributed-executor-"
+                                      "backend ray)", ("1",)),
+    ("--node-rank", "-r"): (_MULTINODE, ("0",)),
+    ("--headless",): (_MULTINODE, ()),
+    ("--api-server-count", "-asc"): (_MULTINODE, ("1",)),
+    ("--data-parallel-size-local", "-dpl"): (_MULTINODE + ": every data-parallel core is local", ()),
+    ("--data-parallel-address", "-dpa"): (_MULTINODE, ()),
+    ("--data-parallel-rpc-port", "-dpp"): (_MULTINODE, ()),
+    ("--data-parallel-start-rank", "-dpr"): (_MULTINODE, ()),
+    ("--enable-eplb",): ("expert-parallel load balancing is not implemented", ()),
+    ("--disable-custom-all-reduce",): ("pressroom has no custom all-reduce: tensor-parallel sums are "
+                                       "torch.distributed's (NCCL on CUDA)", ("--disable-custom-all-reduce",)),
+    ("--enable-chunked-prefill", "--no-enable-chunked-prefill"): (
+        "pressroom always prefills long prompts in chunks (--max-num-batched-tokens, --long-prefill-token-"
+        "threshold): it cannot be turned off", ("--enable-chunked-prefill",)),
+    ("--cpu-offload-gb",): ("weights are not offloaded to host memory (KV-cache blocks are: --kv-offloading-size)",
+                            ("0",)),
+    ("--enable-sleep-mode",): ("sleep mode is not implemented", ()),
+    ("--revision",): (_HUB, ()),
+    ("--code-revision",): (_HUB, ()),
+    ("--tokenizer-revision",): (_HUB, ()),
+    ("--download-dir",): (_HUB, ()),
+    ("--hf-token",): (_HUB, ()),
+    ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),
+    ("--generation-config",): ("a checkpoint's generation_config.json sampling defaults are not applied yet: a "
+                               "request's own parameters (or the API's defaults) apply, as vLLM's \"vllm\"",
+                               ("vllm",)),
+    ("--override-generation-config",): ("generation_config.json defaults are not applied yet", ()),
+    ("--structured-outputs-config",): ("structured outputs run on xgrammar with fixed settings; the config is not "
+                                       "read yet", ()),
+    ("--limit-mm-per-prompt",): (_MULTIMODAL, ()),
+    ("--mm-processor-kwargs",): (_MULTIMODAL, ()),
+    ("--allowed-local-media-path",): (_MULTIMODAL, ()),
+    ("--allowed-media-domains",): (_MULTIMODAL, ()),
+    ("--enable-prompt-embeds",): ("prompt embeddings as inputs are not supported", ()),
+    ("--chat-template",): (_CHAT_TEMPLATE, ()),
+    ("--default-chat-template-kwargs",): (_CHAT_TEMPLATE, ()),
+    ("--ssl-keyfile",): (_TLS, ()),
+    ("--ssl-certfile",): (_TLS, ()),
+    ("--ssl-ca-certs",): (_TLS, ()),
+    ("--root-path",): ("serving under a path prefix is not supported yet: strip it in the proxy", ()),
+    ("--uds",): ("listening on a Unix domain socket is not supported yet: use --host and --port", ()),
+    ("--config",): ("a YAML config file is not read yet: give its flags on the command line", ()),
+    ("--middleware",): ("ASGI middleware is not loaded from the command line", ()),
+    ("--return-tokens-as-token-ids",): ("logprobs' tokens as token ids are not supported yet", ()),
+    ("--tool-parser-plugin",): (_PLUGINS, ()),
+    ("--reasoning-parser-plugin",): (_PLUGINS, ()),
+    ("--tool-server",): ("built-in tool servers (MCP) are not supported", ()),
+    ("--logits-processors",): ("custom logits processors are not loaded", ()),
+    ("--compilation-config", "-cc"): (_COMPILE, ()),
+    ("--cudagraph-capture-sizes",): ("pressroom captures its own ladder of batch sizes up to "
+                                     "--max-cudagraph-capture-size", ()),
+    ("--attention-backend",): ("pressroom picks its attention backend by device (Triton on CUDA, C kernels on "
+                               "the CPU)", ()),
+    ("--disable-sliding-window",): ("sliding-window layers always attend within their window", ()),
+    ("--kv-events-config",): ("KV-cache events are not published", ()),
+    ("--scheduler-cls",): (_CLASSES, ()),
+    ("--worker-cls",): (_CLASSES, ()),
+    ("--worker-extension-cls",): (_CLASSES, ()),
+    ("--otlp-traces-endpoint",): (_TRACES, ()),
+    ("--collect-detailed-traces",): (_TRACES, ()),
+    ("--spec-method",): ("give speculative decoding as --speculative-config (JSON)", ()),
+    ("--spec-model",): ("give speculative decoding as --speculative-config (JSON)", ()),
+    ("--spec-tokens",): ("give speculative decoding as --speculative-config (JSON)", ()),
+}
+_SWITCHES = {"--headless", "--enable-eplb", "--disable-custom-all-reduce", "--enable-chunked-prefill",
+             "--enable-sleep-mode", "--enable-prompt-embeds", "--return-tokens-as-token-ids",
+             "--disable-sliding-window"}
+
+
+def add_refused_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags that pressroom cannot honour, each refused by name with its reason (listed in --help). A flag
+    the parser already has is left to it: a flag pressroom learns to honour is never refused."""
+    group = parser.add_argument_group("vLLM flags pressroom cannot honour yet (given, each is an error saying why)")
+    for names, (reason, honoured) in REFUSED_FLAGS.items():
+        if any(name in parser._option_string_actions for name in names):
+            continue
+        shape = {"nargs": 0} if names[0] in _SWITCHES else {"metavar": "VALUE"}
+        group.add_argument(*names, action=RefusedFlag, dest=argparse.SUPPRESS, reason=reason, honoured=honoured,
+                           **shape)
 
 
 def _server_default(name: str) -> Any:

@@ -425,6 +425,15 @@ class DetokenizeRequest(OpenAIModel):
     tokens: TokenIds
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 # ---- responses ----
 
 class CompletionTokensDetails(BaseModel):
@@ -552,6 +561,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pressroom"
     root: str | None = None
+    parent: str | None = None  # an adapter's base model
     max_model_len: int | None = None
 
 

@@ -49,7 +49,8 @@ from pressroom.core.structured_outputs import GrammarSandbox
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
-from pressroom.entrypoints.openai.metrics import ServerMetrics
+from pressroom.entrypoints.openai.lora import Adapters
+from pressroom.entrypoints.openai.metrics import EngineShape, ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -58,7 +59,9 @@ from pressroom.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
@@ -68,6 +71,7 @@ from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIS
 from pressroom.entrypoints.openai.settings import ANY, ServerSettings, host_name
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
 from pressroom.logger import printable
+from pressroom.lora.adapter import check_adapter_files
 
 logger = logging.getLogger("pressroom")
 access_logger = logging.getLogger("pressroom.access")
@@ -306,7 +310,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     names = served_names(settings, engine)
     reasoning = make_parser(settings.reasoning_parser, engine.tokenizer, settings.reasoning_start,
                             settings.reasoning_end)
-    stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests)  # one for all handlers
+    stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests,  # one for all handlers
+                          EngineShape.of(engine.engine.config, engine.max_model_len))
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
     limits = settings.admission_limits
     grammars = GrammarSandbox(engine.tokenizer, timeout_s=limits.max_grammar_compile_seconds,
@@ -319,6 +324,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     completion = OpenAIServingCompletion(*shared)
     chat = OpenAIServingChat(*shared, reasoning, _auto_tool_parser(settings))
     pooling = OpenAIServingPooling(*shared)
+    adapters = served_adapters(settings, engine, names[0])
+    for handler in (utility, completion, chat, pooling):
+        handler.adapters = adapters
 
     @asynccontextmanager
     async def lifespan(_):
@@ -336,8 +344,24 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
     _add_routes(app, utility, completion, chat, pooling)
     _add_middleware(app, settings)
+    stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)
     return app
+
+
+def served_adapters(settings: ServerSettings, engine: AsyncLLMEngine, base_name: str) -> Adapters | None:
+    """The --lora-modules adapters (each checked now: a bad one stops the start, naming it); None without
+    --enable-lora."""
+    config = engine.engine.config.lora
+    if config is None:
+        if settings.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora.")
+        return None
+    adapters = Adapters(base_name)
+    for module in settings.lora_modules:
+        check_adapter_files(module.name, module.path, config.max_lora_rank)
+        adapters.add(module.name, module.path, module.base_model_name)
+    return adapters
 
 
 def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
@@ -403,6 +427,10 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)
     app.get("/v1/models")(utility.models)
+    app.post("/v1/load_lora_adapter", openapi_extra=_request_body(LoadLoRAAdapterRequest),
+             responses=_ERRORS)(utility.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", openapi_extra=_request_body(UnloadLoRAAdapterRequest),
+             responses=_ERRORS)(utility.unload_lora_adapter)
     app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest), responses=_ERRORS)(utility.tokenize)
     app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest), responses=_ERRORS)(utility.detokenize)
     app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),

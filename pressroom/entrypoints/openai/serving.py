@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -30,6 +30,7 @@ from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import BIG_JOB_CHARS, MESSAGES_ON_LOOP, Preprocessor, encode_within
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.limits import AdmissionLimits, OverLimit, RequestCost, judge
+from pressroom.entrypoints.openai.lora import RUNTIME_UPDATING_ENV, Adapters, runtime_updating_allowed
 from pressroom.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
@@ -43,13 +44,17 @@ from pressroom.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     OpenAIModel,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     UsageInfo,
 )
 from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
+from pressroom.lora.adapter import check_adapter_files
+from pressroom.lora.request import LoRARequest
 from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
@@ -106,6 +111,7 @@ class OpenAIServing:
                  max_request_bytes: int, preprocessor: Preprocessor, limits: AdmissionLimits) -> None:
         self.engine, self.names, self.stats = engine, names, stats
         self.max_request_bytes, self.preprocessor, self.limits = max_request_bytes, preprocessor, limits
+        self.adapters: Adapters | None = None  # --enable-lora: the LoRA adapters served by name (set by build_app)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -141,9 +147,14 @@ class OpenAIServing:
             raise APIError(499, "The client closed the connection before sending the whole body.") from None
         return bytes(body)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for a name the server does not serve."""
+        if model is None or model in self.names:
+            return None
+        adapter = self.adapters.get(model) if self.adapters is not None else None
+        if adapter is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return adapter
 
     async def _run(self, fn: Callable[[], T], chars: int = 0) -> T:
         """Runs tokenizer work on the Preprocessor's threads (`chars`: its input's size, which picks the lane); a
@@ -202,7 +213,7 @@ class OpenAIServing:
         return params.clone(structured_outputs=await self.preprocessor.structured_outputs(so, self.engine.vocab_size))
 
     async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
-                       routing: Routing) -> list[AsyncIterator[RequestOutput]]:
+                       routing: Routing, lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
         request's access record gets its id, session and token counts (completion tokens as they come)."""
         record = access_record(request)
@@ -217,8 +228,8 @@ class OpenAIServing:
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
                 added = await self.engine.add_request(req_id, prompt, params, routing.priority, routing.session_id,
                                                       data_parallel_rank=routing.data_parallel_rank,
-                                                      group=rid if len(requests) > 1 else None)
-                streams.append(_count_completion_tokens(self.stats.observe(added), record))
+                                                      group=rid if len(requests) > 1 else None, lora_request=lora)
+                streams.append(_count_completion_tokens(self.stats.observe(added, params), record))
         except BaseException as e:
             for s in streams:
                 await s.aclose()
@@ -292,7 +303,40 @@ class OpenAIServingUtility(OpenAIServing):
     async def models(self) -> dict:
         # root: the served name, as vLLM shows it for a model without a separate base; never a filesystem path
         cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len) for name in self.names]
+        for adapter in (self.adapters.by_name.values() if self.adapters is not None else ()):
+            cards.append(ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=adapter.base_model_name,
+                                   max_model_len=self.engine.max_model_len))
         return ModelList(data=cards).model_dump()
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's run-time adapter loading: a 404 unless VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, a 400 for a
+        server without --enable-lora, a name in use, or files that are no adapter it can serve."""
+        self._check_runtime_lora_updating()
+        req = await self._parse(request, LoadLoRAAdapterRequest)
+        if req.lora_name in self.names:
+            raise APIError(400, f"`{req.lora_name}` is the base model's name.", param="lora_name")
+        config = self.engine.engine.config.lora
+        try:
+            check_adapter_files(req.lora_name, req.lora_path, config.max_lora_rank)
+            self.adapters.add(req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self._check_runtime_lora_updating()
+        req = await self._parse(request, UnloadLoRAAdapterRequest)
+        if self.adapters.remove(req.lora_name) is None:
+            raise APIError(404, f"The LoRA adapter `{req.lora_name}` is not loaded.", param="lora_name",
+                           code="model_not_found")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    def _check_runtime_lora_updating(self) -> None:
+        if not runtime_updating_allowed():
+            raise APIError(404, f"Run-time LoRA updating is off; start the server with {RUNTIME_UPDATING_ENV}=True "
+                           "to load and unload adapters.", code="not_found")
+        if self.adapters is None:
+            raise APIError(400, "This server was started without --enable-lora: it serves no adapters.")
 
     async def tokenize(self, request: Request) -> dict:
         req = await self._parse(request, TokenizeRequest)

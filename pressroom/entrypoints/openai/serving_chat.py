@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
@@ -87,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], routing)
+        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], routing, lora)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))

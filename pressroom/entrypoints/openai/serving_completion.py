@@ -34,7 +34,7 @@ from pressroom.outputs import PositionLogprobs, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self._admit(req.tokens_cost([len(ids) for _, ids in prompts], self.engine.max_model_len))
         rid = random_id("cmpl")
         streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
-                                                     for (text, ids), sp in zip(prompts, params)], routing)
+                                                     for (text, ids), sp in zip(prompts, params)], routing, lora)
         model = req.model or self.names[0]
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))

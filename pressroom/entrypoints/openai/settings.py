@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pressroom.entrypoints.openai.limits import AdmissionLimits
+from pressroom.entrypoints.openai.lora import LoRAModule
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
 REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "none")
@@ -31,6 +32,7 @@ def host_name(authority: str) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
     served_model_name: tuple[str, ...] = ()  # the names clients use, the first reported (none: the model's)
+    lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: adapters served by name (needs --enable-lora)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # `Authorization: Bearer KEY` on every route but /health and the chat page
@@ -89,6 +91,7 @@ class ServerSettings:
         --served-model-name does."""
         model = args.model_tag or args.model
         return cls(served_model_name=tuple(args.served_model_name or ([model] if model else [])),
+                   lora_modules=tuple(LoRAModule.parse(text) for text in getattr(args, "lora_modules", None) or ()),
                    host=args.host, port=args.port, api_key=args.api_key, metrics_auth=not args.disable_metrics_auth,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
