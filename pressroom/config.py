@@ -198,6 +198,9 @@ class SchedulerConfig:
     # since its attention grows with c: a long prompt's later chunks shrink. 0: every token counts 1.
     # EngineArgs sets both by default: the CPU's measured, CUDA's from the model's shape (_prefill_chunking).
     prefill_cost_context: int = 0
+    # --enable-lora's --max-loras: the distinct adapters the running requests may hold (their steps run them all
+    # at once); a request for another waits. 0: no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("long_prefill_token_threshold", "prefill_cost_context"):
@@ -829,6 +832,7 @@ class EngineArgs:
                                max_num_seqs=self.max_num_seqs or default_max_num_seqs(device),
                                policy=self.scheduling_policy,
                                async_scheduling=resolve_async_scheduling(self.async_scheduling, device, speculative),
+                               max_loras=self.max_loras if self.enable_lora else 0,
                                **self._prefill_chunking(device, threads, budget, checkpoint))
 
     def _prefill_chunking(self, device: str, threads: int, budget: int,

@@ -338,6 +338,8 @@ class Scheduler:
             req = entry[2]
             if not req.is_ready() or not grammar_ready(req.grammar):  # a sibling's prompt; a grammar compiling
                 continue
+            if not self._adapter_fits(req):  # --max-loras adapters run already
+                continue
             if req.pooling is None:
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 loaded = self.kv.offloaded_chunks(req, len(hits))
@@ -376,6 +378,13 @@ class Scheduler:
         if admitted:
             self.waiting = [e for e in self.waiting if e[2].status != RequestStatus.RUNNING]
             heapq.heapify(self.waiting)
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether the running requests with `req` hold at most max_loras distinct LoRA adapters."""
+        if req.lora is None or not self.config.max_loras:
+            return True
+        running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return req.lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _fair_order(self) -> Iterator[tuple[tuple, int, Request]]:
         """The waiting entries, best first by `_fair_key`, each group's rank counting its requests running and

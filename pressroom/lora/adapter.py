@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.model.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 
 _PREFIX = "base_model.model."
@@ -153,6 +154,9 @@ def _place(name: str, module: str, a: torch.Tensor, b: torch.Tensor, scaling: fl
         layer = model.get_submodule(owner)
     except AttributeError:
         layer = None
+    if isinstance(layer, FusedMoE):
+        raise ValueError(f"LoRA adapter {name!r} targets {module}, a routed expert: LoRA on MoE experts is not "
+                         "served yet (adapters on attention and dense MLPs are).")
     if not isinstance(layer, LinearBase):
         raise ValueError(f"LoRA adapter {name!r} targets {module}, which the model has no linear layer for.")
     offset, size = _slice(layer, shard, layer_slices(layer))

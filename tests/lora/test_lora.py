@@ -147,3 +147,24 @@ def test_an_adapter_for_another_model_is_refused_naming_the_module(adapters, tmp
     with pytest.raises(ValueError, match=r"'wrong': .*q_proj maps 128 -> 64 features; the model's layer maps 64"):
         load_peft_adapter("wrong", str(wrong), llm.engine.model, 16)
     llm.shutdown()
+
+
+def test_requests_on_more_adapters_than_slots_wait_their_turn(adapters, caplog):
+    """One generate() call over three adapters with --max-loras 1: the scheduler runs one adapter's requests at a
+    time (the others wait; no step fails for holding too many), each output as with a slot for every adapter."""
+    base, paths = adapters
+    loras = requests(paths)
+    names = ["attn-r8", "mlp-r4", "qv-r2", "attn-r8", None, "qv-r2"]
+    prompts = random_prompts(len(names), low=5, high=20, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    chosen = [loras[n] if n else None for n in names]
+    outputs = {}
+    for slots in (1, 4):
+        llm = LLM(base, dtype="float32", kv_cache_memory_gib=0.05, enable_lora=True, max_loras=slots,
+                  max_cpu_loras=4, max_lora_rank=16)
+        outputs[slots] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False,
+                                                                         lora_request=chosen)]
+        llm.shutdown()
+    assert outputs[1] == outputs[4]
+    assert "step of" not in caplog.text and "failed" not in caplog.text
