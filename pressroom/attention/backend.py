@@ -32,6 +32,9 @@ class AttentionMetadata:
     num_kv_splits: int = 1  # split-KV partitions per decode (flash-decoding), chosen by the backend's builder
     plan: object = None  # a backend's per-step precomputation, made by the first layer and reused by the rest
     state: StateMetadata | None = None  # recurrent layers' slots and rounds (models with a recurrent state)
+    # Every layer's module must run its own forward: hooks on them change the step (LoRA adapters), which the
+    # fused CPU decode stacks and captured CUDA graphs would skip.
+    layer_by_layer: bool = False
 
 
 class AttentionMetadataBuilder:

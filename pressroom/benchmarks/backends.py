@@ -25,17 +25,20 @@ PEER_MODEL = CHECKOUT / ".cache" / "smollm2-135m-instruct-hf"
 LLAMA_SCRIPT = CHECKOUT / "benchmarks" / "llama_cpp" / "peer_bench.py"
 
 
-def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int
-                  ) -> tuple[list[float], dict]:
+def run_pressroom(engine_kwargs: dict, workload: Workload, batches: list[list[int]], warmup: int,
+                  loras: list | None = None) -> tuple[list[float], dict]:
     """Wall time of each timed pass (`batches`: prompt indices generated together per pass), and facts
-    about the run: the weight precision actually used and, when speculating, the timed passes' acceptance."""
+    about the run: the weight precision actually used and, when speculating, the timed passes' acceptance.
+    `loras`: LoRA requests prompt i runs with in turn (i mod their count)."""
     from pressroom import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
     precision = _precision(llm)
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos)
 
     def one(indices):
-        llm.generate([{"prompt_token_ids": workload.prompts[i]} for i in indices], params, use_tqdm=False)
+        adapters = [loras[i % len(loras)] for i in indices] if loras else None
+        llm.generate([{"prompt_token_ids": workload.prompts[i]} for i in indices], params, use_tqdm=False,
+                     lora_request=adapters)
 
     for _ in range(warmup):
         one(batches[0][:4])

@@ -9,7 +9,7 @@ from pressroom.benchmarks import backends
 from pressroom.benchmarks.workload import Workload, file_prompts, machine, random_prompts
 
 # pressroom-nospec: the same engine with speculative decoding off, beside a speculative run in one bench
-BACKENDS = ("pressroom", "pressroom-nospec", "hf", "vllm", "llamacpp")
+BACKENDS = ("pressroom", "pressroom-nospec", "pressroom-lora", "hf", "vllm", "llamacpp")
 
 
 def build_workload(args, tokenizer, vocab_size: int, num: int) -> Workload:
@@ -102,7 +102,9 @@ def _run_backends(name: str, args, engine_kwargs: dict, path: str, workload: Wor
 def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Workload, latency: bool) -> dict:
     n = len(workload.prompts)
     batches = latency_batches(args) if latency else [list(range(n))]
-    if name in ("pressroom", "pressroom-nospec"):
+    if name == "pressroom-lora":
+        times, extra = _run_with_adapters(args, engine_kwargs, path, workload, batches)
+    elif name in ("pressroom", "pressroom-nospec"):
         kwargs = dict(engine_kwargs, speculative_config=None) if name == "pressroom-nospec" else engine_kwargs
         times, extra = backends.run_pressroom(kwargs, workload, batches, args.num_iters_warmup)
     else:
@@ -111,6 +113,22 @@ def _run_local(name: str, args, engine_kwargs: dict, path: str, workload: Worklo
     if latency:
         return latency_result(name, workload, len(batches[0]), times, extra)
     return throughput_result(name, workload, times[0], extra)
+
+
+def _run_with_adapters(args, engine_kwargs: dict, path: str, workload: Workload, batches: list[list[int]]
+                       ) -> tuple[list[float], dict]:
+    """pressroom with --num-loras random adapters of rank --lora-rank on every projection, the prompts spread
+    over them in turn (one slot each)."""
+    import tempfile
+    from pathlib import Path
+
+    from pressroom.benchmarks.lora import write_random_adapters
+    from pressroom.model.loader import load_hf_config
+    with tempfile.TemporaryDirectory() as root:
+        loras = write_random_adapters(load_hf_config(path), Path(root), args.num_loras, args.lora_rank)
+        kwargs = dict(engine_kwargs, enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
+        times, extra = backends.run_pressroom(kwargs, workload, batches, args.num_iters_warmup, loras)
+    return times, dict(extra, num_loras=args.num_loras, lora_rank=args.lora_rank)
 
 
 def _ratios(results: list[dict]) -> dict:

@@ -518,6 +518,8 @@ def _add_bench_run_args(b: argparse.ArgumentParser, input_len: int) -> None:
     b.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"], help="the hf backend's dtype")
     b.add_argument("--peer-dtype", default="bfloat16", type=_peer_dtypes,
                    help="the vllm backend's dtype: float32, bfloat16, or both comma-separated (one run each)")
+    b.add_argument("--num-loras", type=int, default=4, help="the pressroom-lora backend's random adapters")
+    b.add_argument("--lora-rank", type=int, default=16, help="the pressroom-lora backend's adapters' rank")
     b.add_argument("--llamacpp-isa", default="avx2", choices=["avx2", "native"],
                    help="the llamacpp backend's build (benchmarks/llama_cpp/setup.sh with LLAMA_ISA=...)")
     b.add_argument("--output-json", default=None, help="write the report here too (default: print only)")

@@ -30,7 +30,6 @@ class LoRAManager:
                        for name, m in model.named_modules() if isinstance(m, LinearBase) and ".layers." in name}
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no decoder linear layers an adapter could update.")
-        _run_layer_by_layer(model)
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> device slot, least recent first
         self.pool: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read adapters, least recent first
         self.device = device
@@ -90,11 +89,3 @@ class LoRAManager:
         self.slots[lora_id] = slot
         return slot
 
-
-def _run_layer_by_layer(model: nn.Module) -> None:
-    """The paths that bypass the layers' forwards (the CPU's fused decode stacks, captured CUDA graphs) would
-    skip the adapters' updates: off for a model that serves adapters."""
-    for m in model.modules():
-        if hasattr(m, "fused_decode"):
-            m.fused_decode = False
-    model.cuda_graphs_supported = False

@@ -171,7 +171,7 @@ class ModelRunner:
         if self.state_cache is not None and meta.state is None:  # a profile's throw-away step: padding slot
             meta.state = StateMetadata.one_round(meta.query_start_loc, [0] * (len(meta.query_start_loc) - 1),
                                                  self.device, meta.num_decodes)
-        if self.graphs is not None and self.graphs.aux_layers == layers:
+        if self.graphs is not None and self.graphs.aux_layers == layers and not meta.layer_by_layer:
             loc = meta.query_start_loc
             key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0], meta.state)
             if key is not None:
@@ -210,6 +210,7 @@ class ModelRunner:
                                                              batch.meta.query_start_loc, batch.meta.num_decodes,
                                                              sched.state_saves)
             adapters = self.lora.step([s.lora for s in batch.order], batch.query_ends) if self.lora else None
+            batch.meta.layer_by_layer = adapters is not None
             with lora_step(adapters):
                 hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
             pooled = self._pool(batch, sched, hidden)

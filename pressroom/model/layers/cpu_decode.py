@@ -145,7 +145,7 @@ def applies(meta: AttentionMetadata, input_ids: torch.Tensor, max_tokens: int | 
     """A step of decodes only (at most max_tokens tokens, None: any number), with the CPU's int64 index
     tensors; with `short_queries`, also short queries after a cached context (a verification of drafts)."""
     tokens = input_ids.shape[0]
-    return (input_ids.device.type == "cpu" and 0 < tokens <= (max_tokens or tokens)
+    return (not meta.layer_by_layer and input_ids.device.type == "cpu" and 0 < tokens <= (max_tokens or tokens)
             and meta.block_tables.dtype == torch.int64 and meta.seq_lens.dtype == torch.int64
             and meta.slot_mapping.dtype == torch.int64 and step_rows(meta, tokens, short_queries) is not None)
 
