@@ -1,0 +1,42 @@
+"""LoRA adapters on CUDA: four adapters and the base model in one batch against PEFT's merged models (fp32, HF on
+the CPU), with CUDA graphs on (steps without adapters replay them; steps with adapters run layer by layer)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200 machine)")]
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "lora"))
+
+from test_lora import ADAPTERS, NEW_TOKENS, merged, requests, write_adapter  # noqa: E402
+
+from pressroom import LLM, SamplingParams  # noqa: E402
+
+
+def test_adapters_match_peft_on_cuda(tmp_path):
+    import transformers
+    from conftest import TINY_SHAPE, hf_greedy, random_prompts
+    base = tmp_path / "base"  # no tokenizer: the GPU image lacks the embedded model
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY_SHAPE)).save_pretrained(base)
+    paths = {}
+    for i, (name, (rank, targets, extra)) in enumerate(ADAPTERS.items()):
+        paths[name] = str(tmp_path / name)
+        write_adapter(str(base), tmp_path / name, rank, targets, seed=10 + i, **dict(extra))
+    loras = requests(paths)
+    names = [*ADAPTERS, None]
+    prompts = random_prompts(len(names), low=5, high=30, seed=3)
+    llm = LLM(str(base), device="cuda", dtype="float32", skip_tokenizer_init=True, enable_lora=True, max_loras=4,
+              max_lora_rank=16, gpu_memory_utilization=0.3)
+    assert llm.engine.core.cuda_graphs
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=[loras[n] if n else None for n in names])
+    for name, prompt, out in zip(names, prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(merged(str(base), paths.get(name)), prompt, NEW_TOKENS)
+    llm.shutdown()
