@@ -1,16 +1,17 @@
 """The low-rank updates of many adapters applied in one forward pass (Punica / S-LoRA's shrink and expand).
 
-Each adaptable linear layer holds every device slot's A and B (`LoRASlots`); a forward hook adds, to the rows of
-the step's tokens that run an adapter, scaling * B (A x) of that adapter's slot: one shrink (x A^T) and one
-expand (. B^T) per adapter present in the step, the rows of each gathered once per step (`LoRAStep`). A fused
-layer (qkv_proj, gate_up_proj) keeps its slices side by side: slice j's A rows at [j R, j R + r) and its B
-columns there too, B zero elsewhere, so one product serves every slice (the zeros add exact zeros).
+Each adaptable linear layer holds every device slot's A and B (`LoRASlots`); a forward hook adds to each token's
+output scaling * B (A x) of its adapter's slot. All slots at once, in two products: the shrink x A_all^T over
+every slot's rows, masked to the token's own slot's (`LoRAStep.mask`: zeros elsewhere, so the others add exact
+zeros), then the expand by B_all. Two products a layer whatever the adapters' number: on the CPU a step's small
+products cost their calls more than their arithmetic. A fused layer (qkv_proj, gate_up_proj) keeps its slices
+side by side: slice j's A rows at [j R, j R + r) and its B columns there too, B zero elsewhere.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,11 +20,21 @@ from pressroom.lora.adapter import LoRAUpdate, layer_slices
 from pressroom.model.layers.linear import LinearBase
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoRAStep:
-    """A step's adapters: (slot, rows) per adapter present, rows the flat token indices that run it (None:
-    every token of the step)."""
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    """A step's adapters: the slot of each of its tokens (-1: the base model)."""
+    token_slots: torch.Tensor  # [tokens] int64, on the device
+    num_slots: int
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, num_slots * width]: 1 over the columns of each token's slot, 0 elsewhere (made once a step
+        for each layer width)."""
+        found = self._masks.get(width)
+        if found is None:
+            columns = torch.arange(self.num_slots * width, device=self.token_slots.device) // width
+            found = self._masks[width] = (columns[None, :] == self.token_slots[:, None]).to(dtype)
+        return found
 
 
 _STEP: LoRAStep | None = None
@@ -41,36 +52,34 @@ def lora_step(step: LoRAStep | None) -> Iterator[None]:
 
 
 class LoRASlots:
-    """One linear layer's adapters in `num_slots` slots: a [slots, S R, in], b [slots, out, S R] (S slices, R the
-    largest rank), scaling folded into b."""
+    """One linear layer's adapters in `num_slots` slots: a [slots * S R, in], b [out, slots * S R] (S slices, R the
+    largest rank; slot s's columns at [s S R, (s + 1) S R)), scaling folded into b."""
 
     def __init__(self, layer: LinearBase, num_slots: int, max_rank: int, dtype: torch.dtype, device) -> None:
         self.slices, self.max_rank = layer_slices(layer), max_rank
-        width = len(self.slices) * max_rank
-        self.a = torch.zeros(num_slots, width, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, layer.out_features, width, dtype=dtype, device=device)
+        self.width = len(self.slices) * max_rank
+        self.a = torch.zeros(num_slots * self.width, layer.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(layer.out_features, num_slots * self.width, dtype=dtype, device=device)
         self.handle = layer.register_forward_hook(self._add_updates)
 
+    def _columns(self, slot: int) -> slice:
+        return slice(slot * self.width, (slot + 1) * self.width)
+
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.a[self._columns(slot)].zero_()
+        self.b[:, self._columns(slot)].zero_()
 
     def write(self, slot: int, update: LoRAUpdate) -> None:
         j = self.slices.index((update.offset, update.size))
-        rank, col = update.a.shape[0], j * self.max_rank
-        self.a[slot, col:col + rank] = update.a.to(self.a.dtype)
-        self.b[slot, update.offset:update.offset + update.size, col:col + rank] = \
+        rank, col = update.a.shape[0], slot * self.width + j * self.max_rank
+        self.a[col:col + rank] = update.a.to(self.a.dtype)
+        self.b[update.offset:update.offset + update.size, col:col + rank] = \
             (update.b * update.scaling).to(self.b.dtype)
 
     def _add_updates(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         step = _STEP
-        if step is None or not step.groups:
+        if step is None:
             return None
         x = inputs[0]
-        for slot, rows in step.groups:
-            if rows is None:
-                output = output + (x @ self.a[slot].t()) @ self.b[slot].t()
-            else:
-                delta = (x.index_select(0, rows) @ self.a[slot].t()) @ self.b[slot].t()
-                output = output.index_add(0, rows, delta.to(output.dtype))
-        return output
+        shrunk = (x @ self.a.t()) * step.mask(self.width, x.dtype)
+        return output + (shrunk @ self.b.t()).to(output.dtype)

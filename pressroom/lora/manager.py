@@ -54,7 +54,8 @@ class LoRAManager:
         return self.pool.pop(lora_int_id, None) is not None or slot is not None
 
     def step(self, loras: Sequence[LoRARequest | None], query_ends: Sequence[int]) -> LoRAStep | None:
-        """The slots and token rows of a step whose i-th request (tokens up to query_ends[i]) runs loras[i]."""
+        """The token slots of a step whose i-th request (tokens up to query_ends[i]) runs loras[i]; None for a step
+        of the base model alone."""
         wanted = {r.lora_int_id: r for r in loras if r is not None}
         if not wanted:
             return None
@@ -63,11 +64,8 @@ class LoRAManager:
         slot_of = {lora_id: self._slot(request, set(wanted)) for lora_id, request in wanted.items()}
         counts = torch.tensor([b - a for a, b in zip([0, *query_ends[:-1]], query_ends)])
         per_request = torch.tensor([slot_of[r.lora_int_id] if r is not None else -1 for r in loras])
-        token_slots = torch.repeat_interleave(per_request, counts)
-        if len(wanted) == 1 and bool((token_slots >= 0).all()):
-            return LoRAStep(((next(iter(slot_of.values())), None),))
-        return LoRAStep(tuple((slot, torch.nonzero(token_slots == slot).squeeze(1).to(self.device))
-                              for slot in slot_of.values()))
+        token_slots = torch.repeat_interleave(per_request, counts).to(self.device)
+        return LoRAStep(token_slots, self.config.max_loras)
 
     def _slot(self, request: LoRARequest, in_step: set[int]) -> int:
         """The adapter's device slot, written there (over the least recently used one not in this step) if
