@@ -316,7 +316,7 @@ class RefusedFlag(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         given = option_string if self.nargs == 0 else values
         if given not in self.honoured:
-            raise argparse.ArgumentError(self, f"pressroom cannot honour it: {self.reason}")
+            raise argparse.ArgumentError(self, f"refused: {self.reason}")
 
 
 _HUB = "models are not fetched from a hub yet: give a local model directory or .gguf file"
@@ -348,8 +348,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--data-parallel-rpc-port", "-dpp"): (_MULTINODE, ()),
     ("--data-parallel-start-rank", "-dpr"): (_MULTINODE, ()),
     ("--enable-eplb",): ("expert-parallel load balancing is not implemented", ()),
-    ("--disable-custom-all-reduce",): ("pressroom has no custom all-reduce: tensor-parallel sums are "
-                                       "torch.distributed's (NCCL on CUDA)", ("--disable-custom-all-reduce",)),
     ("--enable-chunked-prefill", "--no-enable-chunked-prefill"): (
         "pressroom always prefills long prompts in chunks (--max-num-batched-tokens, --long-prefill-token-"
         "threshold): it cannot be turned off", ("--enable-chunked-prefill",)),
@@ -403,7 +401,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--spec-model",): ("give speculative decoding as --speculative-config (JSON)", ()),
     ("--spec-tokens",): ("give speculative decoding as --speculative-config (JSON)", ()),
 }
-_SWITCHES = {"--headless", "--enable-eplb", "--disable-custom-all-reduce", "--enable-chunked-prefill",
+_SWITCHES = {"--headless", "--enable-eplb", "--enable-chunked-prefill",
              "--enable-sleep-mode", "--enable-prompt-embeds", "--return-tokens-as-token-ids",
              "--disable-sliding-window"}
 
@@ -411,7 +409,8 @@ _SWITCHES = {"--headless", "--enable-eplb", "--disable-custom-all-reduce", "--en
 def add_refused_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's flags that pressroom cannot honour, each refused by name with its reason (listed in --help). A flag
     the parser already has is left to it: a flag pressroom learns to honour is never refused."""
-    group = parser.add_argument_group("vLLM flags pressroom cannot honour yet (given, each is an error saying why)")
+    group = parser.add_argument_group("vLLM flags pressroom cannot honour yet: each is an error saying why, but at "
+                                      "the values it lists as accepted (what pressroom does anyway)")
     for names, (reason, honoured) in REFUSED_FLAGS.items():
         if any(name in parser._option_string_actions for name in names):
             continue

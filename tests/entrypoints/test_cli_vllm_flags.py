@@ -3,6 +3,7 @@ the version, the start-up lines, the port checked before the model loads, and vL
 name."""
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import socket
@@ -115,3 +116,57 @@ def test_a_taken_port_fails_before_the_model_loads():
     given = ast.literal_eval(lines[1].split("non-default args: ", 1)[1])
     assert given == {"port": port, "max_model_len": 2000, "device": "cpu", "api_key": "***"}  # -tp 1 is the default
     assert f"ERROR pressroom: port {port} on 127.0.0.1 is in use" in lines[2]
+
+
+# ---- vLLM's flags pressroom cannot honour: refused by name, with the reason ----
+
+def _parse_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as ended:
+        cli.build_parser().parse_args(["serve", *argv])
+    assert ended.value.code == 2
+    return capsys.readouterr().err
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    return next(a for a in cli.build_parser()._actions if a.choices and "serve" in a.choices).choices["serve"]
+
+
+SERVE = _serve_parser()
+
+
+def _refusing_argv(names: tuple[str, ...], honoured: tuple[str, ...]) -> list[str]:
+    """The flag given as pressroom cannot honour it: a switch in a spelling not accepted, else a value not accepted."""
+    if SERVE._option_string_actions[names[0]].nargs == 0:
+        return [next(name for name in names if name not in honoured)]
+    return [names[-1], "7"]
+
+
+@pytest.mark.parametrize("names", cli.REFUSED_FLAGS, ids=lambda names: names[0])
+def test_each_refused_flag_is_an_error_naming_it_and_why(names, capsys):
+    reason, honoured = cli.REFUSED_FLAGS[names]
+    assert all(isinstance(SERVE._option_string_actions[name], cli.RefusedFlag) for name in names)  # none stale
+    err = _parse_error(_refusing_argv(names, honoured), capsys)
+    assert f"argument {'/'.join(names)}: refused: {reason}" in err, err
+
+
+@pytest.mark.parametrize("argv", [["-pp", "1"], ["--nnodes", "1"], ["--enable-chunked-prefill"],
+                                  ["--generation-config", "vllm"], ["--tokenizer-mode", "auto"]], ids=" ".join)
+def test_values_that_ask_for_what_pressroom_does_are_accepted(argv):
+    ns = cli.build_parser().parse_args(["serve", *argv])
+    assert cli.non_default_args(ns) == {}  # accepted, and nothing changed
+    assert _engine_args(*argv) == EngineArgs()
+
+
+def test_accepted_switch_and_its_refused_spelling(capsys):
+    assert "refused: pressroom always prefills long prompts in chunks" in \
+        _parse_error(["--no-enable-chunked-prefill"], capsys)
+    assert "refused: pipeline parallelism is not implemented" in _parse_error(["-pp", "2"], capsys)
+
+
+def test_a_flag_pressroom_has_is_never_refused():
+    assert not isinstance(SERVE._option_string_actions["--tensor-parallel-size"], cli.RefusedFlag)
+    own = argparse.ArgumentParser()
+    own.add_argument("--chat-template", default=None)
+    cli.add_refused_args(own)
+    assert own.parse_args(["--chat-template", "t.jinja"]).chat_template == "t.jinja"
+    assert isinstance(own._option_string_actions["--root-path"], cli.RefusedFlag)
