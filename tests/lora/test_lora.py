@@ -168,3 +168,28 @@ def test_requests_on_more_adapters_than_slots_wait_their_turn(adapters, caplog):
         llm.shutdown()
     assert outputs[1] == outputs[4]
     assert "step of" not in caplog.text and "failed" not in caplog.text
+
+
+def test_adapters_under_speculative_decoding_and_structured_outputs(adapters):
+    """Drafts verified with the adapter's updates (n-gram drafts on a repetitive prompt) keep the adapter's greedy
+    tokens; a JSON-schema request on an adapter answers valid JSON."""
+    from pressroom.sampling_params import StructuredOutputsParams
+    base, paths = adapters
+    lora = requests(paths)["all-r16"]
+    prompt = (random_prompts(1, low=7, high=8, seed=12)[0] * 5)[:32]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.05, enable_lora=True, max_lora_rank=16)
+    plain = LLM(base, **engine)
+    want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)[0]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    shaped = plain.generate("Answer:", SamplingParams(temperature=0, max_tokens=40,
+                                                      structured_outputs=StructuredOutputsParams(json=schema)),
+                            use_tqdm=False, lora_request=lora)[0]
+    assert isinstance(json.loads(shaped.outputs[0].text)["a"], int)
+    plain.shutdown()
+    spec = LLM(base, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+               **engine)
+    got = spec.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert spec.engine.stats().spec.num_draft_tokens > 0
+    spec.shutdown()
