@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -66,8 +68,21 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Accepted and carried as vLLM's; the Rust tokenizers' decode (every fast tokenizer) has no such option, so it
+    # changes the text only where a tokenizer's own decode takes it.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # Only these tokens may be sampled (vLLM's): every other logit is masked.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's rule): a word's last token is masked when the output so far ends with the
+    # tokens before it. LLMEngine tokenizes them into `bad_words_token_ids` (bad_words_token_ids below).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Keep only the prompt's last k tokens (left truncation); -1: max_model_len of them (truncated_prompt below).
+    truncate_prompt_tokens: int | None = None
+    # vLLM's extra_args (the server's `vllm_xargs`): carried for extensions; no in-tree sampling reads them.
+    extra_args: dict[str, Any] | None = None
     # Reasoning models: once this many tokens were generated inside the thinking span without its end
     # marker, the sampler forces `think_end_token_ids` next, then generation goes on with the answer.
     # The span opens after `think_start_token_ids` (in the prompt, as a chat template that opens `<think>`
@@ -91,6 +106,9 @@ class SamplingParams:
             self.think_start_token_ids = list(self.think_start_token_ids)
         if self.think_end_token_ids is not None:
             self.think_end_token_ids = list(self.think_end_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(dict.fromkeys(self.bad_words)) if self.bad_words else None  # vLLM drops repeats
         self._validate()
 
     def _validate(self) -> None:
@@ -122,6 +140,14 @@ class SamplingParams:
              "think_end_token_ids must be a non-empty list of integers."),
             (all(type(t) is int for t in self.think_start_token_ids or []),
              "think_start_token_ids must be integers."),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids is empty."),
+            (all(type(t) is int for t in self.allowed_token_ids or []), "allowed_token_ids must be integers."),
+            (all(isinstance(w, str) and w for w in self.bad_words or []),
+             "bad_words must be non-empty strings."),
+            (self.truncate_prompt_tokens is None or (type(self.truncate_prompt_tokens) is int
+                                                     and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens}."),
         ]
         for ok, message in checks:
             if not ok:
@@ -135,6 +161,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_masks(self) -> bool:
+        """Whether sampling masks tokens by the request's allowed or bad words (the host sampler's work)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stop_strings"}
@@ -156,3 +187,33 @@ def _normalise_logit_bias(bias: dict | None) -> dict[int, float] | None:
             raise ValueError(f"logit_bias values must be finite, got {value} for token {token_id}.")
         out[token_id] = value
     return out
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM makes them: the word (leading spaces stripped) as it starts a text, and
+    again after a space when that spelling starts with a different token but has as many tokens (a word in the
+    middle of a text). `encode` tokenizes without special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if not bare:
+            raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens.")
+        out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
+def truncated_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's rules: None keeps all, -1 means max_model_len,
+    more than max_model_len is a ValueError)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                         "Please, select a smaller truncation size.")
+    return token_ids[-k:]

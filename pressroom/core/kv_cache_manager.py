@@ -248,11 +248,20 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            # an adapter's KV differs from the base model's: its first block's key names it (the chain the rest)
-            extra = f"lora:{request.lora.lora_int_id}".encode() if i == 0 and request.lora is not None else b""
+            extra = _first_block_extra(request) if i == 0 else b""
             hashes.append(hash_block_tokens(parent, self._block_tokens(request, i), extra))
         return hashes[:num_blocks]
 
     def _block_tokens(self, request: Request, i: int) -> list[int]:
         """The token ids of the request's block `i` (its chunk's header carries their digest)."""
         return request.token_ids_between(i * self.block_size, (i + 1) * self.block_size)
+
+
+def _first_block_extra(request: Request) -> bytes:
+    """What besides its tokens keys a request's first block (the chain carries it to the rest): an adapter's id,
+    as its KV differs from the base model's, and the request's cache salt, so that requests with different salts
+    (or none) never share blocks. The salt's part starts with a NUL, which an adapter's part never holds."""
+    extra = f"lora:{request.lora.lora_int_id}".encode() if request.lora is not None else b""
+    if request.cache_salt is not None:
+        extra += b"\0salt:" + request.cache_salt.encode("utf-8", "surrogatepass")
+    return extra

@@ -72,6 +72,7 @@ class Request:
     # Structured outputs: its grammar's compile (core/structured_outputs.py); it waits in the queue until done.
     grammar: Future[CompiledGrammar] | None = None
     lora: LoRARequest | None = None  # the adapter it runs with: its KV is its own (prefix-cache keys)
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
 
     def __post_init__(self) -> None:
         if not self.group:

@@ -12,6 +12,7 @@ requests go on. A request that fails while being added leaves nothing behind.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -43,7 +44,13 @@ from pressroom.outputs import (
 )
 from pressroom.platforms import set_up_process
 from pressroom.pooling_params import PoolingParams
-from pressroom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pressroom.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    bad_words_token_ids,
+    truncated_prompt,
+)
 
 logger = logging.getLogger("pressroom")
 
@@ -179,7 +186,10 @@ class LLMEngine:
                              "(a decoder) to generate.")
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
-        params = self._with_think_markers(params)
+        kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(token_ids):
+            text, token_ids = None, kept  # the text no longer says what the model reads
+        params = self._with_bad_words(self._with_think_markers(params))
         self._validate(request_id, token_ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.max_model_len - len(token_ids))
@@ -304,6 +314,15 @@ class LLMEngine:
         start = markers[0] if params.think_start_token_ids is None else params.think_start_token_ids
         return params.clone(think_start_token_ids=start, think_end_token_ids=markers[1])
 
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """bad_words tokenized, as vLLM does (sampling_params.bad_words_token_ids), for the sampler."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine was started with skip_tokenizer_init.")
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        return params.clone(bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
+
     def _add_bos(self) -> bool:
         return bool(getattr(self.hf_config, "add_bos_token", True))
 
@@ -327,6 +346,10 @@ class LLMEngine:
                 raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
+        if any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids or []):
+            raise ValueError(f"allowed_token_ids must lie in [0, {self.vocab_size}).")
+        if any(not 0 <= t < self.vocab_size for word in params.bad_words_token_ids or [] for t in word):
+            raise ValueError(f"bad_words must tokenize to ids in [0, {self.vocab_size}).")
         for name in ("think_start_token_ids", "think_end_token_ids"):
             if any(not 0 <= t < self.vocab_size for t in getattr(params, name) or []):
                 raise ValueError(f"{name} must lie in [0, {self.vocab_size}).")

@@ -4,6 +4,9 @@ Logprobs are reported from the raw model distribution (before penalties, tempera
 truncation), as vLLM does by default. A seeded request draws its noise from a generator keyed
 by (seed, output position), so its tokens do not depend on batch composition or preemption.
 
+`allowed_token_ids` masks every other token; `bad_words` masks a bad word's last token where the output so far
+ends with the tokens before it (vLLM's rule: the output alone, not the prompt, is matched).
+
 A request with a `thinking_token_budget` that has spent it inside its thinking span gets the
 end-of-thinking token(s) forced: every other logit is masked, so the forced token is sampled like
 any other (it enters the KV cache through the normal path, and its logprob is the model's own).
@@ -29,6 +32,7 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_id: int | None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as tensors (bias_tensors)
+    allowed: torch.Tensor | None = None  # params.allowed_token_ids as a device tensor (allowed_tensor)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
@@ -69,12 +73,15 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     cloned = False
     for i, row in enumerate(rows):
         p = row.params
-        banned = _banned_tokens(row)
+        banned = _banned_tokens(row) + _bad_word_tokens(row)
         forced = forced_token(row)
-        if not (p.logit_bias or p.needs_penalties or banned or forced is not None):
+        if not (p.logit_bias or p.needs_penalties or banned or forced is not None or p.allowed_token_ids):
             continue
         if not cloned:
             logits, cloned = logits.clone(), True
+        if p.allowed_token_ids:
+            _keep_only(logits[i], row.allowed if row.allowed is not None else allowed_tensor(p.allowed_token_ids,
+                                                                                               logits.device))
         if p.logit_bias:
             ids, values = row.logit_bias or bias_tensors(p.logit_bias, logits.device)
             logits[i, ids] += values.to(logits.dtype)
@@ -94,6 +101,28 @@ def bias_tensors(bias: dict[int, float], device: torch.device | str) -> tuple[to
     ids = torch.tensor(list(bias.keys()), dtype=torch.long)
     values = torch.tensor(list(bias.values()), dtype=torch.float32)
     return to_device(ids, device), to_device(values, device)
+
+
+def allowed_tensor(allowed: list[int], device: torch.device | str) -> torch.Tensor:
+    """allowed_token_ids as token ids on `device`, made once per request (its state keeps them)."""
+    return to_device(torch.tensor(allowed, dtype=torch.long), device)
+
+
+def _keep_only(logits: torch.Tensor, allowed: torch.Tensor) -> None:
+    kept = logits[allowed]
+    logits.fill_(_MASK)
+    logits[allowed] = kept
+
+
+def _bad_word_tokens(row: SamplingRow) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far."""
+    out = row.output_token_ids
+    banned = []
+    for word in row.params.bad_words_token_ids or ():
+        prefix = len(word) - 1
+        if prefix <= len(out) and (prefix == 0 or out[-prefix:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def forced_token(row: SamplingRow) -> int | None:
@@ -165,7 +194,7 @@ def needs_host_history(params: SamplingParams) -> bool:
     its step cannot run ahead of the previous step's results under async scheduling)."""
     return bool(params.logprobs is not None or params.prompt_logprobs is not None or params.seed is not None
                 or params.logit_bias or params.needs_penalties or params.min_tokens
-                or params.thinking_token_budget is not None)
+                or params.thinking_token_budget is not None or params.needs_token_masks)
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None

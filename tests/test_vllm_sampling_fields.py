@@ -1,0 +1,73 @@
+"""vLLM's request fields below the server: allowed_token_ids and bad_words in the sampler, bad words tokenized as
+vLLM tokenizes them, truncate_prompt_tokens' rules, and the cache salt in the prefix cache's block keys."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.request import Request
+from pressroom.sampling_params import SamplingParams, bad_words_token_ids, truncated_prompt
+from pressroom.worker.sampler import SamplingRow, needs_host_history, sample
+
+VOCAB = 8
+LOGITS = [0.5, 2.0, -1.0, 1.0, -3.0, 1.5, 0.0, -0.5]  # greedy: 1, then 5, then 3
+
+
+def _greedy(params: SamplingParams, output: list[int] = ()) -> int:
+    row = SamplingRow(params, [0], list(output), eos_token_id=None)
+    tokens, _ = sample(torch.tensor([LOGITS]), [row])
+    return tokens[0]
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    assert _greedy(SamplingParams(temperature=0.0)) == 1
+    assert _greedy(SamplingParams(temperature=0.0, allowed_token_ids=[2, 3, 6])) == 3
+    rows = [SamplingRow(SamplingParams(seed=s, allowed_token_ids=[4, 7]), [0], [], None) for s in range(40)]
+    tokens, _ = sample(torch.tensor([LOGITS] * len(rows)), rows)
+    assert set(tokens) == {4, 7}  # sampled, never outside the set, however unlikely the allowed ones are
+
+
+def test_bad_words_mask_a_words_last_token_once_its_prefix_ends_the_output():
+    params = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[1], [6, 5]])
+    assert _greedy(params) == 5  # a one-token word is always banned
+    assert _greedy(params, [6]) == 3  # the output ends with the word's first token: its last is banned
+    assert _greedy(params, [6, 2]) == 5  # not right after it: allowed
+    assert needs_host_history(params) and needs_host_history(SamplingParams(allowed_token_ids=[1]))
+
+
+def test_bad_words_tokenized_with_and_without_a_leading_space():
+    vocab = {"foo": [10], " foo": [11], "a b": [1, 2], " a b": [3, 2], "ab": [4, 5], " ab": [6]}
+    out = bad_words_token_ids(["foo", " a b", "ab"], vocab.__getitem__)
+    # " a b" is stripped first; " ab" has fewer tokens than "ab", so only "ab" itself is banned (vLLM's rule)
+    assert out == [[10], [11], [1, 2], [3, 2], [4, 5]]
+    with pytest.raises(ValueError, match="no tokens"):
+        bad_words_token_ids(["z"], lambda text: [])
+
+
+def test_truncate_prompt_tokens_rules():
+    ids = list(range(10))
+    assert truncated_prompt(ids, 3, 16) == [7, 8, 9]
+    assert truncated_prompt(ids, -1, 4) == [6, 7, 8, 9]  # -1: max_model_len
+    assert truncated_prompt(ids, None, 4) == ids
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        truncated_prompt(ids, 17, 16)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])
+
+
+def _req(rid: str, salt: str | None) -> Request:
+    return Request(rid, list(range(10)), SamplingParams(max_tokens=4), eos_token_id=None, cache_salt=salt)
+
+
+def test_cache_salt_keeps_prefix_blocks_apart():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    assert kv.allocate_slots(_req("a", "s1"), 10)
+    assert kv.get_computed_blocks(_req("b", "s1"))[1] == 8  # equal salts share
+    assert kv.get_computed_blocks(_req("c", "s2"))[1] == 0  # a different salt finds nothing
+    assert kv.get_computed_blocks(_req("d", None))[1] == 0  # nor does no salt
