@@ -21,6 +21,7 @@ templates and tokenizer calls in chat_template.py.
 from __future__ import annotations
 
 import asyncio
+import copy
 import errno
 import gc
 import hmac
@@ -70,7 +71,7 @@ from pressroom.entrypoints.openai.serving_completion import OpenAIServingComplet
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
 from pressroom.entrypoints.openai.settings import ANY, ServerSettings, host_name
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
-from pressroom.logger import printable
+from pressroom.logger import DATE_FORMAT, printable
 from pressroom.lora.adapter import check_adapter_files
 
 logger = logging.getLogger("pressroom")
@@ -540,6 +541,15 @@ def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | N
         return _serve_on(sock, settings, engine_kwargs, started)
 
 
+def _uvicorn_log_config() -> dict:
+    """uvicorn's logging, its lines timestamped as pressroom's are."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+        formatter["datefmt"] = DATE_FORMAT
+    return config
+
+
 def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict, started: float) -> int:
     from pressroom.config import EngineArgs
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
@@ -564,7 +574,7 @@ def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict
     grace = max(0.0, settings.shutdown_timeout)
     header_timeout = settings.body_read_timeout
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                            access_log=settings.uvicorn_access_log,
+                            access_log=settings.uvicorn_access_log, log_config=_uvicorn_log_config(),
                             timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S,
                             http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
     server = _GracefulServer(config, engine, grace)
