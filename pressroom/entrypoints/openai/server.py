@@ -25,7 +25,9 @@ import copy
 import errno
 import gc
 import hmac
+import json
 import logging
+import os
 import socket
 import time
 from contextlib import asynccontextmanager
@@ -35,7 +37,7 @@ import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
@@ -302,6 +304,9 @@ def _auto_tool_parser(settings: ServerSettings) -> type[ToolCallStream] | None:
     return TOOL_PARSERS[name]
 
 
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for its development routes (/server_info, /sleep, ...)
+
+
 def served_names(settings: ServerSettings, engine: AsyncLLMEngine) -> list[str]:
     """The names clients use, the first reported: the settings' or else the model's."""
     return list(settings.served_model_name) or [Path(str(engine.model_path)).stem]
@@ -425,6 +430,13 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
     app.get("/", include_in_schema=False)(_chat_page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.get("/health")(utility.health)
+    app.api_route("/ping", methods=["GET", "POST"])(utility.health)  # SageMaker's health check
+    app.post("/invocations", responses=_ERRORS)(_invocations(utility, completion, chat, pooling))
+    if os.environ.get(DEV_MODE_ENV, "").strip().lower() in ("1", "true"):
+        app.get("/server_info")(utility.server_info)
+        app.get("/is_sleeping")(utility.is_sleeping)
+        app.post("/sleep")(utility.sleep)
+        app.post("/wake_up")(utility.sleep)
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)
     app.get("/v1/models")(utility.models)
@@ -444,6 +456,29 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
     _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
+
+
+def _invocations(utility: OpenAIServingUtility, completion: OpenAIServingCompletion, chat: OpenAIServingChat,
+                 pooling: OpenAIServingPooling):
+    """SageMaker's /invocations, as vLLM serves it: a chat request (`messages`), a completion (`prompt`) or
+    embeddings (`input`), told apart by the body's fields."""
+    async def invocations(request: Request) -> Response:
+        raw = await utility.read_body_once(request)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"The body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The body must be a JSON object.")
+        if "messages" in body:
+            return await chat.chat_completions(request)
+        if "prompt" in body:
+            return await completion.completions(request)
+        if "input" in body:
+            return await pooling.embeddings(request)
+        raise APIError(400, "Cannot tell the request's type: /invocations takes a chat request (messages), a "
+                       "completion (prompt) or embeddings (input).")
+    return invocations
 
 
 async def _chat_page() -> FileResponse:

@@ -293,6 +293,24 @@ class OpenAIServingUtility(OpenAIServing):
     async def version(self) -> dict:
         return {"version": pressroom.__version__}
 
+    async def server_info(self) -> dict:
+        """vLLM's dev-mode /server_info: the version and the engine's resolved configuration."""
+        return {"version": pressroom.__version__, "vllm_config": repr(self.engine.engine.config)}
+
+    async def is_sleeping(self) -> dict:
+        return {"is_sleeping": False}  # pressroom has no sleep mode (--enable-sleep-mode is refused)
+
+    async def sleep(self) -> Response:
+        raise APIError(400, "pressroom has no sleep mode: its weights and KV cache stay on the device while it "
+                       "serves (vLLM's --enable-sleep-mode is refused at start).")
+
+    async def read_body_once(self, request: Request) -> bytes:
+        """The body, held to --max-request-bytes, kept on the request so that a handler it is passed to reads it
+        again (SageMaker's /invocations dispatches on its fields)."""
+        raw = await self._read_body(request)
+        request._body = raw  # Starlette's cache: request.stream() yields it from here on
+        return raw
+
     async def metrics(self) -> Response:
         try:
             stats = await self.engine.engine_stats()

@@ -1,0 +1,29 @@
+"""vLLM's extra routes on the tiny server: SageMaker's /ping and /invocations (dispatched by the body's fields as
+vLLM does), and the development routes absent unless VLLM_SERVER_DEV_MODE is set."""
+from __future__ import annotations
+
+import httpx
+
+
+def test_ping_answers_as_health(tiny_server):
+    assert httpx.get(f"{tiny_server}/ping").status_code == 200
+    assert httpx.post(f"{tiny_server}/ping").status_code == 200
+
+
+def test_invocations_dispatch_by_the_bodys_fields(tiny_server):
+    chat = httpx.post(f"{tiny_server}/invocations", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3}, timeout=60)
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = httpx.post(f"{tiny_server}/invocations", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    neither = httpx.post(f"{tiny_server}/invocations", json={"text": "hi"})
+    assert neither.status_code == 400 and "Cannot tell the request's type" in neither.json()["error"]["message"]
+    assert httpx.post(f"{tiny_server}/invocations", content=b"{not json").status_code == 400
+    bad_chat = httpx.post(f"{tiny_server}/invocations", json={"messages": "not a list"})
+    assert bad_chat.status_code == 400  # the chat handler's own validation, on the body read once
+
+
+def test_development_routes_need_dev_mode(tiny_server):
+    for path in ("/server_info", "/is_sleeping"):
+        assert httpx.get(f"{tiny_server}{path}").status_code == 404
+    assert httpx.post(f"{tiny_server}/sleep").status_code == 404
