@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_NUM_BAD_WORDS = 128  # token sequences a request's bad_words may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS)
 
 
 class RequestOutputKind(enum.Enum):
@@ -192,7 +193,8 @@ def _normalise_logit_bias(bias: dict | None) -> dict[int, float] | None:
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """Each bad word's token ids, as vLLM makes them: the word (leading spaces stripped) as it starts a text, and
     again after a space when that spelling starts with a different token but has as many tokens (a word in the
-    middle of a text). `encode` tokenizes without special tokens."""
+    middle of a text). `encode` tokenizes without special tokens. More than MAX_NUM_BAD_WORDS sequences are a
+    ValueError, raised as soon as they are (a long list costs no more tokenizing than that)."""
     out: list[list[int]] = []
     for word in words:
         bare = encode(word.lstrip())
@@ -202,6 +204,8 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
         spaced = encode(" " + word.lstrip())
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             out.append(spaced)
+        if len(out) > MAX_NUM_BAD_WORDS:
+            raise ValueError(f"Too many bad words after tokenization: more than {MAX_NUM_BAD_WORDS}, the maximum.")
     return out
 
 
@@ -213,6 +217,8 @@ def truncated_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, m
         return token_ids
     if k == -1:
         k = max_model_len
+    if k < 1:
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}.")
     if k > max_model_len:
         raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
                          "Please, select a smaller truncation size.")

@@ -7,7 +7,7 @@ import torch
 
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.request import Request
-from pressroom.sampling_params import SamplingParams, bad_words_token_ids, truncated_prompt
+from pressroom.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams, bad_words_token_ids, truncated_prompt
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample
 
 VOCAB = 8
@@ -43,6 +43,10 @@ def test_bad_words_tokenized_with_and_without_a_leading_space():
     assert out == [[10], [11], [1, 2], [3, 2], [4, 5]]
     with pytest.raises(ValueError, match="no tokens"):
         bad_words_token_ids(["z"], lambda text: [])
+    calls = []
+    with pytest.raises(ValueError, match="Too many bad words"):
+        bad_words_token_ids([f"w{i}" for i in range(1000)], lambda text: calls.append(text) or [len(calls)])
+    assert len(calls) <= 2 * (MAX_NUM_BAD_WORDS + 1)  # stops once over the cap
 
 
 def test_truncate_prompt_tokens_rules():
@@ -52,6 +56,8 @@ def test_truncate_prompt_tokens_rules():
     assert truncated_prompt(ids, None, 4) == ids
     with pytest.raises(ValueError, match="greater than max_model_len"):
         truncated_prompt(ids, 17, 16)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        truncated_prompt(ids, 0, 16)
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)

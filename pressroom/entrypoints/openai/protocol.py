@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, mo
 
 from pressroom.core.structured_outputs import grammar_source
 from pressroom.entrypoints.openai.limits import RequestCost
-from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
+from pressroom.sampling_params import SamplingParams, StructuredOutputsParams, truncated_prompt
 
 MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default; the engine's own bound (MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -183,8 +183,36 @@ class _SamplingRequest(OpenAIModel):
     data_parallel_rank: EngineInt | None = None  # the engine core to serve it (vLLM's); or X-data-parallel-rank
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's extra fields, honoured as vLLM honours them
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: TokenIds | None = None
+    bad_words: Texts | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: max_model_len; SamplingParams checks
+    return_token_ids: bool | None = None  # the response carries prompt_token_ids and each choice's token_ids
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None  # SamplingParams.extra_args
 
     prompt_param: ClassVar[str]  # the field that holds the prompt(s)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return salt
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it (ValueError: more than max_model_len asked for)."""
+        return truncated_prompt(token_ids, self.truncate_prompt_tokens, max_model_len)
+
+    def prompt_dict(self, token_ids: list[int], text: str | None = None) -> dict[str, Any]:
+        """The engine's prompt: its token ids, its text where it still says what they hold, and the cache salt."""
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        if text is not None:
+            prompt["prompt"] = text
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
     def cost(self) -> RequestCost:
         """What the body asks for before its prompts are tokenized: samples, prompts, stop strings, logit_bias,
@@ -264,6 +292,11 @@ class _SamplingRequest(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self._structured_outputs(),
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            extra_args=self.vllm_xargs or None,
             **extra,
         )
 
@@ -460,6 +493,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # return_token_ids (vLLM's): whole, both; streamed, the prompt's in a choice's first chunk and each chunk's new ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -520,6 +556,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -529,6 +566,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's)
 
 
 class DeltaMessage(BaseModel):
@@ -544,6 +582,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids new in this chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -553,6 +592,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk only
 
 
 class ModelCard(BaseModel):

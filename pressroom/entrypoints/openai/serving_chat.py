@@ -72,9 +72,14 @@ class OpenAIServingChat(OpenAIServing):
         lora = self._check_model(req.model)
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
+        truncating = req.truncate_prompt_tokens is not None  # then only the kept tail counts against the context
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.template_kwargs, req.chat_template, tools.template_tools,
-                                   max_tokens=self.engine.max_model_len)
+                                   max_tokens=None if truncating else self.engine.max_model_len)
+        try:
+            ids = req.truncated(ids, self.engine.max_model_len)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
         params = self._with_tool_schema(self._sampling_params(req, req.requested_max_tokens, ids, "messages"), tools)
         self._admit(req.tokens_cost([len(ids)], self.engine.max_model_len))
         if tools.auto and self._tool_markers_special:
@@ -87,15 +92,16 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         rid = random_id("chatcmpl")
-        streams = await self._add_all(request, rid, [({"prompt_token_ids": ids}, params)], routing, lora)
+        streams = await self._add_all(request, rid, [(req.prompt_dict(ids), params)], routing, lora)
         model = req.model or self.names[0]
         if req.stream:
-            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools))
+            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools, ids))
         out = (await with_disconnect(request, collect_finals(streams)))[0]
 
         def response() -> ChatCompletionResponse:
             choices = [self._choice(c, req, opens, tools) for c in out.outputs]
-            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, opens))
+            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, opens),
+                                          prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
         return await json_response(response, "choices", output_values([out], req.top_logprobs))
 
     @staticmethod
@@ -118,7 +124,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoice(
             index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
-            finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
+            finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if req.return_token_ids else None)
 
     def _chat_usage(self, out: RequestOutput, opens: bool) -> UsageInfo:
         usage = usage_of([out])
@@ -141,15 +148,18 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_chunks(self, rid: str, model: str, req: ChatCompletionRequest,
                            stream: AsyncIterator[RequestOutput], opens: bool = False,
-                           tools: ToolPlan | None = None) -> AsyncIterator[str]:
+                           tools: ToolPlan | None = None, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
+        """`prompt_ids`: the prompt's token ids, which return_token_ids sends in the first chunk (vLLM's)."""
         created = int(time.time())
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            return sse_data(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
+            return sse_data(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
+                                                prompt_token_ids=prompt_token_ids))
 
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(req.n)])
-        sent_text, sent_lp, done = [0] * req.n, [0] * req.n, [False] * req.n
+                     for i in range(req.n)], prompt_token_ids=list(prompt_ids or []) if req.return_token_ids else None)
+        sent_text, sent_lp, sent_ids, done = [0] * req.n, [0] * req.n, [0] * req.n, [False] * req.n
         splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
         callers = [tools.make_stream() for _ in range(req.n)] if tools and tools.make_stream else None
         final = None
@@ -175,11 +185,15 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # all held back: nothing to send yet
                     deltas = _delta_messages(reasoning, content, calls)
                     finish = _finish_reason(c.finish_reason, callers is not None and callers[c.index].calls_begun > 0)
+                    # the ids new since the last chunk sent (held-back text keeps its ids for the chunk that sends it)
+                    new_ids = list(c.token_ids[sent_ids[c.index]:]) if req.return_token_ids else None
+                    sent_ids[c.index] = len(c.token_ids)
                     for k, d in enumerate(deltas):
                         last = k == len(deltas) - 1
                         yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
                                                      finish_reason=finish if last else None,
-                                                     stop_reason=c.stop_reason if last else None)])
+                                                     stop_reason=c.stop_reason if last else None,
+                                                     token_ids=new_ids if k == 0 else None)])
                 if out.finished:
                     final = out
         except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)

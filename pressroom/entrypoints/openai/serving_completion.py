@@ -44,11 +44,11 @@ class OpenAIServingCompletion(OpenAIServing):
             given = _prompt_list(req.prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        prompts = await self._prompt_ids(given, "prompt")
+        prompts = await self._completion_prompts(req, given)
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
         self._admit(req.tokens_cost([len(ids) for _, ids in prompts], self.engine.max_model_len))
         rid = random_id("cmpl")
-        streams = await self._add_all(request, rid, [({"prompt": text, "prompt_token_ids": ids}, sp)
+        streams = await self._add_all(request, rid, [(req.prompt_dict(ids, text), sp)
                                                      for (text, ids), sp in zip(prompts, params)], routing, lora)
         model = req.model or self.names[0]
         if req.stream:
@@ -60,6 +60,22 @@ class OpenAIServingCompletion(OpenAIServing):
                        for choice in self._completion_choices(out, req, i * req.n)]
             return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
         return await json_response(response, "choices", output_values(finals, req.logprobs))
+
+    async def _completion_prompts(self, req: CompletionRequest, given: list[str | list[int]]
+                                  ) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt, truncated as truncate_prompt_tokens asks (a text's own text is
+        dropped where its tokens were: echo then shows what the model read)."""
+        if req.truncate_prompt_tokens is None:
+            return await self._prompt_ids(given, "prompt")
+        engine = self.engine
+        # tokenized whole, as the kept tail is what counts against the context
+        whole = await self._run(lambda: [engine.tokenize_prompt(p) for p in given],
+                                sum(len(p) for p in given if isinstance(p, str)))
+        try:
+            kept = [req.truncated(ids, engine.max_model_len) for _, ids in whole]
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
+        return [(text if len(ids) == len(k) else None, k) for (text, ids), k in zip(whole, kept)]
 
     def _completion_choices(self, out: RequestOutput, req: CompletionRequest, base: int) -> list[CompletionChoice]:
         prefix = self._echoed_prompt(out) if req.echo else ""
@@ -74,7 +90,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     tokens = list(out.prompt_token_ids) + tokens
                 logprobs = self._completion_logprobs(tokens, positions, req.logprobs)
             choices.append(CompletionChoice(index=base + c.index, text=prefix + c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            **_token_ids(req, out.prompt_token_ids, list(c.token_ids))))
         return choices
 
     def _completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
@@ -98,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                  streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         created = int(time.time())
         total = len(streams) * req.n
-        sent_text, sent_lp, done = [0] * total, [0] * total, [False] * total
+        sent_text, sent_lp, sent_ids, done = [0] * total, [0] * total, [0] * total, [False] * total
         echoed = [not req.echo] * total
         finals: dict[int, RequestOutput] = {}
         try:
@@ -117,9 +134,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         sent_lp[k] = len(c.token_ids)
                     if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
                         continue
+                    # the prompt's ids go in the choice's first chunk (no chunk is sent before its first token)
+                    ids = _token_ids(req, None if sent_ids[k] else out.prompt_token_ids, c.token_ids[sent_ids[k]:])
                     sent_text[k], done[k], echoed[k] = len(c.text), c.finish_reason is not None, True
+                    sent_ids[k] = len(c.token_ids)
                     choice = CompletionChoice(index=k, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason)
+                                              stop_reason=c.stop_reason, **ids)
                     yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
                 if out.finished:
                     finals[i] = out
@@ -147,3 +167,10 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
+
+
+def _token_ids(req: CompletionRequest, prompt_ids: list[int] | None, ids: list[int]) -> dict[str, list[int] | None]:
+    """A choice's `prompt_token_ids` and `token_ids` where return_token_ids asks for them (vLLM's)."""
+    if not req.return_token_ids:
+        return {}
+    return {"prompt_token_ids": None if prompt_ids is None else list(prompt_ids), "token_ids": list(ids)}
