@@ -77,3 +77,21 @@ def test_cache_salt_keeps_prefix_blocks_apart():
     assert kv.get_computed_blocks(_req("b", "s1"))[1] == 8  # equal salts share
     assert kv.get_computed_blocks(_req("c", "s2"))[1] == 0  # a different salt finds nothing
     assert kv.get_computed_blocks(_req("d", None))[1] == 0  # nor does no salt
+
+
+def test_llm_generate_honours_them_beside_a_plain_request(tiny_model_dir):
+    """Offline, under async scheduling, in one batch with a plain request (which alone would sample on the device)."""
+    from pressroom import LLM
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05, async_scheduling=True)
+    try:
+        prompt = {"prompt_token_ids": list(range(100, 140))}
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        plain = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        allowed = greedy.clone(temperature=1.0, seed=5, allowed_token_ids=[7, 70, 700])
+        truncated = greedy.clone(truncate_prompt_tokens=9)
+        outs = llm.generate([prompt] * 3, [greedy, allowed, truncated], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == plain
+        assert set(outs[1].outputs[0].token_ids) <= {7, 70, 700}
+        assert outs[2].prompt_token_ids == list(range(131, 140))
+    finally:
+        llm.shutdown()
