@@ -21,6 +21,23 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's `LLM.reset_prefix_cache`); False, changing nothing, while requests
+        run (none do between this API's calls)."""
+        core = self.engine.core
+        if not hasattr(core, "kv_cache"):
+            raise ValueError("reset_prefix_cache needs the engine core in this process (data_parallel_size 1).")
+        if core.has_unfinished_requests():
+            return False
+        core.kv_cache.reset_prefix_cache()
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        raise ValueError("pressroom has no sleep mode (vLLM's enable_sleep_mode): its weights and KV cache stay on "
+                         "the device; call shutdown() to free them.")
+
+    wake_up = sleep
+
     def shutdown(self) -> None:
         """Frees the model, its KV cache and the device memory they held, now (not at the next garbage
         collection). The LLM cannot generate afterwards. `with LLM(...) as llm:` and `del llm` call it."""

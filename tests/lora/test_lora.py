@@ -193,3 +193,4 @@ def test_adapters_under_speculative_decoding_and_structured_outputs(adapters):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert spec.engine.stats().spec.num_draft_tokens > 0
     spec.shutdown()
+
