@@ -30,6 +30,7 @@ UINT64_MAX = (1 << 64) - 1
 EngineInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # SamplingParams checks what each one means
 PRIORITY_MIN, PRIORITY_MAX = INT64_MIN, INT64_MAX
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]  # the scheduler's order: lower runs first
+XargValue = str | int | float  # vLLM's vllm_xargs values (its integers checked to fit the core's messages)
 # The sampler hashes any seed to 63 bits; the core receives int64 or uint64, as torch.Generator.manual_seed takes.
 Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
 
@@ -190,7 +191,7 @@ class _SamplingRequest(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: max_model_len; SamplingParams checks
     return_token_ids: bool | None = None  # the response carries prompt_token_ids and each choice's token_ids
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
-    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None  # SamplingParams.extra_args
+    vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None  # SamplingParams.extra_args
 
     prompt_param: ClassVar[str]  # the field that holds the prompt(s)
 
@@ -200,6 +201,15 @@ class _SamplingRequest(OpenAIModel):
         if salt is not None and not salt:
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         return salt
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def xargs_fit_int64(cls, xargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (xargs or {}).items():
+            for item in value if isinstance(value, list) else [value]:
+                if type(item) is int and not INT64_MIN <= item <= INT64_MAX:
+                    raise ValueError(f"vllm_xargs[{key!r}]: integers must fit in 64 signed bits.")
+        return xargs
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as truncate_prompt_tokens keeps it (ValueError: more than max_model_len asked for)."""
