@@ -8,6 +8,7 @@ import torch
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.request import Request
 from pressroom.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams, bad_words_token_ids, truncated_prompt
+from pressroom.worker.rejection_sampler import verify
 from pressroom.worker.sampler import SamplingRow, needs_host_history, sample
 
 VOCAB = 8
@@ -34,6 +35,16 @@ def test_bad_words_mask_a_words_last_token_once_its_prefix_ends_the_output():
     assert _greedy(params, [6]) == 3  # the output ends with the word's first token: its last is banned
     assert _greedy(params, [6, 2]) == 5  # not right after it: allowed
     assert needs_host_history(params) and needs_host_history(SamplingParams(allowed_token_ids=[1]))
+
+
+def test_bad_words_see_the_drafts_before_each_verified_position():
+    """Speculative verification: the history at draft j's position holds the drafts before it."""
+    params = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[1, 5]])
+    rows = [SamplingRow(params, [0], [6] + drafts, None) for drafts in ([], [1], [1, 5])]
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 1] = logits[1, 5] = logits[2, 3] = 9.0  # the target's own choices: 1, then 5, then 3
+    logits[1, 2] = 8.0  # its second choice after 1
+    assert verify(logits, rows, [1, 5], None, None) == [1, 2]  # unbanned: [1, 5, 3]
 
 
 def test_bad_words_tokenized_with_and_without_a_leading_space():
