@@ -49,6 +49,7 @@ class CoreRequest:
     # group; None: the group of the sibling it follows, else its own (core/request.py)
     group: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    cache_salt: str | None = None  # keys its prefix-cache blocks apart from other salts' (vLLM's cache_salt)
 
 
 @dataclass(slots=True)
@@ -291,7 +292,8 @@ class EngineCore:
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
                       request.arrival_time, request.priority, follows=lead, group=request.group or "",
                       pooling=request.pooling,
-                      whole_prompt=request.pooling is not None and self.config.model.encoder_only, lora=request.lora)
+                      whole_prompt=request.pooling is not None and self.config.model.encoder_only, lora=request.lora,
+                      cache_salt=request.cache_salt)
         if request.params.structured_outputs is not None:
             req.grammar = self.grammars.compile(request.params.structured_outputs)
             self._compiling[req.request_id] = time.monotonic() + COMPILE_TIMEOUT_S

@@ -185,6 +185,7 @@ class LLMEngine:
                              "/pooling, /score and /rerank, not generation. Start it with --runner generate "
                              "(a decoder) to generate.")
         params = params or SamplingParams()
+        salt = _cache_salt(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
@@ -217,7 +218,7 @@ class LLMEngine:
                 self.child_to_parent[child.request_id] = (parent, child)
                 self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
                                                   data_parallel_rank=data_parallel_rank, group=group,
-                                                  lora=lora_request))
+                                                  lora=lora_request, cache_salt=salt))
                 lead = lead or child.request_id
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
@@ -512,6 +513,14 @@ class LLMEngine:
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's TextPrompt / TokensPrompt key): a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("cache_salt must be a non-empty string if provided.")
+    return salt
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:

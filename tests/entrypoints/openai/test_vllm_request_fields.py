@@ -13,8 +13,6 @@ import httpx
 import openai
 import pytest
 
-from pressroom.engine.core import CoreRequest
-
 MODEL = "tiny"
 PROMPT = "The capital of France is"
 
@@ -110,8 +108,6 @@ def _cached_tokens(url: str) -> float:
                if s.name.endswith(":prompt_tokens_cached_total"))  # vLLM's family, under the server's prefix
 
 
-@pytest.mark.skipif("cache_salt" not in CoreRequest.__dataclass_fields__,
-                    reason="needs CoreRequest.cache_salt (engine/core.py) to carry the salt to the core")
 def test_cache_salt_isolates_the_prefix_cache(client, tiny_server):
     prompt = f"{uuid.uuid4().hex} " + " ".join(["word"] * 60)  # unseen: no earlier request cached it
 
