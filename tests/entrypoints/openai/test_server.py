@@ -32,7 +32,11 @@ def _metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     text = httpx.get(f"{url}/metrics", headers=headers).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    totals: dict[str, float] = {}  # each name's samples summed over their labels (finish reasons, engines)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return totals
 
 
 def _labelled(url: str, api_key: str, name: str, **labels: str) -> float:
