@@ -247,6 +247,11 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                         "connection its first request's headers (closed after); 0: no limit")
     server.add_argument("--max-concurrent-requests", type=int, default=_server_default("max_concurrent_requests"),
                         help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
+    server.add_argument("--chat-template", default=None,
+                        help="a chat template (a file, or the template itself) in place of the tokenizer's")
+    server.add_argument("--default-chat-template-kwargs", default=None,
+                        help='template variables every request has unless it sets them, a JSON object, e.g. '
+                             '{"enable_thinking": false}')
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a `chat_template` in chat and tokenize requests (rendered sandboxed, with "
                              "time and size limits, either way)")
@@ -323,7 +328,6 @@ _HUB = "models are not fetched from a hub yet: give a local model directory or .
 _MULTINODE = "pressroom runs on one node behind one API server"
 _MULTIMODAL = "pressroom serves text models only: no image, audio or video inputs"
 _TLS = "HTTPS is not served yet: put a TLS-terminating proxy in front"
-_CHAT_TEMPLATE = "pressroom renders the model's own chat template; another from the command line is not read yet"
 _PLUGINS = "parsers are built in (--tool-call-parser, --reasoning-parser): plug-ins are not loaded"
 _CLASSES = "pressroom's scheduler and workers cannot be replaced by a class"
 _COMPILE = ("pressroom compiles nothing with torch.compile: CUDA graphs follow -O, --enforce-eager and "
@@ -371,8 +375,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--allowed-local-media-path",): (_MULTIMODAL, ()),
     ("--allowed-media-domains",): (_MULTIMODAL, ()),
     ("--enable-prompt-embeds",): ("prompt embeddings as inputs are not supported", ()),
-    ("--chat-template",): (_CHAT_TEMPLATE, ()),
-    ("--default-chat-template-kwargs",): (_CHAT_TEMPLATE, ()),
     ("--ssl-keyfile",): (_TLS, ()),
     ("--ssl-certfile",): (_TLS, ()),
     ("--ssl-ca-certs",): (_TLS, ()),

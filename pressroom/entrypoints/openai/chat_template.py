@@ -171,8 +171,16 @@ class Preprocessor:
 
     def __init__(self, tokenizer, max_chars: int, trust_request_chat_template: bool = False,
                  renderer: TemplateRenderer | None = None, grammars: GrammarSandbox | None = None,
-                 max_grammar_chars: int = MAX_SOURCE_CHARS) -> None:
+                 max_grammar_chars: int = MAX_SOURCE_CHARS, chat_template: str | None = None,
+                 default_template_kwargs: dict[str, Any] | None = None) -> None:
+        """`chat_template`: the server's (--chat-template) in place of the tokenizer's; `default_template_kwargs`
+        (--default-chat-template-kwargs): template variables every request has unless it sets them."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        try:
+            self.default_template_kwargs = template_variables(default_template_kwargs or {})
+        except APIError as e:
+            raise ValueError(f"--default-chat-template-kwargs: {e}") from None
         # the template's special-token variables (bos_token, ...), as plain JSON for the workers
         special = getattr(tokenizer, "special_tokens_map", None) or {}
         self.special_tokens = json.loads(json.dumps(dict(special), default=str))
@@ -238,7 +246,7 @@ class Preprocessor:
         """Token ids of the conversation rendered by the chat template (the model's, or the request's when the
         server trusts request templates); `tools`, the request's tool definitions, are its `tools` variable. A
         rendering far past `max_tokens` (the context) is a 400 for length after a prefix of it (encode_within)."""
-        variables = template_variables(kwargs) | ({"tools": tools} if tools else {})
+        variables = self.default_template_kwargs | template_variables(kwargs) | ({"tools": tools} if tools else {})
         add_generation_prompt = variables.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = variables.pop("continue_final_message", continue_final_message)
         template = self._template(request_template)
@@ -264,7 +272,7 @@ class Preprocessor:
                 raise APIError(400, "This server does not accept a chat template from the request (start it with "
                                     "--trust-request-chat-template to allow that).", param="chat_template")
             return request_template
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if isinstance(template, dict):  # named templates: the default one, as transformers picks it
             template = template.get("default")
         if not isinstance(template, str) or not template:

@@ -323,7 +323,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     grammars = GrammarSandbox(engine.tokenizer, timeout_s=limits.max_grammar_compile_seconds,
                               max_bytes=limits.max_grammar_compile_mib << 20)
     preprocessor = Preprocessor(engine.tokenizer, 2 * settings.max_request_bytes, settings.trust_request_chat_template,
-                                grammars=grammars, max_grammar_chars=limits.max_grammar_chars)
+                                grammars=grammars, max_grammar_chars=limits.max_grammar_chars,
+                                chat_template=settings.chat_template,
+                                default_template_kwargs=settings.default_chat_template_kwargs)
     # every handler's first arguments
     shared = (engine, names, stats, settings.max_request_bytes, preprocessor, limits)
     utility = OpenAIServingUtility(*shared, stall_timeout=settings.engine_stall_timeout)

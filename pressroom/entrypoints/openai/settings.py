@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from pressroom.config import json_object
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
 
@@ -43,6 +45,8 @@ class ServerSettings:
     body_read_timeout: float = 30.0
     max_concurrent_requests: int = 512  # twice the CPU's max_num_seqs: a queue, but a bounded one (0: no limit)
     trust_request_chat_template: bool = False
+    chat_template: str | None = None  # --chat-template, read: the template in place of the tokenizer's
+    default_chat_template_kwargs: dict | None = None  # template variables every request has unless it sets them
     shutdown_timeout: float = 10.0  # seconds in-flight requests get on SIGTERM before the server ends them
     # /health turns 503 after this many seconds without a word from the engine core (0: only its death does).
     # Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's
@@ -96,6 +100,10 @@ class ServerSettings:
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
                    trust_request_chat_template=args.trust_request_chat_template,
+                   chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+                   default_chat_template_kwargs=json_object(args.default_chat_template_kwargs,
+                                                            "--default-chat-template-kwargs")
+                   if args.default_chat_template_kwargs else None,
                    shutdown_timeout=args.shutdown_timeout, engine_stall_timeout=args.engine_stall_timeout,
                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
                    reasoning_start=args.reasoning_start_str, reasoning_end=args.reasoning_end_str,
@@ -106,6 +114,17 @@ class ServerSettings:
                    allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods,
                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                    allowed_hosts=args.allowed_hosts, admission_limits=AdmissionLimits.from_args(args))
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's contents, or the template itself when it has template syntax
+    (a brace or a line break); a ValueError for a path that does not exist."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a template.")
 
 
 def _is_loopback(host: str) -> bool:

@@ -27,3 +27,21 @@ def test_development_routes_need_dev_mode(tiny_server):
     for path in ("/server_info", "/is_sleeping"):
         assert httpx.get(f"{tiny_server}{path}").status_code == 404
     assert httpx.post(f"{tiny_server}/sleep").status_code == 404
+
+
+def test_chat_template_and_its_default_kwargs_from_the_command_line(tiny_model_dir, tmp_path, smollm_tokenizer):
+    """--chat-template (a file) in place of the tokenizer's, --default-chat-template-kwargs under each request's
+    own chat_template_kwargs."""
+    from conftest import tiny_args
+    from serving import serve
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}{{ greeting }}")
+    args = tiny_args(tiny_model_dir("llama"), "--chat-template", str(template),
+                     "--default-chat-template-kwargs", '{"greeting": " HELLO"}')
+    with serve(args, tmp_path / "server.log") as (url, _):
+        def rendered(**extra) -> str:
+            body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+            ids = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+            return smollm_tokenizer.decode(ids)
+        assert rendered() == "<hi> HELLO"
+        assert rendered(chat_template_kwargs={"greeting": " BYE"}) == "<hi> BYE"
