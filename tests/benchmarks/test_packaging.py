@@ -9,6 +9,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 CHECK = """
 import pressroom
@@ -55,6 +57,7 @@ def _fresh_venv_with(wheel: Path, root: Path) -> Path:
     return python
 
 
+@pytest.mark.slow  # builds and installs a wheel: 7 s
 def test_an_installed_wheel_benches_shipped_model_shapes(tmp_path):
     python = _fresh_venv_with(_build_wheel(tmp_path), tmp_path / "venv")
     outside = tmp_path / "elsewhere"

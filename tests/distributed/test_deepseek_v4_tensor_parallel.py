@@ -49,7 +49,8 @@ def _generate(model: str, **kw) -> list[list[int]]:
 
 
 # Each two-rank run spawns two worker processes: CI runs expert parallelism, test-slow the sliced experts too.
-@pytest.mark.parametrize("expert_parallel", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # two worker processes each, 10 s a case
+@pytest.mark.parametrize("expert_parallel", [True, False])
 def test_two_ranks_give_the_tokens_of_one(expert_parallel, tiny_v4):
     two = _generate(tiny_v4, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     assert two == _generate(tiny_v4)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_args
 from serving import alive, core_pid, kill_and_wait_for_503, launch, spawned_children, streams_in_flight, wait_gone
 
 
+@pytest.mark.slow  # a server over two ranks, one killed: 16 s
 def test_a_killed_rank_fails_the_server_fast_and_leaves_no_process(tiny_model_dir, tmp_path):
     args = tiny_args(tiny_model_dir("llama"), "--tensor-parallel-size", "2")
     with launch(args, tmp_path / "server.log") as server:

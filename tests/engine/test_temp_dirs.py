@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from conftest import tiny_args
 from serving import alive, core_pid, launch, spawned_children
 
@@ -17,6 +18,7 @@ def _left(tmp: Path) -> list[str]:
     return sorted(p.name for pattern in _OURS for p in tmp.glob(pattern))
 
 
+@pytest.mark.slow  # a server started and SIGKILLed: 6 s
 def test_a_sigkilled_server_leaves_no_temporary_folder_and_no_process(tiny_model_dir, tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

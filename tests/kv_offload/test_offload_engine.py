@@ -32,6 +32,7 @@ def engine(model: str, **kw) -> LLM:
                max_num_seqs=2, **kw)
 
 
+@pytest.mark.slow  # 1,000 requests twice: 7 s
 def test_1000_requests_through_cpu_and_disk_tiers_equal_no_offload(tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama")
     prompts = shared_prefix_prompts(1000, prefixes=12, prefix_len=96, seed=1)

@@ -121,8 +121,9 @@ def test_a_gemma3_with_dense_projections_is_not_supported(gemma3_gguf):
 
 @pytest.mark.skipif(cpu_info().detected < CpuIsa.AVX2 or bool(os.environ.get("PRESSROOM_CPU_ISA")),
                     reason="the other tiers: on an AVX2 CPU, from the top-level run only")
-# CI's AVX2 pass builds and runs the AVX2 tier itself: its build here runs with test-slow
-@pytest.mark.parametrize("tier", [pytest.param("avx2", marks=pytest.mark.slow), "generic"])
+# CI's AVX2 pass builds and runs the AVX2 tier itself: its build here runs with test-slow (the generic one too: 6 s)
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx2", "generic"])
 def test_other_tiers_builds(tier, tmp_path):
     """The AVX2 build and the plain-C one, whatever this CPU's tier: the same bit-for-bit agreement."""
     env = {**os.environ, "PRESSROOM_CPU_ISA": tier, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}

@@ -124,6 +124,7 @@ def test_mtp_with_a_cached_prefix_and_chunked_prompts_keeps_greedy_output(mtp_mo
     assert [_gen(llm, [p], params)[0] for p in prompts] == plain  # one by one: the later ones hit the cache
 
 
+@pytest.mark.slow  # thousands of samples: 6 s
 def test_mtp_sampling_keeps_the_target_distribution(tmp_path):
     path = tmp_path / "mtp32"
     path.mkdir()

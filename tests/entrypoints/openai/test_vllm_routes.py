@@ -3,6 +3,7 @@ vLLM does), and the development routes absent unless VLLM_SERVER_DEV_MODE is set
 from __future__ import annotations
 
 import httpx
+import pytest
 
 
 def test_ping_answers_as_health(tiny_server):
@@ -31,20 +32,35 @@ def test_development_routes_need_dev_mode(tiny_server):
     assert httpx.post(f"{tiny_server}/sleep").status_code == 404
 
 
-def test_chat_template_and_its_default_kwargs_from_the_command_line(tiny_model_dir, tmp_path, smollm_tokenizer):
+
+def test_chat_template_and_its_default_kwargs_from_the_command_line(tmp_path, smollm_tokenizer):
     """--chat-template (a file) in place of the tokenizer's, --default-chat-template-kwargs under each request's
-    own chat_template_kwargs."""
-    from conftest import tiny_args
-    from serving import serve
+    own chat_template_kwargs: the serve command's flags, read into the settings the server renders with."""
+    import asyncio
+
+    from pressroom.entrypoints.cli import build_parser
+    from pressroom.entrypoints.openai.chat_template import Preprocessor
+    from pressroom.entrypoints.openai.settings import ServerSettings
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}{{ greeting }}")
-    args = tiny_args(tiny_model_dir("llama"), "--chat-template", str(template),
-                     "--default-chat-template-kwargs", '{"greeting": " HELLO"}')
-    with serve(args, tmp_path / "server.log") as (url, _):
-        def rendered(**extra) -> str:
-            body = {"messages": [{"role": "user", "content": "hi"}], **extra}
-            ids = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
-            return smollm_tokenizer.decode(ids)
-        assert rendered() == "<hi> HELLO"
-        assert rendered(chat_template_kwargs={"greeting": " BYE"}) == "<hi> BYE"
+    args = build_parser().parse_args(["serve", "--chat-template", str(template),
+                                      "--default-chat-template-kwargs", '{"greeting": " HELLO"}'])
+    settings = ServerSettings.from_args(args)
+    preprocessor = Preprocessor(smollm_tokenizer, 1 << 20, chat_template=settings.chat_template,
+                                default_template_kwargs=settings.default_chat_template_kwargs)
 
+    async def rendered(kwargs=None) -> str:
+        await preprocessor.start()
+        try:
+            ids = await preprocessor.chat_ids([{"role": "user", "content": "hi"}], True, False, kwargs)
+        finally:
+            await preprocessor.close()
+        return smollm_tokenizer.decode(ids)
+    assert asyncio.run(rendered()) == "<hi> HELLO"
+    preprocessor = Preprocessor(smollm_tokenizer, 1 << 20, chat_template=settings.chat_template,
+                                default_template_kwargs=settings.default_chat_template_kwargs)
+    assert asyncio.run(rendered({"greeting": " BYE"})) == "<hi> BYE"
+    inline = ServerSettings.from_args(build_parser().parse_args(["serve", "--chat-template", "{{ 1 }}"]))
+    assert inline.chat_template == "{{ 1 }}"
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        ServerSettings.from_args(build_parser().parse_args(["serve", "--chat-template", "no/such.jinja"]))
