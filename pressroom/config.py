@@ -623,8 +623,9 @@ def default_max_num_seqs(device: str) -> int:
 class EngineArgs:
     """Every knob a user may set, flat, with vLLM's names. Each field declares its own help and choices:
     the CLI's engine flags are derived from them (entrypoints/cli.py, add_engine_args)."""
-    model: str | None = _arg(None, "HF model directory (config.json, *.safetensors) or .gguf file; model hubs are "
-                                   "not fetched (default: the embedded SmolLM2-135M-Instruct)")
+    model: str | None = _arg(None, "HF model directory (config.json, *.safetensors), .gguf file, or a hub repository "
+                                   "id (org/name: its snapshot in the HF cache, fetched unless HF_HUB_OFFLINE=1) "
+                                   "(default: the embedded SmolLM2-135M-Instruct)")
     tokenizer: str | None = _config_arg(ModelConfig, "tokenizer", "tokenizer directory or .gguf file (default: the "
                                                                   "model's)")
     load_format: str = _config_arg(ModelConfig, "load_format", "weights to load: auto (by the model path), "
@@ -720,6 +721,12 @@ class EngineArgs:
     max_lora_rank: int = _config_arg(LoRAConfig, "max_lora_rank", "with --enable-lora: the largest adapter rank")
     max_cpu_loras: int | None = _config_arg(LoRAConfig, "max_cpu_loras", "with --enable-lora: adapters kept read "
                                             "in host memory (default: --max-loras)")
+    revision: str | None = _arg(None, "a hub model's branch, tag or commit (with MODEL a repository id: org/name)")
+    tokenizer_revision: str | None = _arg(None, "a hub tokenizer's branch, tag or commit (default: --revision)")
+    download_dir: str | None = _arg(None, "the HF cache a hub model is found in or downloaded to (default: "
+                                          "huggingface_hub's, HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1: found only")
+    trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: pressroom runs only its own model code, "
+                                          "so a checkpoint whose architecture it lacks is refused, naming it")
     skip_tokenizer_init: bool = _config_arg(ModelConfig, "skip_tokenizer_init",
                                             "load no tokenizer: prompts and outputs are token ids only")
     hf_overrides: dict | str | None = _arg(None, 'config.json values to replace, a JSON object, e.g. '

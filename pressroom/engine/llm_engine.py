@@ -31,7 +31,13 @@ from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, StopStrings, fast_decoder
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest
-from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+from pressroom.model.loader import (
+    download_hub_model,
+    is_hub_repo_id,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from pressroom.model.pooling import model_pooling_defaults
 from pressroom.outputs import (
     CompletionOutput,
@@ -63,9 +69,20 @@ _NOT_CAUGHT = (KeyboardInterrupt, SystemExit)  # a per-request fault is any othe
 def start_config(args: EngineArgs) -> EngineConfig:
     """An engine's start: what resolution needs of the checkpoint is read, the configs are resolved, and this
     process is set up (torch's threads; on the CPU, the line saying which path runs)."""
+    args = _with_local_model(args)
     config = args.create_engine_config(read_checkpoint_facts(args.model))
     set_up_process(config.device, config.num_threads, str(args.dtype), config.model.dtype)
     return config
+
+
+def _with_local_model(args: EngineArgs) -> EngineArgs:
+    """A hub repository id (`org/name`) resolved to its snapshot in the HF cache, the model and its tokenizer."""
+    if args.model and is_hub_repo_id(args.model):
+        args = replace(args, model=download_hub_model(args.model, args.revision, args.download_dir))
+    if args.tokenizer and is_hub_repo_id(args.tokenizer):
+        args = replace(args, tokenizer=download_hub_model(args.tokenizer, args.tokenizer_revision or args.revision,
+                                                          args.download_dir))
+    return args
 
 
 @dataclass(slots=True)

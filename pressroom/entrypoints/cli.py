@@ -324,7 +324,7 @@ class RefusedFlag(argparse.Action):
             raise argparse.ArgumentError(self, f"refused: {self.reason}")
 
 
-_HUB = "models are not fetched from a hub yet: give a local model directory or .gguf file"
+_HUB = "pressroom runs no code from a model's repository (only its own model code)"
 _MULTINODE = "pressroom runs on one node behind one API server"
 _MULTIMODAL = "pressroom serves text models only: no image, audio or video inputs"
 _TLS = "HTTPS is not served yet: put a TLS-terminating proxy in front"
@@ -358,11 +358,8 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--cpu-offload-gb",): ("weights are not offloaded to host memory (KV-cache blocks are: --kv-offloading-size)",
                             ("0",)),
     ("--enable-sleep-mode",): ("sleep mode is not implemented", ()),
-    ("--revision",): (_HUB, ()),
     ("--code-revision",): (_HUB, ()),
-    ("--tokenizer-revision",): (_HUB, ()),
-    ("--download-dir",): (_HUB, ()),
-    ("--hf-token",): (_HUB, ()),
+    ("--hf-token",): ("set HF_TOKEN in the environment: huggingface_hub reads it", ()),
     ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),
     ("--generation-config",): ("a checkpoint's generation_config.json sampling defaults are not applied yet: a "
                                "request's own parameters (or the API's defaults) apply, as vLLM's \"vllm\"",

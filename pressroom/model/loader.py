@@ -42,13 +42,46 @@ class LoadedModel:
     reads: ReadTally = field(default_factory=ReadTally)
 
 
+_HUB_FILES = ["*.json", "*.safetensors", "*.gguf", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # what serving reads
+
+
+def is_hub_repo_id(model: str) -> bool:
+    """`org/name` that names no local path: a Hugging Face repository id."""
+    return (not os.path.exists(os.path.expanduser(model)) and model.count("/") == 1
+            and not model.startswith((".", "/", "~")) and all(model.split("/")))
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface_hub reads it once, at its import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def download_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """A hub repository's snapshot directory in the HF cache (`download_dir`, else huggingface_hub's): found there,
+    or fetched unless HF_HUB_OFFLINE is set. A clear ValueError when neither can be."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    offline = hub_offline()
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_FILES,
+                                 local_files_only=offline)
+    except (LocalEntryNotFoundError, FileNotFoundError) as e:
+        where = download_dir or "the Hugging Face cache"
+        how = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise ValueError(f"Model {repo_id!r}{f' at revision {revision!r}' if revision else ''} is not in {where} "
+                         f"and {how}: download it there first (huggingface-cli download {repo_id}) or pass a local "
+                         f"directory. ({type(e).__name__})") from None
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        raise ValueError(f"Model {repo_id!r}: {e}") from None
+
+
 def resolve_model_path(model: str | None) -> str:
     if not model:
         return gguf_file.embedded_model_path()
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
-        raise ValueError(f"Model path {model!r} does not exist. Pass a local HF model directory or a .gguf file "
-                         "(model hubs are not fetched), or leave --model out for the embedded SmolLM2.")
+        raise ValueError(f"Model path {model!r} does not exist. Pass a local HF model directory, a .gguf file or a "
+                         "hub repository id (org/name), or leave --model out for the embedded SmolLM2.")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"Model directory {model!r} has no config.json.")
     return path
