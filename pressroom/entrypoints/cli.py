@@ -236,8 +236,9 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help='with --enable-lora: adapters served by name, each name=path or JSON {"name": ..., '
                              '"path": ..., "base_model_name": ...}')
-    server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on every route but /health (default: no key)")
+    server.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="require `Authorization: Bearer KEY` (any of several keys) on every route but /health "
+                             "(default: VLLM_API_KEY's, else no key)")
     server.add_argument("--disable-metrics-auth", action="store_true",
                         help="let /metrics answer without the API key (for scrapers that cannot send one)")
     server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),

@@ -96,17 +96,18 @@ class _Guard:
     without bound)."""
     GENERATION = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app, api_key: str | None, max_concurrent: int | None, open_paths: tuple[str, ...]) -> None:
+    def __init__(self, app, api_keys: tuple[str, ...], max_concurrent: int | None, open_paths: tuple[str, ...]
+                 ) -> None:
         self.app, self.max_concurrent, self.open_paths = app, max_concurrent, open_paths
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]  # any one of them (vLLM's several keys)
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        if self.expected is not None:
+        if self.expected:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not any([hmac.compare_digest(given, key) for key in self.expected]):  # every key compared: no timing
                 response = error_response(401, "Invalid or missing API key; send `Authorization: Bearer <key>`.",
                                           "authentication_error", code="invalid_api_key")
                 return await response(scope, receive, send)
@@ -377,7 +378,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     open_paths = ("/health",) if settings.metrics_auth else ("/health", "/metrics")
     # the chat page needs no key to load: it asks for one and sends it with its API calls
     open_paths += ("/", *(f"/static/{path.name}" for path in STATIC_DIR.iterdir()))
-    app.add_middleware(_Guard, api_key=settings.api_key, max_concurrent=settings.max_concurrent_requests,
+    app.add_middleware(_Guard, api_keys=settings.api_keys, max_concurrent=settings.max_concurrent_requests,
                        open_paths=open_paths)
     _add_browser_guards(app, settings)
     if settings.log_requests:

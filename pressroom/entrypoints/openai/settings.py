@@ -37,7 +37,8 @@ class ServerSettings:
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: adapters served by name (needs --enable-lora)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # `Authorization: Bearer KEY` on every route but /health and the chat page
+    # `Authorization: Bearer KEY` with any one of them on every route but /health and the chat page (none: no key)
+    api_keys: tuple[str, ...] = ()
     metrics_auth: bool = True  # /metrics needs the API key too (when one is set)
     max_request_bytes: int = 8 << 20  # larger bodies get a 413
     # seconds a client has to send a request's whole body (a 408 after), and a new connection its first request's
@@ -96,7 +97,8 @@ class ServerSettings:
         model = args.model_tag or args.model
         return cls(served_model_name=tuple(args.served_model_name or ([model] if model else [])),
                    lora_modules=tuple(LoRAModule.parse(text) for text in getattr(args, "lora_modules", None) or ()),
-                   host=args.host, port=args.port, api_key=args.api_key, metrics_auth=not args.disable_metrics_auth,
+                   host=args.host, port=args.port, api_keys=api_keys_of(args.api_key),
+                   metrics_auth=not args.disable_metrics_auth,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
                    trust_request_chat_template=args.trust_request_chat_template,
@@ -114,6 +116,14 @@ class ServerSettings:
                    allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods,
                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                    allowed_hosts=args.allowed_hosts, admission_limits=AdmissionLimits.from_args(args))
+
+
+def api_keys_of(flag: list[str] | None) -> tuple[str, ...]:
+    """--api-key's keys (several: any one is accepted), else VLLM_API_KEY's, as vLLM reads them."""
+    if flag:
+        return tuple(flag)
+    env = os.environ.get("VLLM_API_KEY")
+    return (env,) if env else ()
 
 
 def read_chat_template(value: str) -> str:

@@ -64,3 +64,32 @@ def test_chat_template_and_its_default_kwargs_from_the_command_line(tmp_path, sm
     assert inline.chat_template == "{{ 1 }}"
     with pytest.raises(ValueError, match="neither a file nor a template"):
         ServerSettings.from_args(build_parser().parse_args(["serve", "--chat-template", "no/such.jinja"]))
+
+
+def test_several_api_keys_and_vllm_api_key(monkeypatch):
+    """--api-key takes several keys, any one accepted; without it VLLM_API_KEY's is the key (vLLM's rules)."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from pressroom.entrypoints.cli import build_parser
+    from pressroom.entrypoints.openai.server import _Guard
+    from pressroom.entrypoints.openai.settings import ServerSettings
+
+    def settings(*flags: str) -> ServerSettings:
+        return ServerSettings.from_args(build_parser().parse_args(["serve", *flags]))
+    assert settings("--api-key", "k1", "k2").api_keys == ("k1", "k2")
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert settings().api_keys == ("from-env",) and settings("--api-key", "k1").api_keys == ("k1",)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert settings().api_keys == ()
+
+    app = _Guard(Starlette(routes=[Route("/v1/models", lambda r: PlainTextResponse("ok"))]), ("k1", "k2"), None, ())
+
+    async def status(key: str | None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return (await client.get("/v1/models", headers=headers)).status_code
+    assert [asyncio.run(status(k)) for k in ("k1", "k2", "k3", None)] == [200, 200, 401, 401]
