@@ -1,6 +1,7 @@
 """pressroom's log lines go to stderr at INFO by default, as vLLM's do: start-up facts (the CPU path,
 the KV cache, time to ready), periodic stats and per-request lines are worth seeing without a flag.
-PRESSROOM_CONFIGURE_LOGGING=0 leaves logging to the application; PRESSROOM_LOGGING_LEVEL sets the level."""
+PRESSROOM_CONFIGURE_LOGGING=0 leaves logging to the application; PRESSROOM_LOGGING_LEVEL (or vLLM's
+VLLM_LOGGING_LEVEL) sets the level."""
 from __future__ import annotations
 
 import logging
@@ -33,4 +34,9 @@ def configure_logging(level: str | int | None = None) -> None:
         handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
         logger.addHandler(handler)
         logger.propagate = False  # a root handler the application adds would print each line twice
-    logger.setLevel(level or os.environ.get("PRESSROOM_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(level or default_level())
+
+
+def default_level() -> str:
+    """Without a --log-level: PRESSROOM_LOGGING_LEVEL, else vLLM's VLLM_LOGGING_LEVEL, else INFO."""
+    return (os.environ.get("PRESSROOM_LOGGING_LEVEL") or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO").upper()

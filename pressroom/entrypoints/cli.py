@@ -160,8 +160,9 @@ def _subparser(sub: argparse._SubParsersAction, name: str, summary: str,
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pressroom", description="An LLM inference and serving engine.",
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
-                        help="pressroom's log level (start-up lines and periodic stats are INFO)")
+    parser.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
+                        help="pressroom's log level (start-up lines and periodic stats are INFO; default: "
+                             "PRESSROOM_LOGGING_LEVEL, else VLLM_LOGGING_LEVEL, else INFO)")
     # default None: a version action's own default (argparse's SUPPRESS) would read as a value in --help's checks
     parser.add_argument("--version", action="version", version=pressroom.__version__, default=None,
                         help="print pressroom's version and exit")

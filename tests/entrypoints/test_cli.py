@@ -169,7 +169,7 @@ def test_seed_is_the_engine_seed_and_request_seed_the_sampling_seed():
 def test_serve_logging_flags():
     parser = cli.build_parser()
     ns = parser.parse_args(["serve"])
-    assert ns.log_level == "INFO"
+    assert ns.log_level is None  # logger.default_level(): the environment's, else INFO
     assert not (ns.disable_log_requests or ns.disable_uvicorn_access_log or ns.disable_log_stats)
     ns = parser.parse_args(["--log-level", "debug", "serve", "--disable-log-requests", "--disable-uvicorn-access-log",
                             "--disable-log-stats", "--log-stats-interval", "2"])
@@ -186,7 +186,7 @@ def test_serve_flags_build_the_server_settings():
                                         "--disable-log-stats", "--disable-log-requests", "--reasoning-parser", "none",
                                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     settings = ServerSettings.from_args(ns)
-    assert settings.served_model_name == ("m",) and settings.port == 9 and settings.api_key == "k"
+    assert settings.served_model_name == ("m",) and settings.port == 9 and settings.api_keys == ("k",)
     assert not (settings.metrics_auth or settings.log_requests) and settings.log_stats_interval == 0
     assert settings.reasoning_parser == "none" and settings.enable_auto_tool_choice
     named = cli.build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "a", "b"])

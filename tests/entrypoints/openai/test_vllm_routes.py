@@ -93,3 +93,20 @@ def test_several_api_keys_and_vllm_api_key(monkeypatch):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             return (await client.get("/v1/models", headers=headers)).status_code
     assert [asyncio.run(status(k)) for k in ("k1", "k2", "k3", None)] == [200, 200, 401, 401]
+
+
+def test_vllm_logging_level_sets_the_level_without_a_flag(monkeypatch):
+    import logging
+
+    from pressroom.logger import configure_logging
+    monkeypatch.delenv("PRESSROOM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
+    logger = logging.getLogger("pressroom")
+    level = logger.level
+    try:
+        configure_logging(None)
+        assert logger.level == logging.DEBUG
+        configure_logging("WARNING")  # a --log-level wins
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(level)
