@@ -40,7 +40,6 @@ class LoRAUpdate:
 @dataclass(frozen=True, slots=True)
 class LoRAAdapter:
     name: str
-    rank: int
     updates: tuple[LoRAUpdate, ...]
 
 
@@ -90,7 +89,7 @@ def load_peft_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> 
         updates.append(_place(name, module, a.float(), b.float(), scaling, model))
     if not updates:
         raise ValueError(f"LoRA adapter {name!r} at {path!r} adapts no module.")
-    return LoRAAdapter(name, max(u.a.shape[0] for u in updates), tuple(updates))
+    return LoRAAdapter(name, tuple(updates))
 
 
 def _pattern_value(pattern: dict, module: str, default: float) -> float:

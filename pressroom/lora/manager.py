@@ -45,14 +45,6 @@ class LoRAManager:
         self.pool.move_to_end(request.lora_int_id)
         return adapter
 
-    def remove(self, lora_int_id: int) -> bool:
-        """Forgets an adapter (its slot is cleared); whether it was there."""
-        slot = self.slots.pop(lora_int_id, None)
-        if slot is not None:
-            for layer in self.layers.values():
-                layer.clear(slot)
-        return self.pool.pop(lora_int_id, None) is not None or slot is not None
-
     def step(self, loras: Sequence[LoRARequest | None], query_ends: Sequence[int]) -> LoRAStep | None:
         """The token slots of a step whose i-th request (tokens up to query_ends[i]) runs loras[i]; None for a step
         of the base model alone."""
