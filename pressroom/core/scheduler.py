@@ -70,6 +70,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     spec: SpecDecodingStats | None = None
     offload: OffloadStats | None = None
+    # LoRA adapters (their names) of the running and the waiting requests, each once (vLLM's lora_requests_info)
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -169,7 +172,16 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(), self.num_preemptions,
                               self.kv.stats.queries, self.kv.stats.hits,
                               self.spec_stats.copy(),
-                              self.kv.offload.snapshot() if self.kv.offload is not None else None)
+                              self.kv.offload.snapshot() if self.kv.offload is not None else None,
+                              *self._adapters_in_use())
+
+    def _adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The running and the waiting requests' LoRA adapters, each name once (empty without --enable-lora)."""
+        if not self.config.max_loras:
+            return [], []
+        running = dict.fromkeys(r.lora.lora_name for r in self.running if r.lora is not None)
+        waiting = dict.fromkeys(e[2].lora.lora_name for e in self.waiting if e[2].lora is not None)
+        return list(running), list(waiting)
 
     # ---- one step ----
 

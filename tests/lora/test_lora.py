@@ -194,3 +194,29 @@ def test_adapters_under_speculative_decoding_and_structured_outputs(adapters):
     assert spec.engine.stats().spec.num_draft_tokens > 0
     spec.shutdown()
 
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters(adapters):
+    """The scheduler's stats name the adapters of its running and waiting requests (one slot: the second adapter's
+    request waits), and /metrics renders them as vLLM's lora_requests_info labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pressroom.entrypoints.openai.metrics import EngineShape, ServerMetrics
+    base, paths = adapters
+    loras = requests(paths)
+    llm = LLM(base, dtype="float32", kv_cache_memory_gib=0.05, enable_lora=True, max_loras=1, max_lora_rank=16)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, params, lora_request=loras["attn-r8"])
+    llm.engine.add_request("b", {"prompt_token_ids": [5, 6, 8]}, params, lora_request=loras["mlp-r4"])
+    llm.engine.step()
+    stats = llm.engine.core.stats()
+    assert stats.running_loras == ["attn-r8"] and stats.waiting_loras == ["mlp-r4"]
+    metrics = ServerMetrics("vllm:", "tiny", log_requests=False, shape=EngineShape(max_loras=1))
+    text = metrics.render([stats]).decode()
+    (sample,) = [s for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "vllm:lora_requests_info"]
+    assert sample.labels == {"model_name": "tiny", "engine": "0", "max_lora": "1",
+                             "waiting_lora_adapters": "mlp-r4", "running_lora_adapters": "attn-r8"}
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.shutdown()

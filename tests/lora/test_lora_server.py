@@ -81,3 +81,4 @@ def test_run_time_updating_is_refused_without_the_opt_in(tiny_server):
     answer = httpx.post(f"{tiny_server}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
     assert answer.status_code == 404
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in answer.json()["error"]["message"]
+

@@ -15,7 +15,8 @@ The families (TARGET below), each labelled `model_name` and `engine` (the index 
   inter_token_latency_seconds, request_time_per_output_token_seconds, e2e_request_latency_seconds,
   request_queue_time_seconds, request_inference_time_seconds, request_prefill_time_seconds and
   request_decode_time_seconds (histograms);
-- cache_config_info, a gauge of 1 whose labels are the cache config.
+- cache_config_info, a gauge of 1 whose labels are the cache config; with --enable-lora, lora_requests_info (its
+  labels max_lora and the running and waiting requests' adapters, comma-separated; its value the snapshot's time).
 Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics), the process's own (process_*,
 python_*), as prometheus_client exports them to vLLM's registry, and with `ServerMetrics.instrument(app)` the HTTP
 families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http_request_size_bytes,
@@ -25,8 +26,7 @@ Left out, no figure pressroom has would be true: iteration_tokens_total (tokens 
 requests, not steps), num_requests_waiting_by_reason (the scheduler does not report which waiting requests are
 deferred: grammars compiling, siblings, KV loads), engine_sleep_state (no sleep mode), external_prefix_cache_* and
 the KV-connector families (no KV connector; the offload tiers have their own families), mm_cache_* (no multi-modal
-models), the estimated_*_per_gpu MFU estimates, and the opt-in ones (kv_block_* residency, lora_requests_info,
-corrupted_requests).
+models), the estimated_*_per_gpu MFU estimates, and the opt-in ones (kv_block_* residency, corrupted_requests).
 
 A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core; prefill = that to
 its first token; decode = first to last token; inference = scheduling to last token; time per output token =
@@ -121,6 +121,7 @@ class EngineShape:
     max_model_len: int = 1
     num_engines: int = 1
     num_speculative_tokens: int = 0  # 0: no speculative decoding, no spec_decode families
+    max_loras: int = 0  # 0: no LoRA adapters, no lora_requests_info
     cache_info: tuple[tuple[str, str], ...] = ()
     offload: bool = False
 
@@ -129,6 +130,7 @@ class EngineShape:
         spec = config.speculative
         return cls(max_model_len=max_model_len, num_engines=config.parallel.data_parallel_size,
                    num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                   max_loras=config.lora.max_loras if config.lora is not None else 0,
                    cache_info=cache_info(config.cache), offload=config.offload is not None)
 
 
@@ -355,6 +357,8 @@ class _SchedulerCollector:
         offloads = [(str(i), e.offload) for i, e in enumerate(m.stats) if e.offload is not None]
         if offloads:
             yield from _offload_families(m.prefix, m.model_name, offloads)
+        if m.shape.max_loras:
+            yield _lora_family(m.prefix, m.model_name, m.shape.max_loras, m.stats)
 
 
 _ENGINE_FAMILIES = (
@@ -389,6 +393,17 @@ def _spec_families(prefix: str, model_name: str, positions: int, stats: list[Sch
         for pos in range(max(positions, len(accepted))):
             family.add_metric([model_name, str(index), str(pos)], accepted[pos] if pos < len(accepted) else 0)
     yield family
+
+
+def _lora_family(prefix: str, model_name: str, max_loras: int, stats: list[SchedulerStats]) -> Metric:
+    """vLLM's lora_requests_info: per engine core, the adapters of its running and waiting requests as labels
+    (names comma-separated), its value the time of the snapshot."""
+    family = GaugeMetricFamily(prefix + "lora_requests_info", "Running and waiting LoRA adapters.",
+                               labels=[*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    for index, s in enumerate(stats):
+        family.add_metric([model_name, str(index), str(max_loras), ",".join(s.waiting_loras),
+                           ",".join(s.running_loras)], time.time())
+    return family
 
 
 _TIER_COUNTERS = (
