@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -159,56 +160,69 @@ class OpenAIServingChat(OpenAIServing):
 
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)], prompt_token_ids=list(prompt_ids or []) if req.return_token_ids else None)
-        sent_text, sent_lp, sent_ids, done = [0] * req.n, [0] * req.n, [0] * req.n, [False] * req.n
+        progress = [_ChoiceProgress() for _ in range(req.n)]
         splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
         callers = [tools.make_stream() for _ in range(req.n)] if tools and tools.make_stream else None
         final = None
         try:
             async for _, out in merge_streams([stream]):
                 for c in out.outputs:
-                    if done[c.index]:
-                        continue
-                    delta = c.text[sent_text[c.index]:]
-                    logprobs = None
-                    if req.logprobs and c.logprobs is not None:
-                        new_ids = c.token_ids[sent_lp[c.index]:]
-                        logprobs = self._chat_logprobs(new_ids, c.logprobs[sent_lp[c.index]:], req)
-                        sent_lp[c.index] = len(c.token_ids)
-                    if not delta and c.finish_reason is None and not (logprobs and logprobs.content):
-                        continue
-                    sent_text[c.index] = len(c.text)
-                    done[c.index] = c.finish_reason is not None
-                    # reasoning first, then content, then calls; a marker or a call split across chunks is
-                    # held back until whole
-                    reasoning, content, calls = _split_delta(delta, done[c.index], splitters, callers, c.index)
-                    if not (reasoning or content or calls or done[c.index] or (logprobs and logprobs.content)):
-                        continue  # all held back: nothing to send yet
-                    deltas = _delta_messages(reasoning, content, calls)
-                    finish = _finish_reason(c.finish_reason, callers is not None and callers[c.index].calls_begun > 0)
-                    # the ids new since the last chunk sent (held-back text keeps its ids for the chunk that sends it)
-                    new_ids = list(c.token_ids[sent_ids[c.index]:]) if req.return_token_ids else None
-                    sent_ids[c.index] = len(c.token_ids)
-                    for k, d in enumerate(deltas):
-                        last = k == len(deltas) - 1
-                        yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
-                                                     finish_reason=finish if last else None,
-                                                     stop_reason=c.stop_reason if last else None,
-                                                     token_ids=new_ids if k == 0 else None)])
+                    for choice in self._choice_chunk_choices(c, req, progress[c.index], splitters, callers):
+                        yield chunk([choice])
                 if out.finished:
                     final = out
         except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
             for i in range(req.n):  # each open choice gets its finish reason; the error event follows (_sse)
-                if not done[i]:  # what a marker or a call held back goes first
+                if not progress[i].done:  # what a marker or a call held back goes first
                     deltas = _delta_messages(*_split_delta("", True, splitters, callers, i))
                     for k, d in enumerate(deltas):
-                        last = k == len(deltas) - 1
-                        yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=ABORT if last else None)])
+                        yield chunk([ChatChunkChoice(index=i, delta=d,
+                                                     finish_reason=ABORT if k == len(deltas) - 1 else None)])
             raise
         if final is not None:
             raise_if_failed([final])  # a choice ended with "error": the error event follows (_sse)
         if req.stream_options and req.stream_options.include_usage and final is not None:
             yield chunk([], self._chat_usage(final, opens))
 
+
+    def _choice_chunk_choices(self, c: CompletionOutput, req: ChatCompletionRequest, sent: _ChoiceProgress,
+                              splitters: list[ReasoningStream] | None, callers: list[ToolCallStream] | None
+                              ) -> list[ChatChunkChoice]:
+        """What one choice's new output sends (one chunk each; none while all of it is held back), `sent`
+        advanced past it."""
+        if sent.done:
+            return []
+        delta = c.text[sent.text:]
+        logprobs = None
+        if req.logprobs and c.logprobs is not None:
+            logprobs = self._chat_logprobs(c.token_ids[sent.logprobs:], c.logprobs[sent.logprobs:], req)
+            sent.logprobs = len(c.token_ids)
+        if not delta and c.finish_reason is None and not (logprobs and logprobs.content):
+            return []
+        sent.text, sent.done = len(c.text), c.finish_reason is not None
+        # reasoning first, then content, then calls; a marker or a call split across chunks is held back until whole
+        reasoning, content, calls = _split_delta(delta, sent.done, splitters, callers, c.index)
+        if not (reasoning or content or calls or sent.done or (logprobs and logprobs.content)):
+            return []  # all held back: nothing to send yet
+        deltas = _delta_messages(reasoning, content, calls)
+        finish = _finish_reason(c.finish_reason, callers is not None and callers[c.index].calls_begun > 0)
+        # the ids new since the last chunk sent (held-back text keeps its ids for the chunk that sends it)
+        new_ids = list(c.token_ids[sent.token_ids:]) if req.return_token_ids else None
+        sent.token_ids = len(c.token_ids)
+        last = len(deltas) - 1
+        return [ChatChunkChoice(index=c.index, delta=d, logprobs=logprobs if k == 0 else None,
+                                finish_reason=finish if k == last else None,
+                                stop_reason=c.stop_reason if k == last else None,
+                                token_ids=new_ids if k == 0 else None) for k, d in enumerate(deltas)]
+
+
+@dataclass(slots=True)
+class _ChoiceProgress:
+    """How much of one streamed choice has gone out: text characters, logprob positions, token ids."""
+    text: int = 0
+    logprobs: int = 0
+    token_ids: int = 0
+    done: bool = False
 
 def _split_delta(delta: str, done: bool, splitters: list[ReasoningStream] | None,
                  callers: list[ToolCallStream] | None, i: int) -> tuple[str, str, list[DeltaToolCall]]:
