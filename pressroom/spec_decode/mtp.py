@@ -102,6 +102,15 @@ class MultiTokenPredictor(nn.Module):
         """What the target hands over (its last layer's residual stream) as the layer reads it: normed."""
         return self.target.model.norm(rows)
 
+    @property
+    def checkpoint_pattern(self) -> str:
+        """The checkpoint names of the first MTP layer (for an error that finds none)."""
+        return f"model.layers.{self.mtp[0].index}.*"
+
+    def mtp_tensors(self, weights):
+        """The checkpoint's tensors as they come: `load_mtp_weights` picks the MTP layers' own by name."""
+        return weights
+
     def load_mtp_weights(self, weights) -> set[str]:
         """The MTP layers' tensors of a checkpoint (`model.layers.{index}.*`), through the target's own name
         handling (expert stacking, rope row order); their copies of the embedding and LM head are skipped.
@@ -157,51 +166,29 @@ def build_predictor(config: SpeculativeConfig, target: ModelRunner) -> MultiToke
         raise ValueError(f'speculative_config method "mtp" needs a checkpoint with next-token-prediction layers '
                          f"(num_nextn_predict_layers > 0); {type(model).__name__}'s config has none.")
     if isinstance(model, DeepseekV4ForCausalLM):
-        return _build_v4_predictor(config, target)
-    if not hasattr(model, "deinterleave_rope"):
+        kind = V4MultiTokenPredictor
+    elif hasattr(model, "deinterleave_rope"):
+        kind = MultiTokenPredictor
+    else:
         raise ValueError(f'speculative_config method "mtp" serves DeepSeek-V3-style checkpoints; '
                          f"{type(model).__name__} has no MTP layers pressroom can load.")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(target.dtype)
     try:
         with torch.device(target.device):
-            predictor = MultiTokenPredictor(model)
+            predictor = kind(model)
     finally:
         torch.set_default_dtype(previous)
-    weights = iter_safetensors(config.model)
+    weights = predictor.mtp_tensors(iter_safetensors(config.model))
     method = resolve_method("none", checkpoint_quantization(model.config, config.model))
     if method is not None:  # an FP8 block checkpoint: its weights joined with their scales, dequantized
         weights = method.checkpoint_weights(predictor, weights)
     loaded = predictor.load_mtp_weights(weights)
     if not loaded:
         raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
-                         f"prediction layer (model.layers.{predictor.mtp[0].index}.*), though its config says "
+                         f"prediction layer ({predictor.checkpoint_pattern}), though its config says "
                          f"num_nextn_predict_layers={model.config.num_nextn_predict_layers}; use a checkpoint "
                          "that ships it.")
-    missing = sorted(predictor.expected_weights() - loaded)
-    if missing:
-        raise ValueError(f"The checkpoint's MTP layers lack {len(missing)} tensor(s), e.g. {missing[:3]}.")
-    return predictor.eval()
-
-
-def _build_v4_predictor(config: SpeculativeConfig, target: ModelRunner) -> V4MultiTokenPredictor:
-    model = target.model
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
-    try:
-        with torch.device(target.device):
-            predictor = V4MultiTokenPredictor(model)
-    finally:
-        torch.set_default_dtype(previous)
-    weights = predictor.mtp_tensors(iter_safetensors(config.model))
-    method = resolve_method("none", checkpoint_quantization(model.config, config.model))
-    if method is not None:  # DeepSeek's FP8 blocks: each weight joined with its scales, dequantized
-        weights = method.checkpoint_weights(predictor, weights)
-    loaded = predictor.load_mtp_weights(weights)
-    if not loaded:
-        raise ValueError(f'speculative_config method "mtp": the checkpoint at {config.model!r} has no next-token-'
-                         f"prediction layer (mtp.0.*), though its config says num_nextn_predict_layers="
-                         f"{model.config.num_nextn_predict_layers}; use a checkpoint that ships it.")
     missing = sorted(predictor.expected_weights() - loaded)
     if missing:
         raise ValueError(f"The checkpoint's MTP layers lack {len(missing)} tensor(s), e.g. {missing[:3]}.")

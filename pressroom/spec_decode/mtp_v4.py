@@ -124,6 +124,8 @@ class V4MultiTokenPredictor(nn.Module):
             return [self._layer_prefix(int(i)) + own]
         return self.target.checkpoint_parts(self._layer_prefix(int(i)) + rest)
 
+    checkpoint_pattern = "mtp.0.*"  # the first MTP layer's names in DeepSeek's checkpoints
+
     def mtp_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         """The checkpoint's MTP tensors (FP8 scales beside their weights) under the names this module loads."""
         return self._checkpoint_names(weights)
