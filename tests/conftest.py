@@ -258,6 +258,22 @@ def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
     return lp.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1).tolist()
 
 
+def record_mtp_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Patches the MTP proposer to record, for each request it drafts for, (its verified tokens, its drafts);
+    returns the list it fills."""
+    from pressroom.spec_decode.mtp import MTPProposer
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = MTPProposer.propose
+
+    def recording(self, requests):
+        drafts = propose(self, requests)
+        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
+        return drafts
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    return seen
+
+
 def random_prompts(n: int, low: int = 4, high: int = 40, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=gen).tolist()

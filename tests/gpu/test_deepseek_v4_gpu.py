@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 
+from conftest import record_mtp_drafts  # noqa: E402
 from test_deepseek_v4 import CSA_RATE, GREEDY_TOKENS, check_against_hf, prompts_of, save_tiny  # noqa: E402
 
 from pressroom import LLM, SamplingParams  # noqa: E402
@@ -59,7 +60,6 @@ def test_v4_mtp_and_partly_accepted_drafts_keep_greedy_output_on_cuda(tmp_path, 
     with graphs on, plain decode steps replayed); greedy output equal to plain decoding."""
     from test_deepseek_v4_mtp import MTP, NGRAM, TINY, _generate, _prompts, reference_first_draft, save_tiny_with_mtp
 
-    from pressroom.spec_decode.mtp import MTPProposer
     from pressroom.spec_decode.ngram import NgramProposer
     hf_model, mtp = save_tiny_with_mtp(tmp_path, seed=3)
     engine = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=not graphs,
@@ -68,15 +68,7 @@ def test_v4_mtp_and_partly_accepted_drafts_keep_greedy_output_on_cuda(tmp_path, 
     plain_llm = LLM(str(tmp_path), **engine)
     plain = _generate(plain_llm, prompts, 40)
     plain_llm.shutdown()
-    seen = []
-    propose = MTPProposer.propose
-
-    def recording(self, requests):
-        drafts = propose(self, requests)
-        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
-        return drafts
-
-    monkeypatch.setattr(MTPProposer, "propose", recording)
+    seen = record_mtp_drafts(monkeypatch)
     llm = LLM(str(tmp_path), speculative_config=MTP, **engine)
     assert _generate(llm, prompts, 40) == plain
     firsts = [(tokens, d) for tokens, d in seen if any(len(tokens) == len(p) + 1 and tokens[:len(p)] == p

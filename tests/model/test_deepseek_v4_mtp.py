@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_mtp_drafts
 from test_deepseek_v4 import CSA_RATE, HCA_RATE, TINY, WINDOW, randomize_
 
 from pressroom import LLM, SamplingParams
@@ -129,17 +130,8 @@ def test_greedy_output_with_mtp_equals_without(tiny_v4_mtp):
 def test_the_first_draft_equals_the_mtp_layer_computed_with_hfs_modules(tiny_v4_mtp, monkeypatch):
     """The first draft after a prompt is the argmax of the MTP layer as HF's modules compute it: the streams
     handed over, e_proj/h_proj, the sliding-window layer, the hyper-head and the names are right."""
-    from pressroom.spec_decode.mtp import MTPProposer
     path, hf_model, mtp = tiny_v4_mtp
-    seen = []
-    propose = MTPProposer.propose
-
-    def recording(self, requests):
-        drafts = propose(self, requests)
-        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
-        return drafts
-
-    monkeypatch.setattr(MTPProposer, "propose", recording)
+    seen = record_mtp_drafts(monkeypatch)
     llm = LLM(path, speculative_config=MTP, **ENGINE)
     for prompt in _prompts(4, [6, 2 * WINDOW + 3, 3 * HCA_RATE + 1]):
         seen.clear()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, save_with_mtp_layer
+from conftest import random_prompts, record_mtp_drafts, save_with_mtp_layer
 from test_spec_engine import _assert_next3_distribution, _gen
 
 from pressroom import LLM, SamplingParams
@@ -92,16 +92,7 @@ def test_the_first_draft_equals_the_mtp_layer_computed_with_hfs_modules(mtp_mode
     """What the proposer drafts first after a prompt is the argmax of the MTP layer as HF's own modules compute
     it on the checkpoint: the layer, its weights' rope order, the feature hand-over and positions are right
     (the greedy test above would pass with any drafts at all)."""
-    from pressroom.spec_decode.mtp import MTPProposer
-    seen = []
-    propose = MTPProposer.propose
-
-    def recording(self, requests):
-        drafts = propose(self, requests)
-        seen.extend((list(r.token_ids), drafts[r.req_id].token_ids) for r in requests if r.req_id in drafts)
-        return drafts
-
-    monkeypatch.setattr(MTPProposer, "propose", recording)
+    seen = record_mtp_drafts(monkeypatch)
     llm = LLM(mtp_model, dtype="float32", kv_cache_memory_gib=0.05, skip_tokenizer_init=True, speculative_config=MTP)
     for prompt in random_prompts(3, low=5, high=40, seed=4):
         seen.clear()
