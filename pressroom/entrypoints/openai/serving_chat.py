@@ -70,6 +70,22 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
+        rid = random_id("chatcmpl")
+        run = await self.start(request, req, rid)
+        model = req.model or self.names[0]
+        if req.stream:
+            return self._sse(self._chat_chunks(rid, model, req, run.stream, run.opens, run.tools, run.prompt_ids))
+        out = (await with_disconnect(request, collect_finals([run.stream])))[0]
+
+        def response() -> ChatCompletionResponse:
+            choices = [self._choice(c, req, run.opens, run.tools) for c in out.outputs]
+            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, run.opens),
+                                          prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+        return await json_response(response, "choices", output_values([out], req.top_logprobs))
+
+    async def start(self, request: Request, req: ChatCompletionRequest, rid: str) -> ChatRun:
+        """Adds the request to the engine as `rid`: its prompt rendered, its tools planned, its sampling params made.
+        Also the way in of the Responses API (serving_responses.py), which reads the outputs its own way."""
         lora = self._check_model(req.model)
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
@@ -92,18 +108,8 @@ class OpenAIServingChat(OpenAIServing):
                 params = params.clone(skip_special_tokens=False)  # else the markers vanish from the text
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
-        rid = random_id("chatcmpl")
         streams = await self._add_all(request, rid, [(req.prompt_dict(ids), params)], routing, lora)
-        model = req.model or self.names[0]
-        if req.stream:
-            return self._sse(self._chat_chunks(rid, model, req, streams[0], opens, tools, ids))
-        out = (await with_disconnect(request, collect_finals(streams)))[0]
-
-        def response() -> ChatCompletionResponse:
-            choices = [self._choice(c, req, opens, tools) for c in out.outputs]
-            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, opens),
-                                          prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
-        return await json_response(response, "choices", output_values([out], req.top_logprobs))
+        return ChatRun(streams[0], ids, opens, tools)
 
     @staticmethod
     def _with_tool_schema(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
@@ -174,7 +180,7 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
             for i in range(req.n):  # each open choice gets its finish reason; the error event follows (_sse)
                 if not progress[i].done:  # what a marker or a call held back goes first
-                    deltas = _delta_messages(*_split_delta("", True, splitters, callers, i))
+                    deltas = _delta_messages(*split_delta("", True, splitters, callers, i))
                     for k, d in enumerate(deltas):
                         yield chunk([ChatChunkChoice(index=i, delta=d,
                                                      finish_reason=ABORT if k == len(deltas) - 1 else None)])
@@ -201,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
             return []
         sent.text, sent.done = len(c.text), c.finish_reason is not None
         # reasoning first, then content, then calls; a marker or a call split across chunks is held back until whole
-        reasoning, content, calls = _split_delta(delta, sent.done, splitters, callers, c.index)
+        reasoning, content, calls = split_delta(delta, sent.done, splitters, callers, c.index)
         if not (reasoning or content or calls or sent.done or (logprobs and logprobs.content)):
             return []  # all held back: nothing to send yet
         deltas = _delta_messages(reasoning, content, calls)
@@ -216,6 +222,16 @@ class OpenAIServingChat(OpenAIServing):
                                 token_ids=new_ids if k == 0 else None) for k, d in enumerate(deltas)]
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request in the engine: its output stream, its prompt's token ids, whether the prompt opened a
+    reasoning span, and its tool plan (how its outputs are read)."""
+    stream: AsyncIterator[RequestOutput]
+    prompt_ids: list[int]
+    opens: bool
+    tools: ToolPlan
+
+
 @dataclass(slots=True)
 class _ChoiceProgress:
     """How much of one streamed choice has gone out: text characters, logprob positions, token ids."""
@@ -224,8 +240,8 @@ class _ChoiceProgress:
     token_ids: int = 0
     done: bool = False
 
-def _split_delta(delta: str, done: bool, splitters: list[ReasoningStream] | None,
-                 callers: list[ToolCallStream] | None, i: int) -> tuple[str, str, list[DeltaToolCall]]:
+def split_delta(delta: str, done: bool, splitters: list[ReasoningStream] | None,
+                callers: list[ToolCallStream] | None, i: int) -> tuple[str, str, list[DeltaToolCall]]:
     """(reasoning, content, tool-call deltas) of choice i's new text; `done`: its output ended (flush)."""
     reasoning, content = "", delta
     if splitters is not None:
