@@ -4,11 +4,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pressroom.config import EngineArgs
+from pressroom.engine import beam_search
+from pressroom.engine.beam_search import BeamSearch, BeamSearchOutput
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.lora.request import LoRARequest
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
-from pressroom.sampling_params import RequestOutputKind, SamplingParams
+from pressroom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -74,6 +76,47 @@ class LLM:
             self.engine.abort_request(ids)  # a rejected batch leaves nothing queued
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: each prompt's best beams (at most beam_width, best first), each with its tokens
+        (the prompt's and the generated ones), the candidates of each step, its cumulative logprob and its
+        text (all its tokens decoded, as vLLM's). Every step runs the live beams of up to `concurrency_limit`
+        prompts (None: all of them) as one batch."""
+        prompts = _as_list(prompts)
+        loras = _broadcast(lora_request if not isinstance(lora_request, Sequence) else list(lora_request),
+                           len(prompts), "lora_request")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit}.")
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        searches = [BeamSearch(engine.tokenize_prompt(p)[1], params, engine.eos_token_id, engine.max_model_len,
+                               context=(_cache_salt(p), lora)) for p, lora in zip(prompts, loras)]
+        batch = concurrency_limit or max(len(prompts), 1)
+        for start in range(0, len(searches), batch):
+            beam_search.run(searches[start:start + batch], lambda beams: self._beam_step(beams, params))
+        tokenizer = engine.tokenizer
+        outputs = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+    def _beam_step(self, beams: beam_search.Beams, params: BeamSearchParams) -> list:
+        """One step of beam search: every live beam's next token, as one batch."""
+        step = beam_search.step_params(params)
+        ids: list[str] = []
+        try:
+            for (salt, lora), tokens in beams:
+                ids.append(self._add({**salt, "prompt_token_ids": tokens}, step, 0, lora))
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return [beam_search.candidates_of(out) for out in self._run(ids, use_tqdm=False)]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -146,6 +189,13 @@ def _as_list(prompts) -> list:
     if prompts and isinstance(prompts[0], int):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _cache_salt(prompt: PromptType) -> dict:
+    """The prompt's cache salt as a prompt-dict entry (the beams of a salted prompt share only its cache)."""
+    if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+        return {"cache_salt": prompt["cache_salt"]}
+    return {}
 
 
 def _broadcast(value, n: int, name: str) -> list:

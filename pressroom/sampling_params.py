@@ -174,6 +174,32 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+@dataclass(slots=True)
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's BeamSearchParams). Each step asks the engine for 2 * beam_width
+    candidates of every live beam; `temperature` is that step's sampling (vLLM's: a sampled token joins the
+    candidates); `length_penalty` divides a finished beam's cumulative logprob by its length to that power."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (type(self.beam_width) is int and self.beam_width >= 1,
+             f"beam_width must be a positive integer, got {self.beam_width}."),
+            (type(self.max_tokens) is int and self.max_tokens >= 1,
+             f"max_tokens must be a positive integer, got {self.max_tokens}."),
+            (0 <= self.temperature < math.inf, f"temperature must be non-negative and finite, got {self.temperature}."),
+            (math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
 def _normalise_logit_bias(bias: dict | None) -> dict[int, float] | None:
     """JSON clients send token ids as strings; accept them, reject what is not a finite number."""
     if not bias:
