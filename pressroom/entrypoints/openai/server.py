@@ -66,11 +66,13 @@ from pressroom.entrypoints.openai.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
+from pressroom.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pressroom.entrypoints.openai.settings import ANY, ServerSettings, host_name
 from pressroom.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream
 from pressroom.logger import DATE_FORMAT, printable
@@ -94,7 +96,7 @@ class _Guard:
     """ASGI middleware: Bearer auth on every route but /health, the chat page (and /metrics, if opened) when an
     API key is set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
     without bound)."""
-    GENERATION = ("/v1/completions", "/v1/chat/completions")
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
     def __init__(self, app, api_keys: tuple[str, ...], max_concurrent: int | None, open_paths: tuple[str, ...]
                  ) -> None:
@@ -333,8 +335,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     completion = OpenAIServingCompletion(*shared)
     chat = OpenAIServingChat(*shared, reasoning, _auto_tool_parser(settings))
     pooling = OpenAIServingPooling(*shared)
+    responses = OpenAIServingResponses(*shared, chat.reasoning, chat.auto_tool_parser)
     adapters = served_adapters(settings, engine, names[0])
-    for handler in (utility, completion, chat, pooling):
+    for handler in (utility, completion, chat, pooling, responses):
         handler.adapters = adapters
 
     @asynccontextmanager
@@ -351,7 +354,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
-    _add_routes(app, utility, completion, chat, pooling)
+    _add_routes(app, utility, completion, chat, pooling, responses)
     _add_middleware(app, settings)
     stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)
@@ -429,7 +432,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIServingCompletion,
-                chat: OpenAIServingChat, pooling: OpenAIServingPooling) -> None:
+                chat: OpenAIServingChat, pooling: OpenAIServingPooling, responses: OpenAIServingResponses) -> None:
     app.get("/", include_in_schema=False)(_chat_page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.get("/health")(utility.health)
@@ -454,11 +457,15 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
              responses=_responses(CompletionResponse, CompletionResponse))(completion.completions)
     app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest),
              responses=_responses(ChatCompletionResponse, ChatCompletionChunk))(chat.chat_completions)
+    app.post("/v1/responses", openapi_extra=_request_body(ResponsesRequest),
+             responses=_responses(ResponseObject))(responses.create_response)
+    app.get("/v1/responses/{response_id}", responses=_responses(ResponseObject))(responses.retrieve_response)
     for path, (method, body, response) in POOLING_ROUTES.items():
         app.post(path, openapi_extra=_request_body(body), responses=_responses(response))(getattr(pooling, method))
     _add_schemas(app, [(body, "validation") for _, body, _ in POOLING_ROUTES.values()])
     _add_schemas(app, [(TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+                       (ResponsesRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
 
 
