@@ -252,6 +252,17 @@ class AsyncLLMEngine:
             _call_soon(stream.loop, stream.queue.put_nowait, EngineDeadError(message))
         return len(streams)
 
+    async def reset_prefix_cache(self) -> None:
+        """Every engine core forgets its cached prefixes (vLLM's `reset_prefix_cache`): a request added after this
+        returns finds none. Sent on the adder's thread, in order with the adds (the core's socket is not
+        thread-safe)."""
+        self._check_alive()
+        await asyncio.get_running_loop().run_in_executor(self._adder, self._reset_prefix_cache)
+
+    def _reset_prefix_cache(self) -> None:
+        with self._lock:
+            self._client.reset_prefix_cache()
+
     async def stats(self) -> SchedulerStats:
         """The core's latest figures (it sends them with every step, and once a second when idle); with
         several engine cores, their sums (KV usage: their mean)."""

@@ -36,6 +36,7 @@ from pressroom.executor.process import allow_children, die_with_parent
 logger = logging.getLogger("pressroom")
 
 _ADD, _FINISH, _SHUTDOWN, _EOS = b"add", b"finish", b"shutdown", b"eos"
+_RESET_PREFIX_CACHE = b"reset-prefix-cache"
 _READY, _OUTPUTS, _FAILED = b"ready", b"out", b"failed"
 HEARTBEAT_SECONDS = 1.0
 EXIT_GRACE_SECONDS = 10  # the core's own shutdown, at most, as the client's `shutdown` waits for it
@@ -117,6 +118,11 @@ class CoreClient:
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         self._input.send_multipart([_FINISH, self._encoder.encode((req_ids, status.name))])
+
+    def reset_prefix_cache(self) -> None:
+        """The core forgets every cached prefix before it reads any request sent after this (one socket keeps the
+        order). Running requests keep their blocks; only the hash index is emptied, as a failed step empties it."""
+        self._input.send_multipart([_RESET_PREFIX_CACHE, b""])
 
     def recv(self, timeout_ms: int = _POLL_MS) -> CoreOutputs | None:
         """The core's next message, or None after `timeout_ms` of silence; EngineDeadError once it is gone."""
@@ -260,6 +266,8 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
                 elif kind == _FINISH:
                     ids, status = finishes.decode(payload)
                     core.finish_requests(ids, RequestStatus[status])
+                elif kind == _RESET_PREFIX_CACHE:
+                    core.kv_cache.reset_prefix_cache()
         if core.has_unfinished_requests():
             step = core.step()
             step.stats = core.stats()

@@ -87,6 +87,10 @@ class DPCoreClient:
             self.load[rank] -= 1
         return rank
 
+    def reset_prefix_cache(self) -> None:
+        for client in self.clients:
+            client.reset_prefix_cache()
+
     def recv(self, timeout_ms: int = 500) -> CoreOutputs | None:
         """The next message from any core (cores take turns), or None after `timeout_ms` of silence;
         EngineDeadError once any core is gone."""
