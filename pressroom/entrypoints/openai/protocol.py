@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, mo
 
 from pressroom.core.structured_outputs import grammar_source
 from pressroom.entrypoints.openai.limits import RequestCost
-from pressroom.sampling_params import SamplingParams, StructuredOutputsParams, truncated_prompt
+from pressroom.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams, truncated_prompt
 
 MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default; the engine's own bound (MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -101,7 +101,6 @@ def _input_count(value: str | list) -> int:
 _GUIDED = "vLLM's older guided_* fields are not read; send `structured_outputs` (json, regex, choice, grammar)"
 _SAMPLING_UNSUPPORTED: Unsupported = {
     **{name: (_given, _GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
-    "use_beam_search": (_nonempty, "beam search is not supported"),
     "prompt_embeds": (_given, "prompt embeddings are not supported"),
 }
 _FUNCTIONS = "the deprecated `functions` API is not implemented; send `tools` and `tool_choice`"
@@ -112,7 +111,10 @@ _CHAT_UNSUPPORTED: Unsupported = {
     "modalities": (_not_text_only, 'only ["text"] output is supported'),
     "prediction": (_given, "predicted outputs are not supported"),
     "web_search_options": (_given, "web search is not supported"),
+    "use_beam_search": (_nonempty, "beam search is served on /v1/completions, not on chat"),
 }
+# Fields that constrain the output, which beam search (vLLM's) does not apply: a 400 rather than an answer without them.
+_NOT_UNDER_BEAM_SEARCH = ("stop", "stop_token_ids", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids")
 
 
 # ---- errors ----
@@ -320,6 +322,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: EngineInt | None = None
+    use_beam_search: bool = False  # vLLM's: n beams of each prompt, best first
+    length_penalty: float = 1.0  # beam search's: a beam's cumulative logprob over its length to this power
 
     @field_validator("max_tokens")
     @classmethod
@@ -340,6 +344,22 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """use_beam_search's parameters, as vLLM makes them (n beams; the temperature 1.0 where not given); a
+        ValueError naming a field that beam search would not apply, or an n past what its steps can ask for."""
+        ignored = [name for name in _NOT_UNDER_BEAM_SEARCH if getattr(self, name)]
+        if self._structured_outputs() is not None:
+            ignored.append("structured_outputs" if self.structured_outputs is not None else "response_format")
+        if ignored:
+            raise ValueError(f"{ignored[0]} is not applied by beam search (use_beam_search); leave it out.")
+        if 2 * self.n > MAX_TOP_LOGPROBS:
+            raise ValueError(f"use_beam_search takes n up to {MAX_TOP_LOGPROBS // 2} (each step asks for 2 * n "
+                             f"logprobs of every beam, at most {MAX_TOP_LOGPROBS}); got n={self.n}.")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=1.0 if self.temperature is None else self.temperature,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 # ---- tools (OpenAI's shapes) ----

@@ -1,12 +1,14 @@
 """/v1/completions: one or more prompts (text or token ids) x n, whole or streamed, with logprobs and echo."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from pressroom.engine import beam_search
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.protocol import (
@@ -19,6 +21,8 @@ from pressroom.entrypoints.openai.protocol import (
 from pressroom.entrypoints.openai.serving import (
     ABORT,
     OpenAIServing,
+    Routing,
+    access_record,
     finite_logprob,
     json_response,
     output_values,
@@ -28,6 +32,7 @@ from pressroom.entrypoints.openai.serving import (
     usage_of,
 )
 from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
+from pressroom.lora.request import LoRARequest
 from pressroom.outputs import PositionLogprobs, RequestOutput
 
 
@@ -38,7 +43,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise APIError(400, "suffix is not supported.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of is not supported; use n.", param="best_of")
+            raise APIError(400, "best_of is not supported (vLLM's V1 engine dropped it): ask for n samples with "
+                                "logprobs and keep the best by their cumulative logprob.", param="best_of")
         routing = request_routing(request, req)
         try:
             given = _prompt_list(req.prompt)
@@ -48,6 +54,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
         self._admit(req.tokens_cost([len(ids) for _, ids in prompts], self.engine.max_model_len))
         rid = random_id("cmpl")
+        if req.use_beam_search:
+            return await self._beam_search(request, req, rid, prompts, routing, lora)
         streams = await self._add_all(request, rid, [(req.prompt_dict(ids, text), sp)
                                                      for (text, ids), sp in zip(prompts, params)], routing, lora)
         model = req.model or self.names[0]
@@ -60,6 +68,51 @@ class OpenAIServingCompletion(OpenAIServing):
                        for choice in self._completion_choices(out, req, i * req.n)]
             return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
         return await json_response(response, "choices", output_values(finals, req.logprobs))
+
+    async def _beam_search(self, request: Request, req: CompletionRequest, rid: str,
+                           prompts: list[tuple[str | None, list[int]]], routing: Routing,
+                           lora: LoRARequest | None) -> Response:
+        """use_beam_search (vLLM's): each prompt's n best beams, best first. Nothing is streamed as it comes:
+        stream=true gets the whole response as one event, as vLLM sends it."""
+        finals = await self._searched(request, req, rid, prompts, routing, lora)
+        usage = usage_of(finals)
+        record = access_record(request)
+        record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        response = CompletionResponse(id=rid, model=req.model or self.names[0], usage=usage,
+                                      choices=[choice for i, out in enumerate(finals)
+                                               for choice in self._completion_choices(out, req, i * req.n)])
+        if req.stream:
+            return self._sse(_one(sse_data(response)))
+        return await json_response(lambda: response, "choices", output_values(finals, req.logprobs))
+
+    async def _searched(self, request: Request, req: CompletionRequest, rid: str,
+                        prompts: list[tuple[str | None, list[int]]], routing: Routing,
+                        lora: LoRARequest | None) -> list[RequestOutput]:
+        """Each prompt's best beams as one finished output, the live beams of all prompts run as one batch a step."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "Beam search needs a tokenizer; this server runs with skip_tokenizer_init.",
+                           param="use_beam_search")
+        try:
+            params = req.to_beam_search_params(req.max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        searches = [beam_search.BeamSearch(ids, params, self.engine.engine.eos_token_id, self.engine.max_model_len)
+                    for _, ids in prompts]
+        step_params, steps = beam_search.step_params(params), itertools.count()
+
+        async def step(beams: beam_search.Beams) -> list:
+            streams = await self._add_all(request, f"{rid}-step{next(steps)}",
+                                          [(req.prompt_dict(ids), step_params) for _, ids in beams], routing, lora)
+            return [beam_search.candidates_of(out) for out in await collect_finals(streams)]
+        await with_disconnect(request, beam_search.run_async(searches, step))
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+        finals = [search.request_output(rid, text, decode) for search, (text, _) in zip(searches, prompts)]
+        for out in finals:
+            out.prompt_logprobs = [None] * len(out.prompt_token_ids)  # what echo shows of the prompt: no logprobs
+        return finals
 
     async def _completion_prompts(self, req: CompletionRequest, given: list[str | list[int]]
                                   ) -> list[tuple[str | None, list[int]]]:
@@ -157,6 +210,10 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echoed_prompt(self, out: RequestOutput) -> str:
         """The prompt as text, for `echo` (a prompt given as token ids has no text of its own)."""
         return out.prompt or self.engine.tokenizer.decode(out.prompt_token_ids)
+
+
+async def _one(chunk: str) -> AsyncIterator[str]:
+    yield chunk
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

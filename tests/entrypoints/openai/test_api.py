@@ -256,7 +256,7 @@ UNSUPPORTED = [  # (endpoint, fields, the field the 400 names)
     ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("chat", {"web_search_options": {}}, "web_search_options"),
     ("completion", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("completion", {"use_beam_search": True}, "use_beam_search"),
+    ("chat", {"use_beam_search": True}, "use_beam_search"),  # served on completions only
 ]
 HARMLESS = [
     ("chat", {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"],
