@@ -83,7 +83,7 @@ class LLM:
         """vLLM's beam search: each prompt's best beams (at most beam_width, best first), each with its tokens
         (the prompt's and the generated ones), the candidates of each step, its cumulative logprob and its
         text (all its tokens decoded, as vLLM's). Every step runs the live beams of up to `concurrency_limit`
-        prompts (None: all of them) as one batch."""
+        prompts (None: all of them) as one batch. `use_tqdm` is taken for vLLM's signature; no bar is shown."""
         prompts = _as_list(prompts)
         loras = _broadcast(lora_request if not isinstance(lora_request, Sequence) else list(lora_request),
                            len(prompts), "lora_request")
