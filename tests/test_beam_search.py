@@ -157,3 +157,33 @@ def test_beam_width_one_is_greedy(tiny_pair):
 def test_beam_width_past_the_engines_logprobs_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="beam_width must be at most 10"):
         tiny_pair[0].beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
+
+
+def _hf_step(model, width: int):
+    """A step function whose candidates are HF's: each beam's 2 * width best tokens by HF's logprobs."""
+    @torch.inference_mode()
+    def step(beams: beam_search.Beams) -> list:
+        out = []
+        for _, tokens in beams:
+            lps = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1], -1)
+            values, ids = lps.topk(2 * width)
+            out.append({int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids))})
+        return out
+    return step
+
+
+def test_beams_that_end_with_eos_finish_as_with_hfs_candidates(tiny_pair, monkeypatch):
+    """EOS set to a token the beams meet (the third best after the prompt): those beams finish there, and the
+    search's beams equal a search run on HF's candidates."""
+    llm, hf_model = tiny_pair
+    prompt = PROMPTS[1]
+    eos = list(_hf_step(hf_model, 2)([(None, prompt)])[0])[2]
+    monkeypatch.setattr(llm.engine, "eos_token_id", eos)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.0)  # no length penalty: short wins
+    ours = llm.beam_search([{"prompt_token_ids": prompt}], params)[0].sequences
+    oracle = BeamSearch(prompt, params, eos, max_model_len=2048)
+    beam_search.run([oracle], _hf_step(hf_model, 2))
+    theirs = oracle.best()
+    assert [s.tokens for s in ours] == [s.tokens for s in theirs]
+    assert [s.cum_logprob for s in ours] == pytest.approx([s.cum_logprob for s in theirs], abs=1e-3)
+    assert any(s.finish_reason == "stop" and s.tokens[-1] == eos for s in ours)
