@@ -304,6 +304,25 @@ class OpenAIServingUtility(OpenAIServing):
         raise APIError(400, "pressroom has no sleep mode: its weights and KV cache stay on the device while it "
                        "serves (vLLM's --enable-sleep-mode is refused at start).")
 
+    async def reset_prefix_cache(self) -> Response:
+        """vLLM's dev-mode POST /reset_prefix_cache: every engine core forgets its cached prefixes (its query
+        parameters, which ask for running requests' or an external cache's reset, are not read)."""
+        logger.info("resetting the prefix cache")
+        try:
+            await self.engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        return Response(status_code=200)
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's configuration as its
+        tokenizer_config.json has it (special tokens, model_max_length), its class, and the chat template the
+        server renders with."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "This server runs without a tokenizer (skip_tokenizer_init).")
+        return tokenizer_config(tokenizer, self.preprocessor.chat_template, self.engine.max_model_len)
+
     async def read_body_once(self, request: Request) -> bytes:
         """The body, held to --max-request-bytes, kept on the request so that a handler it is passed to reads it
         again (SageMaker's /invocations dispatches on its fields)."""
@@ -388,6 +407,33 @@ class OpenAIServingUtility(OpenAIServing):
 
 
 # ---- helpers of the handlers ----
+
+# Paths on the server's disk that a tokenizer's configuration names: not the client's business.
+_TOKENIZER_FILES = ("name_or_path", "vocab_file", "merges_file", "tokenizer_file")
+
+
+def tokenizer_config(tokenizer: Any, chat_template: str | None, max_model_len: int) -> dict[str, Any]:
+    """/tokenizer_info's body: the tokenizer's init arguments (its tokens as their text), its class, its
+    model_max_length (the served context where its configuration names none) and the chat template in use."""
+    config = {key: _plain(value) for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if key not in _TOKENIZER_FILES}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    config.setdefault("model_max_length", max_model_len)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """A configuration value as JSON: an added token as its text, containers item by item, other objects as text."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return getattr(value, "content", None) if isinstance(getattr(value, "content", None), str) else str(value)
 
 _TOO_DEEP = "The body nests too deeply."
 ABORT = "abort"  # the finish reason of a choice the engine ended early (shutdown, a dead engine): vLLM's
