@@ -242,6 +242,8 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "(default: VLLM_API_KEY's, else no key)")
     server.add_argument("--disable-metrics-auth", action="store_true",
                         help="let /metrics answer without the API key (for scrapers that cannot send one)")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)")
     server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),
                         help="larger bodies get a 413")
     server.add_argument("--body-read-timeout", type=float, default=_server_default("body_read_timeout"),

@@ -40,6 +40,7 @@ class ServerSettings:
     # `Authorization: Bearer KEY` with any one of them on every route but /health and the chat page (none: no key)
     api_keys: tuple[str, ...] = ()
     metrics_auth: bool = True  # /metrics needs the API key too (when one is set)
+    tokenizer_info: bool = False  # GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)
     max_request_bytes: int = 8 << 20  # larger bodies get a 413
     # seconds a client has to send a request's whole body (a 408 after), and a new connection its first request's
     # headers (closed after); 0: no limit
@@ -98,7 +99,7 @@ class ServerSettings:
         return cls(served_model_name=tuple(args.served_model_name or ([model] if model else [])),
                    lora_modules=tuple(LoRAModule.parse(text) for text in getattr(args, "lora_modules", None) or ()),
                    host=args.host, port=args.port, api_keys=api_keys_of(args.api_key),
-                   metrics_auth=not args.disable_metrics_auth,
+                   metrics_auth=not args.disable_metrics_auth, tokenizer_info=args.enable_tokenizer_info_endpoint,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
                    trust_request_chat_template=args.trust_request_chat_template,
