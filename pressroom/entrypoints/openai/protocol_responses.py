@@ -223,13 +223,20 @@ class ResponsesRequest(OpenAIModel):
     stop: str | Texts | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    min_tokens: EngineInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    thinking_token_budget: int | None = None
     priority: Priority | None = None
     cache_salt: str | None = None
 
+    # the fields the chat request takes as they are (the chat request validates them)
     _PASSED: ClassVar[tuple[str, ...]] = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "top_k",
-                                          "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                                          "repetition_penalty", "priority", "cache_salt")
+                                          "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                                          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                          "thinking_token_budget", "priority", "cache_salt")
 
     def cost(self) -> RequestCost:
         tokens = self.max_output_tokens

@@ -85,9 +85,13 @@ class OpenAIServingResponses(OpenAIServingChat):
         req = await self._parse(request, ResponsesRequest)
         history = self._conversation(req.previous_response_id)
         chat = _chat_request(req.to_chat(history))
-        self._admit(chat.cost())
         response = ResponseObject.of(response_id("resp"), req.model or self.names[0], req)
-        run = await self.start(request, chat, response.id)
+        try:
+            self._admit(chat.cost())
+            run = await self.start(request, chat, response.id)
+        except APIError as e:  # the chat's rules name the chat's fields: this request's are named instead
+            e.param = _OWN_NAMES.get(e.param, e.param)
+            raise
         turn = Turn(req, run, history + req.input_messages())
         if req.stream:
             return _EventStream(self._events(turn, response), media_type="text/event-stream",
@@ -269,6 +273,10 @@ class _Events:
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item.id, "output_index": self._index()}
+
+
+# the chat request's fields by the names they have in a Responses request
+_OWN_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
 
 
 def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
