@@ -66,11 +66,19 @@ from pressroom.entrypoints.openai.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pressroom.entrypoints.openai.protocol_messages import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+)
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pressroom.entrypoints.openai.serving_messages import MESSAGES_PATH, OpenAIServingMessages, messages_error
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
 from pressroom.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pressroom.entrypoints.openai.settings import ANY, ServerSettings, host_name
@@ -94,9 +102,9 @@ PAGE_CSP = "default-src 'self'; frame-ancestors 'none'"
 
 class _Guard:
     """ASGI middleware: Bearer auth on every route but /health, the chat page (and /metrics, if opened) when an
-    API key is set, and a cap on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue
-    without bound)."""
-    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+    API key is set (the key in `x-api-key`, as Anthropic's clients send it, is taken too, as vLLM takes it), and a cap
+    on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue without bound)."""
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH)
 
     def __init__(self, app, api_keys: tuple[str, ...], max_concurrent: int | None, open_paths: tuple[str, ...]
                  ) -> None:
@@ -108,10 +116,13 @@ class _Guard:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         if self.expected:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not any([hmac.compare_digest(given, key) for key in self.expected]):  # every key compared: no timing
-                response = error_response(401, "Invalid or missing API key; send `Authorization: Bearer <key>`.",
-                                          "authentication_error", code="invalid_api_key")
+            headers = dict(scope["headers"])
+            given = (headers.get(b"authorization", b""), b"Bearer " + headers.get(b"x-api-key", b""))
+            # every key compared: no timing
+            if not any([hmac.compare_digest(offered, key) for offered in given for key in self.expected]):
+                message = "Invalid or missing API key; send `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
+                response = messages_error(401, message) if scope["path"].startswith(MESSAGES_PATH) else \
+                    error_response(401, message, "authentication_error", code="invalid_api_key")
                 return await response(scope, receive, send)
         counted = scope["method"] == "POST" and scope["path"] in self.GENERATION
         if counted and self.max_concurrent and self.in_flight >= self.max_concurrent:
@@ -339,6 +350,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     adapters = served_adapters(settings, engine, names[0])
     for handler in (utility, completion, chat, pooling, responses):
         handler.adapters = adapters
+    messages = OpenAIServingMessages(*shared, chat.reasoning, chat.auto_tool_parser)
+    messages.adapters = adapters
 
     @asynccontextmanager
     async def lifespan(_):
@@ -355,6 +368,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
     _add_routes(app, utility, completion, chat, pooling, responses)
+    _add_messages_routes(app, messages)
+    if settings.tokenizer_info:
+        app.get("/tokenizer_info")(utility.tokenizer_info)
     _add_middleware(app, settings)
     stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)
@@ -444,6 +460,7 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
         app.get("/is_sleeping")(utility.is_sleeping)
         app.post("/sleep")(utility.sleep)
         app.post("/wake_up")(utility.sleep)
+        app.post("/reset_prefix_cache")(utility.reset_prefix_cache)
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)
     app.get("/v1/models")(utility.models)
@@ -467,6 +484,19 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
                        (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                        (ResponsesRequest, "validation"),
                        (ChatCompletionChunk, "serialization")])
+
+
+def _add_messages_routes(app: FastAPI, messages: OpenAIServingMessages) -> None:
+    """Anthropic's Messages API: its bodies declared, its errors in Anthropic's shape."""
+    errors = {"4XX": {"model": AnthropicErrorResponse, "description": "An Anthropic-shaped error"}}
+    app.post(MESSAGES_PATH, openapi_extra=_request_body(MessagesRequest),
+             responses={200: {"model": MessagesResponse, "description": "The message; with `stream`, Anthropic's "
+                                                                       "server-sent events instead"}, **errors}
+             )(messages.messages)
+    app.post(f"{MESSAGES_PATH}/count_tokens", openapi_extra=_request_body(CountTokensRequest),
+             responses={200: {"model": CountTokensResponse, "description": "The prompt's tokens"}, **errors}
+             )(messages.count_tokens)
+    _add_schemas(app, [(MessagesRequest, "validation"), (CountTokensRequest, "validation")])
 
 
 # /invocations takes whichever request its fields say (a JSON object): declared so, _JsonOnly guards it too
