@@ -27,7 +27,7 @@ from pressroom.platforms.cpu import cpu_info
 logger = logging.getLogger("pressroom")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_ops.c", "quant_ops.c", "decode_stack.c", "ggml_ops.c", "gemma3_stack.c",
-                                             "workshare.c", "ggml_numerics.c", "recurrent.c")]
+                                             "workshare.c", "ggml_numerics.c", "recurrent.c", "vnni_gemm.c")]
 _HEADERS = [_CSRC / name for name in ("common.h", "int8_dot.h", "ggml_matrix.h", "workshare.h", "layer_ops.h")]
 # Reassociation lets the compiler vectorise the float reductions; finite-math stays off (-inf is used).
 # The target (-march) comes from the CPU's tier: pressroom/platforms/cpu.py.
@@ -60,6 +60,7 @@ _QUANT_SIGNATURES = {
     "ggml_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
     "ggml_set_q4_k_gemm_rows": [_P],
     "argmax_rows_f32": [_P, _P, _I, _I, _I],
+    "vnni_gemm_f32": [_P, _P, _I, _I, _P, _P, _P, _I, _T],
 }
 # recurrent.c: these return 0, or -1 when a slot lies outside the state pool (nothing is done then).
 _RECURRENT_SIGNATURES = {
@@ -70,7 +71,10 @@ _RECURRENT_SIGNATURES = {
 _COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 # decode_stack.c's per-layer pointer table and shape vector, in its order.
 DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
-                       "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache")
+                       "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache",
+                       "qkv_p", "qkv_pd", "qkv_pm", "o_p", "o_pd", "o_pm", "gu_p", "gu_pd", "gu_pm",
+                       "down_p", "down_pd", "down_pm")  # the *_p fields: VNNI panels (0: none)
+
 DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
                      "max_blocks", "cache_bf16")
 # csrc/ggml_matrix.h: a matrix is a count of parts, then MAX_PARTS parts of these fields (arrays as pointers).
@@ -272,6 +276,21 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     out = torch.empty(tokens, rows, dtype=torch.float32)
     _library().q4_matmul_f32(out.data_ptr(), x.data_ptr(), qs.data_ptr(), d.data_ptr(), m.data_ptr(),
                              tokens, rows, cols, torch.get_num_threads())
+    return out
+
+
+def vnni_available() -> bool:
+    """Whether the panel GEMM (vnni_gemm.c) was built for this CPU (AVX-512 VNNI)."""
+    return available() and bool(_library().vnni_gemm_available())
+
+
+def vnni_gemm(x: torch.Tensor, panel: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: int) -> torch.Tensor:
+    """x: [tokens, cols] fp32 contiguous; panel, d, m: a 4-bit matrix of `rows` rows as quant.VnniPanel packs
+    it. Returns x @ (q * d + m).T, fp32 [tokens, rows], with q4_matmul's bits."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, rows, dtype=torch.float32)
+    _library().vnni_gemm_f32(out.data_ptr(), x.data_ptr(), tokens, cols, panel.data_ptr(), d.data_ptr(),
+                             m.data_ptr(), rows, torch.get_num_threads())
     return out
 
 

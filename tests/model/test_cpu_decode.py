@@ -9,6 +9,7 @@ from pressroom import LLM, SamplingParams
 from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
 from pressroom.kernels import cpu
 from pressroom.model.layers.cpu_decode import CpuDecodeStack, applies
+from pressroom.model.layers.quant import VNNI_MAX_ROWS, vnni_panels
 from pressroom.model.models.llama import RopeTables
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the fast path needs the C kernels")
@@ -30,23 +31,23 @@ def _first_layers(model, k: int, ids: torch.Tensor, cos: torch.Tensor, sin: torc
     return model.norm(x, residual)[0].float()
 
 
-def _on_a_two_sequence_decode(llm, monkeypatch, compare) -> dict:
-    """Runs `compare(model, stack, input_ids, cos, sin, meta)` once, on the first real decode step of the two
-    PROMPTS (before the step itself: both write the same cache slots, the second writer rewrites what the
-    first wrote); returns what it returned."""
+def _on_a_two_sequence_decode(llm, monkeypatch, compare, prompts: list[dict] = PROMPTS) -> dict:
+    """Runs `compare(model, stack, input_ids, cos, sin, meta)` once, on the first real decode step of the
+    prompts (two by default; before the step itself: both write the same cache slots, the second writer rewrites
+    what the first wrote); returns what it returned."""
     model = llm.engine.model.model
     result: dict = {}
     forward = model.forward
 
     def compare_then_forward(input_ids, positions, *args, **kwargs):
         meta = get_attention_metadata()
-        if applies(meta, input_ids) and input_ids.shape[0] == 2 and not result:
+        if applies(meta, input_ids, max_tokens=None) and input_ids.shape[0] == len(prompts) and not result:
             cos, sin = model.rotary.cos_sin(positions)
             result.update(compare(model, CpuDecodeStack.build(model), input_ids, cos, sin, meta))
         return forward(input_ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", compare_then_forward)
-    llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
     return result
 
 
@@ -75,6 +76,24 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
 
     errors = _on_a_two_sequence_decode(llm, monkeypatch, compare)
     assert errors.keys() == {1, 2} and max(errors.values()) < _tolerance(llm), errors
+
+
+@pytest.mark.skipif(not vnni_panels(), reason="no AVX-512 VNNI: past 8 tokens a step goes layer by layer")
+def test_a_batch_past_the_row_kernels_runs_the_panels_and_matches(llm, monkeypatch):
+    """Twelve sequences' decode step (past the 4-bit row kernel's 8) runs in the fused stack on the VNNI panels,
+    and equals the Python layers (which take the same panels)."""
+    prompts = [{"prompt_token_ids": list(range(100 + 37 * i, 120 + 37 * i))} for i in range(12)]
+
+    def compare(model, stack, input_ids, cos, sin, meta):
+        full = stack.layer_ptrs
+        stack.layer_ptrs = full[:2].contiguous()
+        fused = stack.run(model.embed_tokens(input_ids), cos, sin, meta)
+        stack.layer_ptrs = full
+        return {"takes": (stack.takes(12), stack.takes(VNNI_MAX_ROWS + 1)),
+                "error": _relative(fused, _first_layers(model, 2, input_ids, cos, sin))}
+
+    result = _on_a_two_sequence_decode(llm, monkeypatch, compare, prompts)
+    assert result["takes"] == (True, False) and result["error"] < _tolerance(llm), result
 
 
 def test_a_drafters_taps_match_the_layer_by_layer_path(llm, monkeypatch):

@@ -8,7 +8,16 @@ import torch
 from pressroom.kernels import cpu
 from pressroom.model import gguf_file
 from pressroom.model.layers.linear import MergedColumnParallelLinear
-from pressroom.model.layers.quant import NibbleMatrix, PackedInt4, Q4Weight, Q8Blocks, Q8Weight, int4_kernel_available
+from pressroom.model.layers.quant import (
+    VNNI_MAX_ROWS,
+    NibbleMatrix,
+    PackedInt4,
+    Q4Weight,
+    Q8Blocks,
+    Q8Weight,
+    int4_kernel_available,
+    vnni_panels,
+)
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch build has no int4 CPU kernel")
 
@@ -118,6 +127,17 @@ def test_q8_blocks_compute_the_two_array_forms_bits(tokens, rows, cols):
 def test_q8_blocks_refuse_scales_that_are_not_fp16():
     with pytest.raises(ValueError, match="fp16"):
         Q8Blocks.pack(_random_q8(8, 64, 0))
+
+
+@pytest.mark.skipif(not vnni_panels(), reason="no AVX-512 VNNI: no panel, the row kernel serves up to 8 rows")
+def test_the_vnni_panel_gives_the_row_kernels_bits():
+    # 37 rows: two 16-row vectors then a masked one; 70 tokens: tiles of 4 tokens, then 2
+    q4 = _random_q4(37, 96, 5)
+    matrix = NibbleMatrix.pack(q4)
+    assert matrix.panel is not None and matrix.max_rows == VNNI_MAX_ROWS
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(matrix.matmul(x), cpu.q4_matmul(x, matrix.qs, matrix.scale, matrix.min, 37))
+    assert _close(matrix.matmul(x), x @ q4.dequantize().t(), 0.02)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

@@ -7,26 +7,39 @@
 #include <string.h>
 
 #include "common.h"
+#include "workshare.h"
+
+struct decode_args {
+    float *out;
+    const float *q;
+    const void *k_cache, *v_cache;
+    const int64_t *block_tables, *seq_lens;
+    int64_t heads, kv_heads, dim, block_size, max_blocks, window;
+    float scale;
+};
 
 /* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
  * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64; window > 0: each sequence sees its last
  * `window` keys only (a sliding-window layer), 0: every key.
- * One task per sequence walks its tokens in order, reading each token's keys (then values) for
- * all kv heads as one contiguous row (what hardware prefetchers follow best), converted to fp32
- * once and shared by the query heads of each group. */
+ * One task per sequence (shared by workshare.h's pool: under OpenMP's barrier, which waits for preempted
+ * threads, a batch-32 decode step ran 6x slower beside another process) walks its tokens in order, reading each
+ * token's keys (then values) for all kv heads as one contiguous row (what hardware prefetchers follow best),
+ * converted to fp32 once and shared by the query heads of each group. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, DIM)                                                   \
-static void NAME(float *out, const float *q, const T *k_cache, const T *v_cache,                  \
-          const int64_t *block_tables, const int64_t *seq_lens, int64_t seqs, int64_t heads,      \
-          int64_t kv_heads, int64_t dim_, int64_t block_size, int64_t max_blocks, int64_t window, \
-          float scale, int threads) {                                                             \
-    const int64_t dim = DIM ? DIM : dim_; /* a constant head size lets loops unroll fully */     \
-    const int64_t group = heads / kv_heads;                                                       \
-    const int64_t row = kv_heads * dim; /* elements between consecutive tokens of a block */      \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
-    for (int64_t s = 0; s < seqs; s++) {                                                          \
+static void NAME(void *ctx, int64_t s) {                                                          \
+    const struct decode_args *a = ctx;                                                            \
+    float *out = a->out;                                                                          \
+    const float *q = a->q, scale = a->scale;                                                      \
+    const T *k_cache = a->k_cache, *v_cache = a->v_cache;                                         \
+    const int64_t *block_tables = a->block_tables, *seq_lens = a->seq_lens;                       \
+    const int64_t heads = a->heads, block_size = a->block_size, window = a->window;               \
+    const int64_t dim = DIM ? DIM : a->dim; /* a constant head size lets loops unroll fully */   \
+    const int64_t group = heads / a->kv_heads;                                                    \
+    const int64_t row = a->kv_heads * dim; /* elements between consecutive tokens of a block */   \
+    {                                                                                             \
         const int64_t end = seq_lens[s], first = window > 0 && end > window ? end - window : 0;  \
         const int64_t len = end - first; /* keys seen; token t of them is at position first + t */ \
-        const int64_t *table = block_tables + s * max_blocks;                                     \
+        const int64_t *table = block_tables + s * a->max_blocks;                                  \
         const float *qs = q + s * heads * dim;                                                    \
         float *scores = (float *)malloc(sizeof(float) * heads * (len > 0 ? len : 1));             \
         float *acc = (float *)calloc(heads * dim, sizeof(float));                                 \
@@ -84,12 +97,11 @@ DEFINE_PAGED_DECODE(decode_f32_256, float, f32_to_f32, 256)
 void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
           const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
           int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) {     \
-    void (*fn)(float *, const float *, const T *, const T *, const int64_t *, const int64_t *,    \
-               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =       \
-        dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : dim == 256 ? PREFIX##_256           \
-                  : PREFIX##_any;                                                                 \
-    fn(out, q, k, v, tables, lens, seqs, heads, kv_heads, dim, block_size, max_blocks, window,    \
-       scale, threads);                                                                           \
+    chunk_fn fn = dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : dim == 256 ? PREFIX##_256 \
+                            : PREFIX##_any;                                                       \
+    struct decode_args a = {out, q, k, v, tables, lens, heads, kv_heads, dim, block_size,         \
+                            max_blocks, window, scale};                                           \
+    workshare_run(fn, &a, seqs, seqs > 1 ? threads : 1);                                          \
 }
 
 DEFINE_DECODE_DISPATCH(paged_decode_bf16, uint16_t, decode_bf16)

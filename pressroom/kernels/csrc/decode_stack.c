@@ -14,14 +14,31 @@
 
 void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d, const float *m,
                    int64_t tokens, int64_t rows, int64_t cols, int threads);
+void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                   const float *m, int64_t n, int threads);
 
-/* One layer's pointers, in this order (kernels/cpu.py's DECODE_LAYER_FIELDS names them). */
+/* One layer's pointers, in this order (kernels/cpu.py's DECODE_LAYER_FIELDS names them): each matrix's 4-bit
+ * tiles (q, d, m), then each one's VNNI panel (p, pd, pm; p = 0 where there is none). */
 enum { LN1, QKV_Q, QKV_D, QKV_M, QKV_BIAS, O_Q, O_D, O_M, LN2, GU_Q, GU_D, GU_M, DOWN_Q, DOWN_D, DOWN_M,
-       K_CACHE, V_CACHE, LAYER_FIELDS };
+       K_CACHE, V_CACHE, QKV_P, QKV_PD, QKV_PM, O_P, O_PD, O_PM, GU_P, GU_PD, GU_PM, DOWN_P, DOWN_PD, DOWN_PM,
+       LAYER_FIELDS };
 /* The shapes, in this order. */
 enum { TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, MAX_BLOCKS, CACHE_BF16, DIM_FIELDS };
 
 #define PTR(type, layer, field) ((type)(intptr_t)(layer)[field])
+#define ROW_KERNEL_MAX_TOKENS 8  /* quant.py's INT4_MAX_ROWS: more tokens take the panel */
+
+/* out = x times the matrix whose row-kernel tiles start at field q and panel at field p (q, d, m; p, pd, pm):
+ * the two give the same bits (vnni_gemm.c rounds and sums as quant_ops.c does). */
+static void project(float *out, const float *x, const int64_t *layer, int q, int p, int64_t tokens, int64_t rows,
+                    int64_t cols, int threads) {
+    if (tokens > ROW_KERNEL_MAX_TOKENS && layer[p])
+        vnni_gemm_f32(out, x, tokens, cols, PTR(const uint8_t *, layer, p), PTR(const float *, layer, p + 1),
+                      PTR(const float *, layer, p + 2), rows, threads);
+    else
+        q4_matmul_f32(out, x, PTR(const uint8_t *, layer, q), PTR(const float *, layer, q + 1),
+                      PTR(const float *, layer, q + 2), tokens, rows, cols, threads);
+}
 
 static void silu_and_mul(float *out, const float *gate_up, int64_t tokens, int64_t inter) {
     for (int64_t t = 0; t < tokens; t++) {
@@ -47,21 +64,23 @@ void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const flo
     float *y = malloc(sizeof(float) * tokens * hidden), *qkv = malloc(sizeof(float) * tokens * qkv_width);
     float *q = malloc(sizeof(float) * tokens * q_width), *attn = malloc(sizeof(float) * tokens * q_width);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * inter), *act = malloc(sizeof(float) * tokens * inter);
+    /* Norms and rotary are microseconds even at 128 rows: an OpenMP region for them cost more than it saved, and
+     * beside another process its barrier waits for a preempted thread. */
+    const int row_threads = tokens * hidden >= (1 << 18) ? threads : 1;
     for (int64_t l = 0; l < layers; l++) {
         const int64_t *p = layer_ptrs + l * LAYER_FIELDS;
         if (l == 0) {
             memcpy(residual, x, sizeof(float) * tokens * hidden);
-            rms_norm_f32(normed, x, NULL, PTR(const float *, p, LN1), tokens, hidden, eps, threads);
+            rms_norm_f32(normed, x, NULL, PTR(const float *, p, LN1), tokens, hidden, eps, row_threads);
         } else {
-            rms_norm_f32(normed, y, residual, PTR(const float *, p, LN1), tokens, hidden, eps, threads);
+            rms_norm_f32(normed, y, residual, PTR(const float *, p, LN1), tokens, hidden, eps, row_threads);
         }
-        q4_matmul_f32(qkv, normed, PTR(const uint8_t *, p, QKV_Q), PTR(const float *, p, QKV_D),
-                      PTR(const float *, p, QKV_M), tokens, qkv_width, hidden, threads);
+        project(qkv, normed, p, QKV_Q, QKV_P, tokens, qkv_width, hidden, threads);
         const float *bias = PTR(const float *, p, QKV_BIAS);
         if (bias)
             for (int64_t t = 0; t < tokens; t++)
                 for (int64_t i = 0; i < qkv_width; i++) qkv[t * qkv_width + i] += bias[i];
-        rotary_f32(qkv, cos, sin, tokens, heads + kv_heads, head_dim, head_dim, qkv_width, threads);
+        rotary_f32(qkv, cos, sin, tokens, heads + kv_heads, head_dim, head_dim, qkv_width, row_threads);
         for (int64_t t = 0; t < tokens; t++) {
             const float *row = qkv + t * qkv_width;
             write_cache(PTR(void *, p, K_CACHE), (int)dims[CACHE_BF16], row + q_width, slots[t], kv_width);
@@ -74,19 +93,16 @@ void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const flo
         else
             paged_decode_f32(attn, q, PTR(const float *, p, K_CACHE), PTR(const float *, p, V_CACHE), tables,
                              lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
-        q4_matmul_f32(y, attn, PTR(const uint8_t *, p, O_Q), PTR(const float *, p, O_D), PTR(const float *, p, O_M),
-                      tokens, hidden, q_width, threads);
-        rms_norm_f32(normed, y, residual, PTR(const float *, p, LN2), tokens, hidden, eps, threads);
-        q4_matmul_f32(gate_up, normed, PTR(const uint8_t *, p, GU_Q), PTR(const float *, p, GU_D),
-                      PTR(const float *, p, GU_M), tokens, 2 * inter, hidden, threads);
+        project(y, attn, p, O_Q, O_P, tokens, hidden, q_width, threads);
+        rms_norm_f32(normed, y, residual, PTR(const float *, p, LN2), tokens, hidden, eps, row_threads);
+        project(gate_up, normed, p, GU_Q, GU_P, tokens, 2 * inter, hidden, threads);
         silu_and_mul(act, gate_up, tokens, inter);
-        q4_matmul_f32(y, act, PTR(const uint8_t *, p, DOWN_Q), PTR(const float *, p, DOWN_D),
-                      PTR(const float *, p, DOWN_M), tokens, hidden, inter, threads);
+        project(y, act, p, DOWN_Q, DOWN_P, tokens, hidden, inter, threads);
         if (taps && tap_at[l] >= 0) {
             float *tap = taps + tap_at[l] * tokens * hidden;
             for (int64_t i = 0; i < tokens * hidden; i++) tap[i] = y[i] + residual[i];
         }
     }
-    rms_norm_f32(x, y, residual, final_norm, tokens, hidden, eps, threads);
+    rms_norm_f32(x, y, residual, final_norm, tokens, hidden, eps, row_threads);
     free(residual); free(normed); free(y); free(qkv); free(q); free(attn); free(gate_up); free(act);
 }

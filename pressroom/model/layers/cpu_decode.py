@@ -4,10 +4,10 @@ layer. `CpuDecodeStack`: a Llama-family model with 4-bit weights (kernels/csrc/d
 (kernels/csrc/gemma3_stack.c).
 
 They apply to steps whose tokens are all decodes (one new token per sequence; for the 4-bit stack at most
-INT4_MAX_ROWS of them) on a model whose projections all kept their quantized form, on one rank (the 4-bit stack
-also hands a drafter the outputs of the layers it reads; Gemma 3's taps none, so its drafting steps go
-layer by layer); every other step takes the
-layer-by-layer path. Both paths run the same kernels in the same order.
+INT4_MAX_ROWS of them, or VNNI_MAX_ROWS where every matrix keeps a VNNI panel) on a model whose projections all
+kept their quantized form, on one rank (the 4-bit stack also hands a drafter the outputs of the layers it reads;
+Gemma 3's taps none, so its drafting steps go layer by layer); every other step takes the layer-by-layer path.
+Both paths run the same kernels in the same order.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pressroom.attention.torch_ref import decode_row_plan
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kernels import cpu
 from pressroom.model.layers.activation import GeluTanhAndMul
-from pressroom.model.layers.quant import INT4_MAX_ROWS, GgmlRows, GgmlStack, NibbleMatrix
+from pressroom.model.layers.quant import INT4_MAX_ROWS, VNNI_MAX_ROWS, GgmlRows, GgmlStack, NibbleMatrix
 
 
 class DecodeStack(Protocol):
@@ -34,6 +34,8 @@ class DecodeStack(Protocol):
     def build(cls, model) -> DecodeStack | None: ...
 
     def is_current(self, model) -> bool: ...
+
+    def takes(self, tokens: int) -> bool: ...
 
 
 def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> DecodeStack | None:
@@ -49,7 +51,8 @@ def current_stack(model, kind: type[DecodeStack], input_ids: torch.Tensor) -> De
             return None
     if model._decode_stack is None or not model._decode_stack.is_current(model):
         model._decode_stack = kind.build(model)
-    return model._decode_stack
+    stack = model._decode_stack
+    return stack if stack is not None and stack.takes(input_ids.shape[0]) else None
 
 
 @dataclass(slots=True)
@@ -68,12 +71,19 @@ class _FusedStack:
         cache = model.layers[0].self_attn.attn.kv_cache
         return cache is not None and cache.data_ptr() == self.cache_ptr
 
+    def takes(self, tokens: int) -> bool:
+        return True
+
 
 @dataclass(slots=True)
 class CpuDecodeStack(_FusedStack):
-    max_tokens = INT4_MAX_ROWS  # the 4-bit kernels' rows
+    max_tokens = VNNI_MAX_ROWS  # the panels' rows; a stack without them takes INT4_MAX_ROWS (`takes`)
     short_queries = True  # a verification of drafts runs as rows too (a drafting step at batch 1)
     layer_ptrs: torch.Tensor  # int64 [layers, DECODE_LAYER_FIELDS]
+    token_limit: int  # the most tokens a step may have: the row kernels' or, with every panel, the panels'
+
+    def takes(self, tokens: int) -> bool:
+        return tokens <= self.token_limit
 
     @staticmethod
     def supports(model) -> bool:
@@ -96,8 +106,9 @@ class CpuDecodeStack(_FusedStack):
         attn = model.layers[0].self_attn
         shape = _shape(model, caches[0])
         final_norm = _fp32(model.norm.weight, held)
+        limit = min(linear.int4.max_rows for layer in model.layers for linear in _linears(layer))
         return cls(held, final_norm, caches[0].data_ptr(), shape, model.norm.eps, attn.attn.scale,
-                   layer_ptrs=torch.tensor(rows, dtype=torch.int64))
+                   layer_ptrs=torch.tensor(rows, dtype=torch.int64), token_limit=limit)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -166,11 +177,15 @@ def step_rows(meta: AttentionMetadata, tokens: int, short_queries: bool) -> tupl
     return plan.tables.contiguous(), plan.lens.contiguous()
 
 
+def _linears(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _eligible(layer) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = _linears(layer)
     return (attn.q_norm is None and all(isinstance(l.int4, NibbleMatrix) for l in linears)
             and all(l.bias is None for l in linears[1:]) and attn.o_proj.tp_size == 1)
 
@@ -182,15 +197,18 @@ def _fp32(t: torch.Tensor, held: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _layer_pointers(layer, held: list[torch.Tensor]) -> list[int]:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     ptrs = {"ln1": _fp32(layer.input_layernorm.weight, held).data_ptr(),
             "ln2": _fp32(layer.post_attention_layernorm.weight, held).data_ptr(),
             "qkv_bias": 0 if attn.qkv_proj.bias is None else _fp32(attn.qkv_proj.bias, held).data_ptr(),
             "k_cache": attn.attn.kv_cache[0].data_ptr(), "v_cache": attn.attn.kv_cache[1].data_ptr()}
-    for prefix, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gu", mlp.gate_up_proj),
-                           ("down", mlp.down_proj)):
+    for prefix, linear in zip(("qkv", "o", "gu", "down"), _linears(layer)):
         w: NibbleMatrix = linear.int4
         ptrs |= {f"{prefix}_q": w.qs.data_ptr(), f"{prefix}_d": w.scale.data_ptr(), f"{prefix}_m": w.min.data_ptr()}
+        panel = w.panel
+        ptrs |= {f"{prefix}_p": 0 if panel is None else panel.panel.data_ptr(),
+                 f"{prefix}_pd": 0 if panel is None else panel.d.data_ptr(),
+                 f"{prefix}_pm": 0 if panel is None else panel.m.data_ptr()}
     return [ptrs[name] for name in cpu.DECODE_LAYER_FIELDS]
 
 

@@ -88,8 +88,10 @@ class LinearBase(nn.Module):
         return True
 
     def _use_int4(self, x: torch.Tensor) -> bool:
-        # The int4 kernel streams 4x fewer bytes but computes slower: it wins only for few rows.
-        return self.int4 is not None and x.numel() <= INT4_MAX_ROWS * x.shape[-1]
+        # The 4-bit row kernel streams 4x fewer bytes but computes slower: it wins only for few rows; a VNNI
+        # panel (quant.py) takes steps of up to VNNI_MAX_ROWS; prefill chunks beyond take the dense weight.
+        limit = self.int4.max_rows if isinstance(self.int4, NibbleMatrix) else INT4_MAX_ROWS
+        return self.int4 is not None and x.numel() <= limit * x.shape[-1]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         self._store_rows(param, 0, loaded)

@@ -13,7 +13,10 @@ A Q4 block of 32 inputs is w = q * d + m (Q4_1; Q4_0 is m = -8 d): nothing is re
 layers always hold the dequantized weight; when every row of a matrix arrived in 4 bits they also
 keep the 4-bit form and use it for steps of at most INT4_MAX_ROWS tokens, where streaming 4x fewer
 weight bytes wins over the dense matmul (measured on the embedded model: 1.35x faster per step at
-batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md).
+batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md). On AVX-512 VNNI CPUs a 4-bit matrix
+also keeps a `VnniPanel` (vnni_gemm.c), which serves steps of 9 to VNNI_MAX_ROWS tokens with the row kernel's
+bits (1.2-1.5x oneDNN's bf16 GEMM at 16-128 rows). The Q8_0 LM head keeps llama.cpp's order of sums at every
+size instead (a panel's order would give a verification's rows other bits than decoding each token alone).
 
 Two kernels take the 4-bit form: pressroom's C kernel (kernels/csrc/quant_ops.c: llama.cpp's
 arithmetic, activations rounded to int8 per block of 32, AVX2 and VNNI code), and, where no C
@@ -31,6 +34,9 @@ from pressroom.kernels import cpu, ggml
 
 GROUP = 32
 INT4_MAX_ROWS = 8
+# The panel GEMM beat oneDNN's bf16 one up to 128 rows on the embedded model's shapes and lost at 512 (0.65x);
+# prefill chunks beyond this take the dense weight.
+VNNI_MAX_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -83,6 +89,36 @@ def _torch_int4_available() -> bool:
 
 
 @dataclass(slots=True)
+class VnniPanel:
+    """A 4-bit matrix as vnni_gemm.c reads it: the codes q as bytes, 16 rows x 4 inputs per 64-byte vector
+    ([ceil(rows / 16), cols / 32, 8, 16, 4]), and per 16 rows and block of 32 inputs d and m: w = d q + m."""
+    panel: torch.Tensor  # uint8
+    d: torch.Tensor  # float32 [ceil(rows / 16), cols / 32, 16]
+    m: torch.Tensor  # float32, as d
+    rows: int
+
+    @classmethod
+    def pack(cls, w: Q4Weight) -> VnniPanel:
+        rows, cols = w.shape
+        vectors, blocks, pad = -(-rows // 16), cols // GROUP, -rows % 16
+        codes = torch.nn.functional.pad(w.q, (0, 0, 0, pad)).view(vectors, 16, blocks, 8, 4)
+
+        def per_vector(t: torch.Tensor) -> torch.Tensor:
+            t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+            return t.view(vectors, 16, blocks).transpose(1, 2).contiguous()
+
+        return cls(codes.permute(0, 2, 3, 1, 4).contiguous(), per_vector(w.scale), per_vector(w.min), rows)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _c_matmul(x, lambda flat: cpu.vnni_gemm(flat, self.panel, self.d, self.m, self.rows))
+
+
+def vnni_panels() -> bool:
+    """Whether 4-bit matrices also keep a VnniPanel here (the C kernels built for AVX-512 VNNI)."""
+    return cpu.vnni_available()
+
+
+@dataclass(slots=True)
 class NibbleMatrix:
     """The 4-bit form the C kernel reads (quant_ops.c): rows in tiles of 8, and per tile and block of 32 inputs
     four quarters of 32 bytes, byte 4 r + e of quarter k holding input 4 k + e of row r (low nibble) and input
@@ -92,6 +128,12 @@ class NibbleMatrix:
     scale: torch.Tensor  # float32 [tiles, blocks, 8]: d
     min: torch.Tensor  # float32 [tiles, blocks, 8]: m
     rows: int
+    panel: VnniPanel | None = None  # for steps of INT4_MAX_ROWS to VNNI_MAX_ROWS tokens
+
+    @property
+    def max_rows(self) -> int:
+        """The most tokens a step may have for this form to serve it (beyond: the dense weight)."""
+        return VNNI_MAX_ROWS if self.panel is not None else INT4_MAX_ROWS
 
     @classmethod
     def pack(cls, w: Q4Weight) -> NibbleMatrix:
@@ -102,9 +144,12 @@ class NibbleMatrix:
         q = q.view(tiles, 8, blocks, 2, 4, 4)  # tile, row, block, half, quarter, byte: input 16 half + 4 quarter + byte
         nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # tile, row, block, quarter, byte
         qs = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous()
-        return cls(qs, *(t.view(tiles, 8, blocks).transpose(1, 2).contiguous() for t in (scale, low)), rows)
+        return cls(qs, *(t.view(tiles, 8, blocks).transpose(1, 2).contiguous() for t in (scale, low)), rows,
+                   VnniPanel.pack(w) if vnni_panels() else None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel is not None and x.numel() > INT4_MAX_ROWS * x.shape[-1]:
+            return self.panel.matmul(x)
         return _c_matmul(x, lambda flat: cpu.q4_matmul(flat, self.qs, self.scale, self.min, self.rows))
 
 

@@ -1,0 +1,134 @@
+/* Products of 4-bit matrices (Q4_0 / Q4_1) for steps of 9 to ~128 tokens (batched decode, a verification's
+ * rows) on AVX-512 VNNI. The row kernel (quant_ops.c) unpacks nibbles and sums across lanes per 4 tokens; past
+ * 8 tokens oneDNN's bf16 GEMM beat it. Here the codes wait unpacked in a panel of bytes, 16 rows x 4 inputs per
+ * 64-byte vector, so one vpdpbusd advances 16 output rows of one token by 4 inputs, and a tile of 4 tokens x 32
+ * rows keeps its 8 integer and 8 float accumulators in registers: a block of 32 inputs costs 64 integer dot
+ * products against 16 float operations.
+ *
+ * The bits are the row kernel's: activations rounded per block of 32 as quant_ops.c rounds them (xq =
+ * rint(x * 127 / amax), scale amax / 127, sum = scale * sum(xq)), each block's integer dot product, and per
+ * output the same two fused multiply-adds a block in the same order: y += m * sum, then y += dot * (d * scale).
+ * So a token's outputs do not depend on which kernel or which other tokens share its step.
+ *
+ * Layout (quant.VnniPanel packs it): panel [ceil(N / 16), K / 32, 8, 16, 4] bytes, element [v, b, g, c, e] =
+ * the code of output 16 v + c at input 32 b + 4 g + e (outputs past N are zero); d, m: fp32
+ * [ceil(N / 16), K / 32, 16]. x: [M, K] fp32; out: [M, N] fp32. Column tiles are shared by workshare.h. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "workshare.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define QB 32
+#define MR 4  /* tokens per tile */
+#define NV 2  /* vectors of 16 outputs per tile */
+
+int vnni_gemm_available(void) { return 1; }
+
+struct gemm {
+    float *out;
+    const float *x;
+    const uint8_t *panel;
+    const float *d, *m;
+    int8_t *xq;
+    float *xs, *xsum;  /* per token and block: the scale, and the scale times the sum of the codes */
+    int64_t tokens, k, n, blocks, vectors;
+};
+
+/* Token t's row rounded per block of 32, as quant_ops.c's quantize_blocks rounds it (rint is its lrintf). */
+static void round_token(void *ctx, int64_t t) {
+    struct gemm *g = ctx;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < g->blocks; b++) {
+        const float *xb = g->x + t * g->k + b * QB;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        int8_t *q = g->xq + t * g->k + b * QB;
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
+        const int64_t i = t * g->blocks + b;
+        g->xs[i] = amax / 127.f;
+        g->xsum[i] = g->xs[i] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+/* out for tokens [t0, t0 + mr) and output vectors [v0, v0 + nv); mr and nv are constants once inlined. */
+static inline __attribute__((always_inline)) void tile(const struct gemm *g, int64_t t0, int64_t v0, const int mr,
+                                                       const int nv) {
+    __m512 acc[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    const int64_t vstride = g->k * 16;
+    const uint8_t *panel = g->panel + v0 * vstride;
+    for (int64_t b = 0; b < g->blocks; b++) {
+        __m512i dot[MR][NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) dot[r][v] = _mm512_setzero_si512();
+        const uint8_t *p = panel + b * 512;
+        for (int e = 0; e < 8; e++) {
+            __m512i w[NV];
+            for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512(p + v * vstride + e * 64);
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, g->xq + (t0 + r) * g->k + b * QB + e * 4, sizeof four);
+                const __m512i xv = _mm512_set1_epi32(four);
+                for (int v = 0; v < nv; v++) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], w[v], xv);
+            }
+        }
+        for (int v = 0; v < nv; v++) {
+            const int64_t at = ((v0 + v) * g->blocks + b) * 16;
+            const __m512 dv = _mm512_loadu_ps(g->d + at), mv = _mm512_loadu_ps(g->m + at);
+            for (int r = 0; r < mr; r++) {
+                const int64_t i = (t0 + r) * g->blocks + b;
+                acc[r][v] = _mm512_fmadd_ps(mv, _mm512_set1_ps(g->xsum[i]), acc[r][v]);
+                acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), _mm512_mul_ps(dv, _mm512_set1_ps(g->xs[i])),
+                                            acc[r][v]);
+            }
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        const int64_t col = (v0 + v) * 16, valid = g->n - col < 16 ? g->n - col : 16;
+        const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+        for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(g->out + (t0 + r) * g->n + col, keep, acc[r][v]);
+    }
+}
+
+#define TILE_CASE(R, V) case (R) * 4 + (V): tile(g, t0, v0, R, V); break;
+
+/* Work item c: output vectors [NV c, NV c + NV) for every token (the panel's tile stays in cache for them). */
+static void column(void *ctx, int64_t c) {
+    const struct gemm *g = ctx;
+    const int64_t v0 = c * NV;
+    const int nv = g->vectors - v0 < NV ? (int)(g->vectors - v0) : NV;
+    for (int64_t t0 = 0; t0 < g->tokens; t0 += MR) {
+        const int mr = g->tokens - t0 < MR ? (int)(g->tokens - t0) : MR;
+        switch (mr * 4 + nv) {
+            TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
+            TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+        }
+    }
+}
+
+void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                   const float *m, int64_t n, int threads) {
+    const int64_t blocks = k / QB;
+    struct gemm g = {out, x, panel, d, m, malloc(tokens * k + 64), malloc(sizeof(float) * tokens * blocks),
+                     malloc(sizeof(float) * tokens * blocks), tokens, k, n, blocks, (n + 15) / 16};
+    workshare_run(round_token, &g, tokens, tokens >= 16 ? threads : 1);
+    workshare_run(column, &g, (g.vectors + NV - 1) / NV, threads);
+    free(g.xq); free(g.xs); free(g.xsum);
+}
+#else
+int vnni_gemm_available(void) { return 0; }
+
+void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                   const float *m, int64_t n, int threads) {
+    (void)out; (void)x; (void)tokens; (void)k; (void)panel; (void)d; (void)m; (void)n; (void)threads;
+    abort();  /* callers ask vnni_gemm_available() first */
+}
+#endif
