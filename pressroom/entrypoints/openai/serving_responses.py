@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from pressroom.entrypoints.openai.protocol_responses import (
 )
 from pressroom.entrypoints.openai.serving import _EventStream
 from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, split_delta
-from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, merge_streams, with_disconnect
+from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, with_disconnect
 from pressroom.outputs import RequestOutput
 
 # Each kept response holds at most about two contexts' worth of text (its prompt fitted max_model_len, and so did its
@@ -125,11 +126,10 @@ class OpenAIServingResponses(OpenAIServingChat):
             items.append(OutputMessage(content=[OutputText(text=message.content or "")]))
         items += [FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                   for call in message.tool_calls or []]
-        status = _status(out)
         for item in items:
             item.status = "completed"
         if items:
-            items[-1].status = status  # the item the output ended in is the one a length limit cut
+            items[-1].status = _status(out)  # the item the output ended in is the one a length limit cut
         return items
 
     def _complete(self, turn: Turn, response: ResponseObject, out: RequestOutput) -> None:
@@ -149,21 +149,22 @@ class OpenAIServingResponses(OpenAIServingChat):
     async def _events(self, turn: Turn, response: ResponseObject) -> AsyncIterator[str]:
         """The streamed response: its events as server-sent events (`event: <type>` and the event as data)."""
         events = _Events(response)
-        yield events.response("response.created")
-        yield events.response("response.in_progress")
         splitters = [self.reasoning.stream(turn.run.opens)] if self.reasoning is not None else None
         callers = [turn.run.tools.make_stream()] if turn.run.tools.make_stream is not None else None
         sent, final = 0, None
         try:
-            async for _, out in merge_streams([turn.run.stream]):
-                c = out.outputs[0]
-                reasoning, content, calls = split_delta(c.text[sent:], c.finish_reason is not None, splitters,
-                                                        callers, 0)
-                sent = len(c.text)
-                for event in events.text("reasoning", reasoning) + events.text("message", content) + \
-                        [e for call in calls for e in events.call(call)]:
-                    yield event
-                final = out if out.finished else final
+            async with aclosing(turn.run.stream) as stream:  # left early (the client gone): the request is aborted
+                yield events.response("response.created")
+                yield events.response("response.in_progress")
+                async for out in stream:
+                    c = out.outputs[0]
+                    reasoning, content, calls = split_delta(c.text[sent:], c.finish_reason is not None, splitters,
+                                                            callers, 0)
+                    sent = len(c.text)
+                    for event in events.text("reasoning", reasoning) + events.text("message", content) + \
+                            [e for call in calls for e in events.call(call)]:
+                        yield event
+                    final = out if out.finished else final
         except EngineDeadError as e:  # the engine ended the request (shutdown, or the core died)
             yield events.error(str(e), "service_unavailable")
             return

@@ -9,6 +9,8 @@ checked on the event writer directly, and end to end (a server of its own) under
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import openai
@@ -177,6 +179,30 @@ def test_function_call_and_its_output(client):
     done = streamed[-2].item
     assert done.name == "get_weather" and done.arguments == "".join(fragments) == streamed[-3].arguments
     assert json.loads(done.arguments) == json.loads(call.arguments)
+
+
+def test_a_dropped_stream_ends_its_request(server):
+    """A client gone mid-stream aborts its request at once (its 2,000 tokens would take the server a minute)."""
+    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/responses", json=body, timeout=30) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas == 2:
+                assert _running(server) == 1
+                break
+    deadline = time.monotonic() + 5
+    while _running(server):
+        assert time.monotonic() < deadline, "the dropped stream's request still runs"
+        time.sleep(0.1)
+
+
+def _running(server: str) -> float:
+    values = re.findall(r"^pressroom:num_requests_running(?:\{[^}]*\})? (\S+)$", httpx.get(f"{server}/metrics").text,
+                        re.M)
+    assert values, "no num_requests_running gauge"
+    return sum(map(float, values))
 
 
 # ---- the event writer and the store, without a server ----
