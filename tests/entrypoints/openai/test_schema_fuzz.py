@@ -52,7 +52,8 @@ def pooling_schema(pooling_server):
 # Parametrized here rather than by schemathesis' lazy `from_fixture`, which pytest 9 breaks (it reads a private
 # attribute of pytest's nodes); test_every_operation_is_fuzzed keeps the list whole.
 GETS = ["/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/responses/{response_id}"]
-POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses"]
+POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+         "/v1/messages/count_tokens"]
 # bodies of two short strings, which schemathesis cannot make invalid ("negative" is unsatisfiable for them)
 POSITIVE_POSTS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"]
@@ -73,7 +74,7 @@ def test_no_request_gets_a_5xx(request, method, path, mode):
     def check(case) -> None:
         response = case.call(headers=AUTH, timeout=60)
         assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-        if response.status_code >= 400:  # every error is OpenAI-shaped JSON
+        if response.status_code >= 400:  # every error is OpenAI-shaped JSON (Anthropic's for /v1/messages: alike)
             assert response.json()["error"]["message"], response.text[:500]
 
     check()
@@ -97,6 +98,8 @@ VALID_BODIES = {  # per route: a valid body, which each case changes in one inte
     "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
     "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": MESSAGES},
     "/v1/embeddings": {"model": "minilm", "input": "hi"},
     "/pooling": {"model": "minilm", "input": "hi"},
     "/score": {"model": "minilm", "text_1": "a", "text_2": "b"},
