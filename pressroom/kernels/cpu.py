@@ -61,6 +61,7 @@ _QUANT_SIGNATURES = {
     "ggml_set_q4_k_gemm_rows": [_P],
     "argmax_rows_f32": [_P, _P, _I, _I, _I],
     "vnni_gemm_f32": [_P, _P, _I, _I, _P, _P, _P, _I, _T],
+    "vnni_q8_gemm_f32": [_P, _P, _I, _I, _P, _P, _I, _T],
 }
 # recurrent.c: these return 0, or -1 when a slot lies outside the state pool (nothing is done then).
 _RECURRENT_SIGNATURES = {
@@ -291,6 +292,16 @@ def vnni_gemm(x: torch.Tensor, panel: torch.Tensor, d: torch.Tensor, m: torch.Te
     out = torch.empty(tokens, rows, dtype=torch.float32)
     _library().vnni_gemm_f32(out.data_ptr(), x.data_ptr(), tokens, cols, panel.data_ptr(), d.data_ptr(),
                              m.data_ptr(), rows, torch.get_num_threads())
+    return out
+
+
+def vnni_q8_gemm(x: torch.Tensor, panel: torch.Tensor, d: torch.Tensor, rows: int) -> torch.Tensor:
+    """x: [tokens, cols] fp32 contiguous; panel, d: a Q8_0 matrix as quant.Q8Panel packs it. Returns x @ (q * d).T,
+    fp32 [tokens, rows], with ggml_q8_0_matmul's bits."""
+    tokens, cols = x.shape
+    out = torch.empty(tokens, rows, dtype=torch.float32)
+    _library().vnni_q8_gemm_f32(out.data_ptr(), x.data_ptr(), tokens, cols, panel.data_ptr(), d.data_ptr(), rows,
+                                torch.get_num_threads())
     return out
 
 

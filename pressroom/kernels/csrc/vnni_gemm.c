@@ -10,6 +10,11 @@
  * output the same two fused multiply-adds a block in the same order: y += m * sum, then y += dot * (d * scale).
  * So a token's outputs do not depend on which kernel or which other tokens share its step.
  *
+ * vnni_q8_gemm_f32 does the same for Q8_0 (the LM head) with llama.cpp's bits as ggml_ops.c's row kernel gives
+ * them: there each lane of a 256-bit sum holds 4 of a block's 32 inputs, its own fp32 sum over the blocks, and
+ * the 8 lanes meet at the end in a fixed tree. So here each group of 4 inputs keeps its own accumulator (8 per
+ * token and 16 outputs) and the tree is taken over them: 3 vector operations per 64 pairs instead of ~10.
+ *
  * Layout (quant.VnniPanel packs it): panel [ceil(N / 16), K / 32, 8, 16, 4] bytes, element [v, b, g, c, e] =
  * the code of output 16 v + c at input 32 b + 4 g + e (outputs past N are zero); d, m: fp32
  * [ceil(N / 16), K / 32, 16]. x: [M, K] fp32; out: [M, N] fp32. Column tiles are shared by workshare.h. */
@@ -21,6 +26,9 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+/* The build lets the compiler reassociate float sums (kernels/cpu.py); these keep the row kernels' order. */
+#pragma GCC optimize("no-associative-math")
 
 #define QB 32
 #define MR 4  /* tokens per tile */
@@ -123,6 +131,98 @@ void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const 
     workshare_run(column, &g, (g.vectors + NV - 1) / NV, threads);
     free(g.xq); free(g.xs); free(g.xsum);
 }
+
+/* ---- Q8_0: codes q + 128 in the panel, d fp32 (GGUF's fp16 scales, exactly) -------------------------------- */
+
+#define MR8 2  /* tokens per Q8_0 tile: 8 accumulators each */
+
+struct q8_gemm {
+    float *out;
+    const float *x;
+    const uint8_t *panel;
+    const float *d;
+    int8_t *xq;
+    float *xd;      /* per token and block: llama.cpp's scale, amax / 127 rounded to fp16 */
+    int32_t *xoff;  /* per token, block and group of 4: 128 times the codes' sum (what the + 128 added) */
+    int64_t tokens, k, n, blocks, vectors;
+};
+
+static float round_to_f16(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+
+/* As ggml_ops.c's q8_0_row: codes rint(x * 127 / amax), the scale rounded to fp16. */
+static void round_token_q8(void *ctx, int64_t t) {
+    struct q8_gemm *g = ctx;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < g->blocks; b++) {
+        const float *xb = g->x + t * g->k + b * QB;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        const __m512 inv = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        int8_t *q = g->xq + t * g->k + b * QB;
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
+        const int64_t i = t * g->blocks + b;
+        g->xd[i] = round_to_f16(amax / 127.f);
+        for (int e = 0; e < 8; e++) {
+            int32_t sum = 0;
+            for (int j = 0; j < 4; j++) sum += q[4 * e + j];
+            g->xoff[i * 8 + e] = -128 * sum;
+        }
+    }
+}
+
+/* Lane j of the row kernel's sum is group j of every block; its hsum_ps adds lanes (j, j + 4), then (0, 2) and
+ * (1, 3), then the two: the same tree over the groups' vectors. */
+static inline __m512 lanes_tree(const __m512 *a) {
+    const __m512 s0 = _mm512_add_ps(a[0], a[4]), s1 = _mm512_add_ps(a[1], a[5]);
+    const __m512 s2 = _mm512_add_ps(a[2], a[6]), s3 = _mm512_add_ps(a[3], a[7]);
+    return _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
+}
+
+static inline __attribute__((always_inline)) void q8_tile(const struct q8_gemm *g, int64_t t0, int64_t v, const int mr) {
+    __m512 acc[MR8][8];
+    for (int r = 0; r < mr; r++)
+        for (int e = 0; e < 8; e++) acc[r][e] = _mm512_setzero_ps();
+    const uint8_t *panel = g->panel + v * g->k * 16;
+    for (int64_t b = 0; b < g->blocks; b++) {
+        const __m512 dv = _mm512_loadu_ps(g->d + (v * g->blocks + b) * 16);
+        __m512 scale[MR8];
+        for (int r = 0; r < mr; r++) scale[r] = _mm512_mul_ps(dv, _mm512_set1_ps(g->xd[(t0 + r) * g->blocks + b]));
+        for (int e = 0; e < 8; e++) {
+            const __m512i w = _mm512_loadu_si512(panel + b * 512 + e * 64);
+            for (int r = 0; r < mr; r++) {
+                const int64_t i = (t0 + r) * g->blocks + b;
+                int32_t four;
+                memcpy(&four, g->xq + (t0 + r) * g->k + b * QB + e * 4, sizeof four);
+                /* starting from -128 sum(x) leaves exactly sum(q x) */
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(g->xoff[i * 8 + e]), w, _mm512_set1_epi32(four));
+                acc[r][e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[r], acc[r][e]);
+            }
+        }
+    }
+    const int64_t col = v * 16, valid = g->n - col < 16 ? g->n - col : 16;
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(g->out + (t0 + r) * g->n + col, keep, lanes_tree(acc[r]));
+}
+
+static void q8_column(void *ctx, int64_t v) {
+    const struct q8_gemm *g = ctx;
+    for (int64_t t0 = 0; t0 < g->tokens; t0 += MR8) {
+        if (g->tokens - t0 >= 2) q8_tile(g, t0, v, 2);
+        else q8_tile(g, t0, v, 1);
+    }
+}
+
+void vnni_q8_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                      int64_t n, int threads) {
+    const int64_t blocks = k / QB;
+    struct q8_gemm g = {out, x, panel, d, malloc(tokens * k + 64), malloc(sizeof(float) * tokens * blocks),
+                        malloc(sizeof(int32_t) * tokens * blocks * 8), tokens, k, n, blocks, (n + 15) / 16};
+    workshare_run(round_token_q8, &g, tokens, tokens >= 16 ? threads : 1);
+    workshare_run(q8_column, &g, g.vectors, threads);
+    free(g.xq); free(g.xd); free(g.xoff);
+}
 #else
 int vnni_gemm_available(void) { return 0; }
 
@@ -130,5 +230,11 @@ void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const 
                    const float *m, int64_t n, int threads) {
     (void)out; (void)x; (void)tokens; (void)k; (void)panel; (void)d; (void)m; (void)n; (void)threads;
     abort();  /* callers ask vnni_gemm_available() first */
+}
+
+void vnni_q8_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                      int64_t n, int threads) {
+    (void)out; (void)x; (void)tokens; (void)k; (void)panel; (void)d; (void)n; (void)threads;
+    abort();
 }
 #endif

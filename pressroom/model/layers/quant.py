@@ -15,8 +15,8 @@ keep the 4-bit form and use it for steps of at most INT4_MAX_ROWS tokens, where 
 weight bytes wins over the dense matmul (measured on the embedded model: 1.35x faster per step at
 batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md). On AVX-512 VNNI CPUs a 4-bit matrix
 also keeps a `VnniPanel` (vnni_gemm.c), which serves steps of 9 to VNNI_MAX_ROWS tokens with the row kernel's
-bits (1.2-1.5x oneDNN's bf16 GEMM at 16-128 rows). The Q8_0 LM head keeps llama.cpp's order of sums at every
-size instead (a panel's order would give a verification's rows other bits than decoding each token alone).
+bits (1.2-1.5x oneDNN's bf16 GEMM at 16-128 rows), and the Q8_0 LM head a `Q8Panel` for steps of two tokens
+or more, with llama.cpp's bits as the row kernel gives them (2-2.5x faster at 8-32 rows).
 
 Two kernels take the 4-bit form: pressroom's C kernel (kernels/csrc/quant_ops.c: llama.cpp's
 arithmetic, activations rounded to int8 per block of 32, AVX2 and VNNI code), and, where no C
@@ -113,8 +113,26 @@ class VnniPanel:
         return _c_matmul(x, lambda flat: cpu.vnni_gemm(flat, self.panel, self.d, self.m, self.rows))
 
 
+@dataclass(slots=True)
+class Q8Panel:
+    """A Q8_0 matrix as vnni_gemm.c's vnni_q8_gemm_f32 reads it: VnniPanel's layout over the codes q + 128, and
+    d per 16 rows and block (GGUF's fp16 scales, as fp32)."""
+    panel: torch.Tensor  # uint8 [ceil(rows / 16), cols / 32, 8, 16, 4]
+    d: torch.Tensor  # float32 [ceil(rows / 16), cols / 32, 16]
+    rows: int
+
+    @classmethod
+    def pack(cls, w: Q8Weight) -> Q8Panel:
+        codes = (w.q.to(torch.int16) + 128).to(torch.uint8)
+        vectors = VnniPanel.pack(Q4Weight(codes, w.scale, w.scale))
+        return cls(vectors.panel, vectors.d, w.q.shape[0])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _c_matmul(x, lambda flat: cpu.vnni_q8_gemm(flat, self.panel, self.d, self.rows))
+
+
 def vnni_panels() -> bool:
-    """Whether 4-bit matrices also keep a VnniPanel here (the C kernels built for AVX-512 VNNI)."""
+    """Whether 4-bit matrices and the Q8_0 LM head also keep a panel here (the C kernels built for AVX-512 VNNI)."""
     return cpu.vnni_available()
 
 
@@ -280,6 +298,7 @@ class Q8Blocks:
     kernel streams from memory, the LM head: it reads it ~8% faster than Q8Weight's two arrays, with the same
     sums in the same order (the same bits)."""
     blocks: torch.Tensor  # uint8 [rows, cols // 32 * 34]
+    panel: Q8Panel | None = None  # for steps of two tokens or more: the same bits, 2-2.5x faster at 8-32
 
     @classmethod
     def pack(cls, w: Q8Weight) -> Q8Blocks:
@@ -289,13 +308,16 @@ class Q8Blocks:
         rows, cols = w.q.shape
         codes = w.q.contiguous().view(torch.uint8).view(rows, cols // 32, 32)
         scales = half.contiguous().view(torch.uint8).view(rows, cols // 32, 2)
-        return cls(torch.cat([scales, codes], dim=2).view(rows, -1).contiguous())
+        return cls(torch.cat([scales, codes], dim=2).view(rows, -1).contiguous(),
+                   Q8Panel.pack(w) if vnni_panels() else None)
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // 34 * 32))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel is not None and x.numel() > x.shape[-1]:  # one token streams the blocks at memory speed
+            return self.panel.matmul(x)
         return _c_matmul(x, lambda flat: cpu.ggml_q8_0_blocks_matmul(flat, self.blocks))
 
 
