@@ -138,6 +138,13 @@ def test_the_vnni_panel_gives_the_row_kernels_bits():
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(5))
     assert torch.equal(matrix.matmul(x), cpu.q4_matmul(x, matrix.qs, matrix.scale, matrix.min, 37))
     assert _close(matrix.matmul(x), x @ q4.dequantize().t(), 0.02)
+    # the LM head's Q8_0 panel: llama.cpp's bits (the row kernel's) at any number of tokens, odd ones included
+    q8 = _random_q8(37, 96, 5)
+    q8 = Q8Weight(q8.q, q8.scale.half().float())
+    head = Q8Blocks.pack(q8)
+    assert head.panel is not None
+    for tokens in (2, 3, 70):
+        assert torch.equal(head.matmul(x[:tokens]), cpu.ggml_q8_0_blocks_matmul(x[:tokens], head.blocks)), tokens
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
