@@ -24,20 +24,14 @@ from pressroom.entrypoints.openai.protocol import (
     TokenIds,
     Unsupported,
     _FailFast,
+    _given,
+    _nonempty,
 )
 
 
 def response_id(prefix: str) -> str:
     """OpenAI's ids here: a type prefix, an underscore, hex (`resp_...`, `msg_...`, `fc_...`, `rs_...`)."""
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _nonempty(value: Any) -> bool:
-    return bool(value)
-
-
-def _given(value: Any) -> bool:
-    return value is not None
 
 
 def _builtin_tools(tools: Any) -> bool:
@@ -58,15 +52,15 @@ _UNSUPPORTED: Unsupported = {
 
 # ---- input items ----
 
-def _text_or_list(value: Any) -> str:
+def _text_or_list_kind(value: Any) -> str:
     return "text" if isinstance(value, str) else "list"
 
 
-def text_or_list(item: Any, min_items: int = 0) -> Any:
+def _text_or_list(item: Any, min_items: int = 0) -> Any:
     """A text or a list of `item`: told apart before validation, so that an error names what is wrong in the list
     (a union would report first that the list is no text)."""
     listed = Annotated[list[item], Tag("list"), _FailFast(), Field(min_length=min_items)]
-    return Annotated[Annotated[str, Tag("text")] | listed, Discriminator(_text_or_list)]
+    return Annotated[Annotated[str, Tag("text")] | listed, Discriminator(_text_or_list_kind)]
 
 
 class InputText(OpenAIModel):
@@ -74,14 +68,13 @@ class InputText(OpenAIModel):
     text: str
 
 
-def _part_type(part: Any) -> str:
-    return part.get("type", "") if isinstance(part, dict) else getattr(part, "type", "")
+TextContent = _text_or_list(InputText)
 
 
 class InputMessage(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: text_or_list(InputText)
+    content: TextContent
 
     def chat_message(self) -> dict[str, Any]:
         # most chat templates know no "developer" role: its instructions are the system's
@@ -107,7 +100,7 @@ class FunctionCallInput(OpenAIModel):
 class FunctionCallOutput(OpenAIModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: text_or_list(InputText)
+    output: TextContent
 
     def chat_message(self) -> dict[str, Any]:
         text = self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
@@ -133,6 +126,9 @@ InputItem = Annotated[
     | Annotated[FunctionCallOutput, Tag("function_call_output")] | Annotated[ReasoningInput, Tag("reasoning")]
     | Annotated[_UnknownItem, Tag("unknown")],
     Discriminator(_item_type)]
+
+
+Input = _text_or_list(InputItem, min_items=1)  # a text is the user's message
 
 
 def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
@@ -201,7 +197,7 @@ class ReasoningConfig(OpenAIModel):
 class ResponsesRequest(OpenAIModel):
     unsupported_fields: ClassVar[Unsupported] = _UNSUPPORTED
     model: str | None = None
-    input: text_or_list(InputItem, min_items=1)  # a text is the user's message
+    input: Input
     instructions: str | None = None
     max_output_tokens: EngineInt | None = None
     temperature: float | None = None
