@@ -3,7 +3,8 @@
 
 A request is run as a chat request (`to_chat`): `system` becomes the system message, a user's tool_result blocks tool
 messages, an assistant's tool_use blocks its tool_calls, `tools` chat tools (input_schema their parameters) and
-`tool_choice` chat's (any: required, tool: the named function). Thinking blocks sent back in an assistant turn are
+`tool_choice` chat's (any: required, tool: the named function), `output_config` chat's response_format (its JSON
+schema) and reasoning_effort. Thinking blocks sent back in an assistant turn are
 accepted and left out of the prompt, as chat templates leave out past reasoning. Errors have Anthropic's shape:
 {"type": "error", "error": {"type", "message"}}.
 """
@@ -152,6 +153,25 @@ class CountTokensRequest(OpenAIModel):
         return body
 
 
+class OutputFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel's
+
+
+class OutputConfig(OpenAIModel):
+    """Anthropic's output_config: a JSON schema the output follows (chat's response_format) and an effort (chat's
+    reasoning_effort, a template variable)."""
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+    def to_chat(self) -> dict[str, Any]:
+        body: dict[str, Any] = {} if self.effort is None else {"reasoning_effort": self.effort}
+        if self.format is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": self.format.json_schema}}
+        return body
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: EngineInt = Field(ge=1)  # required, as Anthropic's API requires it
     temperature: float | None = None
@@ -160,9 +180,12 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: Texts | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None  # Anthropic's user_id: accepted, not read
+    output_config: OutputConfig | None = None
 
     def to_chat(self) -> dict[str, Any]:
         body = super().to_chat() | {"max_tokens": self.max_tokens}
+        if self.output_config is not None:
+            body |= self.output_config.to_chat()
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "stop": self.stop_sequences}
         return body | {k: v for k, v in sampling.items() if v is not None}

@@ -153,6 +153,13 @@ def test_a_named_tool_choice_gives_a_tool_use_block(claude):
     assert streamed.stop_reason == "tool_use" and streamed.content[0].input == call.input
 
 
+def test_an_output_format_constrains_the_text(claude):
+    schema = {"type": "object", "properties": {"color": {"enum": ["blue", "green"]}}, "required": ["color"]}
+    message = claude.messages.create(model="smol", max_tokens=20, messages=SKY, extra_body=GREEDY,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert message.stop_reason == "end_turn" and json.loads(message.content[0].text)["color"] in ("blue", "green")
+
+
 def test_bad_requests_get_anthropics_errors(smol, claude):
     no_max_tokens = httpx.post(f"{smol}/v1/messages", json={"model": "smol", "messages": SKY})
     assert no_max_tokens.status_code == 400
