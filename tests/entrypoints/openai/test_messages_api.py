@@ -22,7 +22,9 @@ import openai
 import pytest
 import uvicorn
 
+from pressroom.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
 from pressroom.entrypoints.openai.server import DEV_MODE_ENV, bind_listener, build_app
+from pressroom.entrypoints.openai.serving_messages import _Blocks
 from pressroom.entrypoints.openai.settings import ServerSettings
 
 GREEDY = {"temperature": 0}
@@ -177,6 +179,27 @@ def test_bad_requests_get_anthropics_errors(smol, claude):
 def test_the_vllm_dev_and_tokenizer_routes_are_off_by_default(smol):
     assert httpx.post(f"{smol}/reset_prefix_cache").status_code == 404
     assert httpx.get(f"{smol}/tokenizer_info").status_code == 404
+
+
+def test_stream_blocks_start_and_stop_in_turn():
+    """Thinking, then text, then a call: each block starts on its first delta, stops when the next starts, and its
+    events carry its index (the reasoning parser's path, which SmolLM2 does not take)."""
+    blocks = _Blocks()
+    first = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="f", arguments=""))
+    rest = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a": 1}'))
+    sent = blocks.thinking("Hm") + blocks.thinking(" ok") + blocks.text("") + blocks.text("Hi") + blocks.call(first) \
+        + blocks.call(rest) + blocks.stop() + blocks.stop()
+    events = [(m[1], json.loads(m[2])) for m in re.finditer(r"event: (\w+)\ndata: (.*)\n\n", "".join(sent))]
+    assert [(name, data["index"]) for name, data in events] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2)]
+    assert [data["content_block"]["type"] for name, data in events if name == "content_block_start"] == [
+        "thinking", "text", "tool_use"]
+    assert events[7][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "f", "input": {}}
+    assert [data["delta"] for name, data in events if name == "content_block_delta"] == [
+        {"type": "thinking_delta", "thinking": "Hm"}, {"type": "thinking_delta", "thinking": " ok"},
+        {"type": "text_delta", "text": "Hi"}, {"type": "input_json_delta", "partial_json": '{"a": 1}'}]
 
 
 # ---- the tiny llama, served here ----
