@@ -40,6 +40,7 @@ _SIGNATURES = {
     "rms_norm": [_P] * 4 + [_I, _I, _F, _T],
     "rotary": [_P, _P, _P, _I, _I, _I, _I, _I, _T],
     "gelu_tanh_and_mul": [_P, _P, _I, _I, _T],
+    "silu_and_mul": [_P, _P, _I, _I, _T],
 }
 _QUANT_SIGNATURES = {
     "q4_matmul_f32": [_P] * 5 + [_I] * 3 + [_T],
@@ -260,6 +261,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int)
     _fn("rotary", x.dtype)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, rot_dim,
                            x.stride(0), _threads(x.numel()))
     return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * width] = [gate | up] contiguous -> silu(gate) * up, [rows, width] (the decode stack's)."""
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, width, dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), rows, width, _threads(x.numel()))
+    return out
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -93,12 +93,136 @@ DEFINE_PAGED_DECODE(decode_f32_64, float, f32_to_f32, 64)
 DEFINE_PAGED_DECODE(decode_f32_128, float, f32_to_f32, 128)
 DEFINE_PAGED_DECODE(decode_f32_256, float, f32_to_f32, 256)
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The same attention on AVX-512 for head sizes of 64 and 128 and groups of up to 8 query heads a key/value head,
+ * by key/value head: the group's queries stay in registers while the keys go by, and so do its outputs while the
+ * values go by (the loop above reloads and stores them for every key). Scores come 16 keys at a time: each key's
+ * 16-lane partial dot products meet the others' in one transposing sum instead of a horizontal sum each. The
+ * scores, softmax and weighted sum of values are the loop above's but for the order of a dot product's terms. */
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+/* 16 vectors in, the vector of their 16 lane sums out (vector i's sum in lane i). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: (v2i, v2i+1) interleaved, pairs added */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: one partial of each of 4 vectors */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+#define DEFINE_GROUPED_DECODE(NAME, T, LOAD16)                                                     \
+static inline __attribute__((always_inline)) void NAME(const struct decode_args *a, int64_t s,    \
+                                                       const int G, const int DV) {               \
+    const int64_t dim = 16 * DV, row = a->kv_heads * dim, bs = a->block_size;                     \
+    const int64_t end = a->seq_lens[s], first = a->window > 0 && end > a->window ? end - a->window : 0; \
+    const int64_t len = end - first, *table = a->block_tables + s * a->max_blocks;                \
+    const T *k_cache = a->k_cache, *v_cache = a->v_cache;                                         \
+    float *scores = malloc(sizeof(float) * G * (len + 16));                                       \
+    float *keys = malloc(sizeof(float) * 16 * dim); /* 16 keys of one head, fp32 */               \
+    for (int64_t kv = 0; kv < a->kv_heads; kv++) {                                                \
+        const float *qs = a->q + (s * a->heads + kv * G) * dim;                                   \
+        __m512 q[8][8];                                                                           \
+        for (int h = 0; h < G; h++)                                                               \
+            for (int i = 0; i < DV; i++) q[h][i] = _mm512_loadu_ps(qs + h * dim + 16 * i);        \
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                \
+            const int n = len - t0 < 16 ? (int)(len - t0) : 16;                                   \
+            for (int64_t j = t0 + 16; j < t0 + 32 && j < len; j++) /* the next 16 keys, ahead */  \
+                for (int64_t line = 0; line < dim * (int64_t)sizeof(T); line += 64)              \
+                    __builtin_prefetch((const char *)(k_cache + (table[(first + j) / bs] * bs + (first + j) % bs) * row \
+                                                      + kv * dim) + line);                        \
+            for (int j = 0; j < n; j++) {                                                         \
+                const int64_t p = first + t0 + j;                                                 \
+                const T *k = k_cache + (table[p / bs] * bs + p % bs) * row + kv * dim;            \
+                for (int i = 0; i < DV; i++) _mm512_storeu_ps(keys + j * dim + 16 * i, LOAD16(k + 16 * i)); \
+            }                                                                                     \
+            for (int h = 0; h < G; h++) {                                                         \
+                __m512 part[16];                                                                  \
+                for (int j = 0; j < 16; j++) {                                                    \
+                    __m512 acc = _mm512_setzero_ps();                                             \
+                    if (j < n)                                                                    \
+                        for (int i = 0; i < DV; i++)                                              \
+                            acc = _mm512_fmadd_ps(q[h][i], _mm512_loadu_ps(keys + j * dim + 16 * i), acc); \
+                    part[j] = acc;                                                                \
+                }                                                                                 \
+                _mm512_storeu_ps(scores + h * (len + 16) + t0, _mm512_mul_ps(sum16(part), _mm512_set1_ps(a->scale))); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int h = 0; h < G; h++) {                                                             \
+            float *sc = scores + h * (len + 16), m = -INFINITY, sum = 0.f;                        \
+            for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                          \
+            _Pragma("omp simd reduction(+:sum)")                                                  \
+            for (int64_t t = 0; t < len; t++) { sc[t] = fast_expf(sc[t] - m); sum += sc[t]; }     \
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;                                        \
+            for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                       \
+        }                                                                                         \
+        __m512 acc[8][8];                                                                         \
+        for (int h = 0; h < G; h++)                                                               \
+            for (int i = 0; i < DV; i++) acc[h][i] = _mm512_setzero_ps();                         \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            const int64_t p = first + t;                                                          \
+            const T *v = v_cache + (table[p / bs] * bs + p % bs) * row + kv * dim;                \
+            if (t + 16 < len) /* the value 16 keys ahead */                                       \
+                for (int64_t line = 0; line < dim * (int64_t)sizeof(T); line += 64)              \
+                    __builtin_prefetch((const char *)(v_cache + (table[(p + 16) / bs] * bs + (p + 16) % bs) * row \
+                                                      + kv * dim) + line);                        \
+            __m512 vv[8];                                                                         \
+            for (int i = 0; i < DV; i++) vv[i] = LOAD16(v + 16 * i);                              \
+            for (int h = 0; h < G; h++) {                                                         \
+                const __m512 w = _mm512_set1_ps(scores[h * (len + 16) + t]);                      \
+                for (int i = 0; i < DV; i++) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);    \
+            }                                                                                     \
+        }                                                                                         \
+        float *o = a->out + (s * a->heads + kv * G) * dim;                                        \
+        for (int h = 0; h < G; h++)                                                               \
+            for (int i = 0; i < DV; i++) _mm512_storeu_ps(o + h * dim + 16 * i, acc[h][i]);       \
+    }                                                                                             \
+    free(scores);                                                                                 \
+    free(keys);                                                                                   \
+}
+
+DEFINE_GROUPED_DECODE(grouped_bf16, uint16_t, load16_bf16)
+DEFINE_GROUPED_DECODE(grouped_f32, float, load16_f32)
+
+#define GROUPED_CASE(FN, G, DV) case (G) * 16 + (DV): FN(a, s, G, DV); return 1;
+#define GROUPED_DISPATCH(NAME, FN)                                                                \
+static int NAME(const struct decode_args *a, int64_t s) {                                         \
+    switch ((a->heads / a->kv_heads) * 16 + a->dim / 16) {                                        \
+        GROUPED_CASE(FN, 1, 4) GROUPED_CASE(FN, 2, 4) GROUPED_CASE(FN, 3, 4) GROUPED_CASE(FN, 4, 4) \
+        GROUPED_CASE(FN, 5, 4) GROUPED_CASE(FN, 6, 4) GROUPED_CASE(FN, 7, 4) GROUPED_CASE(FN, 8, 4) \
+        GROUPED_CASE(FN, 1, 8) GROUPED_CASE(FN, 2, 8) GROUPED_CASE(FN, 3, 8) GROUPED_CASE(FN, 4, 8) \
+        GROUPED_CASE(FN, 5, 8) GROUPED_CASE(FN, 6, 8) GROUPED_CASE(FN, 7, 8) GROUPED_CASE(FN, 8, 8) \
+    }                                                                                             \
+    return 0;                                                                                     \
+}
+GROUPED_DISPATCH(grouped_decode_bf16, grouped_bf16)
+GROUPED_DISPATCH(grouped_decode_f32, grouped_f32)
+
+static void grouped_bf16_seq(void *ctx, int64_t s) { grouped_decode_bf16(ctx, s); }
+static void grouped_f32_seq(void *ctx, int64_t s) { grouped_decode_f32(ctx, s); }
+#define GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim) if (grouped_takes(heads, kv_heads, dim)) fn = PREFIX##_grouped;
+static const chunk_fn decode_bf16_grouped = grouped_bf16_seq, decode_f32_grouped = grouped_f32_seq;
+static int grouped_takes(int64_t heads, int64_t kv_heads, int64_t dim) {
+    const int64_t group = heads / kv_heads;
+    return (dim == 64 || dim == 128) && group >= 1 && group <= 8 && group * kv_heads == heads;
+}
+#else
+#define GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim)
+#endif
+
 #define DEFINE_DECODE_DISPATCH(NAME, T, PREFIX)                                                   \
 void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
           const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
           int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) {     \
     chunk_fn fn = dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : dim == 256 ? PREFIX##_256 \
                             : PREFIX##_any;                                                       \
+    GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim)                                                \
     struct decode_args a = {out, q, k, v, tables, lens, heads, kv_heads, dim, block_size,         \
                             max_blocks, window, scale};                                           \
     workshare_run(fn, &a, seqs, seqs > 1 ? threads : 1);                                          \
@@ -174,6 +298,23 @@ void NAME(T *out, const T *gate_up, int64_t rows, int64_t width, int threads) { 
     }                                                                                             \
 }
 
+/* out = silu(gate) * up, rounded as torch rounds F.silu(gate) * up: the layer-by-layer path and the decode stack
+ * (decode_stack.c) both call it, so their activations agree to the bit. */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE)                                                 \
+void NAME(T *out, const T *gate_up, int64_t rows, int64_t width, int threads) {                   \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 4)")                \
+    for (int64_t r = 0; r < rows; r++) {                                                          \
+        const T *g = gate_up + r * 2 * width, *u = g + width;                                     \
+        T *o = out + r * width;                                                                   \
+        for (int64_t i = 0; i < width; i++) {                                                     \
+            const float x = LOAD(g[i]);                                                           \
+            o[i] = STORE(LOAD(STORE(x / (1.f + fast_expf(-x)))) * LOAD(u[i]));                    \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16)
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_f32, store_f32)
 DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t, bf16_to_f32, store_bf16)
 DEFINE_GELU_TANH_AND_MUL(gelu_tanh_and_mul_f32, float, f32_to_f32, store_f32)
 

@@ -9,6 +9,7 @@ void rms_norm_f32(float *out, const float *x, float *residual, const float *weig
                   int64_t hidden, float eps, int threads);
 void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
                 int64_t head_dim, int64_t rot_dim, int64_t token_stride, int threads);
+void silu_and_mul_f32(float *out, const float *gate_up, int64_t rows, int64_t width, int threads);
 void paged_decode_f32(float *out, const float *q, const float *k, const float *v, const int64_t *tables,
                       const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads);

@@ -19,6 +19,8 @@ class SiluAndMul(nn.Module):
         if x.is_cuda and x.is_contiguous():
             from pressroom.kernels.triton.activation import silu_and_mul
             return silu_and_mul(x)
+        if x.dim() == 2 and x.is_contiguous() and cpu.supports(x):  # the CPU decode stack's kernel
+            return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
