@@ -35,15 +35,15 @@ XargValue = str | int | float  # vLLM's vllm_xargs values (its integers checked 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
 
 
-class _FailFast(FailFast):
+class HashableFailFast(FailFast):
     __hash__ = object.__hash__  # (typing hashes a union's members, metadata included)
 
 
 # A long list stops at its first bad element: pydantic otherwise reports every one (a million of them in an 8 MB
 # body), and tries each member of a union whole: seconds of validation that hold the interpreter, event loop too.
-Texts = Annotated[list[str], _FailFast()]
-TokenIds = Annotated[list[int], _FailFast()]
-Prompts = str | Texts | TokenIds | Annotated[list[TokenIds], _FailFast()]
+Texts = Annotated[list[str], HashableFailFast()]
+TokenIds = Annotated[list[int], HashableFailFast()]
+Prompts = str | Texts | TokenIds | Annotated[list[TokenIds], HashableFailFast()]
 
 
 def random_id(prefix: str) -> str:
@@ -77,11 +77,11 @@ class OpenAIModel(BaseModel):
         return None
 
 
-def _given(value: Any) -> bool:
+def given_field(value: Any) -> bool:
     return value is not None
 
 
-def _nonempty(value: Any) -> bool:
+def nonempty_field(value: Any) -> bool:
     return bool(value)
 
 
@@ -100,18 +100,18 @@ def _input_count(value: str | list) -> int:
 
 _GUIDED = "vLLM's older guided_* fields are not read; send `structured_outputs` (json, regex, choice, grammar)"
 _SAMPLING_UNSUPPORTED: Unsupported = {
-    **{name: (_given, _GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
-    "prompt_embeds": (_given, "prompt embeddings are not supported"),
+    **{name: (given_field, _GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "prompt_embeds": (given_field, "prompt embeddings are not supported"),
 }
 _FUNCTIONS = "the deprecated `functions` API is not implemented; send `tools` and `tool_choice`"
 _CHAT_UNSUPPORTED: Unsupported = {
-    "functions": (_nonempty, _FUNCTIONS),
+    "functions": (nonempty_field, _FUNCTIONS),
     "function_call": (_not_none_choice, _FUNCTIONS),
-    "audio": (_given, "audio output is not supported"),
+    "audio": (given_field, "audio output is not supported"),
     "modalities": (_not_text_only, 'only ["text"] output is supported'),
-    "prediction": (_given, "predicted outputs are not supported"),
-    "web_search_options": (_given, "web search is not supported"),
-    "use_beam_search": (_nonempty, "beam search is served on /v1/completions, not on chat"),
+    "prediction": (given_field, "predicted outputs are not supported"),
+    "web_search_options": (given_field, "web search is not supported"),
+    "use_beam_search": (nonempty_field, "beam search is served on /v1/completions, not on chat"),
 }
 # Fields that constrain the output, which beam search (vLLM's) does not apply: a 400 rather than an answer without them.
 _NOT_UNDER_BEAM_SEARCH = ("stop", "stop_token_ids", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids")
@@ -428,7 +428,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "
 class ChatCompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[Unsupported] = _SAMPLING_UNSUPPORTED | _CHAT_UNSUPPORTED
     prompt_param: ClassVar[str] = "messages"
-    messages: Annotated[list[ChatMessage], _FailFast()] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], HashableFailFast()] = Field(min_length=1)
     max_tokens: EngineInt | None = None
     max_completion_tokens: EngineInt | None = None
     logprobs: bool = False
@@ -470,7 +470,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], _FailFast()] | None = None
+    messages: Annotated[list[ChatMessage], HashableFailFast()] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

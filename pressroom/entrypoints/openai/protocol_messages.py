@@ -14,9 +14,9 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, FailFast, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from pressroom.entrypoints.openai.protocol import EngineInt, OpenAIModel, Texts
+from pressroom.entrypoints.openai.protocol import EngineInt, HashableFailFast, OpenAIModel, Texts
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
@@ -121,7 +121,7 @@ class AnthropicToolChoice(OpenAIModel):
 class CountTokensRequest(OpenAIModel):
     """A conversation: what /v1/messages/count_tokens counts, and the prompt of a /v1/messages request."""
     model: str = Field(min_length=1)
-    messages: Annotated[list[AnthropicMessage], FailFast()] = Field(min_length=1)
+    messages: Annotated[list[AnthropicMessage], HashableFailFast()] = Field(min_length=1)
     system: str | list[ContentBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.entrypoints.openai.protocol import (
     EngineInt,
+    HashableFailFast,
     OpenAIModel,
     Priority,
     ReasoningEffort,
@@ -23,9 +24,8 @@ from pressroom.entrypoints.openai.protocol import (
     Texts,
     TokenIds,
     Unsupported,
-    _FailFast,
-    _given,
-    _nonempty,
+    given_field,
+    nonempty_field,
 )
 
 
@@ -39,10 +39,10 @@ def _builtin_tools(tools: Any) -> bool:
 
 
 _UNSUPPORTED: Unsupported = {
-    "background": (_nonempty, "background responses are not supported; send the request and wait for it"),
-    "conversation": (_given, "server-side conversations are not supported; continue with previous_response_id"),
-    "prompt": (_given, "stored prompt templates are not supported; send the input itself"),
-    "include": (_nonempty, "no extra output data (logprobs, encrypted reasoning, tool results) can be included"),
+    "background": (nonempty_field, "background responses are not supported; send the request and wait for it"),
+    "conversation": (given_field, "server-side conversations are not supported; continue with previous_response_id"),
+    "prompt": (given_field, "stored prompt templates are not supported; send the input itself"),
+    "include": (nonempty_field, "no extra output data (logprobs, encrypted reasoning, tool results) can be included"),
     "truncation": (lambda v: v not in (None, "disabled"), 'only "disabled" is supported: a conversation too long '
                                                          "for the context is a 400"),
     "tools": (_builtin_tools, "only function tools are supported (no built-in web search, file search, code "
@@ -59,7 +59,7 @@ def _text_or_list_kind(value: Any) -> str:
 def _text_or_list(item: Any, min_items: int = 0) -> Any:
     """A text or a list of `item`: told apart before validation, so that an error names what is wrong in the list
     (a union would report first that the list is no text)."""
-    listed = Annotated[list[item], Tag("list"), _FailFast(), Field(min_length=min_items)]
+    listed = Annotated[list[item], Tag("list"), HashableFailFast(), Field(min_length=min_items)]
     return Annotated[Annotated[str, Tag("text")] | listed, Discriminator(_text_or_list_kind)]
 
 

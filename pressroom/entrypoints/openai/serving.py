@@ -84,7 +84,7 @@ def access_record(request: Request) -> AccessRecord:
     return request.scope.get(ACCESS_RECORD_KEY) or AccessRecord()
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that stops (cancelling its body, hence aborting the request) on disconnect,
     whichever ASGI version the server speaks."""
 
@@ -263,7 +263,7 @@ class OpenAIServing:
                 logger.exception("a stream's handler failed")
                 yield sse_error(FAILED_MESSAGE, "internal_server_error", 500)
             yield "data: [DONE]\n\n"
-        return _EventStream(body(), media_type="text/event-stream",
+        return EventStream(body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _token_text(self, token: int, position: PositionLogprobs | None) -> str:

@@ -35,7 +35,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
     error_body,
     message_id,
 )
-from pressroom.entrypoints.openai.serving import _EventStream
+from pressroom.entrypoints.openai.serving import EventStream
 from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, split_delta
 from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, merge_streams, with_disconnect
 from pressroom.outputs import CompletionOutput, RequestOutput
@@ -77,7 +77,7 @@ class OpenAIServingMessages(OpenAIServingChat):
         mid = message_id()
         run = await self.start(request, chat, mid)
         if req.stream:
-            return _EventStream(self._events(mid, req.model, run), media_type="text/event-stream",
+            return EventStream(self._events(mid, req.model, run), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         out = (await with_disconnect(request, collect_finals([run.stream])))[0]
         return JSONResponse(self._message(mid, req.model, out, chat, run).model_dump())

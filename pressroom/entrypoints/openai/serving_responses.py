@@ -43,7 +43,7 @@ from pressroom.entrypoints.openai.protocol_responses import (
     ResponseUsage,
     response_id,
 )
-from pressroom.entrypoints.openai.serving import _EventStream
+from pressroom.entrypoints.openai.serving import EventStream
 from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, split_delta
 from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, with_disconnect
 from pressroom.outputs import RequestOutput
@@ -95,7 +95,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise
         turn = Turn(req, run, history + req.input_messages())
         if req.stream:
-            return _EventStream(self._events(turn, response), media_type="text/event-stream",
+            return EventStream(self._events(turn, response), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         out = (await with_disconnect(request, collect_finals([run.stream])))[0]
         response.output = self._output_items(out, chat, run)
