@@ -10,7 +10,7 @@
  * vectors whose lane r holds four consecutive inputs of row r, and one integer dot product with four
  * broadcast activations advances all eight rows: no horizontal sums, and the unpacked block serves every
  * token of the step. d, m: fp32 [tiles, blocks, 8] (quant.NibbleMatrix packs all three).
- * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Tiles are shared by workshare.h's pool. */
+ * x: [tokens, cols] fp32; out: [tokens, rows] fp32. Tiles are split between threads. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,7 +19,6 @@
 #include <immintrin.h>
 #endif
 #include "int8_dot.h"
-#include "workshare.h"
 
 #define QBLOCK 32
 
@@ -135,23 +134,17 @@ static void q4_tile_chunk(float *out, struct qx x, const uint8_t *qs, const floa
 }
 #endif
 
-struct q4_product { float *out; struct qx x; const uint8_t *qs; const float *d, *m; int64_t tokens, rows, cols; };
-
-static void q4_tile(void *ctx, int64_t g) {
-    const struct q4_product *p = ctx;
-    const int64_t blocks = p->cols / QBLOCK;
-    const int valid = p->rows - g * TILE < TILE ? (int)(p->rows - g * TILE) : TILE;
-    for (int64_t t0 = 0; t0 < p->tokens; t0 += TOKEN_CHUNK)
-        q4_tile_chunk(p->out + g * TILE, p->x, p->qs + g * blocks * TILE_BYTES, p->d + g * blocks * TILE,
-                      p->m + g * blocks * TILE, t0, p->tokens - t0 < TOKEN_CHUNK ? (int)(p->tokens - t0) : TOKEN_CHUNK,
-                      valid, p->rows, p->cols);
-}
-
-/* Tiles are shared by workshare.h's pool (as every product of a decode step: one pool, no OpenMP spinning
- * beside it). */
 void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d, const float *m,
                    int64_t tokens, int64_t rows, int64_t cols, int threads) {
-    struct q4_product p = {out, quantize_tokens(x, tokens, cols), qs, d, m, tokens, rows, cols};
-    workshare_run(q4_tile, &p, (rows + TILE - 1) / TILE, threads);
-    free_qx(p.x);
+    const int64_t blocks = cols / QBLOCK, tiles = (rows + TILE - 1) / TILE;
+    struct qx xq = quantize_tokens(x, tokens, cols);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < tiles; g++) {
+        const int valid = rows - g * TILE < TILE ? (int)(rows - g * TILE) : TILE;
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_CHUNK)
+            q4_tile_chunk(out + g * TILE, xq, qs + g * blocks * TILE_BYTES, d + g * blocks * TILE,
+                          m + g * blocks * TILE, t0, tokens - t0 < TOKEN_CHUNK ? (int)(tokens - t0) : TOKEN_CHUNK,
+                          valid, rows, cols);
+    }
+    free_qx(xq);
 }
