@@ -74,12 +74,16 @@ def _acceptance(before, after, config) -> dict:
 
 def _precision(llm) -> str:
     from pressroom.model.layers.linear import LinearBase
+    from pressroom.model.layers.quant import INT4_MAX_ROWS
     dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, LinearBase)]
     if any(m.ggml is not None for m in linears):
         return f"{dtype} activations + GGUF blocks as shipped (llama.cpp's arithmetic)"
-    int4 = any(m.int4 is not None for m in linears)
-    return f"{dtype} + GGUF 4-bit matrices for <= 8-token steps" if int4 else dtype
+    int4 = [m.int4 for m in linears if m.int4 is not None]
+    if not int4:
+        return dtype
+    rows = min(getattr(w, "max_rows", INT4_MAX_ROWS) for w in int4)
+    return f"{dtype} + GGUF 4-bit matrices for <= {rows}-token steps"
 
 
 def run_hf(model_path: str, dtype: str, workload: Workload, batches: list[list[int]], warmup: int) -> list[float]:
