@@ -21,10 +21,9 @@ struct decode_args {
 /* q, out: [seqs, heads, dim] fp32; k_cache, v_cache: [blocks, block_size, kv_heads, dim];
  * block_tables: [seqs, max_blocks] int64; seq_lens: [seqs] int64; window > 0: each sequence sees its last
  * `window` keys only (a sliding-window layer), 0: every key.
- * One task per sequence (shared by workshare.h's pool: under OpenMP's barrier, which waits for preempted
- * threads, a batch-32 decode step ran 6x slower beside another process) walks its tokens in order, reading each
- * token's keys (then values) for all kv heads as one contiguous row (what hardware prefetchers follow best),
- * converted to fp32 once and shared by the query heads of each group. */
+ * One task per sequence walks its tokens in order, reading each token's keys (then values) for all kv heads as
+ * one contiguous row (what hardware prefetchers follow best), converted to fp32 once and shared by the query
+ * heads of each group. */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, DIM)                                                   \
 static void NAME(void *ctx, int64_t s) {                                                          \
     const struct decode_args *a = ctx;                                                            \
@@ -93,20 +92,28 @@ DEFINE_PAGED_DECODE(decode_f32_64, float, f32_to_f32, 64)
 DEFINE_PAGED_DECODE(decode_f32_128, float, f32_to_f32, 128)
 DEFINE_PAGED_DECODE(decode_f32_256, float, f32_to_f32, 256)
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-/* The same attention on AVX-512 for head sizes of 64 and 128 and groups of up to 8 query heads a key/value head,
- * by key/value head: the group's queries stay in registers while the keys go by, and so do its outputs while the
- * values go by (the loop above reloads and stores them for every key). Scores come 16 keys at a time: each key's
- * 16-lane partial dot products meet the others' in one transposing sum instead of a horizontal sum each. The
- * scores, softmax and weighted sum of values are the loop above's but for the order of a dot product's terms. */
-static inline __m512 load16_bf16(const uint16_t *p) {
+/* The same attention with vectors, for head sizes of 64 and 128 and groups of up to 8 query heads a key/value head,
+ * by key/value head: the group's queries stay in registers (AVX-512; AVX2 spills some to the stack) while the keys
+ * go by, and so do its outputs while the values go by (the loop above reloads and stores them for every key).
+ * Scores come a vector's width of keys at a time: each key's partial dot products meet the others' in one
+ * transposing sum instead of a horizontal sum each. The scores, softmax and weighted sum of values are the loop
+ * above's but for the order of a dot product's terms. */
+#ifdef __AVX512F__
+#define VL 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+static inline vec vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-
-/* 16 vectors in, the vector of their 16 lane sums out (vector i's sum in lane i). */
-static inline __m512 sum16(const __m512 *v) {
+/* VL vectors in, the vector of their lane sums out (vector i's sum in lane i). */
+static inline vec vsum_lanes(const vec *v) {
     __m512 a[8], b[4];
     for (int i = 0; i < 8; i++)  /* per 128-bit lane: (v2i, v2i+1) interleaved, pairs added */
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -116,116 +123,151 @@ static inline __m512 sum16(const __m512 *v) {
     const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
+#else
+#define VL 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vec vsum_lanes(const vec *v) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  /* halves of v0-3, of v4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+static inline vec vload_f32(const float *p) { return vload(p); }
+#define MAX_DV (128 / VL)
 
-#define DEFINE_GROUPED_DECODE(NAME, T, LOAD16)                                                     \
+#define DEFINE_GROUPED_DECODE(NAME, T, LOADV)                                                      \
 static inline __attribute__((always_inline)) void NAME(const struct decode_args *a, int64_t s,    \
                                                        const int G, const int DV) {               \
-    const int64_t dim = 16 * DV, row = a->kv_heads * dim, bs = a->block_size;                     \
+    const int64_t dim = VL * DV, row = a->kv_heads * dim, bs = a->block_size;                     \
     const int64_t end = a->seq_lens[s], first = a->window > 0 && end > a->window ? end - a->window : 0; \
     const int64_t len = end - first, *table = a->block_tables + s * a->max_blocks;                \
     const T *k_cache = a->k_cache, *v_cache = a->v_cache;                                         \
-    float *scores = malloc(sizeof(float) * G * (len + 16));                                       \
-    float *keys = malloc(sizeof(float) * 16 * dim); /* 16 keys of one head, fp32 */               \
+    float *scores = malloc(sizeof(float) * G * (len + VL));                                       \
+    float *keys = malloc(sizeof(float) * VL * dim); /* VL keys of one head, fp32 */               \
     for (int64_t kv = 0; kv < a->kv_heads; kv++) {                                                \
         const float *qs = a->q + (s * a->heads + kv * G) * dim;                                   \
-        __m512 q[8][8];                                                                           \
+        vec q[8][MAX_DV];                                                                         \
         for (int h = 0; h < G; h++)                                                               \
-            for (int i = 0; i < DV; i++) q[h][i] = _mm512_loadu_ps(qs + h * dim + 16 * i);        \
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {                                                \
-            const int n = len - t0 < 16 ? (int)(len - t0) : 16;                                   \
-            for (int64_t j = t0 + 16; j < t0 + 32 && j < len; j++) /* the next 16 keys, ahead */  \
+            for (int i = 0; i < DV; i++) q[h][i] = vload(qs + h * dim + VL * i);                  \
+        for (int64_t t0 = 0; t0 < len; t0 += VL) {                                                \
+            const int n = len - t0 < VL ? (int)(len - t0) : VL;                                   \
+            for (int64_t j = t0 + VL; j < t0 + 2 * VL && j < len; j++) /* the next keys, ahead */ \
                 for (int64_t line = 0; line < dim * (int64_t)sizeof(T); line += 64)              \
                     __builtin_prefetch((const char *)(k_cache + (table[(first + j) / bs] * bs + (first + j) % bs) * row \
                                                       + kv * dim) + line);                        \
             for (int j = 0; j < n; j++) {                                                         \
                 const int64_t p = first + t0 + j;                                                 \
                 const T *k = k_cache + (table[p / bs] * bs + p % bs) * row + kv * dim;            \
-                for (int i = 0; i < DV; i++) _mm512_storeu_ps(keys + j * dim + 16 * i, LOAD16(k + 16 * i)); \
+                for (int i = 0; i < DV; i++) vstore(keys + j * dim + VL * i, LOADV(k + VL * i));  \
             }                                                                                     \
             for (int h = 0; h < G; h++) {                                                         \
-                __m512 part[16];                                                                  \
-                for (int j = 0; j < 16; j++) {                                                    \
-                    __m512 acc = _mm512_setzero_ps();                                             \
+                vec part[VL];                                                                     \
+                for (int j = 0; j < VL; j++) {                                                    \
+                    vec acc = vzero();                                                            \
                     if (j < n)                                                                    \
-                        for (int i = 0; i < DV; i++)                                              \
-                            acc = _mm512_fmadd_ps(q[h][i], _mm512_loadu_ps(keys + j * dim + 16 * i), acc); \
+                        for (int i = 0; i < DV; i++) acc = vfma(q[h][i], vload(keys + j * dim + VL * i), acc); \
                     part[j] = acc;                                                                \
                 }                                                                                 \
-                _mm512_storeu_ps(scores + h * (len + 16) + t0, _mm512_mul_ps(sum16(part), _mm512_set1_ps(a->scale))); \
+                vstore(scores + h * (len + VL) + t0, vmul(vsum_lanes(part), vset1(a->scale)));    \
             }                                                                                     \
         }                                                                                         \
         for (int h = 0; h < G; h++) {                                                             \
-            float *sc = scores + h * (len + 16), m = -INFINITY, sum = 0.f;                        \
+            float *sc = scores + h * (len + VL), m = -INFINITY, sum = 0.f;                        \
             for (int64_t t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                          \
             _Pragma("omp simd reduction(+:sum)")                                                  \
             for (int64_t t = 0; t < len; t++) { sc[t] = fast_expf(sc[t] - m); sum += sc[t]; }     \
             const float inv = sum > 0.f ? 1.f / sum : 0.f;                                        \
             for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                       \
         }                                                                                         \
-        __m512 acc[8][8];                                                                         \
+        vec acc[8][MAX_DV];                                                                       \
         for (int h = 0; h < G; h++)                                                               \
-            for (int i = 0; i < DV; i++) acc[h][i] = _mm512_setzero_ps();                         \
+            for (int i = 0; i < DV; i++) acc[h][i] = vzero();                                     \
         for (int64_t t = 0; t < len; t++) {                                                       \
             const int64_t p = first + t;                                                          \
             const T *v = v_cache + (table[p / bs] * bs + p % bs) * row + kv * dim;                \
-            if (t + 16 < len) /* the value 16 keys ahead */                                       \
+            if (t + VL < len) /* the value a vector's width of keys ahead */                      \
                 for (int64_t line = 0; line < dim * (int64_t)sizeof(T); line += 64)              \
-                    __builtin_prefetch((const char *)(v_cache + (table[(p + 16) / bs] * bs + (p + 16) % bs) * row \
+                    __builtin_prefetch((const char *)(v_cache + (table[(p + VL) / bs] * bs + (p + VL) % bs) * row \
                                                       + kv * dim) + line);                        \
-            __m512 vv[8];                                                                         \
-            for (int i = 0; i < DV; i++) vv[i] = LOAD16(v + 16 * i);                              \
+            vec vv[MAX_DV];                                                                       \
+            for (int i = 0; i < DV; i++) vv[i] = LOADV(v + VL * i);                               \
             for (int h = 0; h < G; h++) {                                                         \
-                const __m512 w = _mm512_set1_ps(scores[h * (len + 16) + t]);                      \
-                for (int i = 0; i < DV; i++) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);    \
+                const vec w = vset1(scores[h * (len + VL) + t]);                                  \
+                for (int i = 0; i < DV; i++) acc[h][i] = vfma(w, vv[i], acc[h][i]);               \
             }                                                                                     \
         }                                                                                         \
         float *o = a->out + (s * a->heads + kv * G) * dim;                                        \
         for (int h = 0; h < G; h++)                                                               \
-            for (int i = 0; i < DV; i++) _mm512_storeu_ps(o + h * dim + 16 * i, acc[h][i]);       \
+            for (int i = 0; i < DV; i++) vstore(o + h * dim + VL * i, acc[h][i]);                 \
     }                                                                                             \
     free(scores);                                                                                 \
     free(keys);                                                                                   \
 }
 
-DEFINE_GROUPED_DECODE(grouped_bf16, uint16_t, load16_bf16)
-DEFINE_GROUPED_DECODE(grouped_f32, float, load16_f32)
+DEFINE_GROUPED_DECODE(grouped_bf16, uint16_t, vload_bf16)
+DEFINE_GROUPED_DECODE(grouped_f32, float, vload_f32)
 
-#define GROUPED_CASE(FN, G, DV) case (G) * 16 + (DV): FN(a, s, G, DV); return 1;
+#define GROUPED_CASE(FN, G, DV) case (G) * 16 + (DV): FN(a, s, G, DV); return;
 #define GROUPED_DISPATCH(NAME, FN)                                                                \
-static int NAME(const struct decode_args *a, int64_t s) {                                         \
-    switch ((a->heads / a->kv_heads) * 16 + a->dim / 16) {                                        \
-        GROUPED_CASE(FN, 1, 4) GROUPED_CASE(FN, 2, 4) GROUPED_CASE(FN, 3, 4) GROUPED_CASE(FN, 4, 4) \
-        GROUPED_CASE(FN, 5, 4) GROUPED_CASE(FN, 6, 4) GROUPED_CASE(FN, 7, 4) GROUPED_CASE(FN, 8, 4) \
-        GROUPED_CASE(FN, 1, 8) GROUPED_CASE(FN, 2, 8) GROUPED_CASE(FN, 3, 8) GROUPED_CASE(FN, 4, 8) \
-        GROUPED_CASE(FN, 5, 8) GROUPED_CASE(FN, 6, 8) GROUPED_CASE(FN, 7, 8) GROUPED_CASE(FN, 8, 8) \
+static void NAME(void *ctx, int64_t s) {                                                          \
+    const struct decode_args *a = ctx;                                                            \
+    switch ((a->heads / a->kv_heads) * 16 + a->dim / VL) {                                        \
+        GROUPED_CASE(FN, 1, 64 / VL) GROUPED_CASE(FN, 2, 64 / VL) GROUPED_CASE(FN, 3, 64 / VL)    \
+        GROUPED_CASE(FN, 4, 64 / VL) GROUPED_CASE(FN, 5, 64 / VL) GROUPED_CASE(FN, 6, 64 / VL)    \
+        GROUPED_CASE(FN, 7, 64 / VL) GROUPED_CASE(FN, 8, 64 / VL)                                 \
+        GROUPED_CASE(FN, 1, 128 / VL) GROUPED_CASE(FN, 2, 128 / VL) GROUPED_CASE(FN, 3, 128 / VL) \
+        GROUPED_CASE(FN, 4, 128 / VL) GROUPED_CASE(FN, 5, 128 / VL) GROUPED_CASE(FN, 6, 128 / VL) \
+        GROUPED_CASE(FN, 7, 128 / VL) GROUPED_CASE(FN, 8, 128 / VL)                               \
     }                                                                                             \
-    return 0;                                                                                     \
 }
-GROUPED_DISPATCH(grouped_decode_bf16, grouped_bf16)
-GROUPED_DISPATCH(grouped_decode_f32, grouped_f32)
+GROUPED_DISPATCH(decode_bf16_grouped, grouped_bf16)
+GROUPED_DISPATCH(decode_f32_grouped, grouped_f32)
 
-static void grouped_bf16_seq(void *ctx, int64_t s) { grouped_decode_bf16(ctx, s); }
-static void grouped_f32_seq(void *ctx, int64_t s) { grouped_decode_f32(ctx, s); }
-#define GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim) if (grouped_takes(heads, kv_heads, dim)) fn = PREFIX##_grouped;
-static const chunk_fn decode_bf16_grouped = grouped_bf16_seq, decode_f32_grouped = grouped_f32_seq;
 static int grouped_takes(int64_t heads, int64_t kv_heads, int64_t dim) {
     const int64_t group = heads / kv_heads;
     return (dim == 64 || dim == 128) && group >= 1 && group <= 8 && group * kv_heads == heads;
 }
+#define GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim) if (grouped_takes(heads, kv_heads, dim)) fn = PREFIX##_grouped;
 #else
 #define GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim)
 #endif
 
+/* Two entry points a kernel: NAME shares the sequences through OpenMP, the pool torch's own ops use, for the
+ * layer-by-layer path (between oneDNN's products; a second pool's thread would meet OpenMP's spinning ones);
+ * NAME##_shared through workshare.h's pool, for the decode stacks, whose products run on it (under OpenMP's
+ * barrier, which waits for preempted threads, a batch-32 stack step ran 6x slower beside another process). */
 #define DEFINE_DECODE_DISPATCH(NAME, T, PREFIX)                                                   \
-void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
-          const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
-          int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) {     \
+static chunk_fn NAME##_kernel(int64_t heads, int64_t kv_heads, int64_t dim) {                     \
     chunk_fn fn = dim == 64 ? PREFIX##_64 : dim == 128 ? PREFIX##_128 : dim == 256 ? PREFIX##_256 \
                             : PREFIX##_any;                                                       \
     GROUPED_PICK(fn, PREFIX, heads, kv_heads, dim)                                                \
+    return fn;                                                                                    \
+}                                                                                                 \
+void NAME(float *out, const float *q, const T *k, const T *v, const int64_t *tables,              \
+          const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,        \
+          int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) {     \
+    const chunk_fn fn = NAME##_kernel(heads, kv_heads, dim);                                      \
     struct decode_args a = {out, q, k, v, tables, lens, heads, kv_heads, dim, block_size,         \
                             max_blocks, window, scale};                                           \
-    workshare_run(fn, &a, seqs, seqs > 1 ? threads : 1);                                          \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if(seqs > 1)")            \
+    for (int64_t s = 0; s < seqs; s++) fn(&a, s);                                                 \
+}                                                                                                 \
+void NAME##_shared(float *out, const float *q, const T *k, const T *v, const int64_t *tables,     \
+                   const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, \
+                   int64_t block_size, int64_t max_blocks, int64_t window, float scale, int threads) { \
+    struct decode_args a = {out, q, k, v, tables, lens, heads, kv_heads, dim, block_size,         \
+                            max_blocks, window, scale};                                           \
+    workshare_run(NAME##_kernel(heads, kv_heads, dim), &a, seqs, seqs > 1 ? threads : 1);         \
 }
 
 DEFINE_DECODE_DISPATCH(paged_decode_bf16, uint16_t, decode_bf16)

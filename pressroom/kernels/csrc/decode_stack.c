@@ -79,12 +79,16 @@ void decode_stack(float *x, const int64_t *layer_ptrs, int64_t layers, const flo
             write_cache(PTR(void *, p, V_CACHE), (int)dims[CACHE_BF16], row + q_width + kv_width, slots[t], kv_width);
             memcpy(q + t * q_width, row, sizeof(float) * q_width);
         }
+        /* attention on the pool the step's products run on: the panels' (workshare) or the row kernel's (OpenMP) */
+        const int panels = tokens > ROW_KERNEL_MAX_TOKENS && p[QKV_P];
         if (dims[CACHE_BF16])
-            paged_decode_bf16(attn, q, PTR(const uint16_t *, p, K_CACHE), PTR(const uint16_t *, p, V_CACHE), tables,
-                              lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
+            (panels ? paged_decode_bf16_shared : paged_decode_bf16)(
+                attn, q, PTR(const uint16_t *, p, K_CACHE), PTR(const uint16_t *, p, V_CACHE), tables, lens, tokens,
+                heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
         else
-            paged_decode_f32(attn, q, PTR(const float *, p, K_CACHE), PTR(const float *, p, V_CACHE), tables,
-                             lens, tokens, heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
+            (panels ? paged_decode_f32_shared : paged_decode_f32)(
+                attn, q, PTR(const float *, p, K_CACHE), PTR(const float *, p, V_CACHE), tables, lens, tokens,
+                heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[MAX_BLOCKS], 0, scale, threads);
         project(y, attn, p, O_Q, O_P, tokens, hidden, q_width, threads);
         rms_norm_f32(normed, y, residual, PTR(const float *, p, LN2), tokens, hidden, eps, row_threads);
         project(gate_up, normed, p, GU_Q, GU_P, tokens, 2 * inter, hidden, threads);
