@@ -289,9 +289,12 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     return out
 
 
-def vnni_available() -> bool:
-    """Whether the panel GEMM (vnni_gemm.c) was built for this CPU (AVX-512 VNNI)."""
-    return available() and bool(_library().vnni_gemm_available())
+def panel_products() -> tuple[bool, bool]:
+    """Which panel products (vnni_gemm.c) this build has: (4-bit: AVX-512 VNNI or AVX2, Q8_0: AVX-512 VNNI)."""
+    if not available():
+        return False, False
+    bits = _library().vnni_gemm_available()
+    return bool(bits & 1), bool(bits & 2)
 
 
 def vnni_gemm(x: torch.Tensor, panel: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: int) -> torch.Tensor:

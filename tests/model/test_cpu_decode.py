@@ -9,7 +9,7 @@ from pressroom import LLM, SamplingParams
 from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
 from pressroom.kernels import cpu
 from pressroom.model.layers.cpu_decode import CpuDecodeStack, applies
-from pressroom.model.layers.quant import VNNI_MAX_ROWS, vnni_panels
+from pressroom.model.layers.quant import VNNI_MAX_ROWS, q4_panels
 from pressroom.model.models.llama import RopeTables
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the fast path needs the C kernels")
@@ -78,7 +78,7 @@ def test_each_layer_matches_the_layer_by_layer_path(llm, monkeypatch):
     assert errors.keys() == {1, 2} and max(errors.values()) < _tolerance(llm), errors
 
 
-@pytest.mark.skipif(not vnni_panels(), reason="no AVX-512 VNNI: past 8 tokens a step goes layer by layer")
+@pytest.mark.skipif(not q4_panels(), reason="no 4-bit panels (no C compiler): past 8 tokens a step goes layer by layer")
 def test_a_batch_past_the_row_kernels_runs_the_panels_and_matches(llm, monkeypatch):
     """Twelve sequences' decode step (past the 4-bit row kernel's 8) runs in the fused stack on the VNNI panels,
     and equals the Python layers (which take the same panels)."""

@@ -16,7 +16,8 @@ from pressroom.model.layers.quant import (
     Q8Blocks,
     Q8Weight,
     int4_kernel_available,
-    vnni_panels,
+    q4_panels,
+    q8_panels,
 )
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch build has no int4 CPU kernel")
@@ -129,7 +130,7 @@ def test_q8_blocks_refuse_scales_that_are_not_fp16():
         Q8Blocks.pack(_random_q8(8, 64, 0))
 
 
-@pytest.mark.skipif(not vnni_panels(), reason="no AVX-512 VNNI: no panel, the row kernel serves up to 8 rows")
+@pytest.mark.skipif(not q4_panels(), reason="no C compiler: no panel, the row kernel serves up to 8 rows")
 def test_the_vnni_panel_gives_the_row_kernels_bits():
     # 37 rows: two 16-row vectors then a masked one; 70 tokens: tiles of 4 tokens, then 2
     q4 = _random_q4(37, 96, 5)
@@ -138,7 +139,12 @@ def test_the_vnni_panel_gives_the_row_kernels_bits():
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(5))
     assert torch.equal(matrix.matmul(x), cpu.q4_matmul(x, matrix.qs, matrix.scale, matrix.min, 37))
     assert _close(matrix.matmul(x), x @ q4.dequantize().t(), 0.02)
+
+
+@pytest.mark.skipif(not q8_panels(), reason="no AVX-512 VNNI: the LM head keeps the row kernel")
+def test_the_q8_panel_gives_the_row_kernels_bits():
     # the LM head's Q8_0 panel: llama.cpp's bits (the row kernel's) at any number of tokens, odd ones included
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(5))
     q8 = _random_q8(37, 96, 5)
     q8 = Q8Weight(q8.q, q8.scale.half().float())
     head = Q8Blocks.pack(q8)

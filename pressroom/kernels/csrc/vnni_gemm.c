@@ -24,6 +24,8 @@
 
 #include "workshare.h"
 
+enum { PANEL_Q4 = 1, PANEL_Q8 = 2 };  /* vnni_gemm_available()'s bits: the products this build has */
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -34,7 +36,7 @@
 #define MR 4  /* tokens per tile */
 #define NV 2  /* vectors of 16 outputs per tile */
 
-int vnni_gemm_available(void) { return 1; }
+int vnni_gemm_available(void) { return PANEL_Q4 | PANEL_Q8; }
 
 struct gemm {
     float *out;
@@ -222,6 +224,123 @@ void vnni_q8_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, con
     workshare_run(round_token_q8, &g, tokens, tokens >= 16 ? threads : 1);
     workshare_run(q8_column, &g, g.vectors, threads);
     free(g.xq); free(g.xd); free(g.xoff);
+}
+#elif defined(__AVX2__)
+/* AVX2: the same panels, each 64-byte vector as two halves of 8 outputs, the integer dot products as
+ * int8_dot.h's (maddubs + madd, or AVX-VNNI): codes under 16 never saturate maddubs' 16-bit sums. A tile is 2
+ * tokens x 16 outputs (16 registers). The Q8_0 panel needs codes up to 255, which maddubs would saturate: none. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "int8_dot.h"
+
+#pragma GCC optimize("no-associative-math")
+
+#define QB 32
+#define MR 2
+
+int vnni_gemm_available(void) { return PANEL_Q4; }
+
+struct gemm {
+    float *out;
+    const float *x;
+    const uint8_t *panel;
+    const float *d, *m;
+    int8_t *xq;
+    float *xs, *xsum;
+    int64_t tokens, k, n, blocks, vectors;
+};
+
+/* As quant_ops.c's quantize_blocks (cvtps_epi32 rounds to nearest even, as its lrintf). */
+static void round_token(void *ctx, int64_t t) {
+    struct gemm *g = ctx;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b = 0; b < g->blocks; b++) {
+        const float *xb = g->x + t * g->k + b * QB;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        float lanes[8], amax = 0.f;
+        _mm256_storeu_ps(lanes, mx);
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        int32_t codes[QB], sum = 0;
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(codes + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+        int8_t *q = g->xq + t * g->k + b * QB;
+        for (int i = 0; i < QB; i++) q[i] = (int8_t)codes[i], sum += codes[i];
+        const int64_t i = t * g->blocks + b;
+        g->xs[i] = amax / 127.f;
+        g->xsum[i] = g->xs[i] * (float)sum;
+    }
+}
+
+/* out for tokens [t0, t0 + mr) and the 16 outputs of panel vector v, as two halves of 8. */
+static inline __attribute__((always_inline)) void tile(const struct gemm *g, int64_t t0, int64_t v, const int mr) {
+    __m256 acc[MR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *panel = g->panel + v * g->k * 16;
+    for (int64_t b = 0; b < g->blocks; b++) {
+        __m256i dot[MR][2];
+        for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        const uint8_t *p = panel + b * 512;
+        for (int e = 0; e < 8; e++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + e * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + e * 64 + 32));
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, g->xq + (t0 + r) * g->k + b * QB + e * 4, sizeof four);
+                const __m256i xv = _mm256_set1_epi32(four);
+                dot[r][0] = dot_acc_u8_i8(dot[r][0], w0, xv);
+                dot[r][1] = dot_acc_u8_i8(dot[r][1], w1, xv);
+            }
+        }
+        const int64_t at = (v * g->blocks + b) * 16;
+        for (int h = 0; h < 2; h++) {
+            const __m256 dv = _mm256_loadu_ps(g->d + at + 8 * h), mv = _mm256_loadu_ps(g->m + at + 8 * h);
+            for (int r = 0; r < mr; r++) {
+                const int64_t i = (t0 + r) * g->blocks + b;
+                acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(g->xsum[i]), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(dv, _mm256_set1_ps(g->xs[i])),
+                                            acc[r][h]);
+            }
+        }
+    }
+    const int64_t col = v * 16;
+    for (int h = 0; h < 2; h++) {
+        const int64_t c0 = col + 8 * h, valid = g->n - c0 < 8 ? g->n - c0 : 8;
+        for (int r = 0; r < mr; r++) {
+            if (valid == 8) {
+                _mm256_storeu_ps(g->out + (t0 + r) * g->n + c0, acc[r][h]);
+            } else if (valid > 0) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, acc[r][h]);
+                memcpy(g->out + (t0 + r) * g->n + c0, lanes, sizeof(float) * valid);
+            }
+        }
+    }
+}
+
+static void column(void *ctx, int64_t v) {
+    const struct gemm *g = ctx;
+    for (int64_t t0 = 0; t0 < g->tokens; t0 += MR) {
+        if (g->tokens - t0 >= 2) tile(g, t0, v, 2);
+        else tile(g, t0, v, 1);
+    }
+}
+
+void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                   const float *m, int64_t n, int threads) {
+    const int64_t blocks = k / QB;
+    struct gemm g = {out, x, panel, d, m, malloc(tokens * k + 64), malloc(sizeof(float) * tokens * blocks),
+                     malloc(sizeof(float) * tokens * blocks), tokens, k, n, blocks, (n + 15) / 16};
+    workshare_run(round_token, &g, tokens, tokens >= 16 ? threads : 1);
+    workshare_run(column, &g, g.vectors, threads);
+    free(g.xq); free(g.xs); free(g.xsum);
+}
+
+void vnni_q8_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
+                      int64_t n, int threads) {
+    (void)out; (void)x; (void)tokens; (void)k; (void)panel; (void)d; (void)n; (void)threads;
+    abort();  /* callers ask vnni_gemm_available() first */
 }
 #else
 int vnni_gemm_available(void) { return 0; }

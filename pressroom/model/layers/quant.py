@@ -131,9 +131,14 @@ class Q8Panel:
         return _c_matmul(x, lambda flat: cpu.vnni_q8_gemm(flat, self.panel, self.d, self.rows))
 
 
-def vnni_panels() -> bool:
-    """Whether 4-bit matrices and the Q8_0 LM head also keep a panel here (the C kernels built for AVX-512 VNNI)."""
-    return cpu.vnni_available()
+def q4_panels() -> bool:
+    """Whether 4-bit matrices also keep a VnniPanel here (the C kernels built for AVX-512 VNNI or AVX2)."""
+    return cpu.panel_products()[0]
+
+
+def q8_panels() -> bool:
+    """Whether the Q8_0 LM head also keeps a Q8Panel here (AVX-512 VNNI: AVX2's maddubs would saturate)."""
+    return cpu.panel_products()[1]
 
 
 @dataclass(slots=True)
@@ -163,7 +168,7 @@ class NibbleMatrix:
         nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # tile, row, block, quarter, byte
         qs = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous()
         return cls(qs, *(t.view(tiles, 8, blocks).transpose(1, 2).contiguous() for t in (scale, low)), rows,
-                   VnniPanel.pack(w) if vnni_panels() else None)
+                   VnniPanel.pack(w) if q4_panels() else None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.panel is not None and x.numel() > INT4_MAX_ROWS * x.shape[-1]:
@@ -309,7 +314,7 @@ class Q8Blocks:
         codes = w.q.contiguous().view(torch.uint8).view(rows, cols // 32, 32)
         scales = half.contiguous().view(torch.uint8).view(rows, cols // 32, 2)
         return cls(torch.cat([scales, codes], dim=2).view(rows, -1).contiguous(),
-                   Q8Panel.pack(w) if vnni_panels() else None)
+                   Q8Panel.pack(w) if q8_panels() else None)
 
     @property
     def shape(self) -> torch.Size:
