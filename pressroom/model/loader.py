@@ -25,7 +25,7 @@ from pressroom.model.layers.deferred import DeferredWeights
 from pressroom.model.layers.embedding import ParallelLMHead
 from pressroom.model.layers.fused_moe import FusedMoE
 from pressroom.model.layers.linear import LinearBase
-from pressroom.model.layers.quant import int4_kernel_available
+from pressroom.model.layers.quant import VNNI_MAX_ROWS, int4_kernel_available
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 from pressroom.model.quantization import QuantizationMethod, checkpoint_quantization, resolve_method
 from pressroom.model.registry import resolve_architecture
@@ -211,8 +211,13 @@ def _prepack(model: nn.Module) -> None:
 
 
 def _pack_int4(model: nn.Module) -> None:
-    packed = sum(m.pack_int4() for m in model.modules() if isinstance(m, LinearBase))
-    logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them", packed)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    packed = sum(m.pack_int4() for m in linears)
+    panels = [m.int4.panel for m in linears if getattr(m.int4, "panel", None) is not None]
+    panel_bytes = sum(p.panel.nbytes + p.d.nbytes + p.m.nbytes for p in panels)
+    logger.info("kept %d weight matrices in 4 bits, as the checkpoint ships them%s", packed,
+                f", and their byte panels for steps of up to {VNNI_MAX_ROWS} tokens ({panel_bytes / 2**20:.0f} MiB)"
+                if panels else "")
 
 
 def _attach_quantization(model: nn.Module, method: QuantizationMethod) -> None:

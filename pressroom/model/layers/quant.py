@@ -13,10 +13,11 @@ A Q4 block of 32 inputs is w = q * d + m (Q4_1; Q4_0 is m = -8 d): nothing is re
 layers always hold the dequantized weight; when every row of a matrix arrived in 4 bits they also
 keep the 4-bit form and use it for steps of at most INT4_MAX_ROWS tokens, where streaming 4x fewer
 weight bytes wins over the dense matmul (measured on the embedded model: 1.35x faster per step at
-batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md). On AVX-512 VNNI CPUs a 4-bit matrix
-also keeps a `VnniPanel` (vnni_gemm.c), which serves steps of 9 to VNNI_MAX_ROWS tokens with the row kernel's
-bits (1.2-1.5x oneDNN's bf16 GEMM at 16-128 rows), and the Q8_0 LM head a `Q8Panel` for steps of two tokens
-or more, with llama.cpp's bits as the row kernel gives them (2-2.5x faster at 8-32 rows).
+batch 1, 10% at 8, slower from about 12 rows; see docs/BENCHMARKS.md). With the C kernels a 4-bit matrix
+also keeps a `VnniPanel` (vnni_gemm.c; 1.25 bytes a weight more), which serves steps of 9 to VNNI_MAX_ROWS tokens
+with the row kernel's bits (AVX-512 VNNI: 1.2-1.5x oneDNN's bf16 GEMM at 16-128 rows; AVX2: 2-5x its fp32 one),
+and on AVX-512 VNNI the Q8_0 LM head a `Q8Panel` for steps of two tokens or more, with llama.cpp's bits as the
+row kernel gives them (2-2.5x faster at 8-32 rows).
 
 Two kernels take the 4-bit form: pressroom's C kernel (kernels/csrc/quant_ops.c: llama.cpp's
 arithmetic, activations rounded to int8 per block of 32, AVX2 and VNNI code), and, where no C
