@@ -18,7 +18,7 @@ void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const 
                    const float *m, int64_t n, int threads);
 
 /* One layer's pointers, in this order (kernels/cpu.py's DECODE_LAYER_FIELDS names them): each matrix's 4-bit
- * tiles (q, d, m), then each one's VNNI panel (p, pd, pm; p = 0 where there is none). */
+ * tiles (q, d, m), then each one's byte panel (vnni_gemm.c: p, pd, pm; p = 0 where there is none). */
 enum { LN1, QKV_Q, QKV_D, QKV_M, QKV_BIAS, O_Q, O_D, O_M, LN2, GU_Q, GU_D, GU_M, DOWN_Q, DOWN_D, DOWN_M,
        K_CACHE, V_CACHE, QKV_P, QKV_PD, QKV_PM, O_P, O_PD, O_PM, GU_P, GU_PD, GU_PM, DOWN_P, DOWN_PD, DOWN_PM,
        LAYER_FIELDS };
