@@ -102,13 +102,15 @@ class VnniPanel:
     def pack(cls, w: Q4Weight) -> VnniPanel:
         rows, cols = w.shape
         vectors, blocks, pad = -(-rows // 16), cols // GROUP, -rows % 16
-        codes = torch.nn.functional.pad(w.q, (0, 0, 0, pad)).view(vectors, 16, blocks, 8, 4)
+        # 4 codes of a row move together: as one int32 the copy moves a quarter as many elements (4x faster)
+        codes = torch.nn.functional.pad(w.q, (0, 0, 0, pad)).contiguous().view(torch.int32).view(vectors, 16, blocks, 8)
+        panel = codes.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
 
         def per_vector(t: torch.Tensor) -> torch.Tensor:
             t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
             return t.view(vectors, 16, blocks).transpose(1, 2).contiguous()
 
-        return cls(codes.permute(0, 2, 3, 1, 4).contiguous(), per_vector(w.scale), per_vector(w.min), rows)
+        return cls(panel.view(vectors, blocks, 8, 16, 4), per_vector(w.scale), per_vector(w.min), rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return _c_matmul(x, lambda flat: cpu.vnni_gemm(flat, self.panel, self.d, self.m, self.rows))
@@ -124,7 +126,7 @@ class Q8Panel:
 
     @classmethod
     def pack(cls, w: Q8Weight) -> Q8Panel:
-        codes = (w.q.to(torch.int16) + 128).to(torch.uint8)
+        codes = w.q.contiguous().view(torch.uint8) ^ 0x80  # q + 128, as a byte
         vectors = VnniPanel.pack(Q4Weight(codes, w.scale, w.scale))
         return cls(vectors.panel, vectors.d, w.q.shape[0])
 
