@@ -75,8 +75,7 @@ _COUNTS = ("ggml_matrix_fields", "gemma3_layer_fields")
 DECODE_LAYER_FIELDS = ("ln1", "qkv_q", "qkv_d", "qkv_m", "qkv_bias", "o_q", "o_d", "o_m", "ln2",
                        "gu_q", "gu_d", "gu_m", "down_q", "down_d", "down_m", "k_cache", "v_cache",
                        "qkv_p", "qkv_pd", "qkv_pm", "o_p", "o_pd", "o_pm", "gu_p", "gu_pd", "gu_pm",
-                       "down_p", "down_pd", "down_pm")  # the *_p fields: VNNI panels (0: none)
-
+                       "down_p", "down_pd", "down_pm")  # the *_p fields: byte panels (vnni_gemm.c; 0: none)
 DECODE_DIM_FIELDS = ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
                      "max_blocks", "cache_bf16")
 # csrc/ggml_matrix.h: a matrix is a count of parts, then MAX_PARTS parts of these fields (arrays as pointers).

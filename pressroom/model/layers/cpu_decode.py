@@ -4,7 +4,7 @@ layer. `CpuDecodeStack`: a Llama-family model with 4-bit weights (kernels/csrc/d
 (kernels/csrc/gemma3_stack.c).
 
 They apply to steps whose tokens are all decodes (one new token per sequence; for the 4-bit stack at most
-INT4_MAX_ROWS of them, or VNNI_MAX_ROWS where every matrix keeps a VNNI panel) on a model whose projections all
+INT4_MAX_ROWS of them, or VNNI_MAX_ROWS where every matrix keeps a byte panel) on a model whose projections all
 kept their quantized form, on one rank (the 4-bit stack also hands a drafter the outputs of the layers it reads;
 Gemma 3's taps none, so its drafting steps go layer by layer); every other step takes the layer-by-layer path.
 Both paths run the same kernels in the same order.
