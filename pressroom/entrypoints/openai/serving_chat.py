@@ -7,9 +7,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.entrypoints.openai.chat_template import Preprocessor
@@ -267,3 +269,15 @@ def _delta_messages(reasoning: str, content: str, calls: list[DeltaToolCall]) ->
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for an output that stopped after calling tools."""
     return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_request_from(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request (Responses, Messages) becomes; a 400 naming the field where the chat's
+    rules refuse it."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"Invalid request (as the chat request it becomes): {param}: {first['msg']}",
+                       param=param) from None

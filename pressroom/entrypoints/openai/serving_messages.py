@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
@@ -36,7 +35,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
     message_id,
 )
 from pressroom.entrypoints.openai.serving import EventStream
-from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, split_delta
+from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, chat_request_from, split_delta
 from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, merge_streams, with_disconnect
 from pressroom.outputs import CompletionOutput, RequestOutput
 
@@ -62,7 +61,7 @@ class OpenAIServingMessages(OpenAIServingChat):
         """The prompt's tokens as /v1/messages would render it (its input_tokens)."""
         try:
             req = await self._parse(request, CountTokensRequest)
-            chat = _chat_request(req.to_chat())
+            chat = chat_request_from(req.to_chat())
             self._check_model(chat.model)
             tools = [tool.model_dump(exclude_none=True) for tool in chat.tools or []] or None
             ids = await self._chat_ids(chat.messages, True, False, chat.template_kwargs, None, tools)
@@ -72,7 +71,7 @@ class OpenAIServingMessages(OpenAIServingChat):
 
     async def _messages(self, request: Request) -> Response:
         req = await self._parse(request, MessagesRequest)
-        chat = _chat_request(req.to_chat())
+        chat = chat_request_from(req.to_chat())
         self._admit(chat.cost())
         mid = message_id()
         run = await self.start(request, chat, mid)
@@ -206,14 +205,3 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         parsed = None
     return parsed if isinstance(parsed, dict) else {"arguments": arguments}
-
-
-def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat request a Messages request becomes; a 400 naming the field where the chat's rules refuse it."""
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"Invalid request (as the chat request it becomes): {param}: {first['msg']}",
-                       param=param) from None

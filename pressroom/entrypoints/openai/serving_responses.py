@@ -23,7 +23,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
@@ -44,7 +43,7 @@ from pressroom.entrypoints.openai.protocol_responses import (
     response_id,
 )
 from pressroom.entrypoints.openai.serving import EventStream
-from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, split_delta
+from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, chat_request_from, split_delta
 from pressroom.entrypoints.openai.streams import ERROR, FAILED_MESSAGE, collect_finals, with_disconnect
 from pressroom.outputs import RequestOutput
 
@@ -85,7 +84,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     async def create_response(self, request: Request) -> Response:
         req = await self._parse(request, ResponsesRequest)
         history = self._conversation(req.previous_response_id)
-        chat = _chat_request(req.to_chat(history))
+        chat = chat_request_from(req.to_chat(history))
         response = ResponseObject.of(response_id("resp"), req.model or self.names[0], req)
         try:
             self._admit(chat.cost())
@@ -278,17 +277,6 @@ class _Events:
 
 # the chat request's fields by the names they have in a Responses request
 _OWN_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
-
-
-def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """The chat request a Responses request becomes; a 400 naming the field where the chat's rules refuse it."""
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"Invalid request (as the chat request it becomes): {param}: {first['msg']}",
-                       param=param) from None
 
 
 def _status(out: RequestOutput) -> str:

@@ -26,6 +26,17 @@
 
 enum { PANEL_Q4 = 1, PANEL_Q8 = 2 };  /* vnni_gemm_available()'s bits: the products this build has */
 
+/* A 4-bit product in flight (either ISA's kernel). */
+struct gemm {
+    float *out;
+    const float *x;
+    const uint8_t *panel;
+    const float *d, *m;
+    int8_t *xq;
+    float *xs, *xsum;  /* per token and block: the scale, and the scale times the sum of the codes */
+    int64_t tokens, k, n, blocks, vectors;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -37,16 +48,6 @@ enum { PANEL_Q4 = 1, PANEL_Q8 = 2 };  /* vnni_gemm_available()'s bits: the produ
 #define NV 2  /* vectors of 16 outputs per tile */
 
 int vnni_gemm_available(void) { return PANEL_Q4 | PANEL_Q8; }
-
-struct gemm {
-    float *out;
-    const float *x;
-    const uint8_t *panel;
-    const float *d, *m;
-    int8_t *xq;
-    float *xs, *xsum;  /* per token and block: the scale, and the scale times the sum of the codes */
-    int64_t tokens, k, n, blocks, vectors;
-};
 
 /* Token t's row rounded per block of 32, as quant_ops.c's quantize_blocks rounds it (rint is its lrintf). */
 static void round_token(void *ctx, int64_t t) {
@@ -240,16 +241,6 @@ void vnni_q8_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, con
 #define MR 2
 
 int vnni_gemm_available(void) { return PANEL_Q4; }
-
-struct gemm {
-    float *out;
-    const float *x;
-    const uint8_t *panel;
-    const float *d, *m;
-    int8_t *xq;
-    float *xs, *xsum;
-    int64_t tokens, k, n, blocks, vectors;
-};
 
 /* As quant_ops.c's quantize_blocks (cvtps_epi32 rounds to nearest even, as its lrintf). */
 static void round_token(void *ctx, int64_t t) {
