@@ -12,7 +12,6 @@ WorkerDiedError. Workers die with the process that started them.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -27,7 +26,7 @@ import zmq
 from pressroom.config import EngineConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.executor.abstract import Executor, WorkerDiedError
-from pressroom.executor.process import die_with_parent, relax_gc
+from pressroom.executor.process import die_with_parent, relax_gc, start_process, worker_start_method
 from pressroom.spec_decode import make_proposer
 from pressroom.worker.worker import Worker
 
@@ -63,22 +62,25 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         self.world_size = config.parallel.world_size
         self._dir = tempfile.mkdtemp(prefix="pressroom-workers-")
+        results_addr = f"ipc://{self._dir}/results"
+        input_addrs = [f"ipc://{self._dir}/rank{rank}" for rank in range(self.world_size)]
+        dist_init = f"file://{self._dir}/tensor-parallel"  # where the ranks meet to form their process group
+        # The workers start before this process makes zmq's threads (a fork must find it single-threaded);
+        # their sockets connect before ours bind, and zmq retries until they do.
+        self.start_method = worker_start_method()
+        self.processes = [start_process(run_worker, (config, rank, addr, results_addr, os.getpid(), dist_init),
+                                        f"pressroom-worker-{rank}", self.start_method)
+                          for rank, addr in enumerate(input_addrs)]
+        logger.info("%d worker processes started (%s)", self.world_size,
+                    "forked" if self.start_method == "fork" else "fresh interpreters")
         self._zmq = zmq.Context()
         self._results = self._zmq.socket(zmq.PULL)
-        results_addr = f"ipc://{self._dir}/results"
         self._results.bind(results_addr)
-        self._inputs, self.processes = [], []
-        spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
-        dist_init = f"file://{self._dir}/tensor-parallel"  # where the ranks meet to form their process group
-        for rank in range(self.world_size):
+        self._inputs = []
+        for addr in input_addrs:
             sock = self._zmq.socket(zmq.PUSH)
-            addr = f"ipc://{self._dir}/rank{rank}"
             sock.bind(addr)
             self._inputs.append(sock)
-            proc = spawn.Process(target=run_worker, args=(config, rank, addr, results_addr, os.getpid(), dist_init),
-                                 name=f"pressroom-worker-{rank}", daemon=True)
-            proc.start()
-            self.processes.append(proc)
         self._pending: list[deque[_Call]] = [deque() for _ in range(self.world_size)]
         self._last_sent: _Call | None = None
         self._flushed = False
