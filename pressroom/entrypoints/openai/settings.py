@@ -13,7 +13,8 @@ from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
-REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "none")
+REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3", "mimo", "granite",
+                     "openai_gptoss", "gpt_oss", "none")
 # The Host names a server bound to loopback answers to by default (with any port): a page on another name that
 # resolves to 127.0.0.1 (DNS rebinding) is refused.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
