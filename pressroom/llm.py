@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pressroom.config import EngineArgs
 from pressroom.engine import beam_search
 from pressroom.engine.beam_search import BeamSearch, BeamSearchOutput
+from pressroom.engine.inputs import check_prompt
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.lora.request import LoRARequest
 from pressroom.outputs import PoolingRequestOutput, RequestOutput
@@ -128,6 +129,7 @@ class LLM:
         ids: list[str] = []
         try:
             for p, pp in zip(prompts, params):
+                check_prompt(p)
                 ids.append(self._next_id())
                 self.engine.add_pooling_request(ids[-1], p, pp)
         except ValueError:
@@ -155,6 +157,7 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _add(self, prompt: PromptType, params: SamplingParams, priority: int, lora: LoRARequest | None = None) -> str:
+        check_prompt(prompt)
         rid = self._next_id()
         self.engine.add_request(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=priority,
                                 lora_request=lora)
