@@ -230,6 +230,18 @@ EDGES = [  # (parser, output, content, calls): what a model may get wrong
     (MistralToolStream, 'Hi[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "Hi", [("f", {"a": 1}), ("g", {})]),
     (MistralToolStream, "[TOOL_CALLS]f[ARGS]{oops", "[TOOL_CALLS]f[ARGS]{oops", []),
     (MistralToolStream, "a [TOOL_CA", "a [TOOL_CA", []),
+    # harmony: the recipient after the channel, or right after the prompt's role; a preamble is content
+    (OpenAIToolStream, '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}', None,
+     [("f", {"a": 1})]),
+    (OpenAIToolStream, ' to=functions.f<|channel|>commentary json<|message|>{"a": "<|end|"}', None,
+     [("f", {"a": "<|end|"})]),
+    (OpenAIToolStream, "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f"
+     "<|channel|>commentary json<|message|>{}", "Checking.", [("f", {})]),
+    (OpenAIToolStream, '<|channel|>analysis<|message|>x<|end|><|start|>assistant to=browser.search'
+     '<|channel|>commentary<|message|>{"q": 1}', None, []),  # a built-in tool: not a function call
+    (OpenAIToolStream, "<|channel|>commentary to=functions.f json<|message|>not json", "not json", []),
+    (OpenAIToolStream, "<|channel|>final<|message|>a <|chan", "a <|chan", []),
+    (OpenAIToolStream, "plain answer", "plain answer", []),
 ]
 
 
@@ -454,6 +466,29 @@ def test_gpt_oss_final_answer_only(harmony_encoding):
 
 # ---- the other reasoning parsers ----
 
+HARMONY_SPLITS = [  # (output, (reasoning or None, content)): harmony read as text, with no vocabulary
+    ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>answer",
+     ("think", "answer")),
+    ("<|channel|>final<|message|>answer", (None, "answer")),
+    ("<|channel|>analysis<|message|>still", ("still", "")),
+    ("<|channel|>analysis<|message|>t<|end|><|start|>assistant<|channel|>commentary to=functions.f json<|message|>{}",
+     ("t", "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}")),
+    ("no header at all", (None, "no header at all")),
+]
+
+
+@pytest.mark.parametrize("text,expected", HARMONY_SPLITS)
+def test_gpt_oss_reasoning_any_chunking(text, expected):
+    parser = make_parser("openai_gptoss", _Vocab())
+    assert not parser.markers_are_special  # this vocabulary has no harmony tokens: plain text
+    assert parser.split(text, False) == expected
+    for cut in range(len(text) + 1):
+        stream = parser.stream(False)
+        parts = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
+        reasoning = "".join(r for r, _ in parts)
+        assert ((reasoning if stream.seen_span else None), "".join(c for _, c in parts)) == expected, cut
+
+
 
 class _Vocab:
     """A tokenizer of one token per character, with <think> and </think> as special tokens."""
@@ -547,3 +582,40 @@ def test_granite_reasoning_any_chunking(text, opens, expected):
 def test_unknown_reasoning_parser_is_a_value_error():
     with pytest.raises(ValueError, match="openai_gptoss"):
         make_parser("harmony", _Vocab())
+
+
+# ---- the server: --reasoning-parser openai_gptoss --tool-call-parser openai ----
+
+
+@pytest.mark.slow  # a server and a grammar's first compile (~10 s); the round trips above run by default
+def test_gpt_oss_reasoning_and_calls_through_the_server(tiny_async_engine):
+    """The harmony text forced by structured outputs (the tiny model's vocabulary has no harmony tokens, so the
+    markers are plain text): reasoning from the analysis channel, the call from the commentary message, whole
+    and streamed."""
+    import openai
+    from test_deepseek_tools import _loopback
+
+    from pressroom.entrypoints.openai.server import build_app
+    from pressroom.entrypoints.openai.settings import ServerSettings
+    settings = ServerSettings(served_model_name=("tiny",), log_stats_interval=0, log_requests=False,
+                              reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
+                              tool_call_parser="openai")
+    output = ('<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant to=functions.get_time'
+              '<|channel|>commentary json<|message|>{"zone": "UTC"}')
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=[TIME], max_tokens=200,
+                temperature=0, extra_body={"structured_outputs": {"choice": [output]}})
+    with _loopback(build_app(tiny_async_engine, settings)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        whole_response = client.chat.completions.create(**body)
+        chunks = list(client.chat.completions.create(stream=True, **body))
+    choice = whole_response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.reasoning_content == "Hm." and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_time", {"zone": "UTC"})]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Hm."
+    assert not "".join(d.content or "" for d in deltas)
+    streamed_calls = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed_calls[0].function.name == "get_time"
+    assert json.loads("".join(t.function.arguments or "" for t in streamed_calls)) == {"zone": "UTC"}
