@@ -32,6 +32,16 @@ class StateRound:
 @dataclass(slots=True)
 class StateMetadata:
     rounds: list[StateRound]
+    # [requests] every request's live slot, in the step's order (None: the one round's `slots`, which has them all)
+    request_slots: torch.Tensor | None = None
+
+    def slots_of_requests(self) -> torch.Tensor:
+        """The live slot of each of the step's requests (a layer that reads states outside its rounds)."""
+        if self.request_slots is not None:
+            return self.request_slots
+        if len(self.rounds) != 1 or self.rounds[0].rows is not None:
+            raise ValueError("a step in several rounds must carry request_slots")
+        return self.rounds[0].slots
 
     @classmethod
     def one_round(cls, query_start_loc: list[int], slots: list[int], device: torch.device | str,

@@ -35,7 +35,8 @@ class V4NextTokenLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.e_proj, self.h_proj = ReplicatedLinear(hidden, hidden), ReplicatedLinear(hidden, hidden)
-        self.layer = V4DecoderLayer(config, SLIDING, False, ropes)  # DeepSeek's compress ratio 0 for it
+        # DeepSeek's compress ratio 0 for it; its window paged (the proposer keeps no recurrent state)
+        self.layer = V4DecoderLayer(config, SLIDING, False, ropes, window_ring=False)
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(hidden, eps)
 

@@ -136,7 +136,7 @@ class ModelRunner:
             # Zeroed: padded attention positions read block 0 and must not hold NaN garbage.
             layer.kv_cache = torch.zeros(layer.cache_shape(num_blocks, self.block_size), dtype=self.kv_dtype,
                                          device=self.device)
-            layer.backend = self.backend
+            layer.block_size, layer.backend = self.block_size, self.backend
             caches.append(layer.kv_cache)
         return caches
 

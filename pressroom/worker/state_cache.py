@@ -74,7 +74,8 @@ class StateCache:
             meta.rounds[0].saves = self._saves([(slot, p[0][2]) for slot, p in zip(slots, pieces) if p[0][2] >= 0])
             return meta
         return StateMetadata([self._round(pieces, slots, r, num_decodes if r == 0 else 0)
-                              for r in range(max(len(p) for p in pieces))])
+                              for r in range(max(len(p) for p in pieces))],
+                             torch.tensor(slots, dtype=torch.int64, device=self.device))
 
     def _round(self, pieces: list[list[Piece]], slots: list[int], r: int, num_decodes: int) -> StateRound:
         rows: list[int] = []

@@ -223,7 +223,11 @@ class Worker:
 
 def _full_attention_bytes_per_block(runner: ModelRunner, hf_config) -> int:
     """For a model with recurrent layers beside attention ones: its attention layers' KV bytes per block scaled to
-    every decoder layer, the full-attention equivalent its capacity is set against."""
+    every decoder layer, the full-attention equivalent its capacity is set against. A model whose paged layers are
+    not full attention says what full attention would keep per token (`full_attention_kv_per_token`: values)."""
+    per_token = getattr(runner.model, "full_attention_kv_per_token", None)
+    if per_token is not None and runner.state_cache is not None:
+        return per_token * runner.block_size * runner.kv_dtype.itemsize
     layers = len(runner.attention_layers)
     if runner.state_cache is None or not layers:
         return 0

@@ -123,8 +123,8 @@ def test_delta_rule_prefill_fits_hopper_shared_memory(dtype, per_channel_gate, h
 
 def _v4_decode_step(dtype: torch.dtype, mode: str):
     """One DeepSeek-V4-Flash decode step's attention launches (64 heads of 512, window 128, blocks of 64; CSA:
-    rate 4, the indexer's 64 heads of 128 and top-512; HCA: rate 128) for 4 decodes over 4k-token tables; the
-    compressor's mixing too."""
+    rate 4, the indexer's 64 heads of 128 and top-512; HCA: rate 128) for 4 decodes over 4k-token tables, the
+    window from rings; the compressor's mixing too. "sliding": the MTP drafter's layer, its window paged."""
     from pressroom.kernels.triton import v4_attention as v4
     tokens, heads, dim, block_size, blocks = 4, 64, 512, 64, 64
     q = torch.randn(tokens, heads, dim, dtype=dtype)
@@ -133,7 +133,9 @@ def _v4_decode_step(dtype: torch.dtype, mode: str):
     req, pos = torch.arange(tokens), torch.full((tokens,), 4000)
     sinks = torch.zeros(heads)
     if mode == "sliding":
-        return lambda: v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5)
+        return lambda: v4.v4_attention(q, req, pos, sinks, 128, dim ** -0.5, paged=(window, tables))
+    on_ring = (torch.zeros(tokens + 1, 128, dim, dtype=dtype), torch.arange(1, tokens + 1),
+               torch.arange(tokens + 1, dtype=torch.int32), torch.zeros(tokens, dim, dtype=dtype))
     rate = 4 if mode == "csa" else 128
     entry_dim = dim + (128 if mode == "csa" else 0)
     cache = torch.zeros(1, blocks + 1, max(1, block_size // rate), 1, entry_dim, dtype=dtype)
@@ -147,13 +149,14 @@ def _v4_decode_step(dtype: torch.dtype, mode: str):
                                torch.zeros(tokens, dtype=torch.long), dim, mode == "csa")
 
     if mode == "hca":
-        return lambda: (compress(), v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries))
+        return lambda: (compress(), v4.v4_attention(q, req, pos, sinks, 128, dim ** -0.5, ring=on_ring,
+                                                    entries=entries))
 
     def csa():
         compress()
         index_q, index_w = torch.randn(tokens, 64, 128), torch.randn(tokens, 64)
         chosen = v4.choose_entries(index_q, index_w, entries, req, pos, dim, 512)
-        v4.v4_attention(q, window, tables, req, pos, sinks, 128, dim ** -0.5, entries, chosen)
+        v4.v4_attention(q, req, pos, sinks, 128, dim ** -0.5, ring=on_ring, entries=entries, chosen=chosen)
     return csa
 
 

@@ -36,14 +36,19 @@ def _entry_rows(entries: torch.Tensor, table: torch.Tensor, rate: int, block_siz
     return entries[0, table[last // block_size], last % block_size // rate if per_block > 1 else 0, 0]
 
 
-def _reference(q, window_cache, entries, tables, req, pos, sinks, rate, block_size, chosen=None, sliding=False):
+def _paged_keys(window_cache, tables, block_size):
+    return lambda t, r, key_pos: window_cache[0, tables[r, key_pos // block_size], key_pos % block_size, 0]
+
+
+def _reference(q, window_keys, entries, tables, req, pos, sinks, rate, block_size, chosen=None, sliding=False):
+    """`window_keys(token, request, key positions)`: the window's K=V rows a query reads."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
         p, r = int(pos[t]), int(req[t])
         if p < 0:
             continue
         key_pos = torch.arange(max(0, p - WINDOW + 1), p + 1)
-        keys = window_cache[0, tables[r, key_pos // block_size], key_pos % block_size, 0].float()
+        keys = window_keys(t, r, key_pos).float()
         if not sliding:
             rows = _entry_rows(entries, tables[r], rate, block_size, (p + 1) // rate)[:, :DIM].float()
             if chosen is not None:
@@ -67,6 +72,15 @@ def _batch(lengths: list[int], padding: int, gen: torch.Generator, dtype: torch.
 LENGTHS = [1, 7, 12, 13, 30, 77]  # inside the first window and entry, at its end, fewer entries than top-k, far past
 
 
+def _random_choice(pos: torch.Tensor, rate: int, gen: torch.Generator) -> torch.Tensor:
+    """A random subset of each query's causal entries, then -1."""
+    chosen = torch.full((pos.shape[0], 4), -1, dtype=torch.int64)
+    for t, p in enumerate(pos.tolist()):
+        picks = torch.randperm(max(0, (p + 1) // rate), generator=gen)[:4]
+        chosen[t, :len(picks)] = picks
+    return chosen
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode, rate, block_size, splits", [("hca", 16, 8, None), ("hca", 4, 16, 3),
                                                             ("csa", 4, 8, 2), ("sliding", 4, 8, 2)])
@@ -78,22 +92,57 @@ def test_attention_matches_torch(dtype, mode, rate, block_size, splits):
     tables, window, entries = _paged(LENGTHS, block_size, rate, gen, dtype)
     q, req, pos = _batch(LENGTHS, 2, gen, dtype)
     sinks = torch.randn(HEADS, generator=gen)
-    chosen = None
-    if mode == "csa":  # a random subset of each query's causal entries, then -1
-        chosen = torch.full((q.shape[0], 4), -1, dtype=torch.int64)
-        for t, p in enumerate(pos.tolist()):
-            picks = torch.randperm(max(0, (p + 1) // rate), generator=gen)[:4]
-            chosen[t, :len(picks)] = picks
+    chosen = _random_choice(pos, rate, gen) if mode == "csa" else None
     on = dict(device=DEVICE)
     table, per_block = entry_table(tables.to(**on), rate, block_size)
     packed = None if mode == "sliding" else (entries.to(**on), table, per_block, rate)
-    got = v4_attention(q.to(**on), window.to(**on), tables.to(**on), req.to(**on), pos.to(**on), sinks.to(**on),
-                       WINDOW, DIM ** -0.5, packed, None if chosen is None else chosen.to(**on), num_splits=splits)
-    want = _reference(q, window, entries, tables, req, pos, sinks, rate, block_size, chosen, mode == "sliding")
+    got = v4_attention(q.to(**on), req.to(**on), pos.to(**on), sinks.to(**on), WINDOW, DIM ** -0.5,
+                       paged=(window.to(**on), tables.to(**on)), entries=packed,
+                       chosen=None if chosen is None else chosen.to(**on), num_splits=splits)
+    want = _reference(q, _paged_keys(window, tables, block_size), entries, tables, req, pos, sinks, rate, block_size,
+                      chosen, mode == "sliding")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu().float(), want, atol=tol, rtol=tol)
     assert torch.all(got[len(LENGTHS):] == 0)  # padding rows read nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode, splits", [("sliding", None), ("hca", 2), ("csa", 3)])
+def test_attention_reads_the_window_from_rings_and_the_step(dtype, mode, splits):
+    """Ring mode: a request's positions before its first query of the step from its ring (position p at row
+    p % rows, rows to spare as for drafts), from there on from the step's own K=V; chunks of several queries
+    (one longer than the window) beside decodes, then padding rows."""
+    from pressroom.kernels.triton.v4_attention import entry_table, v4_attention
+    rate, block_size, rows = 4, 8, WINDOW + 3
+    queries = [1, 1, 5, 1, 13, 3]  # each request's queries this step: its last positions
+    gen = torch.Generator().manual_seed(len(mode) + (splits or 0))
+    tables, _, entries = _paged(LENGTHS, block_size, rate, gen, dtype)
+    tokens = sum(queries) + 2
+    q = torch.randn(tokens, HEADS, DIM, generator=gen).to(dtype)
+    kv = torch.randn(tokens, DIM, generator=gen).to(dtype)
+    rings = torch.randn(8, rows, DIM, generator=gen).to(dtype)
+    slots = torch.tensor([3, 1, 4, 6, 2, 5])
+    loc = torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist(), dtype=torch.int32)
+    req, pos = token_positions(loc, torch.tensor(LENGTHS), tokens)
+    sinks = torch.randn(HEADS, generator=gen)
+    chosen = _random_choice(pos, rate, gen) if mode == "csa" else None
+    on = dict(device=DEVICE)
+    table, per_block = entry_table(tables.to(**on), rate, block_size)
+    packed = None if mode == "sliding" else (entries.to(**on), table, per_block, rate)
+    got = v4_attention(q.to(**on), req.to(**on), pos.to(**on), sinks.to(**on), WINDOW, DIM ** -0.5,
+                       ring=(rings.to(**on), slots.to(**on), loc.to(**on), kv.to(**on)), entries=packed,
+                       chosen=None if chosen is None else chosen.to(**on), num_splits=splits)
+
+    def window_keys(t, r, key_pos):
+        first = LENGTHS[r] - queries[r]
+        return torch.stack([kv[t - (int(pos[t]) - k)] if k >= first else rings[slots[r], k % rows]
+                            for k in key_pos.tolist()])
+
+    want = _reference(q, window_keys, entries, tables, req, pos, sinks, rate, block_size, chosen, mode == "sliding")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want, atol=tol, rtol=tol)
+    assert torch.all(got[sum(queries):] == 0)  # padding rows read nothing
 
 
 @pytest.mark.parametrize("rate, block_size, dtype", [(4, 8, torch.float32), (16, 8, torch.float32),

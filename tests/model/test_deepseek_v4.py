@@ -135,10 +135,15 @@ def test_tiny_model_matches_hf(tiny_v4):
     checkpoint at 120 tokens, half-way through an HCA window."""
     prompts = prompts_of([5, 11, 40, 150], seed=0)
     extended = prompts[3] + prompts_of([21], seed=1)[0]
-    outs, _ = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45, block_size=8,
-                          mamba_block_size=40)
+    outs, llm = run_batches(tiny_v4, [prompts, [extended, prompts[3]]], max_num_batched_tokens=45, block_size=8,
+                            mamba_block_size=40)
     assert [o.num_cached_tokens for o in outs[-2:]] == [120, 120] and 120 % HCA_RATE
     assert outs[-1].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    # Paged blocks hold the compressed entries only (two CSA layers' 8 / 4 entries of values + indexer key, the HCA
+    # layer's one slot); the window's K=V is a ring of WINDOW rows per layer and request (fp32: 4 bytes a value).
+    spec, dim = llm.engine.core.model_spec, TINY["head_dim"]
+    assert spec.kv_bytes_per_block == 4 * (2 * (8 // CSA_RATE) * (dim + TINY["index_head_dim"]) + dim)
+    assert spec.state_bytes_per_slot > 4 * TINY["num_hidden_layers"] * WINDOW * dim
 
 
 @pytest.mark.parametrize("fault", ["missing", "misshaped", "hash_table"])
@@ -304,7 +309,7 @@ def _bound_model(path: str, slots: int, blocks: int, block_size: int):
     for module in model.modules():
         if isinstance(module, Attention):
             module.kv_cache = torch.zeros(module.cache_shape(blocks, block_size))
-            module.backend = TorchAttentionBackend()
+            module.block_size, module.backend = block_size, TorchAttentionBackend()
         elif isinstance(module, RecurrentLayer):
             module.bind_states({name: torch.zeros(slots, *s.shape, dtype=s.dtype)
                                 for name, s in module.state_shapes().items()})

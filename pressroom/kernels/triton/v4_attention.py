@@ -1,10 +1,12 @@
 """DeepSeek-V4's attention on the GPU: each query's one softmax over its sliding window's K=V vectors, its
-compressed entries (HCA: every causal one; CSA: those its lightning indexer chose) and its head's sink, read
-straight from the paged caches; the indexer's choice of entries, built for the whole step on the device; and the
-compressor's mixing of the windows that decodes close.
+compressed entries (HCA: every causal one; CSA: those its lightning indexer chose) and its head's sink; the
+indexer's choice of entries, built for the whole step on the device; and the compressor's mixing of the windows
+that decodes close.
 
-Caches (model/models/deepseek_v4.py). The window's K=V cache is latent [1, blocks, block_size, 1, head_dim]:
-position p of a request at block table[p // block_size], offset p % block_size. A compressed cache
+Caches (model/models/deepseek_v4.py). The window's K=V: a ring per request [slots, rows, head_dim] (position p at
+row p % rows) holding the positions before the step, the step's own K=V [tokens, head_dim] from a request's first
+query on; or (the MTP drafter's layer) a latent paged cache [1, blocks, block_size, 1, head_dim]: position p at
+block table[p // block_size], offset p % block_size. A compressed cache
 (model/layers/compressed_kv.py) is [1, blocks, entries_per_block, 1, entry_dim]; entry w lives in the block of
 token w * rate + rate - 1. `entry_table` turns that into a table of entries: entry w at entry_table[w // E],
 offset w % E (E entries per block; where a window spans several blocks, E = 1 and the table is every
@@ -56,14 +58,17 @@ def _keys_step(q, m, l, acc, rows, ok, d, d_ok, scale_log2, UPCAST: tl.constexpr
 @triton.jit
 def _v4_attention_kernel(q_ptr, window_ptr, entries_ptr, out_ptr, block_tables_ptr, entry_tables_ptr,
                          token_req_ptr, token_pos_ptr, chosen_ptr, sinks_ptr, part_out_ptr, part_max_ptr,
-                         part_sum_ptr, num_heads, window, rate, num_cols, per_split, scale_log2, stride_qt,
-                         stride_qh, stride_ot, stride_oh, stride_wb, stride_ws, stride_eb, stride_es, stride_bt,
-                         stride_et, stride_ct, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                         part_sum_ptr, ring_ptr, slots_ptr, starts_ptr, kv_ptr, ring_rows, num_heads, window, rate,
+                         num_cols, per_split, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_wb,
+                         stride_ws, stride_eb, stride_es, stride_bt, stride_et, stride_ct, stride_rs, stride_rr,
+                         stride_kt, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, ENTRIES_PER_BLOCK: tl.constexpr, WINDOW_PAD: tl.constexpr,
-                         TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MODE: tl.constexpr,
+                         TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MODE: tl.constexpr, RING: tl.constexpr,
                          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query, BLOCK_H heads, one split of its keys: columns 0 .. WINDOW_PAD - 1 are the window's positions
-    pos - window + 1 + j, the rest its compressed entries (CHOSEN: their indices in chosen's row)."""
+    pos - window + 1 + j (RING: those before the request's first token of the step from its ring, the rest from
+    the step's own K=V; else from the paged cache), the rest its compressed entries (CHOSEN: their indices in
+    chosen's row)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -82,12 +87,20 @@ def _v4_attention_kernel(q_ptr, window_ptr, entries_ptr, out_ptr, block_tables_p
     lo = split * per_split
     hi = lo + per_split
     table = block_tables_ptr + req * stride_bt
+    if RING:
+        ring = ring_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_rs
+        step_first = tl.load(token_pos_ptr + tl.load(starts_ptr + req))  # the request's first position this step
     for start in range(lo, tl.minimum(hi, WINDOW_PAD), TILE_N):
         j = start + tl.arange(0, TILE_N)
         key_pos = pos - window + 1 + j
         ok = (key_pos >= 0) & (key_pos <= pos)  # j < window: key_pos <= pos
-        blocks = tl.load(table + key_pos // BLOCK_SIZE, mask=ok, other=0)
-        rows = window_ptr + blocks.to(tl.int64) * stride_wb + (key_pos % BLOCK_SIZE) * stride_ws
+        if RING:
+            safe = tl.where(ok, key_pos, 0)
+            rows = tl.where(safe >= step_first, kv_ptr + (token - (pos - safe)) * stride_kt,
+                            ring + (safe % ring_rows) * stride_rr)
+        else:
+            blocks = tl.load(table + key_pos // BLOCK_SIZE, mask=ok, other=0)
+            rows = window_ptr + blocks.to(tl.int64) * stride_wb + (key_pos % BLOCK_SIZE) * stride_ws
         m, l, acc = _keys_step(q, m, l, acc, rows, ok, d, d_ok, scale_log2, UPCAST, PRECISION)
     if MODE != 0:
         count = tl.minimum((pos + 1) // rate, num_cols)  # a query's causal entries (CHOSEN: its chosen ones first)
@@ -119,22 +132,35 @@ def key_splits(tokens: int, head_blocks: int, tiles: int) -> int:
     return max(1, min(wanted, _MAX_SPLITS, tiles // 2))
 
 
-def v4_attention(q: torch.Tensor, window_cache: torch.Tensor, block_tables: torch.Tensor, token_req: torch.Tensor,
-                 token_pos: torch.Tensor, sinks: torch.Tensor, window: int, scale: float,
+def v4_attention(q: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tensor, sinks: torch.Tensor, window: int,
+                 scale: float, paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  entries: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
                  chosen: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """q [T, H, D] at (token_req, token_pos) (dsa.token_positions) over its window in window_cache [1, blocks,
-    block_size, 1, D] (block_tables [B, blocks]) and, with `entries` = (compressed cache [1, blocks, E, 1, >= D],
-    entry table, E, rate) from `entry_table`, its causal compressed entries, or with `chosen` [T, k] (-1:
-    none; a query's chosen entries first) only those; sinks [H] (fp32). Returns [T, H, D] in q's dtype."""
+    """q [T, H, D] at (token_req, token_pos) (dsa.token_positions) over its window, read from one of:
+    `paged` = (window cache [1, blocks, block_size, 1, D], block tables [B, blocks]); `ring` = (rings [slots,
+    rows, D] holding position p at row p % rows, each request's slot [B], the query starts [B + 1], the step's
+    own K=V [T, D]: a request's positions from its first of the step on are read there). With `entries` =
+    (compressed cache [1, blocks, E, 1, >= D], entry table, E, rate) from `entry_table`, also its causal
+    compressed entries, or with `chosen` [T, k] (-1: none; a query's chosen entries first) only those; sinks [H]
+    (fp32). Returns [T, H, D] in q's dtype."""
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    if q.stride(-1) != 1 or window_cache.shape[-1] != dim:
-        raise ValueError(f"V4 attention needs q [tokens, heads, {window_cache.shape[-1]}] with unit last stride; "
+    if (paged is None) == (ring is None):
+        raise ValueError("V4 attention reads its window from one source: pass `paged` or `ring`")
+    if ring is not None:
+        rings, slots, starts, kv = ring
+        cache, block_tables = rings, token_pos  # (unread in ring mode)
+        ring_args = (rings, slots, starts, kv, rings.shape[1])
+        ring_strides = (rings.stride(0), rings.stride(1), kv.stride(0))
+    else:
+        cache, block_tables = paged[0][0], paged[1]
+        ring_args, ring_strides = (cache, token_req, token_req, q, 1), (0, 0, 0)
+    if q.stride(-1) != 1 or cache.shape[-1] != dim:
+        raise ValueError(f"V4 attention needs q [tokens, heads, {cache.shape[-1]}] with unit last stride; "
                          f"got {tuple(q.shape)}")
-    cache = window_cache[0]
     mode, cols = SLIDING_ONLY, 0
     table, per_block, rate, ent = block_tables, 1, 1, cache
     if entries is not None:
@@ -152,11 +178,12 @@ def v4_attention(q: torch.Tensor, window_cache: torch.Tensor, block_tables: torc
     per_split = triton.cdiv(tiles, splits) * tile
     partials = split_partials(out, splits)
     _v4_attention_kernel[(tokens, head_blocks, splits)](
-        q, cache, ent, out, block_tables, table, token_req, token_pos, chosen, sinks, *partials, heads, window,
-        rate, cols, per_split, scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, cache, ent, out, block_tables, table, token_req, token_pos, chosen, sinks, *partials, *ring_args, heads,
+        window, rate, cols, per_split, scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), ent.stride(0), ent.stride(1), block_tables.stride(0), table.stride(0),
-        chosen.stride(0), HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=block_h, BLOCK_SIZE=cache.shape[1],
-        ENTRIES_PER_BLOCK=per_block, WINDOW_PAD=window_pad, TILE_N=tile, NUM_SPLITS=splits, MODE=mode,
+        chosen.stride(0), *ring_strides, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_H=block_h,
+        BLOCK_SIZE=cache.shape[1] if ring is None else 1, ENTRIES_PER_BLOCK=per_block, WINDOW_PAD=window_pad,
+        TILE_N=tile, NUM_SPLITS=splits, MODE=mode, RING=ring is not None,
         UPCAST=_INTERPRETED and q.dtype == torch.bfloat16, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if d_pad >= 256 else 4, num_stages=2)
     if splits > 1:

@@ -23,6 +23,7 @@ class Attention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim
         self.latent, self.extra_dim = latent, extra_dim
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.block_size = 0  # tokens per block of kv_cache, set with it
         self.backend: AttentionBackend | None = None
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

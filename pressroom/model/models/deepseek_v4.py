@@ -5,7 +5,8 @@ the token id.
 Attention (HF DeepseekV4Attention). Each layer projects one KV head (keys = values, normalised, the trailing
 rope slice rotated, interleaved pairs) and queries through q_a / q_b (q_b's output normalised per head, no
 weight). A query at position p reads jointly, in one softmax with a per-head sink logit:
-- the K=V vectors of positions p - sliding_window + 1 .. p: an `Attention` (latent, one plane) in the paged cache;
+- the K=V vectors of positions p - sliding_window + 1 .. p: a per-request ring (`V4WindowRing`, a RecurrentLayer:
+  position p at row p % rows), so the per-token KV a request holds stays at one window whatever its context;
 - in HCA layers every compressed entry w with w < (p + 1) // m' (all its tokens are at or before p);
 - in CSA layers only the `index_topk` of its causal entries that the lightning indexer scores best.
 Its output's rope slice is rotated back by its own position, then the grouped low-rank projection (o_a per
@@ -28,9 +29,11 @@ hyper head collapses them before the final norm. The experts use the clamped Swi
 first `hash_moe` layers pick experts by `tid2eid[input_id]`, the rest by sqrt-softplus scores plus a correction
 bias; both weight the chosen experts by their renormalised scores times `routed_scaling_factor`.
 
-On CUDA (`_device_attention`) every layer's attention is Triton (kernels/triton/v4_attention.py): the window's K=V,
-the compressed entries (HCA: all causal; CSA: the indexer's top-k, chosen on the device for the whole step) and
-the sink in one softmax per query, straight from the paged caches; the compressor's decodes run on the device too
+On CUDA (`_device_attention`) every layer's attention is Triton (kernels/triton/v4_attention.py): the window's K=V
+(from the ring as the step found it, then from the step's own K=V), the compressed entries (HCA: all causal; CSA:
+the indexer's top-k, chosen on the device for the whole step) and the sink in one softmax per query; then the ring
+takes the step's K=V (round by round: prefix-cache checkpoints copy it at their boundaries with the compressor's
+rings). The compressor's decodes run on the device too
 (every decode writes its ring row; one kernel mixes the entries of the windows that close, the other decodes exit
 at once), so a decode step reads no host value and is captured into CUDA graphs. Prefill chunks still advance the
 compressor request by request on the host. On the CPU the attention is torch (decodes batched, prefill chunks
@@ -55,9 +58,9 @@ the indexer's weights_proj, norms, hyper-connections, sinks, position biases, ti
 shipped. The FP8 method asks `checkpoint_target` with the checkpoint's own names, so it canonicalises them first.
 Scales named `.scale` (DeepSeek's inference code's name) are refused, naming the tensor.
 
-Not yet: the MTP layers (skipped at load; the drafter will read them itself;
-the engine refuses drafts for models with recurrent state), and freeing the sliding-window K=V blocks that fall
-out of every window (the cache keeps every token's, like a full-attention layer's).
+The paged blocks hold only the compressed entries (a rate-th of the tokens); the MTP drafter's layer
+(spec_decode/mtp_v4.py) keeps its window in a paged cache of its own (`window_ring=False`): the proposer keeps no
+recurrent state.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
+from pressroom.attention.backend import AttentionMetadata, get_attention_metadata, get_state_metadata
 from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from pressroom.kernels.moe_activation import LimitedSwiglu
@@ -270,6 +273,53 @@ class V4Compressor(RecurrentLayer):
         return rotate_tail(mixed, *self.rope.cos_sin(windows * m))
 
 
+class V4WindowRing(RecurrentLayer):
+    """A layer's K=V vectors of a request's last positions, position p at row p % rows: all the per-token KV a V4
+    layer reads is its sliding window's, so it is a fixed-size state per request, not paged blocks that would grow
+    with the context (only the compressed entries, a rate-th of the tokens, are paged). A step's queries read the
+    ring as the step found it (positions before the request's first token in the step) and the step's own K=V;
+    `append` then keeps each request's last rows, round by round, so a prefix-cache checkpoint holds the window
+    at its boundary."""
+
+    def __init__(self, window: int, dim: int) -> None:
+        super().__init__()
+        self.window, self.dim, self.rows = window, dim, window
+        self.dtype = torch.get_default_dtype()  # the model's, as the K=V come
+
+    def state_shapes(self) -> dict[str, StateShape]:
+        return {"kv": StateShape((self.rows, self.dim), self.dtype)}
+
+    def reserve_draft_rows(self, num_drafts: int) -> None:
+        """Drafts the target rejects wrote rows of positions that the next step reads from its own K=V (never
+        from the ring); with window + drafts rows those writes miss every row a later window reads."""
+        self.rows = self.window + num_drafts
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.states["kv"]
+
+    def keys(self, slots: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor:
+        """[b, count, dim]: the rows of positions first .. first + count - 1 of the requests at `slots` [b]
+        (first [b]); a negative position reads some row (its caller masks it)."""
+        pos = first[:, None] + torch.arange(count, device=first.device)
+        return self.kv[slots[:, None], pos % self.rows]
+
+    def append(self, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        self.run_rounds(self._append, positions, kv)
+
+    def _append(self, r: StateRound, positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """A round's K=V into its requests' rings: a decode's one row (no host value: CUDA graphs capture it),
+        a longer segment's last `rows`."""
+        decodes, loc = r.num_decodes, r.query_start_loc
+        kv = kv.to(self.dtype)
+        if decodes:
+            self.kv[r.slots[:decodes], positions[:decodes] % self.rows] = kv[:decodes]
+        for i in range(decodes, len(loc) - 1):
+            keep = slice(max(loc[i], loc[i + 1] - self.rows), loc[i + 1])
+            self.kv[r.slots[i], positions[keep] % self.rows] = kv[keep]
+        return kv[:, :0]
+
+
 class V4Indexer(nn.Module):
     """The lightning indexer of a CSA layer: its compressor's projections (run by V4Compressor) and its scoring
     head; a query's score for entry s is sum_h w_h * relu(q_h . k_s) / sqrt(dim), w_h from weights_proj."""
@@ -342,7 +392,8 @@ class GroupedLinear(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config, layer_type: str, ropes: dict[str, InterleavedRope]) -> None:
+    def __init__(self, config, layer_type: str, ropes: dict[str, InterleavedRope], window_ring: bool = True
+                 ) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
@@ -364,7 +415,14 @@ class V4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32), requires_grad=False)
         self.sinks.weight_loader = lambda param, loaded, shard=None: _load_rank_rows(param, loaded, rank * heads,
                                                                                       total_heads)
-        self.attn = Attention(heads, dim, 1, dim ** -0.5, latent=True, sliding_window=self.window)
+        self.scale = dim ** -0.5
+        if window_ring:
+            self.window_ring = V4WindowRing(self.window, dim)
+        else:  # the MTP drafter's layer (sliding only) keeps its window in a paged cache of the proposer's
+            if layer_type != SLIDING:
+                raise ValueError("only a sliding-window V4 layer keeps its window in a paged cache")
+            self.window_ring = None
+            self.attn = Attention(heads, dim, 1, self.scale, latent=True, sliding_window=self.window)
         self.compressor = None if self.layer_type == SLIDING else V4Compressor(config, self.layer_type,
                                                                                ropes["compress"])
 
@@ -377,88 +435,98 @@ class V4Attention(nn.Module):
         kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
         if state_layers.on_triton(q):
             out = self._device_attention(q, kv, q_resid, x, positions, cos, sin)
-        elif self.compressor is None:
+        elif self.window_ring is None:
             out = self.attn(q, kv.unsqueeze(1), sinks=self.sinks).view(tokens, self.num_heads, self.head_dim)
         else:
-            out = self._compressed_attention(q, kv, q_resid, x, positions, cos, sin)
+            out = self._ring_attention(q, kv, q_resid, x, positions, cos, sin)
         out = rotate_tail(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(tokens, self.groups, -1)))
 
     def _device_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
                           positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Triton (kernels/triton/v4_attention.py), every query of the step at once from device tensors only: the
-        window's K=V written, the compressor advanced, the indexer's choice made, one joint softmax per query."""
-        from pressroom.kernels.triton.cache import write_kv
+        compressor advanced, the indexer's choice made, one joint softmax per query over the window (the ring as
+        the step found it, then the step's own K=V) and the entries; then the ring takes the step's K=V."""
         from pressroom.kernels.triton.dsa import token_positions
         from pressroom.kernels.triton.v4_attention import choose_entries, entry_table, v4_attention
         meta = get_attention_metadata()
-        cache = self.attn.kv_cache
-        block_size = cache.shape[2]
-        write_kv(cache, kv.unsqueeze(1), None, meta.slot_mapping)
         starts = meta.query_start_loc_device
         if starts is None:  # a CPU backend's metadata (the interpreter's tests)
             starts = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=q.device)
         token_req, token_pos = token_positions(starts, meta.seq_lens, q.shape[0])
-        attend = dict(window_cache=cache, block_tables=meta.block_tables, token_req=token_req, token_pos=token_pos,
-                      sinks=self.sinks, window=self.window, scale=self.attn.scale)
-        if self.compressor is None:
-            return v4_attention(q, **attend)
-        self.compressor(x, positions, meta, block_size)
-        rate, indexer = self.compressor.rate, self.compressor.indexer
-        entries = (self.compressor.cache.kv_cache, *entry_table(meta.block_tables, rate, block_size), rate)
-        chosen = None
-        if indexer is not None:
-            index_q, index_w = indexer.queries(q_resid, x, cos, sin)
-            chosen = choose_entries(index_q, index_w, entries, token_req, token_pos, self.head_dim, indexer.topk)
-        return v4_attention(q, entries=entries, chosen=chosen, **attend)
+        common = dict(token_req=token_req, token_pos=token_pos, sinks=self.sinks, window=self.window,
+                      scale=self.scale)
+        if self.window_ring is None:  # the MTP drafter's layer: its window in a paged cache
+            from pressroom.kernels.triton.cache import write_kv
+            write_kv(self.attn.kv_cache, kv.unsqueeze(1), None, meta.slot_mapping)
+            return v4_attention(q, paged=(self.attn.kv_cache, meta.block_tables), **common)
+        entries = chosen = None
+        if self.compressor is not None:
+            cache = self.compressor.cache
+            self.compressor(x, positions, meta, cache.block_size)
+            entries = (cache.kv_cache, *entry_table(meta.block_tables, cache.rate, cache.block_size), cache.rate)
+            indexer = self.compressor.indexer
+            if indexer is not None:
+                index_q, index_w = indexer.queries(q_resid, x, cos, sin)
+                chosen = choose_entries(index_q, index_w, entries, token_req, token_pos, self.head_dim,
+                                        indexer.topk)
+        ring = (self.window_ring.kv, get_state_metadata().slots_of_requests(), starts, kv)
+        out = v4_attention(q, ring=ring, entries=entries, chosen=chosen, **common)
+        self.window_ring.append(positions, kv)
+        return out
 
-    def _compressed_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
-                              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _ring_attention(self, q: torch.Tensor, kv: torch.Tensor, q_resid: torch.Tensor, x: torch.Tensor,
+                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Torch: the decodes batched, then the other requests one by one over the host's query starts; each query
-        reads its window's K=V and its causal (CSA: chosen) compressed entries in one softmax with the sink."""
-        meta = get_attention_metadata()
-        cache = self.attn.kv_cache
-        block_size = cache.shape[2]
-        cache[0].view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, kv.to(cache.dtype))
-        self.compressor(x, positions, meta, block_size)
-        indexer = self.compressor.indexer
+        reads its window (the ring as the step found it, then the step's own K=V) and its causal (CSA: chosen)
+        compressed entries in one softmax with the sink. Then the ring takes the step's K=V."""
+        meta, ring, window = get_attention_metadata(), self.window_ring, self.window
+        slots = get_state_metadata().slots_of_requests()
         index_q = index_w = None
-        if indexer is not None:
-            index_q, index_w = indexer.queries(q_resid, x, cos, sin)
+        if self.compressor is not None:
+            self.compressor(x, positions, meta, self.compressor.cache.block_size)
+            if self.compressor.indexer is not None:
+                index_q, index_w = self.compressor.indexer.queries(q_resid, x, cos, sin)
+        new = kv.to(ring.dtype)
         out = torch.empty_like(q)
         decodes = meta.num_decodes
         if decodes:
-            tables, query_pos = meta.block_tables[:decodes], positions[:decodes]
-            count = max(meta.seq_lens_host[:decodes]) // self.compressor.rate
-            out[:decodes] = self._attend_rows(q[:decodes], tables, query_pos, query_pos[:, None], count, block_size,
+            query_pos = positions[:decodes]
+            keys = torch.cat((ring.keys(slots[:decodes], query_pos - window + 1, window - 1),
+                              new[:decodes, None]), dim=1)
+            seen = query_pos[:, None] - window + 1 + torch.arange(window, device=q.device) >= 0
+            out[:decodes] = self._attend_rows(q[:decodes], keys, seen, meta.block_tables[:decodes], query_pos,
+                                              max(meta.seq_lens_host[:decodes]),
                                               *(None if t is None else t[:decodes] for t in (index_q, index_w)))
         loc, lens = meta.query_start_loc, meta.seq_lens_host
         for i in range(decodes, len(loc) - 1):
             start, end, context = loc[i], loc[i + 1], lens[i]
             if start == end:
                 continue
-            query_pos = torch.arange(context - (end - start), context, device=q.device)
+            first = context - (end - start)
+            old = min(first, window - 1)  # positions before the step that its first query sees
+            keys = torch.cat((ring.keys(slots[i:i + 1], torch.tensor([first - old], device=q.device), old)[0],
+                              new[start:end]))
+            key_pos = torch.arange(first - old, context, device=q.device)
+            query_pos = torch.arange(first, context, device=q.device)
+            seen = (key_pos <= query_pos[:, None]) & (key_pos > query_pos[:, None] - window)
             rows = slice(start, end)
-            out[rows] = self._attend_rows(q[rows], meta.block_tables[i:i + 1], query_pos, query_pos[None, :],
-                                          context // self.compressor.rate, block_size,
+            out[rows] = self._attend_rows(q[rows], keys[None], seen, meta.block_tables[i:i + 1], query_pos, context,
                                           *(None if t is None else t[rows] for t in (index_q, index_w)))
+        ring.append(positions, kv)
         return out
 
-    def _attend_rows(self, q: torch.Tensor, tables: torch.Tensor, query_pos: torch.Tensor, key_end: torch.Tensor,
-                     count: int, block_size: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None
-                     ) -> torch.Tensor:
+    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, tables: torch.Tensor,
+                     query_pos: torch.Tensor, context: int, index_q: torch.Tensor | None,
+                     index_w: torch.Tensor | None) -> torch.Tensor:
         """Queries q [n, heads, dim] at `query_pos` [n] over b = 1 (one request's queries) or n (one query per
-        request) sequences: `tables` [b, blocks], `key_end` [b, 1 or n] their last positions (the window's keys
-        end there), `count` the entries to read (more than a sequence has: masked)."""
-        cache, window, rate = self.attn.kv_cache, self.window, self.compressor.rate
-        first = key_end.amin(dim=1, keepdim=True) - window + 1
-        span = int((key_end.amax(dim=1) - key_end.amin(dim=1)).max()) + window
-        key_pos = first + torch.arange(span, device=q.device)  # [b, keys]
-        slots = tables.gather(1, key_pos.clamp(min=0) // block_size).long() * block_size \
-            + key_pos.clamp(min=0) % block_size
-        keys = cache[0].view(-1, self.head_dim)[slots]  # [b, keys, dim]
-        seen = (key_pos <= query_pos[:, None]) & (key_pos > query_pos[:, None] - window) & (key_pos >= 0)
-        entries = self.compressor.cache.read(tables, count, block_size)  # [b, count, entry]
+        request) sequences: their window keys [b, k, dim] (`seen` [n, k]: which each query reads), block tables
+        [b, blocks] (the compressed entries), `context` the longest sequence's length."""
+        if self.compressor is None:
+            return self._attend(q, keys, seen, keys[:, :0], seen[:, :0])
+        cache, rate = self.compressor.cache, self.compressor.rate
+        count = context // rate  # entries to read (more than a sequence has: masked)
+        entries = cache.read(tables, count, cache.block_size)  # [b, count, entry]
         visible = torch.arange(count, device=q.device) < ((query_pos + 1) // rate)[:, None]
         if index_q is not None and count:
             visible = self.compressor.indexer.choose(index_q, index_w, entries[..., self.head_dim:], visible)
@@ -469,7 +537,7 @@ class V4Attention(nn.Module):
         """q [n, heads, dim]; keys [b, k, dim] and entries [b, e, dim] (b: 1 or n); masks [n, k] and [n, e]."""
         values = torch.cat((keys, entries), dim=1).to(q.dtype)
         mask = torch.cat((key_mask, visible), dim=1)
-        logits = torch.matmul(q, values.transpose(1, 2)) * self.attn.scale
+        logits = torch.matmul(q, values.transpose(1, 2)) * self.scale
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
         logits = torch.cat((logits, sinks), dim=-1)
@@ -588,9 +656,11 @@ class V4MoE(nn.Module):
 # ---- the model ----
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, hashed: bool, ropes: dict[str, InterleavedRope]) -> None:
+    def __init__(self, config, layer_type: str, hashed: bool, ropes: dict[str, InterleavedRope],
+                 window_ring: bool = True) -> None:
+        """`window_ring` False: the window's K=V in a paged cache (the MTP drafter's layer, see V4Attention)."""
         super().__init__()
-        self.self_attn = V4Attention(config, layer_type, ropes)
+        self.self_attn = V4Attention(config, layer_type, ropes, window_ring)
         self.mlp = V4MoE(config, hashed)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -686,6 +756,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.model = V4Model(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        # the capacity a cache of every token's K=V in every layer would give (the start-up line's comparison)
+        self.full_attention_kv_per_token = config.num_hidden_layers * config.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
                 ) -> torch.Tensor:
