@@ -6,6 +6,7 @@ import importlib
 from torch import nn
 
 from pressroom.model.models.bert import BertModel
+from pressroom.model.models.bert_classifier import BertForSequenceClassification
 from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 from pressroom.model.models.gemma3 import Gemma3ForCausalLM
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
@@ -27,6 +28,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,  # classifiers, cross-encoders
 }
 # Families with a recurrent state per layer (model/layers/state.py): imported when a config names them.
 _RECURRENT: dict[str, str] = {
