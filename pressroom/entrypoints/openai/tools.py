@@ -47,7 +47,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallStream] | N
     if choice == "auto":
         if auto_parser is None:
             raise APIError(400, AUTO_NEEDS_FLAGS + ".", param="tool_choice")
-        plan.make_stream, plan.auto = (lambda: auto_parser(parallel)), True
+        plan.make_stream, plan.auto = (lambda: auto_parser.for_request(parallel, tools)), True
     elif choice == "required":
         plan.schema = required_schema(tools, parallel)
         plan.make_stream = lambda: RequiredToolStream(parallel)

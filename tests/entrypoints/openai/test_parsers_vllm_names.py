@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from pressroom.entrypoints.openai.chat_template import template_messages
+from pressroom.entrypoints.openai.protocol import ChatCompletionRequest
 from pressroom.entrypoints.openai.reasoning import PARSERS, make_parser
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS
 from pressroom.entrypoints.openai.template_worker import Renderer
@@ -38,6 +39,7 @@ from pressroom.entrypoints.openai.tool_parsers import (
     assemble,
     extract,
 )
+from pressroom.entrypoints.openai.tools import plan_tools
 
 EOS = "<|eot|>"
 WEATHER = {"type": "function", "function": {
@@ -199,6 +201,10 @@ def test_qwen3_coder_types_values_by_the_tools_schema():
     text = completion_of(TEMPLATES["qwen3_coder"], conversation(calls, None))
     typed = lambda: Qwen3CoderToolStream(tools=TOOLS)  # noqa: E731
     check_round_trip(typed, text, None, calls)
+    # the server's plan for an "auto" request hands the request's tools to the parser it makes
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    planned = plan_tools(request, Qwen3CoderToolStream).make_stream
+    check_round_trip(planned, text, None, calls)
     assert whole(Qwen3CoderToolStream, text)[1] == [("get_weather", {"city": 123, "days": 7, "options": {"a": [1]}})]
     body = "<tool_call>\n<function=f>\n<parameter=a>\nTrue\n</parameter>\n<parameter=b>\nNone\n</parameter>\n" \
            "<parameter=c>\n\"quoted\"\n</parameter>\n</function>\n</tool_call>"

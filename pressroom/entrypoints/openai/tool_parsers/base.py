@@ -48,6 +48,12 @@ class ToolCallStream:
     def markers(cls) -> tuple[str, ...]:
         return cls.MARKERS
 
+    @classmethod
+    def for_request(cls, parallel: bool, tools: list[Any]) -> ToolCallStream:
+        """A parser for one request with these `tools` (a format that types arguments by the tools' schemas reads
+        them; the others need only `parallel`)."""
+        return cls(parallel)
+
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
         self.calls_begun = 0

@@ -36,6 +36,10 @@ class Qwen3CoderToolStream(MarkedCallStream):
         super().__init__(parallel)
         self._types = _parameter_types(tools or [])  # {function: {parameter: JSON schema type}}
 
+    @classmethod
+    def for_request(cls, parallel: bool, tools: list[Any]) -> Qwen3CoderToolStream:
+        return cls(parallel, tools)
+
     def parse(self, body: str) -> list[Call] | None:
         function = _FUNCTION.fullmatch(body)
         if function is None:
