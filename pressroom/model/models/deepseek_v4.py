@@ -470,6 +470,7 @@ class V4Attention(nn.Module):
                 index_q, index_w = indexer.queries(q_resid, x, cos, sin)
                 chosen = choose_entries(index_q, index_w, entries, token_req, token_pos, self.head_dim,
                                         indexer.topk)
+        kv = kv.to(self.window_ring.dtype)  # the kernel reads the step's rows and the ring's alike
         ring = (self.window_ring.kv, get_state_metadata().slots_of_requests(), starts, kv)
         out = v4_attention(q, ring=ring, entries=entries, chosen=chosen, **common)
         self.window_ring.append(positions, kv)
