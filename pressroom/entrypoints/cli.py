@@ -10,12 +10,14 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
+import ssl  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from typing import Any, get_args, get_type_hints  # noqa: E402
 
 import pressroom  # noqa: E402
 from pressroom.config import OPTIMIZATION_LEVELS, EngineArgs, default_of  # noqa: E402
+from pressroom.entrypoints.cli_argv import SearchableHelp, VLLMArgvParser  # noqa: E402
 from pressroom.entrypoints.openai.limits import add_limit_args  # noqa: E402
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
 from pressroom.logger import DATE_FORMAT, FORMAT, configure_logging  # noqa: E402
@@ -152,21 +154,25 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _subparser(sub: argparse._SubParsersAction, name: str, summary: str,
                usage: str | None = "%(prog)s [options]") -> argparse.ArgumentParser:
-    """A subcommand whose --help shows every flag's default, under a short usage line (not ~40 flags);
+    """A subcommand whose --help shows every flag's default, under a short usage line (not ~40 flags), and whose
+    --help=all, --help=GROUP, --help=WORD show all, a group's, or the matching flags (vLLM's);
     usage None: argparse's own (a parent's usage becomes its subcommands' prog)."""
-    return sub.add_parser(name, help=summary, description=summary, usage=usage, formatter_class=HelpFormatter)
+    parser = sub.add_parser(name, help=summary, description=summary, usage=usage, formatter_class=HelpFormatter,
+                            add_help=False)
+    parser.add_argument("-h", "--help", action=SearchableHelp)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pressroom", description="An LLM inference and serving engine.",
-                                     formatter_class=HelpFormatter)
+    parser = VLLMArgvParser(prog="pressroom", description="An LLM inference and serving engine.",
+                            formatter_class=HelpFormatter)
     parser.add_argument("--log-level", type=str.upper, default=None, choices=LOG_LEVELS,
                         help="pressroom's log level (start-up lines and periodic stats are INFO; default: "
                              "PRESSROOM_LOGGING_LEVEL, else VLLM_LOGGING_LEVEL, else INFO)")
     # default None: a version action's own default (argparse's SUPPRESS) would read as a value in --help's checks
     parser.add_argument("--version", action="version", version=pressroom.__version__, default=None,
                         help="print pressroom's version and exit")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
 
     gen = _subparser(sub, "generate", "generate completions for prompts", "%(prog)s PROMPT [PROMPT ...] [options]")
     gen.add_argument("prompts", nargs="+", help="prompts, completed one by one in the output")
@@ -187,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "training prompts for a drafter, written by the target model itself"))
 
     bench = _subparser(sub, "bench", "benchmarks with vLLM's bench semantics", usage=None)
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=argparse.ArgumentParser)
     _add_bench_run_args(_subparser(bench_sub, "throughput", "offline throughput: every prompt submitted at once"),
                         input_len=128)
     _add_bench_run_args(_subparser(bench_sub, "latency", "the latency of one batch, end to end"), input_len=32)
@@ -221,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     _add_server_args(serve.add_argument_group("server"))
+    _add_tls_args(serve.add_argument_group("https: uvicorn's TLS on the server's socket"))
+    _add_generation_args(serve.add_argument_group("generation defaults: what a request that leaves a sampling "
+                                                  "parameter out gets"))
     _add_browser_args(serve.add_argument_group("browsers (a list: JSON, as vLLM takes it, or comma-separated)"))
     add_limit_args(serve.add_argument_group("admission limits: what one request may cost (docs/LIMITS.md); "
                                             "over one, a 400 naming the field"))
@@ -232,6 +241,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
 def _add_server_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--host", default=_server_default("host"), help="address to listen on")
     server.add_argument("--port", type=int, default=_server_default("port"), help="port to listen on")
+    server.add_argument("--root-path", default=None,
+                        help="the path prefix a proxy serves the API under, e.g. /llm (FastAPI's root_path, as vLLM "
+                             "sets it): requests are answered with the prefix or without it (a proxy that strips "
+                             "it), and /docs' schema names it")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use; the first is reported (default: the model)")
     server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -285,6 +298,32 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "</tool_call>, Qwen, SmolLM2) or llama3_json (Llama 3.x's JSON calls)")
 
 
+def _add_tls_args(tls: argparse._ArgumentGroup) -> None:
+    tls.add_argument("--ssl-certfile", default=None,
+                     help="serve HTTPS with this certificate (PEM; the chain after it), not HTTP")
+    tls.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM; default: in the "
+                                                         "certificate's file)")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked "
+                                                          "against (PEM)")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                     help="client certificates, as Python's ssl.VerifyMode: 0 none, 1 optional, 2 required")
+    tls.add_argument("--ssl-ciphers", default=None, help="OpenSSL cipher list for TLS 1.2 and below (default: "
+                                                         "OpenSSL's)")
+    tls.add_argument("--enable-ssl-refresh", action="store_true",
+                     help="reload the key and certificates when their files change (new connections get them)")
+
+
+def _add_generation_args(generation: argparse._ArgumentGroup) -> None:
+    generation.add_argument("--generation-config", default=_server_default("generation_config"),
+                            help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty; "
+                                 "max_new_tokens as max_tokens) from a generation_config.json: auto, the model's; "
+                                 "vllm, none (the API's own defaults); or a folder's, whose max_new_tokens also caps "
+                                 "every request's max_tokens")
+    generation.add_argument("--override-generation-config", default=None, metavar="JSON",
+                            help='values over the generation config\'s, a JSON object in its names, e.g. '
+                                 '\'{"temperature": 0.5}\'; a max_new_tokens caps every request\'s max_tokens')
+
+
 def _add_browser_args(browsers: argparse._ArgumentGroup) -> None:
     browsers.add_argument("--allowed-origins", type=_string_list, default=None,
                           help='origins besides the server\'s own whose pages may call it (CORS), e.g. '
@@ -331,7 +370,6 @@ class RefusedFlag(argparse.Action):
 _HUB = "pressroom runs no code from a model's repository (only its own model code)"
 _MULTINODE = "pressroom runs on one node behind one API server"
 _MULTIMODAL = "pressroom serves text models only: no image, audio or video inputs"
-_TLS = "HTTPS is not served yet: put a TLS-terminating proxy in front"
 _PLUGINS = "parsers are built in (--tool-call-parser, --reasoning-parser): plug-ins are not loaded"
 _CLASSES = "pressroom's scheduler and workers cannot be replaced by a class"
 _COMPILE = ("pressroom compiles nothing with torch.compile: CUDA graphs follow -O, --enforce-eager and "
@@ -365,10 +403,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--code-revision",): (_HUB, ()),
     ("--hf-token",): ("set HF_TOKEN in the environment: huggingface_hub reads it", ()),
     ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),
-    ("--generation-config",): ("a checkpoint's generation_config.json sampling defaults are not applied yet: a "
-                               "request's own parameters (or the API's defaults) apply, as vLLM's \"vllm\"",
-                               ("vllm",)),
-    ("--override-generation-config",): ("generation_config.json defaults are not applied yet", ()),
     ("--structured-outputs-config",): ("structured outputs run on xgrammar with fixed settings; the config is not "
                                        "read yet", ()),
     ("--limit-mm-per-prompt",): (_MULTIMODAL, ()),
@@ -376,12 +410,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--allowed-local-media-path",): (_MULTIMODAL, ()),
     ("--allowed-media-domains",): (_MULTIMODAL, ()),
     ("--enable-prompt-embeds",): ("prompt embeddings as inputs are not supported", ()),
-    ("--ssl-keyfile",): (_TLS, ()),
-    ("--ssl-certfile",): (_TLS, ()),
-    ("--ssl-ca-certs",): (_TLS, ()),
-    ("--root-path",): ("serving under a path prefix is not supported yet: strip it in the proxy", ()),
     ("--uds",): ("listening on a Unix domain socket is not supported yet: use --host and --port", ()),
-    ("--config",): ("a YAML config file is not read yet: give its flags on the command line", ()),
     ("--middleware",): ("ASGI middleware is not loaded from the command line", ()),
     ("--return-tokens-as-token-ids",): ("logprobs' tokens as token ids are not supported yet", ()),
     ("--tool-parser-plugin",): (_PLUGINS, ()),

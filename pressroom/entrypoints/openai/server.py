@@ -75,6 +75,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
 )
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
+from pressroom.entrypoints.openai.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -113,7 +114,7 @@ class _Guard:
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or (path := route_path(scope)) in self.open_paths:
             return await self.app(scope, receive, send)
         if self.expected:
             headers = dict(scope["headers"])
@@ -121,10 +122,10 @@ class _Guard:
             # every key compared: no timing
             if not any([hmac.compare_digest(offered, key) for offered in given for key in self.expected]):
                 message = "Invalid or missing API key; send `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
-                response = messages_error(401, message) if scope["path"].startswith(MESSAGES_PATH) else \
+                response = messages_error(401, message) if path.startswith(MESSAGES_PATH) else \
                     error_response(401, message, "authentication_error", code="invalid_api_key")
                 return await response(scope, receive, send)
-        counted = scope["method"] == "POST" and scope["path"] in self.GENERATION
+        counted = scope["method"] == "POST" and path in self.GENERATION
         if counted and self.max_concurrent and self.in_flight >= self.max_concurrent:
             response = error_response(429, f"The server is at its limit of {self.max_concurrent} concurrent "
                                            "requests; retry shortly.", "rate_limit_error",
@@ -147,7 +148,9 @@ class _HostCheck:
         self.app, self.names = app, names
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] == self.OPEN or host_name(_header(scope, b"host")) in self.names:
+        if scope["type"] != "http" or route_path(scope) == self.OPEN:
+            return await self.app(scope, receive, send)
+        if host_name(_header(scope, b"host")) in self.names:
             return await self.app(scope, receive, send)
         response = error_response(400, "The Host header names no host this server answers to (see --allowed-hosts).",
                                   code="invalid_host")
@@ -188,13 +191,22 @@ class _JsonOnly:
         self.app, self.paths = app, paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in self.paths:
             return await self.app(scope, receive, send)
         if _header(scope, b"content-type").partition(";")[0].strip().lower() == "application/json":
             return await self.app(scope, receive, send)
         response = error_response(415, "The request body must be JSON, sent with `Content-Type: application/json`.",
                                   param="Content-Type", code="unsupported_media_type")
         await response(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The request's path within the app: without --root-path's prefix when it has it (a proxy that passes the
+    prefix on), as Starlette's router matches it; the guards judge routes by this."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 def _header(scope, name: bytes, missing: str | None = "") -> str | None:
@@ -241,7 +253,7 @@ class _AccessLog:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.QUIET:
+        if scope["type"] != "http" or route_path(scope) in self.QUIET:
             return await self.app(scope, receive, send)
         record = scope[ACCESS_RECORD_KEY] = AccessRecord()
         status = 500  # stays so if the app raises: the outermost ServerErrorMiddleware then sends a 500
@@ -348,10 +360,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     pooling = OpenAIServingPooling(*shared)
     responses = OpenAIServingResponses(*shared, chat.reasoning, chat.auto_tool_parser)
     adapters = served_adapters(settings, engine, names[0])
-    for handler in (utility, completion, chat, pooling, responses):
-        handler.adapters = adapters
     messages = OpenAIServingMessages(*shared, chat.reasoning, chat.auto_tool_parser)
-    messages.adapters = adapters
+    defaults = server_sampling_defaults(settings, engine)
+    for handler in (utility, completion, chat, pooling, responses, messages):
+        handler.adapters = adapters
+        handler.sampling_defaults = defaults
 
     @asynccontextmanager
     async def lifespan(_):
@@ -367,6 +380,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
+    app.root_path = settings.root_path  # as vLLM sets it: routes match with the prefix and without
     _add_routes(app, utility, completion, chat, pooling, responses)
     _add_messages_routes(app, messages)
     if settings.tokenizer_info:
@@ -375,6 +389,16 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)
     return app
+
+
+def server_sampling_defaults(settings: ServerSettings, engine: AsyncLLMEngine) -> SamplingDefaults:
+    """The requests' default sampling parameters (--generation-config), logged as vLLM logs them."""
+    defaults = load_sampling_defaults(settings.generation_config, settings.override_generation_config,
+                                      str(engine.model_path))
+    if engine.engine.config.model.runner != "pooling":
+        for api in ("chat", "completion"):
+            defaults.log(api)
+    return defaults
 
 
 def served_adapters(settings: ServerSettings, engine: AsyncLLMEngine, base_name: str) -> Adapters | None:
@@ -615,8 +639,10 @@ def run_server(settings: ServerSettings, engine_kwargs: dict, started: float | N
     """`started`: a time.monotonic() reading from when the process began, for the time-to-ready line."""
     started = time.monotonic() if started is None else started
     try:
+        if settings.tls is not None:
+            settings.tls.check()  # a bad certificate stops the start before the model loads, as a taken port does
         sock = bind_listener(settings.host, settings.port)
-    except PortUnavailableError as e:
+    except (PortUnavailableError, ValueError) as e:
         logger.error("%s", e)
         return 3  # uvicorn's exit code for a server that could not start
     with sock:
@@ -641,24 +667,33 @@ def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict
     gc.collect()
     gc.freeze()
     app_lifespan = app.router.lifespan_context
+    tls = settings.tls
+    server: _GracefulServer
 
     @asynccontextmanager
     async def lifespan(a):
         async with app_lifespan(a):
+            refresher = asyncio.create_task(tls.refresh_forever(server.config.ssl)) \
+                if tls is not None and tls.refresh else None
             logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
                         engine.startup_seconds,
                         ", profile, CUDA graphs" if engine.cuda_graphs else "")
             yield
+            if refresher is not None:
+                refresher.cancel()
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
 
     app.router.lifespan_context = lifespan
-    logger.info("serving %s on http://%s:%d", served_names(settings, engine)[0], settings.host, sock.getsockname()[1])
+    logger.info("serving %s on %s://%s:%d%s", served_names(settings, engine)[0], "http" if tls is None else "https",
+                settings.host, sock.getsockname()[1], settings.root_path)
     grace = max(0.0, settings.shutdown_timeout)
     header_timeout = settings.body_read_timeout
+    # uvicorn wraps the socket bound before the load (run_server) in TLS as it starts listening
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
                             access_log=settings.uvicorn_access_log, log_config=_uvicorn_log_config(),
                             timeout_graceful_shutdown=grace + SHUTDOWN_BACKSTOP_S,
-                            http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11")
+                            http=_header_deadline_protocol(header_timeout) if header_timeout > 0 else "h11",
+                            **({} if tls is None else tls.uvicorn_kwargs()))
     server = _GracefulServer(config, engine, grace)
     try:
         server.run(sockets=[sock])

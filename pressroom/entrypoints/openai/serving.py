@@ -52,6 +52,7 @@ from pressroom.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     UsageInfo,
 )
+from pressroom.entrypoints.openai.sampling_defaults import SamplingDefaults
 from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest
@@ -112,6 +113,8 @@ class OpenAIServing:
         self.engine, self.names, self.stats = engine, names, stats
         self.max_request_bytes, self.preprocessor, self.limits = max_request_bytes, preprocessor, limits
         self.adapters: Adapters | None = None  # --enable-lora: the LoRA adapters served by name (set by build_app)
+        # a request's unset sampling fields: the checkpoint's generation_config.json (set by build_app)
+        self.sampling_defaults = SamplingDefaults()
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -200,8 +203,9 @@ class OpenAIServing:
                                 f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
                                 f"{max_tokens} for the completion); reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
+        defaults = self.sampling_defaults
         try:
-            return req.to_sampling_params(max_tokens)
+            return defaults.fill(req).to_sampling_params(defaults.max_tokens(max_tokens, limit - len(prompt_ids)))
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "Beam search needs a tokenizer; this server runs with skip_tokenizer_init.",
                            param="use_beam_search")
         try:
-            params = req.to_beam_search_params(req.max_tokens)
+            params = self.sampling_defaults.fill(req).to_beam_search_params(req.max_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         searches = [beam_search.BeamSearch(ids, params, self.engine.engine.eos_token_id, self.engine.max_model_len)

@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 from pressroom.config import json_object
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
+from pressroom.entrypoints.openai.sampling_defaults import GENERATION_CONFIG_AUTO, check_generation_config
+from pressroom.entrypoints.openai.tls import TLSSettings
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
 REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3", "mimo", "granite",
@@ -38,6 +40,10 @@ class ServerSettings:
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: adapters served by name (needs --enable-lora)
     host: str = "127.0.0.1"
     port: int = 8000
+    tls: TLSSettings | None = None  # --ssl-certfile and the other --ssl-* flags: HTTPS (None: plain HTTP)
+    # --root-path: the path prefix a proxy serves the app under (FastAPI's root_path, as vLLM sets it); requests
+    # are answered with it or without it (a proxy that strips it)
+    root_path: str = ""
     # `Authorization: Bearer KEY` with any one of them on every route but /health and the chat page (none: no key)
     api_keys: tuple[str, ...] = ()
     metrics_auth: bool = True  # /metrics needs the API key too (when one is set)
@@ -67,6 +73,10 @@ class ServerSettings:
     uvicorn_log_level: str = "warning"
     uvicorn_access_log: bool = True
     admission_limits: AdmissionLimits = field(default_factory=AdmissionLimits)  # what one request may cost
+    # requests' default sampling parameters (sampling_defaults.py): the model's generation_config.json (auto),
+    # none (vllm) or a folder's; and values over them (generation_config.json's names)
+    generation_config: str = GENERATION_CONFIG_AUTO
+    override_generation_config: dict | None = None
     # Browsers. CORS, as vLLM's flags: the origins besides the server's own that may call it ("*": any). vLLM allows
     # any; none here, so that a page on another site cannot drive a server that has no API key (the default).
     allowed_origins: tuple[str, ...] = ()
@@ -85,6 +95,10 @@ class ServerSettings:
             if origin != ANY and not (parts.scheme and parts.netloc and origin == f"{parts.scheme}://{parts.netloc}"):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path; "
                                  'or "*").')
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path {self.root_path!r}: a path that starts with / and does not end with one, "
+                             "e.g. /llm")
+        check_generation_config(self.generation_config)
 
     def host_names(self) -> frozenset[str] | None:
         """The Host header names the server answers to (`host_name` form), or None for any."""
@@ -100,6 +114,9 @@ class ServerSettings:
         return cls(served_model_name=tuple(args.served_model_name or ([model] if model else [])),
                    lora_modules=tuple(LoRAModule.parse(text) for text in getattr(args, "lora_modules", None) or ()),
                    host=args.host, port=args.port, api_keys=api_keys_of(args.api_key),
+                   tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
+                                              args.ssl_cert_reqs, args.ssl_ciphers, args.enable_ssl_refresh),
+                   root_path=(args.root_path or "").rstrip("/"),  # "/llm/" is "/llm", "/" none
                    metrics_auth=not args.disable_metrics_auth, tokenizer_info=args.enable_tokenizer_info_endpoint,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
@@ -117,7 +134,11 @@ class ServerSettings:
                    uvicorn_log_level=args.uvicorn_log_level, uvicorn_access_log=not args.disable_uvicorn_access_log,
                    allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods,
                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                   allowed_hosts=args.allowed_hosts, admission_limits=AdmissionLimits.from_args(args))
+                   allowed_hosts=args.allowed_hosts, admission_limits=AdmissionLimits.from_args(args),
+                   generation_config=args.generation_config,
+                   override_generation_config=json_object(args.override_generation_config,
+                                                          "--override-generation-config")
+                   if args.override_generation_config else None)
 
 
 def api_keys_of(flag: list[str] | None) -> tuple[str, ...]:
