@@ -6,6 +6,18 @@ from collections.abc import Sequence
 from pressroom.config import EngineArgs
 from pressroom.engine import beam_search
 from pressroom.engine.beam_search import BeamSearch, BeamSearchOutput
+from pressroom.engine.classify import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    ClassifierHead,
+    ScoringOutput,
+    ScoringRequestOutput,
+    check_pair_segments,
+    classifier_pooling,
+    cosine,
+    pair_token_ids,
+    pair_up,
+)
 from pressroom.engine.inputs import check_prompt
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.lora.request import LoRARequest
@@ -121,11 +133,90 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None,
+              tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
         """One vector per prompt (`out.outputs.embedding`), pooled as the model's config says unless
         `pooling_params` override it; needs a model started with runner="pooling" (an encoder's default)."""
+        _refuse_pooling_extras(lora_request, tokenization_kwargs)
+        if self._classifier() is not None:
+            raise ValueError("This model is a classifier (its checkpoint's head gives class logits, not embeddings); "
+                             "use LLM.classify, or LLM.score for a cross-encoder.")
         prompts = _as_list(prompts)
-        params = _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        return self._pool(prompts, _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params"),
+                          use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's LLM.classify: `out.outputs.probs`), with the activation vLLM
+        applies (softmax over several labels, sigmoid for one, or the config's); `pooling_params.use_activation`
+        False gives the logits. Needs an `*ForSequenceClassification` checkpoint."""
+        _refuse_pooling_extras(lora_request, tokenization_kwargs)
+        head = self._classifier()
+        if head is None:
+            raise ValueError("LLM.classify needs a classification model (an *ForSequenceClassification checkpoint); "
+                             "this one is not. Use LLM.embed for embeddings.")
+        prompts = _as_list(prompts)
+        params = [classifier_pooling(p) for p in _broadcast(pooling_params, len(prompts), "pooling_params")]
+        outs = self._pool(prompts, params, use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(head.probs(o.outputs.data,
+                                                                                          p.use_activation)),
+                                            o.prompt_token_ids) for o, p in zip(outs, params)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: LoRARequest | None = None,
+              tokenization_kwargs: dict | None = None, chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: a score for each pair of texts, paired 1:1, 1:N (data_1's one text with each of
+        data_2's) or N:N. A cross-encoder (a one-label classifier) reads each pair as one prompt and gives its
+        activated logit; an embedding model gives the cosine similarity of the two texts' embeddings."""
+        _refuse_pooling_extras(lora_request, tokenization_kwargs)
+        if chat_template is not None:
+            raise ValueError("chat_template is not supported by LLM.score: pressroom scores text pairs as the "
+                             "tokenizer pairs them (multimodal scoring templates are not supported).")
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        if self.engine.pooling_defaults is None:
+            raise ValueError("LLM.score() is only supported for pooling models; start the LLM with runner='pooling'.")
+        pairs = pair_up(_score_texts(data_1, "data_1"), _score_texts(data_2, "data_2"))
+        head = self._classifier()
+        if head is not None:
+            return self._cross_encode(head, pairs, pooling_params, use_tqdm)
+        return self._bi_encode(pairs, pooling_params, use_tqdm)
+
+    def _cross_encode(self, head: ClassifierHead, pairs: list[tuple[str, str]], pooling_params: PoolingParams | None,
+                      use_tqdm: bool) -> list[ScoringRequestOutput]:
+        if not head.is_cross_encoder:
+            raise ValueError(f"Scoring needs a cross-encoder (num_labels == 1); this classifier has {head.num_labels} "
+                             "labels: use LLM.classify.")
+        check_pair_segments(self.engine.hf_config)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("LLM.score needs a tokenizer to pair texts; this LLM was started with "
+                             "skip_tokenizer_init.")
+        params = classifier_pooling(pooling_params)
+        prompts = [{"prompt_token_ids": pair_token_ids(tokenizer, a, b)} for a, b in pairs]
+        outs = self._pool(prompts, [params] * len(prompts), use_tqdm)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(head.probs(o.outputs.data, params.use_activation)[0]),
+                                     o.prompt_token_ids) for o in outs]
+
+    def _bi_encode(self, pairs: list[tuple[str, str]], pooling_params: PoolingParams | None,
+                   use_tqdm: bool) -> list[ScoringRequestOutput]:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
+        outs = dict(zip(texts, self._pool(texts, [pooling_params or PoolingParams()] * len(texts), use_tqdm)))
+        return [ScoringRequestOutput(f"{outs[a].request_id}_{outs[b].request_id}",
+                                     ScoringOutput(cosine(outs[a].outputs.data, outs[b].outputs.data)),
+                                     outs[a].prompt_token_ids + outs[b].prompt_token_ids) for a, b in pairs]
+
+    def _classifier(self) -> ClassifierHead | None:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        if self.engine.pooling_defaults is None:
+            return None
+        return ClassifierHead.of(self.engine.hf_config)
+
+    def _pool(self, prompts: list, params: list[PoolingParams], use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """One pooling request per prompt (all or none: a rejected one aborts the rest), run to their vectors."""
         ids: list[str] = []
         try:
             for p, pp in zip(prompts, params):
@@ -192,6 +283,23 @@ def _as_list(prompts) -> list:
     if prompts and isinstance(prompts[0], int):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _score_texts(data: str | Sequence[str], name: str) -> list[str]:
+    texts = [data] if isinstance(data, str) else list(data)
+    if not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"{name} must be a non-empty text or a list of them (pressroom scores text only).")
+    return texts
+
+
+def _refuse_pooling_extras(lora_request: LoRARequest | None, tokenization_kwargs: dict | None) -> None:
+    """vLLM's pooling calls' arguments pressroom's pooling cannot honour, refused by name when given."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported for pooling (embed, classify, score): adapters apply to "
+                         "generation only.")
+    if tokenization_kwargs:
+        raise ValueError("tokenization_kwargs is not supported: prompts are tokenized as the model's tokenizer "
+                         "does by default; pass token ids (TokensPrompt) to tokenize otherwise.")
 
 
 def _cache_salt(prompt: PromptType) -> dict:

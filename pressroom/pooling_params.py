@@ -11,10 +11,13 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 @dataclass(slots=True)
 class PoolingParams:
     """None fields take the model's defaults (its pooler config; for sentence-transformers checkpoints, their
-    Pooling and Normalize modules). `dimensions` keeps the first n dimensions (Matryoshka), normalised after."""
+    Pooling and Normalize modules). `dimensions` keeps the first n dimensions (Matryoshka), normalised after.
+    `use_activation` (vLLM's, for classifiers): False returns the class logits, None or True the probabilities
+    (the front-end applies it: engine/classify.py)."""
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None:
@@ -27,4 +30,5 @@ class PoolingParams:
     def resolved(self, default: PoolingParams) -> PoolingParams:
         """These params with every unset field taken from `default` (the model's)."""
         return PoolingParams(self.pooling_type or default.pooling_type,
-                             default.normalize if self.normalize is None else self.normalize, self.dimensions)
+                             default.normalize if self.normalize is None else self.normalize, self.dimensions,
+                             self.use_activation)
