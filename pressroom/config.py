@@ -250,7 +250,7 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
-SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "dflash2", "mtp", "dspark")
 # Methods whose drafts are made on the device from the device's own verified tokens, so step N+1 can be
 # prepared before step N's tokens reach the host. ngram looks up host token histories; dflash2's
 # proposer reads host token ids (anchors, selector path) each step; mtp catches up from host token ids.
@@ -276,7 +276,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 3
     # draft_model: a smaller model with the target's tokenizer; dflash2: a drafter; mtp: the checkpoint holding
-    # the MTP layer (default: the target's own)
+    # the MTP layer (default: the target's own); dspark: a DeepSpec DSpark checkpoint
     model: str | None = None
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched earlier in the context
     prompt_lookup_max: int = 4  # ngram: longest, tried first
@@ -294,6 +294,8 @@ class SpeculativeConfig:
                              f"got {self.method!r}.")
         if self.method == "draft_model" and not self.model:  # dflash2 without one: the embedded model's drafter
             raise ValueError('speculative_config method "draft_model" needs "model": the draft model\'s path.')
+        if self.method == "dspark" and not self.model:
+            raise ValueError('speculative_config method "dspark" needs "model": the DSpark drafter\'s directory.')
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
         if self.rejection_sample_method not in ("standard", "synthetic"):

@@ -33,4 +33,7 @@ def make_proposer(config: SpeculativeConfig | None, target: ModelRunner) -> Prop
     if config.method == "dflash2":
         from pressroom.spec_decode.dflash2 import DFlash2Proposer
         return DFlash2Proposer(config, target)
+    if config.method == "dspark":
+        from pressroom.spec_decode.dspark import DSparkProposer
+        return DSparkProposer(config, target)
     raise ValueError(f"Unknown speculative method {config.method!r}.")
