@@ -395,7 +395,10 @@ def server_sampling_defaults(settings: ServerSettings, engine: AsyncLLMEngine) -
     """The requests' default sampling parameters (--generation-config), logged as vLLM logs them."""
     defaults = load_sampling_defaults(settings.generation_config, settings.override_generation_config,
                                       str(engine.model_path))
-    if engine.engine.config.model.runner != "pooling":
+    if engine.engine.config.model.runner != "pooling" and defaults.values:
+        logger.warning("Default sampling parameters have been overridden by the model's Hugging Face generation "
+                       "config recommended from the model creator. If this is not intended, relaunch with "
+                       "`--generation-config vllm`.")
         for api in ("chat", "completion"):
             defaults.log(api)
     return defaults
