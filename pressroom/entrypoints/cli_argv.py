@@ -122,7 +122,9 @@ def read_config_file(path: str) -> dict[str, Any]:
 def config_flags(config: dict[str, Any], command: argparse.ArgumentParser) -> list[str]:
     """A config's entries as command-line flags, as vLLM turns them: true is the switch, false its --no- form where
     the flag has one (else nothing), a list the flag and its items (an empty one: nothing), a mapping its JSON,
-    anything else its text. A null value is the flag's default: nothing."""
+    anything else its text. A null value is the flag's default: nothing. Lists come first: a MODEL given after
+    --config on the command line must not land after one (it would be taken as the list's last item)."""
+    lists: list[str] = []
     flags: list[str] = []
     for key, value in config.items():
         flag = "--" + key.replace("_", "-")
@@ -137,12 +139,12 @@ def config_flags(config: dict[str, Any], command: argparse.ArgumentParser) -> li
                 flags.append(negated)
         elif isinstance(value, list):
             if value:
-                flags += [flag, *map(str, value)]
+                lists += [flag, *map(str, value)]
         elif isinstance(value, dict):
             flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
-    return flags
+    return lists + flags
 
 
 class SearchableHelp(argparse._HelpAction):

@@ -63,6 +63,8 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert json.loads(ns.hf_overrides) == {"rope_theta": 5}
     assert ns.host == ServerSettings().host  # null: the default
     assert _parse(f"--config={config}").port == 9001  # the = form too
+    late = _parse("--port", "9003", "--config", config, "MODEL")  # MODEL after a list the file gives
+    assert (late.model_tag, late.served_model_name, late.port) == ("MODEL", ["a", "b"], 9003)
 
 
 def test_config_model_and_the_command_lines_model(tmp_path):
