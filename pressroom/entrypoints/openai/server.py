@@ -671,7 +671,7 @@ def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict
     gc.freeze()
     app_lifespan = app.router.lifespan_context
     tls = settings.tls
-    server: _GracefulServer
+    server: _GracefulServer  # made below; running, its config holds the TLS context that --enable-ssl-refresh reloads
 
     @asynccontextmanager
     async def lifespan(a):
@@ -681,9 +681,11 @@ def _serve_on(sock: socket.socket, settings: ServerSettings, engine_kwargs: dict
             logger.info("ready in %.1fs from start (engine %.1fs: load%s)", time.monotonic() - started,
                         engine.startup_seconds,
                         ", profile, CUDA graphs" if engine.cuda_graphs else "")
-            yield
-            if refresher is not None:
-                refresher.cancel()
+            try:
+                yield
+            finally:
+                if refresher is not None:
+                    refresher.cancel()
         engine.shutdown()  # after uvicorn's graceful shutdown: in-flight requests finished or were ended
 
     app.router.lifespan_context = lifespan
