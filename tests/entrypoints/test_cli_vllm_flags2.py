@@ -136,6 +136,13 @@ def test_bad_settings_are_value_errors(argv, says):
         ServerSettings.from_args(_parse(*argv))
 
 
+def test_generation_flags_reach_the_settings(tmp_path):
+    settings = ServerSettings.from_args(_parse("--generation-config", str(tmp_path), "--override-generation-config",
+                                               '{"temperature": 0.1}'))
+    assert (settings.generation_config, settings.override_generation_config) == (str(tmp_path), {"temperature": 0.1})
+    assert ServerSettings.from_args(_parse()).generation_config == "auto"  # vLLM's default: the model's own
+
+
 def test_root_path_is_normalized_and_route_path_strips_it():
     assert ServerSettings.from_args(_parse("--root-path", "/llm/")).root_path == "/llm"
     assert ServerSettings.from_args(_parse("--root-path", "/")).root_path == ""
