@@ -25,7 +25,8 @@ from pressroom.logger import DATE_FORMAT, FORMAT, configure_logging  # noqa: E40
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # entrypoints/openai/tool_parsers' registry (not imported: start-up)
-TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "granite", "hermes", "internlm",
+                     "jamba", "kimi_k2", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 SECRET_ARGS = frozenset({"api_key"})  # masked in the start-up line of non-default arguments
 
 logger = logging.getLogger("pressroom")
