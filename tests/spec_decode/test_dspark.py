@@ -94,8 +94,8 @@ def test_dspark_greedy_equals_no_speculation(tiny_model_dir, tmp_path):
     from conftest import random_prompts
     target = tiny_model_dir("llama")
     drafter = _checkpoint(target, tmp_path / "dspark", markov_head_type="gated")
-    prompts = random_prompts(4, low=5, high=40, seed=43)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts(3, low=5, high=40, seed=43)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain, _ = _run(target, prompts, params)
     spec, llm = _run(target, prompts, params, speculative_config={
         "method": "dspark", "model": drafter, "num_speculative_tokens": 4, "adaptive_token_budget": False})
@@ -116,8 +116,8 @@ def test_markov_head_that_knows_the_target_chain_gets_drafts_accepted(tiny_model
     drawn for the slot before (left to right), not from the anchor or the mask."""
     from conftest import random_prompts
     target = tiny_model_dir("llama")
-    prompts = random_prompts(4, low=5, high=30, seed=44)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts(3, low=5, high=30, seed=44)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain, _ = _run(target, prompts, params)
     pairs = Counter((a, b) for p, out in zip(prompts, plain) for a, b in zip([p[-1]] + out, out))
     chain: dict[int, int] = {}
@@ -298,9 +298,9 @@ def test_checkpoint_without_embedding_and_head_uses_the_targets(tiny_model_dir, 
     tensors = {k: t for k, t in _deepspec_tensors(cfg).items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     drafter = _save(tmp_path / "bare", cfg, tensors)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain, _ = _run(target, [[5, 6, 7, 8, 9]], params)
-    spec, llm = _run(target, [[5, 6, 7, 8, 9]], params, speculative_config={
+    _, llm = _run(target, [[5, 6, 7, 8, 9]], params, speculative_config={
         "method": "dspark", "model": drafter, "num_speculative_tokens": 3, "adaptive_token_budget": False})
-    assert spec == plain
     proposer = llm.engine.runner.proposer
     assert proposer.embed is llm.engine.runner.model.model.embed_tokens
+    assert proposer.head == llm.engine.runner.model.compute_logits
+    assert llm.engine.stats().spec.num_draft_tokens > 0
