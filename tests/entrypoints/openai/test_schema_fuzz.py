@@ -60,7 +60,8 @@ POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", 
          "/v1/messages/count_tokens"]
 # bodies of two short strings, which schemathesis cannot make invalid ("negative" is unsatisfiable for them)
 POSITIVE_POSTS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
-POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"]
+POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                 "/classify", "/v2/embed"]
 ANY_OBJECT_POSTS = ["/invocations"]  # a JSON object of any fields: it dispatches on them
 CASES = ([("GET", path, "positive") for path in GETS]
          + [("POST", path, mode) for path in POSTS + POOLING_POSTS for mode in ("positive", "negative")]
@@ -110,6 +111,9 @@ VALID_BODIES = {  # per route: a valid body, which each case changes in one inte
     "/v1/score": {"model": "minilm", "text_1": "a", "text_2": "b"},
     "/rerank": {"model": "minilm", "query": "a", "documents": ["b"]},
     "/v1/rerank": {"model": "minilm", "query": "a", "documents": ["b"]},
+    "/v2/rerank": {"model": "minilm", "query": "a", "documents": ["b"]},
+    "/classify": {"model": "minilm", "input": "hi"},
+    "/v2/embed": {"model": "minilm", "texts": ["hi"]},
 }
 FieldPath = tuple[str | int, ...]  # keys and list positions from the body's root
 
