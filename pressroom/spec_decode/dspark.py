@@ -453,7 +453,10 @@ class DSparkProposer(Proposer):
         """The block pass over requests whose contexts differ in length (padded, masked)."""
         longest = max(c.n for c in contexts)
         layers = []
-        for li in range(len(self.drafter.layers)):
+        if len(contexts) == 1:  # one request: its buffers as they are, no padded copy
+            c = contexts[0]
+            layers = [(k[None, :c.n], v[None, :c.n]) for k, v in zip(c.k, c.v)]
+        for li in range(len(self.drafter.layers) if len(contexts) > 1 else 0):
             k = contexts[0].k[li].new_zeros(len(contexts), longest, *contexts[0].k[li].shape[1:])
             v = torch.zeros_like(k)
             for b, c in enumerate(contexts):

@@ -297,9 +297,11 @@ def test_checkpoint_without_embedding_and_head_uses_the_targets(tiny_model_dir, 
     cfg = _deepspec_config(target)
     tensors = {k: t for k, t in _deepspec_tensors(cfg).items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     drafter = _save(tmp_path / "bare", cfg, tensors)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    _, llm = _run(target, [[5, 6, 7, 8, 9]], params, speculative_config={
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, _ = _run(target, [[5, 6, 7, 8, 9]], params)
+    spec, llm = _run(target, [[5, 6, 7, 8, 9]], params, speculative_config={
         "method": "dspark", "model": drafter, "num_speculative_tokens": 3, "adaptive_token_budget": False})
+    assert spec == plain  # batch 1: the drafter reads its context buffers unpadded
     proposer = llm.engine.runner.proposer
     assert proposer.embed is llm.engine.runner.model.model.embed_tokens
     assert proposer.head == llm.engine.runner.model.compute_logits
