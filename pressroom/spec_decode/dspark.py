@@ -352,6 +352,9 @@ def check_against_target(cfg: DSparkConfig, hf, path: str, num_speculative_token
     if cfg.hidden_size != hf.hidden_size or cfg.vocab_size != hf.vocab_size:
         raise ValueError(f"The DSpark drafter at {path!r} was made for a target of hidden size {cfg.hidden_size} "
                          f"and vocabulary {cfg.vocab_size}, not {hf.hidden_size} and {hf.vocab_size}.")
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise ValueError(f"The DSpark drafter at {path!r}: mask_token_id {cfg.mask_token_id} is outside its "
+                         f"vocabulary of {cfg.vocab_size}.")
     depth = hf.num_hidden_layers
     if cfg.num_target_layers is not None and cfg.num_target_layers != depth:
         raise ValueError(f"The DSpark drafter at {path!r} was made for a target of {cfg.num_target_layers} "
