@@ -3,6 +3,12 @@ from pressroom.config import EngineArgs
 from pressroom.engine.arg_utils import AsyncEngineArgs
 from pressroom.engine.async_engine import AsyncLLMEngine
 from pressroom.engine.beam_search import BeamSearchOutput, BeamSearchSequence
+from pressroom.engine.classify import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pressroom.engine.inputs import TextPrompt, TokensPrompt
 from pressroom.engine.llm_engine import LLMEngine
 from pressroom.llm import LLM
@@ -17,4 +23,5 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
            "StructuredOutputsParams", "RequestOutputKind", "TextPrompt", "TokensPrompt", "RequestOutput",
            "CompletionOutput", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "ClassificationOutput", "ClassificationRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput", "__version__"]

@@ -119,7 +119,8 @@ def test_output_kind_and_detokenize_reach_the_engine(tiny_llm):
 def test_vllms_top_level_names_are_exported():
     for name in ("LLM", "SamplingParams", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "TextPrompt",
                  "TokensPrompt", "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingRequestOutput",
-                 "BeamSearchParams", "RequestOutputKind", "StructuredOutputsParams"):
+                 "BeamSearchParams", "RequestOutputKind", "StructuredOutputsParams", "ClassificationOutput",
+                 "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput"):
         assert name in pressroom.__all__ and getattr(pressroom, name) is not None, name
     args = AsyncEngineArgs.from_kwargs(model="m", tensor_parallel_size=1)
     assert isinstance(args, pressroom.EngineArgs) and args.enable_log_requests is False
