@@ -1,7 +1,7 @@
 """pressroom: an LLM inference and serving engine."""
 from pressroom.config import EngineArgs
 from pressroom.engine.arg_utils import AsyncEngineArgs
-from pressroom.engine.async_engine import AsyncLLMEngine
+from pressroom.engine.async_api import AsyncLLMEngine
 from pressroom.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pressroom.engine.classify import (
     ClassificationOutput,

@@ -138,3 +138,37 @@ def test_text_and_tokens_prompts_as_vllms(tiny_llm):
         tiny_llm.generate({"prompt": "hi", "multi_modal_data": {"image": b"x"}}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="Unknown prompt key"):
         tiny_llm.generate({"prompt": "hi", "promt_token_ids": [1]}, params, use_tqdm=False)
+
+
+def test_async_engine_takes_vllms_calling_convention(tiny_async_engine):
+    """vLLM's `generate(prompt, sampling_params, request_id)`, awaited abort and get_tokenizer, and pressroom's own
+    order still, on the session's engine (its methods called as pressroom.AsyncLLMEngine's)."""
+    import asyncio
+
+    from pressroom import AsyncLLMEngine
+
+    engine = tiny_async_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def final(stream):
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    async def run():
+        ours = await final(AsyncLLMEngine.generate(engine, "vllm-order", [1, 2, 3], params))
+        theirs = await final(AsyncLLMEngine.generate(engine, [1, 2, 3], params, "vllm-order"))
+        keywords = await final(AsyncLLMEngine.generate(engine, prompt=[1, 2, 3], sampling_params=params,
+                                                       request_id="kw", priority=0))
+        assert await AsyncLLMEngine.get_tokenizer(engine) is engine.tokenizer
+        await AsyncLLMEngine.abort(engine, ["not-running"])
+        with pytest.raises(ValueError, match="trace_headers"):
+            await final(AsyncLLMEngine.generate(engine, [1], params, "x", trace_headers={"a": "b"}))
+        return ours, theirs, keywords
+
+    ours, theirs, keywords = asyncio.run(run())
+    assert theirs.finished and theirs.request_id == "vllm-order"
+    assert list(theirs.outputs[0].token_ids) == list(ours.outputs[0].token_ids) == list(keywords.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="stat_loggers"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model="m"), stat_loggers=[object()])
