@@ -21,7 +21,7 @@ from pressroom.engine.classify import (
 from pressroom.engine.inputs import check_prompt
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.lora.request import LoRARequest
-from pressroom.outputs import PoolingRequestOutput, RequestOutput
+from pressroom.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -228,7 +228,23 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    encode = embed  # vLLM's generic pooling call
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               lora_request: LoRARequest | None = None, pooling_task: str | None = None,
+               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: `pooling_task` "embed" (embed's vectors) or "classify" (classify's
+        probabilities as each output's data); None: the model's own task (vLLM asks for it). The per-token tasks
+        (token_embed, token_classify) and plugins are refused."""
+        task = pooling_task or ("classify" if self._classifier() is not None else "embed")
+        if task == "embed":
+            return self.embed(prompts, pooling_params, use_tqdm, lora_request, tokenization_kwargs)
+        if task == "classify":
+            outs = self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                                 tokenization_kwargs=tokenization_kwargs)
+            return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(o.outputs.probs))
+                    for o in outs]
+        raise ValueError(f"pooling_task {task!r} is not supported: pressroom pools one vector per prompt (embed, "
+                         "classify); per-token tasks and plugins are not implemented.")
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

@@ -39,6 +39,9 @@ def test_classify_gives_hfs_softmax_and_labels(classifier_dir):
         outs = llm.classify(TEXTS, use_tqdm=False)
         logits = llm.classify(TEXTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
         ids = llm.get_tokenizer()(TEXTS[0])["input_ids"]
+        encoded = llm.encode(TEXTS, pooling_task="classify", use_tqdm=False)
+        with pytest.raises(ValueError, match="token_embed"):
+            llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
         with pytest.raises(ValueError, match="classifier"):
             llm.embed(TEXTS[0], use_tqdm=False)
         with pytest.raises(ValueError, match="num_labels == 1"):
@@ -52,6 +55,7 @@ def test_classify_gives_hfs_softmax_and_labels(classifier_dir):
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in outs]), expected.softmax(-1), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in logits]), expected, atol=1e-4, rtol=0)
     assert outs[0].prompt_token_ids == ids and outs[0].finished
+    assert [e.outputs.data for e in encoded] == [o.outputs.probs for o in outs]  # vLLM's encode(pooling_task=...)
     assert head.label(outs[1].outputs.probs) == LABELS[int(expected[1].argmax())]
 
 
