@@ -12,8 +12,9 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 class PoolingParams:
     """None fields take the model's defaults (its pooler config; for sentence-transformers checkpoints, their
     Pooling and Normalize modules). `dimensions` keeps the first n dimensions (Matryoshka), normalised after.
-    `use_activation` (vLLM's, for classifiers): False returns the class logits, None or True the probabilities
-    (the front-end applies it: engine/classify.py)."""
+    `use_activation` is vLLM 0.32's name for both activations: an embedding's normalisation (`normalize`, vLLM's
+    older name, wins where set) and a classifier's softmax or sigmoid (False: the class logits; the front-end
+    applies it, engine/classify.py)."""
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
@@ -29,6 +30,5 @@ class PoolingParams:
 
     def resolved(self, default: PoolingParams) -> PoolingParams:
         """These params with every unset field taken from `default` (the model's)."""
-        return PoolingParams(self.pooling_type or default.pooling_type,
-                             default.normalize if self.normalize is None else self.normalize, self.dimensions,
-                             self.use_activation)
+        normalize = next((v for v in (self.normalize, self.use_activation, default.normalize) if v is not None), None)
+        return PoolingParams(self.pooling_type or default.pooling_type, normalize, self.dimensions, self.use_activation)

@@ -91,10 +91,15 @@ def test_bi_encoder_scores_cosine_of_embeddings():
     with LLM(path, dtype="float32", device="cpu") as llm:
         scores = llm.score(QUERY, DOCS, use_tqdm=False)
         query_ids = llm.get_tokenizer()(QUERY)["input_ids"]
+        unit, raw = (llm.embed(QUERY, PoolingParams(use_activation=a), use_tqdm=False)[0].outputs.embedding
+                     for a in (None, False))
         with pytest.raises(ValueError, match="classification model"):
             llm.classify(QUERY, use_tqdm=False)
     torch.testing.assert_close(torch.tensor([s.outputs.score for s in scores]), expected, atol=1e-5, rtol=0)
     assert scores[0].prompt_token_ids[:len(query_ids)] == query_ids
+    # use_activation, vLLM 0.32's name for an embedding's normalisation: False leaves the mean as it is
+    torch.testing.assert_close(torch.tensor(raw), mean[0], atol=1e-5, rtol=0)
+    assert torch.tensor(unit).norm() == pytest.approx(1.0, abs=1e-5) and torch.tensor(raw).norm() > 1.5
 
 
 def test_pairing_activations_and_segment_check():

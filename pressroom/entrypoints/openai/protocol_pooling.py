@@ -1,4 +1,5 @@
-"""Bodies of vLLM's classification route (/classify) and Cohere's embed API (/v2/embed), as vLLM 0.32 serves them."""
+"""Bodies of vLLM's classification route (/classify) and Cohere's embed API (/v2/embed), as vLLM 0.32 serves them,
+and /v1/embeddings' and /pooling's with vLLM 0.32's `use_activation`."""
 from __future__ import annotations
 
 import builtins
@@ -9,9 +10,11 @@ from pydantic import BaseModel, Field, model_validator
 
 from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.entrypoints.openai.protocol import (
+    EmbeddingRequest,
     EngineInt,
     OpenAIModel,
     PoolingInput,
+    PoolingRequest,
     Priority,
     Unsupported,
     UsageInfo,
@@ -145,3 +148,13 @@ class CohereEmbedResponse(BaseModel):
     texts: list[str] | None = None
     meta: CohereMeta | None = None
     response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
+
+
+# ---- vLLM 0.32's name for an embedding's normalisation on /v1/embeddings and /pooling ----
+
+class VllmEmbeddingRequest(EmbeddingRequest):
+    use_activation: bool | None = None  # vLLM 0.32's name for `normalize` (which wins where both are set)
+
+
+class VllmPoolingRequest(PoolingRequest):
+    use_activation: bool | None = None

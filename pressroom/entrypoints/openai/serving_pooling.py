@@ -31,11 +31,9 @@ from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.entrypoints.openai.protocol import (
     EmbeddingData,
-    EmbeddingRequest,
     EmbeddingResponse,
     PoolingData,
     PoolingInput,
-    PoolingRequest,
     PoolingResponse,
     RerankDocument,
     RerankRequest,
@@ -57,6 +55,8 @@ from pressroom.entrypoints.openai.protocol_pooling import (
     CohereEmbedRequest,
     CohereEmbedResponse,
     CohereMeta,
+    VllmEmbeddingRequest,
+    VllmPoolingRequest,
 )
 from pressroom.entrypoints.openai.serving import OpenAIServing, access_record, json_response, request_priority
 from pressroom.entrypoints.openai.streams import merge_streams, with_disconnect
@@ -65,8 +65,8 @@ from pressroom.pooling_params import PoolingParams
 
 # path -> (handler method, request body, response body): vLLM's paths, with and without /v1.
 POOLING_ROUTES = {
-    "/v1/embeddings": ("embeddings", EmbeddingRequest, EmbeddingResponse),
-    "/pooling": ("pooling", PoolingRequest, PoolingResponse),
+    "/v1/embeddings": ("embeddings", VllmEmbeddingRequest, EmbeddingResponse),
+    "/pooling": ("pooling", VllmPoolingRequest, PoolingResponse),
     "/score": ("score", ScoreRequest, ScoreResponse),
     "/v1/score": ("score", ScoreRequest, ScoreResponse),
     "/rerank": ("rerank", RerankRequest, RerankResponse),
@@ -79,7 +79,7 @@ POOLING_ROUTES = {
 
 class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, request: Request) -> Response:
-        req = await self._parse(request, EmbeddingRequest)
+        req = await self._parse(request, VllmEmbeddingRequest)
         self._check_embedder(req.model)
         vectors, tokens = await self._pool_inputs(request, req, "embd")
 
@@ -89,7 +89,7 @@ class OpenAIServingPooling(OpenAIServing):
         return await json_response(response, "data", sum(map(len, vectors)))
 
     async def pooling(self, request: Request) -> Response:
-        req = await self._parse(request, PoolingRequest)
+        req = await self._parse(request, VllmPoolingRequest)
         vectors, tokens = await self._pool_inputs(request, req, "pool")
 
         def response() -> PoolingResponse:
@@ -243,10 +243,12 @@ class OpenAIServingPooling(OpenAIServing):
     def _model_name(self, model: str | None) -> str:
         return model or self.names[0]
 
-    async def _pool_inputs(self, request: Request, req: EmbeddingRequest, prefix: str) -> tuple[list[list[float]], int]:
+    async def _pool_inputs(self, request: Request, req: VllmEmbeddingRequest,
+                           prefix: str) -> tuple[list[list[float]], int]:
         self._check_pooling(req.model)
         try:
-            pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+            pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions,
+                                    use_activation=req.use_activation)
         except ValueError as e:
             raise APIError(400, str(e), param="dimensions") from None
         prompts = await self._prompts(req.input, req.cost())

@@ -65,6 +65,14 @@ def test_cohere_refusals_and_classify_on_an_embedding_model(minilm_server):
     assert r.status_code == 400 and "does not support classification" in r.json()["error"]["message"]
 
 
+def test_use_activation_is_vllms_name_for_normalize(minilm_server):
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        unit, raw = (_post(minilm_server, path, {"input": QUERY, "use_activation": a}).json()["data"][0][key]
+                     for a in (True, False))
+        assert np.linalg.norm(unit) == pytest.approx(1.0, abs=1e-5) and np.linalg.norm(raw) > 1.5
+        np.testing.assert_allclose(np.asarray(raw) / np.linalg.norm(raw), unit, atol=1e-5)
+
+
 def test_v2_rerank_is_rerank(minilm_server):
     body = {"model": MODEL, "query": QUERY, "documents": DOCS}
     v1, v2 = _post(minilm_server, "/rerank", body).json(), _post(minilm_server, "/v2/rerank", body).json()
