@@ -128,7 +128,8 @@ def test_budget_needs_markers(tiny_model_dir):
         plain.generate(["hi"], SamplingParams(thinking_token_budget=2, think_end_token_ids=[10 ** 9]),
                        use_tqdm=False)
     with pytest.raises(ValueError, match="thinking_token_budget"):
-        SamplingParams(thinking_token_budget=-1)
+        SamplingParams(thinking_token_budget=-2)
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None  # vLLM's "unlimited"
     # explicit ids work on any vocabulary
     out = plain.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                                 thinking_token_budget=1, think_end_token_ids=[42, 43]),
