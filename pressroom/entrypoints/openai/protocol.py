@@ -438,7 +438,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # template variables only; tokenizer arguments get a 400
     reasoning_effort: ReasoningEffort | None = None  # a chat template variable, for templates that take it
-    thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)
+    thinking_token_budget: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: vLLM's unlimited
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
     parallel_tool_calls: bool = True

@@ -167,8 +167,11 @@ def test_open_span_counts_every_token_as_reasoning(client, vocab):
 
 def test_bad_budget_is_a_400(server):
     r = httpx.post(f"{server}/v1/chat/completions",
-                   json={"model": MODEL, "messages": MESSAGES, "thinking_token_budget": -1})
+                   json={"model": MODEL, "messages": MESSAGES, "thinking_token_budget": -2})
     assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/chat/completions",  # vLLM's spelling of no budget
+                   json={"model": MODEL, "messages": MESSAGES, "thinking_token_budget": -1, "max_tokens": 2})
+    assert r.status_code == 200
 
 
 def test_session_id_reaches_the_log(served, client):
