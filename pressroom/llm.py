@@ -70,6 +70,13 @@ class LLM:
     def __del__(self) -> None:
         self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling fields the model's generation_config.json sets (as the server's
+        --generation-config auto takes them), else SamplingParams' own defaults."""
+        from pressroom.engine.sampling_defaults import load_sampling_defaults
+        values = load_sampling_defaults("auto", None, self.engine.model_path).values
+        return SamplingParams(**values)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
@@ -77,7 +84,7 @@ class LLM:
         """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model); needs
         an engine started with enable_lora."""
         prompts = _as_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
         loras = _broadcast(lora_request if not isinstance(lora_request, Sequence) else list(lora_request),
                            len(prompts), "lora_request")

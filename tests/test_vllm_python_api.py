@@ -172,3 +172,21 @@ def test_async_engine_takes_vllms_calling_convention(tiny_async_engine):
     assert list(theirs.outputs[0].token_ids) == list(ours.outputs[0].token_ids) == list(keywords.outputs[0].token_ids)
     with pytest.raises(ValueError, match="stat_loggers"):
         AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model="m"), stat_loggers=[object()])
+
+
+def test_generate_without_params_takes_the_models_generation_config(tiny_model_dir, tmp_path):
+    """vLLM's LLM.get_default_sampling_params: the checkpoint's generation_config.json fields (max_new_tokens as
+    max_tokens), which generate() uses when given no SamplingParams; a model without one gets the plain defaults."""
+    import shutil
+
+    from transformers import GenerationConfig
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    with LLM(str(model), dtype="float32", device="cpu") as plain:
+        assert plain.get_default_sampling_params() == SamplingParams()
+        GenerationConfig(do_sample=True, temperature=0.7, top_k=1, max_new_tokens=5).save_pretrained(str(model))
+        defaults = plain.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 1, 5)
+        out = plain.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 5

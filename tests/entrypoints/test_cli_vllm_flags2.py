@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pressroom.engine.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from pressroom.entrypoints import cli
 from pressroom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pressroom.entrypoints.openai.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from pressroom.entrypoints.openai.server import route_path
 from pressroom.entrypoints.openai.settings import ServerSettings
 from pressroom.entrypoints.openai.tls import TLSSettings

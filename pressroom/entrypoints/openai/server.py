@@ -50,6 +50,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 import pressroom
 from pressroom.core.structured_outputs import GrammarSandbox
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.engine.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.lora import Adapters
@@ -75,7 +76,6 @@ from pressroom.entrypoints.openai.protocol_messages import (
 )
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
-from pressroom.entrypoints.openai.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
 from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion

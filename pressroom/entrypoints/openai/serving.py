@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 import pressroom
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pressroom.engine.sampling_defaults import SamplingDefaults
 from pressroom.entrypoints.openai.chat_template import BIG_JOB_CHARS, MESSAGES_ON_LOOP, Preprocessor, encode_within
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.limits import AdmissionLimits, OverLimit, RequestCost, judge
@@ -52,7 +53,6 @@ from pressroom.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     UsageInfo,
 )
-from pressroom.entrypoints.openai.sampling_defaults import SamplingDefaults
 from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest

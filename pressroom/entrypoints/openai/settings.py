@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pressroom.config import json_object
+from pressroom.engine.sampling_defaults import GENERATION_CONFIG_AUTO, check_generation_config
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
-from pressroom.entrypoints.openai.sampling_defaults import GENERATION_CONFIG_AUTO, check_generation_config
 from pressroom.entrypoints.openai.tls import TLSSettings
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
