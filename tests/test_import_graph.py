@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1] / "pressroom"
 # tiers sit under the model in import terms: they know nothing of executors, workers, models or kernels,
 # while those read core's step messages (core.outputs).
 LAYERS = ["entrypoints", "training", "benchmarks", "", "llm", "engine", "executor", "spec_decode", "worker",
-          "lora", "model", "attention", "kernels", "distributed", "core", "kv_offload", "sandbox",
+          "lora", "model", "attention", "kernels", "distributed", "core", "kv_offload", "multimodal", "sandbox",
           "platforms", "logger"]
 # Config and the messages that cross rooms (plain dataclasses) sit below every room and import only what
 # sits below them.
-LEAVES = {"config", "sampling_params", "outputs", "pooling_params", "core.outputs", "lora.request"}
+LEAVES = {"config", "sampling_params", "outputs", "pooling_params", "core.outputs", "lora.request",
+          "multimodal.inputs"}
 BELOW_LEAVES = {"platforms", "logger"} | LEAVES
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pressroom.lora.request import LoRARequest
+from pressroom.multimodal.inputs import MediaItem
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class NewRequestData:
     state_slot: int = -1  # recurrent layers: the request's live state slot (-1: a model without them)
     restore_slot: int = -1  # the prefix checkpoint its state starts from (-1: zeros)
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    mm_features: list[MediaItem] | None = None  # its images: the encoder's rows replace their placeholders
 
 
 @dataclass(slots=True)

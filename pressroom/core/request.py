@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pressroom.lora.request import LoRARequest
+from pressroom.multimodal.inputs import MediaItem
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class Request:
     grammar: Future[CompiledGrammar] | None = None
     lora: LoRARequest | None = None  # the adapter it runs with: its KV is its own (prefix-cache keys)
     cache_salt: str | None = None  # vLLM's: requests with different salts never share prefix-cache blocks
+    mm_features: list[MediaItem] | None = None  # its images (placeholder runs in the prompt; prefix-cache keys)
 
     def __post_init__(self) -> None:
         if not self.group:

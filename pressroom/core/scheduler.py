@@ -381,7 +381,8 @@ class Scheduler:
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id, req.pooling,
                                            req.grammar.result() if req.grammar is not None else None,
-                                           *self.kv.state_slots(req.request_id), lora=req.lora))
+                                           *self.kv.state_slots(req.request_id), lora=req.lora,
+                                           mm_features=req.mm_features))
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)

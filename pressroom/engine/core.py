@@ -25,6 +25,7 @@ from pressroom.executor.process import relax_gc
 from pressroom.logger import printable
 from pressroom.lora.request import LoRARequest
 from pressroom.model.loader import load_tokenizer, resolve_model_path
+from pressroom.multimodal.inputs import MediaItem
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
 from pressroom.worker.worker import ModelSpec
@@ -50,6 +51,7 @@ class CoreRequest:
     group: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     cache_salt: str | None = None  # keys its prefix-cache blocks apart from other salts' (vLLM's cache_salt)
+    mm_features: list[MediaItem] | None = None  # its images, placeholders expanded in prompt_token_ids
 
 
 @dataclass(slots=True)
@@ -293,7 +295,7 @@ class EngineCore:
                       request.arrival_time, request.priority, follows=lead, group=request.group or "",
                       pooling=request.pooling,
                       whole_prompt=request.pooling is not None and self.config.model.encoder_only, lora=request.lora,
-                      cache_salt=request.cache_salt)
+                      cache_salt=request.cache_salt, mm_features=request.mm_features)
         if request.params.structured_outputs is not None:
             req.grammar = self.grammars.compile(request.params.structured_outputs)
             self._compiling[req.request_id] = time.monotonic() + COMPILE_TIMEOUT_S

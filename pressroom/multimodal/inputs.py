@@ -1,0 +1,38 @@
+"""One media item of a prompt as it travels from the front-end to the model runner (a plain message: it crosses
+the core's process boundary, msgspec or pickle, so it holds bytes rather than tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """An image (or other media) the encoder turns into `length` embedding rows, which replace the prompt's
+    placeholder tokens `offset` to `offset + length`."""
+    modality: str  # "image"
+    hash: str  # content hash (the decoded media and the processor's settings): encoder cache and prefix-cache key
+    offset: int  # first placeholder token in the prompt
+    length: int  # placeholder tokens, the encoder's output rows
+    pixels: bytes  # the processor's output (row-major)
+    pixels_shape: tuple[int, ...]
+    pixels_dtype: str = "float32"
+    grid_thw: tuple[int, int, int] = (1, 1, 1)  # patches along time, height and width (Qwen-VL)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+    def pixel_tensor(self) -> torch.Tensor:
+        array = np.frombuffer(self.pixels, dtype=np.dtype(self.pixels_dtype)).reshape(self.pixels_shape)
+        return torch.from_numpy(array.copy())
+
+
+def media_overlapping(items: list[MediaItem] | None, start: int, end: int) -> list[MediaItem]:
+    """The items whose placeholder runs meet tokens [start, end)."""
+    return [m for m in items or () if m.overlaps(start, end)]
