@@ -249,8 +249,16 @@ class KVCacheManager:
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
             extra = _first_block_extra(request) if i == 0 else b""
+            if request.mm_features:
+                extra += self._media_extra(request, i)
             hashes.append(hash_block_tokens(parent, self._block_tokens(request, i), extra))
         return hashes[:num_blocks]
+
+    def _media_extra(self, request: Request, i: int) -> bytes:
+        """The content hashes of the media whose placeholder runs meet block `i`: their placeholder ids are all
+        alike, so without these two different images would share KV."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        return b"".join(b"\0media:" + m.hash.encode() for m in request.mm_features if m.overlaps(start, end))
 
     def _block_tokens(self, request: Request, i: int) -> list[int]:
         """The token ids of the request's block `i` (its chunk's header carries their digest)."""

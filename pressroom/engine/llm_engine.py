@@ -29,6 +29,7 @@ from pressroom.core.scheduler import SchedulerStats
 from pressroom.core.structured_outputs import check as check_structured_outputs
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, StopStrings, fast_decoder
+from pressroom.engine.inputs import media_items
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest
 from pressroom.model.loader import (
@@ -39,6 +40,8 @@ from pressroom.model.loader import (
     resolve_model_path,
 )
 from pressroom.model.pooling import model_pooling_defaults
+from pressroom.multimodal.inputs import MediaItem
+from pressroom.multimodal.processor import ImageProcessor, supports_images
 from pressroom.outputs import (
     CompletionOutput,
     Logprob,
@@ -144,6 +147,7 @@ class LLMEngine:
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
         self.pooling_defaults = self._pooling_defaults(path) if config.model.runner == "pooling" else None
+        self._image_processor: ImageProcessor | None = None  # made at the first prompt with images
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
 
@@ -204,8 +208,11 @@ class LLMEngine:
         params = params or SamplingParams()
         salt = _cache_salt(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
+        token_ids, media = self.process_media(prompt, token_ids)
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
+            if media:
+                raise ValueError("truncate_prompt_tokens would cut a prompt with images; shorten its text instead.")
             text, token_ids = None, kept  # the text no longer says what the model reads
         params = self._with_bad_words(self._with_think_markers(params))
         self._validate(request_id, token_ids, params)
@@ -235,7 +242,7 @@ class LLMEngine:
                 self.child_to_parent[child.request_id] = (parent, child)
                 self.core.add_request(CoreRequest(child.request_id, token_ids, child_params, arrival, priority, lead,
                                                   data_parallel_rank=data_parallel_rank, group=group,
-                                                  lora=lora_request, cache_salt=salt))
+                                                  lora=lora_request, cache_salt=salt, mm_features=media))
                 lead = lead or child.request_id
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
@@ -265,6 +272,8 @@ class LLMEngine:
             raise ValueError("This model does not pool: it was started to generate. Start it with --runner pooling "
                              "(or --task embed) for embeddings, /pooling, /score and /rerank.")
         resolved = (pooling or PoolingParams()).resolved(self.pooling_defaults)
+        if media_items(prompt):
+            raise ValueError("multi_modal_data is not supported for pooling requests.")
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_pooling(request_id, token_ids, resolved)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -310,6 +319,25 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"A prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}.")
+
+    def process_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[MediaItem] | None]:
+        """A prompt's multi_modal_data: its placeholders expanded in `token_ids` and its items (None: no media).
+        The image processor runs here, on the caller's thread (the server calls this off its event loop)."""
+        media = media_items(prompt)
+        if not media:
+            return token_ids, None
+        processor = self.image_processor()
+        token_ids, items = processor.process(token_ids, media.get("image", []))
+        return token_ids, items or None
+
+    def image_processor(self) -> ImageProcessor:
+        """The model's image processor (a ValueError naming multi_modal_data for a model that takes no images)."""
+        if self._image_processor is None:
+            if not supports_images(self.hf_config):
+                raise ValueError(f"multi_modal_data: this model ({getattr(self.hf_config, 'model_type', '?')}) "
+                                 "takes no images.")
+            self._image_processor = ImageProcessor(resolve_model_path(self.config.model.model), self.hf_config)
+        return self._image_processor
 
     def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
         """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""

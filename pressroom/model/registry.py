@@ -12,6 +12,7 @@ from pressroom.model.models.gemma3 import Gemma3ForCausalLM
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -26,6 +27,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # images in (multimodal/)
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,  # classifiers, cross-encoders
@@ -41,7 +43,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "gpt_oss": "GptOssForCausalLM",
+                "gpt_oss": "GptOssForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
                 "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",

@@ -23,6 +23,7 @@ from pressroom.kv_offload.slab import SlabHandle
 from pressroom.lora.layers import lora_step
 from pressroom.lora.manager import LoRAManager
 from pressroom.model.layers.attention import Attention
+from pressroom.multimodal.step_inputs import MultimodalInputs, StepSpan
 from pressroom.worker.device import to_device
 from pressroom.worker.grammar import GrammarReader, constrain
 from pressroom.worker.offload_copier import OffloadCopier, kv_head_range
@@ -35,6 +36,9 @@ from pressroom.worker.speculator import NO_LIMIT, Speculator
 from pressroom.worker.state_cache import StateCache
 from pressroom.worker.step_batch import StepBatch, StepBatchBuilder
 from pressroom.worker.step_output import DeviceStep, Emission, PendingOutput
+
+
+ENCODER_CACHE_MIN_ROWS = 16384  # encoder output rows kept for reuse (an image is some hundreds to thousands)
 
 
 def make_backend(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> AttentionBackend:
@@ -73,6 +77,9 @@ class ModelRunner:
         self.pooler = Pooler()
         self.grammars = GrammarReader()
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots (set by the worker)
+        # A model that takes images: their encoder cache and each step's merged embeddings (multimodal/).
+        self.multimodal = MultimodalInputs(model, max(ENCODER_CACHE_MIN_ROWS, 4 * max_num_batched_tokens)) \
+            if getattr(model, "supports_multimodal", False) else None
 
     # ---- set-up ----
 
@@ -163,11 +170,14 @@ class ModelRunner:
         """Hidden states of a step (computed as every step's are: with the proposer's aux layers)."""
         return self._forward(input_ids, positions, meta)[0]
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of a step and, where the proposer conditions on target layers, their outputs side
-        by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager."""
+        by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager.
+        `inputs_embeds`: the step's embeddings with media rows merged in (multimodal models; eager)."""
         layers = self._aux_layers()
+        if inputs_embeds is not None or positions.dim() > 1:
+            return self._forward_multimodal(input_ids, positions, meta, inputs_embeds, layers)
         if self.state_cache is not None and meta.state is None:  # a profile's throw-away step: padding slot
             meta.state = StateMetadata.one_round(meta.query_start_loc, [0] * (len(meta.query_start_loc) - 1),
                                                  self.device, meta.num_decodes)
@@ -181,6 +191,26 @@ class ModelRunner:
                 return self.model(input_ids, positions), None
             hidden, aux = self.model(input_ids, positions, layers)
         return hidden, torch.cat(aux, dim=-1)
+
+    def _forward_multimodal(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                            inputs_embeds: torch.Tensor | None, layers: tuple[int, ...]
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with forward_context(meta):
+            if not layers:
+                return self.model(input_ids, positions, inputs_embeds=inputs_embeds), None
+            hidden, aux = self.model(input_ids, positions, layers, inputs_embeds=inputs_embeds)
+        return hidden, torch.cat(aux, dim=-1)
+
+    def _multimodal_inputs(self, batch: StepBatch, sched: SchedulerOutput
+                           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The step's embeddings with its media rows merged (None: the token embeddings will do) and its
+        positions (M-RoPE rows where a request with media is in the step)."""
+        if self.multimodal is None:
+            return None, batch.positions
+        counts = sched.num_scheduled_tokens
+        spans = [StepSpan(s.req_id, s.num_computed_tokens, counts[s.req_id], end - counts[s.req_id])
+                 for s, end in zip(batch.order, batch.query_ends)]
+        return self.multimodal.step_inputs(batch.input_ids, batch.positions, spans)
 
     def _logits_at(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
         rows = hidden.index_select(0, to_device(torch.tensor(positions), hidden.device))
@@ -211,8 +241,9 @@ class ModelRunner:
                                                              sched.state_saves)
             adapters = self.lora.step([s.lora for s in batch.order], batch.query_ends) if self.lora else None
             batch.meta.layer_by_layer = adapters is not None
+            embeds, positions = self._multimodal_inputs(batch, sched)
             with lora_step(adapters):
-                hidden, features = self._forward(batch.input_ids, batch.positions, batch.meta)
+                hidden, features = self._forward(batch.input_ids, positions, batch.meta, embeds)
             pooled = self._pool(batch, sched, hidden)
             emission = self._emit(batch, sched, hidden)
             pending = emission.pending
@@ -239,11 +270,17 @@ class ModelRunner:
         finished = sched.finished_req_ids
         for rid in finished:
             self.states.pop(rid, None)
+            if self.multimodal is not None:
+                self.multimodal.finish(rid)
         if self.speculator is not None:
             self.speculator.forget(finished)
         self.pooler.forget(finished)
         for new in sched.new_requests:
             self.states[new.req_id] = CachedRequestState.start(new, self.grammars, self.device)
+            if self.multimodal is not None:
+                self.multimodal.start(new.req_id, new.num_prompt_tokens, new.mm_features)
+            elif new.mm_features:
+                raise ValueError(f"{type(self.model).__name__} takes no images.")
         if self.state_cache is not None and sched.new_requests:
             self.state_cache.start_requests(sched.new_requests)
         for cached in sched.cached_requests:

@@ -1,0 +1,308 @@
+"""Qwen2.5-VL: a ViT over dynamic-resolution patches (windowed and full attention blocks, 2D rotary, a patch merger)
+whose output rows replace the prompt's image tokens, and the Qwen2 decoder with M-RoPE (three position rows, time,
+height and width, rotating sections of each head).
+
+The runner calls `encode_media` for the images a step needs (their rows are kept in its encoder cache),
+`embed_input_ids` for the step's tokens, `mrope_positions` once per request (a prompt's three position rows and the
+offset its generated tokens take), and `forward` with the merged embeddings and the [3, tokens] positions.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pressroom.model.layers.rotary import RotaryEmbedding
+from pressroom.model.models.llama import LlamaForCausalLM, RopeTables
+from pressroom.multimodal.inputs import MediaItem
+
+_TEXT_ATTRS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+               "rms_norm_eps", "intermediate_size", "num_key_value_heads")
+
+
+def lift_text_config(hf_config: Any) -> None:
+    """The language model's shape on the top-level config too, where the engine reads it (vocab size, context)."""
+    text = hf_config.text_config
+    text.attention_bias = True  # Qwen2 biases q, k and v
+    for name in _TEXT_ATTRS:
+        if getattr(hf_config, name, None) is None and getattr(text, name, None) is not None:
+            setattr(hf_config, name, getattr(text, name))
+    hf_config.sliding_window = None  # Qwen2.5-VL's text layers attend fully (use_sliding_window false)
+
+
+# ---- the vision tower ----
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden), nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+                ) -> torch.Tensor:
+        """x: [patches, dim]; `mask`: which patches see which (None: all see all)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.norm1 = VisionRMSNorm(config.hidden_size)
+        self.norm2 = VisionRMSNorm(config.hidden_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=self.shape[1:],
+                              stride=self.shape[1:], bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [patches, C * T * P * P] as the processor flattens them -> [patches, hidden]."""
+        x = pixels.view(-1, *self.shape).to(self.proj.weight.dtype)
+        return self.proj(x).view(x.shape[0], -1)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        self.width = context_dim * merge * merge
+        self.ln_q = VisionRMSNorm(context_dim)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.merge, self.patch_size, self.window_size = config.spatial_merge_size, config.patch_size, config.window_size
+        self.full_blocks = set(config.fullatt_block_indexes)
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge)
+        head_dim = config.hidden_size // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        quarter = head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter),
+                             persistent=False)
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixels: every image's patches back to back; returns their merged rows, in the same order."""
+        device = pixels.device
+        unit = self.merge * self.merge
+        window_index, window_bounds = self._window_index(grids)
+        window_index = window_index.to(device)
+        x = self.patch_embed(pixels)
+        n = x.shape[0]
+        x = x.view(n // unit, unit, -1)[window_index].reshape(n, -1)
+        cos, sin = self._rotary(grids, device)
+        cos = cos.view(n // unit, unit, -1)[window_index].reshape(n, -1)
+        sin = sin.view(n // unit, unit, -1)[window_index].reshape(n, -1)
+        full_bounds = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)])
+        full_mask, window_mask = _segment_mask(full_bounds, device), _segment_mask(window_bounds, device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full_mask if i in self.full_blocks else window_mask)
+        return self.merger(x)[torch.argsort(window_index)]
+
+    def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's (h, w) angles, in the processor's merge-block order: [patches, head_dim] cos and sin."""
+        m = self.merge
+        rows = []
+        for t, h, w in grids:
+            hh = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
+            ww = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
+            rows.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
+        pos = torch.cat(rows).to(device)
+        freqs = pos[..., None].float() * self.inv_freq.to(device)  # [patches, 2, head_dim / 4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs.cos(), freqs.sin()
+
+    def _window_index(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, np.ndarray]:
+        """The order that puts each attention window's merged rows together, and the windows' patch bounds."""
+        side = self.window_size // self.merge // self.patch_size  # merged rows per window side
+        unit = self.merge * self.merge
+        order, bounds, base = [], [0], 0
+        for t, h, w in grids:
+            gh, gw = h // self.merge, w // self.merge
+            index = torch.arange(t * gh * gw).view(t, gh, gw)
+            pad_h, pad_w = side - gh % side, side - gw % side
+            padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+            nh, nw = (gh + pad_h) // side, (gw + pad_w) // side
+            windows = padded.view(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, side * side)
+            sizes = (windows >= 0).sum(-1).reshape(-1)
+            flat = windows.reshape(-1)
+            order.append(flat[flat >= 0] + base)
+            bounds.extend((bounds[-1] + np.cumsum(sizes.numpy()) * unit).tolist())
+            base += t * gh * gw
+        return torch.cat(order), np.unique(np.asarray(bounds))
+
+
+def _segment_mask(bounds: np.ndarray, device) -> torch.Tensor | None:
+    """A block-diagonal mask over segments [bounds[i], bounds[i + 1]) (None where one segment covers all)."""
+    if len(bounds) <= 2:
+        return None
+    segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.from_numpy(np.diff(bounds))).to(device)
+    return segment[:, None] == segment[None, :]
+
+
+# ---- M-RoPE ----
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Rotary tables whose frequency sections read the time, height and width position rows in turn."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, sections: list[int]) -> None:
+        super().__init__(head_dim, head_dim, max_position, base)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} must add up to head_dim / 2 = {head_dim // 2}.")
+        self.register_buffer("section_of", torch.repeat_interleave(torch.arange(3), torch.tensor(sections)),
+                             persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        cols = torch.arange(self.section_of.shape[0], device=positions.device)
+        rows = positions[self.section_of]  # [head_dim / 2, tokens]: each frequency's position row
+        return self.cos[rows, cols[:, None]].T.contiguous(), self.sin[rows, cols[:, None]].T.contiguous()
+
+
+def mrope_positions(token_count: int, items: list[MediaItem], merge: int) -> tuple[np.ndarray, int]:
+    """HF's get_rope_index for one prompt: text runs count on from the last position; an image's rows take
+    (start + t, start + row, start + column), and the text after it starts past its larger side. Returns the
+    [3, tokens] positions and the offset every later position takes (generated tokens: position + offset)."""
+    out = np.empty((3, token_count), dtype=np.int64)
+    pos = at = 0
+    for item in sorted(items, key=lambda m: m.offset):
+        text = item.offset - at
+        out[:, at:item.offset] = np.arange(pos, pos + text)
+        pos += text
+        t, h, w = item.grid_thw[0], item.grid_thw[1] // merge, item.grid_thw[2] // merge
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        out[:, item.offset:item.end] = grid + pos
+        pos += max(h, w)
+        at = item.end
+    out[:, at:] = np.arange(pos, pos + token_count - at)
+    delta = int(out.max()) + 1 - token_count if token_count else 0
+    return out, delta
+
+
+# ---- the model ----
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    cuda_graphs_supported = False  # decode positions carry a per-request M-RoPE offset the graphs do not take yet
+    supports_multimodal = True
+    uses_mrope = True
+
+    def __init__(self, config) -> None:
+        lift_text_config(config)
+        self.vl_config = config
+        super().__init__(config.text_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.visual = VisionTransformer(config.vision_config)
+        self.image_token_id = config.image_token_id
+        self.merge = config.vision_config.spatial_merge_size
+
+    def make_rotary(self) -> RotaryEmbedding:
+        text = self.vl_config.text_config
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        head_dim = text.hidden_size // text.num_attention_heads
+        sections = rope.get("mrope_section") or [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]
+        base = rope.get("rope_theta", getattr(text, "rope_theta", 1000000.0))
+        return MRotaryEmbedding(head_dim, text.max_position_embeddings, base, list(sections))
+
+    # ---- the runner's multimodal interface ----
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def encode_media(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        """Each item's embedding rows ([item.length, hidden]), every item in one pass of the vision tower."""
+        device = self.lm_head.weight.device
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        pixels = torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
+        rows = self.visual(pixels, [m.grid_thw for m in items])
+        return list(rows.split([m.length for m in items]))
+
+    def mrope_positions(self, num_prompt_tokens: int, items: list[MediaItem]) -> tuple[np.ndarray, int]:
+        return mrope_positions(num_prompt_tokens, items, self.merge)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                inputs_embeds: torch.Tensor | None = None):
+        """`positions`: [tokens], or [3, tokens] M-RoPE rows; `inputs_embeds`: the step's embeddings with the
+        images' rows merged in (None: the token embeddings)."""
+        text = self.model
+        x = inputs_embeds if inputs_embeds is not None else text.embed_tokens(input_ids)
+        rope = RopeTables(text.rotary, *text.rotary.cos_sin(positions))
+        residual, taps = None, {}
+        for i, layer in enumerate(text.layers):
+            x, residual = layer(rope, x, residual)
+            if i in aux_layers:
+                taps[i] = x + residual
+        x, _ = text.norm(x, residual)
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    # ---- the name map: HF 5's names (model.language_model., model.visual.) and the hub's (model., visual.) ----
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            elif name.startswith("model.visual."):
+                name = name[len("model."):]
+            yield name, tensor
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        return (name, None) if name.startswith("visual.") else super().checkpoint_target(name)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        return [name] if name.startswith("visual.") else super().checkpoint_parts(name)

@@ -1,0 +1,113 @@
+"""A prompt's images turned into what the model runner needs: the image processor's patches (HF's PIL-based
+processors: torchvision, which the fast ones need, does not load against this torch build) and the prompt's
+placeholder tokens expanded to one per encoder output row.
+
+Placeholders are expanded on token ids, not text: a text prompt is tokenized first (the image token is a special
+token, so the ids are those HF's processor gets by expanding the text), and a token prompt (vLLM's
+`prompt_token_ids` with `multi_modal_data`) is expanded alike. A run of placeholders already as long as the
+image's output (a prompt HF's processor expanded) is kept as it is.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pressroom.multimodal.inputs import MediaItem
+
+# model_type -> how its prompts hold images. Qwen2-VL and Qwen2.5-VL share their processor.
+_QWEN_VL_TYPES = {"qwen2_vl", "qwen2_5_vl"}
+IMAGE_LIMIT_DEFAULT = 16  # images per prompt when the engine sets no limit
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderLayout:
+    """Where a family's prompt puts an image: `token_id` repeated once per encoder output row."""
+    token_id: int
+    merge_size: int  # patches merged per output row along each side
+
+
+def supports_images(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", "") in _QWEN_VL_TYPES
+
+
+class ImageProcessor:
+    """The model folder's image processor and its placeholder layout."""
+
+    def __init__(self, model_path: str, hf_config: Any, max_images: int = IMAGE_LIMIT_DEFAULT) -> None:
+        if not supports_images(hf_config):
+            raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no images; "
+                             f"image inputs need one of: {', '.join(sorted(_QWEN_VL_TYPES))}.")
+        self.hf = load_pil_image_processor(model_path)
+        self.layout = PlaceholderLayout(int(hf_config.image_token_id), int(hf_config.vision_config.spatial_merge_size))
+        self.max_images = max_images
+        self._fingerprint = repr(sorted((k, repr(v)) for k, v in self.hf.to_dict().items())).encode()
+
+    def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[MediaItem]]:
+        """The prompt with each image's placeholder expanded, and the images as MediaItems in prompt order."""
+        if len(images) > self.max_images:
+            raise ValueError(f"At most {self.max_images} images per prompt (limit_mm_per_prompt); got {len(images)}.")
+        runs = placeholder_runs(token_ids, self.layout.token_id)
+        if len(runs) != len(images):
+            raise ValueError(f"The prompt has {len(runs)} image placeholder(s) but {len(images)} image(s) were given; "
+                             "put one image token per image where it goes (the chat template does this).")
+        encoded = [self._encode(image) for image in images]
+        out, items, copied = [], [], 0
+        for (start, run), (pixels, grid, digest) in zip(runs, encoded):
+            rows = int(np.prod(grid)) // self.layout.merge_size ** 2
+            if run not in (1, rows):
+                raise ValueError(f"An image placeholder run of {run} tokens does not fit its image ({rows} tokens); "
+                                 "give one placeholder token per image.")
+            out.extend(token_ids[copied:start])
+            items.append(MediaItem("image", digest, len(out), rows, pixels.tobytes(), tuple(pixels.shape),
+                                   str(pixels.dtype), tuple(int(g) for g in grid)))
+            out.extend([self.layout.token_id] * rows)
+            copied = start + run
+        out.extend(token_ids[copied:])
+        return out, items
+
+    def _encode(self, image: Any) -> tuple[np.ndarray, np.ndarray, str]:
+        image = _as_rgb(image)
+        batch = self.hf(images=[image], return_tensors="np")
+        pixels = np.ascontiguousarray(batch["pixel_values"], dtype=np.float32)
+        return pixels, batch["image_grid_thw"][0], self._hash(image)
+
+    def _hash(self, image) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self._fingerprint)
+        h.update(f"{image.mode}:{image.size}".encode())
+        h.update(image.tobytes())
+        return h.hexdigest()
+
+
+def load_pil_image_processor(model_path: str):
+    """The folder's image processor, its PIL implementation (no torchvision needed)."""
+    from transformers import AutoImageProcessor
+    try:
+        return AutoImageProcessor.from_pretrained(model_path, backend="pil")
+    except TypeError:  # transformers before the backend argument
+        return AutoImageProcessor.from_pretrained(model_path, use_fast=False)
+
+
+def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token_id`."""
+    runs, i, n = [], 0, len(token_ids)
+    while i < n:
+        if token_ids[i] == token_id:
+            j = i
+            while j < n and token_ids[j] == token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _as_rgb(image: Any):
+    from PIL import Image
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"An image must be a PIL.Image; got {type(image).__name__}.")
+    return image if image.mode == "RGB" else image.convert("RGB")
