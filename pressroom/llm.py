@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pressroom.config import EngineArgs
 from pressroom.engine import beam_search
@@ -25,7 +26,7 @@ from pressroom.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # content: a string, or OpenAI content parts
 
 
 class LLM:
@@ -256,10 +257,21 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's: each conversation rendered by the model's chat template; a message's content may be OpenAI
+        content parts, images (`image_url` with a data URL, or `image_pil`) among them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
-                   for c in conversations]
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool, chat_template_kwargs: dict | None
+                     ) -> dict:
+        """A conversation as a TokensPrompt, with its images as multi_modal_data."""
+        from pressroom.multimodal.chat import extract_images
+        messages, images = extract_images(messages)
+        prompt = {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> list[int]:

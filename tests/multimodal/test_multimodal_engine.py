@@ -1,0 +1,117 @@
+"""Images through the engine: LLM.chat's content parts, the encoder cache (the same image in two requests runs
+the encoder once), prefix caching keyed by the image (two different images never share KV blocks), placeholder
+expansion as HF's processor does it, and the ValueErrors of a bad multimodal prompt."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from tiny_vl import random_image
+
+from pressroom import LLM, SamplingParams
+from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.request import Request
+from pressroom.multimodal.inputs import MediaItem
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vl_llm(tiny_vl):
+    return LLM(tiny_vl[0], dtype="float32", kv_cache_memory_gib=0.05)
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_image_url_equals_generate(vl_llm):
+    image = random_image(7, (80, 120))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    chat = vl_llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    prompt = f"<|im_start|>user\n{PAD}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+    direct = vl_llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    other = vl_llm.generate({"prompt": prompt, "multi_modal_data": {"image": random_image(8, (80, 120))}}, GREEDY,
+                            use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != direct.outputs[0].token_ids  # the image steers the output
+
+
+def test_same_image_runs_the_encoder_once_and_different_images_share_no_blocks(vl_llm):
+    cache = vl_llm.engine.runner.multimodal.cache
+    image, other = random_image(11, (224, 224)), random_image(12, (224, 224))
+    prompt = f"Some words first, long enough to fill a block or two of the cache. {PAD} and after."
+    runs = cache.encoder_runs
+    first = vl_llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    again = vl_llm.generate({"prompt": prompt, "multi_modal_data": {"image": image.copy()}}, GREEDY,
+                            use_tqdm=False)[0]
+    assert cache.encoder_runs == runs + 1  # the second request read the cached rows
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    block = vl_llm.engine.config.cache.block_size
+    image_start = first.prompt_token_ids.index(vl_llm.engine.hf_config.image_token_id)
+    assert again.num_cached_tokens > image_start  # the prefix cache reached past the image
+    swapped = vl_llm.generate({"prompt": prompt, "multi_modal_data": {"image": other}}, GREEDY, use_tqdm=False)[0]
+    assert swapped.num_cached_tokens <= image_start // block * block  # nothing past the image's first block
+    assert cache.encoder_runs == runs + 2
+
+
+def test_media_hash_keys_only_the_blocks_an_image_reaches():
+    def request(rid, digest):
+        item = MediaItem("image", digest, offset=20, length=8, pixels=b"", pixels_shape=(0,))
+        return Request(rid, list(range(64)), GREEDY, None, mm_features=[item])
+    kv = KVCacheManager(16, 16)
+    a, b = kv._hashes(request("a", "aa"), 4), kv._hashes(request("b", "bb"), 4)
+    assert a[0] == b[0]  # the block before the image is shared
+    assert a[1] != b[1] and a[2] != b[2] and a[3] != b[3]
+
+
+def test_placeholders_expand_as_hf_processor(vl_llm):
+    """HF's processor repeats the image token per row in the text and tokenizes; the engine expands token ids."""
+    engine = vl_llm.engine
+    images = [random_image(1, (60, 150)), random_image(2, (112, 112))]
+    text = f"Compare {PAD} with {PAD}."
+    processed = engine.image_processor().hf(images=images, return_tensors="np")
+    text_hf = text
+    for grid in processed["image_grid_thw"]:
+        text_hf = text_hf.replace("<|image_pad|>", "<|placeholder|>" * (int(grid.prod()) // 4), 1)
+    text_hf = text_hf.replace("<|placeholder|>", "<|image_pad|>")
+    expected = engine.tokenizer.encode(text_hf, add_special_tokens=False)
+    _, ids = engine.tokenize_prompt(text)
+    expanded, items = engine.process_media({"multi_modal_data": {"image": images}}, ids)
+    assert expanded == expected
+    assert [m.offset for m in items] == [i for i, t in enumerate(expected)
+                                         if t == engine.hf_config.image_token_id and expected[i - 1] != t]
+    again, _ = engine.process_media({"multi_modal_data": {"image": images}}, expanded)  # already expanded: kept
+    assert again == expanded
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": f"two {PAD}{PAD}", "multi_modal_data": {"image": [random_image(0, (60, 60))]}},
+     "2 image placeholder"),
+    ({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(0, (60, 60))}}, "0 image placeholder"),
+    ({"prompt": f"{PAD}", "multi_modal_data": {"audio": b"x"}}, "modality audio"),
+    ({"prompt": f"{PAD}", "multi_modal_data": {"image": b"not an image"}}, "PIL.Image"),
+    ({"prompt": f"{PAD}", "multi_modal_data": [1]}, "must be a dict"),
+])
+def test_bad_multimodal_prompts_are_value_errors(vl_llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        vl_llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert not vl_llm.engine.has_unfinished_requests()
+
+
+def test_bad_chat_parts_are_value_errors(vl_llm):
+    with pytest.raises(ValueError, match="needs a URL"):
+        vl_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError):
+        vl_llm.chat([{"role": "user", "content": [{"type": "image_url",
+                                                   "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+                    GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="input_audio"):
+        vl_llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY,
+                    use_tqdm=False)
