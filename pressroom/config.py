@@ -333,6 +333,76 @@ def resolve_async_scheduling(asked: bool | None, device: str, speculative: Specu
 
 
 OFFLOAD_CONNECTORS = ("OffloadingConnector",)
+# connectors that move a request's KV between engines (disaggregated prefill/decode): the config is a KVTransferConfig
+P2P_CONNECTORS = ("NixlConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config for a connector that moves KV between engines: `kv_role` says whether this engine
+    stages its finished prompts' KV for others (producer), reads KV others staged (consumer), or both. `kv_ip` and
+    `kv_port`: where this engine's transfer agent takes metadata requests (peers learn them from the
+    kv_transfer_params a producer returns); `kv_buffer_size`: bytes of host memory for staged chunks; the extra
+    config's `transfer_timeout_s` bounds a read (then the prompt is computed here), `abort_request_timeout_s` how
+    long a producer holds chunks no consumer has read, and `fault_injection` ("stall_reads" or "corrupt_staged")
+    makes transfers fail on purpose, for tests."""
+    kv_connector: str
+    kv_role: str
+    engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 5600
+    kv_buffer_size: int = 1 << 30
+    transfer_timeout_s: float = 30.0
+    abort_request_timeout_s: float = 120.0
+    fault_injection: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in P2P_CONNECTORS:
+            raise ValueError(f"kv_connector {self.kv_connector!r} does not move KV between engines; use "
+                             f"{', '.join(P2P_CONNECTORS)}.")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}.")
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port {self.kv_port} is not a TCP port.")
+        if self.kv_buffer_size <= 0 or self.transfer_timeout_s <= 0 or self.abort_request_timeout_s <= 0:
+            raise ValueError("kv_buffer_size, transfer_timeout_s and abort_request_timeout_s must be positive.")
+        if self.fault_injection not in (None, "stall_reads", "corrupt_staged"):
+            raise ValueError(f"fault_injection {self.fault_injection!r}: use \"stall_reads\" or \"corrupt_staged\".")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_value(cls, value: dict | str | None) -> KVTransferConfig | None:
+        """The config of a P2P connector's --kv-transfer-config; None for none, or for an offload connector's."""
+        if value is None:
+            return None
+        transfer = json_object(value, "kv_transfer_config")
+        if transfer.get("kv_connector") not in P2P_CONNECTORS:
+            return None
+        known = {"kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port", "kv_buffer_size",
+                 "kv_connector_extra_config", "kv_rank", "kv_parallel_size", "kv_buffer_device"}
+        unknown = set(transfer) - known
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config key(s) {', '.join(sorted(unknown))}.")
+        extra = transfer.get("kv_connector_extra_config") or {}
+        extra_keys = {"transfer_timeout_s", "abort_request_timeout_s", "fault_injection", "backends"}
+        if not isinstance(extra, dict) or set(extra) - extra_keys:
+            raise ValueError(f"kv_connector_extra_config must be an object of {', '.join(sorted(extra_keys))}.")
+        if "kv_role" not in transfer:
+            raise ValueError('kv_transfer_config needs a "kv_role": kv_producer, kv_consumer or kv_both.')
+        fields = {k: transfer[k] for k in ("kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port") if k in transfer}
+        if "kv_buffer_size" in transfer:
+            fields["kv_buffer_size"] = int(float(transfer["kv_buffer_size"]))
+        fields.update({k: extra[k] for k in ("transfer_timeout_s", "abort_request_timeout_s", "fault_injection")
+                       if k in extra})
+        return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,7 +463,8 @@ def _offload_extra_config(transfer: dict | str) -> dict:
     transfer = json_object(transfer, "kv_transfer_config")
     connector = transfer.get("kv_connector")
     if connector not in OFFLOAD_CONNECTORS:
-        raise ValueError(f"kv_connector {connector!r} is not supported; use {', '.join(OFFLOAD_CONNECTORS)}.")
+        raise ValueError(f"kv_connector {connector!r} is not supported; use "
+                         f"{', '.join(OFFLOAD_CONNECTORS + P2P_CONNECTORS)}.")
     if transfer.get("kv_role", "kv_both") != "kv_both":
         raise ValueError('the OffloadingConnector runs with kv_role "kv_both".')
     extra = transfer.get("kv_connector_extra_config") or {}
@@ -457,6 +528,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads, set in every process that runs the model
     offload: OffloadConfig | None = None
     lora: LoRAConfig | None = None  # None: no adapters
+    kv_transfer: KVTransferConfig | None = None  # a connector moving KV between engines (disaggregated serving)
 
     def __post_init__(self) -> None:
         if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
@@ -755,10 +827,12 @@ class EngineArgs:
                                                      "tier; it survives restarts (needs --kv-offloading-size)")
     kv_offloading_disk_size: float | None = _arg(None, "GiB cap of the disk tier, least recently used out "
                                                        "first (default: no cap)")
-    kv_transfer_config: dict | str | None = _arg(None, "vLLM's form of the offload settings, e.g. "
+    kv_transfer_config: dict | str | None = _arg(None, "vLLM's KV connector settings: the offload tiers, e.g. "
                                                        '{"kv_connector": "OffloadingConnector", "kv_role": '
                                                        '"kv_both", "kv_connector_extra_config": '
-                                                       '{"cpu_bytes_to_use": 4000000000}}')
+                                                       '{"cpu_bytes_to_use": 4000000000}}, or disaggregated '
+                                                       'prefill/decode over NIXL, e.g. {"kv_connector": '
+                                                       '"NixlConnector", "kv_role": "kv_producer", "kv_port": 5600}')
 
     @classmethod
     def names(cls) -> set[str]:
@@ -794,6 +868,7 @@ class EngineArgs:
             speculative=speculative,
             num_threads=self.num_threads or None,
             offload=self._offload_config(),
+            kv_transfer=self._kv_transfer_config(),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None,
         )
@@ -880,9 +955,22 @@ class EngineArgs:
             pooler = PoolingParams(**values)
         return {"runner": runner, "pooler": pooler, "encoder_only": encoder}
 
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+        if transfer is None:
+            return None
+        if self.kv_offloading_size is not None or self.kv_offloading_disk_path is not None:
+            raise ValueError(f"{transfer.kv_connector} and KV offloading (--kv-offloading-size) cannot be combined "
+                             "yet; drop one of them.")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError(f"{transfer.kv_connector} stages KV in the engine core's memory, which every rank maps: "
+                             "use distributed_executor_backend 'mp'.")
+        return transfer
+
     def _offload_config(self) -> OffloadConfig | None:
+        transfer = None if KVTransferConfig.from_value(self.kv_transfer_config) else self.kv_transfer_config
         offload = OffloadConfig.from_args(size_gib=self.kv_offloading_size, disk_path=self.kv_offloading_disk_path,
-                                          disk_gib=self.kv_offloading_disk_size, transfer=self.kv_transfer_config)
+                                          disk_gib=self.kv_offloading_disk_size, transfer=transfer)
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading finds blocks by their prefix hashes; it needs prefix caching on "
                              "(drop --no-enable-prefix-caching).")

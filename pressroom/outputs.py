@@ -54,6 +54,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     session_id: str | None = None  # the caller's session (e.g. the server's X-Session-Id), as given
+    kv_transfer_params: dict | None = None  # a KV producer's: where a decode engine finds its prompt's KV (vLLM's)
 
 
 @dataclass(slots=True)

@@ -116,3 +116,5 @@ class EngineCoreOutput:
     prompt_logprobs: list[TopLogprobs | None] | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
+    # a KV connector's producer: where a decode engine finds this finished request's prompt KV (vLLM's field)
+    kv_transfer_params: dict | None = None

@@ -41,7 +41,8 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
@@ -73,6 +74,27 @@ class SchedulerStats:
     # LoRA adapters (their names) of the running and the waiting requests, each once (vLLM's lora_requests_info)
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
+    kv_transfer: KVTransferStats | None = None  # a KV connector's counters, if one runs
+
+
+@dataclass(slots=True)
+class KVTransferStats:
+    """A KV connector's counters since start (distributed/kv_transfer/): vLLM's KV connector figures, in
+    pressroom's terms."""
+    bytes_received: int = 0  # chunk bytes read from other engines and checked
+    tokens_received: int = 0  # prompt tokens whose KV came from another engine and was used
+    transfers_done: int = 0  # reads that completed and passed their checks
+    transfers_failed: int = 0  # reads that failed, timed out or came back corrupt: the prompt was computed here
+    corrupt_chunks: int = 0  # chunks whose header or checksum did not hold
+    bytes_staged: int = 0  # a producer's chunk bytes staged for other engines
+    bytes_sent: int = 0  # of those, the ones a consumer confirmed it read
+    transfers_staged: int = 0
+    transfers_expired: int = 0  # staged chunks no consumer read within abort_request_timeout_s
+    staging_slots_used: int = 0  # chunks of the staging buffer held now (a gauge)
+    staging_slots: int = 0
+
+    def copy(self) -> KVTransferStats:
+        return replace(self)
 
 
 @dataclass(slots=True)
@@ -111,13 +133,15 @@ class SpecDecodingStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *, spec_budget: AdaptiveBudget | None = None,
-                 lookahead: int = 0, async_drafts: int = 0) -> None:
+                 lookahead: int = 0, async_drafts: int = 0, kv_connector: Any = None) -> None:
         """`spec_budget`: the adaptive speculative budget (None: every draft, up to the drafter's K);
         `lookahead`: slots each request keeps past its scheduled tokens for a drafter that writes into its
         blocks (a device drafter, or MTP in the target's block tables); `async_drafts`: under async scheduling
         with a device drafter, the placeholder drafts every sampling step leaves for the next one (their ids
-        stay on the device)."""
+        stay on the device); `kv_connector`: the scheduler side of a KV connector (distributed/kv_transfer/:
+        prompt KV loaded from other engines, a finished request's staged for them), or None."""
         self.config = config
+        self.connector = kv_connector
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[tuple, int, Request]] = []  # heap
@@ -173,7 +197,8 @@ class Scheduler:
                               self.kv.stats.queries, self.kv.stats.hits,
                               self.spec_stats.copy(),
                               self.kv.offload.snapshot() if self.kv.offload is not None else None,
-                              *self._adapters_in_use())
+                              *self._adapters_in_use(),
+                              self.connector.stats() if self.connector is not None else None)
 
     def _adapters_in_use(self) -> tuple[list[str], list[str]]:
         """The running and the waiting requests' LoRA adapters, each name once (empty without --enable-lora)."""
@@ -360,15 +385,23 @@ class Scheduler:
             if loaded is None:  # its prefix is on its way from a secondary offload tier
                 continue
             num_hit += len(loaded) * self.kv.block_size
+            external = 0  # prompt tokens a KV connector loads from another engine, after the local hits
+            if self.connector is not None and req.pooling is None:
+                external = self.connector.get_num_new_matched_tokens(req, num_hit)
+                if external is None:  # its prompt's KV is on its way from another engine
+                    continue
             req.num_computed_tokens = 0
             if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
                 if req.num_tokens > budget:
                     continue
                 n = req.num_tokens
             else:
-                n = self._prefill_chunk(min(req.num_tokens - num_hit, budget), num_hit, budget)
-            if not self.kv.allocate_slots(req, n + self.lookahead, hits, loaded):
+                n = self._prefill_chunk(min(req.num_tokens - num_hit - external, budget), num_hit + external, budget)
+            if not self.kv.allocate_slots(req, external + n + self.lookahead, hits, loaded):
                 break
+            if external:
+                self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), len(hits), external)
+                num_hit += external
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -568,6 +601,8 @@ class Scheduler:
         self._order.pop(req.request_id, None)
         if self.spec_budget is not None:
             self.spec_budget.forget(req.request_id)
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv.block_ids(req.request_id))
         self.kv.free(req)
         self._forget_in_runner(req)
         self.requests.pop(req.request_id, None)

@@ -119,12 +119,13 @@ class EngineCore:
             self._log_states(plan)
         self.cuda_graphs = self.executor.compile_or_warm_up_model()
         self.kv_offload = self._make_offload(spec)
+        self.kv_connector = self._make_kv_connector(spec)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self.kv_offload, states, plan.checkpoint_interval)
         adaptive = config.speculative is not None and config.speculative.adaptive_token_budget
         budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
-                                   async_drafts=spec.device_drafts)
+                                   async_drafts=spec.device_drafts, kv_connector=self.kv_connector)
 
     # ---- set-up ----
 
@@ -146,6 +147,30 @@ class EngineCore:
                     offload.cpu_bytes // store.chunk_bytes, cache.block_size,
                     "".join(f", then {label}" for label in store.labels[1:]))
         return store
+
+    def _make_kv_connector(self, spec: ModelSpec):
+        """The KV connector that moves prompts' KV between engines (None when off); the workers map its staging
+        buffer for their copies."""
+        transfer = self.config.kv_transfer
+        if transfer is None:
+            return None
+        if spec.state_bytes_per_slot:
+            raise ValueError(f"{transfer.kv_connector} does not move recurrent layers' states yet; drop "
+                             "--kv-transfer-config for this model.")
+        from pressroom.distributed.kv_transfer.nixl_connector import NixlConnector
+        from pressroom.kv_offload.layout import model_fingerprint
+        model, cache = self.config.model, self.config.cache
+        kv_dtype = cache.cache_dtype or model.dtype
+        fingerprint = model_fingerprint(spec.model_path, model, kv_dtype, cache.block_size, spec.kv_chunk_shape)
+        connector = NixlConnector(transfer, fingerprint=fingerprint, chunk_shape=spec.kv_chunk_shape,
+                                  kv_dtype=kv_dtype, block_size=cache.block_size,
+                                  tp_size=self.config.parallel.tensor_parallel_size, pin=self.config.device == "cuda")
+        try:
+            self.executor.collective_rpc("attach_kv_connector", connector.staging.handle)
+        except BaseException:
+            connector.close()
+            raise
+        return connector
 
     def _plan_cache(self, spec: ModelSpec) -> CachePlan:
         """KV blocks alone, or for a model with recurrent layers, blocks and state slots from one budget."""
@@ -290,6 +315,7 @@ class EngineCore:
     # ---- requests ----
 
     def add_request(self, request: CoreRequest) -> None:
+        self._check_kv_transfer(request)
         lead = self.requests.get(request.follows) if request.follows is not None else None
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
                       request.arrival_time, request.priority, follows=lead, group=request.group or "",
@@ -301,6 +327,18 @@ class EngineCore:
             self._compiling[req.request_id] = time.monotonic() + COMPILE_TIMEOUT_S
         self.requests[request.req_id] = req
         self.scheduler.add_request(req)
+
+    def _check_kv_transfer(self, request: CoreRequest) -> None:
+        """A request's kv_transfer_params must be ones this engine's connector serves (ValueError otherwise)."""
+        extra = request.params.extra_args or {}
+        params = extra.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be a JSON object.")
+        if self.kv_connector is not None:
+            self.kv_connector.check_request(params)
+        elif params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            raise ValueError("kv_transfer_params asks for a KV transfer, but this engine runs no KV connector (start "
+                             "it with --kv-transfer-config '{\"kv_connector\": \"NixlConnector\", ...}').")
 
     def try_add_request(self, request: CoreRequest) -> EngineCoreOutput | None:
         """add_request for a core in its own process: a request it cannot take ends alone, with
@@ -347,6 +385,8 @@ class EngineCore:
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         scheduled, scheduled_time = [new.req_id for new in sched.new_requests], time.monotonic()
+        if self.kv_connector is not None:
+            self._connector_before_step(sched)
         if self.grammars.portable and not self._workers_read_grammars and any(n.grammar for n in sched.new_requests):
             self.executor.collective_rpc("set_grammar_tokenizer", self.grammars.tokenizer_info_json())
             self._workers_read_grammars = True
@@ -434,8 +474,17 @@ class EngineCore:
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise RuntimeError(f"{self._failed_steps} steps in a row failed; the last: {error!r}") from error
 
+    def _connector_before_step(self, sched: SchedulerOutput) -> None:
+        """The step's loads of KV read from other engines, on every rank before its forward pass; with nothing
+        to run but requests waiting for their KV, a short pause instead of a spin."""
+        self.kv_connector.before_step(self.executor.collective_rpc)
+        if sched.is_empty and self.kv_connector.waiting_for_remote:
+            time.sleep(0.002)
+
     def _update(self, sched: SchedulerOutput, runner_out) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        if self.kv_connector is not None:  # stages the finished requests' KV before their outputs leave
+            self.kv_connector.after_update(outputs, self.executor.collective_rpc)
         for out in outputs:
             if out.finish_reason is not None:
                 self.requests.pop(out.req_id, None)
@@ -451,6 +500,9 @@ class EngineCore:
         if getattr(self, "kv_offload", None) is not None:
             self.kv_offload.close()
             self.kv_offload = None
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
         self.executor.shutdown()
 
 

@@ -114,6 +114,7 @@ class _Parent:
     session_id: str | None = None
     pooling: PoolingParams | None = None  # a pooling request (resolved), which ends with `pooled`
     pooled: list[float] | None = None
+    kv_transfer_params: dict | None = None  # a KV producer's, for the request's final output
 
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
@@ -509,6 +510,8 @@ class LLMEngine:
         if out.prompt_logprobs is not None and len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
             parent.prompt_logprobs.extend(self._position_logprobs(lp) for lp in out.prompt_logprobs)
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
         if out.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         last = len(out.new_token_ids) - 1
@@ -557,7 +560,8 @@ class LLMEngine:
                                     c.finish_reason, c.stop_reason)
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id)
+                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id,
+                             parent.kv_transfer_params)
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

@@ -17,13 +17,14 @@ import torch
 
 from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pressroom.distributed.kv_transfer.worker_side import KVConnectorWorker
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pressroom.lora.manager import LoRAManager
 from pressroom.model.loader import load_model
 from pressroom.platforms import set_up_worker_threads
 from pressroom.worker.collective_profile import CollectiveProfile
 from pressroom.worker.model_runner import ModelRunner
-from pressroom.worker.offload_copier import kv_chunk_shape, kv_head_range
+from pressroom.worker.offload_copier import OffloadCopier, kv_chunk_shape, kv_head_range
 from pressroom.worker.profiling import profile_peak_memory, profile_step_costs
 from pressroom.worker.proposer import Proposer
 
@@ -79,6 +80,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.hf_config = None
         self._profile: CollectiveProfile | None = None
+        self.kv_connector: KVConnectorWorker | None = None  # a KV connector's copies (disaggregated serving)
 
     def load_model(self) -> ModelSpec:
         config = self.config
@@ -107,7 +109,7 @@ class Worker:
         shares_tables = runner.proposer is not None and runner.proposer.shares_block_tables
         lookahead = spec.num_speculative_tokens if runner.device_drafting or shares_tables else 0
         chunk = None
-        if config.offload is not None:
+        if config.offload is not None or config.kv_transfer is not None:
             layers = runner.attention_layers
             chunk = kv_chunk_shape(layers, kv_head_range(self.model, layers), config.cache.block_size)
         return ModelSpec(loaded.source, hf_config.vocab_size, _max_position(hf_config, self.model), per_block,
@@ -125,6 +127,21 @@ class Worker:
     def attach_kv_offload(self, handle) -> None:
         """Maps the KV offload CPU tier (a kv_offload.slab.SlabHandle) for the runner's copies."""
         self.model_runner.attach_kv_offload(handle)
+
+    def attach_kv_connector(self, handle) -> None:
+        """Maps a KV connector's staging buffer (a kv_offload.slab.SlabHandle) for this rank's copies."""
+        runner = self.model_runner
+        copier = OffloadCopier(handle, kv_head_range(self.model, runner.attention_layers), runner.device)
+        self.kv_connector = KVConnectorWorker(copier)
+
+    def kv_connector_save(self, saves: list[tuple[int, int]]) -> None:
+        """A finished request's blocks into staged chunks, (block, slot) pairs; done when this returns."""
+        self.kv_connector.save_kv(self.model_runner.kv_caches, saves)
+
+    def kv_connector_load(self, loads: list[tuple[int, int]]) -> None:
+        """Chunks read from another engine into a newly admitted request's blocks, before its step's forward."""
+        self.kv_connector.start_load_kv(self.model_runner.kv_caches, loads)
+        self.kv_connector.wait_for_load()
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile
@@ -214,6 +231,9 @@ class Worker:
         runs here rather than whenever the collector gets to it."""
         if self.model_runner is not None and self.model_runner.kv_offload is not None:
             self.model_runner.kv_offload.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
         self.model_runner = self.model = None
         destroy_tensor_parallel()
         gc.collect()
