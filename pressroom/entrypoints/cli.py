@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
 
     _add_serve_args(_subparser(sub, "serve", "an OpenAI-compatible HTTP server", "%(prog)s [MODEL] [options]"))
+    from pressroom.entrypoints.router import add_router_args
+    add_router_args(_subparser(sub, "router", "an OpenAI-compatible front for disaggregated prefill and decode "
+                                              "engines", "%(prog)s --prefill URL --decode URL [options]"))
     _add_train_drafter_args(_subparser(sub, "train-drafter",
                                        "distil a DFlash2 drafter from the target's own greedy generations"))
 
@@ -570,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_chat(args, engine_kwargs(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "router":
+            from pressroom.entrypoints.router import run_router
+            return run_router(args)
         if args.command == "train-drafter":
             from pressroom.training.drafter import run_cli
             if args.time_limit and not args.work_dir:

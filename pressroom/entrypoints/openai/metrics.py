@@ -17,7 +17,9 @@ The families (TARGET below), each labelled `model_name` and `engine` (the index 
   request_decode_time_seconds (histograms);
 - cache_config_info, a gauge of 1 whose labels are the cache config; with --enable-lora, lora_requests_info (its
   labels max_lora and the running and waiting requests' adapters, comma-separated; its value the snapshot's time).
-Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics), the process's own (process_*,
+Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics), with a KV connector (disaggregated
+serving) its kv_transfer_* families (bytes and tokens received, reads done and failed, corrupt chunks, bytes staged
+and sent, staged requests expired; the staging chunks held), the process's own (process_*,
 python_*), as prometheus_client exports them to vLLM's registry, and with `ServerMetrics.instrument(app)` the HTTP
 families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http_request_size_bytes,
 http_response_size_bytes, http_request_duration_highr_seconds, http_request_duration_seconds).
@@ -357,6 +359,9 @@ class _SchedulerCollector:
         offloads = [(str(i), e.offload) for i, e in enumerate(m.stats) if e.offload is not None]
         if offloads:
             yield from _offload_families(m.prefix, m.model_name, offloads)
+        transfers = [(str(i), e.kv_transfer) for i, e in enumerate(m.stats) if e.kv_transfer is not None]
+        if transfers:
+            yield from _kv_transfer_families(m.prefix, m.model_name, transfers)
         if m.shape.max_loras:
             yield _lora_family(m.prefix, m.model_name, m.shape.max_loras, m.stats)
 
@@ -445,6 +450,32 @@ def _offload_families(prefix: str, model_name: str, offloads: list[tuple[str, Of
     for engine, offload in offloads:
         for kind, nbytes in offload.total_bytes.items():
             family.add_metric([model_name, engine, kind], nbytes)
+    yield family
+
+
+_KV_TRANSFER_FAMILIES = (  # a KV connector's counters (disaggregated serving), per engine core
+    ("kv_transfer_received_bytes", "KV chunk bytes read from other engines and checked.", "bytes_received"),
+    ("kv_transfer_received_tokens", "Prompt tokens whose KV came from another engine.", "tokens_received"),
+    ("kv_transfer_reads", "Reads of other engines' KV that completed and passed their checks.", "transfers_done"),
+    ("kv_transfer_failed_reads", "Reads that failed, timed out or were corrupt (their prompts computed here).",
+     "transfers_failed"),
+    ("kv_transfer_corrupt_chunks", "Chunks read whose header or checksum did not hold.", "corrupt_chunks"),
+    ("kv_transfer_staged_bytes", "KV chunk bytes staged for other engines.", "bytes_staged"),
+    ("kv_transfer_sent_bytes", "Staged KV chunk bytes another engine confirmed it read.", "bytes_sent"),
+    ("kv_transfer_expired", "Staged requests no engine read in time.", "transfers_expired"),
+)
+
+
+def _kv_transfer_families(prefix: str, model_name: str, transfers: list):
+    for name, doc, attr in _KV_TRANSFER_FAMILIES:
+        family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+        for engine, stats in transfers:
+            family.add_metric([model_name, engine], getattr(stats, attr))
+        yield family
+    family = GaugeMetricFamily(prefix + "kv_transfer_staging_chunks_used", "Chunks of the KV staging buffer held.",
+                               labels=LABELS)
+    for engine, stats in transfers:
+        family.add_metric([model_name, engine], stats.staging_slots_used)
     yield family
 
 

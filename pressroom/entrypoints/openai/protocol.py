@@ -194,6 +194,9 @@ class _SamplingRequest(OpenAIModel):
     return_token_ids: bool | None = None  # the response carries prompt_token_ids and each choice's token_ids
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None  # SamplingParams.extra_args
+    # vLLM's disaggregated serving: {"do_remote_decode": true} to a prefill engine, its returned params to a decode
+    # engine (SamplingParams.extra_args["kv_transfer_params"], which the engine's KV connector reads)
+    kv_transfer_params: dict[str, Any] | None = None
 
     prompt_param: ClassVar[str]  # the field that holds the prompt(s)
 
@@ -265,6 +268,12 @@ class _SamplingRequest(OpenAIModel):
             chars = 0
         return {"grammar_chars": chars, "grammar_param": param}
 
+    def _extra_args(self) -> dict[str, Any] | None:
+        """SamplingParams.extra_args: vllm_xargs, and kv_transfer_params under its own key."""
+        if self.kv_transfer_params is None:
+            return self.vllm_xargs or None
+        return {**(self.vllm_xargs or {}), "kv_transfer_params": self.kv_transfer_params}
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """`response_format` (OpenAI's) or `structured_outputs` (vLLM's) as one constraint; ValueError for both."""
         fmt = self.response_format
@@ -308,7 +317,7 @@ class _SamplingRequest(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            extra_args=self.vllm_xargs or None,
+            extra_args=self._extra_args(),
             **extra,
         )
 
@@ -535,6 +544,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a KV producer's, for the decode engine (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -597,6 +607,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's)
+    kv_transfer_params: dict[str, Any] | None = None  # a KV producer's, for the decode engine (vLLM's)
 
 
 class DeltaMessage(BaseModel):

@@ -82,7 +82,8 @@ class OpenAIServingChat(OpenAIServing):
         def response() -> ChatCompletionResponse:
             choices = [self._choice(c, req, run.opens, run.tools) for c in out.outputs]
             return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, run.opens),
-                                          prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+                                          prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+                                          kv_transfer_params=out.kv_transfer_params)
         return await json_response(response, "choices", output_values([out], req.top_logprobs))
 
     async def start(self, request: Request, req: ChatCompletionRequest, rid: str) -> ChatRun:

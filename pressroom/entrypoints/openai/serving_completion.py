@@ -66,7 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         def response() -> CompletionResponse:
             choices = [choice for i, out in enumerate(finals)
                        for choice in self._completion_choices(out, req, i * req.n)]
-            return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals))
+            return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals),
+                                      kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return await json_response(response, "choices", output_values(finals, req.logprobs))
 
     async def _beam_search(self, request: Request, req: CompletionRequest, rid: str,
