@@ -20,6 +20,7 @@ from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.state_pool import StatePool
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
+from pressroom.distributed.kv_transfer.base import check_kv_transfer_params, kv_transfer_params
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
 from pressroom.logger import printable
@@ -330,15 +331,11 @@ class EngineCore:
 
     def _check_kv_transfer(self, request: CoreRequest) -> None:
         """A request's kv_transfer_params must be ones this engine's connector serves (ValueError otherwise)."""
-        extra = request.params.extra_args or {}
-        params = extra.get("kv_transfer_params")
-        if params is not None and not isinstance(params, dict):
-            raise ValueError("kv_transfer_params must be a JSON object.")
+        params = kv_transfer_params(request.params)
         if self.kv_connector is not None:
             self.kv_connector.check_request(params)
-        elif params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
-            raise ValueError("kv_transfer_params asks for a KV transfer, but this engine runs no KV connector (start "
-                             "it with --kv-transfer-config '{\"kv_connector\": \"NixlConnector\", ...}').")
+        else:
+            check_kv_transfer_params(params, None, self.config.cache.block_size)
 
     def try_add_request(self, request: CoreRequest) -> EngineCoreOutput | None:
         """add_request for a core in its own process: a request it cannot take ends alone, with

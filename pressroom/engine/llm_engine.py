@@ -27,6 +27,7 @@ from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
 from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
 from pressroom.core.structured_outputs import check as check_structured_outputs
+from pressroom.distributed.kv_transfer.base import check_kv_transfer_params, kv_transfer_params
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
 from pressroom.engine.detokenizer import IncrementalDetokenizer, StopStrings, fast_decoder
 from pressroom.engine.inputs import media_items
@@ -207,6 +208,7 @@ class LLMEngine:
                              "/pooling, /score and /rerank, not generation. Start it with --runner generate "
                              "(a decoder) to generate.")
         params = params or SamplingParams()
+        check_kv_transfer_params(kv_transfer_params(params), self.config.kv_transfer, self.config.cache.block_size)
         salt = _cache_salt(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, media = self.process_media(prompt, token_ids)

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from pressroom.config import KVTransferConfig
 from pressroom.core.outputs import EngineCoreOutput
 from pressroom.core.request import Request
 from pressroom.core.scheduler import KVTransferStats
@@ -33,6 +34,44 @@ def kv_transfer_params(request_params: Any) -> dict | None:
     if params is not None and not isinstance(params, dict):
         raise ValueError("kv_transfer_params must be a JSON object.")
     return params
+
+
+# what a decode engine needs of a producer's params (the ones NixlConnector returns)
+REMOTE_PREFILL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
+                       "remote_num_tokens", "remote_chunk_base", "remote_header_base", "chunk_bytes", "block_size",
+                       "model_fingerprint")
+
+
+def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, block_size: int) -> None:
+    """Raises ValueError, saying why, for kv_transfer_params this engine cannot serve: a transfer asked of an engine
+    without a connector or of the wrong role, a decode's params missing keys or from an engine of another block
+    size. (The model fingerprint is checked by the engine core's connector, which knows it.)"""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params must be a JSON object.")
+    decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    if not (decode or prefill):
+        return
+    if transfer is None:
+        raise ValueError("kv_transfer_params asks for a KV transfer, but this engine runs no KV connector (start it "
+                         "with --kv-transfer-config '{\"kv_connector\": \"NixlConnector\", \"kv_role\": ...}').")
+    if decode and not transfer.is_producer:
+        raise ValueError(f"kv_transfer_params asks for do_remote_decode, but this engine's kv_role is "
+                         f"{transfer.kv_role}: it does not stage KV for other engines.")
+    if not prefill:
+        return
+    if not transfer.is_consumer:
+        raise ValueError(f"kv_transfer_params asks for do_remote_prefill, but this engine's kv_role is "
+                         f"{transfer.kv_role}: it does not read KV from other engines.")
+    missing = [k for k in REMOTE_PREFILL_KEYS if k not in params]
+    if missing:
+        raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {', '.join(missing)} (pass the params "
+                         "the prefill engine returned, unchanged).")
+    if params["block_size"] != block_size:
+        raise ValueError(f"the prefill engine {params['remote_engine_id']} at {params['remote_host']}:"
+                         f"{params['remote_port']} has block size {params['block_size']}, this engine {block_size}: "
+                         "start both with the same --block-size.")
 
 
 class KVConnector(ABC):

@@ -37,7 +37,7 @@ from pressroom.config import KVTransferConfig
 from pressroom.core.outputs import EngineCoreOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import KVTransferStats
-from pressroom.distributed.kv_transfer.base import KVConnector, Rpc, kv_transfer_params
+from pressroom.distributed.kv_transfer.base import KVConnector, Rpc, check_kv_transfer_params, kv_transfer_params
 from pressroom.distributed.kv_transfer.staging import StagingBuffer
 from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, check_header, check_payload, tokens_digest
 
@@ -45,9 +45,6 @@ logger = logging.getLogger("pressroom")
 
 POLL_S = 0.02  # how often the background thread reads notifications and expires held chunks
 DONE, DROP = b"done:", b"drop:"  # a consumer's word on a transfer: read (and checked), or given up
-_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
-             "remote_num_tokens", "remote_chunk_base", "remote_header_base", "chunk_bytes", "block_size",
-             "model_fingerprint")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -124,26 +121,12 @@ class NixlConnector(KVConnector):
     # ---- requests ----
 
     def check_request(self, params: dict | None) -> None:
-        if not params:
+        check_kv_transfer_params(params, self.config, self.block_size)
+        if not params or not params.get("do_remote_prefill"):
             return
-        if params.get("do_remote_decode") and not self.config.is_producer:
-            raise ValueError(f"kv_transfer_params asks for do_remote_decode, but this engine's kv_role is "
-                             f"{self.config.kv_role}: it does not stage KV for other engines.")
-        if not params.get("do_remote_prefill"):
-            return
-        if not self.config.is_consumer:
-            raise ValueError(f"kv_transfer_params asks for do_remote_prefill, but this engine's kv_role is "
-                             f"{self.config.kv_role}: it does not read KV from other engines.")
-        missing = [k for k in _REQUIRED if k not in params]
-        if missing:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {', '.join(missing)} (pass the "
-                             "params the prefill engine returned, unchanged).")
-        engine = f"{params['remote_engine_id']} at {params['remote_host']}:{params['remote_port']}"
-        if params["block_size"] != self.block_size:
-            raise ValueError(f"the prefill engine {engine} has block size {params['block_size']}, this engine "
-                             f"{self.block_size}: start both with the same --block-size.")
         if params["chunk_bytes"] != self.staging.chunk_bytes or params["model_fingerprint"] != self.fingerprint.hex():
-            raise ValueError(f"the prefill engine {engine} serves another model or KV layout than this engine (their "
+            raise ValueError(f"the prefill engine {params['remote_engine_id']} at {params['remote_host']}:"
+                             f"{params['remote_port']} serves another model or KV layout than this engine (their "
                              "model fingerprints differ: weights, config, dtype, KV cache dtype or block size): both "
                              "must serve the same model with the same settings.")
 
