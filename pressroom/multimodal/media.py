@@ -238,20 +238,26 @@ def _fetch_http(url: str, policy: MediaPolicy) -> Fetched:
 
 class _Watchdog:
     """Shuts a connection's socket at the deadline, so that a server that trickles bytes (each read within the
-    socket's timeout) still cannot hold a fetch past it."""
+    socket's timeout) still cannot hold a fetch past it. It holds the socket itself: http.client hands it to the
+    response (and forgets it) when the server will close the connection."""
 
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
-        self.conn, self.fired = conn, False
+    def __init__(self, seconds: float) -> None:
+        self.sock: socket.socket | None = None
+        self.fired = False
         self.timer = threading.Timer(seconds, self._fire)
         self.timer.daemon = True
         self.timer.start()
 
+    def watch(self, sock: socket.socket) -> None:
+        self.sock = sock
+        if self.fired:
+            self._fire()
+
     def _fire(self) -> None:
         self.fired = True
-        sock = self.conn.sock
-        if sock is not None:
+        if self.sock is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -270,8 +276,10 @@ def _get(url: str, deadline: float, policy: MediaPolicy) -> tuple[int, str | Non
         conn = kind(parts.hostname, parts.port, timeout=remaining)
     except ValueError:
         raise MediaSourceError("The media URL's port is malformed.") from None
-    watchdog = _Watchdog(conn, remaining)
+    watchdog = _Watchdog(remaining)
     try:
+        conn.connect()
+        watchdog.watch(conn.sock)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn.request("GET", path, headers={"User-Agent": "pressroom", "Accept-Encoding": "identity"})
         response = conn.getresponse()
@@ -346,6 +354,8 @@ def decode_image(data: bytes, policy: MediaPolicy, mime: str = "") -> Image.Imag
     """Bytes as an RGB image: the format identified, the declared type matched against it, the pixel and frame
     caps checked from the header, and only then the pixels decoded."""
     from PIL import Image, UnidentifiedImageError
+    if mime not in _GENERIC_MIMES and not mime.startswith("image/"):
+        raise MimeMismatchError(f"An image was expected; the media was declared {mime!r}.")
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except UnidentifiedImageError:

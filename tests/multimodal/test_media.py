@@ -101,7 +101,7 @@ def test_bytes_that_are_no_image_or_an_unaccepted_format_are_malformed():
 def test_a_declared_type_that_is_not_what_the_bytes_are_is_a_mismatch():
     with pytest.raises(MimeMismatchError, match="declared 'image/jpeg' but is 'image/png'"):
         media.load_image(data_url("image/jpeg", png()), POLICY)
-    with pytest.raises(MimeMismatchError, match="'text/html'"):
+    with pytest.raises(MimeMismatchError, match="image was expected.*'text/html'"):
         media.load_image(data_url("text/html", png()), POLICY)
 
 
