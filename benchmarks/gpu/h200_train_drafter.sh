@@ -43,9 +43,15 @@ if [ ! -f $work/prompts.jsonl ]; then
 fi
 gzip -c $work/prompts.jsonl > "$out/prompts.jsonl.gz"
 left=$((budget - ($(date +%s) - start) - 20))
+# METHOD=dspark trains a DSpark drafter (DeepSpec's layout) from the same recording instead of a DFlash2 one.
+if [ "${METHOD:-dflash2}" = dspark ]; then
+  shape="--method dspark --num-layers ${LAYERS:-2} --markov-rank ${MARKOV_RANK:-32} --draft-block-size ${BLOCK:-7}"
+else
+  shape="--num-layers 2 --rank 16 --scorer-steps ${SCORER_STEPS:-$((${STEPS:-20000} / 4))}"
+fi
 python3 -m pressroom.entrypoints.cli train-drafter $engine --max-cudagraph-capture-size 1024 \
   --dataset-path $work/prompts.jsonl --held-out-path benchmarks/data/chat_heldout.jsonl --chat \
-  --num-prompts 50000 --max-tokens 160 --record-batch 2048 --num-layers 2 --rank 16 --steps ${STEPS:-20000} --scorer-steps ${SCORER_STEPS:-$((${STEPS:-20000} / 4))} \
+  --num-prompts 50000 --max-tokens 160 --record-batch 2048 $shape --steps ${STEPS:-20000} \
   --batch-size 512 --lr 1.5e-3 --validation-fraction 0.02 --eval-every 1000 --patience 4 --save-dtype bfloat16 \
   --work-dir $work/train --checkpoint-every 1000 --time-limit $left --output $work/drafter > $work/train.log 2>&1
 rc=$?

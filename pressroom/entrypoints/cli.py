@@ -485,13 +485,19 @@ def _add_train_drafter_args(tr: argparse.ArgumentParser) -> None:
     data.add_argument("--ignore-eos", action="store_true", help="generate past EOS (serving stops at it)")
     data.add_argument("--record-batch", type=int, default=32, help="prompts generated together while recording")
     drafter = tr.add_argument_group("drafter")
+    drafter.add_argument("--method", default="dflash2", choices=["dflash2", "dspark"],
+                         help="dflash2 (pressroom's block drafter and candidate selector) or dspark (DeepSpec's "
+                              "layout: Markov and confidence heads; loads with method \"dspark\")")
     drafter.add_argument("--draft-block-size", type=int, default=8, help="K: tokens the drafter proposes per pass")
     drafter.add_argument("--target-layers", default=None,
                          help="comma-separated target layers whose hidden states the drafter reads (default: "
                               "three across the depth)")
     drafter.add_argument("--num-layers", type=int, default=1, help="the drafter's transformer layers")
     drafter.add_argument("--num-heads", type=int, default=8, help="the drafter's attention heads")
-    drafter.add_argument("--rank", type=int, default=32, help="the selector's transition rank")
+    drafter.add_argument("--rank", type=int, default=32, help="the selector's transition rank (dflash2)")
+    drafter.add_argument("--markov-rank", type=int, default=32, help="the Markov head's rank (dspark; 0: none)")
+    drafter.add_argument("--markov-head-type", default="gated", choices=["vanilla", "gated", "rnn"],
+                         help="the Markov head's form (dspark)")
     drafter.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
                          help="dtype of the saved weights")
     training = tr.add_argument_group("training")

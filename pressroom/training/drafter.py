@@ -21,12 +21,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pressroom.spec_decode.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Proposer
 from pressroom.spec_decode.selector import lattice, viterbi_batch
@@ -238,6 +239,14 @@ def acceptance_lengths(drafter: DFlash2Drafter, target, corpus: Corpus, rows: to
     return {name: 1.0 + v / len(rows) for name, v in matched.items()}
 
 
+def _selector_loss(drafter: DFlash2Drafter, target, feats, masks, anchors, labels) -> torch.Tensor:
+    """The selector's CRF loss on a batch, the drafter frozen."""
+    with torch.no_grad():
+        slots, logits = slot_logits(drafter, target, feats, masks, anchors)
+    cand, unary, edges = lattice(drafter.scorer, drafter.cfg.top_m, slots.float(), logits, anchors)
+    return crf_loss(unary.float(), edges.float(), cand, labels)
+
+
 # ---- training ----
 
 class TrainingPaused(Exception):
@@ -310,11 +319,14 @@ def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, ba
         "held_out_before": acceptance_lengths(drafter, target_model, test_c, test_c.anchors_at, k, context),
         "train_before": acceptance_lengths(drafter, target_model, train_c, seen, k, context)}
     body = [p for n, p in drafter.named_parameters() if not n.startswith("scorer")]
-    fit = _Fit(drafter, target_model, train_c, val_c, schedule, gen, progress, ckpt, report)
-    first = fit.run(_Phase("drafter"), schedule.steps, body, weighted_slot_loss, "argmax")
+    fit = _Fit(drafter, train_c, val_c, schedule, gen, progress, ckpt, report, k, context,
+               lambda corpus, rows: acceptance_lengths(drafter, target_model, corpus, rows, k, context))
+    first = fit.run(_Phase("drafter"), schedule.steps, body, lambda feats, masks, anchors, labels: weighted_slot_loss(
+        slot_logits(drafter, target_model, feats, masks, anchors)[1], labels), "argmax")
     report.update(_phase_report("", first))
     if schedule.scorer_steps:
-        crf = fit.run(_Phase("selector"), schedule.scorer_steps, list(drafter.scorer.parameters()), None, "selector")
+        crf = fit.run(_Phase("selector"), schedule.scorer_steps, list(drafter.scorer.parameters()),
+                      lambda *batch: _selector_loss(drafter, target_model, *batch), "selector")
         report.update(_phase_report("scorer_", crf))
     report["train_after"] = acceptance_lengths(drafter, target_model, train_c, seen, k, context)
     report["held_out_after"] = acceptance_lengths(drafter, target_model, test_c, test_c.anchors_at, k, context)
@@ -343,11 +355,13 @@ class _Checkpoint:
         self.report = state["report"] if state else None
 
     @classmethod
-    def open(cls, work_dir: str | None, cfg: DFlash2Config, examples: int) -> _Checkpoint:
+    def open(cls, work_dir: str | None, cfg, examples: int, file: str = "train_state.pt") -> _Checkpoint:
+        """`cfg`: the drafter's configuration (a dataclass): a checkpoint of another one is refused. `file`: one
+        per drafter method, so that methods share a work directory's recording."""
         key = {"config": asdict(cfg), "train_examples": examples}
         if work_dir is None:
             return cls(None, key, None)
-        path = Path(work_dir) / "train_state.pt"
+        path = Path(work_dir) / file
         state = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
         if state is not None and state["key"] != key:
             raise ValueError(f"{path} is a checkpoint of another drafter configuration or corpus: "
@@ -371,19 +385,26 @@ class _Checkpoint:
         self.state = state
 
 
+BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Score = Callable[[Corpus, torch.Tensor], dict[str, float]]  # (corpus, anchor rows) -> acceptance lengths
+
+
 class _Fit:
     """AdamW with warm-up and cosine decay over one phase's parameters; with a validation corpus, the best
-    weights by validation acceptance length are kept and the phase stops once it stops improving."""
+    weights by validation acceptance length are kept and the phase stops once it stops improving. Drafter-
+    agnostic: a phase's loss of a batch (features, masks, anchors, labels) and the acceptance `score` are given."""
 
-    def __init__(self, drafter: DFlash2Drafter, target, corpus: Corpus, val: Corpus | None, schedule: Schedule,
-                 gen: torch.Generator, progress: bool, ckpt: _Checkpoint, report: dict) -> None:
-        self.drafter, self.target, self.corpus, self.val = drafter, target, corpus, val
+    def __init__(self, drafter: nn.Module, corpus: Corpus, val: Corpus | None, schedule: Schedule,
+                 gen: torch.Generator, progress: bool, ckpt: _Checkpoint, report: dict, k: int, context: int,
+                 score: Score) -> None:
+        self.drafter, self.corpus, self.val = drafter, corpus, val
         self.schedule, self.gen, self.progress, self.ckpt, self.report = schedule, gen, progress, ckpt, report
+        self.k, self.context, self.score = k, context, score
         self.val_rows = val.anchors_at[:4096] if val is not None else None  # the same rows every time
 
-    def run(self, phase: _Phase, steps: int, params: list[torch.nn.Parameter], slot_loss, metric: str) -> _Phase:
-        """`slot_loss` None: the scorer's CRF loss (drafter frozen). `metric`: the validation acceptance
-        length early stopping follows ("argmax" for the drafter's slots, "selector" for its paths)."""
+    def run(self, phase: _Phase, steps: int, params: list[torch.nn.Parameter], batch_loss: BatchLoss,
+            metric: str) -> _Phase:
+        """`metric`: the validation acceptance length early stopping follows (a key of `score`'s result)."""
         opt = torch.optim.AdamW(params, lr=self.schedule.lr, weight_decay=0.01)
         warmup = max(1, steps // 20)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -392,22 +413,14 @@ class _Fit:
         if phase.step >= steps or phase.stopped_early:
             return phase
         device = self.corpus.tokens.device
-        k, context = self.drafter.cfg.block_size, DFlash2Proposer.context_len
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         every = self.schedule.eval_every if self.val is not None else 0
         bar = _bar(steps, self.progress, phase.name, phase.step)
         while phase.step < steps:
             pick = torch.randint(len(self.corpus.anchors_at), (self.schedule.batch_size,), generator=self.gen)
-            feats, masks, anchors, labels = self.corpus.batch(self.corpus.anchors_at[pick.to(device)], k, context)
+            batch = self.corpus.batch(self.corpus.anchors_at[pick.to(device)], self.k, self.context)
             with autocast:
-                if slot_loss is not None:
-                    loss = slot_loss(slot_logits(self.drafter, self.target, feats, masks, anchors)[1], labels)
-                else:
-                    with torch.no_grad():
-                        slots, logits = slot_logits(self.drafter, self.target, feats, masks, anchors)
-                    cand, unary, edges = lattice(self.drafter.scorer, self.drafter.cfg.top_m, slots.float(), logits,
-                                                 anchors)
-                    loss = crf_loss(unary.float(), edges.float(), cand, labels)
+                loss = batch_loss(*batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -435,8 +448,7 @@ class _Fit:
         return phase
 
     def _validate(self, phase: _Phase, metric: str, best_weights: dict | None) -> dict | None:
-        k, context = self.drafter.cfg.block_size, DFlash2Proposer.context_len
-        score = acceptance_lengths(self.drafter, self.target, self.val, self.val_rows, k, context)[metric]
+        score = self.score(self.val, self.val_rows)[metric]
         logger.info("train-drafter: %s step %d, validation acceptance length %.3f", phase.name, phase.step, score)
         if score > phase.best + 1e-4:
             phase.best, phase.best_step, phase.stale_evals = score, phase.step, 0
@@ -517,8 +529,6 @@ def run_cli(args, engine_kwargs: dict) -> int:
         return record(llm, prompts, args.max_tokens, layers, args.record_batch, args.ignore_eos, args.work_dir,
                       tag, deadline)
 
-    cfg = DFlash2Config(block_size=args.draft_block_size, target_layers=layers, num_layers=args.num_layers,
-                        num_heads=args.num_heads, rank=args.rank)
     schedule = Schedule(args.steps, args.steps // 4 if args.scorer_steps is None else args.scorer_steps,
                         args.batch_size, args.lr, args.validation_fraction, args.eval_every, args.patience,
                         args.work_dir, args.checkpoint_every, deadline)
@@ -527,11 +537,23 @@ def run_cli(args, engine_kwargs: dict) -> int:
         held_out = recorded(args.held_out_path, None, "heldout") if args.held_out_path else 0.1
         logger.info("train-drafter: %d sequences (%d tokens) recorded in %.1f s", len(seqs),
                     sum(len(s.tokens) for s in seqs), time.perf_counter() - start)
-        drafter, report = train(llm.engine.model, seqs, cfg, args.steps, held_out=held_out, schedule=schedule)
+        target = llm.engine.model
+        if args.method == "dspark":
+            from pressroom.training import dspark
+            cfg = dspark.DSparkTrainConfig(args.draft_block_size, layers, args.num_layers, args.markov_rank,
+                                           args.markov_head_type)
+            drafter, report = dspark.train(target, seqs, cfg, schedule, held_out=held_out)
+        else:
+            cfg = DFlash2Config(block_size=args.draft_block_size, target_layers=layers, num_layers=args.num_layers,
+                                num_heads=args.num_heads, rank=args.rank)
+            drafter, report = train(target, seqs, cfg, args.steps, held_out=held_out, schedule=schedule)
     except TrainingPaused as paused:
         print(f"train-drafter: {paused}; run the same command again to resume from {args.work_dir}")
         return 75
-    save_drafter(drafter, args.output, dtype=getattr(torch, args.save_dtype))
+    if args.method == "dspark":
+        dspark.save_drafter(drafter, target.config, args.output, dtype=getattr(torch, args.save_dtype))
+    else:
+        save_drafter(drafter, args.output, dtype=getattr(torch, args.save_dtype))
     report["sequences"] = len(seqs)
     report["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(args.output, "report.json"), "w") as f:
