@@ -72,9 +72,10 @@ def drafter_config(target_hf, cfg: DSparkTrainConfig) -> DSparkConfig:
 def new_drafter(target_model, cfg: DSparkTrainConfig) -> DSparkDrafter:
     """A drafter with the target's embeddings and LM head (frozen copies, as DeepSpec's) and small random rest."""
     drafter = DSparkDrafter(drafter_config(target_model.config, cfg))
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target_model.model.embed_tokens.weight.float())
-        drafter.lm_head.weight.copy_(target_model.lm_head.weight.float())
+    with torch.no_grad():  # through the embedding module: a GGUF target's table may be quantized
+        ids = torch.arange(drafter.cfg.vocab_size, device=target_model.lm_head.weight.device)
+        drafter.embed_tokens.weight.copy_(target_model.model.embed_tokens(ids).float().cpu())
+        drafter.lm_head.weight.copy_(target_model.lm_head.weight.float().cpu())
         if drafter.markov_head is not None:  # the bias starts at zero: the backbone learns first
             drafter.markov_head.markov_w2.weight.zero_()
     for name in SHARED_WITH_TARGET:
