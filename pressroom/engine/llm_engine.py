@@ -194,13 +194,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, session_id: str | None = None,
                     data_parallel_rank: int | None = None, group: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, mm_features: list[MediaItem] | None = None) -> None:
         """`session_id` (optional) groups requests of one conversation or user; it comes back on every
         RequestOutput of this request. It does not change scheduling. `data_parallel_rank`: the engine core
         that serves it (with data_parallel_size > 1; None: the least busy, or the one holding its prefix).
         `group`: the client's request this one is a prompt of (a list of prompts): the scheduler shares its
         slots fairly between such groups, as between the n samples of requests (None: a group of its own).
-        `lora_request`: the adapter it runs with (needs enable_lora; None: the base model)."""
+        `lora_request`: the adapter it runs with (needs enable_lora; None: the base model). `mm_features`: the
+        prompt's media as `process_media` made them, its token ids already expanded (the server processes
+        images on its own threads; without it, a prompt's multi_modal_data is processed here)."""
         self._check_data_parallel_rank(data_parallel_rank)
         self._check_lora(lora_request)
         if self.pooling_defaults is not None:
@@ -211,7 +213,10 @@ class LLMEngine:
         check_kv_transfer_params(kv_transfer_params(params), self.config.kv_transfer, self.config.cache.block_size)
         salt = _cache_salt(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
-        token_ids, media = self.process_media(prompt, token_ids)
+        if mm_features is None:
+            token_ids, media = self.process_media(prompt, token_ids)
+        else:
+            media = self._checked_media(prompt, token_ids, mm_features)
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
             if media:
@@ -332,6 +337,20 @@ class LLMEngine:
         processor = self.image_processor()
         token_ids, items = processor.process(token_ids, media.get("image", []))
         return token_ids, items or None
+
+    def _checked_media(self, prompt: PromptType, token_ids: list[int], items: list[MediaItem]
+                       ) -> list[MediaItem] | None:
+        """Media processed beforehand: each item's placeholder run must lie in the prompt, on image tokens."""
+        if media_items(prompt):
+            raise ValueError("Give multi_modal_data or mm_features (already processed), not both.")
+        if not items:
+            return None
+        image_token = self.image_processor().layout.token_id
+        for item in items:
+            if not isinstance(item, MediaItem) or item.offset < 0 or item.end > len(token_ids) \
+                    or any(t != image_token for t in token_ids[item.offset:item.end]):
+                raise ValueError("mm_features do not match the prompt's image placeholder runs.")
+        return list(items)
 
     def image_processor(self) -> ImageProcessor:
         """The model's image processor (a ValueError naming multi_modal_data for a model that takes no images)."""

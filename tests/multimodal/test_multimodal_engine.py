@@ -13,6 +13,7 @@ from pressroom import LLM, SamplingParams
 from pressroom.core.kv_cache_manager import KVCacheManager
 from pressroom.core.request import Request
 from pressroom.multimodal.inputs import MediaItem
+from pressroom.sampling_params import RequestOutputKind
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -115,3 +116,22 @@ def test_bad_chat_parts_are_value_errors(vl_llm):
     with pytest.raises(ValueError, match="input_audio"):
         vl_llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY,
                     use_tqdm=False)
+
+
+def test_preprocessed_media_equal_multi_modal_data(vl_llm):
+    """The server's way: media processed off the engine's lock (process_media), then added with mm_features."""
+    engine = vl_llm.engine
+    image = random_image(21, (90, 90))
+    prompt = {"prompt": f"Look: {PAD} now", "multi_modal_data": {"image": image}}
+    direct = vl_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    ids, items = engine.process_media(prompt, engine.tokenize_prompt(prompt)[1])
+    engine.add_request("pre", {"prompt_token_ids": ids}, GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                       mm_features=items)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(o for o in engine.step() if o.finished)
+    assert outs[0].outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="do not match"):
+        engine.add_request("bad", {"prompt_token_ids": ids[1:]}, GREEDY, mm_features=items)
+    with pytest.raises(ValueError, match="not both"):
+        engine.add_request("both", prompt, GREEDY, mm_features=items)
