@@ -21,6 +21,7 @@ from pressroom.entrypoints.cli_argv import SearchableHelp, VLLMArgvParser  # noq
 from pressroom.entrypoints.openai.limits import add_limit_args  # noqa: E402
 from pressroom.entrypoints.openai.settings import REASONING_PARSERS, ServerSettings  # noqa: E402
 from pressroom.logger import DATE_FORMAT, FORMAT, configure_logging  # noqa: E402
+from pressroom.multimodal.media import MediaPolicy  # noqa: E402
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -235,6 +236,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     _add_generation_args(serve.add_argument_group("generation defaults: what a request that leaves a sampling "
                                                   "parameter out gets"))
     _add_browser_args(serve.add_argument_group("browsers (a list: JSON, as vLLM takes it, or comma-separated)"))
+    _add_media_args(serve.add_argument_group("media in chat requests: image_url, input_audio, audio_url and "
+                                             "video_url parts (each refusal a 400 naming its limit)"))
     add_limit_args(serve.add_argument_group("admission limits: what one request may cost (docs/LIMITS.md); "
                                             "over one, a 400 naming the field"))
     _add_log_args(serve.add_argument_group("logging"))
@@ -328,6 +331,24 @@ def _add_generation_args(generation: argparse._ArgumentGroup) -> None:
                                  '\'{"temperature": 0.5}\'; a max_new_tokens caps every request\'s max_tokens')
 
 
+def _add_media_args(media: argparse._ArgumentGroup) -> None:
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                       help="host names http(s) media URLs (and their redirects) may come from; \"*\": any "
+                            "(default: none, no http(s) media; vLLM's: any)")
+    media.add_argument("--allowed-local-media-path", default="", metavar="FOLDER",
+                       help="the folder file:// media URLs may read under (default: none, no file:// media)")
+    media.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                       help='media items one prompt may hold, per modality, e.g. \'{"image": 2, "audio": 1}\' '
+                            "(default: 999 of each, vLLM's)")
+    media.add_argument("--media-fetch-timeout", type=float, default=_media_default("fetch_timeout"),
+                       metavar="SECONDS", help="seconds an http(s) media fetch may take in all, redirects included "
+                                               "(vLLM's VLLM_IMAGE_FETCH_TIMEOUT)")
+
+
+def _media_default(name: str) -> Any:
+    return default_of(MediaPolicy, name)
+
+
 def _add_browser_args(browsers: argparse._ArgumentGroup) -> None:
     browsers.add_argument("--allowed-origins", type=_string_list, default=None,
                           help='origins besides the server\'s own whose pages may call it (CORS), e.g. '
@@ -409,10 +430,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),
     ("--structured-outputs-config",): ("structured outputs run on xgrammar with fixed settings; the config is not "
                                        "read yet", ()),
-    ("--limit-mm-per-prompt",): (_MULTIMODAL, ()),
     ("--mm-processor-kwargs",): (_MULTIMODAL, ()),
-    ("--allowed-local-media-path",): (_MULTIMODAL, ()),
-    ("--allowed-media-domains",): (_MULTIMODAL, ()),
     ("--enable-prompt-embeds",): ("prompt embeddings as inputs are not supported", ()),
     ("--uds",): ("listening on a Unix domain socket is not supported yet: use --host and --port", ()),
     ("--middleware",): ("ASGI middleware is not loaded from the command line", ()),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, model_serializer
@@ -408,6 +409,50 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+# OpenAI's media content parts (and vLLM's audio_url): the part's type -> its modality
+MEDIA_PART_MODALITIES = {"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """One media content part of a chat request, where it sits and what it names: a URL (image_url, audio_url,
+    video_url) or base64 data in a format (input_audio). Loaded by serving_chat's media threads."""
+    message: int  # the index of its message
+    part: int  # its index in the message's content
+    kind: str  # the part's type: a key of MEDIA_PART_MODALITIES
+    url: str | None = None
+    data: str | None = None
+    audio_format: str | None = None
+
+    @property
+    def modality(self) -> str:
+        return MEDIA_PART_MODALITIES[self.kind]
+
+    @property
+    def param(self) -> str:
+        return f"messages.{self.message}.content"
+
+    @property
+    def where(self) -> str:
+        return f"messages[{self.message}].content[{self.part}] ({self.kind})"
+
+
+def _media_part(message: int, index: int, part: dict[str, Any]) -> MediaPart:
+    """A media content part's fields, or a ValueError naming what is missing. The URL parts take {"url": ...}
+    (OpenAI's) or the URL string itself (as vLLM does)."""
+    kind = part["type"]
+    body = part.get(kind)
+    if kind == "input_audio":
+        if not isinstance(body, dict) or not isinstance(body.get("data"), str) or not isinstance(
+                body.get("format", ""), str):
+            raise ValueError('an input_audio part needs {"data": <base64>, "format": "wav"|"mp3"|"flac"|"ogg"}')
+        return MediaPart(message, index, kind, data=body["data"], audio_format=body.get("format") or None)
+    url = body.get("url") if isinstance(body, dict) else body
+    if not isinstance(url, str) or not url:
+        raise ValueError(f'an {kind} part needs {{"url": <a data:, http(s): or file: URL>}}')
+    return MediaPart(message, index, kind, url=url)
+
+
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # name and the like reach the template as given
     role: str
@@ -417,18 +462,47 @@ class ChatMessage(OpenAIModel):
 
     @field_validator("content")
     @classmethod
-    def text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        for part in content if isinstance(content, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported; got type {part.get('type')!r}")
+    def known_parts(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        """Text parts, and media parts in their OpenAI shapes (their URLs and data are checked when loaded)."""
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type")
+            if kind in MEDIA_PART_MODALITIES:
+                _media_part(0, index, part)
+            elif kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content parts may be text, {', '.join(MEDIA_PART_MODALITIES)}; got type {kind!r}")
         return content
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined by newlines)."""
+        """The content as one string (text parts joined by newlines; media parts are not text)."""
         if isinstance(self.content, list):
-            return "\n".join(part["text"] for part in self.content)
+            return "\n".join(part["text"] for part in self.content if part.get("type") == "text")
         return self.content or ""
+
+    def media_parts(self, message: int) -> list[MediaPart]:
+        """The message's media content parts, in order (`message`: its index in the request)."""
+        if not isinstance(self.content, list):
+            return []
+        return [_media_part(message, index, part) for index, part in enumerate(self.content)
+                if part.get("type") in MEDIA_PART_MODALITIES]
+
+
+def media_parts(messages: Sequence[ChatMessage]) -> list[MediaPart]:
+    """Every media content part of a conversation, in prompt order."""
+    return [part for index, message in enumerate(messages) for part in message.media_parts(index)]
+
+
+class TokenizeMessage(ChatMessage):
+    """A message of /tokenize: text parts only. The media parts' tokens are the model's processor's to count,
+    and no model pressroom serves takes media yet."""
+
+    @field_validator("content")
+    @classmethod
+    def text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"/tokenize counts text content parts only; got type {part.get('type')!r}")
+        return content
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -479,7 +553,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], HashableFailFast()] | None = None
+    messages: Annotated[list[TokenizeMessage], HashableFailFast()] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -77,7 +77,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
-from pressroom.entrypoints.openai.serving_chat import OpenAIServingChat
+from pressroom.entrypoints.openai.serving_chat import MediaLoader, OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_messages import MESSAGES_PATH, OpenAIServingMessages, messages_error
 from pressroom.entrypoints.openai.serving_pooling import POOLING_ROUTES, OpenAIServingPooling
@@ -365,6 +365,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     for handler in (utility, completion, chat, pooling, responses, messages):
         handler.adapters = adapters
         handler.sampling_defaults = defaults
+    media = MediaLoader(settings.media_policy)  # chat's media parts, on threads of their own
+    for handler in (chat, responses, messages):
+        handler.media = media
 
     @asynccontextmanager
     async def lifespan(_):

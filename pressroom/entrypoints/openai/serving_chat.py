@@ -3,9 +3,12 @@ parser) the split of the output into `reasoning_content` and `content`, and tool
 (tools.py decides how, per request)."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +32,11 @@ from pressroom.entrypoints.openai.protocol import (
     CompletionTokensDetails,
     DeltaMessage,
     DeltaToolCall,
+    MediaPart,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    media_parts,
     random_id,
 )
 from pressroom.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
@@ -50,10 +55,74 @@ from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, 
 from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
 from pressroom.entrypoints.openai.tool_parsers.base import markers_are_special
 from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
+from pressroom.multimodal import media as media_io
 from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pressroom")
+
+MEDIA_THREADS = 8  # vLLM's VLLM_MEDIA_LOADING_THREAD_COUNT
+_MODALITY_NOUNS = {"image": "images", "audio": "audio", "video": "video"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedMedia:
+    """A media part loaded and past the guards: a PIL image, (float32 samples, rate) or (frames, h, w, 3) uint8."""
+    part: MediaPart
+    value: Any
+
+
+def _load_part(part: MediaPart, policy: media_io.MediaPolicy) -> Any:
+    if part.kind == "image_url":
+        return media_io.load_image(part.url, policy)
+    if part.kind == "input_audio":
+        return media_io.load_audio_base64(part.data, part.audio_format, policy)
+    if part.kind == "audio_url":
+        return media_io.load_audio(part.url, policy)
+    return media_io.load_video(part.url, policy)
+
+
+class MediaLoader:
+    """A chat request's media parts fetched and decoded under the server's MediaPolicy, on threads of their own:
+    never the event loop, nor the tokenizer's threads (a slow fetch holds one of these up to the fetch timeout)."""
+
+    def __init__(self, policy: media_io.MediaPolicy | None = None, threads: int = MEDIA_THREADS) -> None:
+        self.policy = policy or media_io.MediaPolicy()
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pressroom-media")
+
+    async def load(self, parts: list[MediaPart]) -> list[LoadedMedia]:
+        """Every part loaded, in order; the first refusal (in prompt order) a 400 naming the part and the limit.
+        Too many parts of one modality (--limit-mm-per-prompt) are refused before any is loaded."""
+        if not parts:
+            return []
+        counts: dict[str, int] = {}
+        for part in parts:
+            counts[part.modality] = counts.get(part.modality, 0) + 1
+        try:
+            media_io.check_counts(counts, self.policy)
+        except media_io.MediaError as e:
+            raise APIError(400, str(e), param="messages") from None
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(
+            *(loop.run_in_executor(self.pool, functools.partial(_load_part, part, self.policy)) for part in parts),
+            return_exceptions=True)
+        for part, result in zip(parts, results):
+            if isinstance(result, BaseException):
+                raise _media_error(part, result)
+        return [LoadedMedia(part, value) for part, value in zip(parts, results)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _media_error(part: MediaPart, error: BaseException) -> BaseException:
+    """A part's failure as the client's 400 (a decoder's own exception on hostile bytes included)."""
+    if isinstance(error, media_io.MediaError):
+        return APIError(400, f"{part.where}: {error}", param=part.param)
+    if not isinstance(error, Exception):  # CancelledError and the like
+        return error
+    logger.warning("a %s part could not be decoded: %s: %s", part.kind, type(error).__name__, str(error)[:200])
+    return APIError(400, f"{part.where}: the {part.modality} could not be decoded.", param=part.param)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -69,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             and markers_are_special(engine.tokenizer, auto_tool_parser.markers())
         if reasoning is not None:
             logger.info("reasoning parser: %s ... %s", reasoning.start, reasoning.end)
+        self.media = MediaLoader()  # the server sets its own, under --allowed-media-domains and the like
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
@@ -92,6 +162,7 @@ class OpenAIServingChat(OpenAIServing):
         lora = self._check_model(req.model)
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
+        multi_modal_data = self.multi_modal_data(await self.media.load(media_parts(req.messages)))
         truncating = req.truncate_prompt_tokens is not None  # then only the kept tail counts against the context
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.template_kwargs, req.chat_template, tools.template_tools,
@@ -111,8 +182,26 @@ class OpenAIServingChat(OpenAIServing):
                 params = params.clone(skip_special_tokens=False)  # else the markers vanish from the text
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
-        streams = await self._add_all(request, rid, [(req.prompt_dict(ids), params)], routing, lora)
+        prompt = req.prompt_dict(ids)
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        streams = await self._add_all(request, rid, [(prompt, params)], routing, lora)
         return ChatRun(streams[0], ids, opens, tools)
+
+    def multi_modal_data(self, media: list[LoadedMedia]) -> dict[str, list[Any]]:
+        """The hand-off to the engine: the request's media, loaded and past the guards, as the engine prompt's
+        `multi_modal_data` (vLLM's form: modality -> its items in prompt order; an image a PIL RGB image, audio
+        (float32 mono samples, sample rate), a video (frames, height, width, 3) uint8). Every model pressroom
+        serves today takes text only, so any media is a 400 here, naming the first item's modality; a model that
+        takes media returns the dict instead (its chat template then renders each part's placeholder)."""
+        data: dict[str, list[Any]] = {}
+        for item in media:
+            data.setdefault(item.part.modality, []).append(item.value)
+        if data:
+            part = media[0].part
+            raise APIError(400, f"{part.where}: this model takes no {_MODALITY_NOUNS[part.modality]}; it takes "
+                                "text only.", param=part.param)
+        return data
 
     @staticmethod
     def _with_tool_schema(params: SamplingParams, tools: ToolPlan) -> SamplingParams:

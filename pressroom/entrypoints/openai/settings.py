@@ -13,6 +13,7 @@ from pressroom.engine.sampling_defaults import GENERATION_CONFIG_AUTO, check_gen
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
 from pressroom.entrypoints.openai.tls import TLSSettings
+from pressroom.multimodal.media import MediaPolicy, parse_limit_per_prompt
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
 REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3", "mimo", "granite",
@@ -86,6 +87,9 @@ class ServerSettings:
     # Host names answered (any port; "*": any); None: LOOPBACK_HOSTS and the address itself when bound to loopback,
     # any otherwise
     allowed_hosts: tuple[str, ...] | None = None
+    # media in chat requests (multimodal/media.py): where they may come from, the limits on each, how many a prompt
+    # may hold (--allowed-media-domains, --allowed-local-media-path, --limit-mm-per-prompt, --media-fetch-timeout)
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -138,7 +142,17 @@ class ServerSettings:
                    generation_config=args.generation_config,
                    override_generation_config=json_object(args.override_generation_config,
                                                           "--override-generation-config")
-                   if args.override_generation_config else None)
+                   if args.override_generation_config else None,
+                   media_policy=media_policy_of(args))
+
+
+def media_policy_of(args: argparse.Namespace) -> MediaPolicy:
+    """The media flags of `pressroom serve` as a MediaPolicy (a ValueError naming the flag for a bad value)."""
+    limits = args.limit_mm_per_prompt
+    return MediaPolicy(allowed_media_domains=tuple(args.allowed_media_domains or ()),
+                       allowed_local_media_path=args.allowed_local_media_path or "",
+                       fetch_timeout=args.media_fetch_timeout,
+                       limit_per_prompt=parse_limit_per_prompt(limits) if limits else {})
 
 
 def api_keys_of(flag: list[str] | None) -> tuple[str, ...]:

@@ -203,7 +203,7 @@ async def _bad_requests_while_a_stream_completes(server, aclient):
         assert r.status_code == 400
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": image})
-        assert r.status_code == 400 and "text content" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "(image_url)" in r.json()["error"]["message"]  # "x" is no media URL
         for header in ("X-Priority", "X-Vllm-Priority"):
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={header: "hi"})
             assert r.status_code == 400 and r.json()["error"]["param"] == header
