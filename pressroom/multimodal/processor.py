@@ -83,12 +83,22 @@ class ImageProcessor:
 
 
 def load_pil_image_processor(model_path: str):
-    """The folder's image processor, its PIL implementation (no torchvision needed)."""
-    from transformers import AutoImageProcessor
+    """The folder's image processor, its PIL implementation (no torchvision needed): transformers 5 names it by
+    `backend`, 4.x by `use_fast=False`."""
+    import transformers
     try:
-        return AutoImageProcessor.from_pretrained(model_path, backend="pil")
-    except TypeError:  # transformers before the backend argument
-        return AutoImageProcessor.from_pretrained(model_path, use_fast=False)
+        from transformers import AutoImageProcessor
+    except (ImportError, RuntimeError) as e:  # a torchvision built for another torch breaks transformers' imports
+        raise ValueError(f"transformers cannot load its image processors ({e}); a torchvision that does not match "
+                         "this torch build is the usual cause: uninstall it (pressroom uses the PIL "
+                         "processors).") from e
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+    else:
+        processor = AutoImageProcessor.from_pretrained(model_path, use_fast=False)
+    if getattr(processor, "is_fast", False):
+        raise ValueError(f"{type(processor).__name__} is torchvision-based; pressroom needs the PIL image processor.")
+    return processor
 
 
 def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:

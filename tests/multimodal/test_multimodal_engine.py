@@ -135,3 +135,21 @@ def test_preprocessed_media_equal_multi_modal_data(vl_llm):
         engine.add_request("bad", {"prompt_token_ids": ids[1:]}, GREEDY, mm_features=items)
     with pytest.raises(ValueError, match="not both"):
         engine.add_request("both", prompt, GREEDY, mm_features=items)
+
+
+def test_hub_checkpoint_names_load_alike(tiny_vl, vl_llm, tmp_path):
+    """The hub's Qwen2.5-VL checkpoints name the decoder model.* and the tower visual.* (transformers 5 saves
+    model.language_model.* and model.visual.*): both load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "hub-names"
+    shutil.copytree(tiny_vl[0], path)
+    tensors = load_file(path / "model.safetensors")
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in tensors.items()}
+    assert any(k.startswith("visual.") for k in renamed)
+    save_file(renamed, path / "model.safetensors")
+    prompt = {"prompt": f"{PAD} hub", "multi_modal_data": {"image": random_image(5, (70, 70))}}
+    hub = LLM(str(path), dtype="float32", kv_cache_memory_gib=0.02).generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert hub.outputs[0].token_ids == vl_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
