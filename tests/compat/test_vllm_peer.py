@@ -12,8 +12,9 @@ from __future__ import annotations
 import inspect
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import anthropic
 import httpx
