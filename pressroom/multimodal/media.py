@@ -421,7 +421,9 @@ def _rgb(image: Image.Image) -> Image.Image:
 
 _AUDIO_MIMES = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
                 "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac",
-                "audio/ogg": "ogg", "application/ogg": "ogg", "audio/vorbis": "ogg", "audio/opus": "ogg"}
+                "audio/ogg": "ogg", "application/ogg": "ogg", "audio/vorbis": "ogg", "audio/opus": "ogg",
+                "audio/mp4": "m4a", "audio/x-m4a": "m4a", "audio/m4a": "m4a", "audio/aac": "aac",
+                "audio/webm": "webm"}
 
 
 def load_audio(url: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
@@ -444,13 +446,20 @@ def load_audio_base64(data: str, audio_format: str | None, policy: MediaPolicy) 
 
 
 def sniff_audio(data: bytes) -> str | None:
-    """The container of audio bytes from their magic numbers (None: not one of AUDIO_FORMATS)."""
+    """The container of audio bytes from their magic numbers: wav, flac, ogg, mp3, aac (ADTS), m4a (MP4) or webm
+    (Matroska); None for anything else."""
     if data[:4] in (b"RIFF", b"RIFX", b"RF64") and data[8:12] == b"WAVE":
         return "wav"
     if data[:4] == b"fLaC":
         return "flac"
     if data[:4] == b"OggS":
         return "ogg"
+    if data[4:8] == b"ftyp":
+        return "m4a"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "webm"
+    if len(data) > 1 and data[0] == 0xFF and data[1] & 0xF0 == 0xF0 and data[1] & 0x06 == 0:
+        return "aac"  # ADTS: MPEG's frame sync with layer bits 00
     if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
         return "mp3"
     return None

@@ -170,6 +170,9 @@ def test_audio_declared_as_another_format_is_a_mismatch():
         media.load_audio_base64(_b64(wav(0.1)), "mp3", POLICY)
     with pytest.raises(MimeMismatchError, match="'image/png'"):
         media.load_audio(data_url("image/png", wav(0.1)), POLICY)
+    with pytest.raises(MimeMismatchError, match="declared 'mp3' but is 'm4a'"):  # what PyAV would have read
+        media.load_audio_base64(_b64(m4a_tone(0.1)), "mp3", POLICY)
+    assert media.load_audio(data_url("audio/mp4", m4a_tone(0.1)), POLICY)[1] == 16_000
     with pytest.raises(MalformedMediaError, match="format must be one of"):
         media.load_audio_base64(_b64(wav(0.1)), "exe", POLICY)
 

@@ -30,6 +30,7 @@ from hostile_media import (  # noqa: E402
     gif,
     jpeg,
     media_server,
+    mp4_video,
     png,
     png_bomb,
     wav,
@@ -122,6 +123,8 @@ def test_a_data_url_image_passes_the_guards_and_the_text_model_says_it_takes_no_
     assert error["message"].startswith("messages[0].content[1] (image_url)")
     answer(client, image(data_url("image/jpeg", jpeg())), match="takes no images", stream=True)
     answer(client, audio(wav(0.5)), match="this model takes no audio")
+    answer(client, {"type": "video_url", "video_url": {"url": data_url("video/mp4", mp4_video(8))}},
+           match="this model takes no video")
 
 
 def test_media_from_the_allowed_domain_and_folder_pass_the_guards(client, media_host, folders):
