@@ -101,19 +101,21 @@ class MediaPolicy:
     allowed_media_domains: tuple[str, ...] = ()  # --allowed-media-domains: host names http(s) media may come from
     allowed_local_media_path: str = ""  # --allowed-local-media-path: the folder file:// URLs may read under
     max_image_pixels: int = 178_956_970  # width x height of one image (of all frames kept, for a video)
-    max_frames: int = 1000  # frames in an animated image or a video
+    max_frames: int = 1000  # frames in an animated image or a video (pressroom's: vLLM has no such cap)
     video_frames: int = 32  # frames sampled from a video, evenly (vLLM's num_frames)
     max_audio_seconds: float = 600.0
     max_bytes: int = 256 << 20  # fetched bytes of one item; decoded audio samples as float32, too
-    fetch_timeout: float = 5.0  # seconds for a whole http(s) fetch, redirects included
+    fetch_timeout: float = 5.0  # seconds for a whole http(s) fetch, redirects included (--media-fetch-timeout)
     limit_per_prompt: Mapping[str, int] = field(default_factory=dict)  # --limit-mm-per-prompt
 
     def __post_init__(self) -> None:
         for name in ("max_image_pixels", "max_frames", "video_frames", "max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MediaPolicy.{name} must be at least 1.")
-        if not self.max_audio_seconds > 0 or not self.fetch_timeout > 0:
-            raise ValueError("MediaPolicy's max_audio_seconds and fetch_timeout must be positive.")
+        if not self.fetch_timeout > 0:
+            raise ValueError(f"--media-fetch-timeout must be positive; got {self.fetch_timeout}.")
+        if not self.max_audio_seconds > 0:
+            raise ValueError("MediaPolicy.max_audio_seconds must be positive.")
         object.__setattr__(self, "limit_per_prompt", _limits(self.limit_per_prompt))
         object.__setattr__(self, "allowed_media_domains",
                            tuple(_host(d) if d != ANY_DOMAIN else d for d in self.allowed_media_domains))
