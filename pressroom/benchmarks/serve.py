@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -159,6 +160,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     usage_given: bool = False
     error: str = ""
+    start: float = 0.0            # time.perf_counter() when sent
 
 
 # ---- the client side of one request ----
@@ -277,7 +279,7 @@ def _chunk_text(data: dict) -> str | None:
 async def send_request(client, url: str, body: dict, prompt_len: int) -> RequestResult:
     result = RequestResult(prompt_len=prompt_len)
     chunks = 0
-    start = time.perf_counter()
+    start = result.start = time.perf_counter()
     last = start
     try:
         async with client.post(url, json=body) as response:
@@ -572,6 +574,21 @@ def good_requests(done: list[RequestResult], slos_ms: dict[str, float]) -> int:
     return sum(all(measure[k](r) * 1000.0 <= ms for k, ms in slos_ms.items()) for r in done)
 
 
+def peak_rates(done: list[RequestResult]) -> tuple[float, int]:
+    """vLLM's max_output_tokens_per_s and max_concurrent_requests: the most tokens streamed, and the most requests
+    in flight, in any whole second from the first request's start (a token at each streamed chunk)."""
+    if not done:
+        return 0.0, 0
+    first = min(r.start for r in done)
+    seconds = int(math.ceil(max(r.start + r.latency for r in done) - first)) + 1
+    tokens, in_flight = np.zeros(seconds), np.zeros(seconds)
+    for r in done:
+        for t in itertools.accumulate(r.itl, initial=r.start + r.ttft):
+            tokens[min(int(t - first), seconds - 1)] += 1
+        in_flight[int(r.start - first):int(r.start + r.latency - first) + 1] += 1
+    return float(tokens.max()), int(in_flight.max())
+
+
 def report(args, model: str, source: str, results: list[RequestResult], duration: float) -> dict:
     metrics, percentiles = parse_percentiles(args)
     slos = parse_goodput(args.goodput)
@@ -581,8 +598,10 @@ def report(args, model: str, source: str, results: list[RequestResult], duration
     measured = {"ttft": [r.ttft for r in done], "tpot": [_tpot(r) for r in done if r.output_tokens > 1],
                 "itl": [gap for r in done for gap in r.itl], "e2el": [r.latency for r in done]}
     rate = args.request_rate
+    peak = peak_rates(done)
     out = {
-        "date": time.strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "label": args.label or args.backend,
+        "date": time.strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend, "backend": args.backend,
+        "label": args.label or args.backend, "tokenizer_id": None,  # prompts are counted by the server's /tokenize
         "base_url": _base_url(args), "endpoint": _endpoint(args), "model_id": model,
         "dataset_name": args.dataset_name, "prompt_source": source, "num_prompts": len(results),
         **parse_pairs(args.metadata, "--metadata"),
@@ -595,6 +614,8 @@ def report(args, model: str, source: str, results: list[RequestResult], duration
         "request_goodput": round(good_requests(done, slos) / duration, 4) if slos and duration > 0 else None,
         "output_throughput": round(total_out / duration, 2) if duration > 0 else 0.0,
         "total_token_throughput": round((total_in + total_out) / duration, 2) if duration > 0 else 0.0,
+        "max_output_tokens_per_s": peak[0], "max_concurrent_requests": peak[1],
+        "latencies": [r.latency for r in results],
         "percentile_metrics": metrics, "metric_percentiles": percentiles,
         "errors": sorted({r.error for r in results if not r.success})[:10],
     }
@@ -603,7 +624,7 @@ def report(args, model: str, source: str, results: list[RequestResult], duration
     if args.save_detailed:
         out.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
                    ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                   latencies=[r.latency for r in results], request_errors=[r.error for r in results])
+                   start_times=[r.start for r in results], request_errors=[r.error for r in results])
     return out
 
 

@@ -205,6 +205,15 @@ def test_percentiles_goodput_and_the_result_name_as_vllm():
     assert serve.report(_args(), "m", "jsonl", [fast], 1.0)["request_goodput"] is None
 
 
+def test_peak_tokens_and_requests_per_second_as_vllm():
+    from pressroom.benchmarks import serve
+    a = serve.RequestResult(success=True, start=10.0, ttft=0.2, itl=[0.1, 0.1, 0.9], latency=1.4)  # 3 in s0, 1 in s1
+    b = serve.RequestResult(success=True, start=10.5, ttft=0.1, itl=[0.1], latency=0.3)  # s0
+    c = serve.RequestResult(success=True, start=12.2, ttft=0.1, itl=[], latency=0.1)  # s2
+    assert serve.peak_rates([a, b, c]) == (5.0, 2)
+    assert serve.peak_rates([]) == (0.0, 0)
+
+
 def _sharegpt(tmp_path, n: int) -> str:
     convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question number {i} " + "word " * (i % 7)},
                                               {"from": "gpt", "value": "answer " * (3 + i % 5)}]} for i in range(n)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -386,3 +387,36 @@ def test_messages_api_whole_and_streamed_as_vllm(peers):
     mine, theirs = _messages(peers.pressroom), _messages(peers.vllm)
     assert mine == theirs
     assert mine[0] == mine[4] != ""
+
+
+# ---- bench serve, each client against the other's server ----
+
+BENCH_FLAGS = ["--backend", "vllm", "--host", "127.0.0.1", "--dataset-name", "random", "--random-input-len", "16",
+               "--random-output-len", "4", "--num-prompts", "3", "--temperature", "0", "--save-result",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--goodput", "ttft:60000"]
+
+
+def _saved_result(folder) -> dict:
+    (path,) = list(folder.iterdir())
+    return json.loads(path.read_text()) | {"file": path.name}
+
+
+def test_bench_serve_each_against_the_others_server(peers, tmp_path):
+    """One `bench serve` command line: vLLM's own client loads pressroom, pressroom's loads vLLM; both results are
+    saved under vLLM's file name with vLLM's keys, every request completed."""
+    theirs_dir, mine_dir = tmp_path / "vllm", tmp_path / "pressroom"
+    pressroom_port, vllm_port = peers.pressroom.rsplit(":", 1)[1], peers.vllm.rsplit(":", 1)[1]
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)}
+    subprocess.run([str(PEER_PYTHON), str(VLLM_CLI), "bench", "serve", *BENCH_FLAGS, "--port", pressroom_port,
+                    "--model", SERVED_NAME, "--tokenizer", str(ROOT / ".cache" / "smollm2-135m-instruct-hf"),
+                    "--result-dir", str(theirs_dir)], check=True, capture_output=True, timeout=300, env=env,
+                   cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "pressroom.entrypoints.cli", "bench", "serve", *BENCH_FLAGS, "--port",
+                    vllm_port, "--result-dir", str(mine_dir)], check=True, capture_output=True, timeout=300,
+                   cwd=tmp_path)
+    theirs, mine = _saved_result(theirs_dir), _saved_result(mine_dir)
+    assert theirs["completed"] == mine["completed"] == 3 and theirs["failed"] == mine["failed"] == 0
+    assert theirs["total_output_tokens"] == mine["total_output_tokens"] == 12  # random prompts ignore EOS
+    assert theirs["file"].startswith("vllm-infqps-smollm-") and mine["file"].startswith("vllm-infqps-smollm-")
+    only_vllms = set(theirs) - set(mine) - {"rtfx", "queue_times"}  # audio's rtfx; client queue only with a cap
+    assert not only_vllms, f"keys of vLLM's result that pressroom's lacks: {sorted(only_vllms)}"
