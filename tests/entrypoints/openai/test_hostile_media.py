@@ -6,7 +6,7 @@ under an allowed folder. The tiny llama takes no media: media that pass every gu
 how a case shows that the guards let them through.
 
 One server for the module: --allowed-media-domains 127.0.0.1, --allowed-local-media-path (a temporary folder),
---media-fetch-timeout 2, --limit-mm-per-prompt '{"image": 2, "audio": 1}'."""
+--media-fetch-timeout 1, --limit-mm-per-prompt '{"image": 2, "audio": 1}'."""
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +36,7 @@ from hostile_media import (  # noqa: E402
     wav,
 )
 
-FETCH_TIMEOUT_S = 2.0
+FETCH_TIMEOUT_S = 1.0
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -146,12 +146,12 @@ def test_a_redirect_from_the_allowed_server_to_another_host_is_refused(client, m
 
 def test_slow_servers_time_out_within_five_seconds(client, media_host):
     """A server that trickles a byte every 0.2 s and one that never answers, three of each at once: each a 400
-    at the fetch limit (2 s), side by side on the media threads."""
+    at the fetch limit (1 s), side by side on the media threads."""
     async def both():
         slow = [refused(client, image(media_host.url(path))) for path in ("/slow", "/stall") * 3]
         return await asyncio.gather(*slow)
     for error, seconds in asyncio.run(both()):
-        assert "limit of 2 s" in error["message"], error
+        assert "limit of 1 s" in error["message"], error
         assert FETCH_TIMEOUT_S - 0.2 < seconds < ANSWER_WITHIN_S, f"{seconds:.1f} s"
 
 
