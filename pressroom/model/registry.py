@@ -13,6 +13,7 @@ from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pressroom.model.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,6 +29,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # images in (multimodal/)
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,  # classifiers, cross-encoders
@@ -44,6 +46,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
                 "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",

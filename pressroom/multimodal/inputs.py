@@ -36,3 +36,12 @@ class MediaItem:
 def media_overlapping(items: list[MediaItem] | None, start: int, end: int) -> list[MediaItem]:
     """The items whose placeholder runs meet tokens [start, end)."""
     return [m for m in items or () if m.overlaps(start, end)]
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRows:
+    """A step's media rows for the model's forward: `rows[i]` belongs at flat token `index[i]` (its first
+    hidden-size columns replace that token's embedding; a model whose encoder gives more, DeepStack's per-layer
+    features, reads them too)."""
+    index: torch.Tensor  # [n] int64, on the model's device
+    rows: torch.Tensor  # [n, width]

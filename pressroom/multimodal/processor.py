@@ -17,8 +17,9 @@ import numpy as np
 
 from pressroom.multimodal.inputs import MediaItem
 
-# model_type -> how its prompts hold images. Qwen2-VL and Qwen2.5-VL share their processor.
-_QWEN_VL_TYPES = {"qwen2_vl", "qwen2_5_vl"}
+# The families whose prompts hold images as Qwen-VL's do (one image token per encoder row) and whose models
+# pressroom serves.
+_QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}
 IMAGE_LIMIT_DEFAULT = 16  # images per prompt when the engine sets no limit
 
 

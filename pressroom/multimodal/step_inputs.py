@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pressroom.multimodal.encoder_cache import EncoderCache
-from pressroom.multimodal.inputs import MediaItem, media_overlapping
+from pressroom.multimodal.inputs import MediaItem, MediaRows, media_overlapping
 
 
 @dataclass(slots=True)
@@ -62,35 +62,32 @@ class MultimodalInputs:
                 self.cache.unpin(key)
 
     def step_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[StepSpan]
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The step's embeddings with media rows merged (None: no token of the step is a placeholder) and its
+                    ) -> tuple[MediaRows | None, torch.Tensor]:
+        """The step's media rows and where they go (None: no token of the step is a placeholder) and its
         positions ([3, tokens] for an M-RoPE model where a request with media is in the step)."""
         mine = [(s, self.requests[s.req_id]) for s in spans if s.req_id in self.requests]
         if not mine:
             return None, positions
-        embeds = self._merged_embeddings(input_ids, mine)
+        media = self._media_rows(input_ids.device, mine)
         if self.uses_mrope:
             positions = self._mrope_positions(positions, spans, input_ids.device)
         for span, state in mine:
             self._unpin_passed(span, state)
-        return embeds, positions
+        return media, positions
 
-    def _merged_embeddings(self, input_ids: torch.Tensor, mine: list[tuple[StepSpan, MediaRequest]]
-                           ) -> torch.Tensor | None:
+    def _media_rows(self, device, mine: list[tuple[StepSpan, MediaRequest]]) -> MediaRows | None:
         reached = [(span, item) for span, state in mine
                    for item in media_overlapping(state.items, span.start, span.start + span.count)]
         if not reached:
             return None
         self._encode_missing([item for _, item in reached])
-        embeds = self.model.embed_input_ids(input_ids)
         rows, targets = [], []
         for span, item in reached:
             lo, hi = max(item.offset, span.start), min(item.end, span.start + span.count)
             rows.append(self.cache.get(item.hash)[lo - item.offset:hi - item.offset])
             first = span.flat + lo - span.start
             targets.append(torch.arange(first, first + hi - lo))
-        index = torch.cat(targets).to(embeds.device)
-        return embeds.index_copy(0, index, torch.cat(rows).to(embeds.dtype))
+        return MediaRows(torch.cat(targets).to(device), torch.cat(rows))
 
     def _encode_missing(self, items: list[MediaItem]) -> None:
         missing = list({m.hash: m for m in items if m.hash not in self.cache}.values())

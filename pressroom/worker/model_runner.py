@@ -23,6 +23,7 @@ from pressroom.kv_offload.slab import SlabHandle
 from pressroom.lora.layers import lora_step
 from pressroom.lora.manager import LoRAManager
 from pressroom.model.layers.attention import Attention
+from pressroom.multimodal.inputs import MediaRows
 from pressroom.multimodal.step_inputs import MultimodalInputs, StepSpan
 from pressroom.worker.device import to_device
 from pressroom.worker.grammar import GrammarReader, constrain
@@ -171,13 +172,13 @@ class ModelRunner:
         return self._forward(input_ids, positions, meta)[0]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 media: MediaRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of a step and, where the proposer conditions on target layers, their outputs side
         by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager.
-        `inputs_embeds`: the step's embeddings with media rows merged in (multimodal models; eager)."""
+        `media`: the step's media rows and the tokens they replace (multimodal models; eager)."""
         layers = self._aux_layers()
-        if inputs_embeds is not None or positions.dim() > 1:
-            return self._forward_multimodal(input_ids, positions, meta, inputs_embeds, layers)
+        if media is not None or positions.dim() > 1:
+            return self._forward_multimodal(input_ids, positions, meta, media, layers)
         if self.state_cache is not None and meta.state is None:  # a profile's throw-away step: padding slot
             meta.state = StateMetadata.one_round(meta.query_start_loc, [0] * (len(meta.query_start_loc) - 1),
                                                  self.device, meta.num_decodes)
@@ -193,18 +194,18 @@ class ModelRunner:
         return hidden, torch.cat(aux, dim=-1)
 
     def _forward_multimodal(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                            inputs_embeds: torch.Tensor | None, layers: tuple[int, ...]
+                            media: MediaRows | None, layers: tuple[int, ...]
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with forward_context(meta):
             if not layers:
-                return self.model(input_ids, positions, inputs_embeds=inputs_embeds), None
-            hidden, aux = self.model(input_ids, positions, layers, inputs_embeds=inputs_embeds)
+                return self.model(input_ids, positions, media=media), None
+            hidden, aux = self.model(input_ids, positions, layers, media=media)
         return hidden, torch.cat(aux, dim=-1)
 
     def _multimodal_inputs(self, batch: StepBatch, sched: SchedulerOutput
-                           ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The step's embeddings with its media rows merged (None: the token embeddings will do) and its
-        positions (M-RoPE rows where a request with media is in the step)."""
+                           ) -> tuple[MediaRows | None, torch.Tensor]:
+        """The step's media rows and where they go (None: no placeholder in the step) and its positions (M-RoPE
+        rows where a request with media is in the step)."""
         if self.multimodal is None:
             return None, batch.positions
         counts = sched.num_scheduled_tokens
@@ -241,9 +242,9 @@ class ModelRunner:
                                                              sched.state_saves)
             adapters = self.lora.step([s.lora for s in batch.order], batch.query_ends) if self.lora else None
             batch.meta.layer_by_layer = adapters is not None
-            embeds, positions = self._multimodal_inputs(batch, sched)
+            media, positions = self._multimodal_inputs(batch, sched)
             with lora_step(adapters):
-                hidden, features = self._forward(batch.input_ids, positions, batch.meta, embeds)
+                hidden, features = self._forward(batch.input_ids, positions, batch.meta, media)
             pooled = self._pool(batch, sched, hidden)
             emission = self._emit(batch, sched, hidden)
             pending = emission.pending

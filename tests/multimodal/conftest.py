@@ -17,3 +17,14 @@ def tiny_vl(tmp_path_factory, smollm_tokenizer):
     path = tmp_path_factory.mktemp("tiny-qwen2_5_vl")
     model = build_tiny_qwen2_5_vl(path, copy.deepcopy(smollm_tokenizer))
     return str(path), model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory, smollm_tokenizer):
+    """(folder, HF model) of a tiny random Qwen3-VL with its tokenizer and image processor."""
+    import copy
+
+    from tiny_vl import build_tiny_qwen3_vl
+    path = tmp_path_factory.mktemp("tiny-qwen3_vl")
+    model = build_tiny_qwen3_vl(path, copy.deepcopy(smollm_tokenizer))
+    return str(path), model

@@ -57,6 +57,45 @@ def build_tiny_qwen2_5_vl(path: Path, smollm_tokenizer, seed: int = 0):
     return model
 
 
+def build_tiny_qwen3_vl(path: Path, smollm_tokenizer, seed: int = 0):
+    """A tiny Qwen3-VL (DeepStack after tower blocks 0 and 2, interleaved M-RoPE, a 4x4 position table resized to
+    each grid) saved under `path` with its tokenizer and processor; returns the HF model (fp32, eval)."""
+    import transformers
+    tok = smollm_tokenizer
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True},
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16,
+                           spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" in name and param.dim() > 1:
+                param.normal_(0, 0.2)
+            elif "norm" in name:  # LayerNorms and q/k norms away from their init
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    model.save_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    side = 16 * MERGE
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16, "merge_size": MERGE, "temporal_patch_size": 2,
+        "size": {"shortest_edge": 4 * side * side, "longest_edge": 16 * side * side},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int]):
     import numpy as np
     from PIL import Image

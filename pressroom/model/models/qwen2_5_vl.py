@@ -3,8 +3,8 @@ whose output rows replace the prompt's image tokens, and the Qwen2 decoder with 
 height and width, rotating sections of each head).
 
 The runner calls `encode_media` for the images a step needs (their rows are kept in its encoder cache),
-`embed_input_ids` for the step's tokens, `mrope_positions` once per request (a prompt's three position rows and the
-offset its generated tokens take), and `forward` with the merged embeddings and the [3, tokens] positions.
+`mrope_positions` once per request (a prompt's three position rows and the offset its generated tokens take), and
+`forward` with the step's media rows (multimodal/inputs.py's MediaRows) and the [3, tokens] positions.
 """
 from __future__ import annotations
 
@@ -18,16 +18,18 @@ from torch import nn
 
 from pressroom.model.layers.rotary import RotaryEmbedding
 from pressroom.model.models.llama import LlamaForCausalLM, RopeTables
-from pressroom.multimodal.inputs import MediaItem
+from pressroom.multimodal.inputs import MediaItem, MediaRows
 
 _TEXT_ATTRS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
                "rms_norm_eps", "intermediate_size", "num_key_value_heads")
 
 
-def lift_text_config(hf_config: Any) -> None:
-    """The language model's shape on the top-level config too, where the engine reads it (vocab size, context)."""
+def lift_text_config(hf_config: Any, attention_bias: bool | None = True) -> None:
+    """The language model's shape on the top-level config too, where the engine reads it (vocab size, context).
+    `attention_bias`: set on the text config (Qwen2 biases q, k and v); None: as the config says."""
     text = hf_config.text_config
-    text.attention_bias = True  # Qwen2 biases q, k and v
+    if attention_bias is not None:
+        text.attention_bias = attention_bias
     for name in _TEXT_ATTRS:
         if getattr(hf_config, name, None) is None and getattr(text, name, None) is not None:
             setattr(hf_config, name, getattr(text, name))
@@ -199,12 +201,20 @@ def _segment_mask(bounds: np.ndarray, device) -> torch.Tensor | None:
 class MRotaryEmbedding(RotaryEmbedding):
     """Rotary tables whose frequency sections read the time, height and width position rows in turn."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, sections: list[int]) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, sections: list[int],
+                 interleaved: bool = False) -> None:
+        """`interleaved` (Qwen3-VL): frequencies take t, h, w in turn (h and w up to 3x their sections' sizes),
+        else (Qwen2.5-VL) each section is a contiguous run of frequencies."""
         super().__init__(head_dim, head_dim, max_position, base)
         if sum(sections) != head_dim // 2:
             raise ValueError(f"mrope_section {sections} must add up to head_dim / 2 = {head_dim // 2}.")
-        self.register_buffer("section_of", torch.repeat_interleave(torch.arange(3), torch.tensor(sections)),
-                             persistent=False)
+        if interleaved:
+            j = torch.arange(head_dim // 2)
+            section_of = torch.where((j % 3 == 1) & (j < 3 * sections[1]), 1, 0)
+            section_of = torch.where((j % 3 == 2) & (j < 3 * sections[2]), 2, section_of)
+        else:
+            section_of = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        self.register_buffer("section_of", section_of, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
@@ -240,30 +250,33 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     cuda_graphs_supported = False  # decode positions carry a per-request M-RoPE offset the graphs do not take yet
     supports_multimodal = True
     uses_mrope = True
+    text_attention_bias: bool | None = True  # Qwen2's q, k and v biases
+    interleaved_mrope = False
 
     def __init__(self, config) -> None:
-        lift_text_config(config)
+        lift_text_config(config, self.text_attention_bias)
         self.vl_config = config
         super().__init__(config.text_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.visual = VisionTransformer(config.vision_config)
+        self.visual = self.make_vision_tower(config.vision_config)
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
+
+    def make_vision_tower(self, vision_config) -> nn.Module:
+        return VisionTransformer(vision_config)
 
     def make_rotary(self) -> RotaryEmbedding:
         text = self.vl_config.text_config
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        head_dim = text.hidden_size // text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         sections = rope.get("mrope_section") or [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]
         base = rope.get("rope_theta", getattr(text, "rope_theta", 1000000.0))
-        return MRotaryEmbedding(head_dim, text.max_position_embeddings, base, list(sections))
+        return MRotaryEmbedding(head_dim, text.max_position_embeddings, base, list(sections),
+                                bool(rope.get("mrope_interleaved", self.interleaved_mrope)))
 
     # ---- the runner's multimodal interface ----
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
 
     def encode_media(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Each item's embedding rows ([item.length, hidden]), every item in one pass of the vision tower."""
@@ -277,19 +290,30 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return mrope_positions(num_prompt_tokens, items, self.merge)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
-                inputs_embeds: torch.Tensor | None = None):
-        """`positions`: [tokens], or [3, tokens] M-RoPE rows; `inputs_embeds`: the step's embeddings with the
-        images' rows merged in (None: the token embeddings)."""
+                media: MediaRows | None = None):
+        """`positions`: [tokens], or [3, tokens] M-RoPE rows; `media`: the step's media rows, which replace the
+        embeddings of the placeholder tokens they belong at."""
         text = self.model
-        x = inputs_embeds if inputs_embeds is not None else text.embed_tokens(input_ids)
+        x = text.embed_tokens(input_ids)
+        width = x.shape[-1]
+        if media is not None:
+            x = x.index_copy(0, media.index, media.rows[:, :width].to(x.dtype))
         rope = RopeTables(text.rotary, *text.rotary.cos_sin(positions))
         residual, taps = None, {}
         for i, layer in enumerate(text.layers):
             x, residual = layer(rope, x, residual)
+            if media is not None and media.rows.shape[1] > (i + 1) * width:
+                x = self.add_layer_features(x, media, i, width)
             if i in aux_layers:
                 taps[i] = x + residual
         x, _ = text.norm(x, residual)
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    def add_layer_features(self, x: torch.Tensor, media: MediaRows, layer: int, width: int) -> torch.Tensor:
+        """DeepStack (Qwen3-VL): the tower's features for decoder layer `layer`, added to its output at the media
+        tokens (the columns after the embedding's, one hidden width per layer)."""
+        features = media.rows[:, (layer + 1) * width:(layer + 2) * width]
+        return x.index_add(0, media.index, features.to(x.dtype))
 
     # ---- the name map: HF 5's names (model.language_model., model.visual.) and the hub's (model., visual.) ----
 
