@@ -201,8 +201,11 @@ def _data_url(url: str, policy: MediaPolicy) -> Fetched:
 
 
 def decode_base64(payload: str, policy: MediaPolicy) -> bytes:
-    """Base64 text as bytes, its size checked before it is decoded."""
+    """Base64 text as bytes, its size checked before it is decoded (line breaks, as MIME encoders wrap it, are
+    allowed; any other character outside the alphabet is malformed)."""
     _check_bytes(len(payload) * 3 // 4, policy)
+    if any(c in payload for c in "\r\n \t"):
+        payload = "".join(payload.split())
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):

@@ -110,6 +110,10 @@ def test_data_urls_over_the_byte_cap_or_with_bad_base64_are_refused():
         media.load_image(data_url("image/png", png(64, 64, (1, 2, 3))), MediaPolicy(max_bytes=100))
     with pytest.raises(MalformedMediaError, match="base64"):
         media.load_image("data:image/png;base64,iVBOR!!!", POLICY)
+    wrapped = data_url("image/png", png())
+    head, body = wrapped.split(",", 1)
+    wrapped = head + "," + "\n".join(body[i:i + 76] for i in range(0, len(body), 76))  # as MIME wraps it
+    assert media.load_image(wrapped, POLICY).size == (8, 6)
     with pytest.raises(MalformedMediaError, match="comma"):
         media.load_image("data:image/png;base64", POLICY)
 
