@@ -188,6 +188,34 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
+def _count_tensors(path: str) -> int:
+    """The checkpoint's tensors (a GGUF's, some of which the loader skips: the bar's total is an estimate)."""
+    if _is_gguf(path):
+        return len(gguf_file._open(path).tensors)
+    from safetensors import safe_open
+    total = 0
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as handle:  # reads the header only
+            total += len(handle.keys())
+    return total
+
+
+def _with_progress(weights: Iterator[tuple[str, LazyWeight]], total: int) -> Iterator[tuple[str, LazyWeight]]:
+    """The weights, a tqdm bar on stderr counting those loaded (vLLM's "Loading safetensors checkpoint shards"),
+    shown by tensor-parallel rank 0 only. A tensor is read while the next is asked for, so the count is of
+    tensors read."""
+    from tqdm import tqdm
+
+    from pressroom.distributed.parallel_state import get_tp_rank
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=get_tp_rank() != 0,
+              dynamic_ncols=True, mininterval=0.5) as bar:
+        for item in weights:
+            yield item
+            bar.update(1)
+        bar.total = bar.n  # a GGUF's skipped tensors: end at 100 % of what was loaded
+        bar.refresh()
+
+
 def _fill_dummy(model: nn.Module, seed: int) -> None:
     """Uniform random weights drawn in place on the model's device (an 8B model fills in a second on a GPU)."""
     generators: dict[torch.device, torch.Generator] = {}
@@ -289,6 +317,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     else:
         weights = gguf_file.iter_gguf_weights(path, keep_4bit, reads) if _is_gguf(path) else \
             iter_safetensors(path, reads)
+        weights = _with_progress(weights, _count_tensors(path))
         if method is not None:
             weights = method.checkpoint_weights(model, weights)
         loaded = model.load_weights(weights)

@@ -1,0 +1,33 @@
+"""Progress bars a vLLM user sees (issue 46 item 8): loading the weights counts the checkpoint's tensors on
+stderr, on tensor-parallel rank 0 only."""
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from pressroom.config import ModelConfig
+from pressroom.model import loader
+
+
+def _tensors(path: str) -> int:
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        return len(f.keys())
+
+
+def test_loading_weights_shows_a_bar_to_the_last_tensor(tiny_model_dir, capsys):
+    path = tiny_model_dir("llama")
+    loader.load_model(ModelConfig(model=path, dtype=torch.float32), "cpu")
+    err = capsys.readouterr().err
+    n = _tensors(path)
+    assert "Loading weights: 100%" in err and f" {n}/{n} " in err, err
+
+
+def test_other_ranks_show_no_bar_and_every_weight_passes(capsys, monkeypatch):
+    import pressroom.distributed.parallel_state as ps
+    weights = [("a", 1), ("b", 2), ("c", 3)]
+    monkeypatch.setattr(ps, "get_tp_rank", lambda: 1)
+    assert list(loader._with_progress(iter(weights), 3)) == weights
+    assert "Loading weights" not in capsys.readouterr().err
+    monkeypatch.setattr(ps, "get_tp_rank", lambda: 0)
+    assert list(loader._with_progress(iter(weights), 5)) == weights  # a GGUF's estimate: ends at what loaded
+    assert "Loading weights: 100%" in capsys.readouterr().err
