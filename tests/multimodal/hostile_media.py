@@ -52,6 +52,15 @@ def gif(frames: int) -> bytes:
     return b"GIF89a" + struct.pack("<HH", 1, 1) + b"\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff" + frame * frames + b";"
 
 
+def apng(frames: int) -> bytes:
+    """An animated PNG of `frames` 1x1 frames (alternating colours: Pillow merges identical ones)."""
+    from PIL import Image
+    images = [Image.new("RGB", (1, 1), (255 * (i % 2), 0, 0)) for i in range(frames)]
+    out = io.BytesIO()
+    images[0].save(out, "PNG", save_all=True, append_images=images[1:])
+    return out.getvalue()
+
+
 def wav(seconds: float = 1.0, rate: int = 16_000, fmt: str = "WAV") -> bytes:
     """A 440 Hz tone as 16-bit PCM in `fmt` (WAV, FLAC, OGG: soundfile's names)."""
     import soundfile

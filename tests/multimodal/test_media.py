@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from hostile_media import (
+    apng,
     data_url,
     forged_rate_wav,
     gif,
@@ -77,6 +78,12 @@ def test_a_gif_of_ten_thousand_frames_is_refused_at_the_frame_cap():
     assert media.decode_image(gif(3), POLICY).size == (1, 1)  # an animation within the cap: its first frame
     with pytest.raises(FrameLimitError, match="more than 2 frames"):
         media.decode_image(gif(3), MediaPolicy(max_frames=2))
+
+
+def test_an_apng_past_the_frame_cap_is_refused():
+    with pytest.raises(FrameLimitError, match="more than 1000 frames"):
+        media.decode_image(apng(2000), POLICY)
+    assert media.load_image(data_url("image/png", apng(3)), POLICY).getpixel((0, 0)) == (0, 0, 0)
 
 
 def test_an_animations_pixels_count_over_its_frames():
