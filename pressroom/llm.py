@@ -304,7 +304,7 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:
-                            bar.update(1)
+                            _advance(bar, out)
         finally:
             if bar is not None:
                 bar.close()
@@ -353,7 +353,19 @@ def _broadcast(value, n: int, name: str) -> list:
 
 
 def _progress(total: int, enabled: bool):
-    if not enabled or total < 2:
+    """vLLM's bar over finished requests, whatever their number, with its token-speed postfix."""
+    if not enabled or total < 1:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+    bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+    bar.tokens = [0, 0]  # prompt, generated
+    return bar
+
+
+def _advance(bar, out) -> None:
+    bar.tokens[0] += len(getattr(out, "prompt_token_ids", None) or ())
+    bar.tokens[1] += sum(len(c.token_ids) for c in getattr(out, "outputs", ()) if hasattr(c, "token_ids"))
+    seconds = max(bar.format_dict["elapsed"], 1e-9)
+    bar.set_postfix_str(f"est. speed input: {bar.tokens[0] / seconds:.2f} toks/s, output: "
+                        f"{bar.tokens[1] / seconds:.2f} toks/s", refresh=False)
+    bar.update(1)

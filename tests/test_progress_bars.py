@@ -1,10 +1,12 @@
 """Progress bars a vLLM user sees (issue 46 item 8): loading the weights counts the checkpoint's tensors on
-stderr, on tensor-parallel rank 0 only."""
+stderr, on tensor-parallel rank 0 only; LLM.generate counts finished prompts, one prompt too, with vLLM's token
+speeds. (`bench serve`'s bar: tests/benchmarks/test_bench_serve.py.)"""
 from __future__ import annotations
 
 import torch
 from safetensors import safe_open
 
+from pressroom import LLM, SamplingParams
 from pressroom.config import ModelConfig
 from pressroom.model import loader
 
@@ -31,3 +33,16 @@ def test_other_ranks_show_no_bar_and_every_weight_passes(capsys, monkeypatch):
     monkeypatch.setattr(ps, "get_tp_rank", lambda: 0)
     assert list(loader._with_progress(iter(weights), 5)) == weights  # a GGUF's estimate: ends at what loaded
     assert "Loading weights: 100%" in capsys.readouterr().err
+
+
+def test_generate_counts_one_prompt_or_many_with_token_speeds(tiny_model_dir, capsys):
+    llm = LLM(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    capsys.readouterr()
+    llm.generate("one prompt", params)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and " 1/1 " in err and "est. speed input: " in err, err
+    llm.generate(["a", "b", "c"], params)
+    assert " 3/3 " in capsys.readouterr().err
+    llm.generate("quiet", params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
