@@ -1,5 +1,6 @@
 """Progress bars a vLLM user sees (issue 46 item 8): loading the weights counts the checkpoint's tensors on
-stderr, on tensor-parallel rank 0 only; LLM.generate counts finished prompts, one prompt too, with vLLM's token
+stderr, on tensor-parallel rank 0 only; the engine core's warm-up (CUDA only in service; run here on the CPU by
+hand) counts its steps; LLM.generate counts finished prompts, one prompt too, with vLLM's token
 speeds. (`bench serve`'s bar: tests/benchmarks/test_bench_serve.py.)"""
 from __future__ import annotations
 
@@ -46,3 +47,17 @@ def test_generate_counts_one_prompt_or_many_with_token_speeds(tiny_model_dir, ca
     assert " 3/3 " in capsys.readouterr().err
     llm.generate("quiet", params, use_tqdm=False)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_warm_up_counts_its_steps_and_leaves_the_core_idle(tiny_model_dir, capsys):
+    from pressroom.config import EngineArgs
+    from pressroom.engine.core import EngineCore
+    args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05, max_num_seqs=2,
+                      max_num_batched_tokens=128)
+    core = EngineCore(args.create_engine_config())
+    capsys.readouterr()
+    core._warm_up_step_shapes()
+    err = capsys.readouterr().err
+    # max_num_seqs 2: counts 1 and 2, 7 query lengths each (1 + 7 steps per count), one chunked step of 2 prompts
+    assert "Warming up step shapes: 100%" in err and " 17/17 " in err, err
+    assert not core.has_unfinished_requests() and core.kv_cache.usage() == 0.0

@@ -282,20 +282,23 @@ class EngineCore:
         queries = [q for q in (2, 3, 5, 9, 17, 33, 64) if q < sched.max_num_batched_tokens - max(counts)]
         params = SamplingParams(temperature=0.0, max_tokens=len(queries) + 2, ignore_eos=True)
         ids = itertools.count()
+        chunked = [m for m in counts[1:] if queries and queries[-1] + 2 * m <= sched.max_num_batched_tokens]
+        bar = _warm_up_bar(len(counts) * (1 + len(queries)) + len(chunked))
         for n in counts:
             decodes = [f"warm-up-{next(ids)}" for _ in range(n - 1)]
             for rid in decodes:
                 self.add_request(CoreRequest(rid, [1], params, 0.0))
             self.step()  # the decodes' one-token prompts
+            bar.update(1)
             for q in queries:
                 k = next(ids)  # a prompt of its own: a prefix-cache hit would shorten the chunk
                 prompt = [(k * 101 + j) % (self.model_spec.vocab_size - 1) + 1 for j in range(q)]
                 rid = f"warm-up-{k}"
                 self.add_request(CoreRequest(rid, prompt, params, 0.0))
                 self.step()
+                bar.update(1)
                 self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             self.finish_requests(decodes, RequestStatus.FINISHED_ABORTED)
-        chunked = [m for m in counts[1:] if queries and queries[-1] + 2 * m <= sched.max_num_batched_tokens]
         for m in chunked:
             rids = []
             for length in [queries[-1]] + [2] * (m - 1):
@@ -304,7 +307,9 @@ class EngineCore:
                 prompt = [(k * 101 + j) % (self.model_spec.vocab_size - 1) + 1 for j in range(length)]
                 self.add_request(CoreRequest(rids[-1], prompt, params, 0.0))
             self.step()
+            bar.update(1)
             self.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+        bar.close()
         if self._inflight is not None:
             self._update(self._inflight[0], self._inflight[1].resolve())
             self._inflight = None
@@ -509,3 +514,9 @@ def _error_output(req_id: str) -> EngineCoreOutput:
 
 def _curve(costs: list[tuple[int, float]]) -> str:
     return ", ".join(f"{n} tok {1000 * t:.1f} ms" for n, t in costs)
+
+
+def _warm_up_bar(total: int):
+    """A tqdm bar over the warm-up's steps (vLLM shows one while it captures its graphs)."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Warming up step shapes", unit="step", dynamic_ncols=True)
