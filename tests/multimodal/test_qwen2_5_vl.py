@@ -72,12 +72,15 @@ def test_images_match_hf_in_one_batch(tiny_vl):
     assert out.prompt_token_ids.count(hf_model.config.image_token_id) > 2  # one placeholder per encoder row
 
 
-def test_chunked_prefill_splits_image_runs(tiny_vl):
+def test_chunked_prefill_splits_image_runs_and_preemption_recomputes_them(tiny_vl):
     path, hf_model = tiny_vl
-    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=8, max_num_seqs=4,
+    # 8 tokens a step; 10 blocks of 16 hold two of the three requests (5 blocks each at the end): preemption
+    llm = LLM(path, dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=8, max_num_seqs=4,
               enable_prefix_caching=False)
     prompts = [p for p in _prompts() if "multi_modal_data" in p]
     _check(llm, hf_model, prompts)
     _, items = llm.engine.process_media(prompts[2], llm.engine.tokenize_prompt(prompts[2])[1])
     assert max(m.length for m in items) > 8  # a step of 8 tokens cannot hold the run: chunks split it
-    assert llm.engine.runner.multimodal.cache.encoder_runs == 4  # each image once, though its run took steps
+    assert llm.engine.stats().num_preemptions > 0
+    # each image once, though its run took steps and its request was recomputed (its rows stayed cached)
+    assert llm.engine.runner.multimodal.cache.encoder_runs == 4

@@ -3,11 +3,15 @@ for 32 new tokens and prompt logprobs with 1-3 images per prompt beside a text-o
 prefill splitting the image runs (DeepStack's features ride with the embeddings in the encoder cache)."""
 from __future__ import annotations
 
+import pytest
 from test_qwen2_5_vl import _check, _prompts
 
 from pressroom import LLM
 
 
+# A second family on the runner paths Qwen2.5-VL's default tests cover, plus DeepStack: its own tiny model and HF
+# references cost ~10 s on two cores.
+@pytest.mark.slow
 def test_qwen3_vl_matches_hf(tiny_qwen3_vl):
     path, hf_model = tiny_qwen3_vl
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
@@ -15,6 +19,7 @@ def test_qwen3_vl_matches_hf(tiny_qwen3_vl):
     assert llm.engine.runner.multimodal.cache.encoder_runs == 4
 
 
+@pytest.mark.slow  # ~4 s beside the test above
 def test_qwen3_vl_chunked_prefill(tiny_qwen3_vl):
     path, hf_model = tiny_qwen3_vl
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=8, max_num_seqs=4,
