@@ -333,3 +333,39 @@ def test_http_errors_sizes_and_types(server):
         media.load_image(server.url("/page"), policy)
     with pytest.raises(MediaFetchError, match="could not be fetched"):
         media.load_image("http://127.0.0.1:1/a.png", policy)  # nothing listens on port 1
+
+
+# ---- mutated files: whatever the decoders make of them, a MediaError or a result ----
+
+def _mutated(data: bytes, rng) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        at = rng.randrange(len(out))
+        roll = rng.random()
+        if roll < 0.6:
+            out[at] = rng.randrange(256)
+        elif roll < 0.8:
+            del out[at:at + rng.randint(1, 64)]
+        else:
+            out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    return bytes(out)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns of an invalid APNG before refusing it
+def test_mutated_media_give_media_errors_only():
+    """A decoder's own exceptions (struct.error, AttributeError, ...) on broken bytes would be a 500 or, offline,
+    an unexpected type: each becomes a MalformedMediaError. 40 mutations of each format, a fixed seed."""
+    import random
+    rng = random.Random(47)
+    seeds = [(png(16, 16, (1, 2, 3)), media.decode_image), (jpeg(16, 16), media.decode_image),
+             (gif(3), media.decode_image), (apng(3), media.decode_image), (wav(0.1), media.decode_audio),
+             (wav(0.1, fmt="FLAC"), media.decode_audio), (wav(0.1, fmt="OGG"), media.decode_audio),
+             (m4a_tone(0.1), media.decode_audio), (mp4_video(4), media.decode_video)]
+    refused = 0
+    for data, decode in seeds:
+        for _ in range(40):
+            try:
+                decode(_mutated(data, rng), POLICY)
+            except MediaError:
+                refused += 1
+    assert refused > 100  # most mutations break the file
