@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from pressroom.multimodal.inputs import MediaItem
+from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT
 
 # The families whose prompts hold images as Qwen-VL's do (one image token per encoder row) and whose models
 # pressroom serves.
 _QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}
-IMAGE_LIMIT_DEFAULT = 16  # images per prompt when the engine sets no limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ def supports_images(hf_config: Any) -> bool:
 class ImageProcessor:
     """The model folder's image processor and its placeholder layout."""
 
-    def __init__(self, model_path: str, hf_config: Any, max_images: int = IMAGE_LIMIT_DEFAULT) -> None:
+    def __init__(self, model_path: str, hf_config: Any, max_images: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
         if not supports_images(hf_config):
             raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no images; "
                              f"image inputs need one of: {', '.join(sorted(_QWEN_VL_TYPES))}.")

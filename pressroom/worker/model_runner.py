@@ -91,6 +91,11 @@ class ModelRunner:
         if proposer is not None and self.async_scheduling and not proposer.works_on_device:
             raise ValueError(f"{type(proposer).__name__} drafts from host token ids, so it runs with synchronous "
                              "scheduling; set async_scheduling=False.")
+        if proposer is not None and self.async_scheduling and self.multimodal is not None \
+                and self.multimodal.uses_mrope:
+            # rejected device drafts shift positions on the device, past the M-RoPE rows built on the host
+            raise ValueError(f"{type(self.model).__name__} drafts with synchronous scheduling only; set "
+                             "async_scheduling=False.")
         self.speculator = None if proposer is None else Speculator(proposer, self.async_scheduling, synthetic_rates)
 
     @property
