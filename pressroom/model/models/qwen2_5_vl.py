@@ -73,16 +73,14 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-                ) -> torch.Tensor:
-        """x: [patches, dim]; `mask`: which patches see which (None: all see all)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """x: [patches, dim]; each patch attends to the patches of its segment (an image, a frame or a window)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        return self.proj(segments.attend(q, k, v).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -93,8 +91,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -149,9 +147,9 @@ class VisionTransformer(nn.Module):
         cos = cos.view(n // unit, unit, -1)[window_index].reshape(n, -1)
         sin = sin.view(n // unit, unit, -1)[window_index].reshape(n, -1)
         full_bounds = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)])
-        full_mask, window_mask = _segment_mask(full_bounds, device), _segment_mask(window_bounds, device)
+        full, windows = Segments(full_bounds, device), Segments(window_bounds, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_mask if i in self.full_blocks else window_mask)
+            x = block(x, cos, sin, full if i in self.full_blocks else windows)
         return self.merger(x)[torch.argsort(window_index)]
 
     def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +186,28 @@ class VisionTransformer(nn.Module):
         return torch.cat(order), np.unique(np.asarray(bounds))
 
 
-def _segment_mask(bounds: np.ndarray, device) -> torch.Tensor | None:
-    """A block-diagonal mask over segments [bounds[i], bounds[i + 1]) (None where one segment covers all)."""
-    if len(bounds) <= 2:
-        return None
-    segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.from_numpy(np.diff(bounds))).to(device)
-    return segment[:, None] == segment[None, :]
+class Segments:
+    """Packed patch runs [bounds[i], bounds[i + 1]) that attend within themselves, gathered into one padded batch
+    (keys past a run's end masked): memory grows with runs x longest run squared, not with all patches squared
+    as a block-diagonal mask over the whole pack would."""
+
+    def __init__(self, bounds: np.ndarray, device) -> None:
+        lengths = np.diff(np.asarray(bounds))
+        self.single = len(lengths) == 1
+        offsets = np.arange(lengths.max())
+        valid = offsets[None] < lengths[:, None]
+        self.index = torch.from_numpy(np.where(valid, np.asarray(bounds)[:-1, None] + offsets, 0)).to(device)
+        self.valid = torch.from_numpy(valid).to(device)
+        self.key_mask = None if valid.all() else self.valid[:, None, None, :]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [patches, heads, head_dim] -> [patches, heads, head_dim]."""
+        if self.single:
+            return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+                                                  ).transpose(0, 1)
+        q, k, v = (t[self.index].transpose(1, 2) for t in (q, k, v))  # [runs, heads, longest, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.key_mask)
+        return out.transpose(1, 2)[self.valid]
 
 
 # ---- M-RoPE ----

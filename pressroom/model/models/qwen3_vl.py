@@ -12,24 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, _rotate_half, _segment_mask
-
-
-class Qwen3VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x, cos, sin, mask):
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, Segments, VisionAttention
 
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
@@ -50,11 +33,11 @@ class Qwen3VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = Qwen3VisionAttention(config.hidden_size, config.num_heads)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = Qwen3VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -109,10 +92,10 @@ class Qwen3VisionTransformer(nn.Module):
         device = pixels.device
         x = self.patch_embed(pixels) + self._position_embeddings(grids).to(pixels.dtype)
         cos, sin = self._rotary(grids, device)
-        mask = _segment_mask(np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]), device)
+        frames = Segments(np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]), device)
         deep = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, frames)
             if i in self.deepstack_layers:
                 deep.append(self.deepstack_merger_list[self.deepstack_layers.index(i)](x))
         return torch.cat([self.merger(x), *deep], dim=-1)
