@@ -38,7 +38,6 @@ from pressroom.worker.state_cache import StateCache
 from pressroom.worker.step_batch import StepBatch, StepBatchBuilder
 from pressroom.worker.step_output import DeviceStep, Emission, PendingOutput
 
-
 ENCODER_CACHE_MIN_ROWS = 16384  # encoder output rows kept for reuse (an image is some hundreds to thousands)
 
 

@@ -4,8 +4,6 @@ and with chunked prefill splitting the image runs. The vision tower has windowed
 images of several shapes (windows padded at the edges); M-RoPE's sections differ in size."""
 from __future__ import annotations
 
-import numpy as np
-import pytest
 import torch
 from tiny_vl import random_image
 

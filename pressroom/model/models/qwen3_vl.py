@@ -14,7 +14,6 @@ from torch import nn
 
 from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, Segments, VisionAttention
 
-
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
