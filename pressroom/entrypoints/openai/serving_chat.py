@@ -62,6 +62,7 @@ from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 logger = logging.getLogger("pressroom")
 
 MEDIA_THREADS = 8  # vLLM's VLLM_MEDIA_LOADING_THREAD_COUNT
+PARTS_AT_ONCE = 4  # of one request: two requests at once fill the threads
 _MODALITY_NOUNS = {"image": "images", "audio": "audio", "video": "video"}
 
 
@@ -84,15 +85,17 @@ def _load_part(part: MediaPart, policy: media_io.MediaPolicy) -> Any:
 
 class MediaLoader:
     """A chat request's media parts fetched and decoded under the server's MediaPolicy, on threads of their own:
-    never the event loop, nor the tokenizer's threads (a slow fetch holds one of these up to the fetch timeout)."""
+    never the event loop, nor the tokenizer's threads (a slow fetch holds one of these up to the fetch timeout).
+    One request loads PARTS_AT_ONCE parts at a time, so that a prompt of many slow URLs queues behind itself
+    rather than taking every thread from the requests after it; its first failure cancels the parts not started."""
 
     def __init__(self, policy: media_io.MediaPolicy | None = None, threads: int = MEDIA_THREADS) -> None:
         self.policy = policy or media_io.MediaPolicy()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pressroom-media")
 
     async def load(self, parts: list[MediaPart]) -> list[LoadedMedia]:
-        """Every part loaded, in order; the first refusal (in prompt order) a 400 naming the part and the limit.
-        Too many parts of one modality (--limit-mm-per-prompt) are refused before any is loaded."""
+        """Every part loaded, in order; the first refusal a 400 naming the part and the limit. Too many parts of
+        one modality (--limit-mm-per-prompt) are refused before any is loaded."""
         if not parts:
             return []
         counts: dict[str, int] = {}
@@ -102,25 +105,33 @@ class MediaLoader:
             media_io.check_counts(counts, self.policy)
         except media_io.MediaError as e:
             raise APIError(400, str(e), param="messages") from None
-        loop = asyncio.get_running_loop()
-        results = await asyncio.gather(
-            *(loop.run_in_executor(self.pool, functools.partial(_load_part, part, self.policy)) for part in parts),
-            return_exceptions=True)
-        for part, result in zip(parts, results):
-            if isinstance(result, BaseException):
-                raise _media_error(part, result)
-        return [LoadedMedia(part, value) for part, value in zip(parts, results)]
+        gate = asyncio.Semaphore(PARTS_AT_ONCE)
+        tasks = [asyncio.ensure_future(self._load_one(part, gate)) for part in parts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # after a failure (or the client's leaving): the parts not started never start
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _load_one(self, part: MediaPart, gate: asyncio.Semaphore) -> LoadedMedia:
+        async with gate:
+            load = functools.partial(_load_part, part, self.policy)
+            try:
+                return LoadedMedia(part, await asyncio.get_running_loop().run_in_executor(self.pool, load))
+            except Exception as e:  # noqa: BLE001 — whatever a decoder raised on this part, it is this part's
+                raise _media_error(part, e) from None
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _media_error(part: MediaPart, error: BaseException) -> BaseException:
+def _media_error(part: MediaPart, error: Exception) -> APIError:
     """A part's failure as the client's 400 (a decoder's own exception on hostile bytes included)."""
+    if isinstance(error, APIError):
+        return error
     if isinstance(error, media_io.MediaError):
         return APIError(400, f"{part.where}: {error}", param=part.param)
-    if not isinstance(error, Exception):  # CancelledError and the like
-        return error
     logger.warning("a %s part could not be decoded: %s: %s", part.kind, type(error).__name__, str(error)[:200])
     return APIError(400, f"{part.where}: the {part.modality} could not be decoded.", param=part.param)
 

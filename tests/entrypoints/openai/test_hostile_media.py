@@ -173,9 +173,9 @@ def test_a_gif_of_ten_thousand_frames_is_refused(client):
 
 
 def test_audio_whose_header_claims_a_tiny_sample_rate_is_refused_by_its_samples(client):
-    """A minute of 16 kHz samples whose header says 1 Hz (an hour's would not fit the request body): 960000 s
-    at the rate it would be played and resampled at."""
-    answer(client, audio(forged_rate_wav(60, claimed_rate=1)), match="limit of 600 s")
+    """20 s of 16 kHz samples whose header says 1 Hz (an hour's would not fit the request body): 320000 s at the
+    rate it would be played and resampled at."""
+    answer(client, audio(forged_rate_wav(20, claimed_rate=1)), match="limit of 600 s")
 
 
 def test_malformed_and_mislabelled_media_are_refused(client):
@@ -191,12 +191,13 @@ def test_too_many_items_are_refused_naming_the_limit(client):
     answer(client, audio(wav(0.1)), audio(wav(0.1)), match="--limit-mm-per-prompt")
 
 
-def test_a_burst_of_hostile_media_leaves_the_stream_its_pace(client, media_host):
+def test_a_burst_of_hostile_media_leaves_the_stream_its_pace(client, media_host, folders):
     """Bombs, forged audio and slow fetches all at once: every one a 400 in time (the window's teardown holds the
     paced stream to its bars)."""
     parts = [image(data_url("image/png", png_bomb())), image(data_url("image/gif", gif(10_000))),
-             audio(forged_rate_wav(60, claimed_rate=1)), image(media_host.url("/slow")),
-             image(media_host.url("/redirect?to=http://localhost/"))] * 2
+             audio(forged_rate_wav(20, claimed_rate=1)), image(media_host.url("/slow")),
+             image(media_host.url("/stall")), image(media_host.url("/redirect?to=http://localhost/")),
+             image(f"file://{folders[1]}/secret.png")]
 
     async def burst():
         return await asyncio.gather(*[refused(client, part) for part in parts])
@@ -234,3 +235,38 @@ def test_the_media_flags_make_the_servers_policy(tmp_path, capsys):
                            (["--media-fetch-timeout", "0"], "--media-fetch-timeout must be positive")):
         assert main(["serve", "m", *flags]) == 2  # before any model is loaded
         assert message in capsys.readouterr().err
+
+
+# ---- the media threads (no server) ----
+
+def test_one_request_of_slow_urls_leaves_threads_to_the_next_and_fails_fast(media_host):
+    """Eight slow URLs in one request take PARTS_AT_ONCE of the media threads, not all: a request after them
+    loads its image at once. A request whose bad part fails first is answered then: neither the slow parts beside it
+    nor those not started hold the answer."""
+    from pressroom.entrypoints.openai.errors import APIError
+    from pressroom.entrypoints.openai.protocol import MediaPart
+    from pressroom.entrypoints.openai.serving_chat import PARTS_AT_ONCE, MediaLoader
+    from pressroom.multimodal.media import MediaPolicy
+    loader = MediaLoader(MediaPolicy(allowed_media_domains=("127.0.0.1",), fetch_timeout=1.5))
+
+    def part(url: str, index: int = 0) -> MediaPart:
+        return MediaPart(0, index, "image_url", url=url)
+    slow = [part(media_host.url("/stall"), i) for i in range(8)]
+
+    async def run():
+        hog = asyncio.ensure_future(loader.load(slow))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        loaded = await loader.load([part(data_url("image/png", png()))])
+        after = time.monotonic() - started
+        with pytest.raises(APIError, match="limit of 1.5 s"):
+            await hog
+        started = time.monotonic()
+        with pytest.raises(APIError, match=r"content\[2\].*malformed"):
+            await loader.load(slow[:2] + [part(data_url("image/png", png()[:40]), 2)] + slow[2:])
+        return loaded, after, time.monotonic() - started
+    loaded, after, failed = asyncio.run(run())
+    assert loaded[0].value.size == (8, 6) and after < 0.5  # not queued behind the slow ones
+    assert failed < 1.0  # the bad part's answer did not wait for the slow ones' timeout
+    assert PARTS_AT_ONCE < 8
+    loader.close()
