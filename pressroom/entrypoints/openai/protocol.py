@@ -449,7 +449,7 @@ def _media_part(message: int, index: int, part: dict[str, Any]) -> MediaPart:
         return MediaPart(message, index, kind, data=body["data"], audio_format=body.get("format") or None)
     url = body.get("url") if isinstance(body, dict) else body
     if not isinstance(url, str) or not url:
-        raise ValueError(f'an {kind} part needs {{"url": <a data:, http(s): or file: URL>}}')
+        raise ValueError(f'the {kind} part needs {{"url": <a data:, http(s): or file: URL>}}')
     return MediaPart(message, index, kind, url=url)
 
 
