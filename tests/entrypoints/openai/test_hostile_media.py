@@ -184,6 +184,8 @@ def test_malformed_and_mislabelled_media_are_refused(client):
     answer(client, audio(wav(0.2), fmt="mp3"), match="declared 'mp3' but is 'wav'")
     answer(client, image("data:image/png;base64,%%%"), match="base64")
     answer(client, image("ftp://127.0.0.1/a.png"), match="not 'ftp'")
+    answer(client, {"type": "image_url", "image_url": {}}, match="the image_url part needs")
+    answer(client, {"type": "input_audio", "input_audio": {"format": "wav"}}, match="input_audio part needs")
 
 
 def test_too_many_items_are_refused_naming_the_limit(client):
@@ -206,7 +208,9 @@ def test_a_burst_of_hostile_media_leaves_the_stream_its_pace(client, media_host,
         assert seconds < ANSWER_WITHIN_S, f"{seconds:.1f} s: {error}"
 
 
-def test_text_chat_still_works_and_tokenize_counts_text_parts_only(client):
+def test_text_chat_still_works_and_tokenize_counts_text_parts_only(served):
+    """(Not a hostile case: outside the paced stream's windows.)"""
+    client = served[0]
     chat = openai.OpenAI(base_url=client + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
         model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert chat.choices[0].finish_reason == "length"
