@@ -11,6 +11,7 @@ from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3For
 from pressroom.model.models.gemma3 import Gemma3ForCausalLM
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pressroom.model.models.llava import LlavaForConditionalGeneration
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pressroom.model.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -30,6 +31,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # images in (multimodal/)
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,  # classifiers, cross-encoders
@@ -46,7 +48,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
                 "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",

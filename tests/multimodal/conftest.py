@@ -28,3 +28,14 @@ def tiny_qwen3_vl(tmp_path_factory, smollm_tokenizer):
     path = tmp_path_factory.mktemp("tiny-qwen3_vl")
     model = build_tiny_qwen3_vl(path, copy.deepcopy(smollm_tokenizer))
     return str(path), model
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, smollm_tokenizer):
+    """(folder, HF model) of a tiny random LLaVA (CLIP tower, Llama decoder) with its tokenizer and processor."""
+    import copy
+
+    from tiny_vl import build_tiny_llava
+    path = tmp_path_factory.mktemp("tiny-llava")
+    model = build_tiny_llava(path, copy.deepcopy(smollm_tokenizer))
+    return str(path), model

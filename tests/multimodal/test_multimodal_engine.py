@@ -153,3 +153,14 @@ def test_hub_checkpoint_names_load_alike(tiny_vl, vl_llm, tmp_path):
     prompt = {"prompt": f"{PAD} hub", "multi_modal_data": {"image": random_image(5, (70, 70))}}
     hub = LLM(str(path), dtype="float32", kv_cache_memory_gib=0.02).generate(prompt, GREEDY, use_tqdm=False)[0]
     assert hub.outputs[0].token_ids == vl_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_placeholder_runs_hold_adjacent_or_expanded_images():
+    from pressroom.multimodal.processor import _slots
+    assert _slots([(3, 2)], [16, 16]) == [(3, 1), (4, 1)]  # LLaVA's <image><image>: one token each
+    assert _slots([(3, 32)], [16, 16]) == [(3, 16), (19, 16)]  # already expanded
+    assert _slots([(0, 1), (9, 12)], [5, 12]) == [(0, 1), (9, 12)]
+    with pytest.raises(ValueError, match="2 image placeholder"):
+        _slots([(0, 1), (5, 1)], [4])
+    with pytest.raises(ValueError, match="3 image placeholder"):
+        _slots([(0, 3)], [16, 16])

@@ -33,8 +33,10 @@ def _hf_reference(hf_model, llm: LLM, prompt: dict, token_ids: list[int]) -> tup
     if images is not None:
         images = images if isinstance(images, list) else [images]
         processed = llm.engine.image_processor().hf(images=images, return_tensors="pt")
-        kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
-                      mm_token_type_ids=(ids == hf_model.config.image_token_id).int())
+        kwargs = dict(pixel_values=processed["pixel_values"])
+        if "image_grid_thw" in processed:  # Qwen-VL
+            kwargs.update(image_grid_thw=processed["image_grid_thw"],
+                          mm_token_type_ids=(ids == hf_model.config.image_token_id).int())
     logits = hf_model(input_ids=ids, **kwargs).logits[0, :-1]
     lps = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
     hf_model.model.rope_deltas = None

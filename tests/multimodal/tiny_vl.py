@@ -96,6 +96,46 @@ def build_tiny_qwen3_vl(path: Path, smollm_tokenizer, seed: int = 0):
     return model
 
 
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_llava(path: Path, smollm_tokenizer, seed: int = 0):
+    """A tiny LLaVA: a CLIP tower (32x32 images, 8x8 patches: 16 rows an image after the class token is
+    dropped, features from its second-to-last layer) and a Llama decoder, with the `<image>` token and CLIP's
+    PIL image processor; returns the HF model (fp32, eval)."""
+    import transformers
+    tok = smollm_tokenizer
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                                    num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=transformers.LlamaConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64,
+                                             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=512,
+                                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu", image_seq_length=16)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("vision_tower" in name or "projector" in name) and param.dim() > 1:
+                param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tok.chat_template = LLAVA_TEMPLATE
+    tok.save_pretrained(path)
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 32},
+        "do_center_crop": True, "crop_size": {"height": 32, "width": 32}, "do_normalize": True, "resample": 3,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int]):
     import numpy as np
     from PIL import Image
