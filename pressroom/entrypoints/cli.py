@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             from pressroom.entrypoints.router import run_router
             return run_router(args)
         if args.command == "train-drafter":
-            from pressroom.training.drafter import run_cli
+            from pressroom.training.train_cli import run_cli
             if args.time_limit and not args.work_dir:
                 raise ValueError("--time-limit needs --work-dir, where the paused run is kept.")
             return run_cli(args, engine_kwargs(args))
