@@ -4,8 +4,8 @@ and why. The slow peer suite (test_vllm_peer.py) checks that vLLM's own parser t
 from __future__ import annotations
 
 import pytest
-from vllm_flags import ACCEPTED_AS_ALREADY_DONE, FLAGS, NAMED_IN_ISSUE_46, NOT_YET_HANDLED, argv_of
 
+from compat.vllm_flags import ACCEPTED_AS_ALREADY_DONE, FLAGS, NAMED_IN_ISSUE_46, NOT_YET_HANDLED, argv_of
 from pressroom.entrypoints import cli
 
 

@@ -21,8 +21,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import PEER_PYTHON, ROOT, SERVED_NAME, VLLM_CLI, peer_missing
-from vllm_flags import FLAGS, argv_of
+
+from compat.conftest import PEER_PYTHON, ROOT, SERVED_NAME, VLLM_CLI, peer_missing
+from compat.vllm_flags import FLAGS, argv_of
 
 pytestmark = pytest.mark.slow
 
