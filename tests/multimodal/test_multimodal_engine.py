@@ -164,3 +164,16 @@ def test_placeholder_runs_hold_adjacent_or_expanded_images():
         _slots([(0, 1), (5, 1)], [4])
     with pytest.raises(ValueError, match="3 image placeholder"):
         _slots([(0, 3)], [16, 16])
+
+
+def test_media_cross_the_core_process_boundary():
+    """A core in its own process gets CoreRequests as msgspec msgpack (engine/core_client.py): media included."""
+    import msgspec
+
+    from pressroom.engine.core import CoreRequest
+    item = MediaItem("image", "ab12", offset=3, length=4, pixels=b"\x00\x00\x80\x3f" * 6, pixels_shape=(2, 3),
+                     grid_thw=(1, 4, 4))
+    sent = CoreRequest("r", [1, 2, 3, 9, 9, 9, 9], GREEDY, 0.0, mm_features=[item])
+    got = msgspec.msgpack.Decoder(CoreRequest).decode(msgspec.msgpack.Encoder().encode(sent))
+    assert got.mm_features == [item]
+    assert got.mm_features[0].pixel_tensor().tolist() == [[1.0] * 3] * 2
