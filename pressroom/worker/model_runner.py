@@ -210,7 +210,7 @@ class ModelRunner:
                            ) -> tuple[MediaRows | None, torch.Tensor]:
         """The step's media rows and where they go (None: no placeholder in the step) and its positions (M-RoPE
         rows where a request with media is in the step)."""
-        if self.multimodal is None:
+        if self.multimodal is None or not self.multimodal.requests:  # no request with media is running
             return None, batch.positions
         counts = sched.num_scheduled_tokens
         spans = [StepSpan(s.req_id, s.num_computed_tokens, counts[s.req_id], end - counts[s.req_id])
