@@ -236,6 +236,10 @@ class FieldCase:
         return {k: v for k, v in self.body.items() if k not in self.without}
 
 
+PERSON = dict(CHAT_BASE, messages=[{"role": "user", "content": "Give me a person called Ann aged 31 as JSON."}],
+              max_tokens=40)
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"]}
 PARIS = 7042  # " Paris" in SmolLM2's vocabulary
 SPECIAL = [1, 2]  # <|im_start|>, <|im_end|>
 CASES: dict[str, FieldCase] = {
@@ -288,6 +292,14 @@ CASES: dict[str, FieldCase] = {
                                 seen=lambda r: len(r["choices"]), changes=False,
                                 differs="best_of is refused (400); vLLM 0.32 takes it"),
     "use_beam_search": FieldCase(COMPLETIONS, dict(BASE, n=2, use_beam_search=True), ("use_beam_search", "n")),
+    "response_format json_schema": FieldCase(CHAT, dict(PERSON, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}), ("response_format",)),
+    "response_format json_object": FieldCase(CHAT, dict(CHAT_BASE, response_format={"type": "json_object"},
+                                                        max_tokens=24), ("response_format",)),
+    "structured_outputs choice": FieldCase(CHAT, dict(PERSON, structured_outputs={"choice": ["yes", "no"]}),
+                                           ("structured_outputs",)),
+    "structured_outputs regex": FieldCase(CHAT, dict(PERSON, structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"}),
+                                          ("structured_outputs",)),
 }
 
 
@@ -323,6 +335,9 @@ def test_request_field_acts_as_on_vllm(peers, name):
 
 # ---- errors ----
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
 BAD_REQUESTS: dict[str, tuple[str, dict]] = {
     "unknown model": (COMPLETIONS, dict(BASE, model="no-such-model")),
     "no prompt": (COMPLETIONS, {"model": SERVED_NAME}),
@@ -351,8 +366,15 @@ BAD_REQUESTS: dict[str, tuple[str, dict]] = {
     "json_schema without a schema": (CHAT, dict(CHAT_BASE, response_format={"type": "json_schema"})),
     "tool_choice required without tools": (CHAT, dict(CHAT_BASE, tool_choice="required")),
     "stream_options without stream": (COMPLETIONS, dict(BASE, stream_options={"include_usage": True})),
+    "a named tool_choice without --tool-call-parser": (CHAT, dict(CHAT_BASE, tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})),
+    "tool_choice required without --tool-call-parser": (CHAT, dict(CHAT_BASE, tools=[WEATHER],
+                                                                   tool_choice="required")),
 }
-KNOWN_STATUS_DIFFERENCES = {"stream_options without stream": "pressroom answers 200; vLLM 400"}
+KNOWN_STATUS_DIFFERENCES = {
+    "stream_options without stream": "pressroom answers 200; vLLM 400",
+    "a named tool_choice without --tool-call-parser": "pressroom calls the tool (200); vLLM 400 asks for the parser",
+    "tool_choice required without --tool-call-parser": "pressroom calls a tool (200); vLLM 400 asks for the parser"}
 
 
 def _status_case(name: str):
