@@ -188,19 +188,24 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def _count_tensors(path: str) -> int:
-    """The checkpoint's tensors (a GGUF's, some of which the loader skips: the bar's total is an estimate)."""
-    if _is_gguf(path):
-        return len(gguf_file._open(path).tensors)
-    from safetensors import safe_open
-    total = 0
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt") as handle:  # reads the header only
-            total += len(handle.keys())
-    return total
+def _count_tensors(path: str) -> int | None:
+    """The checkpoint's tensors (a GGUF's, some of which the loader skips: the bar's total is an estimate); None
+    where a header does not read (the loader's own read then names the damage)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        if _is_gguf(path):
+            return len(gguf_file._open(path).tensors)
+        total = 0
+        for file in _safetensors_files(path):
+            with safe_open(file, framework="pt") as handle:  # reads the header only
+                total += len(handle.keys())
+        return total
+    except (OSError, ValueError, SafetensorError):
+        return None
 
 
-def _with_progress(weights: Iterator[tuple[str, LazyWeight]], total: int) -> Iterator[tuple[str, LazyWeight]]:
+def _with_progress(weights: Iterator[tuple[str, LazyWeight]], total: int | None
+                   ) -> Iterator[tuple[str, LazyWeight]]:
     """The weights, a tqdm bar on stderr counting those loaded (vLLM's "Loading safetensors checkpoint shards"),
     shown by tensor-parallel rank 0 only. A tensor is read while the next is asked for, so the count is of
     tensors read."""
