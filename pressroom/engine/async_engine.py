@@ -154,16 +154,17 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                           priority: int = 0, session_id: str | None = None,
                           pooling: PoolingParams | None = None, data_parallel_rank: int | None = None,
-                          group: str | None = None, lora_request: LoRARequest | None = None
-                          ) -> AsyncIterator[RequestOutput]:
+                          group: str | None = None, lora_request: LoRARequest | None = None,
+                          mm_features: list | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request (ValueError if rejected) and returns its output stream, which the caller must
-        iterate or close: leaving the stream before the request finishes aborts it."""
+        iterate or close: leaving the stream before the request finishes aborts it. `mm_features`: the prompt's
+        media processed beforehand (LLMEngine.process_media, off the engine's lock)."""
         self._check_alive()
         if self._refusal is not None:
             raise EngineDeadError(self._refusal)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         add = functools.partial(self._add, request_id, prompt, params, priority, session_id, pooling,
-                                data_parallel_rank, stream, group, lora_request)
+                                data_parallel_rank, stream, group, lora_request, mm_features)
         added = stream.loop.run_in_executor(self._adder, add)
         try:
             await asyncio.shield(added)
@@ -174,14 +175,15 @@ class AsyncLLMEngine:
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None, priority: int,
              session_id: str | None, pooling: PoolingParams | None, data_parallel_rank: int | None,
-             stream: _Stream, group: str | None = None, lora_request: LoRARequest | None = None) -> None:
+             stream: _Stream, group: str | None = None, lora_request: LoRARequest | None = None,
+             mm_features: list | None = None) -> None:
         with self._lock:
             if pooling is not None:
                 self.engine.add_pooling_request(request_id, prompt, pooling, priority=priority)
             else:
                 self.engine.add_request(request_id, prompt, params, priority=priority, session_id=session_id,
                                         data_parallel_rank=data_parallel_rank, group=group,
-                                        lora_request=lora_request)
+                                        lora_request=lora_request, mm_features=mm_features)
             self._streams[request_id] = stream  # (add_request undoes itself if it raises: nothing to clean)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:

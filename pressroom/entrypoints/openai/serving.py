@@ -217,9 +217,11 @@ class OpenAIServing:
         return params.clone(structured_outputs=await self.preprocessor.structured_outputs(so, self.engine.vocab_size))
 
     async def _add_all(self, request: Request, rid: str, requests: list[tuple[dict, SamplingParams]],
-                       routing: Routing, lora: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
+                       routing: Routing, lora: LoRARequest | None = None, mm_features: list | None = None
+                       ) -> list[AsyncIterator[RequestOutput]]:
         """Adds every prompt of a request, or none: a rejected one aborts those added before it. The
-        request's access record gets its id, session and token counts (completion tokens as they come)."""
+        request's access record gets its id, session and token counts (completion tokens as they come).
+        `mm_features`: the (one) prompt's processed media."""
         record = access_record(request)
         record.request_id, record.session_id = rid, routing.session_id
         record.prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt, _ in requests)
@@ -232,7 +234,8 @@ class OpenAIServing:
                 req_id = rid if len(requests) == 1 else f"{rid}-{i}"
                 added = await self.engine.add_request(req_id, prompt, params, routing.priority, routing.session_id,
                                                       data_parallel_rank=routing.data_parallel_rank,
-                                                      group=rid if len(requests) > 1 else None, lora_request=lora)
+                                                      group=rid if len(requests) > 1 else None, lora_request=lora,
+                                                      mm_features=mm_features)
                 streams.append(_count_completion_tokens(self.stats.observe(added, params), record))
         except BaseException as e:
             for s in streams:
@@ -582,7 +585,14 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def _message_dict(message: ChatMessage) -> dict:
-    return message.model_dump(exclude_none=True) | {"content": message.text}
+    """The message as a chat template reads it: its text; with image parts, its parts in order, each image as
+    `{"type": "image"}` (HF's placeholder part; a text-only model's request never gets this far with one)."""
+    parts = message.content if isinstance(message.content, list) else ()
+    if not any(part.get("type") == "image_url" for part in parts):
+        return message.model_dump(exclude_none=True) | {"content": message.text}
+    content = [{"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part["text"]}
+               for part in parts if part.get("type") in ("image_url", "text")]
+    return message.model_dump(exclude_none=True) | {"content": content}
 
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")  # ASCII only: int() would also take other scripts' digits and spaces

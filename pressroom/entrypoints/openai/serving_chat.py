@@ -56,6 +56,7 @@ from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
 from pressroom.entrypoints.openai.tool_parsers.base import markers_are_special
 from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
 from pressroom.multimodal import media as media_io
+from pressroom.multimodal.processor import supports_images
 from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -178,6 +179,14 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,
                                    req.template_kwargs, req.chat_template, tools.template_tools,
                                    max_tokens=None if truncating else self.engine.max_model_len)
+        mm_features = None
+        if multi_modal_data:  # the image processor on the media threads: placeholders expanded, pixels ready
+            process = functools.partial(self.engine.engine.process_media, {"multi_modal_data": multi_modal_data},
+                                        ids)
+            try:
+                ids, mm_features = await asyncio.get_running_loop().run_in_executor(self.media.pool, process)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
         try:
             ids = req.truncated(ids, self.engine.max_model_len)
         except ValueError as e:
@@ -194,9 +203,7 @@ class OpenAIServingChat(OpenAIServing):
             if params.thinking_token_budget is not None and params.think_end_token_ids is None:
                 params = params.clone(think_start_token_ids=parser.start_ids, think_end_token_ids=parser.end_ids)
         prompt = req.prompt_dict(ids)
-        if multi_modal_data:
-            prompt["multi_modal_data"] = multi_modal_data
-        streams = await self._add_all(request, rid, [(prompt, params)], routing, lora)
+        streams = await self._add_all(request, rid, [(prompt, params)], routing, lora, mm_features)
         return ChatRun(streams[0], ids, opens, tools)
 
     def multi_modal_data(self, media: list[LoadedMedia]) -> dict[str, list[Any]]:
@@ -208,10 +215,12 @@ class OpenAIServingChat(OpenAIServing):
         data: dict[str, list[Any]] = {}
         for item in media:
             data.setdefault(item.part.modality, []).append(item.value)
-        if data:
-            part = media[0].part
-            raise APIError(400, f"{part.where}: this model takes no {_MODALITY_NOUNS[part.modality]}; it takes "
-                                "text only.", param=part.param)
+        takes = {"image"} if supports_images(self.engine.engine.hf_config) else set()
+        refused = next((item.part for item in media if item.part.modality not in takes), None)
+        if refused is not None:
+            kinds = "images and text" if takes else "text only"
+            raise APIError(400, f"{refused.where}: this model takes no {_MODALITY_NOUNS[refused.modality]}; it "
+                                f"takes {kinds}.", param=refused.param)
         return data
 
     @staticmethod
