@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from compat.conftest import PEER_PYTHON, ROOT, SERVED_NAME, VLLM_CLI, peer_missing
+from compat.peers import PEER_PYTHON, ROOT, SERVED_NAME, VLLM_CLI, peer_missing, vllm_env
 from compat.vllm_flags import FLAGS, argv_of
 
 pytestmark = pytest.mark.slow
@@ -81,6 +81,28 @@ print("RESULT" + json.dumps(bad))
     result = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT")), None)
     assert result is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads(result[len("RESULT"):]) == {}
+
+
+# ---- the offline API: vLLM's quickstart with the import swapped ----
+
+def _quickstart(python: str, package: str, env: dict | None = None) -> dict:
+    script = VLLM_CLI.with_name("quickstart.py")
+    proc = subprocess.run([python, str(script), package, str(ROOT / ".cache" / "smollm2-135m-instruct-hf")],
+                          capture_output=True, text=True, timeout=600, cwd=script.parent, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_offline_quickstart_gives_vllms_results(tmp_path):
+    """vLLM's offline quickstart (LLM.generate, LLM.chat, token-id prompts, stop strings, logprobs) run with
+    `vllm` and with `pressroom` as the package: the same texts, token ids and finish reasons."""
+    reason = peer_missing()
+    if reason:
+        pytest.skip(reason)
+    theirs = _quickstart(str(PEER_PYTHON), "vllm", vllm_env(str(tmp_path)))
+    mine = _quickstart(sys.executable, "pressroom")
+    assert mine == theirs
 
 
 # ---- greedy text ----
