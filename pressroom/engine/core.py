@@ -74,6 +74,7 @@ class CoreInfo:
     model_path: str
     startup_seconds: float
     cuda_graphs: bool
+    kv_fingerprint: str | None = None  # a KV connector's model fingerprint (hex): a decode's params must carry it
 
 
 class EngineCore:
@@ -103,7 +104,8 @@ class EngineCore:
             self._warm_up_step_shapes()
         relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
-                             self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs)
+                             self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs,
+                             self.kv_connector.fingerprint.hex() if self.kv_connector is not None else None)
 
     def _start(self, config: EngineConfig) -> None:
         spec = self.model_spec = self.executor.load_model()

@@ -144,6 +144,7 @@ class LLMEngine:
         info: CoreInfo = core.info
         self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
         self.model_path, self.startup_seconds = info.model_path, info.startup_seconds
+        self.kv_fingerprint = info.kv_fingerprint  # a KV connector's model fingerprint: a decode's params must match
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -210,7 +211,8 @@ class LLMEngine:
                              "/pooling, /score and /rerank, not generation. Start it with --runner generate "
                              "(a decoder) to generate.")
         params = params or SamplingParams()
-        check_kv_transfer_params(kv_transfer_params(params), self.config.kv_transfer, self.config.cache.block_size)
+        check_kv_transfer_params(kv_transfer_params(params), self.config.kv_transfer, self.config.cache.block_size,
+                                 self.kv_fingerprint)
         salt = _cache_salt(prompt)
         text, token_ids = self.tokenize_prompt(prompt)
         if mm_features is None:

@@ -42,10 +42,11 @@ REMOTE_PREFILL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote
                        "model_fingerprint")
 
 
-def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, block_size: int) -> None:
+def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, block_size: int,
+                             fingerprint: str | None = None) -> None:
     """Raises ValueError, saying why, for kv_transfer_params this engine cannot serve: a transfer asked of an engine
-    without a connector or of the wrong role, a decode's params missing keys or from an engine of another block
-    size. (The model fingerprint is checked by the engine core's connector, which knows it.)"""
+    without a connector or of the wrong role, a decode's params missing keys, from an engine of another block size
+    or (where `fingerprint`, this engine's model fingerprint in hex, is given) of another model."""
     if params is None:
         return
     if not isinstance(params, dict):
@@ -72,6 +73,11 @@ def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, blo
         raise ValueError(f"the prefill engine {params['remote_engine_id']} at {params['remote_host']}:"
                          f"{params['remote_port']} has block size {params['block_size']}, this engine {block_size}: "
                          "start both with the same --block-size.")
+    if fingerprint is not None and params["model_fingerprint"] != fingerprint:
+        raise ValueError(f"the prefill engine {params['remote_engine_id']} at {params['remote_host']}:"
+                         f"{params['remote_port']} serves another model or KV layout than this engine (their model "
+                         "fingerprints differ: weights, config, dtype, KV cache dtype or block size): both must serve "
+                         "the same model with the same settings.")
 
 
 class KVConnector(ABC):

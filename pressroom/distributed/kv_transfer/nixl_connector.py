@@ -44,7 +44,8 @@ from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, check_header
 logger = logging.getLogger("pressroom")
 
 POLL_S = 0.02  # how often the background thread reads notifications and expires held chunks
-DONE, DROP = b"done:", b"drop:"  # a consumer's word on a transfer: read (and checked), or given up
+# a consumer's word on a transfer, b"<word><bytes read>:<request id>": read (and checked), or given up
+DONE, DROP = b"done:", b"drop:"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -121,14 +122,11 @@ class NixlConnector(KVConnector):
     # ---- requests ----
 
     def check_request(self, params: dict | None) -> None:
-        check_kv_transfer_params(params, self.config, self.block_size)
-        if not params or not params.get("do_remote_prefill"):
-            return
-        if params["chunk_bytes"] != self.staging.chunk_bytes or params["model_fingerprint"] != self.fingerprint.hex():
-            raise ValueError(f"the prefill engine {params['remote_engine_id']} at {params['remote_host']}:"
-                             f"{params['remote_port']} serves another model or KV layout than this engine (their "
-                             "model fingerprints differ: weights, config, dtype, KV cache dtype or block size): both "
-                             "must serve the same model with the same settings.")
+        check_kv_transfer_params(params, self.config, self.block_size, self.fingerprint.hex())
+        if params and params.get("do_remote_prefill") and params["chunk_bytes"] != self.staging.chunk_bytes:
+            raise ValueError(f"the prefill engine {params['remote_engine_id']} stages chunks of "
+                             f"{params['chunk_bytes']} bytes, this engine's are {self.staging.chunk_bytes}: they serve "
+                             "different models.")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         params = kv_transfer_params(request.sampling_params)
@@ -174,7 +172,7 @@ class NixlConnector(KVConnector):
         num_tokens = request.num_prompt_tokens - 1  # the consumer computes the last one: it samples from it
         num_chunks = min(cdiv(num_tokens, self.block_size), len(block_ids))
         with self._lock:
-            self._unstage(request.request_id, read=False)
+            self._unstage(request.request_id)
             slots = self.staging.allocate(num_chunks) if num_chunks else []
         if slots is None:
             logger.warning("KV transfer: the staging buffer is full; request %s's prompt will be computed by its "
@@ -211,7 +209,7 @@ class NixlConnector(KVConnector):
                 out.kv_transfer_params = params.pop(out.req_id)
         with self._lock:
             for rid in params:  # finished without an output of this step (stopped by the front-end): not served
-                self._unstage(rid, read=False)
+                self._unstage(rid)
 
     def _stage(self, rid: str, request: Request, blocks: list[int], slots: list[int], num_tokens: int) -> dict:
         """Seals the chunks the ranks just wrote and returns the params a consumer reads them by."""
@@ -336,7 +334,7 @@ class NixlConnector(KVConnector):
         pending.state = "ready"
         self._stats.transfers_done += 1
         self._stats.bytes_received += len(pending.slots) * (staging.chunk_bytes + HEADER_BYTES)
-        self._notify(pending, DONE)
+        self._notify(pending, DONE, len(pending.slots) * (staging.chunk_bytes + HEADER_BYTES))
 
     def _fail(self, pending: _Pending, request: Request, why: str) -> None:
         params = pending.params
@@ -360,24 +358,23 @@ class NixlConnector(KVConnector):
         self.staging.release(pending.slots)
         pending.slots = []
 
-    def _notify(self, pending: _Pending, word: bytes) -> None:
+    def _notify(self, pending: _Pending, word: bytes, nbytes: int = 0) -> None:
         """Tells the producer it may let go of the chunks (best effort: it lets go after a timeout anyway)."""
         if pending.peer not in self._peers or not self.agent.check_remote_metadata(pending.peer):
             return
         try:
-            self.agent.send_notif(pending.peer, word + str(pending.params["remote_request_id"]).encode())
+            self.agent.send_notif(pending.peer, word + f"{nbytes}:{pending.params['remote_request_id']}".encode())
         except Exception as e:  # noqa: BLE001
             logger.debug("KV transfer: notifying %s failed: %s", pending.peer, e)
 
     # ---- producer: held chunks ----
 
-    def _unstage(self, rid: str, read: bool) -> None:
+    def _unstage(self, rid: str, nbytes_read: int = 0) -> None:
         staged = self._staged.pop(rid, None)
         if staged is None:
             return
         self.staging.release(staged.slots)
-        if read:
-            self._stats.bytes_sent += staged.nbytes
+        self._stats.bytes_sent += min(nbytes_read, staged.nbytes)
 
     def _background(self) -> None:
         """Reads consumers' notifications, lets go of chunks read or held too long, and frees the slots of
@@ -392,14 +389,15 @@ class NixlConnector(KVConnector):
     def _poll(self) -> None:
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
-                word, rid = message[:5], message[5:].decode(errors="replace")
-                self._unstage(rid, read=word == DONE)
+                word, _, rest = message.partition(b":")
+                nbytes, _, rid = rest.decode(errors="replace").partition(":")
+                self._unstage(rid, int(nbytes) if word + b":" == DONE and nbytes.isdigit() else 0)
         now = time.monotonic()
         for rid in [rid for rid, s in self._staged.items() if s.expires < now]:
             logger.warning("KV transfer: request %s's staged KV was not read within %g s; let go",
                            rid, self.config.abort_request_timeout_s)
             self._stats.transfers_expired += 1
-            self._unstage(rid, read=False)
+            self._unstage(rid)
         still = []
         for handle, slots in self._draining:
             try:
