@@ -201,3 +201,42 @@ def test_the_connector_and_offload_are_not_combined():
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineArgs(kv_offloading_size=1, kv_transfer_config='{"kv_connector": "NixlConnector", '
                                                             '"kv_role": "kv_both"}').create_engine_config()
+
+
+def test_the_scheduler_admits_others_while_a_transfer_is_in_flight(pair):
+    """The real Scheduler with the consumer's connector: the remote-prefill request waits while its KV is read
+    (a stalled read keeps it in flight), a plain request is admitted meanwhile; once the read is done the request is
+    admitted with the received tokens computed, its blocks get the chunks before its step, and one prompt token is
+    scheduled."""
+    from pressroom.config import SchedulerConfig
+    from pressroom.core.kv_cache_manager import KVCacheManager
+    from pressroom.core.outputs import ModelRunnerOutput
+    from pressroom.core.scheduler import Scheduler
+
+    producer, consumer = pair()
+    params, _ = stage(producer)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256), KVCacheManager(32, BS),
+                      kv_connector=consumer)
+    remote, plain = request("remote", params, max_tokens=3), Request("plain", [1, 2, 3], SamplingParams(max_tokens=2),
+                                                                    None)
+    consumer.config = KVTransferConfig(**{**_fields(consumer.config), "fault_injection": "stall_reads"})
+    sched.add_request(remote)
+    sched.add_request(plain)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"plain": 3}  # the remote one waits, the plain one goes on
+    sched.update_from_output(out, ModelRunnerOutput({"plain": [9]}))
+    consumer.config = KVTransferConfig(**{**_fields(consumer.config), "fault_injection": None})
+    deadline = time.monotonic() + 10
+    loads = []
+    while "remote" not in (out := sched.schedule()).num_scheduled_tokens:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    consumer.before_step(lambda method, pairs: loads.extend(pairs))
+    assert out.num_scheduled_tokens["remote"] == 1 and remote.num_computed_tokens == len(PROMPT)
+    new = next(n for n in out.new_requests if n.req_id == "remote")
+    assert new.num_computed_tokens == len(PROMPT) - 1
+    assert [block for block, _ in loads] == new.block_ids[:3] and consumer.stats().staging_slots_used == 0
+
+
+def _fields(config: KVTransferConfig) -> dict:
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
