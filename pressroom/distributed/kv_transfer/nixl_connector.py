@@ -137,7 +137,10 @@ class NixlConnector(KVConnector):
             if pending is None:
                 pending = self._pending[request.request_id] = self._begin(request, params, num_computed_tokens)
             if pending.state in ("handshake", "reading"):
-                self._advance(pending, request)
+                try:
+                    self._advance(pending, request)
+                except Exception as e:  # noqa: BLE001 — a transfer's fault is its request's: computed here
+                    self._fail(pending, request, f"{type(e).__name__}: {e}")
             if pending.state in ("handshake", "reading"):
                 return None
             if pending.state != "ready":
@@ -262,7 +265,10 @@ class NixlConnector(KVConnector):
 
     def _advance(self, pending: _Pending, request: Request) -> None:
         if pending.state == "handshake" and self._peer_ready(pending):
-            self._start_read(pending)
+            error = self._start_read(pending)
+            if error:
+                self._fail(pending, request, f"the read could not start: {error}")
+                return
         if pending.state == "reading":
             state = "PROC" if self.config.fault_injection == "stall_reads" else self.agent.check_xfer_state(
                 pending.handle)
@@ -290,13 +296,15 @@ class NixlConnector(KVConnector):
                 return False
         return self.agent.check_remote_metadata(pending.peer)
 
-    def _start_read(self, pending: _Pending) -> None:
+    def _start_read(self, pending: _Pending) -> str | None:
+        """Posts the read of the chunks past the local hits (or waits for staging room); the error, if NIXL
+        refused it."""
         count = pending.num_chunks - pending.first
         slots = self.staging.allocate(count)
         if slots is None:
             if count > self.staging.num_slots:
-                pending.deadline = 0.0  # it can never fit: give up at once
-            return  # wait for room until the deadline
+                return f"{count} chunks never fit this engine's staging buffer of {self.staging.num_slots}"
+            return None  # wait for room until the deadline
         pending.slots = slots
         params, staging = pending.params, self.staging
         remote = params["remote_block_ids"][pending.first:]
@@ -311,11 +319,11 @@ class NixlConnector(KVConnector):
             pending.handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
                                                         self.agent.get_xfer_descs(far, "DRAM"), pending.peer)
             if self.agent.transfer(pending.handle) == "ERR":
-                raise RuntimeError("NIXL refused to post the read")
-        except Exception as e:  # noqa: BLE001
-            logger.warning("KV transfer: the read from %s could not start: %s", pending.peer, e)
-            pending.deadline = 0.0
+                return "NIXL refused to post it"
+        except Exception as e:  # noqa: BLE001 — NIXL's errors have many types
+            return f"{type(e).__name__}: {e}"
         pending.state = "reading"
+        return None
 
     def _check_chunks(self, pending: _Pending, request: Request) -> None:
         bs, staging = self.block_size, self.staging
@@ -360,9 +368,11 @@ class NixlConnector(KVConnector):
 
     def _notify(self, pending: _Pending, word: bytes, nbytes: int = 0) -> None:
         """Tells the producer it may let go of the chunks (best effort: it lets go after a timeout anyway)."""
-        if pending.peer not in self._peers or not self.agent.check_remote_metadata(pending.peer):
+        if pending.peer not in self._peers:
             return
         try:
+            if not self.agent.check_remote_metadata(pending.peer):
+                return
             self.agent.send_notif(pending.peer, word + f"{nbytes}:{pending.params['remote_request_id']}".encode())
         except Exception as e:  # noqa: BLE001
             logger.debug("KV transfer: notifying %s failed: %s", pending.peer, e)
