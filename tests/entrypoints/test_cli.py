@@ -92,7 +92,8 @@ def _shown(default) -> str:
 
 
 def test_the_walk_reaches_every_subcommand():
-    assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("train-drafter",), ("make-prompts",), ("bench",),
+    assert set(PARSERS) == {(), ("generate",), ("chat",), ("serve",), ("router",), ("train-drafter",),
+                            ("make-prompts",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
                             ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
                             ("bench", "context"), ("bench", "embed"), ("bench", "structured")}
