@@ -4,25 +4,15 @@ hand) counts its steps; LLM.generate counts finished prompts, one prompt too, wi
 speeds. (`bench serve`'s bar: tests/benchmarks/test_bench_serve.py.)"""
 from __future__ import annotations
 
-import torch
 from safetensors import safe_open
 
 from pressroom import LLM, SamplingParams
-from pressroom.config import ModelConfig
 from pressroom.model import loader
 
 
 def _tensors(path: str) -> int:
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
         return len(f.keys())
-
-
-def test_loading_weights_shows_a_bar_to_the_last_tensor(tiny_model_dir, capsys):
-    path = tiny_model_dir("llama")
-    loader.load_model(ModelConfig(model=path, dtype=torch.float32), "cpu")
-    err = capsys.readouterr().err
-    n = _tensors(path)
-    assert "Loading weights: 100%" in err and f" {n}/{n} " in err, err
 
 
 def test_other_ranks_show_no_bar_and_every_weight_passes(capsys, monkeypatch):
@@ -36,10 +26,16 @@ def test_other_ranks_show_no_bar_and_every_weight_passes(capsys, monkeypatch):
     assert "Loading weights: 100%" in capsys.readouterr().err
 
 
-def test_generate_counts_one_prompt_or_many_with_token_speeds(tiny_model_dir, capsys):
-    llm = LLM(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128)
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+def test_loading_and_generate_show_bars(tiny_model_dir, capsys):
+    """LLM(...) loads the weights behind a bar to the checkpoint's last tensor; generate counts its prompts, a
+    single one too, with vLLM's token speeds; use_tqdm=False shows nothing."""
+    path = tiny_model_dir("llama")
     capsys.readouterr()
+    llm = LLM(model=path, dtype="float32", max_model_len=128)
+    err = capsys.readouterr().err
+    n = _tensors(path)
+    assert "Loading weights: 100%" in err and f" {n}/{n} " in err, err
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     llm.generate("one prompt", params)
     err = capsys.readouterr().err
     assert "Processed prompts: 100%" in err and " 1/1 " in err and "est. speed input: " in err, err
