@@ -965,6 +965,10 @@ class EngineArgs:
         if self.distributed_executor_backend == "ray":
             raise ValueError(f"{transfer.kv_connector} stages KV in the engine core's memory, which every rank maps: "
                              "use distributed_executor_backend 'mp'.")
+        if self.data_parallel_size > 1:
+            raise ValueError(f"{transfer.kv_connector} runs one transfer agent per engine core, on kv_port: start one "
+                             "engine per data-parallel rank (each with its own kv_port) behind the router instead of "
+                             "--data-parallel-size.")
         return transfer
 
     def _offload_config(self) -> OffloadConfig | None:

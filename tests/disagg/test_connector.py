@@ -197,10 +197,14 @@ def test_bad_transfer_configs_are_refused(value, error):
         EngineArgs(kv_transfer_config=value).create_engine_config()
 
 
-def test_the_connector_and_offload_are_not_combined():
-    with pytest.raises(ValueError, match="cannot be combined"):
-        EngineArgs(kv_offloading_size=1, kv_transfer_config='{"kv_connector": "NixlConnector", '
-                                                            '"kv_role": "kv_both"}').create_engine_config()
+@pytest.mark.parametrize("args, error", [
+    ({"kv_offloading_size": 1}, "cannot be combined"),
+    ({"data_parallel_size": 2}, "one transfer agent per engine core"),
+])
+def test_the_connector_refuses_what_it_cannot_run_with(args, error):
+    with pytest.raises(ValueError, match=error):
+        EngineArgs(**args, kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+                   ).create_engine_config()
 
 
 def test_the_scheduler_admits_others_while_a_transfer_is_in_flight(pair):
