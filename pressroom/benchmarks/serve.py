@@ -121,8 +121,9 @@ def _add_traffic_args(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_args(group) -> None:
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     for name in ("top-p", "min-p", "frequency-penalty", "presence-penalty", "repetition-penalty"):
-        group.add_argument(f"--{name}", type=float, default=None)
-    group.add_argument("--top-k", type=int, default=None)
+        group.add_argument(f"--{name}", type=float, default=None,
+                           help=f"the request's {name.replace('-', '_')} (unset: the server's default)")
+    group.add_argument("--top-k", type=int, default=None, help="the request's top_k (unset: the server's default)")
     group.add_argument("--structured-outputs", type=json.loads, default=None,
                        help='vLLM\'s structured_outputs (JSON, e.g. \'{"json": {...}}\')')
     group.add_argument("--extra-body", type=json.loads, default=None,
