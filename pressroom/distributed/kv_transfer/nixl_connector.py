@@ -187,6 +187,11 @@ class NixlConnector(KVConnector):
     # ---- engine hooks ----
 
     def before_step(self, rpc: Rpc) -> None:
+        if self._to_save:  # finished in a step whose outputs were never processed: their blocks may be reused now
+            with self._lock:
+                for _, _, slots, _ in self._to_save.values():
+                    self.staging.release(slots)
+            self._to_save = {}
         if not self._loads:
             return
         loads, self._loads = self._loads, []
