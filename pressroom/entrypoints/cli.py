@@ -367,7 +367,10 @@ def _add_browser_args(browsers: argparse._ArgumentGroup) -> None:
 
 
 def _add_log_args(logs: argparse._ArgumentGroup) -> None:
-    logs.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    logs.add_argument("--enable-log-requests", action="store_true",
+                      help="an INFO line per finished request (ids, tokens, queue time, TTFT, end to end), as vLLM's")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="no line per request at all, the access line per HTTP request included (vLLM's older name)")
     logs.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     logs.add_argument("--log-stats-interval", type=float, default=_server_default("log_stats_interval"),
                       help="seconds between periodic stats log lines (0: none)")

@@ -152,10 +152,10 @@ def cache_info(cache: CacheConfig) -> tuple[tuple[str, str], ...]:
 
 
 class ServerMetrics:
-    """`log_requests`: an INFO line per finished engine request (off with --disable-log-requests). `shape`: the
+    """`log_requests`: an INFO line per finished engine request (--enable-log-requests). `shape`: the
     engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families."""
 
-    def __init__(self, prefix: str, model_name: str, log_requests: bool = True,
+    def __init__(self, prefix: str, model_name: str, log_requests: bool = False,
                  shape: EngineShape | None = None) -> None:
         self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
         self.shape = shape = shape if shape is not None else EngineShape()

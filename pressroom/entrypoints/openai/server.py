@@ -430,7 +430,7 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     app.add_middleware(_Guard, api_keys=settings.api_keys, max_concurrent=settings.max_concurrent_requests,
                        open_paths=open_paths)
     _add_browser_guards(app, settings)
-    if settings.log_requests:
+    if settings.access_log:
         app.add_middleware(_AccessLog)  # added last, so outermost: it also logs the guard's 401s and 429s
 
 

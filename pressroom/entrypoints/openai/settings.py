@@ -69,7 +69,8 @@ class ServerSettings:
     # tool_choice "auto" (the default with tools) lets the model call tools; the parser reads its calls
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    log_requests: bool = True  # the access line per HTTP request and the line per finished engine request
+    log_requests: bool = False  # a line per finished engine request (vLLM's --enable-log-requests: off by default)
+    access_log: bool = True  # pressroom.access's line per HTTP request (ids, tokens, timing)
     log_stats_interval: float = 10.0  # seconds between periodic stats lines (0: none)
     uvicorn_log_level: str = "warning"
     uvicorn_access_log: bool = True
@@ -133,7 +134,8 @@ class ServerSettings:
                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
                    reasoning_start=args.reasoning_start_str, reasoning_end=args.reasoning_end_str,
                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                   log_requests=not args.disable_log_requests,
+                   log_requests=args.enable_log_requests and not args.disable_log_requests,
+                   access_log=not args.disable_log_requests,
                    log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
                    uvicorn_log_level=args.uvicorn_log_level, uvicorn_access_log=not args.disable_uvicorn_access_log,
                    allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods,

@@ -34,7 +34,8 @@ def log_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, log_path):
-    with serve(tiny_args(tiny_model_dir("llama"), name=MODEL), log_path, shutdown_s=20) as (url, _):
+    with serve(tiny_args(tiny_model_dir("llama"), "--enable-log-requests", name=MODEL), log_path,
+               shutdown_s=20) as (url, _):
         yield url
 
 

@@ -79,7 +79,7 @@ def test_parser_counts_reasoning_tokens():
 
 @pytest.fixture(scope="module")
 def served(think_model_dir, tmp_path_factory):
-    args = ["--log-level", "INFO", *tiny_args(think_model_dir, name=MODEL)]
+    args = ["--log-level", "INFO", *tiny_args(think_model_dir, "--enable-log-requests", name=MODEL)]
     with serve(args, tmp_path_factory.mktemp("serve-think") / "server.log", shutdown_s=20) as served:
         yield served
 
