@@ -55,6 +55,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     session_id: str | None = None  # the caller's session (e.g. the server's X-Session-Id), as given
     kv_transfer_params: dict | None = None  # a KV producer's: where a decode engine finds its prompt's KV (vLLM's)
+    num_external_tokens: int = 0  # of num_cached_tokens, the ones a KV connector loaded from another engine
 
 
 @dataclass(slots=True)

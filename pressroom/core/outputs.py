@@ -118,3 +118,4 @@ class EngineCoreOutput:
     pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
     # a KV connector's producer: where a decode engine finds this finished request's prompt KV (vLLM's field)
     kv_transfer_params: dict | None = None
+    num_external_tokens: int = 0  # of num_cached_tokens, the ones a KV connector loaded from another engine

@@ -142,6 +142,7 @@ class Scheduler:
         prompt KV loaded from other engines, a finished request's staged for them), or None."""
         self.config = config
         self.connector = kv_connector
+        self._external: dict[str, int] = {}  # request -> prompt tokens a KV connector loaded at its first scheduling
         self.kv = kv_cache
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[tuple, int, Request]] = []  # heap
@@ -351,7 +352,8 @@ class Scheduler:
             lps = out.logprobs.get(rid)
             results.append(EngineCoreOutput(
                 rid, kept, req.status.finish_reason, req.stop_reason,
-                lps[:len(kept)] if lps is not None else None, prompt_lps, max(req.num_cached_tokens, 0)))
+                lps[:len(kept)] if lps is not None else None, prompt_lps, max(req.num_cached_tokens, 0),
+                num_external_tokens=self._external.get(rid, 0)))
             if req.status.finished:
                 self._free(req)
         return results
@@ -405,6 +407,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                if external:
+                    self._external[req.request_id] = external
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted += 1
@@ -603,6 +607,7 @@ class Scheduler:
             self.spec_budget.forget(req.request_id)
         if self.connector is not None:
             self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+            self._external.pop(req.request_id, None)
         self.kv.free(req)
         self._forget_in_runner(req)
         self.requests.pop(req.request_id, None)

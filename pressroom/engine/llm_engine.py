@@ -116,6 +116,7 @@ class _Parent:
     pooling: PoolingParams | None = None  # a pooling request (resolved), which ends with `pooled`
     pooled: list[float] | None = None
     kv_transfer_params: dict | None = None  # a KV producer's, for the request's final output
+    num_external_tokens: int = 0  # prompt tokens a KV connector loaded from another engine
 
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
@@ -535,6 +536,7 @@ class LLMEngine:
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.kv_transfer_params is not None:
             parent.kv_transfer_params = out.kv_transfer_params
+        parent.num_external_tokens = max(parent.num_external_tokens, out.num_external_tokens)
         if out.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         last = len(out.new_token_ids) - 1
@@ -584,7 +586,7 @@ class LLMEngine:
                    for c in parent.children]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.session_id,
-                             parent.kv_transfer_params)
+                             parent.kv_transfer_params, parent.num_external_tokens)
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

@@ -88,6 +88,8 @@ def check_identity(disagg: Disagg, batch: list[tuple[str, dict]]) -> None:
     # each request computed exactly one prompt token on the decode engine: the last, which it was not sent
     assert source(after_d, "local_compute") - source(before_d, "local_compute") == len(batch)
     assert delta["kv_transfer_received_tokens_total"] > 0 and delta["kv_transfer_received_bytes_total"] > 0
+    assert source(after_d, "external_kv_transfer") - source(before_d, "external_kv_transfer") == \
+        delta["kv_transfer_received_tokens_total"]
     assert delta["kv_transfer_reads_total"] > 0 and delta["kv_transfer_failed_reads_total"] == 0
     sent = after_p["kv_transfer_sent_bytes_total"] - before_p["kv_transfer_sent_bytes_total"]
     assert sent == delta["kv_transfer_received_bytes_total"]  # every chunk read was confirmed, none left staged

@@ -268,7 +268,7 @@ class ServerMetrics:
     def _finished(self, out: RequestOutput, now: float, engine: str, params: SamplingParams | None) -> None:
         if self.log_requests:
             _log_finished(out, now)
-        self._count_prompt(len(out.prompt_token_ids), out.num_cached_tokens, engine)
+        self._count_prompt(len(out.prompt_token_ids), out.num_cached_tokens, engine, out.num_external_tokens)
         generated = [len(c.token_ids) for c in out.outputs]
         for histogram, value in ((self.request_generation_tokens, sum(generated)),
                                  (self.request_max_num_generation_tokens, max(generated, default=0)),
@@ -282,13 +282,16 @@ class ServerMetrics:
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
         self.request_success.labels(self.model_name, engine, reason).inc()
 
-    def _count_prompt(self, prompt: int, cached: int, engine: str) -> None:
+    def _count_prompt(self, prompt: int, cached: int, engine: str, external: int = 0) -> None:
+        """`cached`: prompt tokens not computed here, `external` of them loaded by a KV connector from another
+        engine."""
         self.total_prompt_tokens += prompt
         self.prompt_tokens.labels(self.model_name, engine).inc(prompt)
         self.prompt_tokens_cached.labels(self.model_name, engine).inc(cached)
         if self.prompt_tokens_by_source is not None:
             self.prompt_tokens_by_source.labels(self.model_name, engine, "local_compute").inc(prompt - cached)
-            self.prompt_tokens_by_source.labels(self.model_name, engine, "local_cache_hit").inc(cached)
+            self.prompt_tokens_by_source.labels(self.model_name, engine, "local_cache_hit").inc(cached - external)
+            self.prompt_tokens_by_source.labels(self.model_name, engine, "external_kv_transfer").inc(external)
         self.request_prompt_tokens.labels(self.model_name, engine).observe(prompt)
         self.request_prefill_kv_computed_tokens.labels(self.model_name, engine).observe(prompt - cached)
 
