@@ -395,6 +395,9 @@ class KVTransferConfig:
         extra_keys = {"transfer_timeout_s", "abort_request_timeout_s", "fault_injection", "backends"}
         if not isinstance(extra, dict) or set(extra) - extra_keys:
             raise ValueError(f"kv_connector_extra_config must be an object of {', '.join(sorted(extra_keys))}.")
+        if extra.get("backends", ["UCX"]) != ["UCX"]:
+            raise ValueError('kv_connector_extra_config "backends": pressroom\'s NixlConnector moves KV over ["UCX"] '
+                             "only.")
         if "kv_role" not in transfer:
             raise ValueError('kv_transfer_config needs a "kv_role": kv_producer, kv_consumer or kv_both.')
         fields = {k: transfer[k] for k in ("kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port") if k in transfer}

@@ -191,6 +191,8 @@ def test_foreign_params_are_refused_with_the_reason(pair):
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 0}', "not a TCP port"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "bogus": 1}', "unknown kv_transfer_config key"),
     ('{"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}', "NixlConnector"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backends": ["GDS"]}}',
+     "UCX"),
 ])
 def test_bad_transfer_configs_are_refused(value, error):
     with pytest.raises(ValueError, match=error):
