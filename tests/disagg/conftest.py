@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # disagg_support; a package (__i
 
 pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
 
-from disagg_support import Disagg, engine_args, router_args, started, transfer_config  # noqa: E402
+from disagg.disagg_support import Disagg, engine_args, router_args, started, transfer_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

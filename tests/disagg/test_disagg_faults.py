@@ -11,7 +11,8 @@ import time
 
 import httpx
 import pytest
-from disagg_support import MODEL, engine_args, metrics, router_args, started, transfer_config
+
+from disagg.disagg_support import MODEL, engine_args, metrics, router_args, started, transfer_config
 
 pytestmark = pytest.mark.slow
 

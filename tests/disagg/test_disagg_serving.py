@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from disagg_support import MODEL, Disagg, metrics, source
+
+from disagg.disagg_support import MODEL, Disagg, metrics, source
 
 SHARED = ("You are a careful assistant who answers questions about geography, history and science in short, "
           "precise sentences, and who never makes up facts. ")
