@@ -246,3 +246,12 @@ def test_the_scheduler_admits_others_while_a_transfer_is_in_flight(pair):
 
 def _fields(config: KVTransferConfig) -> dict:
     return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def test_prompt_logprobs_compute_the_prompt_here(pair):
+    producer, consumer = pair()
+    params, _ = stage(producer)
+    req = Request("lp", list(PROMPT), SamplingParams(max_tokens=1, prompt_logprobs=1,
+                                                     extra_args={"kv_transfer_params": params}), None)
+    assert consumer.get_num_new_matched_tokens(req, 0) == 0
+    assert consumer.stats().bytes_received == 0 and consumer.stats().staging_slots_used == 0

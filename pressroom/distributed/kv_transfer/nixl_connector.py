@@ -134,6 +134,12 @@ class NixlConnector(KVConnector):
             return 0
         with self._lock:
             pending = self._pending.get(request.request_id)
+            if pending is None and request.sampling_params.prompt_logprobs is not None:
+                # its prompt's logprobs need every prompt position computed here (as prefix hits are skipped)
+                pending = self._pending[request.request_id] = self._begin(request, params, 0)
+                self._abandon(pending)
+                pending.state = "consumed"
+                return 0
             if pending is None:
                 pending = self._pending[request.request_id] = self._begin(request, params, num_computed_tokens)
             if pending.state in ("handshake", "reading"):
