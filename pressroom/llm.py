@@ -75,6 +75,8 @@ class LLM:
         """vLLM's: the sampling fields the model's generation_config.json sets (as the server's
         --generation-config auto takes them), else SamplingParams' own defaults."""
         from pressroom.engine.sampling_defaults import load_sampling_defaults
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
         values = load_sampling_defaults("auto", None, self.engine.model_path).values
         return SamplingParams(**values)
 
