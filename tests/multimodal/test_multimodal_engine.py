@@ -3,11 +3,8 @@ the encoder once), prefix caching keyed by the image (two different images never
 expansion as HF's processor does it, and the ValueErrors of a bad multimodal prompt."""
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
-from tiny_vl import random_image
+from tiny_vl import png_data_url, random_image
 
 from pressroom import LLM, SamplingParams
 from pressroom.core.kv_cache_manager import KVCacheManager
@@ -24,15 +21,9 @@ def vl_llm(tiny_vl):
     return LLM(tiny_vl[0], dtype="float32", kv_cache_memory_gib=0.05)
 
 
-def _data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_image_url_equals_generate(vl_llm):
     image = random_image(7, (80, 120))
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
                                              {"type": "text", "text": "Describe it."}]}]
     chat = vl_llm.chat(messages, GREEDY, use_tqdm=False)[0]
     prompt = f"<|im_start|>user\n{PAD}Describe it.<|im_end|>\n<|im_start|>assistant\n"

@@ -9,17 +9,11 @@ import io
 import openai
 import pytest
 from serving import serve
-from tiny_vl import random_image
+from tiny_vl import png_data_url, random_image
 
 from pressroom import LLM, SamplingParams
 
 MAX_TOKENS = 8
-
-
-def _data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _silence_wav() -> bytes:
@@ -31,7 +25,7 @@ def _silence_wav() -> bytes:
 
 
 def _messages(image) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
                                          {"type": "text", "text": "Describe it."}]}]
 
 

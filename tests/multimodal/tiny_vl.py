@@ -141,3 +141,12 @@ def random_image(seed: int, size: tuple[int, int]):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png_data_url(image) -> str:
+    """The image as a PNG data URL (what a client sends as an image_url part)."""
+    import base64
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
