@@ -284,6 +284,24 @@ class _Phase:
     stopped_early: bool = False
 
 
+def split_corpora(seqs: list[Sequence], held_out: float | list[Sequence], validation: float,
+                  gen: torch.Generator, device) -> tuple[Corpus, Corpus | None, Corpus]:
+    """(training, validation or None, held-out) corpora: `held_out` a fraction of `seqs` kept aside, or separate
+    sequences; `validation` a fraction of the rest, kept aside to stop early on."""
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    if isinstance(held_out, float):
+        cut = max(1, int(len(seqs) * held_out))
+        test_seqs, order = [seqs[i] for i in order[:cut]], order[cut:]
+    else:
+        test_seqs = held_out
+    cut = int(len(order) * validation) if validation else 0
+    val_seqs, train_seqs = [seqs[i] for i in order[:cut]], [seqs[i] for i in order[cut:]]
+    train_c = Corpus.build(train_seqs, device)
+    if not len(train_c.anchors_at):
+        raise ValueError("Too few tokens to train on: generate longer or more continuations.")
+    return train_c, Corpus.build(val_seqs, device) if val_seqs else None, Corpus.build(test_seqs, device)
+
+
 def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, batch_size: int = 32,
           lr: float = 3e-3, held_out: float | list[Sequence] = 0.1, seed: int = 0, progress: bool = True,
           scorer_steps: int | None = None, schedule: Schedule | None = None) -> tuple[DFlash2Drafter, dict]:
@@ -294,18 +312,7 @@ def train(target_model, seqs: list[Sequence], cfg: DFlash2Config, steps: int, ba
     device = target_model.lm_head.weight.device
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    order = torch.randperm(len(seqs), generator=gen).tolist()
-    if isinstance(held_out, float):
-        cut = max(1, int(len(seqs) * held_out))
-        test_seqs, order = [seqs[i] for i in order[:cut]], order[cut:]
-    else:
-        test_seqs = held_out
-    cut = int(len(order) * schedule.validation) if schedule.validation else 0
-    val_seqs, seqs = [seqs[i] for i in order[:cut]], [seqs[i] for i in order[cut:]]
-    train_c, test_c = Corpus.build(seqs, device), Corpus.build(test_seqs, device)
-    if not len(train_c.anchors_at):
-        raise ValueError("Too few tokens to train on: generate longer or more continuations.")
-    val_c = Corpus.build(val_seqs, device) if val_seqs else None
+    train_c, val_c, test_c = split_corpora(seqs, held_out, schedule.validation, gen, device)
     hf = target_model.config
     drafter = DFlash2Drafter(hf.hidden_size, cfg, hf.vocab_size).to(device)
     with torch.no_grad():  # a tenth of the target's final norm: random slots start near uniform logits

@@ -33,6 +33,7 @@ from pressroom.training.drafter import (
     _Phase,
     _phase_report,
     _rounded,
+    split_corpora,
 )
 
 logger = logging.getLogger("pressroom")
@@ -176,18 +177,7 @@ def train(target_model, seqs: list[Sequence], cfg: DSparkTrainConfig, schedule: 
     device = target_model.lm_head.weight.device
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    order = torch.randperm(len(seqs), generator=gen).tolist()
-    if isinstance(held_out, float):
-        cut = max(1, int(len(seqs) * held_out))
-        test_seqs, order = [seqs[i] for i in order[:cut]], order[cut:]
-    else:
-        test_seqs = held_out
-    cut = int(len(order) * schedule.validation) if schedule.validation else 0
-    val_seqs, train_seqs = [seqs[i] for i in order[:cut]], [seqs[i] for i in order[cut:]]
-    train_c, test_c = Corpus.build(train_seqs, device), Corpus.build(test_seqs, device)
-    if not len(train_c.anchors_at):
-        raise ValueError("Too few tokens to train on: generate longer or more continuations.")
-    val_c = Corpus.build(val_seqs, device) if val_seqs else None
+    train_c, val_c, test_c = split_corpora(seqs, held_out, schedule.validation, gen, device)
     drafter = new_drafter(target_model, cfg).to(device)
     k, context = cfg.block_size, cfg.context
 
