@@ -215,24 +215,8 @@ class LLMEngine:
         check_kv_transfer_params(kv_transfer_params(params), self.config.kv_transfer, self.config.cache.block_size,
                                  self.kv_fingerprint)
         salt = _cache_salt(prompt)
-        text, token_ids = self.tokenize_prompt(prompt)
-        if mm_features is None:
-            token_ids, media = self.process_media(prompt, token_ids)
-        else:
-            media = self._checked_media(prompt, token_ids, mm_features)
-        kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
-        if len(kept) < len(token_ids):
-            if media:
-                raise ValueError("truncate_prompt_tokens would cut a prompt with images; shorten its text instead.")
-            text, token_ids = None, kept  # the text no longer says what the model reads
-        params = self._with_bad_words(self._with_think_markers(params))
-        self._validate(request_id, token_ids, params)
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=self.max_model_len - len(token_ids))
-        if params.structured_outputs is not None and isinstance(params.structured_outputs.json, dict):
-            # to the core as its text: msgpack cannot carry every JSON number (integers past 64 bits)
-            schema = json.dumps(params.structured_outputs.json)
-            params = params.clone(structured_outputs=replace(params.structured_outputs, json=schema))
+        text, token_ids, media = self._prompt_tokens(prompt, params, mm_features)
+        params = self._core_params(request_id, token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         stops = StopStrings(params.stop_strings)  # one automaton for the n samples
         children = [_Child(i, self._detokenizer(token_ids, params, stops), f"{next(self._ids)}",
@@ -258,6 +242,35 @@ class LLMEngine:
         except BaseException:
             self.abort_request(request_id)  # the siblings already handed to the core go too
             raise
+
+    def _prompt_tokens(self, prompt: PromptType, params: SamplingParams, mm_features: list[MediaItem] | None
+                       ) -> tuple[str | None, list[int], list[MediaItem] | None]:
+        """(text, token ids, media) of a prompt: tokenized, its images' placeholders expanded (or `mm_features`
+        checked against them), truncated as `truncate_prompt_tokens` asks."""
+        text, token_ids = self.tokenize_prompt(prompt)
+        if mm_features is None:
+            token_ids, media = self.process_media(prompt, token_ids)
+        else:
+            media = self._checked_media(prompt, token_ids, mm_features)
+        kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(token_ids):
+            if media:
+                raise ValueError("truncate_prompt_tokens would cut a prompt with images; shorten its text instead.")
+            text, token_ids = None, kept  # the text no longer says what the model reads
+        return text, token_ids, media
+
+    def _core_params(self, request_id: str, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The params as the core takes them: checked, with think markers and bad words resolved, max_tokens
+        bounded by the context, a JSON schema as its text."""
+        params = self._with_bad_words(self._with_think_markers(params))
+        self._validate(request_id, token_ids, params)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.max_model_len - len(token_ids))
+        if params.structured_outputs is not None and isinstance(params.structured_outputs.json, dict):
+            # to the core as its text: msgpack cannot carry every JSON number (integers past 64 bits)
+            schema = json.dumps(params.structured_outputs.json)
+            params = params.clone(structured_outputs=replace(params.structured_outputs, json=schema))
+        return params
 
     def _check_lora(self, lora: LoRARequest | None) -> None:
         """A request for an adapter on an engine without LoRA, or an adapter whose files are not there: a

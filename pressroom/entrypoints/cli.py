@@ -192,12 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(_subparser(sub, "router", "an OpenAI-compatible front for disaggregated prefill and decode "
                                               "engines", "%(prog)s --prefill URL --decode URL [options]"))
     _add_train_drafter_args(_subparser(sub, "train-drafter",
-                                       "distil a DFlash2 drafter from the target's own greedy generations"))
+                                       "distil a drafter (DFlash2 or DSpark) from the target's own greedy generations"))
 
     _add_make_prompts_args(_subparser(sub, "make-prompts",
                                       "training prompts for a drafter, written by the target model itself"))
 
-    bench = _subparser(sub, "bench", "benchmarks with vLLM's bench semantics", usage=None)
+    _add_bench_commands(_subparser(sub, "bench", "benchmarks with vLLM's bench semantics", usage=None))
+    return parser
+
+
+def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    """`pressroom bench`'s subcommands, each module adding its own flags (imported only here: start-up)."""
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=argparse.ArgumentParser)
     _add_bench_run_args(_subparser(bench_sub, "throughput", "offline throughput: every prompt submitted at once"),
                         input_len=128)
@@ -226,7 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     from pressroom.benchmarks.structured import add_structured_bench_args
     add_structured_bench_args(_subparser(bench_sub, "structured", "structured outputs vs unconstrained output tok/s "
                                                                   "through one server (a fixed JSON schema)"))
-    return parser
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
