@@ -102,6 +102,8 @@ class ModelConfig:
     encoder_only: bool = False  # a BERT-family checkpoint: pooling only, each prompt whole in one step
     batch_invariant: bool = False  # a request's tokens and logprobs whatever its batch (model/batch_invariant.py)
     hf_overrides: dict[str, Any] | None = None  # --hf-overrides: config.json values replaced at load
+    # the most logprobs (sample or prompt) a request may ask for a position (vLLM's default; -1: the vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS[1:]:
@@ -118,6 +120,8 @@ class ModelConfig:
             raise ValueError("--batch-invariant covers generation only; drop it for --runner pooling.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}.")
 
 
 CPU_KV_CACHE_GIB = 2  # the CPU's KV cache without --kv-cache-memory-gib or PRESSROOM_CPU_KVCACHE_SPACE
@@ -789,6 +793,8 @@ class EngineArgs:
     max_cudagraph_capture_size: int = _config_arg(CompilationConfig, "max_cudagraph_capture_size",
                                                   "largest decode batch replayed from a captured CUDA graph "
                                                   f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    max_logprobs: int = _config_arg(ModelConfig, "max_logprobs", "the most logprobs a request may ask for at a "
+                                    "position (logprobs, top_logprobs, prompt_logprobs); -1: the whole vocabulary")
     batch_invariant: bool = _config_arg(ModelConfig, "batch_invariant", "a request's tokens and logprobs do not "
                                         "depend on the requests beside it (fixed-order GEMMs, attention and norms; "
                                         "dense Llama-family models, one rank); also VLLM_BATCH_INVARIANT=1")
@@ -881,6 +887,7 @@ class EngineArgs:
         return ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                            dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                            seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
+                           max_logprobs=self.max_logprobs,
                            hf_overrides=None if self.hf_overrides is None else json_object(self.hf_overrides,
                                                                                            "hf_overrides"),
                            batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)

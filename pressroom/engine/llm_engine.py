@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pressroom.config import EngineArgs, EngineConfig, read_checkpoint_facts
+from pressroom.config import EngineArgs, EngineConfig, ModelConfig, default_of, read_checkpoint_facts
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
 from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
@@ -64,7 +64,7 @@ from pressroom.sampling_params import (
 
 logger = logging.getLogger("pressroom")
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = default_of(ModelConfig, "max_logprobs")  # beam search's bound: each step asks 2 * beams
 PromptType = str | list[int] | dict
 ERROR = "error"  # the finish reason of a request whose output handling failed (vLLM's FinishReason.ERROR)
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit)  # a per-request fault is any other exception (pyo3 panics too)
@@ -100,6 +100,7 @@ class _Child:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -182,6 +183,12 @@ class LLMEngine:
     @property
     def kv_cache(self):
         return self.core.kv_cache
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for at a position (--max-logprobs; -1 there: the vocabulary)."""
+        limit = self.config.model.max_logprobs
+        return self.vocab_size if limit == -1 else limit
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -424,10 +431,12 @@ class LLMEngine:
             raise ValueError("Stop strings need a tokenizer; this engine was started with skip_tokenizer_init.")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size}).")
-        for name in ("logprobs", "prompt_logprobs"):
+        limit = self.max_logprobs
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}.")
+            if value is not None and value > limit:  # vLLM's words (its --max-logprobs)
+                raise ValueError(f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit} "
+                                 "(--max-logprobs).")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size}).")
         if any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids or []):
@@ -550,6 +559,9 @@ class LLMEngine:
         if out.kv_transfer_params is not None:
             parent.kv_transfer_params = out.kv_transfer_params
         parent.num_external_tokens = max(parent.num_external_tokens, out.num_external_tokens)
+        if out.num_preemptions > child.num_preemptions:
+            child.num_preemptions = out.num_preemptions
+            parent.metrics.num_preemptions = sum(c.num_preemptions for c in parent.children)
         if out.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         last = len(out.new_token_ids) - 1

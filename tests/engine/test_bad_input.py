@@ -274,8 +274,9 @@ BAD_REQUESTS = [
     ("token_oob", ("x-oob", {"prompt_token_ids": [5, 10**6]}, SamplingParams()),
      r"Prompt token ids must lie in \[0, 49152\)"),
     ("token_neg", ("x-neg", {"prompt_token_ids": [-1, 5]}, SamplingParams()), "Prompt token ids"),
-    ("logprobs", ("x-lp", "hello", SamplingParams(logprobs=21)), r"logprobs=21 exceeds the maximum of 20"),
-    ("prompt_logprobs", ("x-plp", "hello", SamplingParams(prompt_logprobs=50)), "prompt_logprobs=50"),
+    ("logprobs", ("x-lp", "hello", SamplingParams(logprobs=21)), r"Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("prompt_logprobs", ("x-plp", "hello", SamplingParams(prompt_logprobs=50)),
+     "Requested prompt logprobs of 50, which is greater than max allowed: 20"),
     ("bias", ("x-bias", "hello", SamplingParams(logit_bias={49152: 1.0})), "logit_bias token ids"),
 ]
 
