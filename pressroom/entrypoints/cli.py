@@ -268,6 +268,9 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                         help="let /metrics answer without the API key (for scrapers that cannot send one)")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens in responses: the prompt's tokens read from "
+                             "the prefix cache (vLLM's)")
     server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),
                         help="larger bodies get a 413")
     server.add_argument("--body-read-timeout", type=float, default=_server_default("body_read_timeout"),

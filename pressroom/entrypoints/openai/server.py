@@ -365,6 +365,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     for handler in (utility, completion, chat, pooling, responses, messages):
         handler.adapters = adapters
         handler.sampling_defaults = defaults
+        handler.prompt_tokens_details = settings.prompt_tokens_details
     media = MediaLoader(settings.media_policy)  # chat's media parts, on threads of their own
     for handler in (chat, responses, messages):
         handler.media = media
@@ -482,7 +483,8 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
     app.get("/", include_in_schema=False)(_chat_page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.get("/health")(utility.health)
-    app.get("/ping")(utility.health)  # SageMaker's health check (GET only: a body-less POST would pass _JsonOnly)
+    app.get("/ping")(utility.health)  # SageMaker's health check, GET or POST as vLLM serves it (it reads no body)
+    app.post("/ping", include_in_schema=False)(utility.health)
     app.post("/invocations", openapi_extra=_ANY_JSON_BODY, responses=_ERRORS)(
         _invocations(utility, completion, chat, pooling))
     if os.environ.get(DEV_MODE_ENV, "").strip().lower() in ("1", "true"):

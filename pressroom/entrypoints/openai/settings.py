@@ -49,6 +49,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     metrics_auth: bool = True  # /metrics needs the API key too (when one is set)
     tokenizer_info: bool = False  # GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     max_request_bytes: int = 8 << 20  # larger bodies get a 413
     # seconds a client has to send a request's whole body (a 408 after), and a new connection its first request's
     # headers (closed after); 0: no limit
@@ -122,6 +123,7 @@ class ServerSettings:
                    tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
                                               args.ssl_cert_reqs, args.ssl_ciphers, args.enable_ssl_refresh),
                    root_path=(args.root_path or "").rstrip("/"),  # "/llm/" is "/llm", "/" none
+                   prompt_tokens_details=args.enable_prompt_tokens_details,
                    metrics_auth=not args.disable_metrics_auth, tokenizer_info=args.enable_tokenizer_info_endpoint,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
