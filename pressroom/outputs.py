@@ -34,13 +34,15 @@ class RequestMetrics:
     """A request's times, all time.monotonic() (one clock for every process of a machine, so the engine core's
     scheduling time compares with the front-end's): arrival, its first scheduling by the engine core (its queue
     time ends), its first and last output tokens reaching the front-end, its end. `engine_index`: the
-    data-parallel engine core that scheduled it."""
+    data-parallel engine core that scheduled it. `num_preemptions`: the times the scheduler preempted it (its
+    samples' together)."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     engine_index: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)

@@ -119,3 +119,4 @@ class EngineCoreOutput:
     # a KV connector's producer: where a decode engine finds this finished request's prompt KV (vLLM's field)
     kv_transfer_params: dict | None = None
     num_external_tokens: int = 0  # of num_cached_tokens, the ones a KV connector loaded from another engine
+    num_preemptions: int = 0  # times the scheduler preempted it so far (vLLM's request_num_preemptions)

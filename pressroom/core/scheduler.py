@@ -60,6 +60,9 @@ from pressroom.core.spec_calibration import ReliabilityTable
 from pressroom.core.structured_outputs import grammar_ready
 from pressroom.kv_offload.manager import OffloadStats
 
+# vLLM's buckets of tokens per engine step (vllm:iteration_tokens_total): the scheduler counts its steps by them
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -75,6 +78,16 @@ class SchedulerStats:
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
     kv_transfer: KVTransferStats | None = None  # a KV connector's counters, if one runs
+    # of num_waiting, the requests held back by something passing rather than by room (vLLM's "deferred" reason):
+    # a sibling's prompt, a grammar compiling, --max-loras adapters running, KV on its way from a tier or an engine
+    num_waiting_deferred: int = 0
+    # tokens scheduled per step, per ITERATION_TOKENS_BUCKETS bucket (not cumulative; the last: above them all)
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+    # a KV connector's lookups (vLLM's external prefix cache): prompt tokens of the requests it was asked about
+    # at their first scheduling, and of those the ones it loaded from another engine
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -154,6 +167,10 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self._stale: set[str] = set()
         self.num_preemptions = 0
+        self._step_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps per tokens-scheduled bucket
+        self._step_tokens_sum = 0
+        self._external_queries = self._external_hits = 0
+        self._loading: set[str] = set()  # waiting requests whose prompt KV is on its way (a tier, another engine)
         self.spec_stats = SpecDecodingStats()
         self.spec_budget, self.lookahead, self.async_drafts = spec_budget, lookahead, async_drafts
         # Requests of a failed step, in the order they run alone (see suspect()).
@@ -199,7 +216,23 @@ class Scheduler:
                               self.spec_stats.copy(),
                               self.kv.offload.snapshot() if self.kv.offload is not None else None,
                               *self._adapters_in_use(),
-                              self.connector.stats() if self.connector is not None else None)
+                              self.connector.stats() if self.connector is not None else None,
+                              sum(1 for e in self.waiting if self._deferred(e[2])),
+                              list(self._step_tokens), self._step_tokens_sum,
+                              self._external_queries, self._external_hits)
+
+    def _deferred(self, req: Request) -> bool:
+        """Whether a waiting request is held back by something passing, not by a lack of room."""
+        return (not req.is_ready() or not grammar_ready(req.grammar) or not self._adapter_fits(req)
+                or req.request_id in self._loading)
+
+    def _count_step(self, tokens: int) -> None:
+        """One step's scheduled tokens into vLLM's iteration_tokens buckets (an empty step is no step)."""
+        if tokens:
+            bucket = next((i for i, b in enumerate(ITERATION_TOKENS_BUCKETS) if tokens <= b),
+                          len(ITERATION_TOKENS_BUCKETS))
+            self._step_tokens[bucket] += 1
+            self._step_tokens_sum += tokens
 
     def _adapters_in_use(self) -> tuple[list[str], list[str]]:
         """The running and the waiting requests' LoRA adapters, each name once (empty without --enable-lora)."""
@@ -215,12 +248,16 @@ class Scheduler:
         """The next step. While suspects are left, steps take turns: the first suspect alone, then the
         other requests without it (when there are others), so the requests that did not fail keep going."""
         if not self.suspects:
-            return self._schedule()
-        first = next(iter(self.suspects.values()))
-        self._solo_turn = not self._solo_turn or not self._others_left()
-        if self._solo_turn:
-            return self._schedule_among(lambda r: r is first)
-        return self._schedule_among(lambda r: r.request_id not in self.suspects)
+            sched = self._schedule()
+        else:
+            first = next(iter(self.suspects.values()))
+            self._solo_turn = not self._solo_turn or not self._others_left()
+            if self._solo_turn:
+                sched = self._schedule_among(lambda r: r is first)
+            else:
+                sched = self._schedule_among(lambda r: r.request_id not in self.suspects)
+        self._count_step(sched.total_num_scheduled_tokens)
+        return sched
 
     def _others_left(self) -> bool:
         return any(r.request_id not in self.suspects for r in self.running) or \
@@ -353,7 +390,7 @@ class Scheduler:
             results.append(EngineCoreOutput(
                 rid, kept, req.status.finish_reason, req.stop_reason,
                 lps[:len(kept)] if lps is not None else None, prompt_lps, max(req.num_cached_tokens, 0),
-                num_external_tokens=self._external.get(rid, 0)))
+                num_external_tokens=self._external.get(rid, 0), num_preemptions=req.num_preemptions))
             if req.status.finished:
                 self._free(req)
         return results
@@ -375,6 +412,7 @@ class Scheduler:
         admitted = 0
         for entry in self._fair_order():
             req = entry[2]
+            self._loading.discard(req.request_id)  # examined afresh: added back below while its KV is on its way
             if not req.is_ready() or not grammar_ready(req.grammar):  # a sibling's prompt; a grammar compiling
                 continue
             if not self._adapter_fits(req):  # --max-loras adapters run already
@@ -385,12 +423,14 @@ class Scheduler:
             else:  # pooling reads the hidden states of every prompt token: no prefix hits
                 hits, num_hit, loaded = [], 0, ()
             if loaded is None:  # its prefix is on its way from a secondary offload tier
+                self._loading.add(req.request_id)
                 continue
             num_hit += len(loaded) * self.kv.block_size
             external = 0  # prompt tokens a KV connector loads from another engine, after the local hits
             if self.connector is not None and req.pooling is None:
                 external = self.connector.get_num_new_matched_tokens(req, num_hit)
                 if external is None:  # its prompt's KV is on its way from another engine
+                    self._loading.add(req.request_id)
                     continue
             req.num_computed_tokens = 0
             if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
@@ -407,6 +447,9 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                if self.connector is not None and req.pooling is None:
+                    self._external_queries += req.num_tokens
+                    self._external_hits += external
                 if external:
                     self._external[req.request_id] = external
             req.status = RequestStatus.RUNNING
@@ -599,6 +642,7 @@ class Scheduler:
         self._free(req)
 
     def _free(self, req: Request) -> None:
+        self._loading.discard(req.request_id)
         if req in self.running:
             self.running.remove(req)
         self.suspects.pop(req.request_id, None)

@@ -294,8 +294,6 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                         help="/health answers 503 when the engine core has sent nothing (step outputs, or its "
                              "heartbeat every second when idle) for this many seconds: its loop is stuck. Keep it "
                              "above the longest engine step (a long prefill on a CPU takes seconds); 0: never")
-    server.add_argument("--metrics-prefix", default=_server_default("metrics_prefix"),
-                        help="prefix of /metrics names, e.g. vllm: for existing vLLM dashboards")
     server.add_argument("--reasoning-parser", default=_server_default("reasoning_parser"), choices=REASONING_PARSERS,
                         help="split <think>...</think> into reasoning_content (auto: when the model's chat "
                              "template or vocabulary has the markers; deepseek_r1: the output starts inside the "

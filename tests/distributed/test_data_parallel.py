@@ -43,27 +43,27 @@ def test_256_streams_keep_both_engines_busy(dp_server):
     async def run() -> list[str]:
         return await asyncio.gather(*(one(i) for i in range(256)))
 
-    before = per_engine(dp_server, "pressroom:prefix_cache_queries_total")
+    before = per_engine(dp_server, "vllm:prefix_cache_queries_total")
     texts = asyncio.run(run())
     assert len(texts) == 256 and all(texts)
-    after = per_engine(dp_server, "pressroom:prefix_cache_queries_total")
+    after = per_engine(dp_server, "vllm:prefix_cache_queries_total")
     served = {e: after[e] - before.get(e, 0) for e in after}
     assert set(served) == {"0", "1"}
     assert min(served.values()) > 0.3 * sum(served.values()), served  # both cores took a fair share
     # each core asked its own CPU tier for the prompts' full blocks
-    asked = per_engine(dp_server, "pressroom:kv_offload_tiering_chunk_queries_total")
+    asked = per_engine(dp_server, "vllm:kv_offload_tiering_chunk_queries_total")
     assert set(asked) == {"0", "1"} and min(asked.values()) > 0, asked
 
 
 @pytest.mark.parametrize("how", ["header", "field"])
 def test_a_pinned_request_goes_to_its_engine(dp_server, how):
-    before = per_engine(dp_server, "pressroom:prefix_cache_queries_total")
+    before = per_engine(dp_server, "vllm:prefix_cache_queries_total")
     pin = {"headers": {"X-data-parallel-rank": "1"}} if how == "header" else {"json_extra": {"data_parallel_rank": 1}}
     for i in range(6):
         body = {"prompt": f"pinned {i} of {how}", "max_tokens": 2} | pin.get("json_extra", {})
         r = httpx.post(f"{dp_server}/v1/completions", json=body, headers=pin.get("headers"), timeout=60)
         assert r.status_code == 200, r.text
-    after = per_engine(dp_server, "pressroom:prefix_cache_queries_total")
+    after = per_engine(dp_server, "vllm:prefix_cache_queries_total")
     assert after["0"] == before["0"] and after["1"] > before["1"]
 
 

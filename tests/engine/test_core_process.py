@@ -70,7 +70,7 @@ def _running(url: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "pressroom:num_requests_running")
+               if s.name == "vllm:num_requests_running")
 
 
 @pytest.fixture(scope="module")

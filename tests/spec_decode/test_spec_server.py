@@ -32,9 +32,9 @@ def test_server_speculates_and_reports_it(tiny_model_dir, tmp_path):
     plain = LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05).generate(
         prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert out.choices[0].text == plain[0].outputs[0].text
-    drafts = m[("pressroom:spec_decode_num_drafts_total", "")]
-    accepted = m[("pressroom:spec_decode_num_accepted_tokens_total", "")]
-    assert drafts > 0 and m[("pressroom:spec_decode_num_draft_tokens_total", "")] >= accepted
-    assert m[("pressroom:spec_decode_num_accepted_tokens_per_pos_total", "0")] <= drafts
+    drafts = m[("vllm:spec_decode_num_drafts_total", "")]
+    accepted = m[("vllm:spec_decode_num_accepted_tokens_total", "")]
+    assert drafts > 0 and m[("vllm:spec_decode_num_draft_tokens_total", "")] >= accepted
+    assert m[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] <= drafts
     per_pos = sum(v for (name, pos), v in m.items() if name.endswith("accepted_tokens_per_pos_total"))
     assert per_pos == accepted

@@ -1,20 +1,24 @@
-"""Prometheus metrics under vLLM 0.32's names, labels and buckets, with a configurable prefix (`pressroom:` or
-`vllm:`).
+"""Prometheus metrics under vLLM 0.32's names (`vllm:` prefix), labels and buckets, so a vLLM dashboard reads them
+unchanged.
 
 The families (TARGET below), each labelled `model_name` and `engine` (the index of the data-parallel engine core,
 "0" with one), as vLLM's `PrometheusStatLogger` exports them:
 - scheduler state, each core's snapshot read at scrape time: num_requests_running, num_requests_waiting,
-  kv_cache_usage_perc (gauges); num_preemptions, prefix_cache_queries, prefix_cache_hits (counters); with
-  speculative decoding, spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens
-  and spec_decode_num_accepted_tokens_per_pos (+ position) (counters);
+  num_requests_waiting_by_reason (+ reason: capacity, or deferred by a sibling's prompt, a grammar compiling,
+  --max-loras adapters running, KV on its way), kv_cache_usage_perc, engine_sleep_state (+ sleep_state) (gauges);
+  num_preemptions, prefix_cache_queries, prefix_cache_hits, external_prefix_cache_queries and
+  external_prefix_cache_hits (a KV connector's lookups), mm_cache_queries and mm_cache_hits (no multi-modal
+  processor cache: 0) (counters); iteration_tokens_total (tokens scheduled per engine step; a histogram); with
+  speculative decoding, spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens and
+  spec_decode_num_accepted_tokens_per_pos (+ position) (counters);
 - requests, observed on their output streams: prompt_tokens, generation_tokens, prompt_tokens_cached,
-  prompt_tokens_by_source (+ source; without KV offload tiers, whose hits cannot be told from the device's),
-  request_success (+ finished_reason) (counters); request_prompt_tokens, request_generation_tokens,
-  request_max_num_generation_tokens, request_params_max_tokens and request_prefill_kv_computed_tokens
-  (1-2-5 buckets up to max_model_len), request_params_n, time_to_first_token_seconds,
-  inter_token_latency_seconds, request_time_per_output_token_seconds, e2e_request_latency_seconds,
-  request_queue_time_seconds, request_inference_time_seconds, request_prefill_time_seconds and
-  request_decode_time_seconds (histograms);
+  prompt_tokens_by_source (+ source) and prompt_tokens_cached_by_source (+ source) (both without KV offload tiers,
+  whose hits cannot be told from the device's per request), request_success (+ finished_reason) (counters);
+  request_prompt_tokens, request_generation_tokens, request_max_num_generation_tokens, request_params_max_tokens
+  and request_prefill_kv_computed_tokens (1-2-5 buckets up to max_model_len), request_params_n,
+  request_num_preemptions, time_to_first_token_seconds, inter_token_latency_seconds,
+  request_time_per_output_token_seconds, e2e_request_latency_seconds, request_queue_time_seconds,
+  request_inference_time_seconds, request_prefill_time_seconds and request_decode_time_seconds (histograms);
 - cache_config_info, a gauge of 1 whose labels are the cache config; with --enable-lora, lora_requests_info (its
   labels max_lora and the running and waiting requests' adapters, comma-separated; its value the snapshot's time).
 Beside them: the KV offload tiers' families (vLLM 0.28's KV offload metrics), with a KV connector (disaggregated
@@ -24,16 +28,15 @@ python_*), as prometheus_client exports them to vLLM's registry, and with `Serve
 families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http_request_size_bytes,
 http_response_size_bytes, http_request_duration_highr_seconds, http_request_duration_seconds).
 
-Left out, no figure pressroom has would be true: iteration_tokens_total (tokens per engine step: the front-end sees
-requests, not steps), num_requests_waiting_by_reason (the scheduler does not report which waiting requests are
-deferred: grammars compiling, siblings, KV loads), engine_sleep_state (no sleep mode), external_prefix_cache_* and
-the KV-connector families (no KV connector; the offload tiers have their own families), mm_cache_* (no multi-modal
-models), the estimated_*_per_gpu MFU estimates, and the opt-in ones (kv_block_* residency, corrupted_requests).
+Left out, no figure pressroom has would be true: admission_rejections_total (vLLM's --max-num-queued-reqs/-tokens
+rejections: pressroom has no such queue bound), the estimated_*_per_gpu MFU estimates (no FLOP or byte accounting
+per step), time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the
+opt-in ones (kv_block_* residency, corrupted_requests).
 
-A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core; prefill = that to
-its first token; decode = first to last token; inference = scheduling to last token; time per output token =
-decode over the tokens after the first (the longest sample's, with n > 1). One observation per request (its n
-samples together), as request_success counts it.
+A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core (the core's clock
+when it scheduled the step, CoreOutputs.scheduled_time); prefill = that to its first token; decode = first to last
+token; inference = scheduling to last token; time per output token = decode over the tokens after the first (the
+longest sample's, with n > 1). One observation per request (its n samples together), as request_success counts it.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pressroom.config import CacheConfig, EngineConfig
-from pressroom.core.scheduler import SchedulerStats
+from pressroom.core.scheduler import ITERATION_TOKENS_BUCKETS, SchedulerStats
 from pressroom.kv_offload.manager import TIME_BUCKETS, OffloadStats
 from pressroom.logger import printable
 from pressroom.outputs import RequestMetrics, RequestOutput
@@ -73,15 +76,21 @@ logger = logging.getLogger("pressroom")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# vLLM 0.32's families (names without the prefix) that this module exports.
+PREFIX = "vllm:"  # vLLM's, so its dashboards and alerts work unchanged
+
+# vLLM 0.32's families (names without the prefix; counters without _total, as Prometheus parsers name families)
+# that this module exports.
 TARGET = (
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions", "prefix_cache_queries",
-    "prefix_cache_hits", "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached", "generation_tokens",
-    "request_success", "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
-    "request_params_n", "request_params_max_tokens", "request_prefill_kv_computed_tokens",
-    "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
-    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
-    "request_prefill_time_seconds", "request_decode_time_seconds", "cache_config_info",
+    "num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason", "kv_cache_usage_perc",
+    "engine_sleep_state", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+    "external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits",
+    "iteration_tokens_total", "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached",
+    "prompt_tokens_cached_by_source", "generation_tokens", "request_success", "request_prompt_tokens",
+    "request_generation_tokens", "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
+    "request_prefill_kv_computed_tokens", "request_num_preemptions", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "cache_config_info",
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
 )
@@ -95,8 +104,12 @@ TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason (pressroom never repeats)
 TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource, nearest first
+WAITING_REASONS = ("capacity", "deferred")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's: awake, or asleep at level 1 or 2
 LABELS = ("model_name", "engine")
 
 # No `*_created` series (a creation timestamp beside every counter and histogram): they add a series per
@@ -153,11 +166,13 @@ def cache_info(cache: CacheConfig) -> tuple[tuple[str, str], ...]:
 
 class ServerMetrics:
     """`log_requests`: an INFO line per finished engine request (--enable-log-requests). `shape`: the
-    engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families."""
+    engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families.
+    `sleep_level`: engine_sleep_state's (0 awake; 1 or 2 asleep, as vLLM's levels): whoever puts the engine to
+    sleep sets it."""
 
-    def __init__(self, prefix: str, model_name: str, log_requests: bool = False,
-                 shape: EngineShape | None = None) -> None:
-        self.prefix, self.model_name, self.log_requests = prefix, model_name, log_requests
+    def __init__(self, model_name: str, log_requests: bool = False, shape: EngineShape | None = None) -> None:
+        self.model_name, self.log_requests = model_name, log_requests
+        self.sleep_level = 0
         self.shape = shape = shape if shape is not None else EngineShape()
         self.engines = [str(i) for i in range(shape.num_engines)]
         self.registry = CollectorRegistry()
@@ -176,6 +191,9 @@ class ServerMetrics:
         self.prompt_tokens_by_source = None if shape.offload else self._counter(
             "prompt_tokens_by_source", "Prompt tokens of finished requests by where their KV came from.",
             ("source",), TOKEN_SOURCES)
+        self.prompt_tokens_cached_by_source = None if shape.offload else self._counter(
+            "prompt_tokens_cached_by_source", "Cached prompt tokens of finished requests by the tier that held "
+            "them.", ("source",), CACHE_SOURCES)
         self.request_success = self._counter("request_success", "Finished requests by finish reason.",
                                              ("finished_reason",), FINISH_REASONS)
         self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.", counts)
@@ -184,6 +202,8 @@ class ServerMetrics:
         self.request_max_num_generation_tokens = self._histogram(
             "request_max_num_generation_tokens", "Generated tokens of a request's longest sample.", counts)
         self.request_params_n = self._histogram("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.request_num_preemptions = self._histogram("request_num_preemptions",
+                                                       "Preemptions per finished request.", PREEMPTION_BUCKETS)
         self.request_params_max_tokens = self._histogram("request_params_max_tokens",
                                                          "The max_tokens request parameter.", counts)
         self.request_prefill_kv_computed_tokens = self._histogram(
@@ -207,20 +227,20 @@ class ServerMetrics:
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = (), values: tuple[str, ...] = ()) -> Counter:
         """A counter with a series per engine (and per value of its one extra label) from the start, as vLLM's."""
-        counter = Counter(self.prefix + name, doc, [*LABELS, *extra], registry=self.registry)
+        counter = Counter(PREFIX + name, doc, [*LABELS, *extra], registry=self.registry)
         for engine in self.engines:
             for value in values or [None]:
                 counter.labels(self.model_name, engine, *([value] if value is not None else []))
         return counter
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
-        histogram = Histogram(self.prefix + name, doc, LABELS, buckets=buckets, registry=self.registry)
+        histogram = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
         for engine in self.engines:
             histogram.labels(self.model_name, engine)
         return histogram
 
     def _cache_config_info(self, info: dict[str, str]) -> None:
-        gauge = Gauge(self.prefix + "cache_config_info", "The KV cache's configuration (in the labels).",
+        gauge = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (in the labels).",
                       [*LABELS, *info], registry=self.registry)
         for engine in self.engines:
             gauge.labels(self.model_name, engine, *info.values()).set(1)
@@ -276,6 +296,8 @@ class ServerMetrics:
             histogram.labels(self.model_name, engine).observe(value)
         if params is not None and params.max_tokens:
             self.request_params_max_tokens.labels(self.model_name, engine).observe(params.max_tokens)
+        self.request_num_preemptions.labels(self.model_name, engine).observe(
+            out.metrics.num_preemptions if out.metrics is not None else 0)
         if out.metrics is not None:
             self._observe_times(out.metrics, now, max(generated, default=0), engine)
         # One count per request (vLLM's), with its first choice's reason.
@@ -292,6 +314,9 @@ class ServerMetrics:
             self.prompt_tokens_by_source.labels(self.model_name, engine, "local_compute").inc(prompt - cached)
             self.prompt_tokens_by_source.labels(self.model_name, engine, "local_cache_hit").inc(cached - external)
             self.prompt_tokens_by_source.labels(self.model_name, engine, "external_kv_transfer").inc(external)
+        if self.prompt_tokens_cached_by_source is not None:  # without tiers: the device's, or another engine's
+            self.prompt_tokens_cached_by_source.labels(self.model_name, engine, "device").inc(cached - external)
+            self.prompt_tokens_cached_by_source.labels(self.model_name, engine, "p2p").inc(external)
         self.request_prompt_tokens.labels(self.model_name, engine).observe(prompt)
         self.request_prefill_kv_computed_tokens.labels(self.model_name, engine).observe(prompt - cached)
 
@@ -352,21 +377,24 @@ class _SchedulerCollector:
         """Scheduler figures per engine core (vLLM's `engine` label: the data-parallel rank)."""
         m = self.metrics
         for kind, name, doc, attr in _ENGINE_FAMILIES:
-            family = kind(m.prefix + name, doc, labels=LABELS)
+            family = kind(PREFIX + name, doc, labels=LABELS)
             for index, s in enumerate(m.stats):
-                family.add_metric([m.model_name, str(index)], getattr(s, attr))
+                family.add_metric([m.model_name, str(index)], getattr(s, attr) if attr is not None else 0)
             yield family
+        yield _waiting_by_reason(m.model_name, m.stats)
+        yield _sleep_state(m.model_name, len(m.stats), m.sleep_level)
+        yield _iteration_tokens(m.model_name, m.stats)
         # with speculative decoding on: as configured, or (a shape not told) as some core's drafts show
         if m.shape.num_speculative_tokens or any(s.spec is not None and s.spec.num_drafts for s in m.stats):
-            yield from _spec_families(m.prefix, m.model_name, m.shape.num_speculative_tokens, m.stats)
+            yield from _spec_families(m.model_name, m.shape.num_speculative_tokens, m.stats)
         offloads = [(str(i), e.offload) for i, e in enumerate(m.stats) if e.offload is not None]
         if offloads:
-            yield from _offload_families(m.prefix, m.model_name, offloads)
+            yield from _offload_families(m.model_name, offloads)
         transfers = [(str(i), e.kv_transfer) for i, e in enumerate(m.stats) if e.kv_transfer is not None]
         if transfers:
-            yield from _kv_transfer_families(m.prefix, m.model_name, transfers)
+            yield from _kv_transfer_families(m.model_name, transfers)
         if m.shape.max_loras:
-            yield _lora_family(m.prefix, m.model_name, m.shape.max_loras, m.stats)
+            yield _lora_family(m.model_name, m.shape.max_loras, m.stats)
 
 
 _ENGINE_FAMILIES = (
@@ -377,7 +405,55 @@ _ENGINE_FAMILIES = (
     (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
      "prefix_cache_queries"),
     (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    (CounterMetricFamily, "external_prefix_cache_queries", "Prompt tokens of requests a KV connector was asked "
+     "about (their first scheduling).", "external_prefix_cache_queries"),
+    (CounterMetricFamily, "external_prefix_cache_hits", "Prompt tokens a KV connector loaded from another engine.",
+     "external_prefix_cache_hits"),
+    (CounterMetricFamily, "mm_cache_queries", "Multi-modal processor cache lookups (pressroom has no such cache).",
+     None),
+    (CounterMetricFamily, "mm_cache_hits", "Multi-modal processor cache hits (pressroom has no such cache).", None),
 )
+
+
+def _waiting_by_reason(model_name: str, stats: list[SchedulerStats]) -> Metric:
+    """Each core's waiting requests, split as vLLM's: held back by room (capacity) or by something passing
+    (deferred); the two add up to num_requests_waiting."""
+    family = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Waiting requests by why they wait: "
+                               "capacity, or deferred (a sibling's prompt, a grammar compiling, LoRA slots, KV on "
+                               "its way).", labels=[*LABELS, "reason"])
+    for index, s in enumerate(stats):
+        family.add_metric([model_name, str(index), "capacity"], s.num_waiting - s.num_waiting_deferred)
+        family.add_metric([model_name, str(index), "deferred"], s.num_waiting_deferred)
+    return family
+
+
+def _sleep_state(model_name: str, engines: int, level: int) -> Metric:
+    """vLLM's engine_sleep_state: 1 on the engine's state (awake; weights_offloaded at sleep level 1, discard_all
+    at 2), 0 on the others."""
+    family = GaugeMetricFamily(PREFIX + "engine_sleep_state", "Engine sleep state: awake, or asleep at level 1 "
+                               "(weights_offloaded) or 2 (discard_all).", labels=[*LABELS, "sleep_state"])
+    for index in range(engines):
+        for state_level, state in enumerate(SLEEP_STATES):
+            family.add_metric([model_name, str(index), state], float(state_level == level))
+    return family
+
+
+def _iteration_tokens(model_name: str, stats: list[SchedulerStats]) -> Metric:
+    """Tokens scheduled per engine step, from each core's step counts per vLLM's bucket."""
+    family = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=LABELS)
+    for index, s in enumerate(stats):
+        family.add_metric([model_name, str(index)], _cumulative(ITERATION_TOKENS_BUCKETS, s.iteration_tokens),
+                          s.iteration_tokens_sum)
+    return family
+
+
+def _cumulative(bounds, counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts as Prometheus's cumulative (le, count) pairs, +Inf last."""
+    pairs, running = [], 0
+    for bound, count in zip((*(str(float(b)) for b in bounds), "+Inf"), counts):
+        running += count
+        pairs.append((bound, running))
+    return pairs
 
 _SPEC_COUNTERS = (
     ("spec_decode_num_drafts", "Request-steps that verified drafts.", "num_drafts"),
@@ -386,15 +462,15 @@ _SPEC_COUNTERS = (
 )
 
 
-def _spec_families(prefix: str, model_name: str, positions: int, stats: list[SchedulerStats]) -> Iterator[Metric]:
+def _spec_families(model_name: str, positions: int, stats: list[SchedulerStats]) -> Iterator[Metric]:
     """Speculative decoding's counters per engine core; accepted tokens also by draft position, from 0 up to
     num_speculative_tokens - 1 (and any further position an engine reported)."""
     for name, doc, attr in _SPEC_COUNTERS:
-        family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+        family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
         for index, s in enumerate(stats):
             family.add_metric([model_name, str(index)], getattr(s.spec, attr) if s.spec is not None else 0)
         yield family
-    family = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                  "Draft tokens accepted, by draft position.", labels=[*LABELS, "position"])
     for index, s in enumerate(stats):
         accepted = s.spec.accepted_per_pos if s.spec is not None else []
@@ -403,10 +479,10 @@ def _spec_families(prefix: str, model_name: str, positions: int, stats: list[Sch
     yield family
 
 
-def _lora_family(prefix: str, model_name: str, max_loras: int, stats: list[SchedulerStats]) -> Metric:
+def _lora_family(model_name: str, max_loras: int, stats: list[SchedulerStats]) -> Metric:
     """vLLM's lora_requests_info: per engine core, the adapters of its running and waiting requests as labels
     (names comma-separated), its value the time of the snapshot."""
-    family = GaugeMetricFamily(prefix + "lora_requests_info", "Running and waiting LoRA adapters.",
+    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
                                labels=[*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
     for index, s in enumerate(stats):
         family.add_metric([model_name, str(index), str(max_loras), ",".join(s.waiting_loras),
@@ -425,30 +501,26 @@ _TIER_COUNTERS = (
 )
 
 
-def _offload_families(prefix: str, model_name: str, offloads: list[tuple[str, OffloadStats]]):
+def _offload_families(model_name: str, offloads: list[tuple[str, OffloadStats]]):
     """vLLM 0.28's KV offload metrics, per engine core (each has its own tiers): per tier ("index:kind")
     counters and transfer-time histograms, and the bytes moved between the device and the CPU tier by
     transfer type."""
     for name, doc, attr in _TIER_COUNTERS:
-        family = CounterMetricFamily(prefix + name, doc, labels=["model_name", "engine", "tier"])
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "engine", "tier"])
         for engine, offload in offloads:
             for tier, stats in offload.tiers.items():
                 family.add_metric([model_name, engine, tier], getattr(stats, attr))
         yield family
     for direction in ("read", "write"):
-        family = HistogramMetricFamily(prefix + f"kv_offload_tiering_{direction}_time_seconds",
+        family = HistogramMetricFamily(PREFIX + f"kv_offload_tiering_{direction}_time_seconds",
                                        f"Seconds one chunk's {direction} took in the tier.",
                                        labels=["model_name", "engine", "tier"])
         for engine, offload in offloads:
             for tier, stats in offload.tiers.items():
                 hist = getattr(stats, f"{direction}_time")
-                cumulative, running = [], 0
-                for bound, count in zip((*map(str, TIME_BUCKETS), "+Inf"), hist.buckets):
-                    running += count
-                    cumulative.append((bound, running))
-                family.add_metric([model_name, engine, tier], cumulative, hist.total)
+                family.add_metric([model_name, engine, tier], _cumulative(TIME_BUCKETS, hist.buckets), hist.total)
         yield family
-    family = CounterMetricFamily(prefix + "kv_offload_total_bytes", "Bytes moved between the device's KV cache "
+    family = CounterMetricFamily(PREFIX + "kv_offload_total_bytes", "Bytes moved between the device's KV cache "
                                  "and the CPU tier.", labels=["model_name", "engine", "transfer_type"])
     for engine, offload in offloads:
         for kind, nbytes in offload.total_bytes.items():
@@ -469,13 +541,13 @@ _KV_TRANSFER_FAMILIES = (  # a KV connector's counters (disaggregated serving), 
 )
 
 
-def _kv_transfer_families(prefix: str, model_name: str, transfers: list):
+def _kv_transfer_families(model_name: str, transfers: list):
     for name, doc, attr in _KV_TRANSFER_FAMILIES:
-        family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+        family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
         for engine, stats in transfers:
             family.add_metric([model_name, engine], getattr(stats, attr))
         yield family
-    family = GaugeMetricFamily(prefix + "kv_transfer_staging_chunks_used", "Chunks of the KV staging buffer held.",
+    family = GaugeMetricFamily(PREFIX + "kv_transfer_staging_chunks_used", "Chunks of the KV staging buffer held.",
                                labels=LABELS)
     for engine, stats in transfers:
         family.add_metric([model_name, engine], stats.staging_slots_used)

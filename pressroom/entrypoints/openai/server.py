@@ -342,7 +342,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     names = served_names(settings, engine)
     reasoning = make_parser(settings.reasoning_parser, engine.tokenizer, settings.reasoning_start,
                             settings.reasoning_end)
-    stats = ServerMetrics(settings.metrics_prefix, names[0], settings.log_requests,  # one for all handlers
+    stats = ServerMetrics(names[0], settings.log_requests,  # one for all handlers
                           EngineShape.of(engine.engine.config, engine.max_model_len))
     # a rendered chat prompt may be twice the largest body: room for any template's markup, not for a bomb's
     limits = settings.admission_limits

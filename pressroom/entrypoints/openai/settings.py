@@ -63,7 +63,6 @@ class ServerSettings:
     # Longer than any one engine step (a long prompt's prefill on the CPU takes seconds); the idle core's
     # heartbeat comes every second.
     engine_stall_timeout: float = 60.0
-    metrics_prefix: str = "pressroom:"
     reasoning_parser: str = "auto"  # one of REASONING_PARSERS (reasoning.make_parser checks it)
     reasoning_start: str = "<think>"
     reasoning_end: str = "</think>"
@@ -123,8 +122,8 @@ class ServerSettings:
                    tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
                                               args.ssl_cert_reqs, args.ssl_ciphers, args.enable_ssl_refresh),
                    root_path=(args.root_path or "").rstrip("/"),  # "/llm/" is "/llm", "/" none
-                   prompt_tokens_details=args.enable_prompt_tokens_details,
                    metrics_auth=not args.disable_metrics_auth, tokenizer_info=args.enable_tokenizer_info_endpoint,
+                   prompt_tokens_details=args.enable_prompt_tokens_details,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
                    trust_request_chat_template=args.trust_request_chat_template,
@@ -133,7 +132,7 @@ class ServerSettings:
                                                             "--default-chat-template-kwargs")
                    if args.default_chat_template_kwargs else None,
                    shutdown_timeout=args.shutdown_timeout, engine_stall_timeout=args.engine_stall_timeout,
-                   metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
+                   reasoning_parser=args.reasoning_parser,
                    reasoning_start=args.reasoning_start_str, reasoning_end=args.reasoning_end_str,
                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                    log_requests=args.enable_log_requests and not args.disable_log_requests,

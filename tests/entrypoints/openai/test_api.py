@@ -188,7 +188,7 @@ def test_metrics_have_no_created_series(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     text = httpx.get(f"{server}/metrics").text
     names = [re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and line[0] != "#"]
-    assert "pressroom:generation_tokens_total" in names
+    assert "vllm:generation_tokens_total" in names
     assert not [n for n in names if n.endswith("_created")]
 
 

@@ -178,7 +178,7 @@ def _wait_idle(url: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while True:
         families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-        if not any(s.value for f in families if f.name == "pressroom:num_requests_running" for s in f.samples):
+        if not any(s.value for f in families if f.name == "vllm:num_requests_running" for s in f.samples):
             return
         assert time.monotonic() < deadline, "the stopped request still runs"
         time.sleep(0.2)

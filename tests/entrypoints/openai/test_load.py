@@ -46,8 +46,8 @@ def _wait_drained(url: str, seconds: float) -> dict[str, float]:
     deadline = time.monotonic() + seconds
     while True:
         m = _metrics(url)
-        if (m["pressroom:num_requests_running"] == 0 and m["pressroom:num_requests_waiting"] == 0
-                and m["pressroom:kv_cache_usage_perc"] == 0):
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0):
             return m
         assert time.monotonic() < deadline, {k: v for k, v in m.items() if "num_requests" in k or "kv_cache" in k}
         time.sleep(0.1)
@@ -79,7 +79,7 @@ def test_256_concurrent_streams_complete_without_leaks(server, model):
             while not stop.is_set():
                 text = (await http.get(f"{server}/metrics")).text
                 for line in text.splitlines():
-                    if line.startswith("pressroom:num_requests_running{"):
+                    if line.startswith("vllm:num_requests_running{"):
                         peak["running"] = max(peak["running"], float(line.rsplit(" ", 1)[1]))
                 await asyncio.sleep(0.05)
 
@@ -99,7 +99,7 @@ def test_256_concurrent_streams_complete_without_leaks(server, model):
     assert results == [(max_tokens, "length")] * n  # all complete, no errors
     assert peak["running"] > 32, peak  # they really ran together (max_num_seqs is 256)
     m = _wait_drained(server, 10)  # no leaked blocks
-    assert m["pressroom:kv_cache_usage_perc"] == 0 and m["pressroom:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
     assert elapsed < 90, elapsed
     _still_serves(server, model)
 
@@ -158,9 +158,9 @@ def test_50_killed_streaming_clients_return_every_block(server, model):
                     text = (await http.get(f"{server}/metrics")).text
                     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
                 # all 50 are in the engine mid-generation, holding blocks
-                in_engine = m["pressroom:num_requests_running"] + m["pressroom:num_requests_waiting"]
+                in_engine = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
                 assert in_engine == n_closed + n_killed, m
-                assert m["pressroom:kv_cache_usage_perc"] > 0, m
+                assert m["vllm:kv_cache_usage_perc"] > 0, m
                 os.kill(killed.pid, signal.SIGKILL)
                 for cm, lines in streams:  # closed after the first chunk: the connection goes, mid-stream
                     await lines.aclose()
@@ -175,7 +175,7 @@ def test_50_killed_streaming_clients_return_every_block(server, model):
         # 50 x 1500 tokens would take minutes; aborted, every block is back within seconds
         m = _wait_drained(server, 10)
         assert time.monotonic() - start < 60
-        assert m["pressroom:kv_cache_usage_perc"] == 0
+        assert m["vllm:kv_cache_usage_perc"] == 0
     finally:
         if killed.poll() is None:
             killed.kill()
@@ -233,7 +233,7 @@ def test_2000_short_requests_leave_the_api_process_its_memory(tiny_server):
     elapsed = time.monotonic() - started
     assert statuses == [200] * SHORT_REQUESTS, {s: statuses.count(s) for s in set(statuses)}
     m = _wait_drained(server, 10)
-    assert m["pressroom:kv_cache_usage_perc"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0
     after = process.memory_info().rss
     print(f"{SHORT_REQUESTS} short requests in {elapsed:.1f} s; API RSS {before >> 20} MiB -> {after >> 20} MiB")
     assert after - before < MAX_RSS_GROWTH, (before >> 20, after >> 20)

@@ -253,7 +253,7 @@ def test_tools_and_a_tool_exchange_reach_the_template_as_in_chat(tiny):
 
 def _cached_prompt_tokens(url: str) -> float:
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return sum(float(m) for m in re.findall(r"^pressroom:prompt_tokens_cached_total\{[^}]*\} (\S+)$", metrics, re.M))
+    return sum(float(m) for m in re.findall(r"^vllm:prompt_tokens_cached_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
 def test_reset_prefix_cache_forgets_every_cached_prefix(tiny):

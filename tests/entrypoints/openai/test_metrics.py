@@ -47,7 +47,7 @@ async def _stream(outputs: list[RequestOutput], error: BaseException | None = No
 
 
 def _success(metrics: ServerMetrics, reason: str) -> float:
-    return _sample(metrics, "pressroom:request_success_total", finished_reason=reason)
+    return _sample(metrics, "vllm:request_success_total", finished_reason=reason)
 
 
 def _sample(metrics: ServerMetrics, name: str, **labels: str) -> float:
@@ -61,16 +61,16 @@ async def _drain(stream) -> None:
 
 
 def test_request_success_counts_requests_not_choices():
-    metrics = ServerMetrics("pressroom:", "m", log_requests=False)
+    metrics = ServerMetrics("m", log_requests=False)
     n3 = [_out([None, None, None], 1), _out(["length", "stop", "length"], 4)]  # one request, n=3
     asyncio.run(_drain(metrics.observe(_stream(n3))))
     assert _success(metrics, "length") == 1 and _success(metrics, "stop") == 0  # its first choice's reason
-    assert _sample(metrics, "pressroom:generation_tokens_total") == 12
-    assert _sample(metrics, "pressroom:prompt_tokens_total") == 3
+    assert _sample(metrics, "vllm:generation_tokens_total") == 12
+    assert _sample(metrics, "vllm:prompt_tokens_total") == 3
 
 
 def test_abandoned_and_ended_requests_count_as_abort_and_failed_ones_as_error():
-    metrics = ServerMetrics("pressroom:", "m", log_requests=False)
+    metrics = ServerMetrics("m", log_requests=False)
 
     async def main():
         left = metrics.observe(_stream([_out([None], 1), _out([None], 2), _out(["length"], 3)]))
@@ -84,12 +84,12 @@ def test_abandoned_and_ended_requests_count_as_abort_and_failed_ones_as_error():
     asyncio.run(main())
     assert _success(metrics, "abort") == 3 and _success(metrics, "error") == 1 and _success(metrics, "length") == 0
     total = sum(s.value for family in metrics.registry.collect() for s in family.samples
-                if s.name == "pressroom:request_success_total")
+                if s.name == "vllm:request_success_total")
     assert total == 4  # one count per request, whatever happened to it
 
 
 def test_a_finished_request_is_counted_and_timed_under_its_engine():
-    metrics = ServerMetrics("vllm:", "m", log_requests=False, shape=EngineShape(max_model_len=100, num_engines=2))
+    metrics = ServerMetrics("m", log_requests=False, shape=EngineShape(max_model_len=100, num_engines=2))
     times = RequestMetrics(10.0, first_scheduled_time=10.5, first_token_time=11.0, last_token_time=13.0,
                            finished_time=13.5, engine_index=1)
     choices = [CompletionOutput(0, "x", [7] * 5, finish_reason="length"), CompletionOutput(1, "y", [7] * 3,
@@ -120,7 +120,7 @@ def test_http_requests_are_counted_by_route_template_method_and_status_class():
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
     app = FastAPI()
-    metrics = ServerMetrics("vllm:", "m", log_requests=False)
+    metrics = ServerMetrics("m", log_requests=False)
     metrics.instrument(app)
 
     @app.post("/v1/items/{item}")
@@ -180,8 +180,7 @@ def one_seq_server(tiny_model_dir, tmp_path_factory):
     """The tiny llama serving one sequence at a time (a second request waits for the first to finish), under
     vLLM's prefix, with ngram drafts (the spec_decode families)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "adaptive_token_budget": False})
-    args = tiny_args(tiny_model_dir("llama"), "--max-num-seqs", "1", "--metrics-prefix", "vllm:",
-                     "--speculative-config", spec)
+    args = tiny_args(tiny_model_dir("llama"), "--max-num-seqs", "1", "--speculative-config", spec)
     with serve(args, tmp_path_factory.mktemp("one-seq") / "server.log") as (url, _):
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 

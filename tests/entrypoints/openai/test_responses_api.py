@@ -199,7 +199,7 @@ def test_a_dropped_stream_ends_its_request(server):
 
 
 def _running(server: str) -> float:
-    values = re.findall(r"^pressroom:num_requests_running(?:\{[^}]*\})? (\S+)$", httpx.get(f"{server}/metrics").text,
+    values = re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", httpx.get(f"{server}/metrics").text,
                         re.M)
     assert values, "no num_requests_running gauge"
     return sum(map(float, values))

@@ -51,7 +51,7 @@ def _wait_idle(url: str, seconds: float) -> dict[str, float]:
     deadline = time.monotonic() + seconds
     while True:
         m = _metrics(url)
-        if m["pressroom:num_requests_running"] == 0 and m["pressroom:num_requests_waiting"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
@@ -238,17 +238,17 @@ def test_metrics_move_as_requests_run(server, client):
     before = _wait_idle(server, 10)
     client.completions.create(model=MODEL, prompt="Count me", max_tokens=4, extra_body={"ignore_eos": True})
     after = _wait_idle(server, 10)
-    assert after["pressroom:generation_tokens_total"] - before["pressroom:generation_tokens_total"] == 4
-    assert after["pressroom:prompt_tokens_total"] > before["pressroom:prompt_tokens_total"]
-    assert after["pressroom:time_to_first_token_seconds_count"] == \
-        before["pressroom:time_to_first_token_seconds_count"] + 1
-    assert after["pressroom:e2e_request_latency_seconds_count"] == \
-        before["pressroom:e2e_request_latency_seconds_count"] + 1
-    assert after["pressroom:inter_token_latency_seconds_count"] >= \
-        before["pressroom:inter_token_latency_seconds_count"] + 1
-    assert after["pressroom:prefix_cache_queries_total"] > before["pressroom:prefix_cache_queries_total"]
-    assert after["pressroom:request_queue_time_seconds_count"] == \
-        before["pressroom:request_queue_time_seconds_count"] + 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:time_to_first_token_seconds_count"] == \
+        before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:e2e_request_latency_seconds_count"] == \
+        before["vllm:e2e_request_latency_seconds_count"] + 1
+    assert after["vllm:inter_token_latency_seconds_count"] >= \
+        before["vllm:inter_token_latency_seconds_count"] + 1
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    assert after["vllm:request_queue_time_seconds_count"] == \
+        before["vllm:request_queue_time_seconds_count"] + 1
 
 
 def test_dropped_clients_free_their_blocks(server, client):
@@ -259,7 +259,7 @@ def test_dropped_clients_free_their_blocks(server, client):
         httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2000,
                                                      "ignore_eos": True}, timeout=0.5)
     m = _wait_idle(server, 3.0)  # well before 9 requests could finish 2000 tokens each
-    assert m["pressroom:kv_cache_usage_perc"] == 0.0
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
     r = client.completions.create(model=MODEL, prompt="Still there?", max_tokens=3)
     assert r.usage.completion_tokens == 3
 
@@ -270,7 +270,7 @@ def test_priority_auth_and_backpressure(tiny_model_dir, tmp_path):
     """One request runs at a time; a better priority overtakes earlier worse ones, whether from the field or
     from the X-Vllm-Priority header, which overrides the field."""
     args = tiny_args(tiny_model_dir("llama"), "--scheduling-policy", "priority", "--max-num-seqs", "1",
-                     "--api-key", "sesame", "--max-concurrent-requests", "5", "--metrics-prefix", "vllm:", name=MODEL)
+                     "--api-key", "sesame", "--max-concurrent-requests", "5", name=MODEL)
     with serve(args, tmp_path / "server.log", shutdown_s=20) as (url, _):
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200  # every route but /health needs the key
@@ -333,4 +333,4 @@ def test_many_concurrent_streams_complete_without_leaks(server):
             return await asyncio.gather(*[one(client, i) for i in range(128)])
 
     assert asyncio.run(main()) == [8] * 128
-    assert _wait_idle(server, 10)["pressroom:kv_cache_usage_perc"] == 0.0
+    assert _wait_idle(server, 10)["vllm:kv_cache_usage_perc"] == 0.0
