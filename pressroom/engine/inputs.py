@@ -8,7 +8,7 @@ from typing import Any, NotRequired, TypedDict
 # processor settings): refused by name (check_prompt) rather than dropped.
 UNSUPPORTED_PROMPT_KEYS = ("mm_processor_kwargs", "multi_modal_uuids", "media_io_kwargs", "prompt_embeds",
                            "token_type_ids")
-MODALITIES = ("image",)  # what multi_modal_data may hold
+MODALITIES = ("image", "audio")  # what multi_modal_data may hold (which a model takes: multimodal/processor.py)
 _KNOWN_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "prompt_token_offsets", "multi_modal_data",
                          *UNSUPPORTED_PROMPT_KEYS})
 
@@ -16,7 +16,8 @@ _KNOWN_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "prompt_tok
 class TextPrompt(TypedDict):
     prompt: str
     cache_salt: NotRequired[str]  # prefix-cache isolation: only requests with the same salt share cached blocks
-    multi_modal_data: NotRequired[dict[str, Any]]  # {"image": a PIL image or a list of them}
+    # {"image": a PIL image or a list of them, "audio": (samples, sample_rate) or a list of them}
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):

@@ -42,7 +42,7 @@ from pressroom.model.loader import (
 )
 from pressroom.model.pooling import model_pooling_defaults
 from pressroom.multimodal.inputs import MediaItem
-from pressroom.multimodal.processor import ImageProcessor, supports_images
+from pressroom.multimodal.processor import ImageProcessor, MediaProcessor
 from pressroom.outputs import (
     CompletionOutput,
     Logprob,
@@ -152,7 +152,7 @@ class LLMEngine:
         self.child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._ids = itertools.count()
         self.pooling_defaults = self._pooling_defaults(path) if config.model.runner == "pooling" else None
-        self._image_processor: ImageProcessor | None = None  # made at the first prompt with images
+        self._media_processor: MediaProcessor | None = None  # made at the first prompt with media
         logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
                     config.device, self.max_model_len)
 
@@ -357,8 +357,7 @@ class LLMEngine:
         media = media_items(prompt)
         if not media:
             return token_ids, None
-        processor = self.image_processor()
-        token_ids, items = processor.process(token_ids, media.get("image", []))
+        token_ids, items = self.media_processor().process(token_ids, media)
         return token_ids, items or None
 
     def _checked_media(self, prompt: PromptType, token_ids: list[int], items: list[MediaItem]
@@ -368,21 +367,23 @@ class LLMEngine:
             raise ValueError("Give multi_modal_data or mm_features (already processed), not both.")
         if not items:
             return None
-        image_token = self.image_processor().layout.token_id
+        processor = self.media_processor()
         for item in items:
-            if not isinstance(item, MediaItem) or item.offset < 0 or item.end > len(token_ids) \
-                    or any(t != image_token for t in token_ids[item.offset:item.end]):
-                raise ValueError("mm_features do not match the prompt's image placeholder runs.")
+            if not isinstance(item, MediaItem) or item.modality not in processor.layouts or item.offset < 0 \
+                    or item.end > len(token_ids) \
+                    or any(t != processor.token_id(item.modality) for t in token_ids[item.offset:item.end]):
+                raise ValueError("mm_features do not match the prompt's placeholder runs.")
         return list(items)
 
+    def media_processor(self) -> MediaProcessor:
+        """The model's media processors (a ValueError naming multi_modal_data for a text-only model)."""
+        if self._media_processor is None:
+            self._media_processor = MediaProcessor(resolve_model_path(self.config.model.model), self.hf_config)
+        return self._media_processor
+
     def image_processor(self) -> ImageProcessor:
-        """The model's image processor (a ValueError naming multi_modal_data for a model that takes no images)."""
-        if self._image_processor is None:
-            if not supports_images(self.hf_config):
-                raise ValueError(f"multi_modal_data: this model ({getattr(self.hf_config, 'model_type', '?')}) "
-                                 "takes no images.")
-            self._image_processor = ImageProcessor(resolve_model_path(self.config.model.model), self.hf_config)
-        return self._image_processor
+        """The model's image processor (a ValueError for a model that takes no images)."""
+        return self.media_processor().processor("image")
 
     def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
         """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""

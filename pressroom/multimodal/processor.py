@@ -1,26 +1,30 @@
-"""A prompt's images turned into what the model runner needs: the image processor's patches (HF's PIL-based
-processors: torchvision, which the fast ones need, does not load against this torch build) and the prompt's
-placeholder tokens expanded to one per encoder output row.
+"""A prompt's media turned into what the model runner needs: each item's processor output (images: HF's PIL-based
+image processors, since torchvision, which the fast ones need, does not load against this torch build; audio:
+HF's WhisperFeatureExtractor's log-mel frames) and the prompt's placeholder tokens expanded to one per encoder
+output row.
 
-Placeholders are expanded on token ids, not text: a text prompt is tokenized first (the image token is a special
-token, so the ids are those HF's processor gets by expanding the text), and a token prompt (vLLM's
-`prompt_token_ids` with `multi_modal_data`) is expanded alike. A run of placeholders already as long as the
-image's output (a prompt HF's processor expanded) is kept as it is.
+`placeholder_layouts` is the one place that says, per model family, which modalities it takes and how its prompt
+holds each item (its placeholder token and how many rows an item becomes). Placeholders are expanded on token ids,
+not text: a text prompt is tokenized first (the placeholder is a special token, so the ids are those HF's processor
+gets by expanding the text), and a token prompt (vLLM's `prompt_token_ids` with `multi_modal_data`) is expanded
+alike. A run of placeholders already as long as the item's rows (a prompt HF's processor expanded) is kept as it is.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pressroom.multimodal.inputs import MediaItem
-from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT
+from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT, MAX_SAMPLE_RATE
 
-# The families pressroom serves images to; each prompt holds an image as one image token per encoder output row.
+# The families pressroom serves media to; each prompt holds an item as one placeholder token per encoder output row.
 _QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}  # dynamic resolution: rows from the processor's grid
 _LLAVA_TYPES = {"llava"}  # a fixed-size tower (CLIP or SigLIP) and a projector: rows from the patch count
+_QWEN_AUDIO_TYPES = {"qwen2_audio"}  # Whisper's encoder, 2x pooled: rows from the clip's mel frames
 _CLS_TOWERS = {"clip_vision_model"}  # towers whose output starts with a class token
 
 
@@ -37,54 +41,78 @@ class PlaceholderLayout:
         return int(np.prod(grid)) // self.merge_size ** 2 + self.extra_rows
 
 
+@dataclass(frozen=True, slots=True)
+class AudioLayout:
+    """Where a family's prompt puts an audio clip: `token_id` once per encoder output row; a clip of F mel frames
+    has ceil(F / 2) rows after the encoder's stride-2 convolution, halved again by an average pool (`pooled`)."""
+    token_id: int
+    pooled: bool = True
+
+    def rows(self, grid: tuple[int, int, int]) -> int:
+        from pressroom.model.models.whisper_encoder import conv_frames, pooled_frames
+        frames = grid[-1]
+        return pooled_frames(frames) if self.pooled else conv_frames(frames)
+
+
+Layout = PlaceholderLayout | AudioLayout
+
+
+def placeholder_layouts(hf_config: Any) -> dict[str, Layout]:
+    """The modalities a model takes, each with its prompt layout ({} for a text-only model). A new family's
+    placeholder rule goes here."""
+    kind = getattr(hf_config, "model_type", "")
+    if kind in _QWEN_VL_TYPES:
+        merge = int(hf_config.vision_config.spatial_merge_size)
+        return {"image": PlaceholderLayout(int(hf_config.image_token_id), merge_size=merge)}
+    if kind in _LLAVA_TYPES:
+        vision = hf_config.vision_config
+        cls = 1 if getattr(vision, "model_type", "") in _CLS_TOWERS else 0
+        drop = 1 if getattr(hf_config, "vision_feature_select_strategy", "default") == "default" else 0
+        return {"image": PlaceholderLayout(int(hf_config.image_token_index), patch_size=int(vision.patch_size),
+                                           extra_rows=cls - drop)}
+    if kind in _QWEN_AUDIO_TYPES:
+        return {"audio": AudioLayout(int(hf_config.audio_token_index))}
+    return {}
+
+
+def supported_modalities(hf_config: Any) -> frozenset[str]:
+    return frozenset(placeholder_layouts(hf_config))
+
+
 def supports_images(hf_config: Any) -> bool:
-    return getattr(hf_config, "model_type", "") in _QWEN_VL_TYPES | _LLAVA_TYPES
+    return "image" in supported_modalities(hf_config)
 
 
 def placeholder_layout(hf_config: Any) -> PlaceholderLayout:
-    if hf_config.model_type in _QWEN_VL_TYPES:
-        merge = int(hf_config.vision_config.spatial_merge_size)
-        return PlaceholderLayout(int(hf_config.image_token_id), merge_size=merge)
-    vision = hf_config.vision_config
-    cls = 1 if getattr(vision, "model_type", "") in _CLS_TOWERS else 0
-    drop = 1 if getattr(hf_config, "vision_feature_select_strategy", "default") == "default" else 0
-    return PlaceholderLayout(int(hf_config.image_token_index), patch_size=int(vision.patch_size), extra_rows=cls - drop)
+    """The model's image layout."""
+    return placeholder_layouts(hf_config)["image"]
+
+
+def _media_families() -> str:
+    return ", ".join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES | _QWEN_AUDIO_TYPES))
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One item after its processor: the encoder's input, its grid and its content hash."""
+    payload: np.ndarray
+    grid: tuple[int, int, int]
+    hash: str
 
 
 class ImageProcessor:
     """The model folder's image processor and its placeholder layout."""
+    modality = "image"
 
-    def __init__(self, model_path: str, hf_config: Any, max_images: int = DEFAULT_LIMIT_PER_PROMPT) -> None:
+    def __init__(self, model_path: str, hf_config: Any) -> None:
         if not supports_images(hf_config):
             raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no images; "
                              f"image inputs need one of: {', '.join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES))}.")
         self.hf = load_pil_image_processor(model_path)
         self.layout = placeholder_layout(hf_config)
-        self.max_images = max_images
         self._fingerprint = repr(sorted((k, repr(v)) for k, v in self.hf.to_dict().items())).encode()
 
-    def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[MediaItem]]:
-        """The prompt with each image's placeholder expanded, and the images as MediaItems in prompt order."""
-        if len(images) > self.max_images:
-            raise ValueError(f"At most {self.max_images} images per prompt (limit_mm_per_prompt); got {len(images)}.")
-        runs = placeholder_runs(token_ids, self.layout.token_id)
-        if sum(run for _, run in runs) < len(images):  # before the costly processing
-            raise ValueError(f"The prompt has {sum(run for _, run in runs)} image placeholder(s) but {len(images)} "
-                             "image(s) were given; put one image token per image where it goes (the chat template "
-                             "does this).")
-        encoded = [self._encode(image) for image in images]
-        rows = [self.layout.rows(grid) for _, grid, _ in encoded]
-        out, items, copied = [], [], 0
-        for (start, run), (pixels, grid, digest), n in zip(_slots(runs, rows), encoded, rows):
-            out.extend(token_ids[copied:start])
-            items.append(MediaItem("image", digest, len(out), n, pixels.tobytes(), tuple(pixels.shape),
-                                   str(pixels.dtype), tuple(int(g) for g in grid)))
-            out.extend([self.layout.token_id] * n)
-            copied = start + run
-        out.extend(token_ids[copied:])
-        return out, items
-
-    def _encode(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int], str]:
+    def encode(self, image: Any) -> Encoded:
         image = _as_rgb(image)
         batch = self.hf(images=[image], return_tensors="np")
         pixels = np.ascontiguousarray(batch["pixel_values"], dtype=np.float32)
@@ -93,14 +121,112 @@ class ImageProcessor:
         else:  # a fixed-size tower: [1, channels, height, width]
             patch = self.layout.patch_size
             grid = (1, pixels.shape[-2] // patch, pixels.shape[-1] // patch)
-        return pixels, grid, self._hash(image)
-
-    def _hash(self, image) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(self._fingerprint)
+        h = hashlib.blake2b(self._fingerprint, digest_size=16)
         h.update(f"{image.mode}:{image.size}".encode())
         h.update(image.tobytes())
-        return h.hexdigest()
+        return Encoded(pixels, grid, h.hexdigest())
+
+
+class AudioProcessor:
+    """The model folder's Whisper feature extractor and the audio placeholder layout. A clip is vLLM's
+    `(samples, sample_rate)` (or bare samples at the extractor's rate): mono, resampled to 16 kHz, cut to the
+    extractor's 30-second window as HF's processor cuts it. Its MediaItem holds the log-mel frames the encoder reads
+    (the clip's own and the two its convolutions read past them) and grid (1, 1, the clip's frames)."""
+    modality = "audio"
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        from pressroom.model.models.whisper_encoder import WhisperFeatures
+        layout = placeholder_layouts(hf_config).get("audio")
+        if layout is None:
+            raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no audio; audio inputs "
+                             f"need one of: {', '.join(sorted(_QWEN_AUDIO_TYPES))}.")
+        self.layout = layout
+        self.features = WhisperFeatures(model_path)
+        self._fingerprint = self.features.fingerprint()
+
+    def encode(self, clip: Any) -> Encoded:
+        from pressroom.model.models.whisper_encoder import crop_frames
+        samples = self.samples(clip)
+        mel = self.features(samples)
+        if self.layout.rows((1, 1, mel.frames)) < 1:
+            raise ValueError(f"An audio clip of {samples.size} samples is too short to encode; give at least "
+                             f"{4 * self.features.hf.hop_length} samples at {self.features.sampling_rate} Hz.")
+        payload = np.ascontiguousarray(mel.features[:, :crop_frames(mel.frames, mel.features.shape[-1])])
+        h = hashlib.blake2b(self._fingerprint, digest_size=16)
+        h.update(samples.tobytes())
+        return Encoded(payload, (1, 1, mel.frames), h.hexdigest())
+
+    def samples(self, clip: Any) -> np.ndarray:
+        """A clip as mono float32 samples at the extractor's rate, at most one window long."""
+        from pressroom.model.models.whisper_encoder import resample
+        target = self.features.sampling_rate
+        samples, rate = _clip_parts(clip, target)
+        keep = -(-self.features.max_samples * rate // target) + 64  # the window at the clip's rate, and a margin
+        samples = np.asarray(samples[:keep], dtype=np.float32)  # cut first: a long clip costs no more than 30 s
+        if not np.isfinite(samples).all():
+            raise ValueError("Audio samples must be finite (no NaN or infinity).")
+        return resample(samples, rate, target)[:self.features.max_samples]  # the filter saw past the window's end
+
+
+class MediaProcessor:
+    """A model's processors, one per modality it takes (each made at its first item), and the placeholder
+    expansion over all of a prompt's items."""
+
+    def __init__(self, model_path: str, hf_config: Any,
+                 limits: Mapping[str, int] | None = None) -> None:
+        self.layouts = placeholder_layouts(hf_config)
+        if not self.layouts:
+            raise ValueError(f"multi_modal_data: this model ({getattr(hf_config, 'model_type', '?')}) takes text "
+                             f"only; media inputs need one of: {_media_families()}.")
+        self.model_path, self.hf_config = model_path, hf_config
+        self.limits = dict(limits or {})
+        self._processors: dict[str, ImageProcessor | AudioProcessor] = {}
+
+    def processor(self, modality: str) -> ImageProcessor | AudioProcessor:
+        if modality not in self._processors:
+            if modality not in self.layouts:
+                takes = ", ".join(sorted(self.layouts))
+                raise ValueError(f"multi_modal_data modality {modality} is not supported by this model "
+                                 f"({getattr(self.hf_config, 'model_type', '?')}); it takes {takes} and text.")
+            make = {"image": ImageProcessor, "audio": AudioProcessor}[modality]
+            self._processors[modality] = make(self.model_path, self.hf_config)
+        return self._processors[modality]
+
+    def token_id(self, modality: str) -> int:
+        return self.layouts[modality].token_id
+
+    def process(self, token_ids: list[int], media: Mapping[str, list[Any]]) -> tuple[list[int], list[MediaItem]]:
+        """The prompt with each item's placeholder expanded, and the items as MediaItems in prompt order."""
+        slots: list[tuple[int, int, str, Encoded, int]] = []  # (start, tokens taken, modality, item, rows)
+        for modality, values in media.items():
+            if not values:
+                continue
+            processor = self.processor(modality)
+            limit = self.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT)
+            if len(values) > limit:
+                raise ValueError(f"At most {limit} {modality} item(s) per prompt (limit_mm_per_prompt); "
+                                 f"got {len(values)}.")
+            runs = placeholder_runs(token_ids, processor.layout.token_id)
+            if sum(run for _, run in runs) < len(values):  # before the costly processing
+                raise _count_error(modality, sum(run for _, run in runs), len(values))
+            encoded = [processor.encode(v) for v in values]
+            rows = [processor.layout.rows(e.grid) for e in encoded]
+            slots.extend((start, taken, modality, e, n)
+                         for (start, taken), e, n in zip(_slots(runs, rows, modality), encoded, rows))
+        return _expand(token_ids, sorted(slots, key=lambda s: s[0]), self.layouts)
+
+
+def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]], layouts: dict[str, Layout]
+            ) -> tuple[list[int], list[MediaItem]]:
+    out, items, copied = [], [], 0
+    for start, taken, modality, e, n in slots:
+        out.extend(token_ids[copied:start])
+        items.append(MediaItem(modality, e.hash, len(out), n, e.payload.tobytes(), tuple(e.payload.shape),
+                               str(e.payload.dtype), e.grid))
+        out.extend([layouts[modality].token_id] * n)
+        copied = start + taken
+    out.extend(token_ids[copied:])
+    return out, items
 
 
 def load_pil_image_processor(model_path: str):
@@ -137,15 +263,15 @@ def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int
     return runs
 
 
-def _slots(runs: list[tuple[int, int]], rows: list[int]) -> list[tuple[int, int]]:
-    """(start, tokens) each image takes in the prompt. A run of placeholders holds either one token per image
-    (adjacent images, as LLaVA's `<image><image>`) or images already expanded (its length their rows' sum)."""
+def _slots(runs: list[tuple[int, int]], rows: list[int], modality: str = "image") -> list[tuple[int, int]]:
+    """(start, tokens) each item takes in the prompt. A run of placeholders holds either one token per item
+    (adjacent items, as LLaVA's `<image><image>`) or items already expanded (its length their rows' sum)."""
     slots, i = [], 0
     for start, run in runs:
         j, total = i, 0
         while j < len(rows) and total < run:
             total, j = total + rows[j], j + 1
-        if total == run:  # expanded (or images of one row each)
+        if total == run:  # expanded (or items of one row each)
             for k in range(i, j):
                 slots.append((start + sum(rows[i:k]), rows[k]))
             i = j
@@ -157,8 +283,13 @@ def _slots(runs: list[tuple[int, int]], rows: list[int]) -> list[tuple[int, int]
     else:
         if i == len(rows):
             return slots
-    raise ValueError(f"The prompt has {sum(run for _, run in runs)} image placeholder(s) but {len(rows)} image(s) "
-                     "were given; put one image token per image where it goes (the chat template does this).")
+    raise _count_error(modality, sum(run for _, run in runs), len(rows))
+
+
+def _count_error(modality: str, placeholders: int, items: int) -> ValueError:
+    noun = "image(s)" if modality == "image" else f"{modality} clip(s)" if modality == "audio" else modality
+    return ValueError(f"The prompt has {placeholders} {modality} placeholder(s) but {items} {noun} were given; put "
+                      f"one {modality} token per item where it goes (the chat template does this).")
 
 
 def _as_rgb(image: Any):
@@ -166,3 +297,21 @@ def _as_rgb(image: Any):
     if not isinstance(image, Image.Image):
         raise ValueError(f"An image must be a PIL.Image; got {type(image).__name__}.")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _clip_parts(clip: Any, default_rate: int) -> tuple[np.ndarray, int]:
+    """vLLM's audio item, `(samples, sample_rate)` or bare samples (at the model's rate), checked: 1-D float samples
+    and a rate in 1 Hz to MAX_SAMPLE_RATE."""
+    samples, rate = clip if isinstance(clip, (tuple, list)) and len(clip) == 2 else (clip, default_rate)
+    if hasattr(samples, "detach"):  # a torch tensor
+        samples = samples.detach().cpu().float().numpy()
+    if not isinstance(samples, np.ndarray) or isinstance(rate, bool) or not isinstance(
+            rate, (int, float, np.integer, np.floating)):
+        raise ValueError("An audio item must be (samples, sample_rate): a 1-D float array and its rate in Hz; "
+                         f"got {type(clip).__name__}.")
+    if samples.ndim != 1 or samples.dtype.kind != "f":
+        raise ValueError(f"Audio samples must be a 1-D (mono) float array in [-1, 1]; got shape {samples.shape} "
+                         f"of {samples.dtype}.")
+    if not 0 < rate <= MAX_SAMPLE_RATE or int(rate) != rate:
+        raise ValueError(f"An audio sample rate must be a whole number of Hz from 1 to {MAX_SAMPLE_RATE}; got {rate}.")
+    return samples, int(rate)
