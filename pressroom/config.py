@@ -104,8 +104,12 @@ class ModelConfig:
     hf_overrides: dict[str, Any] | None = None  # --hf-overrides: config.json values replaced at load
     # the most logprobs (sample or prompt) a request may ask for a position (vLLM's default; -1: the vocabulary)
     max_logprobs: int = 20
+    cpu_offload_gb: float = 0  # GiB of decoder layers kept in host memory, streamed in (model/weight_offload.py)
 
     def __post_init__(self) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be at least 0 (GiB of weights kept in host memory); got "
+                             f"{self.cpu_offload_gb}.")
         if self.runner not in RUNNERS[1:]:
             raise ValueError(f"runner must be generate or pooling; got {self.runner!r}.")
         if self.encoder_only and self.runner != "pooling":
@@ -726,6 +730,10 @@ class EngineArgs:
                                             "(default: the model's max_position_embeddings, lowered to what the KV "
                                             "cache holds)")
     seed: int = _config_arg(ModelConfig, "seed", "seeds the engine's sampling generator and dummy weights")
+    cpu_offload_gb: float = _config_arg(ModelConfig, "cpu_offload_gb", "GiB of the weights to keep in (pinned) host "
+                                        "memory: the last decoder layers, whole, each copied to the device ahead of "
+                                        "its use, so a model larger than the GPU's budget serves, slower (per GPU; "
+                                        "no effect on the CPU, where the weights live in host memory)")
     block_size: int = _config_arg(CacheConfig, "block_size", "tokens per KV-cache block (a power of two)")
     enable_prefix_caching: bool = _config_arg(CacheConfig, "enable_prefix_caching",
                                               "reuse the KV-cache blocks of prompt prefixes seen before")
@@ -887,6 +895,7 @@ class EngineArgs:
         return ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                            dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                            seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
+                           cpu_offload_gb=self.cpu_offload_gb,
                            max_logprobs=self.max_logprobs,
                            hf_overrides=None if self.hf_overrides is None else json_object(self.hf_overrides,
                                                                                            "hf_overrides"),
