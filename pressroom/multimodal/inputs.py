@@ -20,6 +20,8 @@ class MediaItem:
     pixels_shape: tuple[int, ...]
     pixels_dtype: str = "float32"
     grid_thw: tuple[int, int, int] = (1, 1, 1)  # patches along time, height and width (Qwen-VL)
+    # its placeholder run is attended bidirectionally (Gemma 3's images): a prefill chunk never ends inside it
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

@@ -24,6 +24,7 @@ from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT, MAX_SAMPLE_RATE
 # The families pressroom serves media to; each prompt holds an item as one placeholder token per encoder output row.
 _QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}  # dynamic resolution: rows from the processor's grid
 _LLAVA_TYPES = {"llava"}  # a fixed-size tower (CLIP or SigLIP) and a projector: rows from the patch count
+_GEMMA3_TYPES = {"gemma3"}  # SigLIP pooled to mm_tokens_per_image rows; image tokens attend bidirectionally
 _QWEN_AUDIO_TYPES = {"qwen2_audio"}  # Whisper's encoder, 2x pooled: rows from the clip's mel frames
 _CLS_TOWERS = {"clip_vision_model"}  # towers whose output starts with a class token
 
@@ -36,6 +37,11 @@ class PlaceholderLayout:
     merge_size: int = 1  # patches merged per output row along each side (Qwen-VL)
     patch_size: int = 0  # pixels per patch side where the processor gives no grid (LLaVA)
     extra_rows: int = 0  # a class token kept (+1) or a patch dropped (-1), LLaVA's feature selection
+    # Gemma 3: a lone `start_id` (<start_of_image>, what its chat template writes) stands for an image and becomes
+    # start, the placeholders, `end_id`; the run is attended bidirectionally (MediaItem.bidirectional)
+    start_id: int = -1
+    end_id: int = -1
+    bidirectional: bool = False
 
     def rows(self, grid: tuple[int, int, int]) -> int:
         return int(np.prod(grid)) // self.merge_size ** 2 + self.extra_rows
@@ -70,6 +76,11 @@ def placeholder_layouts(hf_config: Any) -> dict[str, Layout]:
         drop = 1 if getattr(hf_config, "vision_feature_select_strategy", "default") == "default" else 0
         return {"image": PlaceholderLayout(int(hf_config.image_token_index), patch_size=int(vision.patch_size),
                                            extra_rows=cls - drop)}
+    if kind in _GEMMA3_TYPES:  # a fixed-size image pooled to a square of rows: one "patch" per pooled row
+        side = int(hf_config.mm_tokens_per_image ** 0.5)
+        return {"image": PlaceholderLayout(int(hf_config.image_token_id), patch_size=hf_config.vision_config.image_size
+                                           // side, start_id=int(hf_config.boi_token_id),
+                                           end_id=int(hf_config.eoi_token_id), bidirectional=True)}
     if kind in _QWEN_AUDIO_TYPES:
         return {"audio": AudioLayout(int(hf_config.audio_token_index))}
     return {}
@@ -89,7 +100,7 @@ def placeholder_layout(hf_config: Any) -> PlaceholderLayout:
 
 
 def _media_families() -> str:
-    return ", ".join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES | _QWEN_AUDIO_TYPES))
+    return ", ".join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES | _GEMMA3_TYPES | _QWEN_AUDIO_TYPES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +117,9 @@ class ImageProcessor:
 
     def __init__(self, model_path: str, hf_config: Any) -> None:
         if not supports_images(hf_config):
+            families = ", ".join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES | _GEMMA3_TYPES))
             raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no images; "
-                             f"image inputs need one of: {', '.join(sorted(_QWEN_VL_TYPES | _LLAVA_TYPES))}.")
+                             f"image inputs need one of: {families}.")
         self.hf = load_pil_image_processor(model_path)
         self.layout = placeholder_layout(hf_config)
         self._fingerprint = repr(sorted((k, repr(v)) for k, v in self.hf.to_dict().items())).encode()
@@ -202,6 +214,7 @@ class MediaProcessor:
             if not values:
                 continue
             processor = self.processor(modality)
+            token_ids = _open_starts(token_ids, processor.layout)
             limit = self.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT)
             if len(values) > limit:
                 raise ValueError(f"At most {limit} {modality} item(s) per prompt (limit_mm_per_prompt); "
@@ -222,7 +235,7 @@ def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]
     for start, taken, modality, e, n in slots:
         out.extend(token_ids[copied:start])
         items.append(MediaItem(modality, e.hash, len(out), n, e.payload.tobytes(), tuple(e.payload.shape),
-                               str(e.payload.dtype), e.grid))
+                               str(e.payload.dtype), e.grid, getattr(layouts[modality], "bidirectional", False)))
         out.extend([layouts[modality].token_id] * n)
         copied = start + taken
     out.extend(token_ids[copied:])
@@ -246,6 +259,19 @@ def load_pil_image_processor(model_path: str):
     if getattr(processor, "is_fast", False):
         raise ValueError(f"{type(processor).__name__} is torchvision-based; pressroom needs the PIL image processor.")
     return processor
+
+
+def _open_starts(token_ids: list[int], layout: Layout) -> list[int]:
+    """Each lone start token (not followed by a placeholder) as start, one placeholder, end (Gemma 3)."""
+    start = getattr(layout, "start_id", -1)
+    if start < 0 or start not in token_ids:
+        return token_ids
+    out = []
+    for i, t in enumerate(token_ids):
+        out.append(t)
+        if t == start and (i + 1 == len(token_ids) or token_ids[i + 1] != layout.token_id):
+            out += [layout.token_id, layout.end_id]
+    return out
 
 
 def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
