@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,7 @@ from pressroom.model.layers.quant import VNNI_MAX_ROWS, int4_kernel_available
 from pressroom.model.lazy_weight import Index, LazyWeight, ReadTally
 from pressroom.model.quantization import QuantizationMethod, checkpoint_quantization, resolve_method
 from pressroom.model.registry import resolve_architecture
+from pressroom.model.weight_offload import OffloadPlan, WeightOffload, place_on_host, plan_offload
 
 logger = logging.getLogger("pressroom")
 
@@ -40,6 +41,7 @@ class LoadedModel:
     source: str  # the resolved path
     # bytes this process read from the checkpoint, by tensor name: with tensor parallelism, its slices only
     reads: ReadTally = field(default_factory=ReadTally)
+    weight_offload: WeightOffload | None = None  # --cpu-offload-gb: the layers streamed from host memory
 
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.gguf", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # what serving reads
@@ -221,15 +223,17 @@ def _with_progress(weights: Iterator[tuple[str, LazyWeight]], total: int | None
         bar.refresh()
 
 
-def _fill_dummy(model: nn.Module, seed: int) -> None:
-    """Uniform random weights drawn in place on the model's device (an 8B model fills in a second on a GPU)."""
-    generators: dict[torch.device, torch.Generator] = {}
+def _fill_dummy(model: nn.Module, seed: int, device: str) -> None:
+    """Uniform random weights drawn on `device` (an 8B model fills in a second on a GPU); a weight kept in host
+    memory (--cpu-offload-gb) is drawn there too and copied over, so offloading changes no value."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-            continue
-        gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.data.uniform_(-0.05, 0.05, generator=gen)
+        elif param.device.type == torch.device(device).type:
+            param.data.uniform_(-0.05, 0.05, generator=gen)
+        else:
+            param.data.copy_(torch.empty_like(param.data, device=device).uniform_(-0.05, 0.05, generator=gen))
 
 
 def _keep_4bit(config: ModelConfig, device: str) -> bool:
@@ -275,15 +279,18 @@ def _finish_quantization(model: nn.Module) -> None:
 
 
 def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, method: QuantizationMethod | None,
-                 device: str, ggml_rows: bool = False) -> nn.Module:
+                 device: str, ggml_rows: bool = False,
+                 before_allocation: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The model in the target dtype on `device`, each layer a quantization method takes handed to it. Those
     layers never allocate their dense weights: they are built with stand-ins of them (layers/deferred.py), the
     method chooses and creates its own tensors, and only then do the weights no method took get their dense
     tensors. `ggml_rows` (a GGUF whose projections may stay as shipped): the linear layers' weights stay
     stand-ins until some rows come dense (LinearBase allocates them then). Everything else (norms, embeddings,
-    buffers computed at construction) is built as ever."""
+    buffers computed at construction) is built as ever. `before_allocation(model)` runs once the methods took
+    their layers, before the remaining dense weights are allocated (--cpu-offload-gb puts its layers' weights in
+    host memory there, so the device never holds them)."""
     quantize = method is not None and config.quantization != "none"  # none: the method only reads the checkpoint
-    deferred = DeferredWeights() if quantize or ggml_rows else None
+    deferred = DeferredWeights() if quantize or ggml_rows or before_allocation else None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -293,6 +300,8 @@ def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, met
         torch.set_default_dtype(previous)
     if quantize:
         _attach_quantization(model, method)
+    if before_allocation is not None:
+        before_allocation(model)
     if deferred is not None:
         later = [m.weight for m in model.modules() if isinstance(m, LinearBase) and m.quant_method is None] \
             if ggml_rows else []
@@ -301,6 +310,15 @@ def _build_model(model_cls: type[nn.Module], hf_config, config: ModelConfig, met
             logger.info("quantization %s: %.2f GiB of dense weights never allocated",
                         method.name or type(method).__name__, (deferred.deferred_bytes - dense) / 2**30)
     return model
+
+
+def _offload_bytes(config: ModelConfig, device: str) -> int:
+    """--cpu-offload-gb in bytes; on the CPU none (vLLM's rule too): the weights already live in host memory."""
+    if config.cpu_offload_gb and device == "cpu":
+        logger.info("--cpu-offload-gb %g has no effect on the CPU: the weights already live in host memory",
+                    config.cpu_offload_gb)
+        return 0
+    return int(config.cpu_offload_gb * 2**30)
 
 
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
@@ -315,10 +333,18 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     if method is not None:
         method.check_device(device, config.dtype)
     keep_4bit = fmt != "dummy" and _keep_4bit(config, device)
-    model = _build_model(model_cls, hf_config, config, method, device, ggml_rows=keep_4bit and _is_gguf(path))
+    offload_bytes = _offload_bytes(config, device)
+    host: list[tuple[OffloadPlan, list[torch.Tensor]]] = []  # the offloaded layers and their host buffers
+
+    def keep_on_host(model: nn.Module) -> None:
+        plan = plan_offload(model, offload_bytes)
+        host.append((plan, place_on_host(plan, pin=device == "cuda")))
+
+    model = _build_model(model_cls, hf_config, config, method, device, ggml_rows=keep_4bit and _is_gguf(path),
+                         before_allocation=keep_on_host if offload_bytes else None)
     reads = ReadTally()
     if fmt == "dummy":
-        _fill_dummy(model, config.seed)
+        _fill_dummy(model, config.seed, device)
     else:
         weights = gguf_file.iter_gguf_weights(path, keep_4bit, reads) if _is_gguf(path) else \
             iter_safetensors(path, reads)
@@ -332,8 +358,12 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
         if keep_4bit:
             _pack_int4(model)
     _finish_quantization(model)
+    offload = None
+    if host:  # before prepacking, which takes CPU weights (the host buffers') but never the device's slots
+        offload = WeightOffload(model, *host[0], device=device)
+        logger.info("--cpu-offload-gb %g: %s", config.cpu_offload_gb, offload.describe())
     _prepack(model)
     if config.batch_invariant:
         make_batch_invariant(model)
     model.eval()
-    return LoadedModel(model, hf_config, path, reads)
+    return LoadedModel(model, hf_config, path, reads, offload)
