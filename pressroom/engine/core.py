@@ -186,9 +186,14 @@ class EngineCore:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             budget = self.executor.determine_available_memory()
+        # a checkpoint past the model's longest context is never written (Whisper's cross-attention state against
+        # its 448 tokens): no memory for checkpoint slots then; the interval stays the prefix cache's rule
+        reachable = interval <= spec.max_position
         plan = plan_cache(budget, spec.kv_bytes_per_block, spec.state_bytes_per_slot, cache.block_size, interval,
-                          sched.max_num_seqs, cache.enable_prefix_caching, self._bookkeeping_blocks(spec),
+                          sched.max_num_seqs, cache.enable_prefix_caching and reachable, self._bookkeeping_blocks(spec),
                           self.config.model.max_model_len or spec.max_position)
+        if cache.enable_prefix_caching and not reachable:
+            plan = replace(plan, checkpoint_interval=interval)
         if cache.num_blocks is not None:
             plan = replace(plan, num_blocks=cache.num_blocks + 1)
         return plan

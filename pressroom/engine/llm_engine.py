@@ -255,6 +255,8 @@ class LLMEngine:
         """(text, token ids, media) of a prompt: tokenized, its images' placeholders expanded (or `mm_features`
         checked against them), truncated as `truncate_prompt_tokens` asks."""
         text, token_ids = self.tokenize_prompt(prompt)
+        if self.encoder_inputs() is not None:  # Whisper: its clip goes to the encoder, the prompt to the decoder
+            return text, token_ids, self.encoder_inputs().prompt_media(prompt, token_ids, mm_features)
         if mm_features is None:
             token_ids, media = self.process_media(prompt, token_ids)
         else:
@@ -384,6 +386,16 @@ class LLMEngine:
     def image_processor(self) -> ImageProcessor:
         """The model's image processor (a ValueError for a model that takes no images)."""
         return self.media_processor().processor("image")
+
+    def encoder_inputs(self):
+        """An encoder-decoder model's (Whisper's) inputs: its clips into media items, its decoder prompts; None for a
+        decoder-only model."""
+        if not getattr(self.hf_config, "is_encoder_decoder", False):
+            return None
+        if getattr(self, "_encoder_inputs", None) is None:
+            from pressroom.model.models.whisper import WhisperInputs
+            self._encoder_inputs = WhisperInputs(resolve_model_path(self.config.model.model), self.tokenizer)
+        return self._encoder_inputs
 
     def think_marker_ids(self, start: str = "<think>", end: str = "</think>") -> tuple[list[int], list[int]] | None:
         """Token ids of the thinking span's markers when the vocabulary has both as single tokens, else None."""

@@ -41,6 +41,7 @@ _RECURRENT: dict[str, str] = {
     "MambaForCausalLM": "mamba", "Mamba2ForCausalLM": "mamba", "Qwen3NextForCausalLM": "qwen3_next",
     "KimiLinearForCausalLM": "kimi_linear", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
     "DeepseekV4ForCausalLM": "deepseek_v4",  # its compressors keep the tokens of a window not yet compressed
+    "WhisperForConditionalGeneration": "whisper",  # its cross-attention keys and values, one set per request
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -52,7 +53,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
                 "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
-                "deepseek_v4": "DeepseekV4ForCausalLM"}
+                "deepseek_v4": "DeepseekV4ForCausalLM", "whisper": "WhisperForConditionalGeneration"}
 
 
 def resolve_architecture(hf_config) -> type[nn.Module]:

@@ -39,7 +39,8 @@ class MultimodalInputs:
 
     def __init__(self, model: Any, cache_rows: int) -> None:
         self.model = model
-        self.cache = EncoderCache(cache_rows)
+        # a model whose media rows are large (Whisper's: a clip's whole encoder output in one row) caps them itself
+        self.cache = EncoderCache(getattr(model, "max_cached_media_rows", cache_rows))
         self.requests: dict[str, MediaRequest] = {}
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
 
