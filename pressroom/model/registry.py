@@ -8,12 +8,13 @@ from torch import nn
 from pressroom.model.models.bert import BertModel
 from pressroom.model.models.bert_classifier import BertForSequenceClassification
 from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
-from pressroom.model.models.gemma3 import Gemma3ForCausalLM
+from pressroom.model.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.llava import LlavaForConditionalGeneration
 from pressroom.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pressroom.model.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pressroom.model.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -32,6 +33,8 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # images in (multimodal/)
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # SigLIP tower, bidirectional image tokens
+    "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,  # audio in (multimodal/)
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,  # classifiers, cross-encoders
@@ -50,6 +53,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+                "gemma3": "Gemma3ForConditionalGeneration",
+                "qwen2_audio": "Qwen2AudioForConditionalGeneration",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
                 "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
