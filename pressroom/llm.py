@@ -260,19 +260,23 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's: each conversation rendered by the model's chat template; a message's content may be OpenAI
-        content parts, images (`image_url` with a data URL, or `image_pil`) among them."""
+        content parts, images (`image_url` with a data URL, or `image_pil`) and audio (`input_audio`, `audio_url`)
+        among them, for a model that takes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, messages: Messages, add_generation_prompt: bool, chat_template_kwargs: dict | None
                      ) -> dict:
-        """A conversation as a TokensPrompt, with its images as multi_modal_data."""
-        from pressroom.multimodal.chat import extract_images
-        messages, images = extract_images(messages)
+        """A conversation as a TokensPrompt, with its media (images, audio) as multi_modal_data."""
+        from pressroom.multimodal.chat import extract_media
+        from pressroom.multimodal.processor import supported_modalities
+        hf_config = self.engine.hf_config
+        messages, media = extract_media(messages, supported_modalities(hf_config),
+                                        model=f"this model ({getattr(hf_config, 'model_type', '?')})")
         prompt = {"prompt_token_ids": self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
+        if media:
+            prompt["multi_modal_data"] = media
         return prompt
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
