@@ -37,6 +37,7 @@ from pressroom.entrypoints.openai.metrics import ServerMetrics
 from pressroom.entrypoints.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
+    MEDIA_PART_MODALITIES,
     PRIORITY_MAX,
     PRIORITY_MIN,
     ChatCompletionRequest,
@@ -56,6 +57,7 @@ from pressroom.entrypoints.openai.protocol import (
 from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest
+from pressroom.multimodal.chat import TEMPLATE_PARTS, template_part
 from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
@@ -585,14 +587,21 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def _message_dict(message: ChatMessage) -> dict:
-    """The message as a chat template reads it: its text; with image parts, its parts in order, each image as
-    `{"type": "image"}` (HF's placeholder part; a text-only model's request never gets this far with one)."""
+    """The message as a chat template reads it: its text; with image or audio parts, its parts in order, each
+    medium as its placeholder part (multimodal/chat.py's, `{"type": "image"}` as HF's; a model that does not take
+    a medium refuses its request before this)."""
     parts = message.content if isinstance(message.content, list) else ()
-    if not any(part.get("type") == "image_url" for part in parts):
+    if not any(_medium(part) for part in parts):
         return message.model_dump(exclude_none=True) | {"content": message.text}
-    content = [{"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part["text"]}
-               for part in parts if part.get("type") in ("image_url", "text")]
+    content = [template_part(_medium(part)) if _medium(part) else {"type": "text", "text": part["text"]}
+               for part in parts if _medium(part) or part.get("type") == "text"]
     return message.model_dump(exclude_none=True) | {"content": content}
+
+
+def _medium(part: dict) -> str | None:
+    """The modality of a request's media part a chat template renders (None: not one)."""
+    modality = MEDIA_PART_MODALITIES.get(part.get("type"))
+    return modality if modality in TEMPLATE_PARTS else None
 
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")  # ASCII only: int() would also take other scripts' digits and spaces
