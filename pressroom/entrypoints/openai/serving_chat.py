@@ -56,7 +56,8 @@ from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
 from pressroom.entrypoints.openai.tool_parsers.base import markers_are_special
 from pressroom.entrypoints.openai.tools import ToolPlan, plan_tools
 from pressroom.multimodal import media as media_io
-from pressroom.multimodal.processor import supports_images
+from pressroom.multimodal.chat import takes_phrase
+from pressroom.multimodal.processor import supported_modalities
 from pressroom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -210,17 +211,16 @@ class OpenAIServingChat(OpenAIServing):
         """The hand-off to the engine: the request's media, loaded and past the guards, as the engine prompt's
         `multi_modal_data` (vLLM's form: modality -> its items in prompt order; an image a PIL RGB image, audio
         (float32 mono samples, sample rate), a video (frames, height, width, 3) uint8). Every model pressroom
-        serves today takes text only, so any media is a 400 here, naming the first item's modality; a model that
-        takes media returns the dict instead (its chat template then renders each part's placeholder)."""
+        serves takes at most images or audio: media of another modality is a 400 here, naming the first such item
+        and the model (its chat template renders each taken part's placeholder)."""
         data: dict[str, list[Any]] = {}
         for item in media:
             data.setdefault(item.part.modality, []).append(item.value)
-        takes = {"image"} if supports_images(self.engine.engine.hf_config) else set()
+        takes = supported_modalities(self.engine.engine.hf_config)
         refused = next((item.part for item in media if item.part.modality not in takes), None)
         if refused is not None:
-            kinds = "images and text" if takes else "text only"
-            raise APIError(400, f"{refused.where}: this model takes no {_MODALITY_NOUNS[refused.modality]}; it "
-                                f"takes {kinds}.", param=refused.param)
+            raise APIError(400, f"{refused.where}: this model takes no {_MODALITY_NOUNS[refused.modality]}; "
+                                f"{self.names[0]!r} takes {takes_phrase(takes)}.", param=refused.param)
         return data
 
     @staticmethod
