@@ -77,6 +77,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
 from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
+from pressroom.entrypoints.openai.serving_audio import OpenAIServingAudio
 from pressroom.entrypoints.openai.serving_chat import MediaLoader, OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pressroom.entrypoints.openai.serving_messages import MESSAGES_PATH, OpenAIServingMessages, messages_error
@@ -361,13 +362,14 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     responses = OpenAIServingResponses(*shared, chat.reasoning, chat.auto_tool_parser)
     adapters = served_adapters(settings, engine, names[0])
     messages = OpenAIServingMessages(*shared, chat.reasoning, chat.auto_tool_parser)
+    audio = OpenAIServingAudio(*shared)
     defaults = server_sampling_defaults(settings, engine)
-    for handler in (utility, completion, chat, pooling, responses, messages):
+    for handler in (utility, completion, chat, pooling, responses, messages, audio):
         handler.adapters = adapters
         handler.sampling_defaults = defaults
         handler.prompt_tokens_details = settings.prompt_tokens_details
     media = MediaLoader(settings.media_policy)  # chat's media parts, on threads of their own
-    for handler in (chat, responses, messages):
+    for handler in (chat, responses, messages, audio):
         handler.media = media
 
     @asynccontextmanager
@@ -387,6 +389,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.root_path = settings.root_path  # as vLLM sets it: routes match with the prefix and without
     _add_routes(app, utility, completion, chat, pooling, responses)
     _add_messages_routes(app, messages)
+    _add_audio_routes(app, audio)
     if settings.tokenizer_info:
         app.get("/tokenizer_info")(utility.tokenizer_info)
     _add_middleware(app, settings)
@@ -529,6 +532,13 @@ def _add_messages_routes(app: FastAPI, messages: OpenAIServingMessages) -> None:
              responses={200: {"model": CountTokensResponse, "description": "The prompt's tokens"}, **errors}
              )(messages.count_tokens)
     _add_schemas(app, [(MessagesRequest, "validation"), (CountTokensRequest, "validation")])
+
+
+def _add_audio_routes(app: FastAPI, audio: OpenAIServingAudio) -> None:
+    """OpenAI's audio API (serving_audio.py): multipart forms, so not behind _JsonOnly."""
+    body = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
+    app.post("/v1/audio/transcriptions", openapi_extra=body, responses=_ERRORS)(audio.transcriptions)
+    app.post("/v1/audio/translations", openapi_extra=body, responses=_ERRORS)(audio.translations)
 
 
 # /invocations takes whichever request its fields say (a JSON object): declared so, _JsonOnly guards it too
