@@ -19,12 +19,14 @@ from conftest import tiny_args
 from prometheus_client.parser import text_string_to_metric_families
 from serving import serve
 
+from pressroom.core.scheduler import ITERATION_TOKENS_BUCKETS, SchedulerStats
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.metrics import (
     HTTP_HIGHR_BUCKETS,
     REQUEST_TIME_BUCKETS,
     TARGET,
     TTFT_BUCKETS,
+    PREEMPTION_BUCKETS,
     EngineShape,
     ServerMetrics,
     count_buckets,
@@ -91,7 +93,7 @@ def test_abandoned_and_ended_requests_count_as_abort_and_failed_ones_as_error():
 def test_a_finished_request_is_counted_and_timed_under_its_engine():
     metrics = ServerMetrics("m", log_requests=False, shape=EngineShape(max_model_len=100, num_engines=2))
     times = RequestMetrics(10.0, first_scheduled_time=10.5, first_token_time=11.0, last_token_time=13.0,
-                           finished_time=13.5, engine_index=1)
+                           finished_time=13.5, engine_index=1, num_preemptions=2)
     choices = [CompletionOutput(0, "x", [7] * 5, finish_reason="length"), CompletionOutput(1, "y", [7] * 3,
                                                                                           finish_reason="stop")]
     out = RequestOutput("r", "p", list(range(40)), choices, True, num_cached_tokens=32, metrics=times)
@@ -105,15 +107,53 @@ def test_a_finished_request_is_counted_and_timed_under_its_engine():
                "e2e_request_latency_seconds": 3.5, "time_to_first_token_seconds": 1.0,
                "request_time_per_output_token_seconds": 0.5}  # decode over the longest sample's 4 later tokens
     counts = {"request_prompt_tokens": 40, "request_generation_tokens": 8, "request_max_num_generation_tokens": 5,
-              "request_params_n": 2, "request_params_max_tokens": 5, "request_prefill_kv_computed_tokens": 8}
+              "request_params_n": 2, "request_params_max_tokens": 5, "request_prefill_kv_computed_tokens": 8,
+              "request_num_preemptions": 2}
     for name, value in {**seconds, **counts}.items():
         assert (one(name + "_count"), one(name + "_sum")) == (1, value), name
         assert one(name + "_count", engine="0") == 0, name  # the other engine's series, there from the start
     assert one("prompt_tokens_total") == 40 and one("prompt_tokens_cached_total") == 32
     assert [one("prompt_tokens_by_source_total", source=s) for s in
             ("local_compute", "local_cache_hit", "external_kv_transfer")] == [8, 32, 0]
+    assert [one("prompt_tokens_cached_by_source_total", source=s) for s in
+            ("device", "host", "p2p", "disk", "external_unspecified")] == [32, 0, 0, 0, 0]
     assert one("request_success_total", finished_reason="length") == 1
     assert one("request_prompt_tokens_bucket", le="20.0") == 0 and one("request_prompt_tokens_bucket", le="50.0") == 1
+
+
+def test_scheduler_figures_are_read_from_each_cores_stats_at_scrape_time():
+    metrics = ServerMetrics("m", log_requests=False, shape=EngineShape(num_engines=2))
+    steps = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    steps[0], steps[ITERATION_TOKENS_BUCKETS.index(512)], steps[-1] = 3, 1, 1  # 1, 1, 1, 300 and 20,000 tokens
+    busy = SchedulerStats(num_running=2, num_waiting=5, num_waiting_deferred=2, iteration_tokens=steps,
+                          iteration_tokens_sum=20_303, external_prefix_cache_queries=64,
+                          external_prefix_cache_hits=48)
+    families = {f.name: f for f in text_string_to_metric_families(
+        metrics.render([SchedulerStats(), busy]).decode())}
+
+    def value(name: str, engine: str = "1", sample: str | None = None, **labels: str) -> float:
+        matches = [s.value for s in families["vllm:" + name].samples if s.name == "vllm:" + (sample or name)
+                   and s.labels == {"model_name": "m", "engine": engine, **labels}]
+        assert len(matches) == 1, (name, labels)
+        return matches[0]
+
+    assert value("num_requests_waiting_by_reason", reason="capacity") == 3
+    assert value("num_requests_waiting_by_reason", reason="deferred") == 2
+    assert value("num_requests_waiting_by_reason", engine="0", reason="capacity") == 0
+    cumulative = [value("iteration_tokens_total", sample="iteration_tokens_total_bucket", le=le)
+                  for le in ("1.0", "256.0", "512.0", "16384.0", "+Inf")]
+    assert cumulative == [3, 3, 4, 4, 5]
+    assert value("iteration_tokens_total", sample="iteration_tokens_total_sum") == 20_303
+    assert value("external_prefix_cache_queries", sample="external_prefix_cache_queries_total") == 64
+    assert value("external_prefix_cache_hits", sample="external_prefix_cache_hits_total") == 48
+    assert value("mm_cache_queries", sample="mm_cache_queries_total") == 0
+    assert [value("engine_sleep_state", sleep_state=s) for s in ("awake", "weights_offloaded", "discard_all")] == \
+        [1, 0, 0]
+    metrics.sleep_level = 1  # asleep, weights offloaded
+    families = {f.name: f for f in text_string_to_metric_families(
+        metrics.render([SchedulerStats(), busy]).decode())}
+    assert [value("engine_sleep_state", engine="0", sleep_state=s) for s in
+            ("awake", "weights_offloaded", "discard_all")] == [0, 1, 0]
 
 
 def test_http_requests_are_counted_by_route_template_method_and_status_class():
@@ -203,6 +243,17 @@ def test_every_family_has_model_name_and_engine_labels_and_vllm_buckets(one_seq_
     assert bounds("time_to_first_token_seconds") == [*TTFT_BUCKETS, float("inf")]
     assert bounds("request_queue_time_seconds") == [*REQUEST_TIME_BUCKETS, float("inf")]
     assert bounds("request_prompt_tokens") == [*count_buckets(max_model_len), float("inf")]
+    assert bounds("request_num_preemptions") == [1, 2, 3, 4, 5, 10, 20, float("inf")] == [*PREEMPTION_BUCKETS,
+                                                                                          float("inf")]
+    assert bounds("iteration_tokens_total") == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                                float("inf")]
+    steps = [s.value for s in families["vllm:iteration_tokens_total"].samples if s.name.endswith("_count")]
+    assert steps[0] >= 6  # the prompt's step, then one per token at least (drafts make steps longer, not more)
+    waiting = {s.labels["reason"]: s.value for s in families["vllm:num_requests_waiting_by_reason"].samples}
+    assert set(waiting) == {"capacity", "deferred"}
+    assert sum(waiting.values()) == families["vllm:num_requests_waiting"].samples[0].value
+    awake = {s.labels["sleep_state"]: s.value for s in families["vllm:engine_sleep_state"].samples}
+    assert awake == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     n = [s.value for s in families["vllm:request_params_n"].samples if s.name.endswith("_sum")]
     assert n and n[0] >= 2  # the n=2 request
     info = families["vllm:cache_config_info"].samples[0].labels
@@ -224,6 +275,7 @@ def test_queue_time_ends_at_first_scheduling_not_at_first_token(one_seq_server):
     alone = _since(url, before)
     assert alone["request_queue_time_seconds_count"] == 1
     assert alone["request_queue_time_seconds_sum"] < alone["time_to_first_token_seconds_sum"] / 2, alone
+    assert alone["request_queue_time_seconds_sum"] < 0.25, alone  # ~0: the idle core schedules it at once
     # Behind another: sent once the first has streamed a token, the second waits until the first has finished.
     before = _sums(url)
     first = client.completions.create(model="tiny", prompt="Hi", max_tokens=64, stream=True,
