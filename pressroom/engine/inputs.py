@@ -56,4 +56,11 @@ def media_items(prompt: object) -> dict[str, list[Any]]:
     if other:
         raise ValueError(f"multi_modal_data modality {', '.join(other)} is not supported; "
                          f"it takes {', '.join(MODALITIES)}.")
-    return {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in data.items() if v is not None}
+    return {k: _listed(k, v) for k, v in data.items() if v is not None}
+
+
+def _listed(modality: str, value: Any) -> list[Any]:
+    """A modality's items as a list. An audio clip is itself a tuple, vLLM's (samples, sample_rate): one item."""
+    if modality == "audio" and isinstance(value, tuple) and len(value) == 2 and not isinstance(value[1], tuple):
+        return [value]
+    return list(value) if isinstance(value, (list, tuple)) else [value]
