@@ -21,6 +21,7 @@ from pressroom.distributed.kv_transfer.worker_side import KVConnectorWorker
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pressroom.lora.manager import LoRAManager
 from pressroom.model.loader import load_model
+from pressroom.model.weight_offload import WeightOffload
 from pressroom.platforms import set_up_worker_threads
 from pressroom.worker.collective_profile import CollectiveProfile
 from pressroom.worker.model_runner import ModelRunner
@@ -81,11 +82,13 @@ class Worker:
         self.hf_config = None
         self._profile: CollectiveProfile | None = None
         self.kv_connector: KVConnectorWorker | None = None  # a KV connector's copies (disaggregated serving)
+        self.weight_offload: WeightOffload | None = None  # --cpu-offload-gb: the layers streamed from host memory
 
     def load_model(self) -> ModelSpec:
         config = self.config
         loaded = load_model(config.model, config.device)
         self.model, self.hf_config = loaded.model, loaded.hf_config
+        self.weight_offload = loaded.weight_offload
         hf_config = self.hf_config
         sched = config.scheduler
         runner = ModelRunner(self.model, config.cache.block_size, config.model.dtype, config.model.seed,
@@ -234,7 +237,7 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
-        self.model_runner = self.model = None
+        self.model_runner = self.model = self.weight_offload = None
         destroy_tensor_parallel()
         gc.collect()
         if torch.cuda.is_available():
