@@ -1,0 +1,164 @@
+"""Whisper against HF transformers on a tiny random checkpoint (fp32): greedy tokens of clips of different lengths
+batched together, offline (`LLM.generate` with `multi_modal_data={"audio": ...}`) and through the server's
+/v1/audio/transcriptions and /v1/audio/translations with the official openai client.
+
+The checkpoint: a byte-level BPE tokenizer with Whisper's special tokens (languages, tasks, <|notimestamps|>,
+timestamps), a 2+2-layer WhisperConfig with the real 30-s window (80 mel bins, 1500 encoder positions), weights
+drawn larger than HF's init so the audio moves the logits, and HF's WhisperFeatureExtractor settings."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pressroom import LLM, SamplingParams
+
+NEW_TOKENS = 32
+RATE = 16_000
+
+
+def _byte_vocab() -> dict[str, int]:
+    from tokenizers import pre_tokenizers
+    return {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+
+
+def build_tiny_whisper(path: Path):
+    """Saves a tiny random Whisper with its tokenizer and feature extractor; returns (HF model, tokenizer)."""
+    import transformers
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+    tok = transformers.WhisperTokenizer(vocab=_byte_vocab(), merges=[])
+    specials = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{c}|>" for c in LANGUAGES], "<|translate|>",
+                "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+    tok.add_tokens([transformers.AddedToken(t, special=True, normalized=False) for t in specials],
+                   special_tokens=True)
+    tok.add_tokens([transformers.AddedToken("<|%.2f|>" % (i * 0.02), normalized=False) for i in range(1501)])
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    config = transformers.WhisperConfig(
+        vocab_size=len(tok), num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=1500, max_target_positions=448, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
+        decoder_start_token_id=tok.convert_tokens_to_ids("<|startoftranscript|>"), suppress_tokens=[],
+        begin_suppress_tokens=None)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # larger weights than HF's init: the audio moves the logits and the tokens vary
+        for name, param in model.named_parameters():
+            if param.dim() > 1 and "embed_positions" not in name:
+                param.normal_(0, 0.15)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    transformers.WhisperFeatureExtractor(feature_size=80).save_pretrained(path)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def tiny_whisper(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-whisper")
+    model, tok = build_tiny_whisper(path)
+    return str(path), model, tok
+
+
+def tone(seconds: float, freqs: list[float], seed: int) -> np.ndarray:
+    """A sum of sines with a little noise, mono float32 at 16 kHz."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    noise = 0.05 * np.random.default_rng(seed).standard_normal(len(t))
+    return (sum(0.3 * np.sin(2 * np.pi * f * t) for f in freqs) + noise).astype(np.float32)
+
+
+def prompt_ids(tok, task: str = "transcribe", language: str = "en") -> list[int]:
+    return tok.convert_tokens_to_ids(["<|startoftranscript|>", f"<|{language}|>", f"<|{task}|>", "<|notimestamps|>"])
+
+
+def hf_greedy(path: str, model, tok, clips: list[np.ndarray], task: str = "transcribe") -> list[list[int]]:
+    """HF's greedy continuation of Whisper's decoder prompt for each clip (batched), cut after the first EOS."""
+    import transformers
+    features = transformers.WhisperFeatureExtractor.from_pretrained(path)(
+        clips, sampling_rate=RATE, return_tensors="pt").input_features
+    prompt = torch.tensor([prompt_ids(tok, task)] * len(clips))
+    with torch.no_grad():  # the generic greedy loop: Whisper's own generate adds its long-form machinery
+        out = transformers.GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
+                                                    max_new_tokens=NEW_TOKENS, do_sample=False)
+    result = []
+    for row in out[:, prompt.shape[1]:].tolist():
+        result.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    return result
+
+
+def test_greedy_tokens_of_batched_clips_equal_hf(tiny_whisper):
+    """Three clips of different lengths in one batch: each request's 32 greedy tokens are HF's, and the clips
+    steer them (the cross-attention reads each request's own encoder states)."""
+    path, model, tok = tiny_whisper
+    clips = [tone(1.5, [220, 440], 0), tone(4.0, [330], 1), tone(7.0, [150, 600, 900], 2)]
+    want = hf_greedy(path, model, tok, clips)
+    assert len({tuple(w) for w in want}) == 3
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.1)
+    try:
+        prompts = [{"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert [list(r.outputs[0].token_ids) for r in got] == want
+        # a clip at another rate is resampled to 16 kHz first; a prompt without audio is refused by name
+        at_8k = llm.generate({"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (clips[0][::2], 8000)}},
+                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(at_8k[0].outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match="one audio clip per prompt"):
+            llm.generate({"prompt_token_ids": prompt_ids(tok)}, SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(ValueError, match="30-second window"):
+            llm.generate({"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (tone(31, [200], 3), RATE)}},
+                         SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_long_clips_are_cut_at_quiet_points(tiny_whisper):
+    """A 65-s clip becomes three windows of at most 30 s, each cut inside its window's last second where the clip
+    is quietest."""
+    from pressroom.model.models.whisper import WhisperInputs
+    path, _, tok = tiny_whisper
+    clip = tone(65, [300], 4)
+    clip[int(29.5 * RATE):int(29.6 * RATE)] = 0  # a silence inside the first window's last second
+    windows = WhisperInputs(path, tok).windows(clip, RATE)
+    assert [len(w) <= 30 * RATE for w in windows] == [True] * 3
+    assert len(windows[0]) == int(29.5 * RATE)
+    assert sum(len(w) for w in windows) == len(clip)
+
+
+def _wav(samples: np.ndarray, rate: int = RATE) -> bytes:
+    import soundfile
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format="WAV")
+    return buf.getvalue()
+
+
+@pytest.mark.slow  # a server start of its own (~10 s) and HF's runs of both tasks
+def test_audio_api_through_the_server_equals_hf(tiny_whisper, tmp_path):
+    import openai
+    from serving import serve
+    path, model, tok = tiny_whisper
+    clip = tone(3.0, [261.6, 329.6, 392.0], 5)
+    transcript, translation = (tok.decode(hf_greedy(path, model, tok, [clip], task)[0], skip_special_tokens=True)
+                               for task in ("transcribe", "translate"))
+    assert transcript != translation  # the task token steers the decoder
+    args = ["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.1"]
+    with serve(args, tmp_path / "server.log") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        form = dict(model=path, file=("clip.wav", _wav(clip), "audio/wav"), language="en",
+                    extra_body={"max_completion_tokens": NEW_TOKENS})
+        whole = client.audio.transcriptions.create(**form)
+        assert whole.text == transcript
+        assert client.audio.translations.create(**form).text == translation
+        assert client.audio.transcriptions.create(**form, response_format="text") == transcript
+        streamed = client.audio.transcriptions.create(**form, stream=True)
+        assert "".join(event.delta for event in streamed if event.type == "transcript.text.delta") == transcript
+        # no language: detected (this clip's most likely language token), then transcribed in it
+        detected = client.audio.transcriptions.create(model=path, file=("clip.wav", _wav(clip), "audio/wav"),
+                                                      extra_body={"max_completion_tokens": 4})
+        assert isinstance(detected.text, str)
+        with pytest.raises(openai.BadRequestError, match="srt"):
+            client.audio.transcriptions.create(**form, response_format="srt")
+        with pytest.raises(openai.BadRequestError, match="Unsupported language"):
+            client.audio.transcriptions.create(**{**form, "language": "xx"})
+        with pytest.raises(openai.BadRequestError, match="malformed|accepted formats"):
+            client.audio.transcriptions.create(**{**form, "file": ("clip.wav", b"RIFF not a wav", "audio/wav")})
