@@ -173,7 +173,8 @@ class AudioProcessor:
         from pressroom.model.models.whisper_encoder import resample
         target = self.features.sampling_rate
         samples, rate = _clip_parts(clip, target)
-        keep = -(-self.features.max_samples * rate // target) + 64  # the window at the clip's rate, and a margin
+        # the window at the clip's rate and the resampler filter's reach past it (a tiny rate's costs no more)
+        keep = -(-self.features.max_samples * rate // target) + 32 * max(1, rate // target)
         samples = np.asarray(samples[:keep], dtype=np.float32)  # cut first: a long clip costs no more than 30 s
         if not np.isfinite(samples).all():
             raise ValueError("Audio samples must be finite (no NaN or infinity).")
@@ -209,12 +210,12 @@ class MediaProcessor:
 
     def process(self, token_ids: list[int], media: Mapping[str, list[Any]]) -> tuple[list[int], list[MediaItem]]:
         """The prompt with each item's placeholder expanded, and the items as MediaItems in prompt order."""
+        media = {modality: values for modality, values in media.items() if values}
+        for modality in media:  # every modality's tokens opened before any slot is placed (slots index the ids)
+            token_ids = _open_starts(token_ids, self.processor(modality).layout)
         slots: list[tuple[int, int, str, Encoded, int]] = []  # (start, tokens taken, modality, item, rows)
         for modality, values in media.items():
-            if not values:
-                continue
             processor = self.processor(modality)
-            token_ids = _open_starts(token_ids, processor.layout)
             limit = self.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT)
             if len(values) > limit:
                 raise ValueError(f"At most {limit} {modality} item(s) per prompt (limit_mm_per_prompt); "
