@@ -62,19 +62,22 @@ class _Plan:
     max_len: int
     min_len: int
     chunks: list[int]  # requests left to the prefill path
+    seeing_ahead: frozenset[int] = frozenset()  # chunks with tokens that see past themselves (their own mask)
 
 
-def decode_row_plan(meta: AttentionMetadata, all_rows: bool = False) -> _Plan:
+def decode_row_plan(meta: AttentionMetadata, all_rows: bool = False, seeing_ahead: frozenset[int] = frozenset()
+                    ) -> _Plan:
     """Which query tokens run as rows of the decode kernel, and the requests left to the prefill path (the CPU's
-    fused decode stack asks too). `all_rows`: every query token becomes a row (batch-invariant mode)."""
+    fused decode stack asks too). `all_rows`: every query token becomes a row (batch-invariant mode);
+    `seeing_ahead`: requests whose tokens see keys past themselves, which only the prefill path masks."""
     loc, lens, nd = meta.query_start_loc, meta.seq_lens_host, meta.num_decodes
-    short = [i for i in range(nd, len(loc) - 1)
-             if all_rows or loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i]]
+    short = [i for i in range(nd, len(loc) - 1) if i not in seeing_ahead
+             and (all_rows or loc[i + 1] - loc[i] <= _ROWS_MAX_QUERY and lens[i] > loc[i + 1] - loc[i])]
     chunks = sorted(set(range(nd, len(loc) - 1)) - set(short))
     if not short:
         row_lens = lens[:nd]
         return _Plan(None, nd, meta.block_tables[:nd], meta.seq_lens[:nd], max(row_lens, default=0),
-                     min(row_lens, default=0), chunks)
+                     min(row_lens, default=0), chunks, seeing_ahead)
     reqs, index, row_lens = list(range(nd)), list(range(nd)), list(lens[:nd])
     for i in short:
         q = loc[i + 1] - loc[i]
@@ -82,7 +85,17 @@ def decode_row_plan(meta: AttentionMetadata, all_rows: bool = False) -> _Plan:
         index += range(loc[i], loc[i + 1])
         row_lens += range(lens[i] - q + 1, lens[i] + 1)
     return _Plan(torch.tensor(index), len(index), meta.block_tables[torch.tensor(reqs)],
-                 torch.tensor(row_lens, dtype=meta.seq_lens.dtype), max(row_lens), min(row_lens), chunks)
+                 torch.tensor(row_lens, dtype=meta.seq_lens.dtype), max(row_lens), min(row_lens), chunks,
+                 seeing_ahead)
+
+
+def requests_seeing_ahead(meta: AttentionMetadata, see_ahead: torch.Tensor | None) -> frozenset[int]:
+    """The step's requests with a token that sees keys past itself (`see_ahead`, Attention.forward's)."""
+    if see_ahead is None:
+        return frozenset()
+    loc = meta.query_start_loc
+    ahead = see_ahead.cpu()
+    return frozenset(i for i in range(meta.num_decodes, len(loc) - 1) if bool(ahead[loc[i]:loc[i + 1]].any()))
 
 
 class TorchAttentionBackend:
@@ -96,13 +109,16 @@ class TorchAttentionBackend:
         return AttentionMetadataBuilder(device, num_kv_heads, max_blocks_per_seq)
 
     batch_invariant = False  # only CpuAttentionBackend offers the mode
+    sees_ahead = True  # takes `see_ahead` (Attention.forward's bidirectional spans)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """`see_ahead` [tokens]: keys past its own each query token also sees (None: causal); a chunk with such
+        tokens runs alone through the prefill path with its own mask (the same for every layer of the step)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.plan is None:
-            meta.plan = decode_row_plan(meta, self.batch_invariant)
+            meta.plan = decode_row_plan(meta, self.batch_invariant, requests_seeing_ahead(meta, see_ahead))
         plan: _Plan = meta.plan
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.num_rows:
@@ -118,15 +134,17 @@ class TorchAttentionBackend:
             i = chunks[c]
             j = _fresh_run_end(loc, lens, i)
             run = j - i
-            if run > 1 and chunks[c:c + run] == list(range(i, j)):  # equal-length prompts, nothing cached
+            if run > 1 and chunks[c:c + run] == list(range(i, j)) and plan.seeing_ahead.isdisjoint(range(i, j)):
+                # equal-length prompts, nothing cached
                 start, end = loc[i], loc[j]
                 out[start:end] = self._fresh_batch(q[start:end], k[start:end], v[start:end], run, scale, window,
                                                    sinks)
                 c += run
                 continue
             start, end = loc[i], loc[i + 1]
+            ahead = see_ahead[start:end] if i in plan.seeing_ahead else None
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta.block_tables[i], lens[i], scale, window, sinks)
+                                           meta.block_tables[i], lens[i], scale, window, sinks, ahead)
             c += 1
         return out
 
@@ -161,11 +179,12 @@ class TorchAttentionBackend:
         return attend(q.unsqueeze(2), k, v, mask, False, scale, sinks).squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None,
+                 see_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """One chunk of one prompt: causal over the chunk, full over its cached prefix (both cut to the
-        window, if any)."""
+        window, if any); `see_ahead` [n]: keys past its own each query also sees."""
         n = q.shape[0]
-        mask = _causal_mask(n, seq_len, window)
+        mask = _causal_mask(n, seq_len, window) if see_ahead is None else _span_mask(n, seq_len, window, see_ahead)
         if seq_len == n:  # nothing cached before the chunk: attend to the fresh k, v directly
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
@@ -206,6 +225,16 @@ def _causal_mask(n: int, seq_len: int, window: int | None) -> torch.Tensor | Non
     key_pos = torch.arange(seq_len)[None, :]
     mask = key_pos <= query_pos
     return mask & (key_pos > query_pos - window) if hides_past else mask
+
+
+def _span_mask(n: int, seq_len: int, window: int | None, see_ahead: torch.Tensor) -> torch.Tensor:
+    """`_causal_mask` with each query also seeing its next see_ahead[i] keys (HF's OR of causal and a bidirectional
+    block, then AND the window: a key ahead is never outside it)."""
+    device = see_ahead.device
+    query_pos = torch.arange(n, device=device)[:, None] + (seq_len - n)
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = key_pos <= query_pos + see_ahead[:, None]
+    return mask & (key_pos > query_pos - window) if window is not None else mask
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -46,6 +46,7 @@ from typing import Any
 
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
+from pressroom.core.media_schedule import whole_run_chunk
 from pressroom.core.outputs import (
     PLACEHOLDER_DRAFT,
     CachedRequestData,
@@ -297,6 +298,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
+            n = whole_run_chunk(req.mm_features, req.num_computed_tokens, n, budget)
             if n == 0:
                 continue
             drafts = self._drafts_that_fit(req, n, budget)
@@ -439,6 +441,9 @@ class Scheduler:
                 n = req.num_tokens
             else:
                 n = self._prefill_chunk(min(req.num_tokens - num_hit - external, budget), num_hit + external, budget)
+                n = whole_run_chunk(req.mm_features, num_hit + external, n, budget)
+                if n == 0:  # a bidirectional image run waits for a step with room for it
+                    continue
             if not self.kv.allocate_slots(req, external + n + self.lookahead, hits, loaded):
                 break
             if external:

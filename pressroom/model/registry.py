@@ -8,7 +8,7 @@ from torch import nn
 from pressroom.model.models.bert import BertModel
 from pressroom.model.models.bert_classifier import BertForSequenceClassification
 from pressroom.model.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
-from pressroom.model.models.gemma3 import Gemma3ForCausalLM
+from pressroom.model.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pressroom.model.models.gpt_oss import GptOssForCausalLM
 from pressroom.model.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pressroom.model.models.llava import LlavaForConditionalGeneration
@@ -33,6 +33,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # images in (multimodal/)
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # SigLIP tower, bidirectional image tokens
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,  # audio in (multimodal/)
     "BertModel": BertModel,  # encoders: pooling only
     "BertForMaskedLM": BertModel,
@@ -52,6 +53,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "deepseek_v32": "DeepseekV32ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+                "gemma3": "Gemma3ForConditionalGeneration",
                 "qwen2_audio": "Qwen2AudioForConditionalGeneration",
                 "bert": "BertModel", "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",

@@ -47,3 +47,15 @@ class MediaRows:
     features, reads them too)."""
     index: torch.Tensor  # [n] int64, on the model's device
     rows: torch.Tensor  # [n, width]
+
+
+def bidirectional_runs(items: list[MediaItem] | None) -> list[tuple[int, int]]:
+    """[start, end) of a prompt's runs attended bidirectionally: its items so marked, adjacent ones merged into one
+    run (HF's token_type_ids runs: images with no token between them form one block)."""
+    runs: list[tuple[int, int]] = []
+    for item in sorted((m for m in items or () if m.bidirectional), key=lambda m: m.offset):
+        if runs and runs[-1][1] == item.offset:
+            runs[-1] = (runs[-1][0], item.end)
+        else:
+            runs.append((item.offset, item.end))
+    return runs

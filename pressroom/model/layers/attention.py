@@ -30,12 +30,21 @@ class Attention(nn.Module):
         return (1 if self.latent else 2, num_blocks, block_size, self.num_kv_heads, self.head_dim + self.extra_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], v [tokens, kv_heads, v_head_dim]
         (latent: None, the values are k's first v_head_dim dimensions) -> [tokens, heads * v_head_dim];
-        `sinks` [heads]: gpt-oss's per-head logit in the softmax's denominator (the backend's contract)."""
+        `sinks` [heads]: gpt-oss's per-head logit in the softmax's denominator (the backend's contract);
+        `see_ahead` [tokens] int64: keys past its own each query token also sees, all in the step (Gemma 3's
+        image tokens: the rest of their image); None: causal. Only backends with `sees_ahead` take it."""
         if self.latent:
             v = k[..., :self.v_head_dim]
-        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale,
-                                   self.sliding_window, sinks)
+        meta = get_attention_metadata()
+        if see_ahead is not None:
+            if not getattr(self.backend, "sees_ahead", False):
+                raise ValueError(f"{type(self.backend).__name__} has no bidirectional span mask yet (Gemma 3's image "
+                                 "tokens); run this model's images on the CPU.")
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, sinks,
+                                       see_ahead=see_ahead)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, sinks)
         return out.flatten(1)

@@ -4,14 +4,25 @@ embedding scaled by sqrt(hidden); a tied LM head with optional final logit softc
 
 Gemma's norms scale by (1 + w). The parameter holds 1 + w (added when a checkpoint's w is loaded), so the
 plain RMSNorm kernels run them unchanged.
+
+Gemma 3 with images (`Gemma3ForConditionalGeneration`): a SigLIP tower (siglip.py) whose patches are average-pooled
+to `mm_tokens_per_image` rows, RMS-normed and projected into the text model, where they replace the prompt's image
+tokens (after the embedding's scaling). A prompt's image tokens attend bidirectionally among their run of image
+tokens (HF's rule: a query in a run of image tokens also sees the run's later tokens, in global and local layers
+alike; text tokens stay causal). A prefill chunk therefore holds a run's remaining tokens whole: the item is marked
+`bidirectional`, which the scheduler honours, and the step's `see_ahead` tells the attention backend how far past
+itself each token looks.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pressroom.attention.backend import AttentionMetadata, get_attention_metadata
@@ -25,6 +36,9 @@ from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RopeTables
+from pressroom.model.models.qwen2_5_vl import lift_text_config
+from pressroom.model.models.siglip import SiglipVisionModel
+from pressroom.multimodal.inputs import MediaItem, MediaRows
 
 SLIDING = "sliding_attention"
 SMALL_STEP = 128  # tokens: a prompt chunk up to this size keeps torch's own ops on one thread
@@ -134,17 +148,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
-                ggml: GgmlStepRows | None = None):
+                ggml: GgmlStepRows | None = None, see_ahead: torch.Tensor | None = None):
         """The layer's input is x + residual (x alone for the first); returns its output in the same split, so
         each residual add is fused into the next norm. ggml: the step's rows for llama.cpp's arithmetic
-        (Gemma3Model.ggml_numerics), None for torch's."""
+        (Gemma3Model.ggml_numerics), None for torch's; see_ahead: the step's image tokens' bidirectional reach
+        (`image_see_ahead`), None: causal."""
         if ggml is not None:
             return self._forward_ggml(rope, x, residual, ggml)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(rope, x))
+        x = self.post_attention_layernorm(self.self_attn(rope, x, see_ahead))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
@@ -178,10 +193,12 @@ class Gemma3Model(nn.Module):
         # kept its GGML form (a GGUF as shipped) and the model and cache are fp32; PRESSROOM_GGML_NUMERICS=0: off.
         self.ggml_numerics: bool | None = None  # None: not yet asked
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = ()
-                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                media: MediaRows | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF rounds the scale to the weights' dtype first
+        if media is not None:
+            return self._forward_media(x, positions, media, aux_layers)
         ggml = self._ggml_numerics(x)  # first: it may swap the rope tables
         local = RopeTables(self.rotary_local, *self.rotary_local.cos_sin(positions))
         glob = RopeTables(self.rotary_global, *self.rotary_global.cos_sin(positions))
@@ -200,6 +217,21 @@ class Gemma3Model(nn.Module):
                 x = cpu.ggml_rms_norm(x.contiguous(), self.norm.weight, self.norm.eps, residual)
             else:
                 x, _ = self.norm(x, residual)
+        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
+
+    def _forward_media(self, x: torch.Tensor, positions: torch.Tensor, media: MediaRows, aux_layers: tuple[int, ...]):
+        """A step with image rows (which replace their tokens' scaled embeddings): torch's layers, eagerly, with
+        each image token seeing the rest of its image."""
+        x = x.index_copy(0, media.index, media.rows.to(x.dtype))
+        see_ahead = image_see_ahead(media.index, get_attention_metadata().query_start_loc, x.shape[0])
+        local = RopeTables(self.rotary_local, *self.rotary_local.cos_sin(positions))
+        glob = RopeTables(self.rotary_global, *self.rotary_global.cos_sin(positions))
+        residual, taps = None, {}
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(local if layer.local else glob, x, residual, see_ahead=see_ahead)
+            if i in aux_layers:
+                taps[i] = x + residual
+        x, _ = self.norm(x, residual)
         return (x, [taps[i] for i in aux_layers]) if aux_layers else x
 
     def _ggml_numerics(self, x: torch.Tensor) -> bool:
@@ -251,3 +283,108 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
+
+
+def image_see_ahead(index: torch.Tensor, query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
+    """[num_tokens] int64: how many keys past itself each of the step's tokens sees. Image rows at flat `index`
+    form runs (consecutive tokens of one request, adjacent images merging as HF's token_type_ids runs do); each
+    sees up to its run's last token in the step, every other token 0 (causal). The scheduler never ends a chunk
+    inside a run, so a run's last token in the step is its last."""
+    idx = index.to("cpu", torch.int64).sort().values
+    out = torch.zeros(num_tokens, dtype=torch.int64)
+    if idx.numel():
+        request = torch.bucketize(idx, torch.tensor(query_start_loc[1:-1], dtype=torch.int64), right=True)
+        starts = torch.ones_like(idx, dtype=torch.bool)
+        starts[1:] = (idx[1:] != idx[:-1] + 1) | (request[1:] != request[:-1])
+        run = starts.cumsum(0) - 1
+        last = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).scatter_reduce(0, run, idx, "amax")
+        out[idx] = last[run] - idx
+    return out.to(index.device)
+
+
+class Gemma3Projector(nn.Module):
+    """HF's Gemma3MultiModalProjector: the tower's patch grid average-pooled to `mm_tokens_per_image` rows, RMS-normed
+    (Gemma's 1 + w, in fp32) and multiplied into the text model's width."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        vision, text = config.vision_config, config.text_config
+        self.patches_per_side = vision.image_size // vision.patch_size
+        tokens_per_side = int(config.mm_tokens_per_image ** 0.5)
+        if tokens_per_side ** 2 != config.mm_tokens_per_image or self.patches_per_side % tokens_per_side:
+            raise ValueError(f"mm_tokens_per_image ({config.mm_tokens_per_image}) must be a square whose side divides "
+                             f"the tower's {self.patches_per_side} patches a side.")
+        self.kernel = self.patches_per_side // tokens_per_side
+        self.eps = vision.layer_norm_eps
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(vision.hidden_size, text.hidden_size))
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.zeros(vision.hidden_size))
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """[images, patches, vision hidden] -> [images, tokens, text hidden]."""
+        n, _, dim = patches.shape
+        grid = patches.transpose(1, 2).reshape(n, dim, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        x = pooled.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
+        return torch.matmul(x.to(patches.dtype), self.mm_input_projection_weight)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with its SigLIP tower. Steps without image rows are the text model's (CUDA graphs, the CPU's fused
+    decode); steps with them run eagerly (Gemma3Model._forward_media)."""
+
+    supports_multimodal = True
+    uses_mrope = False
+
+    def __init__(self, config) -> None:
+        vision = config.vision_config
+        if getattr(vision, "model_type", "") != "siglip_vision_model":
+            raise ValueError(f"Gemma 3 with a {getattr(vision, 'model_type', '?')} tower is not supported (SigLIP's "
+                             "is).")
+        lift_text_config(config, None)
+        config.text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))  # the top's says
+        super().__init__(config.text_config)
+        self.image_token_id = int(config.image_token_id)
+        self.vision_tower = SiglipVisionModel(vision)
+        self.multi_modal_projector = Gemma3Projector(config)
+
+    def encode_media(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        """Each image's rows ([mm_tokens_per_image, hidden]), every image in one batch through the tower."""
+        device = self.lm_head.weight.device
+        dtype = self.vision_tower.embeddings.patch_embedding.weight.dtype
+        pixels = torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                media: MediaRows | None = None):
+        if media is not None and self.image_token_id >= self.model.embed_tokens.weight.shape[0]:
+            input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)  # HF's, for one past the vocab
+        return self.model(input_ids, positions, aux_layers, media)
+
+    # ---- the name map: the hub's (language_model.model.*, vision_tower.vision_model.*) and transformers' ----
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            yield name, tensor
+
+    def skips(self, name: str) -> bool:
+        # SigLIP's pooling head (vision_use_head) is not read: Gemma 3 takes the tower's last hidden state
+        return name.endswith("position_ids") or name.startswith("vision_tower.head.") or super().skips(name)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        return (name, None) if name.startswith(_TOWER) else super().checkpoint_target(name)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        return [name] if name.startswith(_TOWER) else super().checkpoint_parts(name)
+
+
+_TOWER = ("vision_tower.", "multi_modal_projector.")
+_RENAMES = [("model.language_model.", "model."), ("model.vision_tower.vision_model.", "vision_tower."),
+            ("model.vision_tower.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."), ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head.")]

@@ -55,7 +55,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
-    def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """`see_ahead`: keys past its own each token also sees (Attention.forward's; None: causal)."""
         heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None and qk.is_cuda:  # one launch for both norms, no concatenation
@@ -64,7 +65,7 @@ class LlamaAttention(nn.Module):
         elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
-        return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v))
+        return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, see_ahead=see_ahead))
 
 
 class LlamaMLP(nn.Module):
