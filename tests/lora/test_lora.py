@@ -211,6 +211,7 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(adapters):
     llm.engine.step()
     stats = llm.engine.core.stats()
     assert stats.running_loras == ["attn-r8"] and stats.waiting_loras == ["mlp-r4"]
+    assert stats.num_waiting_deferred == 1  # "b" waits for a LoRA slot: vLLM's reason "deferred", not "capacity"
     metrics = ServerMetrics("tiny", log_requests=False, shape=EngineShape(max_loras=1))
     text = metrics.render([stats]).decode()
     (sample,) = [s for f in text_string_to_metric_families(text) for s in f.samples
