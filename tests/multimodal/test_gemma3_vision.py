@@ -103,6 +103,7 @@ def _check(llm: LLM, hf_model, prompts: list[dict]) -> None:
         assert max(abs(a - b) for a, b in zip(ours, lps)) < 1e-3
 
 
+@pytest.mark.slow  # ~35 s on two shared cores (HF generates per prompt); the chunk rule has a fast test
 def test_gemma3_images_match_hf_in_one_batch(tiny_gemma3):
     path, hf_model = tiny_gemma3
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05)
@@ -115,6 +116,7 @@ def test_gemma3_images_match_hf_in_one_batch(tiny_gemma3):
     assert llm.engine.runner.multimodal.cache.encoder_runs == 3
 
 
+@pytest.mark.slow  # ~40 s, as above
 def test_gemma3_chunks_keep_image_runs_whole(tiny_gemma3):
     """Steps of 16 tokens: the first prompt's image run (16 tokens from position 5) would end the first chunk inside
     it; the scheduler ends that chunk before the run and computes the run whole in the next."""
@@ -141,6 +143,7 @@ def test_whole_run_chunk_rules():
     assert whole_run_chunk([item(10), item(26)], 10, 20, 40) == 32
 
 
+@pytest.mark.slow  # the tiny model's build and load, ~10 s
 def test_gemma3_refuses_an_image_longer_than_a_step(tiny_gemma3):
     path, _ = tiny_gemma3
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=12)
