@@ -274,7 +274,8 @@ def _chunk_text(data: dict) -> str | None:
     if "text" in c:
         return c.get("text") or ""
     delta = c.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    # reasoning: vLLM 0.32's name (and pressroom's); reasoning_content: older servers'
+    return (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
 
 
 async def send_request(client, url: str, body: dict, prompt_len: int) -> RequestResult:

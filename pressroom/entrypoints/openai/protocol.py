@@ -21,7 +21,7 @@ from pressroom.core.structured_outputs import grammar_source
 from pressroom.entrypoints.openai.limits import RequestCost
 from pressroom.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams, truncated_prompt
 
-MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default; the engine's own bound (MAX_LOGPROBS)
+MAX_TOP_LOGPROBS = 20  # beam search's bound: each step asks for 2 * n logprobs (the engine's MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # A request crosses to the engine core as msgpack, whose integers are int64 or uint64: an integer field outside
@@ -193,6 +193,8 @@ class _SamplingRequest(OpenAIModel):
     bad_words: Texts | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: max_model_len; SamplingParams checks
     return_token_ids: bool | None = None  # the response carries prompt_token_ids and each choice's token_ids
+    # vLLM's: each prompt position's logprob and its top n (whole responses only; --max-logprobs bounds n)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None  # SamplingParams.extra_args
     # vLLM's disaggregated serving: {"do_remote_decode": true} to a prefill engine, its returned params to a decode
@@ -216,6 +218,14 @@ class _SamplingRequest(OpenAIModel):
                 if type(item) is int and not INT64_MIN <= item <= INT64_MAX:
                     raise ValueError(f"vllm_xargs[{key!r}]: integers must fit in 64 signed bits.")
         return xargs
+
+    def refused_combination(self) -> tuple[str, str] | None:
+        """(field, why) where the fields together ask for what vLLM refuses with a 400; None where they do not."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "Stream options can only be defined when `stream=True`."
+        if self.stream and self.prompt_logprobs:  # a stream's chunks have no place for them (vLLM's rule too)
+            return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+        return None
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as truncate_prompt_tokens keeps it (ValueError: more than max_model_len asked for)."""
@@ -328,7 +338,7 @@ class CompletionRequest(_SamplingRequest):
     prompt_param: ClassVar[str] = "prompt"
     prompt: Prompts
     max_tokens: EngineInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null too: OpenAI's and vLLM's default
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=INT64_MAX)  # --max-logprobs bounds it (a 400 naming the limit)
     echo: bool = False
     suffix: str | None = None
     best_of: EngineInt | None = None
@@ -352,7 +362,10 @@ class CompletionRequest(_SamplingRequest):
         return self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        # echo with logprobs shows the prompt's logprobs too: as many as `logprobs` unless prompt_logprobs says
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
         return self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
@@ -515,7 +528,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: EngineInt | None = None
     max_completion_tokens: EngineInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)  # --max-logprobs bounds it (a 400 naming the limit)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # needs --trust-request-chat-template
@@ -525,10 +538,27 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the last message, when it is the answer's role, begins the answer
 
     def to_sampling_params(self, max_tokens: int | None, **extra) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs, thinking_token_budget=self.thinking_token_budget, **extra)
+        prompt_logprobs = self.prompt_logprobs  # echo asks for them too, as vLLM does (the response carries them)
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.top_logprobs or 0
+        return self._params(max_tokens, logprobs, thinking_token_budget=self.thinking_token_budget,
+                            prompt_logprobs=prompt_logprobs, **extra)
+
+    @property
+    def answer_role(self) -> str:
+        """The role the answer is given (vLLM's): the assistant's after a generation prompt, else the last
+        message's, which the answer continues."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before each answer (vLLM's): the last message's text where it has the answer's role."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == self.answer_role else ""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -586,11 +616,28 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # the prompt's tokens read from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details (vLLM's)
     completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One token's entry at a prompt position (vLLM's Logprob as its responses write it)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position (the first None), token id -> its entry: the prompt's token, the top n
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -609,6 +656,7 @@ class CompletionChoice(BaseModel):
     # return_token_ids (vLLM's): whole, both; streamed, the prompt's in a choice's first chunk and each chunk's new ids
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs, or echo with logprobs (vLLM's)
 
 
 class CompletionResponse(BaseModel):
@@ -617,6 +665,8 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    service_tier: ServiceTier | None = None
+    system_fingerprint: str | None = None  # whole responses; a stream's last chunk (vLLM's)
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a KV producer's, for the decode engine (vLLM's)
 
@@ -636,10 +686,16 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """OpenAI's message keys, null where pressroom has nothing to say, and vLLM 0.32's `reasoning` (its older
+    `reasoning_content` is taken on input only)."""
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
 
 
 class _WithoutNulls(BaseModel):
@@ -679,7 +735,10 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: ServiceTier | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs or echo (vLLM's)
     prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's)
     kv_transfer_params: dict[str, Any] | None = None  # a KV producer's, for the decode engine (vLLM's)
 
@@ -687,7 +746,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM 0.32's name
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -707,6 +766,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # the last chunk's (vLLM's)
     prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk only
 
 

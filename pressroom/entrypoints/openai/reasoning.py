@@ -1,7 +1,8 @@
 """Reasoning parsers: split a reasoning model's `<think>...</think>` span from its answer.
 
-Like vLLM's `--reasoning-parser`, the chat endpoint reports the span as `reasoning_content` and the rest
-as `content`, streamed (delta.reasoning_content, then delta.content) or not, and counts reasoning tokens
+Like vLLM's `--reasoning-parser`, the chat endpoint reports the span as `reasoning` (vLLM 0.32's name; its older
+`reasoning_content` is taken on input only) and the rest as `content`, streamed (delta.reasoning, then
+delta.content) or not, and counts reasoning tokens
 in `usage.completion_tokens_details.reasoning_tokens`.
 
 The split is done on the text, by one state machine fed chunk by chunk: a marker split across chunks
@@ -117,7 +118,7 @@ class ReasoningParser:
         return ReasoningStream(self, prompt_opens)
 
     def split(self, text: str, prompt_opens: bool) -> tuple[str | None, str]:
-        """(reasoning_content or None when there was no span, content) of a whole output."""
+        """(reasoning or None when there was no span, content) of a whole output."""
         s = self.stream(prompt_opens)
         r1, c1 = s.feed(text)
         r2, c2 = s.finish()

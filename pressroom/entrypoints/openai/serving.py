@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import hashlib
 import json
 import logging
 import re
@@ -50,6 +51,9 @@ from pressroom.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIModel,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     UsageInfo,
@@ -117,6 +121,7 @@ class OpenAIServing:
         self.adapters: Adapters | None = None  # --enable-lora: the LoRA adapters served by name (set by build_app)
         # a request's unset sampling fields: the checkpoint's generation_config.json (set by build_app)
         self.sampling_defaults = SamplingDefaults()
+        self.prompt_tokens_details = False  # usage's cached_tokens (--enable-prompt-tokens-details; set by build_app)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -192,6 +197,33 @@ class OpenAIServing:
         return await self.preprocessor.chat_ids(conversation, add_generation_prompt, continue_final, kwargs,
                                                 request_template, tools, max_tokens)
 
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        return fingerprint_of(self.engine.engine.config)
+
+    @staticmethod
+    def _check_combination(req: CompletionRequest | ChatCompletionRequest) -> None:
+        """A 400 naming the field where the request's fields together ask for what vLLM refuses."""
+        refused = req.refused_combination()
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0])
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """A 400 naming --max-logprobs's limit (vLLM's words) for more logprobs a position than it allows."""
+        limit = self.engine.engine.max_logprobs
+        for value, kind, param in ((params.logprobs, "sample", "logprobs"),
+                                   (params.prompt_logprobs, "prompt", "prompt_logprobs")):
+            if value is not None and value > limit:
+                raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
+                                    f"{limit} (the server's --max-logprobs).", param=param)
+
+    def _usage(self, outputs: list[RequestOutput]) -> UsageInfo:
+        """The outputs' usage; with --enable-prompt-tokens-details, the prompts' tokens read from the prefix cache."""
+        usage = usage_of(outputs)
+        if self.prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+        return usage
+
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          prompt_ids: list[int], prompt_param: str) -> SamplingParams:
         """`prompt_param`: the request field that an over-long prompt came from, for the error."""
@@ -207,9 +239,11 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         defaults = self.sampling_defaults
         try:
-            return defaults.fill(req).to_sampling_params(defaults.max_tokens(max_tokens, limit - len(prompt_ids)))
+            params = defaults.fill(req).to_sampling_params(defaults.max_tokens(max_tokens, limit - len(prompt_ids)))
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        self._check_logprobs(params)
+        return params
 
     async def _constrained(self, params: SamplingParams) -> SamplingParams:
         """`params` with their structured output's parse (Preprocessor.structured_outputs: a 400 over a limit)."""
@@ -574,9 +608,42 @@ def finite_logprob(x: float) -> float:
     return max(x, -9999.0)  # JSON has no -inf
 
 
+def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of an output: each prompt position's entries (the first position None), -inf as
+    -9999.0; None where none were asked for."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if position is None else
+            {token: PromptLogprob(logprob=finite_logprob(entry.logprob), rank=entry.rank,
+                                  decoded_token=entry.decoded_token) for token, entry in position.items()}
+            for position in out.prompt_logprobs]
+
+
+def fingerprint_of(config: Any) -> str:
+    """The server's `system_fingerprint`, made once as vLLM makes its: the version, any parallelism beyond one, and
+    eight hex digits of the engine's configuration (the same model and settings give the same print)."""
+    parts = [f"pressroom-{pressroom.__version__}"]
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        parts.append(f"tp{parallel.tensor_parallel_size}")
+    if parallel.data_parallel_size > 1:
+        parts.append(f"dp{parallel.data_parallel_size}")
+    if parallel.enable_expert_parallel:
+        parts.append("ep")
+    parts.append(hashlib.sha256(repr(config).encode()).hexdigest()[:8])
+    return "-".join(parts)
+
+
 def top_logprobs(position: PositionLogprobs, n: int) -> list:
     ranked = sorted((item for item in position.items() if item[1].rank is not None), key=lambda it: it[1].rank)
     return [item for item in ranked if item[1].rank <= n][:n] if n else []
+
+
+def with_own_token(position: PositionLogprobs, token: int, n: int) -> list:
+    """A position's token (sampled, or the prompt's own), then the top n beside it: vLLM's completions'
+    `top_logprobs`, which holds up to n + 1 entries."""
+    own = [(token, position[token])] if token in position else []
+    return own + [item for item in top_logprobs(position, n) if item[0] != token]
 
 
 def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -668,6 +735,20 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def stream_usage(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage in every chunk) as stream_options asks (vLLM's: continuous_usage_stats
+    counts only with include_usage)."""
+    options = req.stream_options
+    at_end = bool(options and options.include_usage)
+    return at_end, at_end and bool(options.continuous_usage_stats)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A chunk's continuous_usage_stats: the prompt's tokens and its choice's so far."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 async def _count_completion_tokens(stream: AsyncIterator[RequestOutput],

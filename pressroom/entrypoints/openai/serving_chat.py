@@ -1,6 +1,6 @@
 """/v1/chat/completions: the chat template, n choices whole or streamed, logprobs, usage, (with a reasoning
-parser) the split of the output into `reasoning_content` and `content`, and tool calls read out of the content
-(tools.py decides how, per request)."""
+parser) the split of the output into `reasoning` (vLLM 0.32's name) and `content`, tool calls read out of the
+content (tools.py decides how, per request), and vLLM's extras: echo, prompt_logprobs, continuous usage."""
 from __future__ import annotations
 
 import asyncio
@@ -46,10 +46,12 @@ from pressroom.entrypoints.openai.serving import (
     finite_logprob,
     json_response,
     output_values,
+    prompt_logprobs_of,
     request_routing,
+    running_usage,
     sse_data,
+    stream_usage,
     top_logprobs,
-    usage_of,
 )
 from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.entrypoints.openai.tool_parsers import ToolCallStream, extract
@@ -164,7 +166,12 @@ class OpenAIServingChat(OpenAIServing):
 
         def response() -> ChatCompletionResponse:
             choices = [self._choice(c, req, run.opens, run.tools) for c in out.outputs]
+            if req.echoed:  # echo: the last message begins each answer (vLLM's)
+                for choice in choices:
+                    choice.message.content = req.echoed + (choice.message.content or "")
             return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._chat_usage(out, run.opens),
+                                          system_fingerprint=self.system_fingerprint,
+                                          prompt_logprobs=prompt_logprobs_of(out),
                                           prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                                           kv_transfer_params=out.kv_transfer_params)
         return await json_response(response, "choices", output_values([out], req.top_logprobs))
@@ -173,6 +180,7 @@ class OpenAIServingChat(OpenAIServing):
         """Adds the request to the engine as `rid`: its prompt rendered, its tools planned, its sampling params made.
         Also the way in of the Responses API (serving_responses.py), which reads the outputs its own way."""
         lora = self._check_model(req.model)
+        self._check_combination(req)
         routing = request_routing(request, req)
         tools = plan_tools(req, self.auto_tool_parser)
         multi_modal_data = self.multi_modal_data(await self.media.load(media_parts(req.messages)))
@@ -240,14 +248,15 @@ class OpenAIServingChat(OpenAIServing):
         if tools.make_stream is not None:
             found = extract(tools.make_stream(), content)
             content, calls = found.content, found.calls or None
+        message = ChatResponseMessage(role=req.answer_role, content=content, reasoning=reasoning, tool_calls=calls)
         return ChatChoice(
-            index=c.index, message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+            index=c.index, message=message,
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req) if req.logprobs else None,
             finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if req.return_token_ids else None)
 
     def _chat_usage(self, out: RequestOutput, opens: bool) -> UsageInfo:
-        usage = usage_of([out])
+        usage = self._usage([out])
         if self.reasoning is not None:
             reasoning = sum(self.reasoning.count_reasoning_tokens(c.token_ids, opens) for c in out.outputs)
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning)
@@ -270,15 +279,27 @@ class OpenAIServingChat(OpenAIServing):
                            tools: ToolPlan | None = None, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
         """`prompt_ids`: the prompt's token ids, which return_token_ids sends in the first chunk (vLLM's)."""
         created = int(time.time())
+        usage_at_end, usage_each = stream_usage(req)
+        prompt_tokens = len(prompt_ids or [])
+        progress = [_ChoiceProgress() for _ in range(req.n)]
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None) -> str:
+            """A chunk; with continuous_usage_stats, each choice's chunk carries the usage so far of that choice;
+            a choice's last chunk carries the fingerprint unless a usage chunk follows (vLLM's)."""
+            if usage is None and usage_each and choices:
+                usage = running_usage(prompt_tokens, progress[choices[0].index].token_ids)
+            last = not usage_at_end and any(c.finish_reason is not None for c in choices)
             return sse_data(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
+                                                system_fingerprint=self.system_fingerprint if last else None,
                                                 prompt_token_ids=prompt_token_ids))
 
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        role = req.answer_role
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=role, content=""))
                      for i in range(req.n)], prompt_token_ids=list(prompt_ids or []) if req.return_token_ids else None)
-        progress = [_ChoiceProgress() for _ in range(req.n)]
+        if req.echoed:  # echo: the last message first, one chunk a choice (vLLM's)
+            for i in range(req.n):
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=req.echoed))])
         splitters = [self.reasoning.stream(opens) for _ in range(req.n)] if self.reasoning is not None else None
         callers = [tools.make_stream() for _ in range(req.n)] if tools and tools.make_stream else None
         final = None
@@ -299,8 +320,10 @@ class OpenAIServingChat(OpenAIServing):
             raise
         if final is not None:
             raise_if_failed([final])  # a choice ended with "error": the error event follows (_sse)
-        if req.stream_options and req.stream_options.include_usage and final is not None:
-            yield chunk([], self._chat_usage(final, opens))
+        if usage_at_end and final is not None:
+            yield sse_data(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                               usage=self._chat_usage(final, opens),
+                                               system_fingerprint=self.system_fingerprint))
 
 
     def _choice_chunk_choices(self, c: CompletionOutput, req: ChatCompletionRequest, sent: _ChoiceProgress,
@@ -370,7 +393,7 @@ def split_delta(delta: str, done: bool, splitters: list[ReasoningStream] | None,
 
 def _delta_messages(reasoning: str, content: str, calls: list[DeltaToolCall]) -> list[DeltaMessage]:
     """One delta per chunk: the reasoning, the content (always one, if nothing else), then each tool-call delta."""
-    deltas = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
+    deltas = [DeltaMessage(reasoning=reasoning)] if reasoning else []
     if content or not (deltas or calls):
         deltas.append(DeltaMessage(content=content))
     return deltas + [DeltaMessage(tool_calls=[call]) for call in calls]

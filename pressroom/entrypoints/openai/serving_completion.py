@@ -26,10 +26,12 @@ from pressroom.entrypoints.openai.serving import (
     finite_logprob,
     json_response,
     output_values,
+    prompt_logprobs_of,
     request_routing,
+    running_usage,
     sse_data,
-    top_logprobs,
-    usage_of,
+    stream_usage,
+    with_own_token,
 )
 from pressroom.entrypoints.openai.streams import collect_finals, merge_streams, raise_if_failed, with_disconnect
 from pressroom.lora.request import LoRARequest
@@ -40,6 +42,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
         lora = self._check_model(req.model)
+        self._check_combination(req)
+        if req.use_beam_search and req.stream:  # its beams are known only once the search ends (vLLM's 400 too)
+            raise APIError(400, "Streaming is not currently supported with beam search: leave out `stream`, or "
+                                "sample the n choices instead of searching.", param="use_beam_search")
         if req.suffix:
             raise APIError(400, "suffix is not supported.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -66,24 +72,23 @@ class OpenAIServingCompletion(OpenAIServing):
         def response() -> CompletionResponse:
             choices = [choice for i, out in enumerate(finals)
                        for choice in self._completion_choices(out, req, i * req.n)]
-            return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(finals),
+            return CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
+                                      system_fingerprint=self.system_fingerprint,
                                       kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return await json_response(response, "choices", output_values(finals, req.logprobs))
 
     async def _beam_search(self, request: Request, req: CompletionRequest, rid: str,
                            prompts: list[tuple[str | None, list[int]]], routing: Routing,
                            lora: LoRARequest | None) -> Response:
-        """use_beam_search (vLLM's): each prompt's n best beams, best first. Nothing is streamed as it comes:
-        stream=true gets the whole response as one event, as vLLM sends it."""
+        """use_beam_search (vLLM's): each prompt's n best beams, best first (never streamed: refused before)."""
         finals = await self._searched(request, req, rid, prompts, routing, lora)
-        usage = usage_of(finals)
+        usage = self._usage(finals)
         record = access_record(request)
         record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
         response = CompletionResponse(id=rid, model=req.model or self.names[0], usage=usage,
+                                      system_fingerprint=self.system_fingerprint,
                                       choices=[choice for i, out in enumerate(finals)
                                                for choice in self._completion_choices(out, req, i * req.n)])
-        if req.stream:
-            return self._sse(_one(sse_data(response)))
         return await json_response(lambda: response, "choices", output_values(finals, req.logprobs))
 
     async def _searched(self, request: Request, req: CompletionRequest, rid: str,
@@ -133,23 +138,35 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _completion_choices(self, out: RequestOutput, req: CompletionRequest, base: int) -> list[CompletionChoice]:
         prefix = self._echoed_prompt(out) if req.echo else ""
+        # beam search reads no prompt_logprobs (its prompt's positions are blank for echo's sake)
+        prompt_logprobs = None if req.use_beam_search else prompt_logprobs_of(out)
         choices = []
         for c in out.outputs:
             logprobs = None
             if req.logprobs is not None:
-                positions = list(c.logprobs or [])
-                tokens = list(c.token_ids)
-                if req.echo:
-                    positions = list(out.prompt_logprobs or []) + positions
-                    tokens = list(out.prompt_token_ids) + tokens
+                tokens, positions = self._echoed_positions(out, list(c.token_ids), list(c.logprobs or []), req)
                 logprobs = self._completion_logprobs(tokens, positions, req.logprobs)
             choices.append(CompletionChoice(index=base + c.index, text=prefix + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=prompt_logprobs,
                                             **_token_ids(req, out.prompt_token_ids, list(c.token_ids))))
         return choices
 
+    @staticmethod
+    def _echoed_positions(out: RequestOutput, tokens: list[int], positions: list[PositionLogprobs | None],
+                          req: CompletionRequest) -> tuple[list[int], list[PositionLogprobs | None]]:
+        """The tokens whose logprobs a choice shows and their positions: with echo, the prompt's come first (its
+        first position has none)."""
+        if not req.echo:
+            return tokens, positions
+        prompt = list(out.prompt_logprobs or [])
+        prompt += [None] * (len(out.prompt_token_ids) - len(prompt))
+        return list(out.prompt_token_ids) + tokens, prompt + positions
+
     def _completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
                              offset: int = 0) -> CompletionLogprobs:
+        """OpenAI's completion logprobs; each position's `top_logprobs` holds its own token (sampled, or the
+        prompt's with echo) beside the top `top`, as vLLM's do."""
         lp = CompletionLogprobs()
         for token, position in zip(token_ids, positions):
             text = self._token_text(token, position)
@@ -162,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             lp.token_logprobs.append(finite_logprob(position[token].logprob) if token in position else None)
             lp.top_logprobs.append({self._token_text(t, position): finite_logprob(p.logprob)
-                                    for t, p in top_logprobs(position, top)})
+                                    for t, p in with_own_token(position, token, top)})
         return lp
 
     async def _completion_chunks(self, rid: str, model: str, req: CompletionRequest,
@@ -171,7 +188,9 @@ class OpenAIServingCompletion(OpenAIServing):
         total = len(streams) * req.n
         sent_text, sent_lp, sent_ids, done = [0] * total, [0] * total, [0] * total, [False] * total
         echoed = [not req.echo] * total
+        offsets = [0] * total  # characters sent of each choice, echo's included: its logprobs' text_offset
         finals: dict[int, RequestOutput] = {}
+        usage_at_end, usage_each = stream_usage(req)
         try:
             async for i, out in merge_streams(streams):
                 for c in out.outputs:
@@ -183,8 +202,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         delta = self._echoed_prompt(out) + delta
                     logprobs = None
                     if req.logprobs is not None and c.logprobs is not None:
-                        logprobs = self._completion_logprobs(c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:],
-                                                             req.logprobs)
+                        tokens, positions = c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:]
+                        if not echoed[k]:  # echo's first chunk: the prompt's logprobs before the first token's
+                            tokens, positions = self._echoed_positions(out, list(tokens), list(positions), req)
+                        logprobs = self._completion_logprobs(tokens, positions, req.logprobs, offsets[k])
                         sent_lp[k] = len(c.token_ids)
                     if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
                         continue
@@ -192,9 +213,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     ids = _token_ids(req, None if sent_ids[k] else out.prompt_token_ids, c.token_ids[sent_ids[k]:])
                     sent_text[k], done[k], echoed[k] = len(c.text), c.finish_reason is not None, True
                     sent_ids[k] = len(c.token_ids)
+                    offsets[k] += len(delta)
                     choice = CompletionChoice(index=k, text=delta, logprobs=logprobs, finish_reason=c.finish_reason,
                                               stop_reason=c.stop_reason, **ids)
-                    yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+                    chunk = CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+                    if usage_each:  # continuous_usage_stats: this prompt's tokens and this choice's so far
+                        chunk.usage = running_usage(len(out.prompt_token_ids), len(c.token_ids))
+                    if done[k] and not usage_at_end:  # the last word of this choice (a usage chunk would be)
+                        chunk.system_fingerprint = self.system_fingerprint
+                    yield sse_data(chunk)
                 if out.finished:
                     finals[i] = out
         except EngineDeadError:  # the engine ended the request (shutdown's grace period over, or the core died)
@@ -204,17 +231,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
             raise
         raise_if_failed(finals.values())  # a choice ended with "error": the error event follows (_sse)
-        if req.stream_options and req.stream_options.include_usage and len(finals) == len(streams):
-            usage = usage_of([finals[i] for i in sorted(finals)])
-            yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+        if usage_at_end and len(finals) == len(streams):
+            usage = self._usage([finals[i] for i in sorted(finals)])
+            yield sse_data(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage,
+                                              system_fingerprint=self.system_fingerprint))
 
     def _echoed_prompt(self, out: RequestOutput) -> str:
         """The prompt as text, for `echo` (a prompt given as token ids has no text of its own)."""
         return out.prompt or self.engine.tokenizer.decode(out.prompt_token_ids)
-
-
-async def _one(chunk: str) -> AsyncIterator[str]:
-    yield chunk
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

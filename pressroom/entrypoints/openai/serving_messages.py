@@ -86,8 +86,8 @@ class OpenAIServingMessages(OpenAIServingChat):
         c = out.outputs[0]
         message = self._choice(c, chat, run.opens, run.tools).message
         content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
-        if message.reasoning_content:
-            content.append(ThinkingBlock(thinking=message.reasoning_content))
+        if message.reasoning:
+            content.append(ThinkingBlock(thinking=message.reasoning))
         if message.content:
             content.append(TextBlock(text=message.content))
         content += [ToolUseBlock(id=call.id, name=call.function.name, input=_tool_input(call.function.arguments))

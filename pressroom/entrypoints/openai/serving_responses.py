@@ -119,8 +119,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         """The whole output as items: its reasoning, its message (if it has content, or calls nothing), its calls."""
         message = self._choice(out.outputs[0], chat, run.opens, run.tools).message
         items: list[OutputItem] = []
-        if message.reasoning_content:
-            items.append(ReasoningItem(content=[ReasoningText(text=message.reasoning_content)]))
+        if message.reasoning:
+            items.append(ReasoningItem(content=[ReasoningText(text=message.reasoning)]))
         if message.content or not message.tool_calls:
             items.append(OutputMessage(content=[OutputText(text=message.content or "")]))
         items += [FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments)

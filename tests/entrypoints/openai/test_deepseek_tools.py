@@ -320,7 +320,7 @@ def _loopback(app):
 
 @pytest.mark.slow  # a server and a grammar's first compile (~10 s); the parsers' round trips above run by default
 def test_r1_reasoning_and_v3_calls_through_the_server(tiny_async_engine):
-    """R1 thinks, then calls in V3's format: reasoning_content, no content, the call, whole and streamed (the
+    """R1 thinks, then calls in V3's format: reasoning, no content, the call, whole and streamed (the
     engine's first grammar costs seconds on the CPU; the forced output itself well under one)."""
     reasoning = "Hm.\n"
     output = f"{reasoning}</think>\n\n{BEGIN}{V3_CALL}{END}"
@@ -333,11 +333,11 @@ def test_r1_reasoning_and_v3_calls_through_the_server(tiny_async_engine):
         chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.reasoning_content == reasoning and not choice.message.content
+    assert choice.message.reasoning == reasoning and not choice.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [UTC]
     assert whole.usage.completion_tokens_details.reasoning_tokens > 0  # exact counts: the reasoning tests
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == reasoning
     assert not "".join(d.content or "" for d in deltas)
     streamed = [t for d in deltas for t in d.tool_calls or []]
     assert streamed[0].function.name == UTC[0] and streamed[0].id and streamed[0].type == "function"

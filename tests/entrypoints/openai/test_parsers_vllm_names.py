@@ -616,11 +616,11 @@ def test_gpt_oss_reasoning_and_calls_through_the_server(tiny_async_engine):
         chunks = list(client.chat.completions.create(stream=True, **body))
     choice = whole_response.choices[0]
     assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.reasoning_content == "Hm." and not choice.message.content
+    assert choice.message.reasoning == "Hm." and not choice.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [("get_time", {"zone": "UTC"})]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Hm."
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Hm."
     assert not "".join(d.content or "" for d in deltas)
     streamed_calls = [t for d in deltas for t in d.tool_calls or []]
     assert streamed_calls[0].function.name == "get_time"

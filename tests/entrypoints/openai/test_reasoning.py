@@ -1,4 +1,4 @@
-"""Reasoning output through `pressroom serve`: `<think>...</think>` split into reasoning_content and content,
+"""Reasoning output through `pressroom serve`: `<think>...</think>` split into reasoning (vLLM 0.32's name) and content,
 reasoning token counts, thinking_token_budget, and the session id in the per-request log line.
 
 The server runs conftest's think_model_dir: the tiny random llama whose tokenizer has `<think>` / `</think>`
@@ -121,7 +121,7 @@ def test_reasoning_split_and_budget(client, vocab, budget):
     assert len(tokens) == budget + 1 + 5 and tokens.count("</think>") == 1
     assert tokens.index("</think>") == budget  # the budget caps the thinking span exactly
     msg = choice.message
-    assert msg.reasoning_content == "".join(tokens[:budget])
+    assert msg.reasoning == "".join(tokens[:budget])
     assert msg.content == "".join(tokens[budget + 1:]) and msg.content
     assert r.usage.completion_tokens == budget + 6
     assert r.usage.completion_tokens_details.reasoning_tokens == budget + 1  # up to and including </think>
@@ -140,14 +140,14 @@ async def _streamed_equals_unstreamed(server, vocab):
         stream = await aclient.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
         async for chunk in stream:
             for c in chunk.choices:
-                r = getattr(c.delta, "reasoning_content", None) or ""
-                assert not (r and content_started[c.index]), "reasoning_content after content"
+                r = getattr(c.delta, "reasoning", None) or ""
+                assert not (r and content_started[c.index]), "reasoning after content"
                 reasoning[c.index] += r
                 content[c.index] += c.delta.content or ""
                 content_started[c.index] |= bool(c.delta.content)
             usage = chunk.usage or usage
     choices = sorted(whole.choices, key=lambda c: c.index)
-    assert reasoning == [c.message.reasoning_content for c in choices]
+    assert reasoning == [c.message.reasoning for c in choices]
     assert content == [c.message.content for c in choices]
     assert all(r and c for r, c in zip(reasoning, content))
     assert usage.completion_tokens == whole.usage.completion_tokens == 2 * 14
@@ -161,7 +161,7 @@ def test_open_span_counts_every_token_as_reasoning(client, vocab):
     kwargs["extra_body"] = {k: v for k, v in kwargs["extra_body"].items() if k != "thinking_token_budget"}
     kwargs["max_tokens"] = 5
     r = client.chat.completions.create(temperature=0, **kwargs)
-    assert r.choices[0].message.reasoning_content and not r.choices[0].message.content
+    assert r.choices[0].message.reasoning and not r.choices[0].message.content
     assert r.usage.completion_tokens_details.reasoning_tokens == 5 == r.usage.completion_tokens
 
 

@@ -265,7 +265,7 @@ def test_reasoning_item_whole_and_streamed(think_model_dir, tmp_path):
         chat = client.chat.completions.create(model="think", messages=[{"role": "user", "content": "Why?"}],
                                               max_tokens=8, temperature=0, **{"extra_body": body["extra_body"]})
         assert [item.type for item in whole.output] == ["reasoning", "message"]
-        assert whole.output[0].content[0].text == chat.choices[0].message.reasoning_content
+        assert whole.output[0].content[0].text == chat.choices[0].message.reasoning
         assert whole.output_text == chat.choices[0].message.content and whole.output_text
         assert whole.usage.output_tokens_details.reasoning_tokens == 5
         streamed = list(client.responses.create(stream=True, **body))

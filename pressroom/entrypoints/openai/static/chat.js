@@ -96,10 +96,10 @@ async function streamAnswer(item, signal) {
     const chunk = JSON.parse(data);
     if (chunk.error) throw new Error(chunk.error.message);  // a stream that failed midway
     const delta = chunk.choices[0]?.delta ?? {};
-    if (delta.reasoning_content) {  // a reasoning model's thinking: shown, but not sent back
+    if (delta.reasoning) {  // a reasoning model's thinking: shown, but not sent back
       reasoning ??= item.insertBefore(Object.assign(document.createElement("div"), { className: "reasoning" }),
         content);
-      reasoning.textContent += delta.reasoning_content;
+      reasoning.textContent += delta.reasoning;
     }
     if (delta.content) content.textContent += delta.content;
   }
