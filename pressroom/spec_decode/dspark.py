@@ -77,13 +77,17 @@ class DSparkConfig:
     @classmethod
     def from_hf(cls, meta: dict, path: str) -> DSparkConfig:
         """The drafter's config.json as DeepSpec writes it; what it lacks or cannot mean is refused by name."""
-        missing = [k for k in REQUIRED_KEYS if k not in meta]
+        missing = [k for k in REQUIRED_KEYS if meta.get(k) is None]  # a target's config may hold them as null
         if missing:
             raise ValueError(f"{path!r} is not a DSpark checkpoint: its {CONFIG_FILE} lacks {', '.join(missing)}.")
         arch = (meta.get("architectures") or ["Qwen3DSparkModel"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"DSpark drafter {path!r} is a {arch}; pressroom loads {', '.join(ARCHITECTURES)}.")
         rope = meta.get("rope_scaling") or meta.get("rope_parameters") or {}
+        if rope and all(isinstance(v, dict) for v in rope.values()):
+            raise ValueError(f"DSpark drafter {path!r}: its rope_parameters hold one set per attention kind "
+                             f"({', '.join(rope)}), as the target's config (DeepSeek-V4's) does; the drafter's layers "
+                             "read one: set rope_parameters in its config.json to the single dict it was trained with.")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"DSpark drafter {path!r} uses rope type {rope_type!r}; pressroom's DSpark reads "
@@ -347,8 +351,10 @@ def load_drafter(path: str) -> tuple[DSparkDrafter, set[str]]:
     return drafter, absent
 
 
-def check_against_target(cfg: DSparkConfig, hf, path: str, num_speculative_tokens: int) -> None:
-    """Refuses at start a drafter made for another target, or asked for more drafts than its block holds."""
+def check_against_target(cfg: DSparkConfig, hf, path: str, num_speculative_tokens: int,
+                         last_layer: bool = False) -> None:
+    """Refuses at start a drafter made for another target, or asked for more drafts than its block holds.
+    `last_layer`: the target's last layer may be read (its tap is not the normed output HF reports for it)."""
     if cfg.hidden_size != hf.hidden_size or cfg.vocab_size != hf.vocab_size:
         raise ValueError(f"The DSpark drafter at {path!r} was made for a target of hidden size {cfg.hidden_size} "
                          f"and vocabulary {cfg.vocab_size}, not {hf.hidden_size} and {hf.vocab_size}.")
@@ -359,12 +365,13 @@ def check_against_target(cfg: DSparkConfig, hf, path: str, num_speculative_token
     if cfg.num_target_layers is not None and cfg.num_target_layers != depth:
         raise ValueError(f"The DSpark drafter at {path!r} was made for a target of {cfg.num_target_layers} "
                          f"layers (num_target_layers); this target has {depth}.")
-    ids = cfg.target_layer_ids
-    # The last layer's HF hidden state is after the final norm, which is not what the target hands over.
-    if any(i < 0 or i >= depth - 1 for i in ids) or list(ids) != sorted(set(ids)):
+    ids, readable = cfg.target_layer_ids, depth if last_layer else depth - 1
+    # A plain target's last HF hidden state is after the final norm, which is not what the target hands over.
+    if any(i < 0 or i >= readable for i in ids) or list(ids) != sorted(set(ids)):
         raise ValueError(f"The DSpark drafter at {path!r} reads target_layer_ids {list(ids)}; this target "
-                         f"has layers 0..{depth - 1} and pressroom hands over layers 0..{depth - 2} "
-                         "(strictly increasing; not -1, the embeddings, nor the last layer).")
+                         f"has layers 0..{depth - 1} and pressroom hands over layers 0..{readable - 1} "
+                         "(strictly increasing; not -1, the embeddings"
+                         + (")." if last_layer else ", nor the last layer)."))
     if num_speculative_tokens > cfg.block_size:
         raise ValueError(f"num_speculative_tokens {num_speculative_tokens} is above the DSpark drafter's "
                          f"block_size {cfg.block_size} ({path!r}): one pass drafts at most block_size tokens.")
@@ -409,7 +416,11 @@ class DSparkProposer(Proposer):
         hf = target.model.config
         self.drafter, shared = load_drafter(config.model)
         cfg = self.drafter.cfg
-        check_against_target(cfg, hf, config.model, config.num_speculative_tokens)
+        # A target with hyper-connections (DeepSeek-V4) hands over each aux layer's streams: collapsed to one
+        # hidden state per layer here; its last layer's are taken before the hyper head and final norm, so the
+        # last layer may be read (DeepSeek's own V4 DSpark reads layers 40-42 of 43).
+        self.collapse = getattr(target.model, "collapse_streams", None)
+        check_against_target(cfg, hf, config.model, config.num_speculative_tokens, last_layer=self.collapse is not None)
         if not cfg.enable_confidence_head:
             raise ValueError(f"The DSpark drafter at {config.model!r} has no confidence head "
                              "(enable_confidence_head is false): the adaptive budget reads its confidences.")
@@ -428,6 +439,8 @@ class DSparkProposer(Proposer):
     @torch.inference_mode()
     def observe_features(self, req_id: str, rows: torch.Tensor) -> None:
         ctx = self.contexts.setdefault(req_id, _Context())
+        if self.collapse is not None:
+            rows = self.collapse(rows)
         positions = torch.arange(ctx.n, ctx.n + rows.shape[0], device=rows.device)
         ctx.append(self.drafter.context_kv(rows.to(self.target.dtype), positions))
 

@@ -767,6 +767,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def collapse_streams(self, aux: torch.Tensor) -> torch.Tensor:
+        """Aux-layer features as `forward` hands them over ([tokens, layers * hc_mult * hidden]: each layer's
+        streams) as one hidden state per layer ([tokens, layers * hidden]): the mean of its hc_mult streams,
+        what DSpark drafters read of a V4 target (vLLM pools V4's aux layers the same way for DeepSeek's own)."""
+        streams = aux.view(aux.shape[0], -1, self.config.hc_mult, self.config.hidden_size)
+        return streams.float().mean(dim=2).to(aux.dtype).flatten(1)
+
     # ---- the name map (model/weights.py), over canonical names ----
 
     def skips(self, name: str) -> bool:
