@@ -5,7 +5,8 @@ The families (TARGET below), each labelled `model_name` and `engine` (the index 
 "0" with one), as vLLM's `PrometheusStatLogger` exports them:
 - scheduler state, each core's snapshot read at scrape time: num_requests_running, num_requests_waiting,
   num_requests_waiting_by_reason (+ reason: capacity, or deferred by a sibling's prompt, a grammar compiling,
-  --max-loras adapters running, KV on its way), kv_cache_usage_perc, engine_sleep_state (+ sleep_state) (gauges);
+  --max-loras adapters running, KV on its way), kv_cache_usage_perc, engine_sleep_state (+ sleep_state; always
+  awake: no sleep mode) (gauges);
   num_preemptions, prefix_cache_queries, prefix_cache_hits, external_prefix_cache_queries and
   external_prefix_cache_hits (a KV connector's lookups), mm_cache_queries and mm_cache_hits (no multi-modal
   processor cache: 0) (counters); iteration_tokens_total (tokens scheduled per engine step; a histogram); with
@@ -166,13 +167,10 @@ def cache_info(cache: CacheConfig) -> tuple[tuple[str, str], ...]:
 
 class ServerMetrics:
     """`log_requests`: an INFO line per finished engine request (--enable-log-requests). `shape`: the
-    engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families.
-    `sleep_level`: engine_sleep_state's (0 awake; 1 or 2 asleep, as vLLM's levels): whoever puts the engine to
-    sleep sets it."""
+    engine's (EngineShape.of its config); without it, one engine, no cache_config_info, no spec_decode families."""
 
     def __init__(self, model_name: str, log_requests: bool = False, shape: EngineShape | None = None) -> None:
         self.model_name, self.log_requests = model_name, log_requests
-        self.sleep_level = 0
         self.shape = shape = shape if shape is not None else EngineShape()
         self.engines = [str(i) for i in range(shape.num_engines)]
         self.registry = CollectorRegistry()
@@ -382,7 +380,7 @@ class _SchedulerCollector:
                 family.add_metric([m.model_name, str(index)], getattr(s, attr) if attr is not None else 0)
             yield family
         yield _waiting_by_reason(m.model_name, m.stats)
-        yield _sleep_state(m.model_name, len(m.stats), m.sleep_level)
+        yield _sleep_state(m.model_name, len(m.stats))
         yield _iteration_tokens(m.model_name, m.stats)
         # with speculative decoding on: as configured, or (a shape not told) as some core's drafts show
         if m.shape.num_speculative_tokens or any(s.spec is not None and s.spec.num_drafts for s in m.stats):
@@ -427,14 +425,14 @@ def _waiting_by_reason(model_name: str, stats: list[SchedulerStats]) -> Metric:
     return family
 
 
-def _sleep_state(model_name: str, engines: int, level: int) -> Metric:
-    """vLLM's engine_sleep_state: 1 on the engine's state (awake; weights_offloaded at sleep level 1, discard_all
-    at 2), 0 on the others."""
+def _sleep_state(model_name: str, engines: int) -> Metric:
+    """vLLM's engine_sleep_state: 1 on the engine's state, 0 on the others. Pressroom has no sleep mode (vLLM's
+    --enable-sleep-mode is refused): its engines are always awake."""
     family = GaugeMetricFamily(PREFIX + "engine_sleep_state", "Engine sleep state: awake, or asleep at level 1 "
                                "(weights_offloaded) or 2 (discard_all).", labels=[*LABELS, "sleep_state"])
     for index in range(engines):
-        for state_level, state in enumerate(SLEEP_STATES):
-            family.add_metric([model_name, str(index), state], float(state_level == level))
+        for state in SLEEP_STATES:
+            family.add_metric([model_name, str(index), state], float(state == "awake"))
     return family
 
 
