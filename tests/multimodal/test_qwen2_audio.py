@@ -85,11 +85,20 @@ def _check(llm: LLM, hf_model, prompts: list[dict]) -> None:
         assert max(abs(a - b) for a, b in zip(ours, lps)) < 1e-3
 
 
+def test_one_clip_matches_hf(tiny_audio_model, audio_llm):
+    _check(audio_llm, tiny_audio_model[1], _prompts()[:1])
+
+
+@pytest.mark.slow  # HF's reference on four prompts (3 with audio) and their 32 tokens: ~30 s on two busy cores
 def test_audio_matches_hf_in_one_batch(tiny_audio_model, audio_llm):
     path, hf_model = tiny_audio_model
-    before = audio_llm.engine.runner.multimodal.cache.encoder_runs
+    cache, engine = audio_llm.engine.runner.multimodal.cache, audio_llm.engine
+    clips = {m.hash for p in _prompts() if "multi_modal_data" in p
+             for m in engine.process_media(p, engine.tokenize_prompt(p)[1])[1]}
+    assert len(clips) == 4  # clip 0 is in two prompts: one hash
+    new, before = [h for h in clips if h not in cache], cache.encoder_runs
     _check(audio_llm, hf_model, _prompts())
-    assert audio_llm.engine.runner.multimodal.cache.encoder_runs - before == 4  # clip 0 twice, encoded once
+    assert cache.encoder_runs - before == len(new)  # each clip not cached yet encoded once
     out = audio_llm.generate(_prompts()[1], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     # one placeholder per encoder row: 0.37 s -> 37 frames -> 9 rows; the 3 s clip cut to its 2 s window -> 50
     assert out.prompt_token_ids.count(hf_model.config.audio_token_id) == 9 + 50
@@ -175,3 +184,35 @@ def test_chat_refuses_media_the_model_does_not_take(audio_llm):
         {"type": "image_url", "image_url": {"url": png_data_url(random_image(0, (20, 20)))}}]}]
     with pytest.raises(ValueError, match=r"qwen2_audio\) takes no images; it takes audio and text"):
         audio_llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def _audio_messages(clip: np.ndarray) -> list[dict]:
+    data = base64.b64encode(wav_bytes(clip)).decode()
+    return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                                         {"type": "text", "text": "What is it?"}]}]
+
+
+@pytest.mark.slow  # a server start of its own (~10 s quiet) beside the offline engine
+def test_input_audio_through_the_server_equals_offline(tiny_audio_model, audio_llm, tmp_path):
+    import openai
+    from serving import serve
+    from tiny_vl import png_data_url, random_image
+    path = tiny_audio_model[0]
+    clips = [tone(11, 0.7), tone(12, 0.7)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [audio_llm.chat(_audio_messages(c), params, use_tqdm=False)[0].outputs[0].token_ids for c in clips]
+    assert want[0] != want[1]  # the clip steers the answer
+    args = ["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.05", "--served-model-name", "tiny-audio"]
+    with serve(args, tmp_path / "server.log") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        for clip, tokens in zip(clips, want):
+            body = dict(model="tiny-audio", messages=_audio_messages(clip), max_tokens=8, temperature=0,
+                        extra_body={"ignore_eos": True, "return_token_ids": True})
+            whole = client.chat.completions.create(**body)
+            assert whole.choices[0].model_extra["token_ids"] == list(tokens)
+            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                **body, stream=True) if c.choices)
+            assert streamed == whole.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="takes no images; 'tiny-audio' takes audio and text"):
+            client.chat.completions.create(model="tiny-audio", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": png_data_url(random_image(0, (20, 20)))}}]}])
