@@ -4,7 +4,10 @@ model without offload. The engine itself never offloads on the CPU (vLLM's rule:
 with its side stream and CUDA graphs, is tests/gpu/test_weight_offload_gpu.py."""
 from __future__ import annotations
 
+import copy
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +123,17 @@ def test_every_layer_offloaded_and_parameters_repacked_after_loading(checkpoint)
     offload = WeightOffload(model, plan, "cpu")
     assert len(offload.hosts) == LAYERS
     assert greedy(model) == plain
+
+
+def test_a_vision_language_model_offloads_its_language_layers(tmp_path, smollm_tokenizer):
+    """Qwen2.5-VL: the decoder stack is the language model's, not the vision tower's blocks (a ModuleList too)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "multimodal"))
+    from tiny_vl import build_tiny_qwen2_5_vl
+    build_tiny_qwen2_5_vl(tmp_path, copy.deepcopy(smollm_tokenizer))
+    hf_config = load_hf_config(str(tmp_path))
+    model = resolve_architecture(hf_config)(hf_config)
+    assert decoder_layers(model) is model.model.layers
+    assert plan_offload(model, 1).layers == (model.model.layers[-1],)
 
 
 def test_the_engine_ignores_cpu_offload_gb_on_the_cpu(checkpoint, caplog):
