@@ -55,7 +55,7 @@ class AudioLayout:
     pooled: bool = True
 
     def rows(self, grid: tuple[int, int, int]) -> int:
-        from pressroom.model.models.whisper_encoder import conv_frames, pooled_frames
+        from pressroom.multimodal.audio_features import conv_frames, pooled_frames
         frames = grid[-1]
         return pooled_frames(frames) if self.pooled else conv_frames(frames)
 
@@ -147,7 +147,7 @@ class AudioProcessor:
     modality = "audio"
 
     def __init__(self, model_path: str, hf_config: Any) -> None:
-        from pressroom.model.models.whisper_encoder import WhisperFeatures
+        from pressroom.multimodal.audio_features import WhisperFeatures
         layout = placeholder_layouts(hf_config).get("audio")
         if layout is None:
             raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no audio; audio inputs "
@@ -157,7 +157,7 @@ class AudioProcessor:
         self._fingerprint = self.features.fingerprint()
 
     def encode(self, clip: Any) -> Encoded:
-        from pressroom.model.models.whisper_encoder import crop_frames
+        from pressroom.multimodal.audio_features import crop_frames
         samples = self.samples(clip)
         mel = self.features(samples)
         if self.layout.rows((1, 1, mel.frames)) < 1:
@@ -170,7 +170,7 @@ class AudioProcessor:
 
     def samples(self, clip: Any) -> np.ndarray:
         """A clip as mono float32 samples at the extractor's rate, at most one window long."""
-        from pressroom.model.models.whisper_encoder import resample
+        from pressroom.multimodal.audio_features import resample
         target = self.features.sampling_rate
         samples, rate = _clip_parts(clip, target)
         # the window at the clip's rate and the resampler filter's reach past it (a tiny rate's costs no more)
