@@ -778,6 +778,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None  # an adapter's base model
     max_model_len: int | None = None
+    # what a chat message may carry to it: "text", and "image" or "audio" for a model that takes them (pressroom's;
+    # the chat page offers its image button where "image" is listed)
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

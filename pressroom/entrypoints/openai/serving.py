@@ -62,6 +62,7 @@ from pressroom.entrypoints.openai.streams import FAILED_MESSAGE
 from pressroom.lora.adapter import check_adapter_files
 from pressroom.lora.request import LoRARequest
 from pressroom.multimodal.chat import TEMPLATE_PARTS, template_part
+from pressroom.multimodal.processor import supported_modalities
 from pressroom.outputs import PositionLogprobs, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
@@ -382,10 +383,12 @@ class OpenAIServingUtility(OpenAIServing):
 
     async def models(self) -> dict:
         # root: the served name, as vLLM shows it for a model without a separate base; never a filesystem path
-        cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len) for name in self.names]
+        modalities = ["text", *sorted(supported_modalities(self.engine.engine.hf_config))]
+        cards = [ModelCard(id=name, root=name, max_model_len=self.engine.max_model_len, input_modalities=modalities)
+                 for name in self.names]
         for adapter in (self.adapters.by_name.values() if self.adapters is not None else ()):
             cards.append(ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=adapter.base_model_name,
-                                   max_model_len=self.engine.max_model_len))
+                                   max_model_len=self.engine.max_model_len, input_modalities=modalities))
         return ModelList(data=cards).model_dump()
 
     async def load_lora_adapter(self, request: Request) -> Response:

@@ -5,6 +5,8 @@
 const $ = (id) => document.getElementById(id);
 const turns = [];  // the conversation sent with each request: {role, content}, the system prompt apart
 let controller = null;  // aborts the answer being streamed (Stop, New chat)
+const cards = new Map();  // model id -> its /v1/models entry (input_modalities: whether it takes images)
+let images = [];  // the images attached to the next message: {name, url}, url a data URL
 
 function headers() {
   const key = $("api-key").value.trim();
@@ -37,11 +39,71 @@ async function loadModels() {
     return;
   }
   const models = (await response.json()).data;
+  cards.clear();
+  for (const m of models) cards.set(m.id, m);
   $("model").replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+  offerImages();
   setStatus("");
 }
 
-function addMessage(role, text) {
+// ---- images: picked or pasted, sent as image_url parts (data URLs) to a model that takes them ----
+
+function takesImages() {
+  return cards.get($("model").value)?.input_modalities?.includes("image") ?? false;
+}
+
+function offerImages() {
+  $("attach").hidden = !takesImages();
+  if (!takesImages()) setImages([]);
+}
+
+function setImages(list) {
+  images = list;
+  $("attachments").replaceChildren(...images.map((image) => {
+    const item = document.createElement("li");
+    item.textContent = image.name;
+    const remove = Object.assign(document.createElement("button"), { type: "button", textContent: "×" });
+    remove.setAttribute("aria-label", `Remove ${image.name}`);
+    remove.addEventListener("click", () => setImages(images.filter((i) => i !== image)));
+    item.append(remove);
+    return item;
+  }));
+}
+
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  const picked = [...files].filter((f) => f.type.startsWith("image/"));
+  if (!picked.length) return;
+  if (!takesImages()) {
+    setStatus("This model takes no images.", true);
+    return;
+  }
+  const urls = await Promise.all(picked.map(dataUrl));
+  setImages([...images, ...picked.map((f, i) => ({ name: f.name || "pasted image", url: urls[i] }))]);
+}
+
+function pasteImages(event) {
+  const files = [...(event.clipboardData?.files ?? [])].filter((f) => f.type.startsWith("image/"));
+  if (!files.length || !takesImages()) return;  // text pastes as usual
+  event.preventDefault();
+  attach(files).catch((error) => setStatus(error.message, true));
+}
+
+function userContent(text, attached) {
+  if (!attached.length) return text;
+  const parts = attached.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+  return text ? [...parts, { type: "text", text }] : parts;
+}
+
+function addMessage(role, text, imageNames = []) {
   const item = document.createElement("li");
   item.className = `message ${role}`;
   const who = document.createElement("span");
@@ -50,7 +112,14 @@ function addMessage(role, text) {
   const content = document.createElement("div");
   content.className = "content";
   content.textContent = text;
-  item.append(who, content);
+  item.append(who);
+  if (imageNames.length) {
+    const shown = document.createElement("div");
+    shown.className = "images";
+    shown.append(...imageNames.map((name) => Object.assign(document.createElement("span"), { textContent: name })));
+    item.append(shown);
+  }
+  item.append(content);
   $("log").append(item);
   item.scrollIntoView({ block: "end" });
   return item;
@@ -115,10 +184,12 @@ function setBusy(busy) {
 async function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || controller) return;
+  const attached = images;
+  if ((!text && !attached.length) || controller) return;
   $("prompt").value = "";
-  turns.push({ role: "user", content: text });
-  const asked = addMessage("user", text);
+  setImages([]);
+  turns.push({ role: "user", content: userContent(text, attached) });
+  const asked = addMessage("user", text, attached.map((image) => image.name));
   const item = addMessage("assistant", "");
   controller = new AbortController();
   setBusy(true);
@@ -136,6 +207,7 @@ async function send(event) {
       asked.remove();
       item.remove();
       $("prompt").value = text;
+      setImages(attached);
       if (error.name !== "AbortError") setStatus(error.message, true);
     }
   } finally {
@@ -148,6 +220,7 @@ async function send(event) {
 function newChat() {
   controller?.abort();
   turns.length = 0;
+  setImages([]);
   $("log").replaceChildren();
   $("prompt").focus();
 }
@@ -158,6 +231,14 @@ $("prompt").addEventListener("keydown", (event) => {
     event.preventDefault();
     $("composer").requestSubmit();
   }
+});
+$("prompt").addEventListener("paste", pasteImages);
+$("model").addEventListener("change", offerImages);
+$("attach").addEventListener("click", () => $("image-file").click());
+$("image-file").addEventListener("change", () => {
+  attach($("image-file").files).catch((error) => setStatus(error.message, true)).finally(() => {
+    $("image-file").value = "";  // the same file may be picked again
+  });
 });
 $("stop").addEventListener("click", () => controller?.abort());
 $("clear").addEventListener("click", newChat);
