@@ -14,6 +14,7 @@ import torch
 
 from pressroom.config import ModelConfig
 from pressroom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pressroom.model import loader
 from pressroom.model.loader import iter_safetensors, load_hf_config, load_model
 from pressroom.model.registry import resolve_architecture
 from pressroom.model.weight_offload import ALIGN, WeightOffload, decoder_layers, place_on_host, plan_offload
@@ -112,6 +113,28 @@ def test_greedy_tokens_equal_the_model_without_offload(checkpoint):
     assert greedy(model) != plain
     offload.hosts[1].copy_(saved)
     assert greedy(model) == plain
+
+
+def test_the_loaders_flow_fills_the_host_buffers_in_place(checkpoint):
+    """As load_model does on CUDA: the layers go to host buffers while their weights are still stand-ins, the
+    checkpoint is read straight into them, and the offload reuses them (no second copy)."""
+    plain = greedy(build(checkpoint))
+    hf_config = load_hf_config(checkpoint)
+    config = ModelConfig(model=checkpoint, dtype=torch.float32)
+    placed = []
+
+    def keep_on_host(model):
+        plan = plan_offload(model, 2 * layer_bytes(model.model.layers[0]))
+        assert all(p.dim() == 0 or not any(p.stride()) for p in plan.layers[0].mlp.parameters())  # stand-ins yet
+        placed.append((plan, place_on_host(plan, pin=False)))
+
+    model = loader._build_model(resolve_architecture(hf_config), hf_config, config, None, "cpu",
+                                before_allocation=keep_on_host)
+    model.load_weights(iter_safetensors(checkpoint))
+    plan, buffers = placed[0]
+    offload = WeightOffload(model, plan, "cpu", buffers)
+    assert all(h is b for h, b in zip(offload.hosts, buffers))
+    assert greedy(model.eval()) == plain
 
 
 def test_every_layer_offloaded_and_parameters_repacked_after_loading(checkpoint):
