@@ -88,6 +88,37 @@ def _hf_features(target: str, layers: tuple[int, ...], ids: list[int]) -> torch.
     return torch.cat([taps[i][0] if taps[i].dim() == 3 else taps[i][0].mean(dim=-2) for i in layers], dim=-1)
 
 
+def test_v4_one_request_past_its_window(targets, tmp_path):
+    """The default suite's check: one V4 request past the sliding window, greedy equal to plain
+    decoding, and its cached context the drafter's k/v of HF's stream means at every verified position."""
+    target, layers = targets["deepseek_v4"], LAYERS["deepseek_v4"]
+    cfg = _config("deepseek_v4", target)
+    drafter = _save(tmp_path / "dspark", cfg, _deepspec_tensors(cfg, seed=3))
+    prompt = _prompts(seed=47)[-1][:WINDOW + 8]
+    params, outputs = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), {}
+    for name, spec in (("plain", None), ("dspark", _spec(drafter, k=3))):
+        llm = LLM(target, speculative_config=spec, **ENGINE)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        outputs[name] = list(out.token_ids)
+    assert outputs["dspark"] == outputs["plain"]
+    assert llm.engine.stats().spec.num_draft_tokens > 0
+    _assert_context_is_hfs(llm.engine.runner.proposer, target, layers, prompt, outputs["plain"])
+
+
+def _assert_context_is_hfs(proposer, target: str, layers: tuple[int, ...], prompt: list[int], output: list[int]):
+    """The longest cached context: the drafter's k/v of HF's layer outputs at every verified position."""
+    context = max(proposer.contexts.values(), key=lambda c: c.n)
+    sequence = prompt + output
+    assert WINDOW < len(prompt) < context.n <= len(sequence)
+    features = _hf_features(target, layers, sequence[:context.n])
+    with torch.no_grad():
+        want = proposer.drafter.context_kv(features, torch.arange(context.n))
+    for (k, v), k_buf, v_buf in zip(want, context.k, context.v):
+        assert torch.allclose(k_buf[:context.n], k, atol=1e-4), (k_buf[:context.n] - k).abs().max()
+        assert torch.allclose(v_buf[:context.n], v, atol=1e-4)
+
+
+@pytest.mark.slow  # six engines over three prompts x 32 tokens, ~40 s on 2 idle cores
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
 def test_greedy_equals_plain_decoding_and_the_context_is_hfs_layers(arch, targets, plain, tmp_path):
     target, (prompts, plain) = targets[arch], plain[arch]
@@ -97,19 +128,10 @@ def test_greedy_equals_plain_decoding_and_the_context_is_hfs_layers(arch, target
     assert spec == plain
     stats = llm.engine.stats().spec
     assert stats.num_drafts > 10 and stats.num_draft_tokens > 3 * stats.num_drafts, stats  # full blocks verified
-    # The longest request's cached context: the drafter's k/v of HF's layer outputs at every verified position.
-    proposer = llm.engine.runner.proposer
-    context = max(proposer.contexts.values(), key=lambda c: c.n)
-    sequence = prompts[-1] + plain[-1]
-    assert len(prompts[-1]) < context.n <= len(sequence) and max(LENGTHS) > WINDOW
-    features = _hf_features(target, LAYERS[arch], sequence[:context.n])
-    with torch.no_grad():
-        want = proposer.drafter.context_kv(features, torch.arange(context.n))
-    for (k, v), k_buf, v_buf in zip(want, context.k, context.v):
-        assert torch.allclose(k_buf[:context.n], k, atol=1e-4), (k_buf[:context.n] - k).abs().max()
-        assert torch.allclose(v_buf[:context.n], v, atol=1e-4)
+    _assert_context_is_hfs(llm.engine.runner.proposer, target, LAYERS[arch], prompts[-1], plain[-1])
 
 
+@pytest.mark.slow  # as above: the target's greedy chain first, then an engine per target
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
 def test_markov_chain_of_the_target_gets_blocks_accepted_with_its_embedding_and_head(arch, targets, plain,
                                                                                      tmp_path):
