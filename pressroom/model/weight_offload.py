@@ -20,7 +20,6 @@ sees, since the host buffers are outside the device's allocator.
 """
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 from functools import partial
@@ -29,8 +28,6 @@ import torch
 from torch import nn
 
 from pressroom.model.layers.deferred import is_expanded
-
-logger = logging.getLogger("pressroom")
 
 ALIGN = 256  # bytes: each parameter's offset in a layer's buffer (any dtype's view, and coalesced copies)
 NUM_SLOTS = 2  # double buffering: layer j + 1 copies while layer j computes
