@@ -172,7 +172,7 @@ def host_buffer(size: int, pin: bool) -> torch.Tensor:
     rc = int(cudart.cudaHostRegister(host.data_ptr(), locked, 0))
     if rc != 0:
         raise ValueError(f"--cpu-offload-gb: page-locking {locked / 2**30:.2f} GiB of host memory failed (CUDA error "
-                         f"{rc}); lower --cpu-offload-gb or raise the locked-memory limit (ulimit -l).")
+                         f"{rc}); lower --cpu-offload-gb or free host memory.")
     weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr()).atexit = False  # CUDA may be gone at exit
     return host
 
