@@ -10,16 +10,17 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class MediaItem:
-    """An image (or other media) the encoder turns into `length` embedding rows, which replace the prompt's
+    """An image or audio clip the encoder turns into `length` embedding rows, which replace the prompt's
     placeholder tokens `offset` to `offset + length`."""
-    modality: str  # "image"
+    modality: str  # "image" or "audio"
     hash: str  # content hash (the decoded media and the processor's settings): encoder cache and prefix-cache key
     offset: int  # first placeholder token in the prompt
     length: int  # placeholder tokens, the encoder's output rows
-    pixels: bytes  # the processor's output (row-major)
+    pixels: bytes  # the processor's output (row-major): an image's patches, a clip's log-mel frames [bins, frames]
     pixels_shape: tuple[int, ...]
     pixels_dtype: str = "float32"
-    grid_thw: tuple[int, int, int] = (1, 1, 1)  # patches along time, height and width (Qwen-VL)
+    # patches along time, height and width (Qwen-VL); a clip's (1, 1, its own mel frames), the rest padding
+    grid_thw: tuple[int, int, int] = (1, 1, 1)
     # its placeholder run is attended bidirectionally (Gemma 3's images): a prefill chunk never ends inside it
     bidirectional: bool = False
 
