@@ -171,7 +171,9 @@ class Scheduler:
         self._step_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps per tokens-scheduled bucket
         self._step_tokens_sum = 0
         self._external_queries = self._external_hits = 0
-        self._loading: set[str] = set()  # waiting requests whose prompt KV is on its way (a tier, another engine)
+        # Waiting requests their last admission pass skipped for something passing, not for a lack of room (vLLM's
+        # "deferred" waiting reason): a sibling's prompt, a grammar compiling, --max-loras, KV on its way.
+        self._deferred: set[str] = set()
         self.spec_stats = SpecDecodingStats()
         self.spec_budget, self.lookahead, self.async_drafts = spec_budget, lookahead, async_drafts
         # Requests of a failed step, in the order they run alone (see suspect()).
@@ -218,14 +220,9 @@ class Scheduler:
                               self.kv.offload.snapshot() if self.kv.offload is not None else None,
                               *self._adapters_in_use(),
                               self.connector.stats() if self.connector is not None else None,
-                              sum(1 for e in self.waiting if self._deferred(e[2])),
+                              len(self._deferred),
                               list(self._step_tokens), self._step_tokens_sum,
                               self._external_queries, self._external_hits)
-
-    def _deferred(self, req: Request) -> bool:
-        """Whether a waiting request is held back by something passing, not by a lack of room."""
-        return (not req.is_ready() or not grammar_ready(req.grammar) or not self._adapter_fits(req)
-                or req.request_id in self._loading)
 
     def _count_step(self, tokens: int) -> None:
         """One step's scheduled tokens into vLLM's iteration_tokens buckets (an empty step is no step)."""
@@ -414,7 +411,7 @@ class Scheduler:
         admitted = 0
         for entry in self._fair_order():
             req = entry[2]
-            self._loading.discard(req.request_id)  # examined afresh: added back below while its KV is on its way
+            self._deferred.add(req.request_id)  # until it is found waiting for room, or admitted
             if not req.is_ready() or not grammar_ready(req.grammar):  # a sibling's prompt; a grammar compiling
                 continue
             if not self._adapter_fits(req):  # --max-loras adapters run already
@@ -425,17 +422,16 @@ class Scheduler:
             else:  # pooling reads the hidden states of every prompt token: no prefix hits
                 hits, num_hit, loaded = [], 0, ()
             if loaded is None:  # its prefix is on its way from a secondary offload tier
-                self._loading.add(req.request_id)
                 continue
             num_hit += len(loaded) * self.kv.block_size
             external = 0  # prompt tokens a KV connector loads from another engine, after the local hits
             if self.connector is not None and req.pooling is None:
                 external = self.connector.get_num_new_matched_tokens(req, num_hit)
                 if external is None:  # its prompt's KV is on its way from another engine
-                    self._loading.add(req.request_id)
                     continue
             req.num_computed_tokens = 0
             if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
+            self._deferred.discard(req.request_id)  # from here on, only room (budget, blocks) holds it back
                 if req.num_tokens > budget:
                     continue
                 n = req.num_tokens
@@ -647,7 +643,7 @@ class Scheduler:
         self._free(req)
 
     def _free(self, req: Request) -> None:
-        self._loading.discard(req.request_id)
+        self._deferred.discard(req.request_id)
         if req in self.running:
             self.running.remove(req)
         self.suspects.pop(req.request_id, None)

@@ -30,16 +30,25 @@ def _step(sched: Scheduler) -> list:
 
 
 def test_waiting_requests_are_split_into_capacity_and_deferred():
-    sched = _scheduler(max_num_seqs=1)
+    """As vLLM's: a request counts as deferred when its last admission pass skipped it for something passing
+    (here its grammar compiling); one no pass reached, the batch being full, waits for room."""
+    sched = _scheduler(max_num_seqs=2)
     compiling: Future = Future()
-    sched.add_request(Request("running", [1] * 8, STREAM, None))
-    sched.add_request(Request("no-room", [2] * 8, STREAM, None))  # waits for the one slot
-    sched.add_request(Request("grammar", [3] * 8, STREAM, None, grammar=compiling))  # waits for its compile
+    sched.add_request(Request("grammar", [3] * 8, STREAM, None, grammar=compiling))  # skipped: compiling
+    sched.add_request(Request("a", [1] * 8, STREAM, None))
+    sched.add_request(Request("b", [1] * 8, SamplingParams(max_tokens=2, ignore_eos=True), None))
     _step(sched)
     stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_waiting_deferred) == (2, 1, 1)
+    sched.add_request(Request("no-room", [2] * 8, STREAM, None))  # the batch is full: it waits for room
+    compiling.set_result(None)
+    _step(sched)  # "b" ends with this step's token; the batch was full, so no pass looked at the waiting
+    stats = sched.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_waiting_deferred) == (1, 2, 1)
-    compiling.set_result(None)  # compiled: it now waits for room like the other
-    assert sched.stats().num_waiting_deferred == 0
+    _step(sched)  # a slot: the compiled grammar's request is admitted (it arrived first)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_waiting_deferred) == (2, 1, 0)
+    assert "grammar" in {r.request_id for r in sched.running}
 
 
 def test_steps_are_counted_in_vllms_iteration_token_buckets():
