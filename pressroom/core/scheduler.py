@@ -429,9 +429,9 @@ class Scheduler:
                 external = self.connector.get_num_new_matched_tokens(req, num_hit)
                 if external is None:  # its prompt's KV is on its way from another engine
                     continue
+            self._deferred.discard(req.request_id)  # from here on, only room (budget, blocks) holds it back
             req.num_computed_tokens = 0
             if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
-            self._deferred.discard(req.request_id)  # from here on, only room (budget, blocks) holds it back
                 if req.num_tokens > budget:
                     continue
                 n = req.num_tokens
