@@ -351,7 +351,11 @@ def merge_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
                           sum(s.kv_cache_usage for s in per_engine) / len(per_engine),
                           sum(s.num_preemptions for s in per_engine),
                           sum(s.prefix_cache_queries for s in per_engine), sum(s.prefix_cache_hits for s in per_engine),
-                          spec)
+                          spec, num_waiting_deferred=sum(s.num_waiting_deferred for s in per_engine),
+                          iteration_tokens=[sum(counts) for counts in zip(*(s.iteration_tokens for s in per_engine))],
+                          iteration_tokens_sum=sum(s.iteration_tokens_sum for s in per_engine),
+                          external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in per_engine),
+                          external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in per_engine))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
