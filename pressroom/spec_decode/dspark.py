@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.config import SpeculativeConfig
+from pressroom.model.layers.rotary import _inv_freq
 from pressroom.worker.device import synchronize
 from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.proposer import Draft, DraftRequest, Proposer
@@ -46,6 +47,7 @@ from pressroom.worker.proposer import Draft, DraftRequest, Proposer
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 ARCHITECTURES = ("Qwen3DSparkModel",)
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+ROPE_TYPES = ("default", "yarn", "llama3")  # those whose scaling is in the frequencies alone
 # Keys DeepSpec's build_draft_config writes beside the target's own; without them it is no DSpark drafter.
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
                  "block_size", "target_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head")
@@ -73,6 +75,9 @@ class DSparkConfig:
     markov_head_type: str | None
     enable_confidence_head: bool
     confidence_head_with_markov: bool
+    # The rope's scaling as HF's rope_parameters give it (None: plain): a config copied from a DeepSeek-V3
+    # target carries its YaRN, and DeepSpec's drafter rotates with the config's rope.
+    rope_scaling: dict | None = None
 
     @classmethod
     def from_hf(cls, meta: dict, path: str) -> DSparkConfig:
@@ -89,9 +94,9 @@ class DSparkConfig:
                              f"({', '.join(rope)}), as the target's config (DeepSeek-V4's) does; the drafter's layers "
                              "read one: set rope_parameters in its config.json to the single dict it was trained with.")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ROPE_TYPES:
             raise ValueError(f"DSpark drafter {path!r} uses rope type {rope_type!r}; pressroom's DSpark reads "
-                             "plain RoPE only.")
+                             f"{', '.join(ROPE_TYPES)}.")
         markov_rank = int(meta["markov_rank"])
         head_type = meta.get("markov_head_type") if markov_rank > 0 else None
         if markov_rank > 0 and str(head_type).lower() not in MARKOV_HEAD_TYPES:
@@ -104,14 +109,15 @@ class DSparkConfig:
             head_dim=int(meta.get("head_dim") or meta["hidden_size"] // heads),
             intermediate_size=int(meta["intermediate_size"]), vocab_size=int(meta["vocab_size"]),
             rms_norm_eps=float(meta.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(meta.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(meta.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             attention_bias=bool(meta.get("attention_bias", False)), hidden_act=meta.get("hidden_act", "silu"),
             block_size=int(meta["block_size"]), target_layer_ids=tuple(int(i) for i in meta["target_layer_ids"]),
             num_target_layers=int(meta["num_target_layers"]) if "num_target_layers" in meta else None,
             mask_token_id=int(meta["mask_token_id"]), markov_rank=markov_rank,
             markov_head_type=None if head_type is None else str(head_type).lower(),
             enable_confidence_head=bool(meta["enable_confidence_head"]),
-            confidence_head_with_markov=bool(meta.get("confidence_head_with_markov", False)))
+            confidence_head_with_markov=bool(meta.get("confidence_head_with_markov", False)),
+            rope_scaling=None if rope_type == "default" else dict(rope))
         if cfg.block_size < 1 or not cfg.target_layer_ids:
             raise ValueError(f"DSpark drafter {path!r}: block_size must be >= 1 and target_layer_ids non-empty.")
         if cfg.confidence_head_with_markov and cfg.markov_rank == 0:
@@ -133,13 +139,22 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., head_dim] for integer positions of any shape (the halves repeated, as rotate_half wants)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+class Rope:
+    """The drafter's RoPE tables, made on first use on the positions' device (the drafter is built on meta)."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        self.cfg = cfg
+        self.inv_freq: torch.Tensor | None = None
+        self.magnitude = 1.0  # YaRN's attention factor, on cos and sin
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] for integer positions of any shape (the halves repeated, as rotate_half wants)."""
+        if self.inv_freq is None or self.inv_freq.device != positions.device:
+            inv, self.magnitude = _inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+            self.inv_freq = inv.to(positions.device)
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * self.magnitude).to(dtype), (angles.sin() * self.magnitude).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -256,7 +271,7 @@ class DSparkDrafter(nn.Module):
 
     def __init__(self, cfg: DSparkConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.rope = cfg, Rope(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DSparkLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -273,7 +288,7 @@ class DSparkDrafter(nn.Module):
         """features [n, layers * width] of the target at `positions` [n] -> per drafter layer, roped k and v
         [n, kv_heads, head_dim]: all a request's context ever costs (computed once, then cached)."""
         context = self.hidden_norm(self.fc(features))
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, context.dtype)
+        cos, sin = self.rope(positions, context.dtype)
         return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
 
     def block_hidden(self, anchors_embedded: torch.Tensor, mask_embedded: torch.Tensor, starts: torch.Tensor,
@@ -284,7 +299,7 @@ class DSparkDrafter(nn.Module):
         b, size = anchors_embedded.shape[0], self.cfg.block_size
         block = torch.cat([anchors_embedded[:, None], mask_embedded.expand(b, size - 1, -1)], dim=1)
         positions = starts[:, None] + torch.arange(size, device=starts.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, block.dtype)
+        cos, sin = self.rope(positions, block.dtype)
         for layer, (k, v) in zip(self.layers, ctx):
             block = layer(block, cos, sin, k, v, ctx_mask)
         return self.norm(block)

@@ -194,3 +194,24 @@ def test_v4_rope_per_attention_kind_is_refused_by_name(targets, tmp_path):
     cfg = _config("deepseek_v4", v4)
     cfg["rope_parameters"] = json.loads((Path(v4) / "config.json").read_text())["rope_parameters"]
     _refused(v4, _save(tmp_path / "rope", cfg, _deepspec_tensors(cfg)), "one set per attention kind")
+
+
+def test_yarn_of_a_v3_config_rotates_as_hfs_qwen3_drafter(tiny_model_dir, tmp_path):
+    """A drafter config copied from DeepSeek-V3's (YaRN, DeepSeek's mscale pair) rotates as DeepSpec's drafter
+    does, through HF's Qwen3 rotary embedding over the same rope_parameters: YaRN's frequencies and its
+    attention factor on cos and sin."""
+    import transformers
+
+    from pressroom.spec_decode.dspark import load_drafter
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+    cfg = _config("deepseek_v3", tiny_model_dir("deepseek_v3"), rope_parameters=yarn, max_position_embeddings=4096)
+    drafter, _ = load_drafter(_save(tmp_path / "yarn", cfg, _deepspec_tensors(cfg)))
+    positions = torch.tensor([0, 1, 63, 64, 1000, 4000])
+    cos, sin = drafter.rope(positions, torch.float32)
+    hf = transformers.Qwen3Config(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+                                  head_dim=cfg["head_dim"], rope_parameters=yarn, max_position_embeddings=4096)
+    want_cos, want_sin = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(hf)(
+        torch.zeros(1), positions[None])
+    assert drafter.rope.magnitude != 1.0
+    assert torch.allclose(cos, want_cos[0], atol=1e-5) and torch.allclose(sin, want_sin[0], atol=1e-5)
