@@ -209,9 +209,12 @@ class SchedulerConfig:
     # --enable-lora's --max-loras: the distinct adapters the running requests may hold (their steps run them all
     # at once); a request for another waits. 0: no adapters.
     max_loras: int = 0
+    # vLLM's: encoder output rows (image or audio embeddings) one step may ask the encoder for; 0: as many as
+    # max_num_batched_tokens (core/media_schedule.py)
+    max_num_encoder_input_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("long_prefill_token_threshold", "prefill_cost_context"):
+        for name in ("long_prefill_token_threshold", "prefill_cost_context", "max_num_encoder_input_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}.")
         if self.max_num_batched_tokens < 1:
@@ -220,6 +223,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}.")
+
+    @property
+    def encoder_budget(self) -> int:
+        """Encoder output rows a step may ask for (max_num_encoder_input_tokens, else max_num_batched_tokens)."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
 
 CUDA_MAX_NUM_SEQS = 1024  # vLLM's for large GPUs

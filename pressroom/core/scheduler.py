@@ -46,7 +46,7 @@ from typing import Any
 
 from pressroom.config import SchedulerConfig
 from pressroom.core.kv_cache_manager import KVCacheManager
-from pressroom.core.media_schedule import whole_run_chunk
+from pressroom.core.media_schedule import EncoderBudget, media_chunk
 from pressroom.core.outputs import (
     PLACEHOLDER_DRAFT,
     CachedRequestData,
@@ -168,6 +168,7 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self._stale: set[str] = set()
         self.num_preemptions = 0
+        self._encoder = EncoderBudget(config.encoder_budget)  # the step's, renewed by each _schedule
         self._step_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps per tokens-scheduled bucket
         self._step_tokens_sum = 0
         self._external_queries = self._external_hits = 0
@@ -276,6 +277,7 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self._encoder = EncoderBudget(self.config.encoder_budget)  # the step's encoder rows (core/media_schedule.py)
         scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
@@ -295,7 +297,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
-            n = whole_run_chunk(req.mm_features, req.num_computed_tokens, n, budget)
+            n = media_chunk(req.mm_features, req.num_computed_tokens, n, budget, self._encoder)
             if n == 0:
                 continue
             drafts = self._drafts_that_fit(req, n, budget)
@@ -437,8 +439,8 @@ class Scheduler:
                 n = req.num_tokens
             else:
                 n = self._prefill_chunk(min(req.num_tokens - num_hit - external, budget), num_hit + external, budget)
-                n = whole_run_chunk(req.mm_features, num_hit + external, n, budget)
-                if n == 0:  # a bidirectional image run waits for a step with room for it
+                n = media_chunk(req.mm_features, num_hit + external, n, budget, self._encoder)
+                if n == 0:  # its next image waits for a step with room (tokens or encoder budget) for it
                     continue
             if not self.kv.allocate_slots(req, external + n + self.lookahead, hits, loaded):
                 break
