@@ -66,7 +66,7 @@ class AudioRequest(OpenAIModel):
             min_p=self.min_p or 0.0, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
             extra_args=self.vllm_xargs)
 
 

@@ -275,14 +275,16 @@ class OpenAIServingAudio(OpenAIServing):
         completion = 0
         prompt = prompt_len * len(streams)
         for i, stream in enumerate(streams):
+            sent, tokens = 0, 0  # of this window's cumulative text and tokens
             async with aclosing(stream):
                 async for out in stream:
                     piece = out.outputs[0]
-                    completion += len(piece.token_ids)
+                    completion += len(piece.token_ids) - tokens
+                    tokens, delta, sent = len(piece.token_ids), piece.text[sent:], len(piece.text)
                     last = piece.finish_reason is not None and i == len(streams) - 1
-                    if not piece.text and not last:
+                    if not delta and not last:
                         continue
-                    choice = AudioStreamChoice(delta=DeltaMessage(content=piece.text),
+                    choice = AudioStreamChoice(delta=DeltaMessage(content=delta),
                                                finish_reason=piece.finish_reason if last else None,
                                                stop_reason=piece.stop_reason if last else None)
                     chunk = AudioStreamResponse(id=rid, object=kind, created=created, model=name, choices=[choice])
