@@ -91,6 +91,10 @@ def hf_greedy(path: str, model, tok, clips: list[np.ndarray], task: str = "trans
     return result
 
 
+def _audio_prompt(tok, samples: np.ndarray, rate: int) -> dict:
+    return {"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (samples, rate)}}
+
+
 def test_greedy_tokens_of_batched_clips_equal_hf(tiny_whisper):
     """Three clips of different lengths in one batch: each request's 32 greedy tokens are HF's, and the clips
     steer them (the cross-attention reads each request's own encoder states)."""
@@ -100,18 +104,21 @@ def test_greedy_tokens_of_batched_clips_equal_hf(tiny_whisper):
     assert len({tuple(w) for w in want}) == 3
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.1)
     try:
-        prompts = [{"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
-        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        got = llm.generate([_audio_prompt(tok, c, RATE) for c in clips],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
         assert [list(r.outputs[0].token_ids) for r in got] == want
-        # a clip at another rate is resampled to 16 kHz first; a prompt without audio is refused by name
-        at_8k = llm.generate({"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (clips[0][::2], 8000)}},
-                             SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(at_8k[0].outputs[0].token_ids) == 4
+        # a clip at another rate is resampled to 16 kHz first (PyAV's resampler); a prompt without audio, or with
+        # more than one window of it, is refused by name
+        from pressroom.model.models.whisper_encoder import resample
+        low = tone(2.0, [180, 520], 3)[::2]
+        at = [llm.generate(_audio_prompt(tok, samples, rate), SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                           use_tqdm=False)[0].outputs[0].token_ids for samples, rate in
+              ((low, 8000), (resample(low, 8000), RATE), (low, RATE))]
+        assert at[0] == at[1] != at[2]
         with pytest.raises(ValueError, match="one audio clip per prompt"):
             llm.generate({"prompt_token_ids": prompt_ids(tok)}, SamplingParams(max_tokens=2), use_tqdm=False)
         with pytest.raises(ValueError, match="30-second window"):
-            llm.generate({"prompt_token_ids": prompt_ids(tok), "multi_modal_data": {"audio": (tone(31, [200], 3), RATE)}},
-                         SamplingParams(max_tokens=2), use_tqdm=False)
+            llm.generate(_audio_prompt(tok, tone(31, [200], 3), RATE), SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.shutdown()
 
