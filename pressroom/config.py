@@ -105,6 +105,7 @@ class ModelConfig:
     # the most logprobs (sample or prompt) a request may ask for a position (vLLM's default; -1: the vocabulary)
     max_logprobs: int = 20
     cpu_offload_gb: float = 0  # GiB of decoder layers kept in host memory, streamed in (model/weight_offload.py)
+    enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up and the server's /sleep may free the engine's memory
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb < 0:
@@ -553,6 +554,19 @@ class EngineConfig:
         if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
             raise ValueError("--batch-invariant needs --tensor-parallel-size 1: an all-reduce's order of "
                              "summation depends on the message's size, so on the batch.")
+        if self.model.enable_sleep_mode:
+            _check_sleep_mode(self)
+
+
+def _check_sleep_mode(config: EngineConfig) -> None:
+    """Sleep mode frees and rebuilds the target's weights and KV cache; what lives beside them is refused by name."""
+    beside = [name for name, on in (("--speculative-config", config.speculative is not None),
+                                    ("--kv-offloading-size", config.offload is not None),
+                                    ("--kv-transfer-config", config.kv_transfer is not None),
+                                    ("--cpu-offload-gb", config.model.cpu_offload_gb > 0)) if on]
+    if beside:
+        raise ValueError(f"--enable-sleep-mode does not work with {', '.join(beside)} yet (sleep frees and rebuilds "
+                         "only the model's weights and KV cache); drop one or the other.")
 
 
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -809,6 +823,10 @@ class EngineArgs:
     max_cudagraph_capture_size: int = _config_arg(CompilationConfig, "max_cudagraph_capture_size",
                                                   "largest decode batch replayed from a captured CUDA graph "
                                                   f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    enable_sleep_mode: bool = _config_arg(ModelConfig, "enable_sleep_mode", "allow LLM.sleep / wake_up (and, with "
+                                          "VLLM_SERVER_DEV_MODE=1, POST /sleep and /wake_up): level 1 moves the "
+                                          "weights to host memory and frees the KV cache, level 2 frees both "
+                                          "(the weights reload from the checkpoint on waking)")
     max_logprobs: int = _config_arg(ModelConfig, "max_logprobs", "the most logprobs a request may ask for at a "
                                     "position (logprobs, top_logprobs, prompt_logprobs); -1: the whole vocabulary")
     batch_invariant: bool = _config_arg(ModelConfig, "batch_invariant", "a request's tokens and logprobs do not "
@@ -903,7 +921,7 @@ class EngineArgs:
         return ModelConfig(model=self.model or "", tokenizer=self.tokenizer, load_format=self.load_format,
                            dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                            seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
-                           cpu_offload_gb=self.cpu_offload_gb,
+                           cpu_offload_gb=self.cpu_offload_gb, enable_sleep_mode=self.enable_sleep_mode,
                            max_logprobs=self.max_logprobs,
                            hf_overrides=None if self.hf_overrides is None else json_object(self.hf_overrides,
                                                                                            "hf_overrides"),

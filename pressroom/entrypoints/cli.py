@@ -432,7 +432,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
         "threshold): it cannot be turned off", ("--enable-chunked-prefill",)),
     ("--cpu-offload-gb",): ("weights are not offloaded to host memory (KV-cache blocks are: --kv-offloading-size)",
                             ("0",)),
-    ("--enable-sleep-mode",): ("sleep mode is not implemented", ()),
     ("--code-revision",): (_HUB, ()),
     ("--hf-token",): ("set HF_TOKEN in the environment: huggingface_hub reads it", ()),
     ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),
@@ -464,7 +463,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--spec-tokens",): ("give speculative decoding as --speculative-config (JSON)", ()),
 }
 _SWITCHES = {"--headless", "--enable-eplb", "--enable-chunked-prefill",
-             "--enable-sleep-mode", "--enable-prompt-embeds", "--return-tokens-as-token-ids",
+             "--enable-prompt-embeds", "--return-tokens-as-token-ids",
              "--disable-sliding-window"}
 
 
