@@ -89,6 +89,10 @@ class SchedulerStats:
     # at their first scheduling, and of those the ones it loaded from another engine
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # the engine core's sleep (vLLM's sleep mode; set by the core, not the scheduler): asleep at all (a level-0
+    # pause included), and the level of its last sleep while asleep (0: awake or only paused)
+    sleeping: bool = False
+    sleep_level: int = 0
 
 
 @dataclass(slots=True)
