@@ -91,6 +91,11 @@ def check_identity(disagg: Disagg, batch: list[tuple[str, dict]]) -> None:
     assert delta["kv_transfer_received_tokens_total"] > 0 and delta["kv_transfer_received_bytes_total"] > 0
     assert source(after_d, "external_kv_transfer") - source(before_d, "external_kv_transfer") == \
         delta["kv_transfer_received_tokens_total"]
+    # vLLM's families of a KV connector's lookups: every request asked it (its whole prompt), the received tokens hit
+    assert delta["external_prefix_cache_hits_total"] == delta["kv_transfer_received_tokens_total"]
+    assert delta["external_prefix_cache_queries_total"] > delta["external_prefix_cache_hits_total"]
+    assert delta[f'prompt_tokens_cached_by_source_total{{engine="0",model_name="{MODEL}",source="p2p"}}'] == \
+        delta["kv_transfer_received_tokens_total"]
     assert delta["kv_transfer_reads_total"] > 0 and delta["kv_transfer_failed_reads_total"] == 0
     sent = after_p["kv_transfer_sent_bytes_total"] - before_p["kv_transfer_sent_bytes_total"]
     assert sent == delta["kv_transfer_received_bytes_total"]  # every chunk read was confirmed, none left staged
