@@ -143,7 +143,7 @@ class TorchAttentionBackend:
                 continue
             start, end = loc[i], loc[i + 1]
             ahead = see_ahead[start:end] if i in plan.seeing_ahead else None
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+            out[start:end] = prefill_chunk(q[start:end], k[start:end], v[start:end], kv_cache,
                                            meta.block_tables[i], lens[i], scale, window, sinks, ahead)
             c += 1
         return out
@@ -178,18 +178,19 @@ class TorchAttentionBackend:
             mask = mask[:, None, None, :]
         return attend(q.unsqueeze(2), k, v, mask, False, scale, sinks).squeeze(2)
 
-    def _prefill(self, q, k, v, kv_cache, block_table, seq_len: int, scale: float,
-                 window: int | None = None, sinks: torch.Tensor | None = None,
-                 see_ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """One chunk of one prompt: causal over the chunk, full over its cached prefix (both cut to the
-        window, if any); `see_ahead` [n]: keys past its own each query also sees."""
-        n = q.shape[0]
-        mask = _causal_mask(n, seq_len, window) if see_ahead is None else _span_mask(n, seq_len, window, see_ahead)
-        if seq_len == n:  # nothing cached before the chunk: attend to the fresh k, v directly
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        else:
-            keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
-        return attend(q.transpose(0, 1), keys, values, mask, mask is None, scale, sinks).transpose(0, 1)
+
+
+def prefill_chunk(q, k, v, kv_cache, block_table, seq_len: int, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
+    """One chunk of one prompt, its keys and values already in the cache: causal over the chunk, full over its
+    cached prefix (both cut to the window, if any); `see_ahead` [n]: keys past its own each query also sees."""
+    n = q.shape[0]
+    mask = _causal_mask(n, seq_len, window) if see_ahead is None else _span_mask(n, seq_len, window, see_ahead)
+    if seq_len == n:  # nothing cached before the chunk: attend to the fresh k, v directly
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        keys, values = gather_kv(kv_cache, block_table, seq_len, v.shape[-1])
+    return attend(q.transpose(0, 1), keys, values, mask, mask is None, scale, sinks).transpose(0, 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,

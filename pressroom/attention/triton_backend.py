@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder
+from pressroom.attention.torch_ref import prefill_chunk, requests_seeing_ahead
 from pressroom.kernels.triton.attention import paged_attention
 from pressroom.kernels.triton.cache import write_kv
 from pressroom.kernels.triton.mla import mla_attention
@@ -62,7 +63,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionBackend:
     """`batch_invariant`: every query's attention computed the same way in any batch (kernels/triton/
-    attention.py's docstring); MLA's latent caches are refused in that mode."""
+    attention.py's docstring); MLA's latent caches are refused in that mode.
+
+    `see_ahead` (Gemma 3's image tokens see the rest of their image): the kernel's mask is causal, so each prompt
+    chunk holding such tokens is computed again by the torch reference with its span mask, over the keys the
+    kernel's launch has written. Steps with images run eagerly, so no graph holds it. What the kernel needs instead:
+    a per-query key bound, position + see_ahead, in place of the causal one (and the tiles past the diagonal
+    visited up to the chunk's largest bound)."""
+
+    sees_ahead = True
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
@@ -73,7 +82,17 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._forward(q, k, v, kv_cache, meta, scale, window, sinks)
+        for i in requests_seeing_ahead(meta, see_ahead):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = prefill_chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i],
+                                           meta.seq_lens_host[i], scale, window, sinks, see_ahead[start:end])
+        return out
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
         if latent and (window is not None or sinks is not None):
             raise ValueError("multi-head latent attention (MLA) takes no sliding window or attention sinks.")

@@ -41,8 +41,8 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if see_ahead is not None:
             if not getattr(self.backend, "sees_ahead", False):
-                raise ValueError(f"{type(self.backend).__name__} has no bidirectional span mask yet (Gemma 3's image "
-                                 "tokens); run this model's images on the CPU.")
+                raise ValueError(f"{type(self.backend).__name__} has no bidirectional span mask (Gemma 3's image "
+                                 "tokens).")
             out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, sinks,
                                        see_ahead=see_ahead)
         else:

@@ -11,7 +11,8 @@ tokens (after the embedding's scaling). A prompt's image tokens attend bidirecti
 tokens (HF's rule: a query in a run of image tokens also sees the run's later tokens, in global and local layers
 alike; text tokens stay causal). A prefill chunk therefore holds a run's remaining tokens whole: the item is marked
 `bidirectional`, which the scheduler honours, and the step's `see_ahead` tells the attention backend how far past
-itself each token looks.
+itself each token looks (the torch backends mask it; on CUDA the Triton backend recomputes such chunks with the torch
+reference, its kernel being causal only).
 """
 from __future__ import annotations
 
