@@ -355,6 +355,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         device = self.lm_head.weight.device
         dtype = self.vision_tower.embeddings.patch_embedding.weight.dtype
         pixels = torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
+        if pixels.shape[0] != len(items):  # the processor's pan-and-scan crops: images of their own in HF's prompt
+            raise ValueError("Gemma 3's pan-and-scan crops are not supported; set do_pan_and_scan to false in the "
+                             "model's preprocessor_config.json.")
         return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
