@@ -163,6 +163,10 @@ class ModelRunner:
                                  self.device, self._aux_layers(), recurrent=self.state_cache is not None)
         self.graphs.capture()
 
+    def release_cuda_graphs(self) -> None:
+        """Drops the captured graphs and their memory pool (sleep mode: the addresses they replay are freed)."""
+        self.graphs = None
+
     def discard_inflight(self) -> None:
         """Drops the async carry-over (launched steps and their tokens on the device) after a step failed:
         the requests they held are ended, and a stale output must not be booked."""

@@ -28,6 +28,7 @@ from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.offload_copier import OffloadCopier, kv_chunk_shape, kv_head_range
 from pressroom.worker.profiling import profile_peak_memory, profile_step_costs
 from pressroom.worker.proposer import Proposer
+from pressroom.worker.sleep import HostCopy, check_wake_tags, device_storages, offload_to_host, restore_from_host
 
 logger = logging.getLogger("pressroom")
 
@@ -83,6 +84,12 @@ class Worker:
         self._profile: CollectiveProfile | None = None
         self.kv_connector: KVConnectorWorker | None = None  # a KV connector's copies (disaggregated serving)
         self.weight_offload: WeightOffload | None = None  # --cpu-offload-gb: the layers streamed from host memory
+        # sleep mode (sleep / wake_up): what is asleep, the weights parked in host memory (level 1 on a GPU), and
+        # the cache's arguments, to build it again on waking
+        self._asleep: set[str] = set()
+        self._host_weights: list[HostCopy] = []
+        self._kv_args: tuple[int, int, int] | None = None
+        self._grammar_info: str | None = None  # given again to a runner rebuilt after a level-2 sleep
 
     def load_model(self) -> ModelSpec:
         config = self.config
@@ -125,6 +132,7 @@ class Worker:
 
     def set_grammar_tokenizer(self, info_json: str) -> None:
         """The tokenizer info structured outputs' grammars are read with (they come as xgrammar's JSON)."""
+        self._grammar_info = info_json
         self.model_runner.grammars.set_tokenizer(info_json)
 
     def attach_kv_offload(self, handle) -> None:
@@ -169,6 +177,7 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int, num_state_slots: int = 1) -> None:
         """`max_model_len`: the longest sequence a block table must hold (lookahead slots included);
         `num_state_slots`: rows of the recurrent layers' state tensors."""
+        self._kv_args = (num_blocks, max_model_len, num_state_slots)
         self.model_runner.initialize_kv_cache(num_blocks, max_model_len, num_state_slots)
 
     def compile_or_warm_up_model(self) -> bool:
@@ -227,6 +236,66 @@ class Worker:
         """Drops the async carry-over (the last launched step and its tokens on the device) after a step
         failed: the requests it held are ended, and a stale output must not be resolved again."""
         self.model_runner.discard_inflight()
+
+    # ---- sleep mode ----
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep, on this rank: level 1 frees the KV cache (its contents are lost) and moves the weights to
+        host memory (on the CPU they are there already, and stay); level 2 frees the weights too (waking reloads
+        them from the checkpoint, the loader's way). The engine core has ended or drained every request first.
+        Returns the bytes freed: the cache's, and the weights' where they left the device or were dropped."""
+        if level not in (1, 2):
+            raise ValueError(f"Sleep level must be 1 or 2 (0 only pauses the scheduler); got {level}.")
+        if self._asleep:
+            logger.warning("the worker is asleep already; sleep(%d) changes nothing", level)
+            return 0
+        runner = self.model_runner
+        runner.discard_inflight()
+        runner.release_cuda_graphs()  # they hold the cache's and the weights' addresses
+        freed = sum(t.untyped_storage().nbytes() for t in runner.kv_caches)
+        runner.release_kv_cache()
+        device = torch.device(self.config.device)
+        if level == 1 and device.type != "cpu":
+            self._host_weights = offload_to_host(device_storages(self.model, device))
+            freed += sum(c.host.numel() for c in self._host_weights)
+        elif level == 2:
+            freed += sum(s.nbytes() for s in device_storages(self.model, device))
+            self.model_runner = self.model = None
+        self._asleep = {"weights", "kv_cache"}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("sleep level %d freed %.3f GiB", level, freed / (1 << 30))
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: restores the weights and the KV cache, or those `tags` name (weights, kv_cache). The
+        cache comes back empty. Once both are back, CUDA graphs are captured again (their addresses changed)."""
+        for tag in check_wake_tags(tags):
+            if tag not in self._asleep:
+                continue
+            self._asleep.discard(tag)
+            if tag == "weights":
+                self._wake_weights()
+            elif self.model_runner is not None:  # else the cache is built with the reloaded weights' runner
+                self.model_runner.initialize_kv_cache(*self._kv_args)
+        if not self._asleep:
+            self.compile_or_warm_up_model()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _wake_weights(self) -> None:
+        if self.model_runner is not None:  # level 1: back from host memory
+            restore_from_host(self._host_weights)
+            self._host_weights = []
+            return
+        self.load_model()  # level 2: a new model and runner from the checkpoint, the loader's way
+        if self._grammar_info is not None:
+            self.model_runner.grammars.set_tokenizer(self._grammar_info)
+        if "kv_cache" not in self._asleep:  # woken first, waiting for a runner
+            self.model_runner.initialize_kv_cache(*self._kv_args)
 
     def shutdown(self) -> None:
         """Drops the model and its caches and returns the device's memory. The model's modules hold cycles
