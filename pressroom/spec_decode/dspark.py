@@ -24,6 +24,11 @@ Checkpoints are DeepSpec's own layout: Hugging Face `config.json` (the target's 
 the module names of `Qwen3DSparkModel` (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
 `markov_head.markov_w1.weight`, `confidence_head.proj.weight`, ...). `embed_tokens` and `lm_head`
 are copies of the target's; where a checkpoint leaves them out, the target's own are used.
+
+Targets: any whose forward hands over aux layers (Llama-like families, DeepSeek-V2/V3/V3.2 with MLA). A DeepSeek-V4
+target hands over each layer's hyper-connection streams; its `collapse_streams` averages them into one hidden state
+per layer (as vLLM feeds DeepSeek's own V4 DSpark), and its last layer may be read (taken before the hyper head).
+The drafter's rope is its config's (YaRN included: a config copied from DeepSeek-V3's keeps the target's YaRN).
 """
 from __future__ import annotations
 
