@@ -76,12 +76,18 @@ def prompt_ids(tok, task: str = "transcribe", language: str = "en") -> list[int]
     return tok.convert_tokens_to_ids(["<|startoftranscript|>", f"<|{language}|>", f"<|{task}|>", "<|notimestamps|>"])
 
 
-def hf_greedy(path: str, model, tok, clips: list[np.ndarray], task: str = "transcribe") -> list[list[int]]:
+def hf_features(path: str, clips: list[np.ndarray]) -> torch.Tensor:
+    import transformers
+    return transformers.WhisperFeatureExtractor.from_pretrained(path)(
+        clips, sampling_rate=RATE, return_tensors="pt").input_features
+
+
+def hf_greedy(path: str, model, tok, clips: list[np.ndarray], task: str = "transcribe",
+              language: str = "en") -> list[list[int]]:
     """HF's greedy continuation of Whisper's decoder prompt for each clip (batched), cut after the first EOS."""
     import transformers
-    features = transformers.WhisperFeatureExtractor.from_pretrained(path)(
-        clips, sampling_rate=RATE, return_tensors="pt").input_features
-    prompt = torch.tensor([prompt_ids(tok, task)] * len(clips))
+    features = hf_features(path, clips)
+    prompt = torch.tensor([prompt_ids(tok, task, language)] * len(clips))
     with torch.no_grad():  # the generic greedy loop: Whisper's own generate adds its long-form machinery
         out = transformers.GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -143,19 +149,44 @@ def _wav(samples: np.ndarray, rate: int = RATE) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.slow  # a server start of its own (~10 s) and HF's runs of both tasks
+def _wav_round_trip(samples: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """A clip as WAV bytes (16-bit PCM) and the samples the server decodes from them (HF's oracle reads the same)."""
+    import soundfile
+    data = _wav(samples)
+    return data, soundfile.read(io.BytesIO(data), dtype="float32")[0]
+
+
+def hf_language(model, tok, path: str, clip: np.ndarray) -> str:
+    """HF's most likely language token after <|startoftranscript|> (Whisper's language detection)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+    sot = tok.convert_tokens_to_ids("<|startoftranscript|>")
+    with torch.no_grad():
+        logits = model(input_features=hf_features(path, [clip]), decoder_input_ids=torch.tensor([[sot]])).logits
+    ids = {code: tok.convert_tokens_to_ids(f"<|{code}|>") for code in LANGUAGES}
+    return max(ids, key=lambda code: logits[0, -1, ids[code]].item())
+
+
+@pytest.mark.slow  # a server start of its own (~10 s) and HF's runs of both tasks, three windows and Whisper's generate
 def test_audio_api_through_the_server_equals_hf(tiny_whisper, tmp_path):
     import openai
     from serving import serve
+
+    from pressroom.model.models.whisper import WhisperInputs
     path, model, tok = tiny_whisper
-    clip = tone(3.0, [261.6, 329.6, 392.0], 5)
-    transcript, translation = (tok.decode(hf_greedy(path, model, tok, [clip], task)[0], skip_special_tokens=True)
-                               for task in ("transcribe", "translate"))
+    data, clip = _wav_round_trip(tone(3.0, [261.6, 329.6, 392.0], 5))
+    hf = {task: hf_greedy(path, model, tok, [clip], task)[0] for task in ("transcribe", "translate")}
+    transcript, translation = (tok.decode(hf[task], skip_special_tokens=True) for task in ("transcribe", "translate"))
     assert transcript != translation  # the task token steers the decoder
+    _check_whisper_generate(model, tok, path, clip, hf["transcribe"])
+    language = hf_language(model, tok, path, clip)
+    detected = tok.decode(hf_greedy(path, model, tok, [clip], language=language)[0], skip_special_tokens=True)
+    long_data, long_clip = _wav_round_trip(tone(65, [300, 700], 6))
+    windows = WhisperInputs(path, tok).windows(long_clip, RATE)
+    long_text = "".join(tok.decode(t, skip_special_tokens=True) for t in hf_greedy(path, model, tok, windows))
     args = ["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.1"]
     with serve(args, tmp_path / "server.log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-        form = dict(model=path, file=("clip.wav", _wav(clip), "audio/wav"), language="en",
+        form = dict(model=path, file=("clip.wav", data, "audio/wav"), language="en",
                     extra_body={"max_completion_tokens": NEW_TOKENS})
         whole = client.audio.transcriptions.create(**form)
         assert whole.text == transcript and whole.usage.seconds == 3
@@ -167,13 +198,34 @@ def test_audio_api_through_the_server_equals_hf(tiny_whisper, tmp_path):
         chunks = list(client.audio.transcriptions.create(**form, stream=True))
         assert "".join(c.choices[0]["delta"]["content"] for c in chunks) == transcript
         assert chunks[-1].choices[0]["finish_reason"] == "length"
-        # no language: detected (this clip's most likely language token), then transcribed in it
-        detected = client.audio.transcriptions.create(model=path, file=("clip.wav", _wav(clip), "audio/wav"),
-                                                      extra_body={"max_completion_tokens": 4})
-        assert isinstance(detected.text, str)
+        # no language: the clip's most likely language token is detected first, then the clip transcribed in it
+        assert client.audio.transcriptions.create(model=path, file=form["file"],
+                                                  extra_body=form["extra_body"]).text == detected
+        # longer than 30 s: three windows cut at quiet points, their texts joined in order
+        long = client.audio.transcriptions.create(**{**form, "file": ("long.wav", long_data, "audio/wav")})
+        assert long.text == long_text and long.usage.seconds == 65
+        verbose = client.audio.transcriptions.create(**form, response_format="verbose_json")
+        assert verbose.language == "en" and verbose.text == "".join(s.text for s in verbose.segments or [])
         with pytest.raises(openai.BadRequestError, match="srt"):
             client.audio.transcriptions.create(**form, response_format="srt")
         with pytest.raises(openai.BadRequestError, match="Unsupported language"):
             client.audio.transcriptions.create(**{**form, "language": "xx"})
         with pytest.raises(openai.BadRequestError, match="malformed|accepted formats"):
             client.audio.transcriptions.create(**{**form, "file": ("clip.wav", b"RIFF not a wav", "audio/wav")})
+        with pytest.raises(openai.BadRequestError, match="limit of 600 s"):
+            client.audio.transcriptions.create(**{**form, "file": ("hour.wav", _wav(np.zeros(601 * 8000,
+                                                                                         np.float32), 8000))})
+
+
+def _check_whisper_generate(model, tok, path: str, clip: np.ndarray, want: list[int]) -> None:
+    """HF's own WhisperForConditionalGeneration.generate (language and task set, no timestamps) starts with the same
+    tokens as the generic greedy loop the other checks compare with."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+    gen = model.generation_config
+    gen.lang_to_id = {f"<|{c}|>": tok.convert_tokens_to_ids(f"<|{c}|>") for c in LANGUAGES}
+    gen.task_to_id = {t: tok.convert_tokens_to_ids(f"<|{t}|>") for t in ("transcribe", "translate")}
+    gen.no_timestamps_token_id, gen.is_multilingual = tok.convert_tokens_to_ids("<|notimestamps|>"), True
+    with torch.no_grad():
+        out = model.generate(hf_features(path, [clip]), language="en", task="transcribe", max_new_tokens=NEW_TOKENS,
+                             return_timestamps=False)
+    assert out[0, :len(want)].tolist() == want
