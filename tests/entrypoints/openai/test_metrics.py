@@ -23,10 +23,10 @@ from pressroom.core.scheduler import ITERATION_TOKENS_BUCKETS, SchedulerStats
 from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.metrics import (
     HTTP_HIGHR_BUCKETS,
+    PREEMPTION_BUCKETS,
     REQUEST_TIME_BUCKETS,
     TARGET,
     TTFT_BUCKETS,
-    PREEMPTION_BUCKETS,
     EngineShape,
     ServerMetrics,
     count_buckets,
