@@ -5,8 +5,8 @@ The families (TARGET below), each labelled `model_name` and `engine` (the index 
 "0" with one), as vLLM's `PrometheusStatLogger` exports them:
 - scheduler state, each core's snapshot read at scrape time: num_requests_running, num_requests_waiting,
   num_requests_waiting_by_reason (+ reason: capacity, or deferred by a sibling's prompt, a grammar compiling,
-  --max-loras adapters running, KV on its way), kv_cache_usage_perc, engine_sleep_state (+ sleep_state; always
-  awake: no sleep mode) (gauges);
+  --max-loras adapters running, KV on its way), kv_cache_usage_perc, engine_sleep_state (+ sleep_state: awake,
+  or asleep at level 1 weights_offloaded or 2 discard_all; all 0 while only paused) (gauges);
   num_preemptions, prefix_cache_queries, prefix_cache_hits, external_prefix_cache_queries and
   external_prefix_cache_hits (a KV connector's lookups), mm_cache_queries and mm_cache_hits (no multi-modal
   processor cache: 0) (counters); iteration_tokens_total (tokens scheduled per engine step; a histogram); with
@@ -380,7 +380,7 @@ class _SchedulerCollector:
                 family.add_metric([m.model_name, str(index)], getattr(s, attr) if attr is not None else 0)
             yield family
         yield _waiting_by_reason(m.model_name, m.stats)
-        yield _sleep_state(m.model_name, len(m.stats))
+        yield _sleep_state(m.model_name, m.stats)
         yield _iteration_tokens(m.model_name, m.stats)
         # with speculative decoding on: as configured, or (a shape not told) as some core's drafts show
         if m.shape.num_speculative_tokens or any(s.spec is not None and s.spec.num_drafts for s in m.stats):
@@ -425,14 +425,15 @@ def _waiting_by_reason(model_name: str, stats: list[SchedulerStats]) -> Metric:
     return family
 
 
-def _sleep_state(model_name: str, engines: int) -> Metric:
-    """vLLM's engine_sleep_state: 1 on the engine's state, 0 on the others. Pressroom has no sleep mode (vLLM's
-    --enable-sleep-mode is refused): its engines are always awake."""
+def _sleep_state(model_name: str, stats: list[SchedulerStats]) -> Metric:
+    """vLLM's engine_sleep_state per core: awake 1 while it is, else 0 with weights_offloaded 1 at sleep level 1
+    or discard_all 1 at level 2 (a level-0 pause: all three 0)."""
     family = GaugeMetricFamily(PREFIX + "engine_sleep_state", "Engine sleep state: awake, or asleep at level 1 "
                                "(weights_offloaded) or 2 (discard_all).", labels=[*LABELS, "sleep_state"])
-    for index in range(engines):
-        for state in SLEEP_STATES:
-            family.add_metric([model_name, str(index), state], float(state == "awake"))
+    for index, s in enumerate(stats):
+        for level, state in enumerate(SLEEP_STATES):
+            on = not s.sleeping if level == 0 else s.sleeping and s.sleep_level == level
+            family.add_metric([model_name, str(index), state], float(on))
     return family
 
 

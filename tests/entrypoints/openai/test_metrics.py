@@ -147,9 +147,15 @@ def test_scheduler_figures_are_read_from_each_cores_stats_at_scrape_time():
     assert value("external_prefix_cache_queries", sample="external_prefix_cache_queries_total") == 64
     assert value("external_prefix_cache_hits", sample="external_prefix_cache_hits_total") == 48
     assert value("mm_cache_queries", sample="mm_cache_queries_total") == 0
-    for engine in ("0", "1"):  # no sleep mode: always awake
-        assert [value("engine_sleep_state", engine, sleep_state=s) for s in
-                ("awake", "weights_offloaded", "discard_all")] == [1, 0, 0]
+    def sleep_state(engine: str) -> list[float]:
+        return [value("engine_sleep_state", engine, sleep_state=s) for s in ("awake", "weights_offloaded",
+                                                                            "discard_all")]
+
+    assert sleep_state("0") == sleep_state("1") == [1, 0, 0]
+    for sleeping, level, expected in ((True, 1, [0, 1, 0]), (True, 2, [0, 0, 1]), (True, 0, [0, 0, 0])):
+        asleep = SchedulerStats(sleeping=sleeping, sleep_level=level)
+        families = {f.name: f for f in text_string_to_metric_families(metrics.render([asleep, busy]).decode())}
+        assert sleep_state("0") == expected and sleep_state("1") == [1, 0, 0]
 
 
 def test_http_requests_are_counted_by_route_template_method_and_status_class():
