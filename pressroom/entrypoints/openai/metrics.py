@@ -30,8 +30,8 @@ families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http
 http_response_size_bytes, http_request_duration_highr_seconds, http_request_duration_seconds).
 
 Left out, no figure pressroom has would be true: admission_rejections_total (vLLM's --max-num-queued-reqs/-tokens
-rejections: pressroom has no such queue bound), the estimated_*_per_gpu MFU estimates (no FLOP or byte accounting
-per step), time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the
+rejections: pressroom has no such queue bound), the estimated_*_per_gpu MFU estimates (vLLM counts them only with
+--enable-mfu-metrics, off by default; pressroom has no per-step FLOP or byte accounting), time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the
 opt-in ones (kv_block_* residency, corrupted_requests).
 
 A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core (the core's clock
