@@ -229,3 +229,18 @@ def _check_whisper_generate(model, tok, path: str, clip: np.ndarray, want: list[
         out = model.generate(hf_features(path, [clip]), language="en", task="transcribe", max_new_tokens=NEW_TOKENS,
                              return_timestamps=False)
     assert out[0, :len(want)].tolist() == want
+
+
+@pytest.mark.slow  # a server start of its own (~10 s)
+def test_a_text_model_answers_the_audio_api_with_a_400(tiny_model_dir, tmp_path):
+    import openai
+    from serving import serve
+    path = tiny_model_dir("llama")
+    with serve(["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"], tmp_path / "server.log") as (
+            url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        clip = ("clip.wav", _wav(tone(1.0, [440], 7)), "audio/wav")
+        with pytest.raises(openai.BadRequestError, match="does not serve the audio API"):
+            client.audio.transcriptions.create(model=path, file=clip)
+        with pytest.raises(openai.BadRequestError, match="does not serve the audio API"):
+            client.audio.translations.create(model=path, file=clip)

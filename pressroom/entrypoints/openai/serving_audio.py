@@ -66,6 +66,7 @@ class OpenAIServingAudio(OpenAIServing):
         self.max_request_bytes = max(self.max_request_bytes, AUDIO_UPLOAD_BYTES)
         self.media = None
         self._languages: dict[str, int] | None = None
+        self.engine.engine.encoder_inputs()  # a speech model's feature extractor read at start, not on the event loop
 
     async def transcriptions(self, request: Request) -> Response:
         return await self._speech_to_text(request, TranscriptionRequest, "transcribe")
