@@ -19,6 +19,7 @@ from pressroom.engine.classify import (
     pair_token_ids,
     pair_up,
 )
+from pressroom.engine.core import CoreOutputs, EngineCore
 from pressroom.engine.inputs import check_prompt
 from pressroom.engine.llm_engine import LLMEngine, PromptType
 from pressroom.lora.request import LoRARequest
@@ -48,11 +49,33 @@ class LLM:
         core.kv_cache.reset_prefix_cache()
         return True
 
-    def sleep(self, level: int = 1) -> None:
-        raise ValueError("pressroom has no sleep mode (vLLM's enable_sleep_mode): its weights and KV cache stay on "
-                         "the device; call shutdown() to free them.")
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's `LLM.sleep` (needs enable_sleep_mode=True). Level 1: the weights move to host memory (on the CPU
+        they are there already) and the KV cache is freed, its contents forgotten (the prefix cache is emptied);
+        level 2: the weights are freed too, and wake_up reloads them from the checkpoint; level 0 only pauses
+        scheduling. `mode`: what happens to requests in flight ("abort" ends them; none are between this API's
+        calls). Generating while asleep is an error: call wake_up first."""
+        core = self._local_core("sleep")
+        ended = core.sleep(level, mode)
+        if ended:  # the front-end forgets them too
+            self.engine.process_outputs(CoreOutputs(ended, []))
 
-    wake_up = sleep
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: restores the weights and the KV cache, or only those `tags` names ("weights",
+        "kv_cache"; "scheduling" ends a level-0 pause). Generation resumes once nothing is asleep."""
+        self._local_core("wake_up").wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine is asleep at any level (vLLM's `LLM.is_sleeping`)."""
+        return self._local_core("is_sleeping").is_sleeping()
+
+    def _local_core(self, what: str) -> EngineCore:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one.")
+        core = self.engine.core
+        if not isinstance(core, EngineCore):
+            raise ValueError(f"{what} needs the engine core in this process (data_parallel_size 1).")
+        return core
 
     def shutdown(self) -> None:
         """Frees the model, its KV cache and the device memory they held, now (not at the next garbage
@@ -298,6 +321,8 @@ class LLM:
     def _next_id(self) -> str:
         if self.engine is None:
             raise RuntimeError("This LLM was shut down; create a new one.")
+        if isinstance(self.engine.core, EngineCore) and self.engine.core.is_sleeping():
+            raise RuntimeError("The engine is asleep (LLM.sleep): call wake_up() before generating.")
         self._counter += 1
         return str(self._counter - 1)
 

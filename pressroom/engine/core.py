@@ -30,11 +30,29 @@ from pressroom.model.loader import load_tokenizer, resolve_model_path
 from pressroom.multimodal.inputs import MediaItem
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
+from pressroom.worker.sleep import check_wake_tags
 from pressroom.worker.worker import ModelSpec
 
 logger = logging.getLogger("pressroom")
 
 MAX_FAILED_STEPS = 3  # in a row: past that the fault is the engine's, not a request's
+SLEEP_LEVELS = (0, 1, 2)  # vLLM's: 0 pauses scheduling, 1 also offloads the weights and frees the KV cache, 2 frees both
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: what a sleep does with the requests in flight
+
+
+def check_sleep_args(enabled: bool, level: int, mode: str) -> None:
+    """A sleep's arguments as vLLM takes them; ValueError naming the fix otherwise."""
+    check_sleep_enabled(enabled)
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"Sleep level must be 0, 1 or 2; got {level!r}.")
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"Invalid pause mode: {mode!r}; the modes are {', '.join(PAUSE_MODES)}.")
+
+
+def check_sleep_enabled(enabled: bool) -> None:
+    if not enabled:
+        raise ValueError("Sleep mode is not enabled in the model config: start the engine with "
+                         "enable_sleep_mode=True (--enable-sleep-mode).")
 
 
 @dataclass(slots=True)
@@ -100,6 +118,10 @@ class EngineCore:
                                         portable=config.parallel.distributed_executor_backend != "uni")
         self._workers_read_grammars = False  # portable grammars: the workers have the tokenizer info
         self._compiling: dict[str, float] = {}  # request id -> when it stops waiting for its grammar
+        # sleep mode: scheduling paused (any sleep), the workers' memory asleep (tags), and the last sleep's level
+        self._paused = False
+        self._asleep: set[str] = set()
+        self._sleep_level = 0
         # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
             self._warm_up_step_shapes()
@@ -373,7 +395,74 @@ class EngineCore:
         return bool(self.requests) or self.kv_cache.has_transfers
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.sleeping, stats.sleep_level = self.is_sleeping(), self._sleep_level if self._asleep else 0
+        return stats
+
+    # ---- sleep mode ----
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[EngineCoreOutput]:
+        """vLLM's sleep: scheduling pauses (requests added meanwhile wait for wake_up), and from level 1 the
+        workers free their memory (worker.sleep) after the prefix cache is emptied, its blocks' KV being lost.
+        `mode` "abort" ends the requests in flight (their outputs, finish_reason "abort", are returned, with
+        the last step's); "wait" and "keep" need none in flight: the core process drains them for "wait"
+        before it calls this, and "keep" (vLLM pauses them in place) is refused while any runs, their KV being
+        freed. A second sleep while asleep changes nothing (vLLM warns, as here)."""
+        check_sleep_args(self.config.model.enable_sleep_mode, level, mode)
+        if mode != "abort" and self.has_unfinished_requests():
+            raise ValueError(f"Sleep mode {mode!r} needs no request in flight ({len(self.requests)} are); "
+                             "sleep with mode='abort' to end them, or wait for them to finish.")
+        ended = self._end_all_requests()
+        if level >= 1 and self._asleep:
+            logger.warning("the engine is asleep already; sleep(level=%d) changes nothing", level)
+        elif level >= 1:
+            self.kv_cache.reset_prefix_cache()
+            started = time.perf_counter()
+            self.executor.collective_rpc("sleep", level)
+            self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
+            logger.info("It took %.3f seconds to fall asleep (level %d).", time.perf_counter() - started, level)
+        self._paused = True
+        return ended
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: the workers restore `tags` (None: weights and kv_cache; "scheduling" alone: only a
+        level-0 pause ends), and scheduling resumes once nothing is asleep. The KV cache comes back empty."""
+        check_sleep_enabled(self.config.model.enable_sleep_mode)
+        if tags is not None and "scheduling" in tags:
+            tags = [t for t in tags if t != "scheduling"]
+        if tags is None or tags:
+            todo = [t for t in check_wake_tags(tags) if t in self._asleep]
+            if todo:
+                started = time.perf_counter()
+                self.executor.collective_rpc("wake_up", todo)
+                self._asleep.difference_update(todo)
+                logger.info("It took %.3f seconds to wake up tags %s.", time.perf_counter() - started, todo)
+        if not self._asleep:
+            self._paused, self._sleep_level = False, 0
+
+    def is_sleeping(self) -> bool:
+        """Asleep at any level (a level-0 pause included), as vLLM's is_sleeping."""
+        return self._paused or bool(self._asleep)
+
+    def _end_all_requests(self) -> list[EngineCoreOutput]:
+        """Books the step in flight, ends every request left (finish_reason "abort") and runs an empty step, so
+        the runner forgets them; their outputs, for the front-end."""
+        outputs = []
+        if self._inflight is not None:
+            sched, pending = self._inflight
+            self._inflight = None
+            outputs = self._update(sched, pending.resolve())
+        aborted = list(self.requests)
+        self.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        outputs += [EngineCoreOutput(rid, [], finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason)
+                    for rid in aborted]
+        if not self._paused:
+            self.step()
+            if self._inflight is not None:
+                sched, pending = self._inflight
+                self._inflight = None
+                self._update(sched, pending.resolve())
+        return outputs
 
     # ---- one step ----
 
@@ -391,6 +480,8 @@ class EngineCore:
         succeeding between them: a broken device). A failed batch and the culprit found right after it
         count as one fault: three culprits in a row end the engine, and so does a failed batch whose
         first three suspects fail alone too."""
+        if self._paused:  # asleep: requests wait for wake_up
+            return CoreOutputs([], [])
         failed = self._check_compiles() if self._compiling else []
         isolating = bool(self.scheduler.suspects)
         started = time.perf_counter()

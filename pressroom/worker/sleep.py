@@ -37,18 +37,31 @@ def check_wake_tags(tags: list[str] | None) -> tuple[str, ...]:
 
 def device_storages(model: nn.Module, device: torch.device) -> list[torch.UntypedStorage]:
     """Every distinct storage on `device` the model's modules hold: parameters, buffers and tensor attributes
-    (one storage however many tensors view it, such as tied embeddings)."""
+    (one storage however many tensors view it, such as tied embeddings). Opaque tensors (oneDNN's prepacked
+    CPU weights) have no storage to reach and are left out."""
     seen: dict[int, torch.UntypedStorage] = {}
-    for module in model.modules():
-        tensors = [*module._parameters.values(), *module._buffers.values(),
-                   *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
-        for t in tensors:
-            if t is None or t.device.type != device.type:
-                continue
-            storage = t.untyped_storage()
-            if storage.nbytes():
-                seen.setdefault(storage.data_ptr(), storage)
+    for t in _module_tensors(model, device):
+        if t.is_mkldnn:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen.setdefault(storage.data_ptr(), storage)
     return list(seen.values())
+
+
+def model_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of the model's tensors on `device`, each storage once (opaque ones by their elements)."""
+    opaque = sum(t.numel() * t.element_size() for t in _module_tensors(model, device) if t.is_mkldnn)
+    return opaque + sum(s.nbytes() for s in device_storages(model, device))
+
+
+def _module_tensors(model: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    tensors = []
+    for module in model.modules():
+        for t in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(t, torch.Tensor) and t.device.type == device.type:
+                tensors.append(t)
+    return tensors
 
 
 def offload_to_host(storages: list[torch.UntypedStorage]) -> list[HostCopy]:

@@ -28,7 +28,8 @@ from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.offload_copier import OffloadCopier, kv_chunk_shape, kv_head_range
 from pressroom.worker.profiling import profile_peak_memory, profile_step_costs
 from pressroom.worker.proposer import Proposer
-from pressroom.worker.sleep import HostCopy, check_wake_tags, device_storages, offload_to_host, restore_from_host
+from pressroom.worker.sleep import (HostCopy, check_wake_tags, device_storages, model_bytes, offload_to_host,
+                                    restore_from_host)
 
 logger = logging.getLogger("pressroom")
 
@@ -259,7 +260,7 @@ class Worker:
             self._host_weights = offload_to_host(device_storages(self.model, device))
             freed += sum(c.host.numel() for c in self._host_weights)
         elif level == 2:
-            freed += sum(s.nbytes() for s in device_storages(self.model, device))
+            freed += model_bytes(self.model, device)
             self.model_runner = self.model = None
         self._asleep = {"weights", "kv_cache"}
         gc.collect()

@@ -1,4 +1,5 @@
-"""The offline `LLM`'s calls as vLLM has them, beyond generate: reset_prefix_cache, and sleep refused clearly."""
+"""The offline `LLM`'s calls as vLLM has them, beyond generate: reset_prefix_cache, and sleep refused clearly without
+enable_sleep_mode (tests/engine/test_sleep_mode.py has sleep mode itself)."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,6 @@ def test_llm_reset_prefix_cache_forgets_cached_prefixes(tiny_model_dir):
     assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 32
     assert llm.reset_prefix_cache() is True
     assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
-    with pytest.raises(ValueError, match="no sleep mode"):
+    with pytest.raises(ValueError, match="Sleep mode is not enabled"):
         llm.sleep()
     llm.shutdown()
