@@ -8,6 +8,7 @@ checkpoint leaves them out; a checkpoint for another target (hidden size, layer 
 refused at start, naming it."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import Counter
@@ -29,30 +30,43 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 LENGTHS = (5, 13, 40)
 # Per target: the layers its drafter reads (V4's include the last, as DeepSeek's own V4 DSpark does) and the
 # drafter's own shape keys where the target's config has none that fit a Qwen3-style drafter.
-LAYERS = {"deepseek_v3": (0,), "deepseek_v4": (1, 3)}
-DRAFTER_KEYS = {"deepseek_v3": dict(head_dim=16),
+LAYERS = {"deepseek_v3": (0,), "deepseek_v32": (0,), "deepseek_v4": (1, 3)}
+DRAFTER_KEYS = {"deepseek_v3": dict(head_dim=16), "deepseek_v32": dict(head_dim=16),
                 "deepseek_v4": dict(intermediate_size=128, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0})}
 
 
 @pytest.fixture(scope="module")
-def plain(targets) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
-    """arch -> prompts and the target's own greedy output (computed once per module)."""
-    prompts = _prompts(seed=45)
-    return {arch: (prompts, _run(path, prompts)[0]) for arch, path in targets.items()}
+def targets(tiny_model_dir, tmp_path_factory):
+    """arch -> a tiny checkpoint, made on first use: conftest's DeepSeek-V3 and V3.2 (DSA: its lightning indexer
+    picks 32 tokens), or a V4 with every parameter random (its layers: sliding window, CSA, HCA, CSA; hash and
+    scored MoE)."""
+    import transformers
+
+    @functools.cache
+    def make(arch: str) -> str:
+        if arch != "deepseek_v4":
+            return tiny_model_dir(arch)
+        path = tmp_path_factory.mktemp("tiny-v4")
+        model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(**V4_TINY),
+                                                              dtype=torch.float32)
+        randomize_(model, torch.Generator().manual_seed(0))
+        model.save_pretrained(path)
+        return str(path)
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    """arch -> a tiny checkpoint: conftest's DeepSeek-V3, and a V4 with every parameter random (its layers:
-    sliding window, CSA, HCA, CSA; hash and scored MoE)."""
-    import transformers
-    v4 = tmp_path_factory.mktemp("tiny-v4")
-    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(**V4_TINY),
-                                                          dtype=torch.float32)
-    randomize_(model, torch.Generator().manual_seed(0))
-    model.save_pretrained(v4)
-    return {"deepseek_v3": tiny_model_dir("deepseek_v3"), "deepseek_v4": str(v4)}
+def plain_outputs(targets):
+    """arch -> prompts and the target's own greedy output (once per module, on first use)."""
+    prompts = _prompts(seed=45)
+
+    @functools.cache
+    def run(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+        return prompts, _run(targets(arch), prompts)[0]
+
+    return run
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -91,7 +105,7 @@ def _hf_features(target: str, layers: tuple[int, ...], ids: list[int]) -> torch.
 def test_v4_one_request_past_its_window(targets, tmp_path):
     """The default suite's check: one V4 request past the sliding window, greedy equal to plain
     decoding, and its cached context the drafter's k/v of HF's stream means at every verified position."""
-    target, layers = targets["deepseek_v4"], LAYERS["deepseek_v4"]
+    target, layers = targets("deepseek_v4"), LAYERS["deepseek_v4"]
     cfg = _config("deepseek_v4", target)
     drafter = _save(tmp_path / "dspark", cfg, _deepspec_tensors(cfg, seed=3))
     prompt = _prompts(seed=47)[-1][:WINDOW + 8]
@@ -118,10 +132,10 @@ def _assert_context_is_hfs(proposer, target: str, layers: tuple[int, ...], promp
         assert torch.allclose(v_buf[:context.n], v, atol=1e-4)
 
 
-@pytest.mark.slow  # six engines over three prompts x 32 tokens, ~40 s on 2 idle cores
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
-def test_greedy_equals_plain_decoding_and_the_context_is_hfs_layers(arch, targets, plain, tmp_path):
-    target, (prompts, plain) = targets[arch], plain[arch]
+@pytest.mark.slow  # nine engines over three prompts x 32 tokens, ~60 s on 2 idle cores
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "deepseek_v4"])
+def test_greedy_equals_plain_decoding_and_the_context_is_hfs_layers(arch, targets, plain_outputs, tmp_path):
+    target, (prompts, plain) = targets(arch), plain_outputs(arch)
     drafter = _save(tmp_path / "dspark", cfg := _config(arch, target, markov_head_type="gated"),
                     _deepspec_tensors(cfg, seed=3))
     spec, llm = _run(target, prompts, _spec(drafter))
@@ -133,12 +147,12 @@ def test_greedy_equals_plain_decoding_and_the_context_is_hfs_layers(arch, target
 
 @pytest.mark.slow  # as above: the target's greedy chain first, then an engine per target
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
-def test_markov_chain_of_the_target_gets_blocks_accepted_with_its_embedding_and_head(arch, targets, plain,
-                                                                                     tmp_path):
-    """A drafter without embed_tokens and lm_head (the target's stand in), its LM head's share zero through the
-    Markov head's bias dominating: the target's greedy bigrams as a rank-|chain| Markov head. Blocks are accepted
-    several tokens deep, so the drafts travel through the engine and the output is still plain decoding's."""
-    target, (prompts, plain) = targets[arch], plain[arch]
+def test_markov_chain_of_the_target_gets_blocks_accepted_with_its_embedding_and_head(arch, targets,
+                                                                                     plain_outputs, tmp_path):
+    """A drafter that leaves out embed_tokens and lm_head (the target's stand in) and whose Markov head holds the
+    target's greedy bigrams, with a bias that outweighs any logit: blocks are accepted several tokens deep, so the
+    drafts travel through the engine, and the output is still plain decoding's."""
+    target, (prompts, plain) = targets(arch), plain_outputs(arch)
     pairs = Counter((a, b) for p, out in zip(prompts, plain) for a, b in zip([p[-1]] + out, out))
     chain: dict[int, int] = {}
     for (a, b), _ in pairs.most_common():
@@ -168,7 +182,7 @@ def _refused(target: str, drafter: str, match: str) -> None:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
 def test_checkpoint_for_another_target_is_refused_at_start(arch, targets, tmp_path):
-    target = targets[arch]
+    target = targets(arch)
 
     def checkpoint(name: str, **args) -> str:
         cfg = _config(arch, target, **args)
@@ -182,7 +196,7 @@ def test_checkpoint_for_another_target_is_refused_at_start(arch, targets, tmp_pa
 def test_v4_last_layer_is_read_but_a_plain_targets_is_not(targets, tmp_path):
     """V4's streams are handed over before the hyper head and final norm, so its last layer is a valid source; a
     plain target's last HF hidden state is normed, and a drafter reading it is refused."""
-    v3 = targets["deepseek_v3"]
+    v3 = targets("deepseek_v3")
     cfg = _config("deepseek_v3", v3, layer_ids=(0, 1))
     _refused(v3, _save(tmp_path / "last", cfg, _deepspec_tensors(cfg)), r"hands over layers 0\.\.0 .*nor the last")
 
@@ -190,7 +204,7 @@ def test_v4_last_layer_is_read_but_a_plain_targets_is_not(targets, tmp_path):
 def test_v4_rope_per_attention_kind_is_refused_by_name(targets, tmp_path):
     """A drafter config copied from V4's (rope_parameters per attention kind: main, compress) does not say
     which rope the drafter was trained with."""
-    v4 = targets["deepseek_v4"]
+    v4 = targets("deepseek_v4")
     cfg = _config("deepseek_v4", v4)
     cfg["rope_parameters"] = json.loads((Path(v4) / "config.json").read_text())["rope_parameters"]
     _refused(v4, _save(tmp_path / "rope", cfg, _deepspec_tensors(cfg)), "one set per attention kind")
