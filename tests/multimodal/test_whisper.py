@@ -83,11 +83,14 @@ def hf_features(path: str, clips: list[np.ndarray]) -> torch.Tensor:
 
 
 def hf_greedy(path: str, model, tok, clips: list[np.ndarray], task: str = "transcribe",
-              language: str = "en") -> list[list[int]]:
-    """HF's greedy continuation of Whisper's decoder prompt for each clip (batched), cut after the first EOS."""
+              language: str = "en", previous: str = "") -> list[list[int]]:
+    """HF's greedy continuation of Whisper's decoder prompt for each clip (batched), cut after the first EOS;
+    `previous`: the text the clip continues, as HF's prompt_ids put it (<|startofprev|> and the text's tokens)."""
     import transformers
     features = hf_features(path, clips)
-    prompt = torch.tensor([prompt_ids(tok, task, language)] * len(clips))
+    context = [tok.convert_tokens_to_ids("<|startofprev|>"), *tok.encode(" " + previous, add_special_tokens=False)] \
+        if previous else []
+    prompt = torch.tensor([context + prompt_ids(tok, task, language)] * len(clips))
     with torch.no_grad():  # the generic greedy loop: Whisper's own generate adds its long-form machinery
         out = transformers.GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
                                                     max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -180,6 +183,8 @@ def test_audio_api_through_the_server_equals_hf(tiny_whisper, tmp_path):
     _check_whisper_generate(model, tok, path, clip, hf["transcribe"])
     language = hf_language(model, tok, path, clip)
     detected = tok.decode(hf_greedy(path, model, tok, [clip], language=language)[0], skip_special_tokens=True)
+    continued = tok.decode(hf_greedy(path, model, tok, [clip], previous="la la")[0], skip_special_tokens=True)
+    assert continued != transcript  # the prompt steers the decoder
     long_data, long_clip = _wav_round_trip(tone(65, [300, 700], 6))
     windows = WhisperInputs(path, tok).windows(long_clip, RATE)
     long_text = "".join(tok.decode(t, skip_special_tokens=True) for t in hf_greedy(path, model, tok, windows))
@@ -194,6 +199,7 @@ def test_audio_api_through_the_server_equals_hf(tiny_whisper, tmp_path):
                                                       extra_body={"language": "en", **form["extra_body"]})
         assert translated.text == translation
         assert client.audio.transcriptions.create(**form, response_format="text") == transcript
+        assert client.audio.transcriptions.create(**form, prompt="la la").text == continued
         # streamed as vLLM streams it: transcription.chunk objects whose choices carry the deltas
         chunks = list(client.audio.transcriptions.create(**form, stream=True))
         assert "".join(c.choices[0]["delta"]["content"] for c in chunks) == transcript

@@ -93,7 +93,8 @@ class OpenAIServingAudio(OpenAIServing):
         if language is None:
             language = await self._detect_language(rid, clip.items[0])
         verbose = req.response_format == "verbose_json"
-        prompts = [self._prompt(inputs, language, task, req.prompt, verbose) for _ in clip.items]
+        prompt = await self._run(lambda: self._prompt(inputs, language, task, req.prompt, verbose), len(req.prompt))
+        prompts = [prompt] * len(clip.items)
         params = self._params(req, len(prompts[0]), verbose)
         streams = await self._add(request, rid, prompts, clip.items, params)
         if req.stream:

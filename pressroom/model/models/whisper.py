@@ -15,7 +15,9 @@ Weights load under HF's names (model.encoder.*, model.decoder.*; proj_out is tie
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -228,6 +230,9 @@ class WhisperInputs:
     def __init__(self, model_path: str, tokenizer: Any) -> None:
         self.features = WhisperFeatures(model_path)
         self.tokenizer = tokenizer
+        # OpenAI's rule: a prompt's last (decoder context / 2 - 1) tokens are kept, the rest of the room is the text's
+        with open(Path(model_path) / "config.json") as f:
+            self.max_prompt_tokens = int(json.load(f).get("max_target_positions", 448)) // 2 - 1
         self.sample_rate = self.features.sampling_rate
         self.window_s = self.features.max_samples / self.sample_rate
         self._fingerprint = self.features.fingerprint()
@@ -253,7 +258,7 @@ class WhisperInputs:
     def prompt_ids(self, language: str, task: str, prompt: str = "") -> list[int]:
         if task not in TASKS:
             raise ValueError(f"Whisper's task is one of {', '.join(TASKS)}; got {task!r}.")
-        return decoder_prompt(self.tokenizer, language, task, prompt)
+        return decoder_prompt(self.tokenizer, language, task, prompt, self.max_prompt_tokens)
 
     def prompt_media(self, prompt: Any, token_ids: list[int], mm_features: list[MediaItem] | None
                      ) -> list[MediaItem]:
@@ -296,13 +301,14 @@ def _quietest(samples: np.ndarray, start: int, end: int) -> int:
     return start + int(np.argmin(energy)) * QUIET_WINDOW
 
 
-def decoder_prompt(tokenizer: Any, language: str, task: str, prompt: str = "") -> list[int]:
-    """Whisper's decoder prefix as token ids: `<|startofprev|> prompt` when a prompt is given, then
-    `<|startoftranscript|><|lang|><|task|><|notimestamps|>` (HF's and OpenAI's order)."""
+def decoder_prompt(tokenizer: Any, language: str, task: str, prompt: str = "", max_prompt_tokens: int = 223
+                   ) -> list[int]:
+    """Whisper's decoder prefix as token ids: `<|startofprev|> prompt` when a prompt is given (its last
+    `max_prompt_tokens`), then `<|startoftranscript|><|lang|><|task|><|notimestamps|>` (HF's and OpenAI's order)."""
     specials = ["<|startoftranscript|>", f"<|{language}|>", f"<|{task}|>", "<|notimestamps|>"]
     ids = [_special_id(tokenizer, t) for t in specials]
     if prompt.strip():
-        previous = tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        previous = tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)[-max_prompt_tokens:]
         ids = [_special_id(tokenizer, "<|startofprev|>"), *previous, *ids]
     return ids
 
