@@ -24,14 +24,16 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig
 from pressroom.core.scheduler import SchedulerStats, SpecDecodingStats
 from pressroom.core.spec_calibration import ReliabilityTable
+from pressroom.engine.core import check_sleep_args, check_sleep_enabled
 from pressroom.engine.core_client import CoreClient, EngineDeadError
 from pressroom.engine.dp_client import DPCoreClient
 from pressroom.engine.llm_engine import LLMEngine, PromptType, start_config
@@ -68,6 +70,8 @@ class AsyncLLMEngine:
         self._closed = False
         self._refusal: str | None = None  # set by abort_all: why new requests are refused
         self._last_heard = time.monotonic()  # when the core last sent anything (outputs or a heartbeat)
+        # sleep mode: per engine core, the callers waiting for its answers to sleep / wake_up, in the order sent
+        self._replies: list[deque[Future]] = [deque() for _ in self._stats]
         self._thread = threading.Thread(target=self._output_loop, name="pressroom-output", daemon=True)
         self._thread.start()
 
@@ -265,6 +269,41 @@ class AsyncLLMEngine:
         with self._lock:
             self._client.reset_prefix_cache()
 
+    # ---- sleep mode ----
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep, on every engine core (EngineCore.sleep): returns once each has done it. "abort" ends the
+        requests in flight (their streams finish with finish_reason "abort"); "wait" returns once they are done;
+        requests added while asleep wait for wake_up. ValueError: sleep mode is off, or a bad level or mode."""
+        check_sleep_args(self.engine.config.model.enable_sleep_mode, level, mode)
+        await self._ask_cores(lambda: self._client.sleep(level, mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up on every engine core (EngineCore.wake_up); returns once each has done it."""
+        check_sleep_enabled(self.engine.config.model.enable_sleep_mode)
+        await self._ask_cores(lambda: self._client.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        """Whether any engine core is asleep (at any level), as its latest message says."""
+        return any(s.sleeping for s in self._stats)
+
+    async def _ask_cores(self, send: Callable[[], None]) -> None:
+        """Sends a sleep-mode call to every core (on the adder's thread, in order with the adds) and waits for
+        each core's answer; a core's refusal is raised (a ValueError stays one)."""
+        self._check_alive()
+        answers = [Future() for _ in self._replies]
+
+        def sent() -> None:
+            with self._lock:
+                for queue, answer in zip(self._replies, answers):
+                    queue.append(answer)
+                send()
+        await asyncio.get_running_loop().run_in_executor(self._adder, sent)
+        for reply in await asyncio.gather(*(asyncio.wrap_future(a) for a in answers)):
+            if reply:
+                kind, _, text = reply.partition(": ")
+                raise ValueError(text) if kind == "ValueError" else RuntimeError(reply)
+
     async def stats(self) -> SchedulerStats:
         """The core's latest figures (it sends them with every step, and once a second when idle); with
         several engine cores, their sums (KV usage: their mean)."""
@@ -303,7 +342,11 @@ class AsyncLLMEngine:
                     self._stats[step.engine_index] = step.stats
                 with self._lock:  # a fault in one request's outputs ends that request alone (in process_outputs)
                     outputs = self.engine.process_outputs(step)
+                    waiting = self._replies[step.engine_index]
+                    answer = waiting.popleft() if step.reply is not None and waiting else None
                 self._deliver(outputs)
+                if answer is not None:  # after the requests it ended are delivered, and with its stats in place
+                    answer.set_result(step.reply)
         except BaseException as e:  # noqa: BLE001 — every waiting caller must hear of it
             if not isinstance(e, EngineDeadError):
                 logger.exception("the engine's output thread failed")
@@ -328,6 +371,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
+            answers = [a for queue in self._replies for a in queue]
+            for queue in self._replies:
+                queue.clear()
+        for answer in answers:
+            answer.set_exception(error)
         for stream in streams:
             _call_soon(stream.loop, stream.queue.put_nowait, error)
 

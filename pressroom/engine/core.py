@@ -36,7 +36,8 @@ from pressroom.worker.worker import ModelSpec
 logger = logging.getLogger("pressroom")
 
 MAX_FAILED_STEPS = 3  # in a row: past that the fault is the engine's, not a request's
-SLEEP_LEVELS = (0, 1, 2)  # vLLM's: 0 pauses scheduling, 1 also offloads the weights and frees the KV cache, 2 frees both
+# vLLM's: 0 pauses scheduling, 1 also offloads the weights and frees the KV cache, 2 frees both
+SLEEP_LEVELS = (0, 1, 2)
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: what a sleep does with the requests in flight
 
 
@@ -82,6 +83,7 @@ class CoreOutputs:
     stats: SchedulerStats | None = None  # sent along by the core process, for /metrics
     engine_index: int = 0  # which data-parallel engine core sent it
     scheduled_time: float = 0.0  # time.monotonic() when the step was scheduled: `scheduled`'s queue time ends then
+    reply: str | None = None  # a sleep's or wake_up's answer from the core process: "" done, else its error
 
 
 @dataclass(slots=True)

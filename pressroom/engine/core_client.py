@@ -24,19 +24,21 @@ import tempfile
 import time
 import weakref
 from concurrent.futures import Future
+from functools import partial
 
 import msgspec
 import zmq
 
 from pressroom.config import EngineConfig
 from pressroom.core.request import RequestStatus
-from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore, check_sleep_args
 from pressroom.executor.process import allow_children, die_with_parent
 
 logger = logging.getLogger("pressroom")
 
 _ADD, _FINISH, _SHUTDOWN, _EOS = b"add", b"finish", b"shutdown", b"eos"
 _RESET_PREFIX_CACHE = b"reset-prefix-cache"
+_SLEEP, _WAKE_UP = b"sleep", b"wake-up"  # sleep mode; the core answers each with a CoreOutputs' reply
 _READY, _OUTPUTS, _FAILED = b"ready", b"out", b"failed"
 HEARTBEAT_SECONDS = 1.0
 EXIT_GRACE_SECONDS = 10  # the core's own shutdown, at most, as the client's `shutdown` waits for it
@@ -123,6 +125,15 @@ class CoreClient:
         """The core forgets every cached prefix before it reads any request sent after this (one socket keeps the
         order). Running requests keep their blocks; only the hash index is emptied, as a failed step empties it."""
         self._input.send_multipart([_RESET_PREFIX_CACHE, b""])
+
+    def sleep(self, level: int, mode: str) -> None:
+        """EngineCore.sleep in the core; it answers with a message whose `reply` is set (mode "wait": once the
+        requests in flight are done)."""
+        self._input.send_multipart([_SLEEP, self._encoder.encode((level, mode))])
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """EngineCore.wake_up in the core; it answers with a message whose `reply` is set."""
+        self._input.send_multipart([_WAKE_UP, self._encoder.encode(tags)])
 
     def recv(self, timeout_ms: int = _POLL_MS) -> CoreOutputs | None:
         """The core's next message, or None after `timeout_ms` of silence; EngineDeadError once it is gone."""
@@ -247,9 +258,12 @@ def _exit_now() -> None:
 def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
     requests = msgspec.msgpack.Decoder(CoreRequest)
     finishes = msgspec.msgpack.Decoder(tuple[list[str], str])
+    sleeps = msgspec.msgpack.Decoder(tuple[int, str])
+    wakes = msgspec.msgpack.Decoder(list[str] | None)
+    waiting_sleep: tuple[int, str] | None = None  # a "wait" sleep, until the requests in flight are done
     last_sent = time.monotonic()
     while True:
-        busy = core.has_unfinished_requests()
+        busy = _runnable(core)
         if inp.poll(0 if busy else int(HEARTBEAT_SECONDS * 1000)):
             busy = True  # after messages, report at once (an abort's freed blocks show in the stats)
             while True:
@@ -268,7 +282,22 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
                     core.finish_requests(ids, RequestStatus[status])
                 elif kind == _RESET_PREFIX_CACHE:
                     core.kv_cache.reset_prefix_cache()
-        if core.has_unfinished_requests():
+                elif kind == _SLEEP:
+                    level, mode = sleeps.decode(payload)
+                    if mode == "wait" and core.has_unfinished_requests():  # answered once they are done
+                        enabled = core.config.model.enable_sleep_mode
+                        if _answer(out, encoder, core, partial(check_sleep_args, enabled, level, mode)) is None:
+                            waiting_sleep = (level, mode)
+                    else:
+                        _answer(out, encoder, core, partial(core.sleep, level, mode), send=True)
+                elif kind == _WAKE_UP:
+                    tags = wakes.decode(payload)
+                    _answer(out, encoder, core, partial(core.wake_up, tags), send=True)
+        if waiting_sleep is not None and not core.has_unfinished_requests():
+            level, mode = waiting_sleep
+            waiting_sleep = None
+            _answer(out, encoder, core, partial(core.sleep, level, mode), send=True)
+        if _runnable(core):
             step = core.step()
             step.stats = core.stats()
             out.send_multipart([_OUTPUTS, encoder.encode(step)])
@@ -278,3 +307,23 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
             last_sent = time.monotonic()
         if os.getppid() != parent_pid:
             return
+
+
+def _runnable(core: EngineCore) -> bool:
+    """Work to step: requests, and the core awake (asleep, requests added wait for wake_up)."""
+    return core.has_unfinished_requests() and not core.is_sleeping()
+
+
+def _answer(out, encoder, core: EngineCore, call, send: bool = False) -> str | None:
+    """Runs a sleep-mode call; its error (a refusal: a bad level, sleep mode off) is answered at once, and so is
+    its success with `send`, with the outputs it returns (requests it ended). None: it succeeded."""
+    try:
+        ended = call() or []
+    except Exception as e:  # noqa: BLE001 — the caller hears why; the core goes on
+        logger.warning("sleep mode: %s", e)
+        reply = f"{type(e).__name__}: {e}"
+        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([], [], core.stats(), reply=reply))])
+        return str(e)
+    if send:
+        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs(ended, [], core.stats(), reply=""))])
+    return None

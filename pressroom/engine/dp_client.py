@@ -91,6 +91,15 @@ class DPCoreClient:
         for client in self.clients:
             client.reset_prefix_cache()
 
+    def sleep(self, level: int, mode: str) -> None:
+        """Every core sleeps; each answers (a message with `reply` set)."""
+        for client in self.clients:
+            client.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        for client in self.clients:
+            client.wake_up(tags)
+
     def recv(self, timeout_ms: int = 500) -> CoreOutputs | None:
         """The next message from any core (cores take turns), or None after `timeout_ms` of silence;
         EngineDeadError once any core is gone."""

@@ -102,3 +102,100 @@ def test_sleep_without_the_flag_is_refused(tiny_model_dir):
         llm.wake_up()
     assert llm.is_sleeping() is False
     llm.shutdown()
+
+
+def test_the_async_engine_refuses_sleep_without_the_flag(tiny_async_engine):
+    import asyncio
+    with pytest.raises(ValueError, match="Sleep mode is not enabled"):
+        asyncio.run(tiny_async_engine.sleep(1))
+    assert asyncio.run(tiny_async_engine.is_sleeping()) is False
+
+
+@pytest.mark.slow
+def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
+    """Slow: an engine core process of its own (sleep mode on) behind a loopback server, some 10 s on 2 cores.
+    vLLM's dev-mode routes: POST /sleep?level=N, POST /wake_up[?tags=...], GET /is_sleeping; a request in flight
+    when the engine falls asleep ends with finish_reason "abort"; /metrics' engine_sleep_state follows; the
+    greedy output after waking is the one before."""
+    import os
+    import threading
+    import time
+    from unittest import mock
+
+    import httpx
+    import uvicorn
+
+    from pressroom import EngineArgs
+    from pressroom.engine.async_engine import AsyncLLMEngine
+    from pressroom.entrypoints.openai.server import DEV_MODE_ENV, bind_listener, build_app
+    from pressroom.entrypoints.openai.settings import ServerSettings
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("llama"), dtype="float32",
+                                                        kv_cache_memory_gib=0.05, enable_sleep_mode=True))
+    settings = ServerSettings(served_model_name=("tiny",), log_requests=False, log_stats_interval=0)
+    with mock.patch.dict(os.environ, {DEV_MODE_ENV: "1"}):
+        app = build_app(engine, settings)
+    sock = bind_listener("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        body = {"model": "tiny", "prompt": [7, 8, 9, 10, 11], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+        def complete() -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        def sleep_state() -> dict[str, float]:
+            text = httpx.get(f"{url}/metrics").text
+            return {s: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:engine_sleep_state{") for s in ("awake", "weights_offloaded",
+                                                                               "discard_all") if f'"{s}"' in line}
+
+        before = complete().json()["choices"][0]["text"]
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert sleep_state() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+
+        # a long request in flight is aborted by the sleep (vLLM's default mode)
+        long = dict(body, max_tokens=2000)
+        result: list[httpx.Response] = []
+        runner = threading.Thread(target=lambda: result.append(
+            httpx.post(f"{url}/v1/completions", json=long, timeout=120)))
+        runner.start()
+        time.sleep(1.0)
+        assert httpx.post(f"{url}/sleep", params={"level": "1"}, timeout=60).status_code == 200
+        runner.join(60)
+        assert result[0].status_code == 200 and result[0].json()["choices"][0]["finish_reason"] == "abort"
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        assert sleep_state() == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert complete().json()["choices"][0]["text"] == before
+
+        assert httpx.post(f"{url}/sleep", params={"level": "2"}, timeout=60).status_code == 200
+        assert sleep_state() == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
+        # a request sent while asleep waits for wake_up (vLLM queues it), then runs on the reloaded weights
+        waiting: list[httpx.Response] = []
+        queued = threading.Thread(target=lambda: waiting.append(complete()))
+        queued.start()
+        time.sleep(0.5)
+        assert not waiting
+        assert httpx.post(f"{url}/wake_up", params=[("tags", "weights")], timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}  # the KV cache still asleep
+        assert httpx.post(f"{url}/wake_up", params=[("tags", "kv_cache")], timeout=60).status_code == 200
+        queued.join(60)
+        assert waiting[0].json()["choices"][0]["text"] == before
+
+        bad = httpx.post(f"{url}/sleep", params={"level": "5"})
+        assert bad.status_code == 400 and "level must be 0, 1 or 2" in bad.json()["error"]["message"]
+        bad = httpx.post(f"{url}/wake_up", params={"tags": "everything"})
+        assert bad.status_code == 400 and "Unknown wake_up tag" in bad.json()["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        engine.shutdown()

@@ -494,7 +494,7 @@ def _add_routes(app: FastAPI, utility: OpenAIServingUtility, completion: OpenAIS
         app.get("/server_info")(utility.server_info)
         app.get("/is_sleeping")(utility.is_sleeping)
         app.post("/sleep")(utility.sleep)
-        app.post("/wake_up")(utility.sleep)
+        app.post("/wake_up")(utility.wake_up)
         app.post("/reset_prefix_cache")(utility.reset_prefix_cache)
     app.get("/version")(utility.version)
     app.get("/metrics")(utility.metrics)

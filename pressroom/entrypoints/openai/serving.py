@@ -342,11 +342,34 @@ class OpenAIServingUtility(OpenAIServing):
         return {"version": pressroom.__version__, "vllm_config": repr(self.engine.engine.config)}
 
     async def is_sleeping(self) -> dict:
-        return {"is_sleeping": False}  # pressroom has no sleep mode (--enable-sleep-mode is refused)
+        """vLLM's dev-mode GET /is_sleeping: whether the engine is asleep (at any level)."""
+        return {"is_sleeping": await self.engine.is_sleeping()}
 
-    async def sleep(self) -> Response:
-        raise APIError(400, "pressroom has no sleep mode: its weights and KV cache stay on the device while it "
-                       "serves (vLLM's --enable-sleep-mode is refused at start).")
+    async def sleep(self, request: Request) -> Response:
+        """vLLM's dev-mode POST /sleep?level=N&mode=M (level 1 and mode abort by default; --enable-sleep-mode):
+        answered once the engine sleeps. Requests in flight end (abort) or are waited for (wait)."""
+        level = request.query_params.get("level", "1")
+        mode = request.query_params.get("mode", "abort")
+        if not level.strip().lstrip("-").isdigit():
+            raise APIError(400, f"level must be an integer (0, 1 or 2); got {level!r}.")
+        logger.info("sleeping at level %s (mode %s)", level, mode)
+        await self._sleep_call(self.engine.sleep(int(level), mode))
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        """vLLM's dev-mode POST /wake_up[?tags=weights&tags=kv_cache] (no tags: all); answered once awake."""
+        tags = request.query_params.getlist("tags") or None
+        logger.info("waking up the engine with tags: %s", tags)
+        await self._sleep_call(self.engine.wake_up(tags))
+        return Response(status_code=200)
+
+    async def _sleep_call(self, call) -> None:
+        try:
+            await call
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
 
     async def reset_prefix_cache(self) -> Response:
         """vLLM's dev-mode POST /reset_prefix_cache: every engine core forgets its cached prefixes (its query
