@@ -28,8 +28,14 @@ from pressroom.worker.model_runner import ModelRunner
 from pressroom.worker.offload_copier import OffloadCopier, kv_chunk_shape, kv_head_range
 from pressroom.worker.profiling import profile_peak_memory, profile_step_costs
 from pressroom.worker.proposer import Proposer
-from pressroom.worker.sleep import (HostCopy, check_wake_tags, device_storages, model_bytes, offload_to_host,
-                                    restore_from_host)
+from pressroom.worker.sleep import (
+    HostCopy,
+    check_wake_tags,
+    device_storages,
+    model_bytes,
+    offload_to_host,
+    restore_from_host,
+)
 
 logger = logging.getLogger("pressroom")
 
@@ -283,9 +289,12 @@ class Worker:
         if not self._asleep:
             self.compile_or_warm_up_model()
 
-    @property
-    def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+    def sleep_state(self) -> tuple[list[str], int]:
+        """What is asleep on this rank (tags) and the bytes its KV cache holds now (a plain answer for the core's
+        collective_rpc: tests and tools read every rank's)."""
+        runner = self.model_runner
+        held = 0 if runner is None else sum(t.untyped_storage().nbytes() for t in runner.kv_caches)
+        return sorted(self._asleep), held
 
     def _wake_weights(self) -> None:
         if self.model_runner is not None:  # level 1: back from host memory

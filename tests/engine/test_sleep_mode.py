@@ -199,3 +199,24 @@ def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
         thread.join(30)
         sock.close()
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_every_rank_sleeps_under_the_multiprocess_executor(tiny_model_dir):
+    """Slow: two tensor-parallel worker processes (some 15 s on 2 cores). Sleep and wake_up reach every rank
+    through collective_rpc: each frees its KV cache shard and, at level 2, reloads its weight shard."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_gib=0.05, enable_sleep_mode=True,
+              tensor_parallel_size=2)
+    try:
+        executor = llm.engine.core.executor
+        before = _tokens(llm)
+        awake = executor.collective_rpc("sleep_state")
+        assert len(awake) == 2 and all(tags == [] and held > 0 for tags, held in awake)
+        for level in (1, 2):
+            llm.sleep(level=level)
+            assert executor.collective_rpc("sleep_state") == [(["kv_cache", "weights"], 0)] * 2
+            llm.wake_up()
+            assert executor.collective_rpc("sleep_state") == awake
+            assert _tokens(llm) == before
+    finally:
+        llm.shutdown()
