@@ -192,9 +192,10 @@ def _audio_messages(clip: np.ndarray) -> list[dict]:
                                          {"type": "text", "text": "What is it?"}]}]
 
 
-@pytest.mark.slow  # a server start of its own (~10 s quiet) beside the offline engine
+@pytest.mark.slow  # a server start of its own (~10 s quiet) beside the offline engine; audio from a loopback host
 def test_input_audio_through_the_server_equals_offline(tiny_audio_model, audio_llm, tmp_path):
     import openai
+    from hostile_media import forged_rate_wav, media_server
     from serving import serve
     from tiny_vl import png_data_url, random_image
     path = tiny_audio_model[0]
@@ -202,8 +203,10 @@ def test_input_audio_through_the_server_equals_offline(tiny_audio_model, audio_l
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [audio_llm.chat(_audio_messages(c), params, use_tqdm=False)[0].outputs[0].token_ids for c in clips]
     assert want[0] != want[1]  # the clip steers the answer
-    args = ["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.05", "--served-model-name", "tiny-audio"]
-    with serve(args, tmp_path / "server.log") as (url, _):
+    args = ["serve", path, "--dtype", "float32", "--kv-cache-memory-gib", "0.05", "--served-model-name", "tiny-audio",
+            "--allowed-media-domains", "127.0.0.1"]
+    files = {"/a.wav": ("audio/wav", wav_bytes(clips[0]))}
+    with serve(args, tmp_path / "server.log") as (url, _), media_server(files) as media:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         for clip, tokens in zip(clips, want):
             body = dict(model="tiny-audio", messages=_audio_messages(clip), max_tokens=8, temperature=0,
@@ -213,6 +216,15 @@ def test_input_audio_through_the_server_equals_offline(tiny_audio_model, audio_l
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 **body, stream=True) if c.choices)
             assert streamed == whole.choices[0].message.content
+        # the same clip as an audio_url from an allowed http(s) domain: the same answer
+        fetched = client.chat.completions.create(**{**body, "messages": [{"role": "user", "content": [
+            {"type": "audio_url", "audio_url": {"url": media.url("/a.wav")}},
+            {"type": "text", "text": "What is it?"}]}]})
+        assert fetched.choices[0].model_extra["token_ids"] == list(want[0])
+        with pytest.raises(openai.BadRequestError, match="limit of 600 s"):  # duration from samples, not header
+            data = base64.b64encode(forged_rate_wav(20, claimed_rate=1)).decode()
+            client.chat.completions.create(model="tiny-audio", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}])
         with pytest.raises(openai.BadRequestError, match="takes no images; 'tiny-audio' takes audio and text"):
             client.chat.completions.create(model="tiny-audio", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": png_data_url(random_image(0, (20, 20)))}}]}])
