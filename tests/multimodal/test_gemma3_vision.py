@@ -149,3 +149,35 @@ def test_gemma3_refuses_an_image_longer_than_a_step(tiny_gemma3):
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=12)
     with pytest.raises(ValueError, match="max_num_batched_tokens is 12: raise it to at least 16"):
         llm.generate(_prompts()[0], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.slow  # three engines on the tiny model, ~15 s
+def test_gemma3_checkpoint_names_load_alike(tiny_gemma3, tmp_path):
+    """Gemma 3's names as transformers saves them (language_model.model.*, vision_tower.*), as the hub's checkpoints
+    give them (the tower under vision_tower.vision_model.*) and as transformers 5 holds them in memory
+    (model.language_model.*, model.vision_tower.*, model.multi_modal_projector.*) load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    variants = {"hub": [("vision_tower.", "vision_tower.vision_model.")],
+                "in-memory": [("language_model.model.", "model.language_model."),
+                              ("vision_tower.", "model.vision_tower."),
+                              ("multi_modal_projector.", "model.multi_modal_projector.")]}
+    paths = [tiny_gemma3[0]]
+    for label, renames in variants.items():
+        path = tmp_path / label
+        shutil.copytree(tiny_gemma3[0], path)
+        tensors = {}
+        for name, tensor in load_file(path / "model.safetensors").items():
+            old, new = next(((o, n) for o, n in renames if name.startswith(o)), ("", ""))
+            tensors[new + name[len(old):]] = tensor
+        assert len(tensors) == 80 and any(k.startswith(renames[0][1]) for k in tensors)
+        save_file(tensors, path / "model.safetensors")
+        paths.append(str(path))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = [LLM(p, dtype="float32", kv_cache_memory_gib=0.02).generate(_prompts()[0], params, use_tqdm=False)[0]
+            for p in paths]
+    first = [next(iter(lp.values())).logprob for lp in outs[0].outputs[0].logprobs]
+    for out in outs[1:]:
+        assert out.outputs[0].token_ids == outs[0].outputs[0].token_ids
+        assert [next(iter(lp.values())).logprob for lp in out.outputs[0].logprobs] == first
