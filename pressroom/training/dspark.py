@@ -214,7 +214,9 @@ def save_drafter(drafter: DSparkDrafter, target_hf, path: str, dtype: torch.dtyp
                 markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
                 confidence_head_with_markov=cfg.confidence_head_with_markov, attention_bias=False,
                 hidden_act="silu", layer_types=["full_attention"] * cfg.num_hidden_layers, tie_word_embeddings=False)
+    # The rope it was trained with (plain, drafter_config's), not a target's YaRN the drafter never saw.
     meta.pop("rope_scaling", None)
+    meta["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(meta, f, indent=2)
     tensors = {name: t.detach().to(dtype).contiguous() for name, t in drafter.state_dict().items()
