@@ -380,7 +380,8 @@ class LLMEngine:
     def media_processor(self) -> MediaProcessor:
         """The model's media processors (a ValueError naming multi_modal_data for a text-only model)."""
         if self._media_processor is None:
-            self._media_processor = MediaProcessor(resolve_model_path(self.config.model.model), self.hf_config)
+            self._media_processor = MediaProcessor(resolve_model_path(self.config.model.model), self.hf_config,
+                                                   tokenizer=self.tokenizer)
         return self._media_processor
 
     def image_processor(self) -> ImageProcessor:

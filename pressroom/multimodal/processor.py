@@ -42,6 +42,7 @@ class PlaceholderLayout:
     start_id: int = -1
     end_id: int = -1
     bidirectional: bool = False
+    wrap: str = ""  # text HF's processor puts before the start token and after the end token (Gemma 3's "\n\n")
 
     def rows(self, grid: tuple[int, int, int]) -> int:
         return int(np.prod(grid)) // self.merge_size ** 2 + self.extra_rows
@@ -80,7 +81,7 @@ def placeholder_layouts(hf_config: Any) -> dict[str, Layout]:
         side = int(hf_config.mm_tokens_per_image ** 0.5)
         return {"image": PlaceholderLayout(int(hf_config.image_token_id), patch_size=hf_config.vision_config.image_size
                                            // side, start_id=int(hf_config.boi_token_id),
-                                           end_id=int(hf_config.eoi_token_id), bidirectional=True)}
+                                           end_id=int(hf_config.eoi_token_id), bidirectional=True, wrap="\n\n")}
     if kind in _QWEN_AUDIO_TYPES:
         return {"audio": AudioLayout(int(hf_config.audio_token_index))}
     return {}
@@ -186,13 +187,15 @@ class MediaProcessor:
     expansion over all of a prompt's items."""
 
     def __init__(self, model_path: str, hf_config: Any,
-                 limits: Mapping[str, int] | None = None) -> None:
+                 limits: Mapping[str, int] | None = None, tokenizer: Any = None) -> None:
+        """`tokenizer`: the model's, for a layout's wrap text (without one, none is added)."""
         self.layouts = placeholder_layouts(hf_config)
         if not self.layouts:
             raise ValueError(f"multi_modal_data: this model ({getattr(hf_config, 'model_type', '?')}) takes text "
                              f"only; media inputs need one of: {_media_families()}.")
         self.model_path, self.hf_config = model_path, hf_config
         self.limits = dict(limits or {})
+        self.tokenizer = tokenizer
         self._processors: dict[str, ImageProcessor | AudioProcessor] = {}
 
     def processor(self, modality: str) -> ImageProcessor | AudioProcessor:
@@ -205,6 +208,10 @@ class MediaProcessor:
             self._processors[modality] = make(self.model_path, self.hf_config)
         return self._processors[modality]
 
+    def _wrap_ids(self, layout: Layout) -> list[int]:
+        text = getattr(layout, "wrap", "")
+        return self.tokenizer.encode(text, add_special_tokens=False) if text and self.tokenizer is not None else []
+
     def token_id(self, modality: str) -> int:
         return self.layouts[modality].token_id
 
@@ -212,7 +219,8 @@ class MediaProcessor:
         """The prompt with each item's placeholder expanded, and the items as MediaItems in prompt order."""
         media = {modality: values for modality, values in media.items() if values}
         for modality in media:  # every modality's tokens opened before any slot is placed (slots index the ids)
-            token_ids = _open_starts(token_ids, self.processor(modality).layout)
+            layout = self.processor(modality).layout
+            token_ids = _open_starts(token_ids, layout, self._wrap_ids(layout))
         slots: list[tuple[int, int, str, Encoded, int]] = []  # (start, tokens taken, modality, item, rows)
         for modality, values in media.items():
             processor = self.processor(modality)
@@ -262,16 +270,18 @@ def load_pil_image_processor(model_path: str):
     return processor
 
 
-def _open_starts(token_ids: list[int], layout: Layout) -> list[int]:
-    """Each lone start token (not followed by a placeholder) as start, one placeholder, end (Gemma 3)."""
+def _open_starts(token_ids: list[int], layout: Layout, wrap: list[int]) -> list[int]:
+    """Each lone start token (not followed by a placeholder) as HF's processor writes an image: the wrap, start, one
+    placeholder, end, the wrap (Gemma 3)."""
     start = getattr(layout, "start_id", -1)
     if start < 0 or start not in token_ids:
         return token_ids
     out = []
     for i, t in enumerate(token_ids):
-        out.append(t)
         if t == start and (i + 1 == len(token_ids) or token_ids[i + 1] != layout.token_id):
-            out += [layout.token_id, layout.end_id]
+            out += [*wrap, start, layout.token_id, layout.end_id, *wrap]
+        else:
+            out.append(t)
     return out
 
 

@@ -111,8 +111,11 @@ def test_gemma3_images_match_hf_in_one_batch(tiny_gemma3):
     _check(llm, hf_model, prompts)
     cfg = hf_model.config
     ids = llm.generate(prompts[0], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
-    start = ids.index(cfg.boi_token_id)  # a lone <start_of_image> opened to start, one token per row, end
-    assert ids[start + 1:start + 2 + IMAGE_TOKENS] == [cfg.image_token_id] * IMAGE_TOKENS + [cfg.eoi_token_id]
+    # a lone <start_of_image> opened as HF's processor writes an image: "\n\n", start, a token per row, end, "\n\n"
+    wrap = llm.get_tokenizer().encode("\n\n", add_special_tokens=False)
+    start = ids.index(cfg.boi_token_id)
+    image = [cfg.boi_token_id, *[cfg.image_token_id] * IMAGE_TOKENS, cfg.eoi_token_id]
+    assert ids[start - len(wrap):start + len(image) + len(wrap)] == [*wrap, *image, *wrap]
     assert llm.engine.runner.multimodal.cache.encoder_runs == 3
 
 
