@@ -130,6 +130,19 @@ def test_chunked_prefill_splits_audio_runs(tiny_audio_model):
     assert llm.engine.runner.multimodal.cache.encoder_runs == 4  # each clip once, though its run took steps
 
 
+def test_token_prompts_expand_alike_and_expanded_runs_are_kept(audio_llm):
+    """vLLM's prompt_token_ids with multi_modal_data: one placeholder per clip is expanded as a text prompt's is; a
+    run HF's processor already expanded (its length the clip's rows) is kept as it is."""
+    engine, clips = audio_llm.engine, [(tone(13, 0.5), RATE), (tone(14, 1.1), RATE)]
+    text = {"prompt": f"a {PAD} b {PAD} c", "multi_modal_data": {"audio": clips}}
+    expanded, items = engine.process_media(text, engine.tokenize_prompt(text)[1])
+    ids = {"prompt_token_ids": engine.tokenize_prompt(text)[1], "multi_modal_data": {"audio": clips}}
+    assert engine.process_media(ids, ids["prompt_token_ids"])[0] == expanded
+    again, kept = engine.process_media(text, expanded)
+    assert again == expanded and [(m.offset, m.length) for m in kept] == [(m.offset, m.length) for m in items]
+    assert [m.length for m in items] == [12, 27]  # 50 and 110 mel frames, halved twice
+
+
 def test_chat_input_audio_and_audio_url_equal_generate(audio_llm):
     clip = tone(7, 0.6)
     data = base64.b64encode(wav_bytes(clip)).decode()
