@@ -610,8 +610,11 @@ async def json_response(build: Callable[[], BaseModel], items: str, size: int) -
 
 
 def output_values(outputs: list[RequestOutput], top_logprobs: int | None) -> int:
-    """About how many values a whole response of `outputs` holds: each token, and its logprobs when asked for."""
-    return sum(len(c.token_ids) for out in outputs for c in out.outputs) * (2 + (top_logprobs or 0))
+    """About how many values a whole response of `outputs` holds: each token, and its logprobs when asked for;
+    prompt_logprobs' entries (three values each) once per choice, which repeats them."""
+    tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs) * (2 + (top_logprobs or 0))
+    prompt = sum(3 * len(out.outputs) * sum(map(len, filter(None, out.prompt_logprobs or ()))) for out in outputs)
+    return tokens + prompt
 
 
 def _encoded_by_item(build: Callable[[], BaseModel], items: str) -> bytes:
