@@ -295,7 +295,7 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "heartbeat every second when idle) for this many seconds: its loop is stuck. Keep it "
                              "above the longest engine step (a long prefill on a CPU takes seconds); 0: never")
     server.add_argument("--reasoning-parser", default=_server_default("reasoning_parser"), choices=REASONING_PARSERS,
-                        help="split <think>...</think> into reasoning_content (auto: when the model's chat "
+                        help="split <think>...</think> into message.reasoning (auto: when the model's chat "
                              "template or vocabulary has the markers; deepseek_r1: the output starts inside the "
                              "reasoning; deepseek_v3 / deepseek_v4: the prompt's end says whether thinking is on)")
     server.add_argument("--reasoning-start-str", default=_server_default("reasoning_start"),
