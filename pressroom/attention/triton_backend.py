@@ -84,7 +84,11 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
         out = self._forward(q, k, v, kv_cache, meta, scale, window, sinks)
-        for i in requests_seeing_ahead(meta, see_ahead):
+        if see_ahead is None:
+            return out
+        if meta.plan is None:  # the step's requests that see ahead, found once (a host copy) for every layer
+            meta.plan = requests_seeing_ahead(meta, see_ahead)
+        for i in meta.plan:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = prefill_chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i],
                                            meta.seq_lens_host[i], scale, window, sinks, see_ahead[start:end])
