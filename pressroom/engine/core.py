@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from pressroom.config import EngineConfig
 from pressroom.core.cache_plan import CachePlan, default_checkpoint_interval, plan_cache
 from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from pressroom.core.media_schedule import check_runs_fit
 from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
@@ -354,7 +353,6 @@ class EngineCore:
 
     def add_request(self, request: CoreRequest) -> None:
         self._check_kv_transfer(request)
-        check_runs_fit(request.mm_features, self.config.scheduler.max_num_batched_tokens)
         lead = self.requests.get(request.follows) if request.follows is not None else None
         req = Request(request.req_id, request.prompt_token_ids, request.params, self.eos_token_id,
                       request.arrival_time, request.priority, follows=lead, group=request.group or "",

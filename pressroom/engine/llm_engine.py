@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pressroom.config import EngineArgs, EngineConfig, ModelConfig, default_of, read_checkpoint_facts
+from pressroom.core.media_schedule import check_runs_fit
 from pressroom.core.outputs import EngineCoreOutput, TopLogprobs
 from pressroom.core.request import RequestStatus
 from pressroom.core.scheduler import SchedulerStats
@@ -261,6 +262,7 @@ class LLMEngine:
             token_ids, media = self.process_media(prompt, token_ids)
         else:
             media = self._checked_media(prompt, token_ids, mm_features)
+        check_runs_fit(media, self.config.scheduler.max_num_batched_tokens)  # an image a step can never hold whole
         kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(token_ids):
             if media:
