@@ -179,7 +179,6 @@ class TorchAttentionBackend:
         return attend(q.unsqueeze(2), k, v, mask, False, scale, sinks).squeeze(2)
 
 
-
 def prefill_chunk(q, k, v, kv_cache, block_table, seq_len: int, scale: float, window: int | None = None,
                   sinks: torch.Tensor | None = None, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk of one prompt, its keys and values already in the cache: causal over the chunk, full over its
