@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_vl import random_image
+from tiny_vl import png_data_url, random_image
 
 from pressroom import LLM, SamplingParams
 from pressroom.core.media_schedule import whole_run_chunk
@@ -22,6 +22,13 @@ from pressroom.multimodal.inputs import MediaItem
 NEW_TOKENS = 32
 IMAGE_TOKENS = 16  # 32x32 images, 4x4 patches (8x8 a side), pooled 2x2: 16 rows an image
 BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+# Gemma 3's template's shape: an image part is written as <start_of_image>
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
 def build_tiny_gemma3(path: Path, smollm_tokenizer, seed: int = 0):
@@ -50,6 +57,7 @@ def build_tiny_gemma3(path: Path, smollm_tokenizer, seed: int = 0):
             elif "norm" in name and "vision_tower" not in name:
                 param.normal_(0, 0.2)
     model.save_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     (Path(path) / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
@@ -117,6 +125,14 @@ def test_gemma3_images_match_hf_in_one_batch(tiny_gemma3):
     image = [cfg.boi_token_id, *[cfg.image_token_id] * IMAGE_TOKENS, cfg.eoi_token_id]
     assert ids[start - len(wrap):start + len(image) + len(wrap)] == [*wrap, *image, *wrap]
     assert llm.engine.runner.multimodal.cache.encoder_runs == 3
+    # a chat with an image_url part: the template's <start_of_image>, opened, answered as HF answers the same ids
+    image = random_image(50, (70, 90))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert chat.prompt_token_ids.count(cfg.image_token_id) == IMAGE_TOKENS
+    tokens, _ = _hf_reference(hf_model, llm, {"multi_modal_data": {"image": image}}, chat.prompt_token_ids)
+    assert chat.outputs[0].token_ids == tokens
 
 
 @pytest.mark.slow  # ~40 s, as above
