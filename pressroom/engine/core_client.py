@@ -261,6 +261,7 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
     sleeps = msgspec.msgpack.Decoder(tuple[int, str])
     wakes = msgspec.msgpack.Decoder(list[str] | None)
     waiting_sleep: tuple[int, str] | None = None  # a "wait" sleep, until the requests in flight are done
+    held: list[CoreRequest] = []  # requests sent during that drain: added once asleep, to wait for wake_up (vLLM's)
     last_sent = time.monotonic()
     while True:
         busy = _runnable(core)
@@ -274,12 +275,15 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
                 if kind == _SHUTDOWN:
                     return
                 if kind == _ADD:
-                    rejected = core.try_add_request(requests.decode(payload))
-                    if rejected is not None:
-                        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([rejected], []))])
+                    request = requests.decode(payload)
+                    if waiting_sleep is not None:
+                        held.append(request)
+                    else:
+                        _add(core, out, encoder, request)
                 elif kind == _FINISH:
                     ids, status = finishes.decode(payload)
                     core.finish_requests(ids, RequestStatus[status])
+                    held = [r for r in held if r.req_id not in ids]
                 elif kind == _RESET_PREFIX_CACHE:
                     core.kv_cache.reset_prefix_cache()
                 elif kind == _SLEEP:
@@ -297,6 +301,9 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
             level, mode = waiting_sleep
             waiting_sleep = None
             _answer(out, encoder, core, partial(core.sleep, level, mode), send=True)
+            for request in held:
+                _add(core, out, encoder, request)
+            held = []
         if _runnable(core):
             step = core.step()
             step.stats = core.stats()
@@ -307,6 +314,12 @@ def _busy_loop(core: EngineCore, inp, out, encoder, parent_pid: int) -> None:
             last_sent = time.monotonic()
         if os.getppid() != parent_pid:
             return
+
+
+def _add(core: EngineCore, out, encoder, request: CoreRequest) -> None:
+    rejected = core.try_add_request(request)
+    if rejected is not None:
+        out.send_multipart([_OUTPUTS, encoder.encode(CoreOutputs([rejected], []))])
 
 
 def _runnable(core: EngineCore) -> bool:

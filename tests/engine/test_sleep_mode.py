@@ -115,8 +115,9 @@ def test_the_async_engine_refuses_sleep_without_the_flag(tiny_async_engine):
 def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
     """Slow: an engine core process of its own (sleep mode on) behind a loopback server, some 10 s on 2 cores.
     vLLM's dev-mode routes: POST /sleep?level=N, POST /wake_up[?tags=...], GET /is_sleeping; a request in flight
-    when the engine falls asleep ends with finish_reason "abort"; /metrics' engine_sleep_state follows; the
-    greedy output after waking is the one before."""
+    when the engine falls asleep ends with finish_reason "abort" (mode=wait: it finishes first); requests sent
+    while asleep wait for wake_up; /metrics' engine_sleep_state follows; the greedy output after waking is the one
+    before."""
     import os
     import threading
     import time
@@ -187,6 +188,31 @@ def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
         assert httpx.post(f"{url}/wake_up", params=[("tags", "weights")], timeout=60).status_code == 200
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}  # the KV cache still asleep
         assert httpx.post(f"{url}/wake_up", params=[("tags", "kv_cache")], timeout=60).status_code == 200
+        queued.join(60)
+        assert waiting[0].json()["choices"][0]["text"] == before
+
+        # mode=wait: answered once the request in flight is done (it ends by its length); one sent meanwhile is
+        # held, and served after wake_up
+        result.clear()
+        waiting.clear()
+        runner = threading.Thread(target=lambda: result.append(
+            httpx.post(f"{url}/v1/completions", json=dict(body, max_tokens=400), timeout=120)))
+        runner.start()
+        time.sleep(0.3)
+        slept: list[httpx.Response] = []
+        sleeper = threading.Thread(target=lambda: slept.append(
+            httpx.post(f"{url}/sleep", params={"level": "1", "mode": "wait"}, timeout=120)))
+        sleeper.start()
+        time.sleep(0.2)
+        queued = threading.Thread(target=lambda: waiting.append(complete()))
+        queued.start()
+        sleeper.join(120)
+        runner.join(120)
+        assert slept[0].status_code == 200 and result[0].json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        time.sleep(0.3)
+        assert not waiting
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
         queued.join(60)
         assert waiting[0].json()["choices"][0]["text"] == before
 
