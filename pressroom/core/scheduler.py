@@ -110,6 +110,11 @@ class KVTransferStats:
     transfers_expired: int = 0  # staged chunks no consumer read within abort_request_timeout_s
     staging_slots_used: int = 0  # chunks of the staging buffer held now (a gauge)
     staging_slots: int = 0
+    # E/P/D: media items' encoder outputs staged for, and read from, other engines; the encoder's runs here
+    media_staged: int = 0
+    media_received: int = 0  # read, checked and put into the encoder cache: not encoded here
+    media_failed: int = 0  # reads that failed or were corrupt: encoded here instead
+    encoder_runs: int = 0  # media items this engine's encoder computed (as of its last finished request)
 
     def copy(self) -> KVTransferStats:
         return replace(self)

@@ -17,6 +17,7 @@ class EncoderCache:
         self._pins: dict[str, int] = {}
         self._rows = 0
         self.encoder_runs = 0  # items the encoder computed (a test's count of cache misses)
+        self.received = 0  # items whose rows came from another engine (E/P/D's encoder engine), not computed
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -31,7 +32,17 @@ class EncoderCache:
         return rows
 
     def put(self, key: str, rows: torch.Tensor) -> None:
+        """Rows the encoder just computed here."""
         self.encoder_runs += 1
+        self._store(key, rows)
+
+    def receive(self, key: str, rows: torch.Tensor) -> None:
+        """Rows another engine's encoder computed (read and checked by a KV connector): cached as if computed
+        here, but no encoder run is counted."""
+        self.received += 1
+        self._store(key, rows)
+
+    def _store(self, key: str, rows: torch.Tensor) -> None:
         if key in self._entries:
             self._rows -= self._entries.pop(key).shape[0]
         self._entries[key] = rows

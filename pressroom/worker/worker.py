@@ -150,7 +150,7 @@ class Worker:
         """Maps a KV connector's staging buffer (a kv_offload.slab.SlabHandle) for this rank's copies."""
         runner = self.model_runner
         copier = OffloadCopier(handle, kv_head_range(self.model, runner.attention_layers), runner.device)
-        self.kv_connector = KVConnectorWorker(copier)
+        self.kv_connector = KVConnectorWorker(copier, copier.mapped.tensor)
 
     def kv_connector_save(self, saves: list[tuple[int, int]]) -> None:
         """A finished request's blocks into staged chunks, (block, slot) pairs; done when this returns."""
@@ -160,6 +160,31 @@ class Worker:
         """Chunks read from another engine into a newly admitted request's blocks, before its step's forward."""
         self.kv_connector.start_load_kv(self.model_runner.kv_caches, loads)
         self.kv_connector.wait_for_load()
+
+    def _encoder_cache(self):
+        return self.model_runner.multimodal.cache if self.model_runner.multimodal is not None else None
+
+    def kv_connector_media_shapes(self, keys: list[str]) -> list:
+        """E/P/D: the encoder cache's rows for these media hashes, (shape, dtype) or None where absent."""
+        return self.kv_connector.media_shapes(self._encoder_cache(), keys)
+
+    def kv_connector_save_media(self, saves: list[tuple[str, list[int]]]) -> None:
+        """E/P/D: cached encoder rows into staged chunks, (media hash, slots); rank 0's (every rank's are equal)."""
+        if self.rank == 0:
+            self.kv_connector.save_media(self._encoder_cache(), saves)
+
+    def kv_connector_load_media(self, loads: list) -> int:
+        """E/P/D: encoder rows read from another engine into the encoder cache; returns the encoder runs so far."""
+        cache = self._encoder_cache()
+        if cache is None:
+            return 0
+        self.kv_connector.load_media(cache, loads, self.model_runner.device)
+        return cache.encoder_runs
+
+    def kv_connector_encoder_runs(self) -> int:
+        """Media items this rank's encoder computed (E/P/D's /metrics counter)."""
+        cache = self._encoder_cache()
+        return cache.encoder_runs if cache is not None else 0
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile

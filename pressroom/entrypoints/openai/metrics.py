@@ -537,6 +537,14 @@ _KV_TRANSFER_FAMILIES = (  # a KV connector's counters (disaggregated serving), 
     ("kv_transfer_staged_bytes", "KV chunk bytes staged for other engines.", "bytes_staged"),
     ("kv_transfer_sent_bytes", "Staged KV chunk bytes another engine confirmed it read.", "bytes_sent"),
     ("kv_transfer_expired", "Staged requests no engine read in time.", "transfers_expired"),
+    ("kv_transfer_media_staged", "Media items whose encoder outputs were staged for other engines (E/P/D).",
+     "media_staged"),
+    ("kv_transfer_media_received", "Media items whose encoder outputs were read from another engine and used.",
+     "media_received"),
+    ("kv_transfer_media_failed_reads", "Encoder-output reads that failed or were corrupt (encoded here instead).",
+     "media_failed"),
+    ("mm_encoder_runs", "Media items this engine's encoder computed (E/P/D: none for those received).",
+     "encoder_runs"),
 )
 
 
