@@ -10,9 +10,9 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class MediaItem:
-    """An image or audio clip the encoder turns into `length` embedding rows, which replace the prompt's
+    """An image, video or audio clip the encoder turns into `length` embedding rows, which replace the prompt's
     placeholder tokens `offset` to `offset + length`."""
-    modality: str  # "image" or "audio"
+    modality: str  # "image", "video" or "audio"
     hash: str  # content hash (the decoded media and the processor's settings): encoder cache and prefix-cache key
     offset: int  # first placeholder token in the prompt
     length: int  # placeholder tokens, the encoder's output rows
@@ -23,6 +23,8 @@ class MediaItem:
     grid_thw: tuple[int, int, int] = (1, 1, 1)
     # its placeholder run is attended bidirectionally (Gemma 3's images): a prefill chunk never ends inside it
     bidirectional: bool = False
+    # a video's seconds per temporal patch (temporal_patch_size / sampled fps): M-RoPE's time axis (Qwen2.5-VL)
+    seconds_per_grid: float = 0.0
 
     @property
     def end(self) -> int:
