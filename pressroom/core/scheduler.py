@@ -220,6 +220,12 @@ class Scheduler:
             req.follows = None  # alone, it cannot wait for a sibling's prompt: that sibling may be waiting
             self.suspects[req.request_id] = req
 
+    def preempt_all(self) -> None:
+        """Preempts every running request, to be recomputed when next scheduled (the engine core's sleep with
+        mode "keep", which frees the KV cache under them, as vLLM resets running requests)."""
+        for req in list(self.running):
+            self._preempt(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

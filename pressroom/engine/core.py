@@ -404,25 +404,28 @@ class EngineCore:
     def sleep(self, level: int = 1, mode: str = "abort") -> list[EngineCoreOutput]:
         """vLLM's sleep: scheduling pauses (requests added meanwhile wait for wake_up), and from level 1 the
         workers free their memory (worker.sleep) after the prefix cache is emptied, its blocks' KV being lost.
-        `mode` "abort" ends the requests in flight (their outputs, finish_reason "abort", are returned, with
-        the last step's); "wait" and "keep" need none in flight: the core process drains them for "wait"
-        before it calls this, and "keep" (vLLM pauses them in place) is refused while any runs, their KV being
-        freed. A second sleep while asleep changes nothing (vLLM warns, as here)."""
+        `mode`, for the requests in flight: "abort" ends them (their outputs, finish_reason "abort", are
+        returned, with the last step's); "keep" keeps them, recomputed after wake_up where their KV is freed
+        (from level 1); "wait" needs none in flight (the core process drains them before it calls this). A
+        second sleep while asleep changes nothing (vLLM warns, as here)."""
         check_sleep_args(self.config.model.enable_sleep_mode, level, mode)
-        if mode != "abort" and self.has_unfinished_requests():
-            raise ValueError(f"Sleep mode {mode!r} needs no request in flight ({len(self.requests)} are); "
-                             "sleep with mode='abort' to end them, or wait for them to finish.")
-        ended = self._end_all_requests()
+        if mode == "wait" and self.has_unfinished_requests():
+            raise ValueError(f"Sleep mode 'wait' needs no request in flight here ({len(self.requests)} are): the "
+                             "engine core process waits for them; in-process, sleep with mode 'abort' or 'keep'.")
+        outputs = self._book_inflight()
+        if mode == "abort":
+            outputs += self._abort_all()
         if level >= 1 and self._asleep:
             logger.warning("the engine is asleep already; sleep(level=%d) changes nothing", level)
         elif level >= 1:
+            self.scheduler.preempt_all()  # "keep": recomputed after waking (their KV goes)
             self.kv_cache.reset_prefix_cache()
             started = time.perf_counter()
             self.executor.collective_rpc("sleep", level)
             self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
             logger.info("It took %.3f seconds to fall asleep (level %d).", time.perf_counter() - started, level)
         self._paused = True
-        return ended
+        return outputs
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up: the workers restore `tags` (None: weights and kv_cache; "scheduling" alone: only a
@@ -444,25 +447,24 @@ class EngineCore:
         """Asleep at any level (a level-0 pause included), as vLLM's is_sleeping."""
         return self._paused or bool(self._asleep)
 
-    def _end_all_requests(self) -> list[EngineCoreOutput]:
-        """Books the step in flight, ends every request left (finish_reason "abort") and runs an empty step, so
-        the runner forgets them; their outputs, for the front-end."""
-        outputs = []
-        if self._inflight is not None:
-            sched, pending = self._inflight
-            self._inflight = None
-            outputs = self._update(sched, pending.resolve())
+    def _book_inflight(self) -> list[EngineCoreOutput]:
+        """The outputs of the step in flight (async scheduling), booked now."""
+        if self._inflight is None:
+            return []
+        sched, pending = self._inflight
+        self._inflight = None
+        return self._update(sched, pending.resolve())
+
+    def _abort_all(self) -> list[EngineCoreOutput]:
+        """Ends every request (finish_reason "abort") and, unless paused, runs an empty step so the runner forgets
+        them; their outputs, for the front-end."""
         aborted = list(self.requests)
         self.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
-        outputs += [EngineCoreOutput(rid, [], finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason)
-                    for rid in aborted]
         if not self._paused:
             self.step()
-            if self._inflight is not None:
-                sched, pending = self._inflight
-                self._inflight = None
-                self._update(sched, pending.resolve())
-        return outputs
+            self._book_inflight()
+        return [EngineCoreOutput(rid, [], finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason)
+                for rid in aborted]
 
     # ---- one step ----
 

@@ -113,11 +113,11 @@ def test_the_async_engine_refuses_sleep_without_the_flag(tiny_async_engine):
 
 @pytest.mark.slow
 def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
-    """Slow: an engine core process of its own (sleep mode on) behind a loopback server, some 10 s on 2 cores.
-    vLLM's dev-mode routes: POST /sleep?level=N, POST /wake_up[?tags=...], GET /is_sleeping; a request in flight
-    when the engine falls asleep ends with finish_reason "abort" (mode=wait: it finishes first); requests sent
-    while asleep wait for wake_up; /metrics' engine_sleep_state follows; the greedy output after waking is the one
-    before."""
+    """Slow: an engine core process of its own (sleep mode on) behind a loopback server, some 20 s on 2 cores.
+    vLLM's dev-mode routes: POST /sleep?level=N&mode=M, POST /wake_up[?tags=...], GET /is_sleeping. A request in
+    flight when the engine falls asleep ends with finish_reason "abort" (mode=wait: it finishes first; keep: it
+    resumes after waking, to the same text); requests sent while asleep wait for wake_up; /metrics'
+    engine_sleep_state follows; the greedy output after waking is the one before."""
     import os
     import threading
     import time
@@ -215,6 +215,22 @@ def test_server_routes_sleep_and_wake_the_engine_core_process(tiny_model_dir):
         assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
         queued.join(60)
         assert waiting[0].json()["choices"][0]["text"] == before
+
+        # mode=keep: the request in flight is kept, recomputed after wake_up, and ends as it would have
+        keep = dict(body, max_tokens=200)
+        reference = httpx.post(f"{url}/v1/completions", json=keep, timeout=120).json()["choices"][0]["text"]
+        result.clear()
+        runner = threading.Thread(target=lambda: result.append(
+            httpx.post(f"{url}/v1/completions", json=keep, timeout=120)))
+        runner.start()
+        time.sleep(0.3)
+        assert httpx.post(f"{url}/sleep", params={"level": "1", "mode": "keep"}, timeout=60).status_code == 200
+        time.sleep(0.3)
+        assert not result
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+        runner.join(60)
+        kept = result[0].json()["choices"][0]
+        assert (kept["finish_reason"], kept["text"]) == ("length", reference)
 
         bad = httpx.post(f"{url}/sleep", params={"level": "5"})
         assert bad.status_code == 400 and "level must be 0, 1 or 2" in bad.json()["error"]["message"]
