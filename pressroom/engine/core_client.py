@@ -32,6 +32,7 @@ import zmq
 from pressroom.config import EngineConfig
 from pressroom.core.request import RequestStatus
 from pressroom.engine.core import CoreInfo, CoreOutputs, CoreRequest, EngineCore, check_sleep_args
+from pressroom.executor import FATAL_ERRORS
 from pressroom.executor.process import allow_children, die_with_parent
 
 logger = logging.getLogger("pressroom")
@@ -332,6 +333,8 @@ def _answer(out, encoder, core: EngineCore, call, send: bool = False) -> str | N
     its success with `send`, with the outputs it returns (requests it ended). None: it succeeded."""
     try:
         ended = call() or []
+    except FATAL_ERRORS:  # a worker died: the engine ends, as after a step
+        raise
     except Exception as e:  # noqa: BLE001 — the caller hears why; the core goes on
         logger.warning("sleep mode: %s", e)
         reply = f"{type(e).__name__}: {e}"
