@@ -6,6 +6,11 @@ as its kv_transfer_params; the kv_transfer_params its response returns (where it
 original request to a decode engine (a consumer), which reads the KV instead of computing the prompt and answers,
 streamed or whole, straight back to the client.
 
+E/P/D: with --encode engines (producers too), a request with media parts (images or audio) goes first to an encode
+engine, the same way with {"do_remote_encode": true}; the kv_transfer_params it returns (where its media's encoder
+outputs are staged, keyed by their content hashes) go to the prefill engine as "remote_encoder", which reads them
+instead of running its own encoder. An encode engine that fails is skipped: the prefill engine then encodes.
+
 Engines are picked round robin among the healthy ones (least requests in flight first). An engine is taken out when
 a request to it cannot connect or its /health (polled every --health-interval seconds) fails, and comes back when
 /health answers 200 again. A request whose engine fails before anything was streamed to the client is retried on
@@ -91,10 +96,30 @@ class RouterSettings:
     request_timeout_s: float = 600.0  # one engine call's read timeout
     connect_timeout_s: float = 5.0
     max_retries: int = 2  # other pairs tried for a request that failed before anything was streamed
+    encode: tuple[str, ...] = ()  # E/P/D: encoder engines for requests with media
 
 
-def prefill_body(body: dict) -> dict:
-    """The request the prefill engine gets: the client's, one token, not streamed, asking to stage its KV."""
+MEDIA_PARTS = frozenset({"image_url", "image", "input_image", "input_audio", "audio_url", "video_url"})
+
+
+def has_media(body: dict) -> bool:
+    """A chat request with an image, audio or video part (the ones an encoder engine encodes)."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") in MEDIA_PARTS
+        for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for part in m["content"])
+
+
+def encode_body(body: dict) -> dict:
+    """The request an encode engine gets: the prefill's, asking it to stage its media's encoder outputs."""
+    out = prefill_body(body)
+    out["kv_transfer_params"] = {"do_remote_encode": True}
+    return out
+
+
+def prefill_body(body: dict, encoder_params: dict | None = None) -> dict:
+    """The request the prefill engine gets: the client's, one token, not streamed, asking to stage its KV (and,
+    given an encode engine's params, to read its media's encoder outputs from there)."""
     out = copy.deepcopy(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -103,6 +128,8 @@ def prefill_body(body: dict) -> dict:
     out.pop("stream_options", None)
     out["n"] = 1
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if encoder_params:
+        out["kv_transfer_params"]["remote_encoder"] = encoder_params
     return out
 
 
@@ -115,13 +142,14 @@ class Router:
         self.settings = settings
         self.prefill = EnginePool(list(settings.prefill), "prefill")
         self.decode = EnginePool(list(settings.decode), "decode")
+        self.encode = EnginePool(list(settings.encode), "encode") if settings.encode else None
         timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
         self._health_task: asyncio.Task | None = None
 
     @property
     def engines(self) -> list[Engine]:
-        return self.prefill.engines + self.decode.engines
+        return (self.encode.engines if self.encode else []) + self.prefill.engines + self.decode.engines
 
     # ---- health ----
 
@@ -180,7 +208,8 @@ class Router:
             prefill = self.prefill.pick(tried)
             decode = self.decode.pick(tried)
             try:
-                params = await self._prefill(prefill, path, body)
+                encoder_params = await self._encode(path, body)
+                params = await self._prefill(prefill, path, body, encoder_params)
                 decode_request = {**body, "kv_transfer_params": params} if params else dict(body)
                 if body.get("stream"):
                     return None, await self._open_stream(decode, path, decode_request)
@@ -193,8 +222,24 @@ class Router:
                 logger.info("router: retrying a request on another pair (%s)", e.args[1])
         raise AssertionError("unreachable")
 
-    async def _prefill(self, engine: Engine, path: str, body: dict) -> dict | None:
-        answer = await self._post(engine, path, prefill_body(body))
+    async def _encode(self, path: str, body: dict) -> dict | None:
+        """An encode engine's params for a request with media; None (the prefill engine encodes) without media,
+        without encode engines, or when the one picked fails."""
+        if self.encode is None or path != "/v1/chat/completions" or not has_media(body):
+            return None
+        try:
+            engine = self.encode.pick()
+            answer = await self._post(engine, path, encode_body(body))
+        except (EngineDown, RouterError) as e:
+            if isinstance(e, RouterError) and 400 <= e.status < 500:
+                raise
+            logger.warning("router: encoding failed (%s); the prefill engine encodes", e.args[-1])
+            return None
+        return answer.get("kv_transfer_params")
+
+    async def _prefill(self, engine: Engine, path: str, body: dict, encoder_params: dict | None = None
+                       ) -> dict | None:
+        answer = await self._post(engine, path, prefill_body(body, encoder_params))
         params = answer.get("kv_transfer_params")
         if params is None:
             logger.warning("router: prefill engine %s returned no kv_transfer_params (is it a kv_producer?); the "
@@ -325,6 +370,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a prefill engine's base URL (a kv_producer); repeat for several")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode engine's base URL (a kv_consumer); repeat for several")
+    parser.add_argument("--encode", action="append", default=[], metavar="URL",
+                        help="E/P/D: an encode engine's base URL (a kv_producer of the same model): requests with "
+                             "media have their encoder outputs computed there; repeat for several")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health probes")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds an engine may take to answer (or between streamed bytes)")
@@ -335,13 +383,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: Any) -> RouterSettings:
     if not args.prefill or not args.decode:
         raise ValueError("pressroom router needs at least one --prefill URL and one --decode URL.")
-    for url in args.prefill + args.decode:
+    for url in args.prefill + args.decode + list(getattr(args, "encode", None) or []):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL {url!r} must start with http:// or https://.")
     if args.health_interval <= 0 or args.request_timeout <= 0 or args.max_retries < 0:
         raise ValueError("--health-interval and --request-timeout must be positive, --max-retries not negative.")
     return RouterSettings(tuple(args.prefill), tuple(args.decode), args.health_interval, args.request_timeout,
-                          max_retries=args.max_retries)
+                          max_retries=args.max_retries, encode=tuple(getattr(args, "encode", None) or ()))
 
 
 def run_router(args: Any) -> int:

@@ -10,6 +10,8 @@ kv_transfer_params to their outputs. Worker side (worker_side.py): `save_kv`, `s
 A request's `kv_transfer_params` travel in SamplingParams.extra_args (vLLM's place for them): a prefill engine gets
 {"do_remote_decode": true} and returns the params a decode engine is then given ({"do_remote_prefill": true,
 "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", ...}).
+E/P/D (media_transfer.py): an encoder engine gets {"do_remote_encode": true} and returns where its media items'
+encoder outputs are staged; a prefill engine gets those as {"remote_encoder": {...}} beside its own params.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, blo
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params must be a JSON object.")
     decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
-    if not (decode or prefill):
+    encode, encoder = params.get("do_remote_encode"), params.get("remote_encoder")
+    if not (decode or prefill or encode or encoder):
         return
     if transfer is None:
         raise ValueError("kv_transfer_params asks for a KV transfer, but this engine runs no KV connector (start it "
@@ -60,6 +63,9 @@ def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, blo
     if decode and not transfer.is_producer:
         raise ValueError(f"kv_transfer_params asks for do_remote_decode, but this engine's kv_role is "
                          f"{transfer.kv_role}: it does not stage KV for other engines.")
+    if encode and not transfer.is_producer:
+        raise ValueError(f"kv_transfer_params asks for do_remote_encode, but this engine's kv_role is "
+                         f"{transfer.kv_role}: it does not stage encoder outputs for other engines.")
     if not prefill:
         return
     if not transfer.is_consumer:

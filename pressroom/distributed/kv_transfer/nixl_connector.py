@@ -38,6 +38,7 @@ from pressroom.core.outputs import EngineCoreOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import KVTransferStats
 from pressroom.distributed.kv_transfer.base import KVConnector, Rpc, check_kv_transfer_params, kv_transfer_params
+from pressroom.distributed.kv_transfer.media_transfer import REMOTE_ENCODER, MediaTransfers, check_encoder_params
 from pressroom.distributed.kv_transfer.staging import StagingBuffer
 from pressroom.kv_offload.layout import HEADER_BYTES, CorruptChunk, check_header, check_payload, tokens_digest
 
@@ -92,6 +93,8 @@ class _Pending:
 
 
 class NixlConnector(KVConnector):
+    agent_name = staticmethod(agent_name)
+
     def __init__(self, config: KVTransferConfig, *, fingerprint: bytes, chunk_shape: tuple[int, ...],
                  kv_dtype: torch.dtype, block_size: int, tp_size: int = 1, pin: bool = False) -> None:
         nixl_agent, nixl_agent_config = load_nixl()
@@ -115,6 +118,7 @@ class NixlConnector(KVConnector):
         self._draining: list[tuple[Any, list[int]]] = []  # abandoned reads: their handle and slots
         self._peers: set[str] = set()  # agents whose metadata was asked for
         self._closed = threading.Event()
+        self.media = MediaTransfers(self)  # E/P/D: encoder outputs, staged and read through the same buffer
         self._thread = threading.Thread(target=self._background, name="kv-transfer", daemon=True)
         self._thread.start()
         logger.info("KV transfer: NixlConnector (%s) engine %s, NIXL agent on port %d, staging %.0f MiB (%d chunks "
@@ -129,9 +133,13 @@ class NixlConnector(KVConnector):
             raise ValueError(f"the prefill engine {params['remote_engine_id']} stages chunks of "
                              f"{params['chunk_bytes']} bytes, this engine's are {self.staging.chunk_bytes}: they serve "
                              "different models.")
+        if params and params.get(REMOTE_ENCODER) is not None:
+            check_encoder_params(params[REMOTE_ENCODER], self.fingerprint.hex(), self.staging.chunk_bytes)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         params = kv_transfer_params(request.sampling_params)
+        if params and params.get(REMOTE_ENCODER) and not self.media.ready(request, params):
+            return None  # its media's encoder outputs are on their way
         if not params or not params.get("do_remote_prefill"):
             return 0
         with self._lock:
@@ -176,7 +184,11 @@ class NixlConnector(KVConnector):
             pending = self._pending.pop(request.request_id, None)
             if pending is not None and pending.state not in ("consumed", "failed"):
                 self._abandon(pending)
+        self.media.finished(request)
         params = kv_transfer_params(request.sampling_params)
+        if params and params.get("do_remote_encode") and self.config.is_producer and request.status in (
+                RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.media.stage_later(request)
         if not (params and params.get("do_remote_decode") and self.config.is_producer) or request.pooling is not None \
                 or request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             return
@@ -200,6 +212,7 @@ class NixlConnector(KVConnector):
                 for _, _, slots, _ in self._to_save.values():
                     self.staging.release(slots)
             self._to_save = {}
+        self.media.before_step(rpc)
         if not self._loads:
             return
         loads, self._loads = self._loads, []
@@ -213,6 +226,7 @@ class NixlConnector(KVConnector):
             self._loading = []
 
     def after_update(self, outputs: list[EngineCoreOutput], rpc: Rpc) -> None:
+        self.media.after_update(outputs, rpc)
         if not self._to_save:
             return
         to_save, self._to_save = self._to_save, {}
@@ -237,7 +251,7 @@ class NixlConnector(KVConnector):
             if slots and self.config.fault_injection == "corrupt_staged":
                 self.staging.payload(slots[-1])[0] ^= 0xFF  # after the checksum: bytes "corrupted in transit"
             nbytes = len(slots) * (self.staging.chunk_bytes + HEADER_BYTES)
-            self._staged[rid] = _Staged(slots, time.monotonic() + self.config.abort_request_timeout_s, nbytes)
+            self._hold(rid, slots, nbytes)
             self._stats.transfers_staged += 1
             self._stats.bytes_staged += nbytes
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
@@ -248,9 +262,13 @@ class NixlConnector(KVConnector):
                 "chunk_bytes": self.staging.chunk_bytes, "block_size": bs, "tp_size": self.tp_size,
                 "model_fingerprint": self.fingerprint.hex()}
 
+    def _hold(self, rid: str, slots: list[int], nbytes: int) -> None:
+        """Holds staged chunks for a consumer until it says it read them, or abort_request_timeout_s."""
+        self._staged[rid] = _Staged(slots, time.monotonic() + self.config.abort_request_timeout_s, nbytes)
+
     @property
     def waiting_for_remote(self) -> bool:
-        return any(p.state in ("handshake", "reading") for p in self._pending.values())
+        return self.media.waiting or any(p.state in ("handshake", "reading") for p in self._pending.values())
 
     def stats(self) -> KVTransferStats:
         with self._lock:
