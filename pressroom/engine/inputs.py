@@ -8,7 +8,7 @@ from typing import Any, NotRequired, TypedDict
 # processor settings): refused by name (check_prompt) rather than dropped.
 UNSUPPORTED_PROMPT_KEYS = ("mm_processor_kwargs", "multi_modal_uuids", "media_io_kwargs", "prompt_embeds",
                            "token_type_ids")
-MODALITIES = ("image", "audio")  # what multi_modal_data may hold (which a model takes: multimodal/processor.py)
+MODALITIES = ("image", "audio", "video")  # multi_modal_data may hold (a model takes: multimodal/processor.py)
 _KNOWN_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "prompt_token_offsets", "multi_modal_data",
                          *UNSUPPORTED_PROMPT_KEYS})
 
@@ -60,7 +60,10 @@ def media_items(prompt: object) -> dict[str, list[Any]]:
 
 
 def _listed(modality: str, value: Any) -> list[Any]:
-    """A modality's items as a list. An audio clip is itself a tuple, vLLM's (samples, sample_rate): one item."""
+    """A modality's items as a list. An audio clip is itself a tuple, vLLM's (samples, sample_rate), and so is a
+    video with its metadata, (frames, {"fps": ...}): one item."""
     if modality == "audio" and isinstance(value, tuple) and len(value) == 2 and not isinstance(value[1], tuple):
         return [value]
+    if modality == "video" and isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        return [value]  # vLLM's (frames, metadata)
     return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,19 +1,19 @@
 """Chat messages with OpenAI content parts: the media taken out (in order, per modality) and each replaced by the part
 chat templates render as its placeholder (`TEMPLATE_PARTS`: HF's convention, `{"type": "image"}`,
-`{"type": "audio", "audio": ""}`; Qwen2-Audio's template looks for the "audio" key). Images come as `image_url`
-(or `image_pil` / `image` holding a PIL image), audio as `input_audio` ({"data": base64, "format": "wav"}) or
-`audio_url`; URLs are loaded by multimodal/media.py under a MediaPolicy (offline: data URLs only unless the policy
-allows more)."""
+`{"type": "audio", "audio": ""}`; Qwen2-Audio's template looks for the "audio" key; `{"type": "video"}`). Images
+come as `image_url` (or `image_pil` / `image` holding a PIL image), audio as `input_audio` ({"data": base64,
+"format": "wav"}) or `audio_url`, video as `video_url` (its frames sampled as it is decoded); URLs are loaded by
+multimodal/media.py under a MediaPolicy (offline: data URLs only unless the policy allows more)."""
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
 
-from pressroom.multimodal.media import MediaPolicy, check_counts, load_audio, load_audio_base64, load_image
+from pressroom.multimodal.media import MediaPolicy, check_counts, load_audio, load_audio_base64, load_image, load_video
 
 PART_MODALITIES = {"image_url": "image", "image_pil": "image", "image": "image", "input_audio": "audio",
                    "audio_url": "audio", "video_url": "video"}
-TEMPLATE_PARTS = {"image": {"type": "image"}, "audio": {"type": "audio", "audio": ""}}
+TEMPLATE_PARTS = {"image": {"type": "image"}, "audio": {"type": "audio", "audio": ""}, "video": {"type": "video"}}
 NOUNS = {"image": "images", "audio": "audio", "video": "video"}
 
 
@@ -86,4 +86,9 @@ def _url_of(part: dict[str, Any], kind: str, example: str) -> str:
     return url
 
 
-_LOADERS = {"image": _image_of, "audio": _audio_of}  # video: no model pressroom serves takes it yet
+def _video_of(part: dict[str, Any], kind: str, policy: MediaPolicy):
+    """A video_url part's sampled frames, [frames, height, width, 3] uint8, past media.py's guards."""
+    return load_video(_url_of(part, kind, "data:video/mp4;base64,..."), policy)
+
+
+_LOADERS = {"image": _image_of, "audio": _audio_of, "video": _video_of}

@@ -12,6 +12,7 @@ alike. A run of placeholders already as long as the item's rows (a prompt HF's p
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,12 @@ from typing import Any
 import numpy as np
 
 from pressroom.multimodal.inputs import MediaItem
-from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT, MAX_SAMPLE_RATE
+from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT, MAX_SAMPLE_RATE, MediaPolicy
 
 # The families pressroom serves media to; each prompt holds an item as one placeholder token per encoder output row.
 _QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}  # dynamic resolution: rows from the processor's grid
+# videos as temporal patches of frames, one run of placeholders a video (Qwen3-VL's per-frame timestamps: not yet)
+_QWEN_VIDEO_TYPES = {"qwen2_5_vl"}
 _LLAVA_TYPES = {"llava"}  # a fixed-size tower (CLIP or SigLIP) and a projector: rows from the patch count
 _GEMMA3_TYPES = {"gemma3"}  # SigLIP pooled to mm_tokens_per_image rows; image tokens attend bidirectionally
 _QWEN_AUDIO_TYPES = {"qwen2_audio"}  # Whisper's encoder, 2x pooled: rows from the clip's mel frames
@@ -70,7 +73,10 @@ def placeholder_layouts(hf_config: Any) -> dict[str, Layout]:
     kind = getattr(hf_config, "model_type", "")
     if kind in _QWEN_VL_TYPES:
         merge = int(hf_config.vision_config.spatial_merge_size)
-        return {"image": PlaceholderLayout(int(hf_config.image_token_id), merge_size=merge)}
+        layouts = {"image": PlaceholderLayout(int(hf_config.image_token_id), merge_size=merge)}
+        if kind in _QWEN_VIDEO_TYPES:
+            layouts["video"] = PlaceholderLayout(int(hf_config.video_token_id), merge_size=merge)
+        return layouts
     if kind in _LLAVA_TYPES:
         vision = hf_config.vision_config
         cls = 1 if getattr(vision, "model_type", "") in _CLS_TOWERS else 0
@@ -110,6 +116,7 @@ class Encoded:
     payload: np.ndarray
     grid: tuple[int, int, int]
     hash: str
+    seconds_per_grid: float = 0.0  # a video's seconds per temporal patch
 
 
 class ImageProcessor:
@@ -182,6 +189,154 @@ class AudioProcessor:
         return resample(samples, rate, target)[:self.features.max_samples]  # the filter saw past the window's end
 
 
+class VideoProcessor:
+    """Qwen-VL's video processing, in numpy and PIL (HF's video processors need torchvision, which does not load
+    here): every given frame kept (HF's `do_sample_frames` off; the server samples a URL's frames when it decodes
+    them), each resized to one dynamic-resolution size, rescaled and normalized, the frames padded to a whole
+    number of temporal patches by repeating the last, and cut into [t * h * w, C * temporal * patch * patch]
+    patches in the vision tower's merge-block order. The settings are the folder's video_preprocessor_config.json
+    (else its preprocessor_config.json, as HF falls back), with HF's Qwen2-VL video defaults.
+
+    A video is vLLM's item: frames [T, H, W, 3] uint8 (an array, a tensor or a list of PIL images), or
+    `(frames, metadata)` with metadata's `fps` (and `frames_indices` / `total_num_frames` where the frames were
+    sampled). Its seconds per temporal patch are temporal_patch_size / sampled fps, where frames without metadata
+    count as 24 fps (HF's default)."""
+    modality = "video"
+    DEFAULT_FPS = 24.0  # HF's VideoMetadata.sampled_fps without an fps
+
+    def __init__(self, model_path: str, hf_config: Any) -> None:
+        layout = placeholder_layouts(hf_config).get("video")
+        if layout is None:
+            raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no video; video inputs "
+                             f"need one of: {', '.join(sorted(_QWEN_VIDEO_TYPES))}.")
+        self.layout = layout
+        self.settings = VideoSettings.from_folder(model_path)
+        self._fingerprint = repr(self.settings).encode()
+
+    def encode(self, video: Any) -> Encoded:
+        frames, fps = _video_parts(video)
+        s = self.settings
+        policy = MediaPolicy()
+        if frames.shape[0] > policy.max_frames or frames[..., 0].size > policy.max_image_pixels:
+            raise ValueError(f"A video of {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]} is past the "
+                             f"limits ({policy.max_frames} frames, {policy.max_image_pixels} pixels in all); "
+                             f"sample fewer frames.")
+        height, width = qwen_smart_resize(frames.shape[1], frames.shape[2], s.patch_size * s.merge_size,
+                                          s.min_pixels, s.max_pixels)
+        pixels = np.stack([_resized(f, width, height, s.resample) for f in frames]).astype(np.float32)
+        pixels = (pixels * np.float32(s.rescale_factor) - np.asarray(s.image_mean, np.float32)) \
+            / np.asarray(s.image_std, np.float32)
+        payload, grid = _video_patches(pixels.transpose(0, 3, 1, 2), s.patch_size, s.merge_size,
+                                       s.temporal_patch_size)
+        h = hashlib.blake2b(self._fingerprint, digest_size=16)
+        h.update(f"{frames.shape}:{fps!r}".encode())
+        h.update(np.ascontiguousarray(frames).tobytes())
+        return Encoded(payload, grid, h.hexdigest(), seconds_per_grid=s.temporal_patch_size / fps)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSettings:
+    """A Qwen-VL video processor's settings (HF's Qwen2VLVideoProcessor defaults)."""
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 28 * 28 * 768
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    resample: int = 3  # PIL's bicubic
+
+    @classmethod
+    def from_folder(cls, model_path: str) -> VideoSettings:
+        import json
+        from pathlib import Path
+        found = {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if (Path(model_path) / name).is_file():
+                found = json.loads((Path(model_path) / name).read_text())
+                break
+        size = found.get("size") or {}
+        kept = {k: found[k] for k in ("patch_size", "merge_size", "temporal_patch_size", "rescale_factor",
+                                      "resample") if found.get(k) is not None}
+        kept.update({k: tuple(found[k]) for k in ("image_mean", "image_std") if found.get(k) is not None})
+        smallest = found.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+        largest = found.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        kept.update({k: int(v) for k, v in (("min_pixels", smallest), ("max_pixels", largest)) if v})
+        return cls(**kept)
+
+
+def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL's dynamic resolution: each side a multiple of `factor`, the area within [min_pixels, max_pixels],
+    the aspect ratio kept as closely as that allows."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"A frame's aspect ratio must be under 200; got {width}x{height}.")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor)
+                                                                             * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _resized(frame: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
+    from PIL import Image
+    if frame.shape[:2] == (height, width):
+        return frame
+    return np.asarray(Image.fromarray(frame).resize((width, height), resample=resample))
+
+
+def _video_patches(frames: np.ndarray, patch: int, merge: int, temporal: int
+                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """frames [T, C, H, W] -> ([t * h * w, C * temporal * patch * patch] patches, (t, h, w)): frames padded to a
+    whole temporal patch with the last, patches in merge-block order (the vision tower's)."""
+    if pad := -frames.shape[0] % temporal:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    count, channels, height, width = frames.shape
+    t, h, w = count // temporal, height // patch, width // patch
+    patches = frames.reshape(t, temporal, channels, h // merge, merge, patch, w // merge, merge, patch)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t, block row, block col, row, col, C, temporal, y, x
+    return np.ascontiguousarray(patches.reshape(t * h * w, -1), dtype=np.float32), (t, h, w)
+
+
+def _video_parts(video: Any) -> tuple[np.ndarray, float]:
+    """vLLM's video item as (frames [T, H, W, 3] uint8, the frames' sampled fps)."""
+    metadata = None
+    if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):
+        video, metadata = video
+    if hasattr(video, "detach"):  # a torch tensor
+        video = video.detach().cpu().numpy()
+    if isinstance(video, list) and video and not isinstance(video[0], np.ndarray):
+        video = np.stack([np.asarray(_as_rgb(f)) for f in video])
+    elif isinstance(video, list) and video:
+        video = np.stack(video)
+    if not isinstance(video, np.ndarray) or video.ndim != 4 or video.shape[-1] != 3 or not video.shape[0] \
+            or min(video.shape[1:3]) < 1:
+        shape = getattr(video, "shape", None)
+        raise ValueError("A video must be its frames, [frames, height, width, 3] RGB uint8 (an array, a tensor or a "
+                         f"list of PIL images), or (frames, metadata); got {type(video).__name__}"
+                         f"{f' of shape {tuple(shape)}' if shape is not None else ''}.")
+    if video.dtype != np.uint8:
+        if video.dtype.kind == "f" or video.min() < 0 or video.max() > 255:
+            raise ValueError(f"Video frames must be uint8 RGB in 0..255; got {video.dtype}.")
+        video = video.astype(np.uint8)
+    return video, _sampled_fps(metadata)
+
+
+def _sampled_fps(metadata: Mapping[str, Any] | None) -> float:
+    """HF's VideoMetadata.sampled_fps: the fps of the frames kept (24 where the video's fps is not given)."""
+    metadata = metadata or {}
+    fps, indices, total = metadata.get("fps"), metadata.get("frames_indices"), metadata.get("total_num_frames")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e4):
+        raise ValueError(f"A video's metadata fps must be a number of frames per second above 0; got {fps!r}.")
+    if fps is None or indices is None or not total:
+        return float(fps or VideoProcessor.DEFAULT_FPS)
+    return len(indices) / total * fps
+
+
 class MediaProcessor:
     """A model's processors, one per modality it takes (each made at its first item), and the placeholder
     expansion over all of a prompt's items."""
@@ -196,15 +351,15 @@ class MediaProcessor:
         self.model_path, self.hf_config = model_path, hf_config
         self.limits = dict(limits or {})
         self.tokenizer = tokenizer
-        self._processors: dict[str, ImageProcessor | AudioProcessor] = {}
+        self._processors: dict[str, ImageProcessor | AudioProcessor | VideoProcessor] = {}
 
-    def processor(self, modality: str) -> ImageProcessor | AudioProcessor:
+    def processor(self, modality: str) -> ImageProcessor | AudioProcessor | VideoProcessor:
         if modality not in self._processors:
             if modality not in self.layouts:
                 takes = ", ".join(sorted(self.layouts))
                 raise ValueError(f"multi_modal_data modality {modality} is not supported by this model "
                                  f"({getattr(self.hf_config, 'model_type', '?')}); it takes {takes} and text.")
-            make = {"image": ImageProcessor, "audio": AudioProcessor}[modality]
+            make = {"image": ImageProcessor, "audio": AudioProcessor, "video": VideoProcessor}[modality]
             self._processors[modality] = make(self.model_path, self.hf_config)
         return self._processors[modality]
 
@@ -244,7 +399,8 @@ def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]
     for start, taken, modality, e, n in slots:
         out.extend(token_ids[copied:start])
         items.append(MediaItem(modality, e.hash, len(out), n, e.payload.tobytes(), tuple(e.payload.shape),
-                               str(e.payload.dtype), e.grid, getattr(layouts[modality], "bidirectional", False)))
+                               str(e.payload.dtype), e.grid, getattr(layouts[modality], "bidirectional", False),
+                               e.seconds_per_grid))
         out.extend([layouts[modality].token_id] * n)
         copied = start + taken
     out.extend(token_ids[copied:])
@@ -324,7 +480,7 @@ def _slots(runs: list[tuple[int, int]], rows: list[int], modality: str = "image"
 
 
 def _count_error(modality: str, placeholders: int, items: int) -> ValueError:
-    noun = "image(s)" if modality == "image" else f"{modality} clip(s)" if modality == "audio" else modality
+    noun = "image(s)" if modality == "image" else f"{modality} clip(s)" if modality == "audio" else f"{modality}(s)"
     return ValueError(f"The prompt has {placeholders} {modality} placeholder(s) but {items} {noun} were given; put "
                       f"one {modality} token per item where it goes (the chat template does this).")
 

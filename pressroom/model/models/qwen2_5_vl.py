@@ -238,10 +238,13 @@ class MRotaryEmbedding(RotaryEmbedding):
         return self.cos[rows, cols[:, None]].T.contiguous(), self.sin[rows, cols[:, None]].T.contiguous()
 
 
-def mrope_positions(token_count: int, items: list[MediaItem], merge: int) -> tuple[np.ndarray, int]:
+def mrope_positions(token_count: int, items: list[MediaItem], merge: int, tokens_per_second: float = 1.0
+                    ) -> tuple[np.ndarray, int]:
     """HF's get_rope_index for one prompt: text runs count on from the last position; an image's rows take
-    (start + t, start + row, start + column), and the text after it starts past its larger side. Returns the
-    [3, tokens] positions and the offset every later position takes (generated tokens: position + offset)."""
+    (start + t, start + row, start + column), and the text after it starts past its larger side. A video's time
+    row steps by tokens_per_second x its seconds per temporal patch, truncated (in float32, as HF's tensors do).
+    Returns the [3, tokens] positions and the offset every later position takes (generated tokens: position +
+    offset)."""
     out = np.empty((3, token_count), dtype=np.int64)
     pos = at = 0
     for item in sorted(items, key=lambda m: m.offset):
@@ -249,13 +252,22 @@ def mrope_positions(token_count: int, items: list[MediaItem], merge: int) -> tup
         out[:, at:item.offset] = np.arange(pos, pos + text)
         pos += text
         t, h, w = item.grid_thw[0], item.grid_thw[1] // merge, item.grid_thw[2] // merge
-        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        grid = np.stack(np.meshgrid(_time_steps(item, t, tokens_per_second), np.arange(h), np.arange(w),
+                                    indexing="ij")).reshape(3, -1)
         out[:, item.offset:item.end] = grid + pos
         pos += max(h, w)
         at = item.end
     out[:, at:] = np.arange(pos, pos + token_count - at)
     delta = int(out.max()) + 1 - token_count if token_count else 0
     return out, delta
+
+
+def _time_steps(item: MediaItem, t: int, tokens_per_second: float) -> np.ndarray:
+    """A grid's time positions: 0..t-1 for an image, each temporal patch's time in M-RoPE steps for a video."""
+    if item.modality != "video":
+        return np.arange(t)
+    interval = np.float32(tokens_per_second) * np.float32(item.seconds_per_grid)
+    return (np.arange(t, dtype=np.float32) * interval).astype(np.int64)
 
 
 # ---- the model ----
@@ -277,6 +289,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         self.visual = self.make_vision_tower(config.vision_config)
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
+        # M-RoPE time steps per second of video (Qwen2.5-VL; Qwen3-VL writes timestamps into the prompt instead)
+        self.tokens_per_second = float(getattr(config.vision_config, "tokens_per_second", 1) or 1)
 
     def make_vision_tower(self, vision_config) -> nn.Module:
         return VisionTransformer(vision_config)
@@ -293,7 +307,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     # ---- the runner's multimodal interface ----
 
     def encode_media(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        """Each item's embedding rows ([item.length, hidden]), every item in one pass of the vision tower."""
+        """Each item's embedding rows ([item.length, hidden]), every item (images and videos alike: a video is a
+        grid of t temporal patches) in one pass of the vision tower."""
         device = self.lm_head.weight.device
         dtype = self.visual.patch_embed.proj.weight.dtype
         pixels = torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
@@ -301,7 +316,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return list(rows.split([m.length for m in items]))
 
     def mrope_positions(self, num_prompt_tokens: int, items: list[MediaItem]) -> tuple[np.ndarray, int]:
-        return mrope_positions(num_prompt_tokens, items, self.merge)
+        return mrope_positions(num_prompt_tokens, items, self.merge, self.tokens_per_second)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
                 media: MediaRows | None = None):
