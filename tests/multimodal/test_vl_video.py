@@ -185,8 +185,8 @@ def test_chat_video_url_data_urls(video_vl):
     assert len(webm.outputs[0].token_ids) == 6
     from pressroom.multimodal.chat import extract_media
     from pressroom.multimodal.media import MediaPolicy
-    with pytest.raises(ValueError, match="video"):
-        extract_media(_chat(video_data_url(video)) * 2, {"image", "video"}, MediaPolicy(limits={"video": 1}))
+    with pytest.raises(ValueError, match=r"At most 1 video\(s\)"):
+        extract_media(_chat(video_data_url(video)) * 2, {"image", "video"}, MediaPolicy(limit_per_prompt={"video": 1}))
 
 
 @pytest.mark.slow  # a server start of its own (~10 s quiet)
@@ -206,6 +206,6 @@ def test_video_url_through_the_server(video_vl, tmp_path):
         body = dict(model=path, messages=_chat(url), max_tokens=8, temperature=0,
                     extra_body={"ignore_eos": True, "return_token_ids": True})
         assert client.chat.completions.create(**body).choices[0].model_extra["token_ids"] == list(want)
-        with pytest.raises(openai.BadRequestError, match="video"):
+        with pytest.raises(openai.BadRequestError, match=r"At most 1 video\(s\)"):
             two = [{"role": "user", "content": _chat(url)[0]["content"] * 2}]
             client.chat.completions.create(**{**body, "messages": two})
