@@ -87,8 +87,9 @@ def _url_of(part: dict[str, Any], kind: str, example: str) -> str:
 
 
 def _video_of(part: dict[str, Any], kind: str, policy: MediaPolicy):
-    """A video_url part's sampled frames, [frames, height, width, 3] uint8, past media.py's guards."""
-    return load_video(_url_of(part, kind, "data:video/mp4;base64,..."), policy)
+    """A video_url part's sampled frames, [frames, height, width, 3] uint8, past media.py's guards, with their
+    metadata (the stream's fps and the frames kept)."""
+    return load_video(_url_of(part, kind, "data:video/mp4;base64,..."), policy, with_metadata=True)
 
 
 _LOADERS = {"image": _image_of, "audio": _audio_of, "video": _video_of}

@@ -577,19 +577,22 @@ class _SampleCap:
 
 # ---- video ----
 
-def load_video(url: str, policy: MediaPolicy) -> np.ndarray:
-    """A video_url's frames: policy.video_frames of them, evenly spaced, as uint8 RGB (frames, height, width, 3)."""
+def load_video(url: str, policy: MediaPolicy, with_metadata: bool = False):
+    """A video_url's frames: policy.video_frames of them, evenly spaced, as uint8 RGB (frames, height, width, 3);
+    `with_metadata`: (frames, metadata) as decode_video gives them."""
     fetched = fetch(url, policy)
     if fetched.mime not in _GENERIC_MIMES and not fetched.mime.startswith("video/") and fetched.mime != "image/gif":
         raise MimeMismatchError(f"A video was expected; the URL's type is {fetched.mime!r}.")
-    return decode_video(fetched.data, policy)
+    return decode_video(fetched.data, policy, with_metadata)
 
 
-def decode_video(data: bytes, policy: MediaPolicy) -> np.ndarray:
+def decode_video(data: bytes, policy: MediaPolicy, with_metadata: bool = False):
     """Video bytes as sampled RGB frames. The frame size is checked from the stream's header (and each decoded
     frame's own size) against the pixel cap over the frames kept; decoding stops past max_frames. Frames are
     kept at a stride that doubles whenever 2 x video_frames are held (the header's frame count is not trusted),
-    then video_frames of them picked evenly."""
+    then video_frames of them picked evenly. `with_metadata`: (frames, vLLM's and HF's video metadata: the
+    stream's `fps` where it has one, `frames_indices` of the frames kept, `total_num_frames` decoded), from which
+    a model's processor finds the sampled frames' rate (Qwen2.5-VL's M-RoPE time axis)."""
     import av
     import numpy as np
     try:
@@ -605,16 +608,19 @@ def decode_video(data: bytes, policy: MediaPolicy) -> np.ndarray:
         if context is None:
             raise MalformedMediaError("The video's stream has no codec.")
         _check_pixels(context.width, context.height, count, policy, "video")
-        kept, stride = [], 1
+        rate = stream.average_rate or stream.guessed_rate
+        kept, indices, stride, total = [], [], 1, 0
         try:
             for seen, frame in enumerate(container.decode(stream)):
                 if seen >= policy.max_frames:
                     raise FrameLimitError(f"The video has more than {policy.max_frames} frames, the server's limit.")
                 _check_pixels(frame.width, frame.height, count, policy, "video")
+                total = seen + 1
                 if seen % stride == 0:
                     kept.append(frame.to_ndarray(format="rgb24"))
+                    indices.append(seen)
                 if len(kept) == 2 * count:
-                    kept, stride = kept[::2], 2 * stride
+                    kept, indices, stride = kept[::2], indices[::2], 2 * stride
         except MediaError:
             raise
         except Exception:
@@ -623,7 +629,14 @@ def decode_video(data: bytes, policy: MediaPolicy) -> np.ndarray:
         raise MalformedMediaError("The video has no frames.")
     if len({f.shape for f in kept}) > 1:
         raise MalformedMediaError("The video's frames change size midway.")
-    return np.stack([kept[i] for i in _even_indices(len(kept), count)])
+    picked = _even_indices(len(kept), count)
+    frames = np.stack([kept[i] for i in picked])
+    if not with_metadata:
+        return frames
+    metadata = {"frames_indices": [indices[i] for i in picked], "total_num_frames": total}
+    if rate and float(rate) > 0:
+        metadata["fps"] = float(rate)
+    return frames, metadata
 
 
 def _even_indices(total: int, count: int) -> list[int]:

@@ -185,6 +185,10 @@ def test_chat_video_url_data_urls(video_vl):
     assert len(webm.outputs[0].token_ids) == 6
     from pressroom.multimodal.chat import extract_media
     from pressroom.multimodal.media import MediaPolicy
+    # the stream's rate rides along: 6 frames of 8 fps, all kept, are 2 / 8 s a temporal patch (M-RoPE's time axis)
+    _, media = extract_media(_chat(video_data_url(video)), {"video"})
+    assert media["video"][0][1] == {"fps": 8.0, "frames_indices": list(range(6)), "total_num_frames": 6}
+    assert llm.engine.media_processor().processor("video").encode(media["video"][0]).seconds_per_grid == 0.25
     with pytest.raises(ValueError, match=r"At most 1 video\(s\)"):
         extract_media(_chat(video_data_url(video)) * 2, {"image", "video"}, MediaPolicy(limit_per_prompt={"video": 1}))
 

@@ -72,7 +72,8 @@ _MODALITY_NOUNS = {"image": "images", "audio": "audio", "video": "video"}
 
 @dataclass(frozen=True, slots=True)
 class LoadedMedia:
-    """A media part loaded and past the guards: a PIL image, (float32 samples, rate) or (frames, h, w, 3) uint8."""
+    """A media part loaded and past the guards: a PIL image, (float32 samples, rate) or a video's ((frames, h, w, 3)
+    uint8, metadata)."""
     part: MediaPart
     value: Any
 
@@ -84,7 +85,7 @@ def _load_part(part: MediaPart, policy: media_io.MediaPolicy) -> Any:
         return media_io.load_audio_base64(part.data, part.audio_format, policy)
     if part.kind == "audio_url":
         return media_io.load_audio(part.url, policy)
-    return media_io.load_video(part.url, policy)
+    return media_io.load_video(part.url, policy, with_metadata=True)  # (frames, fps and the frames kept)
 
 
 class MediaLoader:
@@ -218,9 +219,9 @@ class OpenAIServingChat(OpenAIServing):
     def multi_modal_data(self, media: list[LoadedMedia]) -> dict[str, list[Any]]:
         """The hand-off to the engine: the request's media, loaded and past the guards, as the engine prompt's
         `multi_modal_data` (vLLM's form: modality -> its items in prompt order; an image a PIL RGB image, audio
-        (float32 mono samples, sample rate), a video (frames, height, width, 3) uint8). Every model pressroom
-        serves takes at most images or audio: media of another modality is a 400 here, naming the first such item
-        and the model (its chat template renders each taken part's placeholder)."""
+        (float32 mono samples, sample rate), a video ((frames, height, width, 3) uint8, its metadata)). Media of a
+        modality the model does not take is a 400 here, naming the first such item and the model (its chat
+        template renders each taken part's placeholder)."""
         data: dict[str, list[Any]] = {}
         for item in media:
             data.setdefault(item.part.modality, []).append(item.value)
