@@ -23,6 +23,7 @@ from pressroom.config import KVTransferConfig
 from pressroom.core.outputs import EngineCoreOutput
 from pressroom.core.request import Request
 from pressroom.core.scheduler import KVTransferStats
+from pressroom.distributed.kv_transfer.media_transfer import REMOTE_ENCODER, check_encoder_params
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"  # its key in SamplingParams.extra_args
 
@@ -54,7 +55,7 @@ def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, blo
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params must be a JSON object.")
     decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
-    encode, encoder = params.get("do_remote_encode"), params.get("remote_encoder")
+    encode, encoder = params.get("do_remote_encode"), params.get(REMOTE_ENCODER)
     if not (decode or prefill or encode or encoder):
         return
     if transfer is None:
@@ -63,6 +64,8 @@ def check_kv_transfer_params(params: Any, transfer: KVTransferConfig | None, blo
     if decode and not transfer.is_producer:
         raise ValueError(f"kv_transfer_params asks for do_remote_decode, but this engine's kv_role is "
                          f"{transfer.kv_role}: it does not stage KV for other engines.")
+    if encoder is not None:
+        check_encoder_params(encoder, fingerprint)
     if encode and not transfer.is_producer:
         raise ValueError(f"kv_transfer_params asks for do_remote_encode, but this engine's kv_role is "
                          f"{transfer.kv_role}: it does not stage encoder outputs for other engines.")

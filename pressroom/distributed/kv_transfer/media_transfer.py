@@ -45,8 +45,9 @@ def media_digest(media_hash: str, shape: tuple[int, ...], dtype: str) -> bytes:
     return key_digest(f"{media_hash}|{','.join(map(str, shape))}|{dtype}")
 
 
-def check_encoder_params(params: Any, fingerprint_hex: str, chunk_bytes: int) -> None:
-    """Raises ValueError, saying why, for a "remote_encoder" this engine cannot read."""
+def check_encoder_params(params: Any, fingerprint_hex: str | None, chunk_bytes: int | None = None) -> None:
+    """Raises ValueError, saying why, for a "remote_encoder" this engine cannot read (the fingerprint and chunk
+    size are checked where given: the front-end knows the former, the core both)."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params.remote_encoder must be a JSON object (the encoder engine's "
                          "kv_transfer_params, unchanged).")
@@ -55,7 +56,8 @@ def check_encoder_params(params: Any, fingerprint_hex: str, chunk_bytes: int) ->
         raise ValueError(f"kv_transfer_params.remote_encoder lacks {', '.join(missing)} (pass the params the "
                          "encoder engine returned, unchanged).")
     where = f"{params['remote_engine_id']} at {params['remote_host']}:{params['remote_port']}"
-    if params["model_fingerprint"] != fingerprint_hex or params["chunk_bytes"] != chunk_bytes:
+    if fingerprint_hex is not None and params["model_fingerprint"] != fingerprint_hex or \
+            chunk_bytes is not None and params["chunk_bytes"] != chunk_bytes:
         raise ValueError(f"the encoder engine {where} serves another model or KV layout than this engine (their "
                          "model fingerprints or chunk sizes differ): both must serve the same model with the same "
                          "settings.")

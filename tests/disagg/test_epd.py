@@ -1,0 +1,142 @@
+"""E/P/D with real processes on loopback: an encode engine, a prefill engine and a decode engine of a tiny float32
+Qwen2.5-VL (NIXL producers and a consumer) behind `pressroom router --encode URL --prefill URL --decode URL` give
+the greedy outputs one engine gives alone for chats with shared and distinct images; the prefill engine's encoder
+never runs for media whose encoder outputs it received (its /metrics mm_encoder_runs stays 0), nor does the decode
+engine's; an encoder output corrupted in transit (the encode engine's corrupt_staged fault) is caught by its
+checksum and the prefill engine encodes the image itself, with the same output."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "multimodal"))  # tiny_vl
+
+pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
+
+from disagg.disagg_support import MODEL, metrics, router_args, started, transfer_config  # noqa: E402
+
+# four engines and a router start side by side: about a minute on a loaded 2-core machine, past the default suite's
+# budget
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def epd(tmp_path_factory, smollm_tokenizer):
+    """name -> url: encode, encode_corrupt (stages corrupted chunks), prefill, decode engines and the router."""
+    from tiny_vl import build_tiny_qwen2_5_vl
+    tmp = tmp_path_factory.mktemp("epd")
+    path = tmp / "tiny-qwen2_5_vl"
+    path.mkdir()
+    build_tiny_qwen2_5_vl(path, copy.deepcopy(smollm_tokenizer))
+    model = ["serve", str(path), "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
+    engines = {"encode": model + transfer_config("kv_producer", abort_request_timeout_s=20),
+               "encode_corrupt": model + transfer_config("kv_producer", abort_request_timeout_s=20,
+                                                         fault_injection="corrupt_staged"),
+               "prefill": model + transfer_config("kv_producer", abort_request_timeout_s=20, transfer_timeout_s=10),
+               "decode": model + transfer_config("kv_consumer", transfer_timeout_s=10)}
+    with started(engines, tmp, clean=True) as servers:
+        urls = {name: server.url for name, server in servers.items()}
+        args = router_args([urls["prefill"]], [urls["decode"]], "--encode", urls["encode"])
+        with started({"router": args}, tmp, clean=True) as front:
+            yield {**urls, "router": front["router"].url}
+
+
+def images():
+    from tiny_vl import png_data_url, random_image
+    return [png_data_url(random_image(seed, size)) for seed, size in
+            ((1, (80, 120)), (2, (120, 80)), (3, (100, 100)), (4, (64, 96)), (5, (90, 70)))]
+
+
+def chat(parts: list, stream: bool = False) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": p}} if p.startswith("data:") else
+               {"type": "text", "text": p} for p in parts]
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def answer(url: str, body: dict) -> str:
+    if not body["stream"]:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                parts += [(c.get("delta") or {}).get("content") or "" for c in event["choices"]]
+    return "".join(parts)
+
+
+def settled(url: str, seconds: float = 10.0) -> dict:
+    """An engine's metrics once its blocks and staging chunks are all back."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(url)
+        if m["kv_cache_usage_perc"] + m["kv_transfer_staging_chunks_used"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def test_epd_outputs_equal_one_engine_and_the_prefill_engine_never_encodes(epd):
+    a, b, c, d, _ = images()
+    batch = [chat([a, "Describe it."]), chat([b, "Describe it."], stream=True), chat([a, "What is in it?"]),
+             chat([a, b, "Compare them."]), chat(["First", c, "then", d, "now."], stream=True),
+             chat([c, "Describe it."])]
+    with ThreadPoolExecutor(3) as pool:
+        want = list(pool.map(lambda body: answer(epd["encode"], body), batch))  # one engine alone
+        assert len(set(want)) > 1  # the images steer the answers
+        got = list(pool.map(lambda body: answer(epd["router"], body), batch))
+    assert got == want
+    enc, pre, dec = settled(epd["encode"]), settled(epd["prefill"]), settled(epd["decode"])
+    assert pre["mm_encoder_runs_total"] == 0 and dec["mm_encoder_runs_total"] == 0
+    assert pre["kv_transfer_media_received_total"] >= 4 and pre["kv_transfer_media_failed_reads_total"] == 0
+    assert enc["kv_transfer_media_staged_total"] >= pre["kv_transfer_media_received_total"]
+    assert enc["mm_encoder_runs_total"] == 4  # each distinct image once (the reference run and the encode requests)
+    for m in (enc, pre, dec):
+        assert m["kv_cache_usage_perc"] == 0 and m["kv_transfer_staging_chunks_used"] == 0
+
+
+def test_a_corrupted_encoder_output_is_encoded_locally_with_the_same_output(epd):
+    image = images()[4]
+    body = chat([image, "Describe this one."])
+    want = answer(epd["encode"], body)
+    before = metrics(epd["prefill"])
+    encoded = httpx.post(epd["encode_corrupt"] + "/v1/chat/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_encode": True}})
+    assert encoded.status_code == 200, encoded.text
+    encoder_params = encoded.json()["kv_transfer_params"]
+    assert len(encoder_params["media"]) == 1
+    prefilled = httpx.post(epd["prefill"] + "/v1/chat/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "remote_encoder": encoder_params}})
+    assert prefilled.status_code == 200, prefilled.text
+    got = answer(epd["decode"], {**body, "kv_transfer_params": prefilled.json()["kv_transfer_params"]})
+    assert got == want
+    after = settled(epd["prefill"])
+    assert after["kv_transfer_media_failed_reads_total"] == before["kv_transfer_media_failed_reads_total"] + 1
+    assert after["kv_transfer_corrupt_chunks_total"] > before["kv_transfer_corrupt_chunks_total"]
+    assert after["mm_encoder_runs_total"] == before["mm_encoder_runs_total"] + 1  # the image encoded here instead
+    assert after["kv_transfer_media_received_total"] == before["kv_transfer_media_received_total"]
+
+
+def test_foreign_encoder_params_are_refused(epd):
+    body = chat([images()[0], "Describe it."])
+    bad = {"do_remote_decode": True, "remote_encoder": {"remote_engine_id": "x", "media": []}}
+    response = httpx.post(epd["prefill"] + "/v1/chat/completions", timeout=30,
+                          json={**body, "kv_transfer_params": bad})
+    assert response.status_code == 400 and "remote_encoder lacks" in response.json()["error"]["message"]
+    response = httpx.post(epd["decode"] + "/v1/chat/completions", timeout=30,
+                          json={**body, "kv_transfer_params": {"do_remote_encode": True}})
+    assert response.status_code == 400 and "kv_role is kv_consumer" in response.json()["error"]["message"]
