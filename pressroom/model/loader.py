@@ -360,7 +360,8 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     _finish_quantization(model)
     offload = None
     if host:  # before prepacking, which takes CPU weights (the host buffers') but never the device's slots
-        offload = WeightOffload(model, *host[0], device=device)
+        plan, buffers = host[0]
+        offload = WeightOffload(model, plan, device, buffers)
         logger.info("--cpu-offload-gb %g: %s", config.cpu_offload_gb, offload.describe())
     _prepack(model)
     if config.batch_invariant:
