@@ -23,9 +23,9 @@ pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install n
 
 from disagg.disagg_support import MODEL, metrics, router_args, started, transfer_config  # noqa: E402
 
-# four engines and a router start side by side: about a minute on a loaded 2-core machine, past the default suite's
-# budget
-pytestmark = pytest.mark.slow
+# the engines' tests: four engines and a router start side by side, about a minute on a loaded 2-core machine (past
+# the default suite's budget)
+slow = pytest.mark.slow
 
 MAX_TOKENS = 6
 
@@ -90,6 +90,7 @@ def settled(url: str, seconds: float = 10.0) -> dict:
         time.sleep(0.2)
 
 
+@slow
 def test_epd_outputs_equal_one_engine_and_the_prefill_engine_never_encodes(epd):
     a, b, c, d, _ = images()
     batch = [chat([a, "Describe it."]), chat([b, "Describe it."], stream=True), chat([a, "What is in it?"]),
@@ -109,6 +110,7 @@ def test_epd_outputs_equal_one_engine_and_the_prefill_engine_never_encodes(epd):
         assert m["kv_cache_usage_perc"] == 0 and m["kv_transfer_staging_chunks_used"] == 0
 
 
+@slow
 def test_a_corrupted_encoder_output_is_encoded_locally_with_the_same_output(epd):
     image = images()[4]
     body = chat([image, "Describe this one."])
@@ -129,8 +131,10 @@ def test_a_corrupted_encoder_output_is_encoded_locally_with_the_same_output(epd)
     assert after["kv_transfer_corrupt_chunks_total"] > before["kv_transfer_corrupt_chunks_total"]
     assert after["mm_encoder_runs_total"] == before["mm_encoder_runs_total"] + 1  # the image encoded here instead
     assert after["kv_transfer_media_received_total"] == before["kv_transfer_media_received_total"]
+    assert settled(epd["encode_corrupt"])["kv_transfer_staging_chunks_used"] == 0  # the prefill's word let them go
 
 
+@slow
 def test_foreign_encoder_params_are_refused(epd):
     body = chat([images()[0], "Describe it."])
     bad = {"do_remote_decode": True, "remote_encoder": {"remote_engine_id": "x", "media": []}}
@@ -140,3 +144,49 @@ def test_foreign_encoder_params_are_refused(epd):
     response = httpx.post(epd["decode"] + "/v1/chat/completions", timeout=30,
                           json={**body, "kv_transfer_params": {"do_remote_encode": True}})
     assert response.status_code == 400 and "kv_role is kv_consumer" in response.json()["error"]["message"]
+
+
+# ---- the parts, without processes ----
+
+def test_encoder_rows_round_trip_through_staging_chunks_without_an_encoder_run():
+    import torch
+
+    from pressroom.distributed.kv_transfer.worker_side import KVConnectorWorker
+    from pressroom.multimodal.encoder_cache import EncoderCache
+    slab = torch.zeros((8, 2, 3, 5), dtype=torch.bfloat16)  # chunks of 60 bytes
+    side = KVConnectorWorker(copier=None, slab=slab)
+    encoder, prefill = EncoderCache(1000), EncoderCache(1000)
+    rows = torch.randn(7, 9)  # 252 bytes: five chunks, the last one part full
+    encoder.put("img", rows)
+    assert side.media_shapes(encoder, ["img", "gone"]) == [((7, 9), "float32"), None]
+    side.save_media(encoder, [("img", [6, 0, 3, 1, 4])])
+    side.load_media(prefill, [("img", [6, 0, 3, 1, 4], (7, 9), "float32")], "cpu")
+    assert torch.equal(prefill.get("img"), rows)
+    assert prefill.encoder_runs == 0 and prefill.received == 1 and encoder.encoder_runs == 1
+
+
+def test_router_sends_media_requests_to_the_encoder_and_its_params_to_the_prefill_engine():
+    from pressroom.entrypoints.router import encode_body, has_media, prefill_body
+    body = chat([images()[0], "Describe it."], stream=True)
+    assert has_media(body) and not has_media(chat(["text only"]))
+    assert encode_body(body)["kv_transfer_params"] == {"do_remote_encode": True}
+    assert encode_body(body)["max_tokens"] == 1 and not encode_body(body)["stream"]
+    params = {"remote_engine_id": "e", "media": []}
+    assert prefill_body(body, params)["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_encoder": params}
+    assert "remote_encoder" not in prefill_body(body)["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"remote_encoder": {"media": []}}, "remote_encoder lacks remote_engine_id"),
+    ({"remote_encoder": "x"}, "remote_encoder must be a JSON object"),
+    ({"do_remote_encode": True}, "kv_role is kv_consumer"),
+])
+def test_encoder_params_this_engine_cannot_serve_are_refused(params, message):
+    from pressroom.config import KVTransferConfig
+    from pressroom.distributed.kv_transfer.base import check_kv_transfer_params
+    consumer = KVTransferConfig.from_value({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match=message):
+        check_kv_transfer_params(params, consumer, 16)
+    with pytest.raises(ValueError, match="runs no KV connector"):
+        check_kv_transfer_params({"do_remote_encode": True}, None, 16)
