@@ -361,12 +361,18 @@ class CompletionRequest(_SamplingRequest):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's and vLLM's): the answer is the prompt alone, e.g. to score it by its
+        logprobs; one token is generated, and left out."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         # echo with logprobs shows the prompt's logprobs too: as many as `logprobs` unless prompt_logprobs says
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
-        return self._params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+        return self._params(1 if self.echo_only else max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """use_beam_search's parameters, as vLLM makes them (n beams; the temperature 1.0 where not given); a

@@ -143,10 +143,12 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for c in out.outputs:
             logprobs = None
+            shown = [] if req.echo_only else list(c.token_ids)  # echo_only: the prompt alone
             if req.logprobs is not None:
-                tokens, positions = self._echoed_positions(out, list(c.token_ids), list(c.logprobs or []), req)
+                tokens, positions = self._echoed_positions(out, shown, list(c.logprobs or [])[:len(shown)], req)
                 logprobs = self._completion_logprobs(tokens, positions, req.logprobs)
-            choices.append(CompletionChoice(index=base + c.index, text=prefix + c.text, logprobs=logprobs,
+            text = prefix if req.echo_only else prefix + c.text
+            choices.append(CompletionChoice(index=base + c.index, text=text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             prompt_logprobs=prompt_logprobs,
                                             **_token_ids(req, out.prompt_token_ids, list(c.token_ids))))
@@ -197,12 +199,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     k = i * req.n + c.index
                     if done[k]:
                         continue
-                    delta = c.text[sent_text[k]:]
+                    delta = "" if req.echo_only else c.text[sent_text[k]:]  # echo_only: the prompt alone
                     if not echoed[k]:
                         delta = self._echoed_prompt(out) + delta
                     logprobs = None
                     if req.logprobs is not None and c.logprobs is not None:
                         tokens, positions = c.token_ids[sent_lp[k]:], c.logprobs[sent_lp[k]:]
+                        if req.echo_only:
+                            tokens, positions = [], []
                         if not echoed[k]:  # echo's first chunk: the prompt's logprobs before the first token's
                             tokens, positions = self._echoed_positions(out, list(tokens), list(positions), req)
                         logprobs = self._completion_logprobs(tokens, positions, req.logprobs, offsets[k])

@@ -116,6 +116,24 @@ def test_echo_with_logprobs_shows_the_prompts_own_token(tiny_server):
     assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(tiny_server):
+    """OpenAI's and vLLM's way to score a prompt: echo, max_tokens 0 and logprobs give its text and logprobs only
+    (vLLM generates one token, counted in usage, and leaves it out)."""
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    out = _ok(tiny_server, "/v1/completions", dict(body, return_token_ids=True))
+    choice = out["choices"][0]
+    lp, rows = choice["logprobs"], choice["prompt_logprobs"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(rows) == len(choice["prompt_token_ids"]) == out["usage"]["prompt_tokens"]
+    assert lp["token_logprobs"][1:] == [pytest.approx(row[str(t)]["logprob"])
+                                        for t, row in zip(choice["prompt_token_ids"][1:], rows[1:])]
+    assert out["usage"]["completion_tokens"] == 1
+    chunks = _chunks(tiny_server, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    assert sum((c["choices"][0]["logprobs"]["tokens"] for c in chunks), []) == lp["tokens"]
+    assert _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}).status_code == 400  # no echo
+
+
 CONTINUED = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "1. Red"}]
 
 
