@@ -24,8 +24,10 @@ from pressroom.multimodal.media import DEFAULT_LIMIT_PER_PROMPT, MAX_SAMPLE_RATE
 
 # The families pressroom serves media to; each prompt holds an item as one placeholder token per encoder output row.
 _QWEN_VL_TYPES = {"qwen2_5_vl", "qwen3_vl"}  # dynamic resolution: rows from the processor's grid
-# videos as temporal patches of frames, one run of placeholders a video (Qwen3-VL's per-frame timestamps: not yet)
-_QWEN_VIDEO_TYPES = {"qwen2_5_vl"}
+# videos as temporal patches of frames: Qwen2.5-VL's one run of placeholders a video, Qwen3-VL's one run a temporal
+# patch, each after its timestamp text
+_QWEN_VIDEO_TYPES = {"qwen2_5_vl", "qwen3_vl"}
+_FRAMES_IN_BUDGET = {"qwen3_vl"}  # the video processor's pixel budget bounds all frames together, not each
 _LLAVA_TYPES = {"llava"}  # a fixed-size tower (CLIP or SigLIP) and a projector: rows from the patch count
 _GEMMA3_TYPES = {"gemma3"}  # SigLIP pooled to mm_tokens_per_image rows; image tokens attend bidirectionally
 _QWEN_AUDIO_TYPES = {"qwen2_audio"}  # Whisper's encoder, 2x pooled: rows from the clip's mel frames
@@ -46,6 +48,10 @@ class PlaceholderLayout:
     end_id: int = -1
     bidirectional: bool = False
     wrap: str = ""  # text HF's processor puts before the start token and after the end token (Gemma 3's "\n\n")
+    # Qwen3-VL's video: each temporal patch its own run, written `<{seconds:.1f} seconds>`, frame_start_id, the
+    # run, frame_end_id (the prompt's wrapper around the video's one placeholder is dropped, as HF's processor does)
+    frame_start_id: int = -1
+    frame_end_id: int = -1
 
     def rows(self, grid: tuple[int, int, int]) -> int:
         return int(np.prod(grid)) // self.merge_size ** 2 + self.extra_rows
@@ -75,7 +81,11 @@ def placeholder_layouts(hf_config: Any) -> dict[str, Layout]:
         merge = int(hf_config.vision_config.spatial_merge_size)
         layouts = {"image": PlaceholderLayout(int(hf_config.image_token_id), merge_size=merge)}
         if kind in _QWEN_VIDEO_TYPES:
-            layouts["video"] = PlaceholderLayout(int(hf_config.video_token_id), merge_size=merge)
+            framed = kind == "qwen3_vl"
+            layouts["video"] = PlaceholderLayout(
+                int(hf_config.video_token_id), merge_size=merge,
+                frame_start_id=int(hf_config.vision_start_token_id) if framed else -1,
+                frame_end_id=int(hf_config.vision_end_token_id) if framed else -1)
         return layouts
     if kind in _LLAVA_TYPES:
         vision = hf_config.vision_config
@@ -117,6 +127,7 @@ class Encoded:
     grid: tuple[int, int, int]
     hash: str
     seconds_per_grid: float = 0.0  # a video's seconds per temporal patch
+    timestamps: tuple[float, ...] = ()  # a video's time of each temporal patch (Qwen3-VL's prompt text)
 
 
 class ImageProcessor:
@@ -210,33 +221,43 @@ class VideoProcessor:
             raise ValueError(f"This model ({getattr(hf_config, 'model_type', '?')}) takes no video; video inputs "
                              f"need one of: {', '.join(sorted(_QWEN_VIDEO_TYPES))}.")
         self.layout = layout
-        self.settings = VideoSettings.from_folder(model_path)
+        self.settings = VideoSettings.from_folder(model_path, getattr(hf_config, "model_type", ""))
         self._fingerprint = repr(self.settings).encode()
 
     def encode(self, video: Any) -> Encoded:
-        frames, fps = _video_parts(video)
+        frames, fps, indices, video_fps = _video_parts(video)
         s = self.settings
         policy = MediaPolicy()
         if frames.shape[0] > policy.max_frames or frames[..., 0].size > policy.max_image_pixels:
             raise ValueError(f"A video of {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]} is past the "
                              f"limits ({policy.max_frames} frames, {policy.max_image_pixels} pixels in all); "
                              f"sample fewer frames.")
+        count = max(frames.shape[0], s.temporal_patch_size) if s.frames_in_budget else 1
         height, width = qwen_smart_resize(frames.shape[1], frames.shape[2], s.patch_size * s.merge_size,
-                                          s.min_pixels, s.max_pixels)
+                                          s.min_pixels, s.max_pixels, count, s.temporal_patch_size)
         pixels = np.stack([_resized(f, width, height, s.resample) for f in frames]).astype(np.float32)
         pixels = (pixels * np.float32(s.rescale_factor) - np.asarray(s.image_mean, np.float32)) \
             / np.asarray(s.image_std, np.float32)
         payload, grid = _video_patches(pixels.transpose(0, 3, 1, 2), s.patch_size, s.merge_size,
                                        s.temporal_patch_size)
         h = hashlib.blake2b(self._fingerprint, digest_size=16)
-        h.update(f"{frames.shape}:{fps!r}".encode())
+        h.update(f"{frames.shape}:{fps!r}:{video_fps!r}:{indices}".encode())
         h.update(np.ascontiguousarray(frames).tobytes())
-        return Encoded(payload, grid, h.hexdigest(), seconds_per_grid=s.temporal_patch_size / fps)
+        return Encoded(payload, grid, h.hexdigest(), seconds_per_grid=s.temporal_patch_size / fps,
+                       timestamps=patch_times(indices, video_fps, s.temporal_patch_size))
+
+
+def patch_times(indices: list[int], fps: float, temporal: int) -> tuple[float, ...]:
+    """Each temporal patch's time in seconds: the mean of its first and last frame's (the last frame repeated to
+    fill the final patch), as HF's Qwen3-VL processor writes them."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+    seconds = [i / fps for i in indices]
+    return tuple((seconds[i] + seconds[i + temporal - 1]) / 2 for i in range(0, len(seconds), temporal))
 
 
 @dataclass(frozen=True, slots=True)
 class VideoSettings:
-    """A Qwen-VL video processor's settings (HF's Qwen2VLVideoProcessor defaults)."""
+    """A Qwen-VL video processor's settings (HF's Qwen2VLVideoProcessor defaults; Qwen3-VL's: QWEN3_DEFAULTS)."""
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
@@ -246,9 +267,10 @@ class VideoSettings:
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     resample: int = 3  # PIL's bicubic
+    frames_in_budget: bool = False  # min/max pixels bound all frames together (Qwen3-VL)
 
     @classmethod
-    def from_folder(cls, model_path: str) -> VideoSettings:
+    def from_folder(cls, model_path: str, model_type: str = "") -> VideoSettings:
         import json
         from pathlib import Path
         found = {}
@@ -263,21 +285,33 @@ class VideoSettings:
         smallest = found.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
         largest = found.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
         kept.update({k: int(v) for k, v in (("min_pixels", smallest), ("max_pixels", largest)) if v})
-        return cls(**kept)
+        base = QWEN3_VIDEO_DEFAULTS if model_type in _FRAMES_IN_BUDGET else {}
+        return cls(**{**base, **kept})
 
 
-def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen-VL's dynamic resolution: each side a multiple of `factor`, the area within [min_pixels, max_pixels],
-    the aspect ratio kept as closely as that allows."""
+# HF's Qwen3VLVideoProcessor defaults where they differ from Qwen2-VL's
+QWEN3_VIDEO_DEFAULTS = {"patch_size": 16, "min_pixels": 128 * 32 * 32, "max_pixels": 32 * 32 * 768,
+                        "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5), "frames_in_budget": True}
+
+
+def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1,
+                      temporal: int = 1) -> tuple[int, int]:
+    """Qwen-VL's dynamic resolution: each side a multiple of `factor`, the area (of `frames` frames, Qwen3-VL's
+    video budget, rounded to whole temporal patches) within [min_pixels, max_pixels], the aspect ratio kept as
+    closely as that allows."""
+    if frames > 1 and (height < factor or width < factor):  # Qwen3-VL's: a side under one factor scaled up first
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"A frame's aspect ratio must be under 200; got {width}x{height}.")
     h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    t = round(frames / temporal) * temporal if frames > 1 else 1
+    if t * h * w > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
         h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor)
                                                                              * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
 
@@ -302,8 +336,9 @@ def _video_patches(frames: np.ndarray, patch: int, merge: int, temporal: int
     return np.ascontiguousarray(patches.reshape(t * h * w, -1), dtype=np.float32), (t, h, w)
 
 
-def _video_parts(video: Any) -> tuple[np.ndarray, float]:
-    """vLLM's video item as (frames [T, H, W, 3] uint8, the frames' sampled fps)."""
+def _video_parts(video: Any) -> tuple[np.ndarray, float, list[int], float]:
+    """vLLM's video item as (frames [T, H, W, 3] uint8, the frames' sampled fps, their indices in the video, the
+    video's fps)."""
     metadata = None
     if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):
         video, metadata = video
@@ -323,7 +358,12 @@ def _video_parts(video: Any) -> tuple[np.ndarray, float]:
         if video.dtype.kind == "f" or video.min() < 0 or video.max() > 255:
             raise ValueError(f"Video frames must be uint8 RGB in 0..255; got {video.dtype}.")
         video = video.astype(np.uint8)
-    return video, _sampled_fps(metadata)
+    indices = list((metadata or {}).get("frames_indices") or range(video.shape[0]))
+    if len(indices) != video.shape[0]:
+        raise ValueError(f"A video's metadata frames_indices must name each of its {video.shape[0]} frames; got "
+                         f"{len(indices)}.")
+    sampled = _sampled_fps(metadata)  # the fps checked first
+    return video, sampled, [int(i) for i in indices], float((metadata or {}).get("fps") or VideoProcessor.DEFAULT_FPS)
 
 
 def _sampled_fps(metadata: Mapping[str, Any] | None) -> float:
@@ -352,6 +392,7 @@ class MediaProcessor:
         self.limits = dict(limits or {})
         self.tokenizer = tokenizer
         self._processors: dict[str, ImageProcessor | AudioProcessor | VideoProcessor] = {}
+        self._split_ids: frozenset[int] | None = None  # the tokenizer's added tokens (text splits at them)
 
     def processor(self, modality: str) -> ImageProcessor | AudioProcessor | VideoProcessor:
         if modality not in self._processors:
@@ -390,14 +431,33 @@ class MediaProcessor:
             rows = [processor.layout.rows(e.grid) for e in encoded]
             slots.extend((start, taken, modality, e, n)
                          for (start, taken), e, n in zip(_slots(runs, rows, modality), encoded, rows))
-        return _expand(token_ids, sorted(slots, key=lambda s: s[0]), self.layouts)
+        return _expand(token_ids, sorted(slots, key=lambda s: s[0]), self.layouts, self._timestamp_ids)
+
+    def _timestamp_ids(self, seconds: float, before: list[int]) -> tuple[int, list[int]]:
+        """A Qwen3-VL frame's timestamp text as token ids, tokenized as HF's processor does, within the text it
+        follows: returns (where that text starts in `before`, its ids and the timestamp's). The text since the last
+        added (special) token is re-tokenized with it (a BPE merges across the join: "\n<" is one token)."""
+        if self.tokenizer is None:
+            raise ValueError("Qwen3-VL's videos need the model's tokenizer for their frames' timestamps.")
+        if self._split_ids is None:
+            self._split_ids = frozenset(getattr(self.tokenizer, "added_tokens_decoder", {})) | frozenset(
+                getattr(self.tokenizer, "all_special_ids", ()))
+        start = len(before)
+        while start > 0 and before[start - 1] not in self._split_ids:
+            start -= 1
+        text = self.tokenizer.decode(before[start:]) if start < len(before) else ""
+        return start, self.tokenizer.encode(f"{text}<{seconds:.1f} seconds>", add_special_tokens=False)
 
 
-def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]], layouts: dict[str, Layout]
-            ) -> tuple[list[int], list[MediaItem]]:
+def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]], layouts: dict[str, Layout],
+            timestamp_ids: Any = None) -> tuple[list[int], list[MediaItem]]:
     out, items, copied = [], [], 0
     for start, taken, modality, e, n in slots:
         out.extend(token_ids[copied:start])
+        layout = layouts[modality]
+        if getattr(layout, "frame_start_id", -1) >= 0:
+            copied = _expand_frames(out, items, token_ids, start, taken, modality, e, layout, timestamp_ids)
+            continue
         items.append(MediaItem(modality, e.hash, len(out), n, e.payload.tobytes(), tuple(e.payload.shape),
                                str(e.payload.dtype), e.grid, getattr(layouts[modality], "bidirectional", False),
                                e.seconds_per_grid))
@@ -405,6 +465,29 @@ def _expand(token_ids: list[int], slots: list[tuple[int, int, str, Encoded, int]
         copied = start + taken
     out.extend(token_ids[copied:])
     return out, items
+
+
+def _expand_frames(out: list[int], items: list[MediaItem], token_ids: list[int], start: int, taken: int,
+                   modality: str, e: Encoded, layout: PlaceholderLayout, timestamp_ids: Any) -> int:
+    """Qwen3-VL's video: the placeholder's wrapper dropped, then per temporal patch its timestamp, start, its rows
+    (an item of its own, grid (1, h, w): the tower attends within a frame, so a patch encodes alone as it does
+    in the whole) and end. Returns where copying the prompt goes on."""
+    end = start + taken
+    if out and out[-1] == layout.frame_start_id and end < len(token_ids) and token_ids[end] == layout.frame_end_id:
+        out.pop()
+        end += 1
+    t, h, w = e.grid
+    rows = h * w // layout.merge_size ** 2
+    for i, seconds in enumerate(e.timestamps[:t]):
+        text_start, ids = timestamp_ids(seconds, out)
+        out[text_start:] = ids
+        out.append(layout.frame_start_id)
+        payload = e.payload[i * h * w:(i + 1) * h * w]
+        items.append(MediaItem(modality, f"{e.hash}:{i}", len(out), rows, payload.tobytes(), tuple(payload.shape),
+                               str(payload.dtype), (1, h, w), False, e.seconds_per_grid))
+        out.extend([layout.token_id] * rows)
+        out.append(layout.frame_end_id)
+    return end
 
 
 def load_pil_image_processor(model_path: str):

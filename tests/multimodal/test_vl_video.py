@@ -86,12 +86,12 @@ def _hf_reference(hf_model, llm: LLM, prompt: dict, new_tokens: int) -> tuple[li
     config = hf_model.config
     kwargs = {"mm_token_type_ids": (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()}
     for modality, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-        mine = [m for m in items or () if m.modality == modality]
-        if mine:
-            kwargs[key] = torch.cat([m.pixel_tensor() for m in mine])
-            kwargs[f"{modality}_grid_thw"] = torch.tensor([m.grid_thw for m in mine])
-            if modality == "video":  # the processor's float list, a float32 tensor as HF's BatchFeature makes it
-                kwargs["second_per_grid_ts"] = torch.tensor([m.seconds_per_grid for m in mine])
+        groups = _whole_items([m for m in items or () if m.modality == modality])
+        if groups:
+            kwargs[key] = torch.cat([m.pixel_tensor() for group in groups for m in group])
+            kwargs[f"{modality}_grid_thw"] = torch.tensor([_grid(group) for group in groups])
+            if modality == "video" and config.model_type == "qwen2_5_vl":  # a float32 tensor, as HF's processor's
+                kwargs["second_per_grid_ts"] = torch.tensor([group[0].seconds_per_grid for group in groups])
     logits = hf_model(input_ids=ids, **kwargs).logits[0, :-1]
     lps = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
     hf_model.model.rope_deltas = None
@@ -101,23 +101,63 @@ def _hf_reference(hf_model, llm: LLM, prompt: dict, new_tokens: int) -> tuple[li
     return out[0, len(token_ids):].tolist(), lps, token_ids
 
 
+def _whole_items(items: list) -> list[list]:
+    """Items grouped by the video they come from (Qwen3-VL's video is an item a temporal patch, hash "video:i")."""
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item.hash.split(":")[0], []).append(item)
+    return list(groups.values())
+
+
+def _grid(group: list) -> tuple[int, int, int]:
+    return (sum(m.grid_thw[0] for m in group), *group[0].grid_thw[1:])
+
+
+def _hf_expanded_ids(llm: LLM, prompt: dict) -> list[int]:
+    """HF's processor's text-side expansion (its replace_image_token / replace_video_token and
+    get_text_with_replacements, Qwen3-VL's timestamps among them) on the grids of the prompt's media, tokenized.
+    HF's processor object is made without its video processor (torchvision) and given the two sizes it reads."""
+    import types
+
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from pressroom.multimodal.processor import _video_parts
+    config = llm.engine.hf_config
+    hf = object.__new__(Qwen3VLProcessor if config.model_type == "qwen3_vl" else Qwen2_5_VLProcessor)
+    hf.tokenizer = llm.engine.tokenizer
+    hf.image_token, hf.video_token = "<|image_pad|>", "<|video_pad|>"
+    hf.vision_start_token, hf.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    hf.image_processor = types.SimpleNamespace(merge_size=2)
+    hf.video_processor = types.SimpleNamespace(merge_size=2, temporal_patch_size=2)
+    data = prompt.get("multi_modal_data") or {}
+    listed = {k: v if isinstance(v, list) else [v] for k, v in data.items()}
+    processors = llm.engine.media_processor()
+    images = {"image_grid_thw": torch.tensor([processors.processor("image").encode(i).grid
+                                              for i in listed.get("image", [])])}
+    videos, metadata = [], []
+    for video in listed.get("video", []):
+        frames, _, indices, fps = _video_parts(video)
+        videos.append(processors.processor("video").encode(video).grid)
+        given = video[1].get("fps") if isinstance(video, tuple) else None  # HF's: 24 where none was given
+        metadata.append(VideoMetadata(total_num_frames=len(frames), fps=given, frames_indices=indices))
+    video_inputs = {"video_grid_thw": torch.tensor(videos), "video_metadata": metadata}
+    text, _ = hf.get_text_with_replacements(
+        [prompt["prompt"]], [hf.replace_image_token(images, i) for i in range(len(listed.get("image", [])))],
+        [hf.replace_video_token(video_inputs, i) for i in range(len(videos))])
+    return llm.engine.tokenizer.encode(text[0], add_special_tokens=False)
+
+
 def _check(llm: LLM, hf_model, prompts: list[dict], new_tokens: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, prompt_logprobs=0)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         tokens, lps, token_ids = _hf_reference(hf_model, llm, prompt, new_tokens)
-        assert out.prompt_token_ids == token_ids
+        assert out.prompt_token_ids == token_ids == _hf_expanded_ids(llm, prompt)
         assert out.outputs[0].token_ids == tokens
         ours = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]]
         assert len(ours) == len(lps)
         assert max(abs(a - b) for a, b in zip(ours, lps)) < 1e-3
-
-
-def _expected_ids(llm: LLM, prompt: str, grids: list[tuple[int, int, int]]) -> list[int]:
-    """HF's processor's expansion (Qwen2_5_VLProcessor.replace_video_token): each video's one <|video_pad|> becomes
-    prod(video_grid_thw) / merge^2 of them."""
-    pieces = prompt.split("<|video_pad|>")
-    text = pieces[0] + "".join("<|video_pad|>" * (int(np.prod(g)) // 4) + rest for g, rest in zip(grids, pieces[1:]))
-    return llm.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_video_matches_hf_placeholders_rope_and_tokens(video_vl):
@@ -130,7 +170,7 @@ def test_video_matches_hf_placeholders_rope_and_tokens(video_vl):
     item = {"prompt": prompt, "multi_modal_data": {"video": (video, {"fps": 2.0})}}
     token_ids, items = _processed(llm, item)
     assert [m.grid_thw[0] for m in items] == [3] and items[0].seconds_per_grid == 1.0
-    assert token_ids == _expected_ids(llm, prompt, [items[0].grid_thw])
+    assert token_ids == _hf_expanded_ids(llm, item)
     ids = torch.tensor([token_ids])
     want, delta = hf_model.model.get_rope_index(
         ids, (ids == hf_model.config.video_token_id).int() * 2, video_grid_thw=torch.tensor([items[0].grid_thw]),
@@ -139,12 +179,12 @@ def test_video_matches_hf_placeholders_rope_and_tokens(video_vl):
     assert np.array_equal(ours, want[:, 0].numpy()) and our_delta == int(delta)
     assert len(set(ours[0][items[0].offset:items[0].end])) == 3  # the time axis moves: 0, 2, 4 (2 tokens/s x 1 s)
     _check(llm, hf_model, [item, {"prompt": "Text alone, with no video in it."}], 8)
-    # a model that takes no video (Qwen3-VL: its prompt's frame timestamps are not built yet) names what it takes
+    # a model that takes no video names what it takes
     import transformers
 
     from pressroom.multimodal.processor import MediaProcessor
-    with pytest.raises(ValueError, match=r"not supported by this model \(qwen3_vl\); it takes image and text"):
-        MediaProcessor(path, transformers.Qwen3VLConfig()).process(token_ids, {"video": [video]})
+    with pytest.raises(ValueError, match=r"not supported by this model \(llava\); it takes image and text"):
+        MediaProcessor(path, transformers.LlavaConfig()).process(token_ids, {"video": [video]})
 
 
 @pytest.mark.slow  # HF's 32-token generate on four prompts, two videos of 8 and 7 frames: ~15 s on two cores
@@ -213,3 +253,26 @@ def test_video_url_through_the_server(video_vl, tmp_path):
         with pytest.raises(openai.BadRequestError, match=r"At most 1 video\(s\)"):
             two = [{"role": "user", "content": _chat(url)[0]["content"] * 2}]
             client.chat.completions.create(**{**body, "messages": two})
+
+
+# Qwen3-VL's own tiny model and HF references: ~10 s on two cores
+@pytest.mark.slow
+def test_qwen3_vl_videos_with_timestamps_match_hf(tiny_qwen3_vl):
+    """Qwen3-VL: each temporal patch its own run after its `<t seconds>` text (the frames' times from the
+    metadata's indices and fps, 24 fps where none is given), a video beside an image and a text-only prompt."""
+    path, hf_model = tiny_qwen3_vl
+    llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.1)
+    videos = [random_video(8, 5, 70, 90), random_video(9, 8, 64, 64)]
+    image = random_image(10, (80, 60))
+    prompts = [
+        {"prompt": f"<|im_start|>user\n{VIDEO}What happens?<|im_end|>\n<|im_start|>assistant\n",
+         "multi_modal_data": {"video": (videos[0], {"fps": 2.0, "frames_indices": [0, 3, 6, 9, 12],
+                                                    "total_num_frames": 14})}},
+        {"prompt": f"Picture {PAD} and clip {VIDEO}.", "multi_modal_data": {"image": image, "video": videos[1]}},
+        {"prompt": "Only text here, nothing else."},
+    ]
+    _check(llm, hf_model, prompts, 32)
+    ids = llm.engine.tokenize_prompt(prompts[0])[1]
+    expanded, items = _processed(llm, prompts[0])
+    assert len(items) == 3 and llm.engine.tokenizer.decode(expanded).count(" seconds>") == 3  # 5 frames: 3 patches
+    assert len(expanded) > len(ids)
