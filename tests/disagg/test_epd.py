@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "multimodal"))  # tiny_vl
 
 pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
 
-from disagg.disagg_support import MODEL, metrics, router_args, started, transfer_config  # noqa: E402
+from disagg.disagg_support import MODEL, free_port, metrics, router_args, source, started, transfer_config  # noqa: E402
 
 # the engines' tests: four engines and a router start side by side, about a minute on a loaded 2-core machine (past
 # the default suite's budget)
@@ -54,7 +54,7 @@ def epd(tmp_path_factory, smollm_tokenizer):
 def images():
     from tiny_vl import png_data_url, random_image
     return [png_data_url(random_image(seed, size)) for seed, size in
-            ((1, (80, 120)), (2, (120, 80)), (3, (100, 100)), (4, (64, 96)), (5, (90, 70)))]
+            ((1, (80, 120)), (2, (120, 80)), (3, (100, 100)), (4, (64, 96)), (5, (90, 70)), (6, (70, 110)))]
 
 
 def chat(parts: list, stream: bool = False) -> dict:
@@ -92,16 +92,19 @@ def settled(url: str, seconds: float = 10.0) -> dict:
 
 @slow
 def test_epd_outputs_equal_one_engine_and_the_prefill_engine_never_encodes(epd):
-    a, b, c, d, _ = images()
+    a, b, c, d, *_ = images()
     batch = [chat([a, "Describe it."]), chat([b, "Describe it."], stream=True), chat([a, "What is in it?"]),
              chat([a, b, "Compare them."]), chat(["First", c, "then", d, "now."], stream=True),
              chat([c, "Describe it."])]
     with ThreadPoolExecutor(3) as pool:
         want = list(pool.map(lambda body: answer(epd["encode"], body), batch))  # one engine alone
         assert len(set(want)) > 1  # the images steer the answers
+        before = metrics(epd["decode"])
         got = list(pool.map(lambda body: answer(epd["router"], body), batch))
     assert got == want
     enc, pre, dec = settled(epd["encode"]), settled(epd["prefill"]), settled(epd["decode"])
+    # the decode engine computed one prompt token per request (the last, not sent) and no image's rows
+    assert source(dec, "local_compute") - source(before, "local_compute") == len(batch)
     assert pre["mm_encoder_runs_total"] == 0 and dec["mm_encoder_runs_total"] == 0
     assert pre["kv_transfer_media_received_total"] >= 4 and pre["kv_transfer_media_failed_reads_total"] == 0
     assert enc["kv_transfer_media_staged_total"] >= pre["kv_transfer_media_received_total"]
@@ -132,6 +135,22 @@ def test_a_corrupted_encoder_output_is_encoded_locally_with_the_same_output(epd)
     assert after["mm_encoder_runs_total"] == before["mm_encoder_runs_total"] + 1  # the image encoded here instead
     assert after["kv_transfer_media_received_total"] == before["kv_transfer_media_received_total"]
     assert settled(epd["encode_corrupt"])["kv_transfer_staging_chunks_used"] == 0  # the prefill's word let them go
+
+
+@slow
+def test_with_no_healthy_encode_engine_the_prefill_engine_encodes(epd, tmp_path):
+    image = images()[5]  # one no engine has seen
+    body = chat([image, "Without an encoder."])
+    want = answer(epd["encode"], body)
+    before = metrics(epd["prefill"])
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = router_args([epd["prefill"]], [epd["decode"]], "--encode", dead)
+    with started({"router": args}, tmp_path) as front:
+        assert answer(front["router"].url, body) == want
+    after = settled(epd["prefill"])
+    assert after["kv_transfer_media_received_total"] == before["kv_transfer_media_received_total"]
+    assert after["kv_transfer_media_failed_reads_total"] == before["kv_transfer_media_failed_reads_total"]
+    assert after["mm_encoder_runs_total"] == before["mm_encoder_runs_total"] + 1
 
 
 @slow
