@@ -23,9 +23,9 @@ def template_part(modality: str) -> dict[str, Any]:
 
 
 def takes_phrase(modalities: Collection[str]) -> str:
-    """What a model takes, in words: "images and text", "audio and text", "text only"."""
+    """What a model takes, in words: "images and text", "images, video and text", "text only"."""
     kinds = [NOUNS[m] for m in sorted(modalities)]
-    return " and ".join([*kinds, "text"]) if kinds else "text only"
+    return ", ".join(kinds) + " and text" if kinds else "text only"
 
 
 def extract_media(messages: list[dict[str, Any]], modalities: Collection[str], policy: MediaPolicy | None = None,

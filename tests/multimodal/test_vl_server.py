@@ -1,6 +1,6 @@
 """Images through the server: `pressroom serve` of a tiny Qwen2.5-VL answers a chat whose image comes as a data URL
 (the official openai client, whole and streamed) with the tokens `LLM.chat` gives offline for the same message; the
-image steers the answer; an audio part is a 400 saying the model takes images and text."""
+image steers the answer; an audio part is a 400 saying the model takes images, video and text."""
 from __future__ import annotations
 
 import base64
@@ -49,7 +49,7 @@ def test_image_chat_through_the_server_equals_offline(tiny_vl, tmp_path):
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 **body, stream=True) if c.choices)
             assert streamed == whole.choices[0].message.content
-        with pytest.raises(openai.BadRequestError, match="takes images and text"):
+        with pytest.raises(openai.BadRequestError, match="takes images, video and text"):
             wav = base64.b64encode(_silence_wav()).decode()
             client.chat.completions.create(model=path, max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}])
