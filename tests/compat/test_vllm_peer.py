@@ -434,7 +434,7 @@ VLLM_ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("G
                ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
                ("POST", "/v1/messages/render"), ("POST", "/inference/v1/generate"),
                ("POST", "/generative_scoring")]
-KNOWN_MISSING_ROUTES = {"/load", "/v1/chat/completions/batch", "/v1/chat/completions/render",
+KNOWN_MISSING_ROUTES = {"/v1/chat/completions/batch", "/v1/chat/completions/render",
                         "/v1/completions/render", "/v1/messages/render", "/inference/v1/generate",
                         "/generative_scoring"}
 

@@ -76,7 +76,7 @@ from pressroom.entrypoints.openai.protocol_messages import (
 )
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
-from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility
+from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility, ServerLoad
 from pressroom.entrypoints.openai.serving_audio import OpenAIServingAudio
 from pressroom.entrypoints.openai.serving_chat import MediaLoader, OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -137,6 +137,27 @@ class _Guard:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= counted
+
+
+class _LoadCount:
+    """ASGI middleware: counts the POSTs in flight on the model's routes into a ServerLoad (vLLM's
+    --enable-server-load-tracking). Inside the guards: a request refused by them never ran."""
+
+    def __init__(self, app, load: ServerLoad) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope, receive, send) -> None:
+        counted = scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in self.load.paths
+        self.load.in_flight += counted
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= counted
+
+
+# the routes whose requests run the model: what vLLM's server load counts
+MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH, *POOLING_ROUTES,
+                "/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 class _HostCheck:
@@ -392,6 +413,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     _add_audio_routes(app, audio)
     if settings.tokenizer_info:
         app.get("/tokenizer_info")(utility.tokenizer_info)
+    app.get("/load")(utility.load)
+    if settings.server_load_tracking:
+        utility.server_load = ServerLoad(frozenset(MODEL_ROUTES))
+        app.add_middleware(_LoadCount, load=utility.server_load)
     _add_middleware(app, settings)
     stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)

@@ -78,6 +78,14 @@ Body = TypeVar("Body", bound=OpenAIModel)
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class ServerLoad:
+    """vLLM's server load (--enable-server-load-tracking): the requests in flight on `paths`, the routes that run the
+    model, counted until their response (a stream's last event) is sent; GET /load reports it."""
+    paths: frozenset[str]
+    in_flight: int = 0
+
+
 @dataclass
 class AccessRecord:
     """What a handler learns about its request for the access-log line (None: not applicable, logged `-`)."""
@@ -325,6 +333,7 @@ class OpenAIServingUtility(OpenAIServing):
         its idle heartbeat every second) for longer than this many seconds (None or 0: never)."""
         super().__init__(*args, **kwargs)
         self.stall_timeout = stall_timeout
+        self.server_load: ServerLoad | None = None  # --enable-server-load-tracking's count (set by build_app)
 
     async def health(self) -> Response:
         """200 with an empty body while the engine serves; else a 503 whose error says why (its core died or
@@ -336,6 +345,11 @@ class OpenAIServingUtility(OpenAIServing):
 
     async def version(self) -> dict:
         return {"version": pressroom.__version__}
+
+    async def load(self) -> dict:
+        """vLLM's GET /load: the requests in flight on the model's routes; 0 without --enable-server-load-tracking
+        (vLLM's default, whose count then stays 0 too)."""
+        return {"server_load": self.server_load.in_flight if self.server_load is not None else 0}
 
     async def server_info(self) -> dict:
         """vLLM's dev-mode /server_info: the version and the engine's resolved configuration."""

@@ -1,9 +1,10 @@
-"""Two of vLLM's serve flags that shape answers: --enable-prompt-tokens-details (usage.prompt_tokens_details.
-cached_tokens: the prompt's tokens read from the prefix cache, whole and streamed) and a --max-logprobs below the
-default (requests past it are a 400 naming the limit; up to it they are served). One tiny llama of its own: the
-session's shared servers run with neither flag."""
+"""Three of vLLM's serve flags: --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the
+prompt's tokens read from the prefix cache, whole and streamed), a --max-logprobs below the default (requests past
+it are a 400 naming the limit; up to it they are served) and --enable-server-load-tracking (GET /load counts the
+requests in flight). One tiny llama of its own: the session's shared servers run with none of them."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -18,7 +19,8 @@ BLOCK = 16  # the default --block-size: the prefix cache hits whole blocks
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     from serving import serve
-    args = tiny_args(tiny_model_dir("llama"), "--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS))
+    args = tiny_args(tiny_model_dir("llama"), "--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
+                     "--enable-server-load-tracking")
     with serve(args, tmp_path_factory.mktemp("tiny-details") / "server.log") as (url, _):
         yield url
 
@@ -67,3 +69,21 @@ def test_max_logprobs_bounds_every_logprobs_field(server, path, body, param):
     at_limit = {k: MAX_LOGPROBS if k in ("logprobs", "prompt_logprobs", "top_logprobs") and v is not True else v
                 for k, v in body.items()}
     assert _post(server, path, at_limit).status_code == 200
+
+
+def _load(url: str) -> int:
+    return httpx.get(f"{url}/load", timeout=30).json()["server_load"]
+
+
+def test_load_counts_a_stream_until_it_ends(server):
+    assert _load(server) == 0
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # streaming now
+        assert _load(server) == 1
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while _load(server) and time.monotonic() < deadline:  # counted until the response's last send returns
+        time.sleep(0.05)
+    assert _load(server) == 0

@@ -2,7 +2,7 @@
 (`tiny_server`, vLLM's default --max-logprobs of 20): prompt_logprobs (completions' choices, chat's response; HF's
 values), echo with logprobs (the prompt's own token among its top_logprobs), echo on chat, continuous usage stats,
 system_fingerprint, the message and response keys vLLM sends, streamed prompt_logprobs and stream_options without a
-stream refused as vLLM refuses them, and POST /ping.
+stream refused as vLLM refuses them, POST /ping and GET /load.
 """
 from __future__ import annotations
 
@@ -204,6 +204,8 @@ def test_answers_carry_vllms_keys(tiny_server):
     assert "prompt_logprobs" in completion["choices"][0]
 
 
-def test_ping_answers_post_too(tiny_server):
+def test_ping_answers_post_too_and_load_is_served(tiny_server):
     for method in ("GET", "POST"):
         assert httpx.request(method, f"{tiny_server}/ping", timeout=30).status_code == 200
+    # vLLM's GET /load: 0 without --enable-server-load-tracking (test_fields_prompt_tokens_details.py counts)
+    assert httpx.get(f"{tiny_server}/load", timeout=30).json() == {"server_load": 0}
