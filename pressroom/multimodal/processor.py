@@ -206,7 +206,9 @@ class VideoProcessor:
     them), each resized to one dynamic-resolution size, rescaled and normalized, the frames padded to a whole
     number of temporal patches by repeating the last, and cut into [t * h * w, C * temporal * patch * patch]
     patches in the vision tower's merge-block order. The settings are the folder's video_preprocessor_config.json
-    (else its preprocessor_config.json, as HF falls back), with HF's Qwen2-VL video defaults.
+    (else its preprocessor_config.json, as HF falls back), with HF's Qwen2-VL or Qwen3-VL video defaults (Qwen3-VL's
+    pixel budget bounds all frames together). Each temporal patch's time, for Qwen3-VL's timestamps, is the mean
+    of its first and last frame's (frame index / the video's fps).
 
     A video is vLLM's item: frames [T, H, W, 3] uint8 (an array, a tensor or a list of PIL images), or
     `(frames, metadata)` with metadata's `fps` (and `frames_indices` / `total_num_frames` where the frames were
@@ -257,7 +259,7 @@ def patch_times(indices: list[int], fps: float, temporal: int) -> tuple[float, .
 
 @dataclass(frozen=True, slots=True)
 class VideoSettings:
-    """A Qwen-VL video processor's settings (HF's Qwen2VLVideoProcessor defaults; Qwen3-VL's: QWEN3_DEFAULTS)."""
+    """A Qwen-VL video processor's settings (HF's Qwen2VLVideoProcessor defaults; Qwen3-VL's: QWEN3_VIDEO_DEFAULTS)."""
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2

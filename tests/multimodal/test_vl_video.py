@@ -202,12 +202,37 @@ def test_videos_and_images_match_hf_in_one_batch(video_vl):
         {"prompt": f"Two clips: {VIDEO} and {VIDEO}.", "multi_modal_data": {"video": [videos[1], videos[0]]}},
     ]
     _check(llm, hf_model, prompts, 32)
-    assert llm.engine.runner.multimodal.cache.encoder_runs == 4  # keyed by content: the same clip encoded once
+    # keyed by content (and rate: the time axis moves the KV): the clip in two prompts encoded once
+    assert llm.engine.runner.multimodal.cache.encoder_runs == 4
+    # 8 tokens a step: chunked prefill splits the video runs (48 and 60 rows) over steps
+    chunked = LLM(path, dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=8, max_num_seqs=4,
+                  enable_prefix_caching=False)
+    _check(chunked, hf_model, prompts[:2], 8)
+    assert max(m.length for m in _processed(chunked, prompts[0])[1]) > 8
 
 
 def _chat(url: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                          {"type": "text", "text": "What happens?"}]}]
+
+
+def test_video_url_over_http_from_an_allowed_domain():
+    """A video_url over http(s) from --allowed-media-domains (a loopback server): the same frames and rate as its
+    data URL; a host outside the list is refused before any fetch."""
+    from hostile_media import media_server
+
+    from pressroom.multimodal.chat import extract_media
+    from pressroom.multimodal.media import MediaPolicy
+    url = video_data_url(random_video(11, 4, 32, 48))
+    body = base64.b64decode(url.split(",", 1)[1])
+    with media_server({"/clip.mp4": ("video/mp4", body)}) as server:
+        policy = MediaPolicy(allowed_media_domains=("127.0.0.1",))
+        _, fetched = extract_media(_chat(server.url("/clip.mp4")), {"video"}, policy)
+        _, inline = extract_media(_chat(url), {"video"}, policy)
+        assert np.array_equal(fetched["video"][0][0], inline["video"][0][0])
+        assert fetched["video"][0][1] == inline["video"][0][1]
+        with pytest.raises(ValueError, match="localhost"):
+            extract_media(_chat(server.url("/clip.mp4", host="localhost")), {"video"}, policy)
 
 
 def test_chat_video_url_data_urls(video_vl):
