@@ -168,6 +168,17 @@ class Worker:
         """E/P/D: the encoder cache's rows for these media hashes, (shape, dtype) or None where absent."""
         return self.kv_connector.media_shapes(self._encoder_cache(), keys)
 
+    def kv_connector_encode_media(self, items: list) -> list:
+        """E/P/D: encodes the MediaItems the encoder cache lacks (evicted before their rows were staged, or never
+        computed: their tokens were prefix hits); returns each item's (shape, dtype) as kv_connector_media_shapes."""
+        cache, model = self._encoder_cache(), self.model_runner.model
+        missing = list({m.hash: m for m in items if cache is not None and m.hash not in cache}.values())
+        if missing:
+            with torch.inference_mode():
+                for item, rows in zip(missing, model.encode_media(missing)):
+                    cache.put(item.hash, rows)
+        return self.kv_connector.media_shapes(cache, [m.hash for m in items])
+
     def kv_connector_save_media(self, saves: list[tuple[str, list[int]]]) -> None:
         """E/P/D: cached encoder rows into staged chunks, (media hash, slots); rank 0's (every rank's are equal)."""
         if self.rank == 0:

@@ -31,14 +31,19 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def epd(tmp_path_factory, smollm_tokenizer):
-    """name -> url: encode, encode_corrupt (stages corrupted chunks), prefill, decode engines and the router."""
+def vl_model(tmp_path_factory, smollm_tokenizer) -> str:
+    """A tiny random Qwen2.5-VL checkpoint's folder."""
     from tiny_vl import build_tiny_qwen2_5_vl
-    tmp = tmp_path_factory.mktemp("epd")
-    path = tmp / "tiny-qwen2_5_vl"
-    path.mkdir()
+    path = tmp_path_factory.mktemp("tiny-qwen2_5_vl")
     build_tiny_qwen2_5_vl(path, copy.deepcopy(smollm_tokenizer))
-    model = ["serve", str(path), "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def epd(tmp_path_factory, vl_model):
+    """name -> url: encode, encode_corrupt (stages corrupted chunks), prefill, decode engines and the router."""
+    tmp = tmp_path_factory.mktemp("epd")
+    model = ["serve", vl_model, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory-gib", "0.05"]
     engines = {"encode": model + transfer_config("kv_producer", abort_request_timeout_s=20),
                "encode_corrupt": model + transfer_config("kv_producer", abort_request_timeout_s=20,
                                                          fault_injection="corrupt_staged"),
@@ -209,3 +214,40 @@ def test_encoder_params_this_engine_cannot_serve_are_refused(params, message):
         check_kv_transfer_params(params, consumer, 16)
     with pytest.raises(ValueError, match="runs no KV connector"):
         check_kv_transfer_params({"do_remote_encode": True}, None, 16)
+
+
+def offline(model: str, role: str):
+    from pressroom import LLM
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port(), "kv_buffer_size": 8 << 20,
+              "kv_connector_extra_config": {"transfer_timeout_s": 10}}
+    return LLM(model, dtype="float32", kv_cache_memory_gib=0.02, kv_transfer_config=json.dumps(config))
+
+
+def test_offline_encode_then_prefill_reads_the_rows_and_an_evicted_entry_is_encoded_again_to_stage(vl_model):
+    """Two offline engines in this process: the prefill engine's tokens with the encode engine's rows equal its own
+    without them, and its encoder does not run; an encode engine whose cache lost the rows (evicted; its prefix
+    cache covers the image's tokens, so its prefill does not encode) encodes them again to stage them."""
+    from pressroom import SamplingParams
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": images()[0]}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    stage = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_encode": True}})
+    with offline(vl_model, "kv_producer") as encoder, offline(vl_model, "kv_producer") as prefill:
+        want = encoder.chat(messages, greedy, use_tqdm=False)[0].outputs[0].token_ids  # one engine alone
+        cache = encoder.engine.runner.multimodal.cache
+        cache._entries.clear()  # evicted (no request holds it)
+        cache._rows, runs = 0, cache.encoder_runs
+        staged = encoder.chat(messages, stage, use_tqdm=False)[0]
+        params, ids = staged.kv_transfer_params, staged.prompt_token_ids
+        pad = max(set(ids), key=ids.count)  # the image's placeholder run: its prefill did not reach it
+        assert ids.count(pad) == params["media"][0]["shape"][0]
+        assert staged.num_cached_tokens >= len(ids) - ids[::-1].index(pad)
+        assert cache.encoder_runs == runs + 1 and len(params["media"]) == 1
+        read = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                              extra_args={"kv_transfer_params": {"remote_encoder": params}})
+        got = prefill.chat(messages, read, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        mm = prefill.engine.runner.multimodal.cache
+        assert mm.encoder_runs == 0 and mm.received == 1
+        stats = prefill.engine.core.stats().kv_transfer
+        assert stats.media_received == 1 and stats.media_failed == 0

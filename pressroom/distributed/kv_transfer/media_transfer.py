@@ -2,7 +2,8 @@
 engine to a prefill engine through the NixlConnector's staging buffer and NIXL agent.
 
 Encoder engine (a producer): a request with {"do_remote_encode": true} runs as usual (the router sends max_tokens 1:
-its prefill runs the vision tower); when it finishes, its ranks copy each of its items' cached rows into staging
+its prefill runs the vision tower); when it finishes, its ranks copy each of its items' cached rows (encoded then if
+the cache lacks them: evicted, or the prefix cache covered their tokens) into staging
 chunks as raw bytes (worker_side.py), the core seals each chunk's header under the key "media/<hash>/<k>" with the
 digest of (hash, shape, dtype) in the token-ids field, and the output's kv_transfer_params say where they are
 ({"remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_chunk_base",
@@ -266,11 +267,16 @@ class MediaTransfers:
     def _stage(self, rid: str, request: Request, rpc) -> dict:
         hashes = list(dict.fromkeys(m.hash for m in request.mm_features))
         shapes = rpc("kv_connector_media_shapes", hashes)[0]
+        if any(found is None for found in shapes):  # not in the encoder cache (evicted, or its tokens were hits)
+            items = {m.hash: m for m in request.mm_features}
+            missing = [items[key] for key, found in zip(hashes, shapes) if found is None]
+            again = iter(rpc("kv_connector_encode_media", missing)[0])
+            shapes = [found if found is not None else next(again) for found in shapes]
         staging, media, saves = self.c.staging, [], []
         with self.c._lock:
             for key, found in zip(hashes, shapes):
                 if found is None or found[1] not in DTYPES:
-                    continue  # evicted already: the prefill engine encodes it
+                    continue  # the prefill engine encodes it
                 shape, dtype = found
                 slots = staging.allocate(-(-media_bytes(shape, dtype) // staging.chunk_bytes))
                 if slots is None:
