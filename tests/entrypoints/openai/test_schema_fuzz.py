@@ -55,7 +55,7 @@ def pooling_schema(pooling_server):
 
 # Parametrized here rather than by schemathesis' lazy `from_fixture`, which pytest 9 breaks (it reads a private
 # attribute of pytest's nodes); test_every_operation_is_fuzzed keeps the list whole.
-GETS = ["/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/responses/{response_id}"]
+GETS = ["/health", "/ping", "/load", "/version", "/metrics", "/v1/models", "/v1/responses/{response_id}"]
 POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
          "/v1/messages/count_tokens"]
 # bodies of two short strings, which schemathesis cannot make invalid ("negative" is unsatisfiable for them)
