@@ -164,16 +164,17 @@ def host_buffer(size: int, pin: bool) -> torch.Tensor:
     power of two, which for layers of 1.1 GiB would lock 2 GiB each. Unlocked again when the buffer is collected."""
     if not pin or not size:
         return torch.empty(size, dtype=torch.uint8)
-    locked = -(-size // PAGE) * PAGE
-    raw = torch.empty(locked + PAGE, dtype=torch.uint8)
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
     host = raw[start:start + size]
+    # The whole storage from its first byte: torch judges a tensor pinned (as a copy inside CUDA graph capture
+    # requires) by its storage's start, not by the view's.
     cudart = torch.cuda.cudart()
-    rc = int(cudart.cudaHostRegister(host.data_ptr(), locked, 0))
+    rc = int(cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
     if rc != 0:
-        raise ValueError(f"--cpu-offload-gb: page-locking {locked / 2**30:.2f} GiB of host memory failed (CUDA error "
-                         f"{rc}); lower --cpu-offload-gb or free host memory.")
-    weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr()).atexit = False  # CUDA may be gone at exit
+        raise ValueError(f"--cpu-offload-gb: page-locking {raw.numel() / 2**30:.2f} GiB of host memory failed (CUDA "
+                         f"error {rc}); lower --cpu-offload-gb or free host memory.")
+    weakref.finalize(host, cudart.cudaHostUnregister, raw.data_ptr()).atexit = False  # CUDA may be gone at exit
     return host
 
 

@@ -767,6 +767,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """bench gpu's HF names -> HF's modules: the indexer's head weights sit in its `scorer` there."""
+        return {name.replace(".indexer.weights_proj.", ".indexer.scorer.weights_proj."): t for name, t in state.items()}
+
     def collapse_streams(self, aux: torch.Tensor) -> torch.Tensor:
         """Aux-layer features as `forward` hands them over ([tokens, layers * hc_mult * hidden]: each layer's
         streams) as one hidden state per layer ([tokens, layers * hidden]): the mean of its hc_mult streams,
