@@ -18,6 +18,9 @@ chunks into its fresh blocks before the step's forward pass, and the step comput
 A read that fails, times out (transfer_timeout_s) or brings a corrupt chunk falls back to computing the prompt
 here: the output is the same, only slower.
 
+E/P/D: media_transfer.py moves encoder outputs (keyed by media hash) through the same staging buffer and agent:
+an encode engine stages them for {"do_remote_encode": true}, a prefill engine reads them for "remote_encoder".
+
 Chunks are head-major over every KV head, so engines of different tensor-parallel sizes exchange them: each rank
 copies its own heads (worker_side.py) and the transport sees one region per engine.
 """
