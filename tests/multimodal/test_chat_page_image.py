@@ -89,7 +89,7 @@ def _api_answer(url: str, body: dict) -> str:
 
 def test_page_sends_picked_and_pasted_images(browser, vl_server, tmp_path):
     card = httpx.get(f"{vl_server}/v1/models").json()["data"][0]
-    assert card["input_modalities"] == ["text", "image"]
+    assert card["input_modalities"] == ["text", "image", "video"]  # Qwen2.5-VL takes video too
     picked, pasted = _png(1), _png(2)
     (tmp_path / "cat.png").write_bytes(picked)
     with _page(browser, vl_server) as (page, bodies, problems):
