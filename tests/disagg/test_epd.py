@@ -159,6 +159,27 @@ def test_with_no_healthy_encode_engine_the_prefill_engine_encodes(epd, tmp_path)
 
 
 @slow
+def test_an_unreachable_encoder_is_waited_for_without_blocking_others_then_encoded_locally(epd):
+    body = chat([images()[4], "An unreachable encoder."])
+    want = answer(epd["encode"], body)
+    encoded = httpx.post(epd["encode"] + "/v1/chat/completions", timeout=60, json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_encode": True}})
+    params = {**encoded.json()["kv_transfer_params"], "remote_engine_id": "nowhere", "remote_port": free_port()}
+    before = metrics(epd["prefill"])
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        waiting = pool.submit(answer, epd["prefill"], {**body, "kv_transfer_params": {"remote_encoder": params}})
+        time.sleep(1)
+        text = chat(["Meanwhile, a text-only question."])
+        assert answer(epd["prefill"], text) == answer(epd["encode"], text)
+        assert not waiting.done()  # still waiting for the encoder's metadata (transfer_timeout_s is 10)
+        assert waiting.result() == want
+        assert 9 < time.monotonic() - start < 60
+    after = settled(epd["prefill"])
+    assert after["kv_transfer_media_failed_reads_total"] == before["kv_transfer_media_failed_reads_total"] + 1
+
+
+@slow
 def test_foreign_encoder_params_are_refused(epd):
     body = chat([images()[0], "Describe it."])
     bad = {"do_remote_decode": True, "remote_encoder": {"remote_engine_id": "x", "media": []}}
