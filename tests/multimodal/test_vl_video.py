@@ -187,7 +187,7 @@ def test_video_matches_hf_placeholders_rope_and_tokens(video_vl):
         MediaProcessor(path, transformers.LlavaConfig()).process(token_ids, {"video": [video]})
 
 
-@pytest.mark.slow  # HF's 32-token generate on four prompts, two videos of 8 and 7 frames: ~15 s on two cores
+@pytest.mark.slow  # HF's 32-token generate on four prompts and a chunked-prefill rerun: ~20 s alone on two cores
 def test_videos_and_images_match_hf_in_one_batch(video_vl):
     path, hf_model = video_vl
     llm = LLM(path, dtype="float32", kv_cache_memory_gib=0.1)
