@@ -18,7 +18,7 @@ from pressroom.kernels.triton.mla import mla_attention
 # launch: a batch of few long decodes otherwise leaves most of the GPU's multiprocessors idle.
 _PROGRAMS_PER_SM = 2
 _DEFAULT_SMS = 132  # where no CUDA device answers (the Triton interpreter on the CPU): an H100/H200's count
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64  # MLA at batch 1 (one latent head) needs ~64 splits for a wave on an H200 (Kimi-Linear at 128k)
 _MIN_BLOCKS_PER_SPLIT = 4
 
 

@@ -55,7 +55,7 @@ def test_triton_builder_splits_by_the_devices_sm_count(monkeypatch, sms):
     assert len(calls) == 1  # read once, at construction
     assert builder.target_programs == 2 * sms
     for n in (1, 2, 3, 8, 64):
-        assert builder.num_kv_splits(n) == max(1, min(-(-2 * sms // n), 16))
+        assert builder.num_kv_splits(n) == max(1, min(-(-2 * sms // n), triton_backend._MAX_SPLITS))
     builder.num_kv_splits(5)
     assert len(calls) == 1
     assert builder.num_kv_splits(0) == 1

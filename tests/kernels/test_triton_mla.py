@@ -92,6 +92,13 @@ def test_mla_attention_decodes_with_split_kv(dtype, splits):
     _check(batch, splits, TOL[dtype])
 
 
+def test_mla_attention_merges_more_splits_than_one_merge_chunk():
+    """64 splits over a 4,000-token context (31 in use at two 64-token tiles each): the merge walks its splits 16 at
+    a time (batch-1 MLA decodes take up to 64 on a GPU with many SMs)."""
+    batch = LatentBatch([(4000, 1), (300, 1), (0, 1)], 4, 32, 16, 16, torch.float32).to(DEVICE)
+    _check(batch, 64, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_mla_attention_reads_an_fp8_latent_cache(cache_dtype):
     batch = LatentBatch(DECODES, 16, 32, 16, 16, torch.bfloat16)

@@ -242,7 +242,8 @@ def _split_tokens(seq_len, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_T
 def _merge_splits_kernel(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr, HAS_SINKS: tl.constexpr = False, sinks_ptr=None):
+        SPLITS_PAD: tl.constexpr, MIN_TILES: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+        HAS_SINKS: tl.constexpr = False, sinks_ptr=None):
     """One program per (request, query head) of a decode batch: out = sum_s w_s * acc_s / sum_s w_s * l_s (plus
     the head's sink in the denominator)."""
     req = tl.program_id(0)
@@ -251,23 +252,30 @@ def _merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     if (tl.load(qsl_ptr + req + 1) <= token) | (seq_len <= 0):  # padding request: nothing to write
         return
+    in_use = tl.cdiv(seq_len, _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES))
+    row = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
     splits = tl.arange(0, SPLITS_PAD)
-    used = splits < tl.cdiv(seq_len, _split_tokens(seq_len, TILE_N, NUM_SPLITS, MIN_TILES))
-    part = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
-    m = tl.load(part_max_ptr + part, mask=used, other=-1.0e30)
+    m = tl.load(part_max_ptr + row + splits, mask=splits < in_use, other=-1.0e30)
     m_max = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head)
         m_max = tl.maximum(m_max, sink)
-    w = tl.where(used, tl.exp2(m - m_max), 0.0)
-    l = tl.sum(w * tl.load(part_sum_ptr + part, mask=used, other=0.0), 0)
-    if HAS_SINKS:
-        l += tl.exp2(sink - m_max)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None] & d_ok[None, :],
-                  other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l > 0, l, 1.0)
+    l = tl.zeros((), dtype=tl.float32)
+    acc = tl.zeros((D_PAD,), dtype=tl.float32)
+    # MERGE_CHUNK splits at a time: a [splits, D] tile of all of them (64 x MLA's 512) would not fit registers
+    for first in range(0, SPLITS_PAD, MERGE_CHUNK):
+        chunk = first + tl.arange(0, MERGE_CHUNK)
+        used = chunk < in_use
+        w = tl.where(used, tl.exp2(tl.load(part_max_ptr + row + chunk, mask=used, other=-1.0e30) - m_max), 0.0)
+        l += tl.sum(w * tl.load(part_sum_ptr + row + chunk, mask=used, other=0.0), 0)
+        part = tl.load(part_out_ptr + (row + chunk)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=used[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    if HAS_SINKS:
+        l += tl.exp2(sink - m_max)
+    out = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)
 
@@ -326,10 +334,12 @@ def merge_splits(out: torch.Tensor, partials: tuple[torch.Tensor, ...], num_reqs
                  sinks_log2: torch.Tensor | None = None) -> None:
     """Writes the decode output of each of the first num_reqs requests into `out` [T, H, D] from its splits'
     partials (split_partials); sinks_log2 [H]: each head's sink in the denominator, in log2 units."""
+    splits_pad = triton.next_power_of_2(num_splits)
     _merge_splits_kernel[(num_reqs, out.shape[1])](
         out, *partials, seq_lens, query_start_loc, out.stride(0), out.stride(1),
         HEAD_DIM=out.shape[2], D_PAD=d_pad, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), MIN_TILES=MIN_SPLIT_TILES, HAS_SINKS=sinks_log2 is not None,
+        SPLITS_PAD=splits_pad, MIN_TILES=MIN_SPLIT_TILES, MERGE_CHUNK=min(splits_pad, 16),
+        HAS_SINKS=sinks_log2 is not None,
         sinks_ptr=sinks_log2, num_warps=4)
 
 
