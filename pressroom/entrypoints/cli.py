@@ -273,6 +273,9 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                              "the prefix cache (vLLM's)")
     server.add_argument("--enable-server-load-tracking", action="store_true",
                         help="GET /load reports the requests in flight on the model's routes (vLLM's; without it, 0)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with a usage chunk, as if stream_options.include_usage were set "
+                             "(vLLM's)")
     server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),
                         help="larger bodies get a 413")
     server.add_argument("--body-read-timeout", type=float, default=_server_default("body_read_timeout"),

@@ -131,6 +131,7 @@ class OpenAIServing:
         # a request's unset sampling fields: the checkpoint's generation_config.json (set by build_app)
         self.sampling_defaults = SamplingDefaults()
         self.prompt_tokens_details = False  # usage's cached_tokens (--enable-prompt-tokens-details; set by build_app)
+        self.force_include_usage = False  # every stream ends with usage (--enable-force-include-usage; build_app)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -780,12 +781,12 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def stream_usage(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
-    """(usage in a last chunk, usage in every chunk) as stream_options asks (vLLM's: continuous_usage_stats
-    counts only with include_usage)."""
+def stream_usage(req: CompletionRequest | ChatCompletionRequest, forced: bool = False) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage in every chunk) as stream_options asks, or `forced` (--enable-force-include-
+    usage) gives every stream its last one (vLLM's: continuous_usage_stats counts only with include_usage)."""
     options = req.stream_options
-    at_end = bool(options and options.include_usage)
-    return at_end, at_end and bool(options.continuous_usage_stats)
+    at_end = forced or bool(options and options.include_usage)
+    return at_end, at_end and bool(options and options.continuous_usage_stats)
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

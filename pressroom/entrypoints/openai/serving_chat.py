@@ -280,7 +280,7 @@ class OpenAIServingChat(OpenAIServing):
                            tools: ToolPlan | None = None, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
         """`prompt_ids`: the prompt's token ids, which return_token_ids sends in the first chunk (vLLM's)."""
         created = int(time.time())
-        usage_at_end, usage_each = stream_usage(req)
+        usage_at_end, usage_each = stream_usage(req, self.force_include_usage)
         prompt_tokens = len(prompt_ids or [])
         progress = [_ChoiceProgress() for _ in range(req.n)]
 

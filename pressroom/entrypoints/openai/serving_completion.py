@@ -192,7 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = [not req.echo] * total
         offsets = [0] * total  # characters sent of each choice, echo's included: its logprobs' text_offset
         finals: dict[int, RequestOutput] = {}
-        usage_at_end, usage_each = stream_usage(req)
+        usage_at_end, usage_each = stream_usage(req, self.force_include_usage)
         try:
             async for i, out in merge_streams(streams):
                 for c in out.outputs:

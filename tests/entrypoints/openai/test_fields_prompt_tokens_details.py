@@ -1,7 +1,8 @@
-"""Three of vLLM's serve flags: --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the
+"""Four of vLLM's serve flags: --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the
 prompt's tokens read from the prefix cache, whole and streamed), a --max-logprobs below the default (requests past
-it are a 400 naming the limit; up to it they are served) and --enable-server-load-tracking (GET /load counts the
-requests in flight). One tiny llama of its own: the session's shared servers run with none of them."""
+it are a 400 naming the limit; up to it they are served), --enable-server-load-tracking (GET /load counts the
+requests in flight) and --enable-force-include-usage (every stream ends with usage). One tiny llama of its own: the
+session's shared servers run with none of them."""
 from __future__ import annotations
 
 import time
@@ -20,7 +21,7 @@ BLOCK = 16  # the default --block-size: the prefix cache hits whole blocks
 def server(tiny_model_dir, tmp_path_factory):
     from serving import serve
     args = tiny_args(tiny_model_dir("llama"), "--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
-                     "--enable-server-load-tracking")
+                     "--enable-server-load-tracking", "--enable-force-include-usage")
     with serve(args, tmp_path_factory.mktemp("tiny-details") / "server.log") as (url, _):
         yield url
 
@@ -87,3 +88,13 @@ def test_load_counts_a_stream_until_it_ends(server):
     while _load(server) and time.monotonic() < deadline:  # counted until the response's last send returns
         time.sleep(0.05)
     assert _load(server) == 0
+
+
+def test_forced_usage_ends_every_stream(server):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {"model": MODEL, "max_tokens": 3, "ignore_eos": True, "stream": True, **body}
+        with httpx.stream("POST", f"{server}{path}", timeout=60, json=body) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert '"choices":[]' in events[-1] and '"completion_tokens":3' in events[-1]  # no stream_options asked
+        assert all('"usage":null' in event for event in events[:-1])  # continuous stats still need asking for
