@@ -276,6 +276,9 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="every stream ends with a usage chunk, as if stream_options.include_usage were set "
                              "(vLLM's)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs write each token as "token_id:<id>" (a request\'s return_tokens_as_token_ids '
+                             "decides for itself; vLLM's)")
     server.add_argument("--max-request-bytes", type=int, default=_server_default("max_request_bytes"),
                         help="larger bodies get a 413")
     server.add_argument("--body-read-timeout", type=float, default=_server_default("body_read_timeout"),
@@ -446,7 +449,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--enable-prompt-embeds",): ("prompt embeddings as inputs are not supported", ()),
     ("--uds",): ("listening on a Unix domain socket is not supported yet: use --host and --port", ()),
     ("--middleware",): ("ASGI middleware is not loaded from the command line", ()),
-    ("--return-tokens-as-token-ids",): ("logprobs' tokens as token ids are not supported yet", ()),
     ("--tool-parser-plugin",): (_PLUGINS, ()),
     ("--reasoning-parser-plugin",): (_PLUGINS, ()),
     ("--tool-server",): ("built-in tool servers (MCP) are not supported", ()),
@@ -468,7 +470,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--spec-tokens",): ("give speculative decoding as --speculative-config (JSON)", ()),
 }
 _SWITCHES = {"--headless", "--enable-eplb", "--enable-chunked-prefill",
-             "--enable-prompt-embeds", "--return-tokens-as-token-ids",
+             "--enable-prompt-embeds",
              "--disable-sliding-window"}
 
 

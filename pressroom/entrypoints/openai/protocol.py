@@ -193,6 +193,8 @@ class _SamplingRequest(OpenAIModel):
     bad_words: Texts | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: max_model_len; SamplingParams checks
     return_token_ids: bool | None = None  # the response carries prompt_token_ids and each choice's token_ids
+    # vLLM's: logprobs' tokens written "token_id:<id>" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: each prompt position's logprob and its top n (whole responses only; --max-logprobs bounds n)
     prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks

@@ -390,6 +390,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         handler.sampling_defaults = defaults
         handler.prompt_tokens_details = settings.prompt_tokens_details
         handler.force_include_usage = settings.force_include_usage
+        handler.tokens_as_ids = settings.return_tokens_as_token_ids
     media = MediaLoader(settings.media_policy)  # chat's media parts, on threads of their own
     for handler in (chat, responses, messages, audio):
         handler.media = media

@@ -132,6 +132,7 @@ class OpenAIServing:
         self.sampling_defaults = SamplingDefaults()
         self.prompt_tokens_details = False  # usage's cached_tokens (--enable-prompt-tokens-details; set by build_app)
         self.force_include_usage = False  # every stream ends with usage (--enable-force-include-usage; build_app)
+        self.tokens_as_ids = False  # logprobs' tokens as "token_id:<id>" (--return-tokens-as-token-ids; build_app)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         raw = await self._read_body(request)
@@ -319,7 +320,15 @@ class OpenAIServing:
         return EventStream(body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _token_text(self, token: int, position: PositionLogprobs | None) -> str:
+    def _as_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether the request's logprobs write tokens as "token_id:<id>" (its field, else the server's flag)."""
+        return self.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
+
+    def _token_text(self, token: int, position: PositionLogprobs | None, as_id: bool = False) -> str:
+        """A token as logprobs write it: its text, or (vLLM's return_tokens_as_token_ids) "token_id:<id>", which
+        says what a token that is part of a character, or has no text of its own, was."""
+        if as_id:
+            return f"token_id:{token}"
         entry = position.get(token) if position else None
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token

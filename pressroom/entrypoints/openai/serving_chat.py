@@ -265,13 +265,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def _chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
                        req: ChatCompletionRequest) -> ChatLogprobs:
-        content = []
+        content, as_id = [], self._as_ids(req)
         for token, position in zip(token_ids, positions or []):
-            text = self._token_text(token, position)
-            top = [TopLogprob(token=self._token_text(t, position), logprob=finite_logprob(p.logprob),
-                              bytes=list(self._token_text(t, position).encode()))
+            text = self._token_text(token, position)  # its bytes are the token's own, whatever it is written as
+            top = [TopLogprob(token=self._token_text(t, position, as_id), logprob=finite_logprob(p.logprob),
+                              bytes=list(self._token_text(t, position, as_id).encode()))
                    for t, p in top_logprobs(position, req.top_logprobs or 0)]
-            content.append(TokenLogprob(token=text, logprob=finite_logprob(position[token].logprob),
+            content.append(TokenLogprob(token=self._token_text(token, position, as_id),
+                                        logprob=finite_logprob(position[token].logprob),
                                         bytes=list(text.encode()), top_logprobs=top))
         return ChatLogprobs(content=content)
 

@@ -146,7 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
             shown = [] if req.echo_only else list(c.token_ids)  # echo_only: the prompt alone
             if req.logprobs is not None:
                 tokens, positions = self._echoed_positions(out, shown, list(c.logprobs or [])[:len(shown)], req)
-                logprobs = self._completion_logprobs(tokens, positions, req.logprobs)
+                logprobs = self._completion_logprobs(tokens, positions, req.logprobs, as_id=self._as_ids(req))
             text = prefix if req.echo_only else prefix + c.text
             choices.append(CompletionChoice(index=base + c.index, text=text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -166,12 +166,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return list(out.prompt_token_ids) + tokens, prompt + positions
 
     def _completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
-                             offset: int = 0) -> CompletionLogprobs:
+                             offset: int = 0, as_id: bool = False) -> CompletionLogprobs:
         """OpenAI's completion logprobs; each position's `top_logprobs` holds its own token (sampled, or the
         prompt's with echo) beside the top `top`, as vLLM's do."""
         lp = CompletionLogprobs()
         for token, position in zip(token_ids, positions):
-            text = self._token_text(token, position)
+            text = self._token_text(token, position, as_id)
             lp.tokens.append(text)
             lp.text_offset.append(offset)
             offset += len(text)
@@ -180,7 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp.top_logprobs.append(None)
                 continue
             lp.token_logprobs.append(finite_logprob(position[token].logprob) if token in position else None)
-            lp.top_logprobs.append({self._token_text(t, position): finite_logprob(p.logprob)
+            lp.top_logprobs.append({self._token_text(t, position, as_id): finite_logprob(p.logprob)
                                     for t, p in with_own_token(position, token, top)})
         return lp
 
@@ -209,7 +209,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             tokens, positions = [], []
                         if not echoed[k]:  # echo's first chunk: the prompt's logprobs before the first token's
                             tokens, positions = self._echoed_positions(out, list(tokens), list(positions), req)
-                        logprobs = self._completion_logprobs(tokens, positions, req.logprobs, offsets[k])
+                        logprobs = self._completion_logprobs(tokens, positions, req.logprobs, offsets[k],
+                                                             self._as_ids(req))
                         sent_lp[k] = len(c.token_ids)
                     if not delta and c.finish_reason is None and not (logprobs and logprobs.tokens):
                         continue

@@ -52,6 +52,7 @@ class ServerSettings:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     server_load_tracking: bool = False  # GET /load counts the model's requests in flight (else 0, as vLLM's)
     force_include_usage: bool = False  # every stream ends with a usage chunk (--enable-force-include-usage)
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" unless a request says otherwise
     max_request_bytes: int = 8 << 20  # larger bodies get a 413
     # seconds a client has to send a request's whole body (a 408 after), and a new connection its first request's
     # headers (closed after); 0: no limit
@@ -128,6 +129,7 @@ class ServerSettings:
                    prompt_tokens_details=args.enable_prompt_tokens_details,
                    server_load_tracking=args.enable_server_load_tracking,
                    force_include_usage=args.enable_force_include_usage,
+                   return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                    max_concurrent_requests=args.max_concurrent_requests,
                    trust_request_chat_template=args.trust_request_chat_template,

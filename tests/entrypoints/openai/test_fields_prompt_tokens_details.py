@@ -1,8 +1,9 @@
-"""Four of vLLM's serve flags: --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the
+"""Five of vLLM's serve flags: --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens: the
 prompt's tokens read from the prefix cache, whole and streamed), a --max-logprobs below the default (requests past
 it are a 400 naming the limit; up to it they are served), --enable-server-load-tracking (GET /load counts the
-requests in flight) and --enable-force-include-usage (every stream ends with usage). One tiny llama of its own: the
-session's shared servers run with none of them."""
+requests in flight), --enable-force-include-usage (every stream ends with usage) and --return-tokens-as-token-ids
+(logprobs' tokens as "token_id:<id>" unless a request says otherwise). One tiny llama of its own: the session's
+shared servers run with none of them."""
 from __future__ import annotations
 
 import time
@@ -21,7 +22,8 @@ BLOCK = 16  # the default --block-size: the prefix cache hits whole blocks
 def server(tiny_model_dir, tmp_path_factory):
     from serving import serve
     args = tiny_args(tiny_model_dir("llama"), "--enable-prompt-tokens-details", "--max-logprobs", str(MAX_LOGPROBS),
-                     "--enable-server-load-tracking", "--enable-force-include-usage")
+                     "--enable-server-load-tracking", "--enable-force-include-usage",
+                     "--return-tokens-as-token-ids")
     with serve(args, tmp_path_factory.mktemp("tiny-details") / "server.log") as (url, _):
         yield url
 
@@ -98,3 +100,11 @@ def test_forced_usage_ends_every_stream(server):
             events = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert '"choices":[]' in events[-1] and '"completion_tokens":3' in events[-1]  # no stream_options asked
         assert all('"usage":null' in event for event in events[:-1])  # continuous stats still need asking for
+
+
+def test_tokens_as_ids_by_default_unless_the_request_says(server):
+    body = {"prompt": "hi", "logprobs": 1, "return_token_ids": True}
+    out = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    out = _post(server, "/v1/completions", dict(body, return_tokens_as_token_ids=False)).json()["choices"][0]
+    assert "".join(out["logprobs"]["tokens"]) == out["text"]

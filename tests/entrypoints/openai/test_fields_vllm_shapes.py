@@ -1,8 +1,9 @@
 """vLLM 0.32's request fields and response shapes that issue 46 left open, on the session's tiny llama
 (`tiny_server`, vLLM's default --max-logprobs of 20): prompt_logprobs (completions' choices, chat's response; HF's
-values), echo with logprobs (the prompt's own token among its top_logprobs), echo on chat, continuous usage stats,
-system_fingerprint, the message and response keys vLLM sends, streamed prompt_logprobs and stream_options without a
-stream refused as vLLM refuses them, POST /ping and GET /load.
+values), echo with logprobs (the prompt's own token among its top_logprobs; max_tokens 0: the prompt alone),
+return_tokens_as_token_ids, echo on chat, continuous usage stats, system_fingerprint, the message and response keys
+vLLM sends, streamed prompt_logprobs and stream_options without a stream refused as vLLM refuses them, POST /ping and
+GET /load.
 """
 from __future__ import annotations
 
@@ -132,6 +133,21 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(tiny_server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
     assert sum((c["choices"][0]["logprobs"]["tokens"] for c in chunks), []) == lp["tokens"]
     assert _post(tiny_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}).status_code == 400  # no echo
+
+
+def test_return_tokens_as_token_ids_writes_logprobs_tokens_as_ids(tiny_server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "return_token_ids": True}
+    out = _ok(tiny_server, "/v1/completions", dict(body, return_tokens_as_token_ids=True))["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    assert all(key.startswith("token_id:") for top in out["logprobs"]["top_logprobs"] for key in top)
+    plain = _ok(tiny_server, "/v1/completions", body)["choices"][0]
+    assert "".join(plain["logprobs"]["tokens"]) == plain["text"]  # the server's default: the tokens' text
+    chat = _ok(tiny_server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "logprobs": True,
+                                                      "top_logprobs": 1, "return_tokens_as_token_ids": True,
+                                                      "return_token_ids": True})["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert bytes(sum((e["bytes"] for e in content), [])).decode() == chat["message"]["content"]  # the text's bytes
 
 
 CONTINUED = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "1. Red"}]
