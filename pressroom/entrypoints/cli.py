@@ -438,8 +438,6 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("--enable-chunked-prefill", "--no-enable-chunked-prefill"): (
         "pressroom always prefills long prompts in chunks (--max-num-batched-tokens, --long-prefill-token-"
         "threshold): it cannot be turned off", ("--enable-chunked-prefill",)),
-    ("--cpu-offload-gb",): ("weights are not offloaded to host memory (KV-cache blocks are: --kv-offloading-size)",
-                            ("0",)),
     ("--code-revision",): (_HUB, ()),
     ("--hf-token",): ("set HF_TOKEN in the environment: huggingface_hub reads it", ()),
     ("--tokenizer-mode",): ("pressroom reads HF tokenizers (tokenizer.json) or a GGUF's own", ("auto", "hf")),

@@ -63,8 +63,9 @@ POSITIVE_POSTS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
                  "/classify", "/v2/embed"]
 ANY_OBJECT_POSTS = ["/invocations"]  # a JSON object of any fields: it dispatches on them
+FORM_POSTS = ["/v1/audio/transcriptions", "/v1/audio/translations"]  # multipart forms (the text model: 400s)
 CASES = ([("GET", path, "positive") for path in GETS]
-         + [("POST", path, mode) for path in POSTS + POOLING_POSTS for mode in ("positive", "negative")]
+         + [("POST", path, mode) for path in POSTS + POOLING_POSTS + FORM_POSTS for mode in ("positive", "negative")]
          + [("POST", path, "positive") for path in POSITIVE_POSTS + ANY_OBJECT_POSTS])
 
 
