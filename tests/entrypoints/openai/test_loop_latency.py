@@ -200,7 +200,9 @@ def test_a_whole_response_of_many_values_is_built_off_the_loop(server):
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert sorted(c["index"] for c in choices) == list(range(16))
-    assert all(len(c["logprobs"]["tokens"]) == 200 and len(c["logprobs"]["top_logprobs"][0]) == 20 for c in choices)
+    # 20 top logprobs, and the sampled token beside them where it is not among them (vLLM's)
+    assert all(len(c["logprobs"]["tokens"]) == 200 and len(c["logprobs"]["top_logprobs"][0]) in (20, 21)
+               for c in choices)
     assert poller.percentile(0.99) < P99_S and max(poller.latencies) < MAX_S, sorted(poller.latencies)[-5:]
 
 
