@@ -31,8 +31,9 @@ http_response_size_bytes, http_request_duration_highr_seconds, http_request_dura
 
 Left out, no figure pressroom has would be true: admission_rejections_total (vLLM's --max-num-queued-reqs/-tokens
 rejections: pressroom has no such queue bound), the estimated_*_per_gpu MFU estimates (vLLM counts them only with
---enable-mfu-metrics, off by default; pressroom has no per-step FLOP or byte accounting), time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the
-opt-in ones (kv_block_* residency, corrupted_requests).
+--enable-mfu-metrics, off by default; pressroom has no per-step FLOP or byte accounting),
+time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the opt-in
+ones (kv_block_* residency, corrupted_requests).
 
 A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core (the core's clock
 when it scheduled the step, CoreOutputs.scheduled_time); prefill = that to its first token; decode = first to last

@@ -17,10 +17,8 @@ reference, its kernel being causal only).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +35,7 @@ from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RopeTables
+from pressroom.model.models.media_lm import VISION_RENAMES, VISION_TOWER, TowerNameMap
 from pressroom.model.models.qwen2_5_vl import lift_text_config
 from pressroom.model.models.siglip import SiglipVisionModel
 from pressroom.multimodal.inputs import MediaItem, MediaRows
@@ -331,12 +330,13 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(x.to(patches.dtype), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TowerNameMap, Gemma3ForCausalLM):
     """Gemma 3 with its SigLIP tower. Steps without image rows are the text model's (CUDA graphs, the CPU's fused
     decode); steps with them run eagerly (Gemma3Model._forward_media)."""
 
     supports_multimodal = True
     uses_mrope = False
+    TOWER, RENAMES = VISION_TOWER, VISION_RENAMES
 
     def __init__(self, config) -> None:
         vision = config.vision_config
@@ -366,29 +366,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)  # HF's, for one past the vocab
         return self.model(input_ids, positions, aux_layers, media)
 
-    # ---- the name map: the hub's (language_model.model.*, vision_tower.vision_model.*) and transformers' ----
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            yield name, tensor
-
     def skips(self, name: str) -> bool:
         # SigLIP's pooling head (vision_use_head) is not read: Gemma 3 takes the tower's last hidden state
         return name.endswith("position_ids") or name.startswith("vision_tower.head.") or super().skips(name)
 
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
-        return (name, None) if name.startswith(_TOWER) else super().checkpoint_target(name)
-
-    def checkpoint_parts(self, name: str) -> list[str]:
-        return [name] if name.startswith(_TOWER) else super().checkpoint_parts(name)
-
-
-_TOWER = ("vision_tower.", "multi_modal_projector.")
-_RENAMES = [("model.language_model.", "model."), ("model.vision_tower.vision_model.", "vision_tower."),
-            ("model.vision_tower.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
-            ("model.multi_modal_projector.", "multi_modal_projector."), ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head.")]

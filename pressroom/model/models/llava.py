@@ -4,16 +4,13 @@ they replace the prompt's image tokens. Positions are the decoder's usual ones, 
 steps (CUDA graphs and the CPU's fused decode included); only steps that carry image rows run eagerly."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pressroom.model.models.llama import LlamaForCausalLM, RopeTables
+from pressroom.model.models.media_lm import VISION_RENAMES, VISION_TOWER, MediaRowsLlama
 from pressroom.model.models.qwen2_5_vl import lift_text_config
-from pressroom.multimodal.inputs import MediaItem, MediaRows
+from pressroom.multimodal.inputs import MediaItem
 
 _ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "silu": F.silu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -109,9 +106,10 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(MediaRowsLlama):
     supports_multimodal = True
     uses_mrope = False
+    TOWER, RENAMES = VISION_TOWER, VISION_RENAMES
 
     def __init__(self, config) -> None:
         vision = config.vision_config
@@ -144,43 +142,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         rows = self.multi_modal_projector(torch.cat(states, dim=-1))
         return [r for r in rows]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
-                media: MediaRows | None = None):
-        if media is None:
-            return super().forward(input_ids, positions, aux_layers)
-        text = self.model
-        x = text.embed_tokens(input_ids).index_copy(0, media.index, media.rows.to(text.embed_tokens.weight.dtype))
-        rope = RopeTables(text.rotary, *text.rotary.cos_sin(positions))
-        residual, taps = None, {}
-        for i, layer in enumerate(text.layers):
-            x, residual = layer(rope, x, residual)
-            if i in aux_layers:
-                taps[i] = x + residual
-        x, _ = text.norm(x, residual)
-        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
-
-    # ---- the name map: the hub's (language_model.model.*, vision_tower.vision_model.*) and transformers' ----
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            yield name, tensor
-
     def skips(self, name: str) -> bool:
         return name.endswith("position_ids") or super().skips(name)
 
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
-        return (name, None) if name.startswith(_TOWER) else super().checkpoint_target(name)
-
-    def checkpoint_parts(self, name: str) -> list[str]:
-        return [name] if name.startswith(_TOWER) else super().checkpoint_parts(name)
-
-
-_TOWER = ("vision_tower.", "multi_modal_projector.")
-_RENAMES = [("model.language_model.", "model."), ("model.vision_tower.vision_model.", "vision_tower."),
-            ("model.vision_tower.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
-            ("model.multi_modal_projector.", "multi_modal_projector."), ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head.")]

@@ -8,16 +8,13 @@ window), its padding masked out of the encoder's attention keys: the rows HF com
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 from torch import nn
 
-from pressroom.model.models.llama import LlamaForCausalLM, RopeTables
+from pressroom.model.models.media_lm import MediaRowsLlama
 from pressroom.model.models.qwen2_5_vl import lift_text_config
 from pressroom.model.models.whisper_encoder import WhisperEncoder
-from pressroom.multimodal.inputs import MediaItem, MediaRows
+from pressroom.multimodal.inputs import MediaItem
 
 
 class AudioProjector(nn.Module):
@@ -29,9 +26,14 @@ class AudioProjector(nn.Module):
         return self.linear(x)
 
 
-class Qwen2AudioForConditionalGeneration(LlamaForCausalLM):
+class Qwen2AudioForConditionalGeneration(MediaRowsLlama):
     supports_multimodal = True
     uses_mrope = False
+    # the name map: the hub's (language_model.model.*, audio_tower.*) and transformers 5's (model.*)
+    TOWER = ("audio_tower.", "multi_modal_projector.")
+    RENAMES = (("model.language_model.", "model."), ("model.audio_tower.", "audio_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
 
     def __init__(self, config) -> None:
         lift_text_config(config, True)  # Qwen2 biases q, k and v
@@ -54,40 +56,3 @@ class Qwen2AudioForConditionalGeneration(LlamaForCausalLM):
         frames = torch.tensor([m.grid_thw[-1] for m in items], device=device)
         rows = self.multi_modal_projector(self.audio_tower(features, frames))
         return [r[:m.length] for r, m in zip(rows, items)]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
-                media: MediaRows | None = None):
-        if media is None:
-            return super().forward(input_ids, positions, aux_layers)
-        text = self.model
-        x = text.embed_tokens(input_ids).index_copy(0, media.index, media.rows.to(text.embed_tokens.weight.dtype))
-        rope = RopeTables(text.rotary, *text.rotary.cos_sin(positions))
-        residual, taps = None, {}
-        for i, layer in enumerate(text.layers):
-            x, residual = layer(rope, x, residual)
-            if i in aux_layers:
-                taps[i] = x + residual
-        x, _ = text.norm(x, residual)
-        return (x, [taps[i] for i in aux_layers]) if aux_layers else x
-
-    # ---- the name map: the hub's (language_model.model.*, audio_tower.*) and transformers 5's (model.*) ----
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-        for name, tensor in weights:
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            yield name, tensor
-
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
-        return (name, None) if name.startswith(_TOWER) else super().checkpoint_target(name)
-
-    def checkpoint_parts(self, name: str) -> list[str]:
-        return [name] if name.startswith(_TOWER) else super().checkpoint_parts(name)
-
-
-_TOWER = ("audio_tower.", "multi_modal_projector.")
-_RENAMES = [("model.language_model.", "model."), ("model.audio_tower.", "audio_tower."),
-            ("model.multi_modal_projector.", "multi_modal_projector."), ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head.")]
