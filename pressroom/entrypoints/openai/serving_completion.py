@@ -1,6 +1,7 @@
 """/v1/completions: one or more prompts (text or token ids) x n, whole or streamed, with logprobs and echo."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -48,9 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "sample the n choices instead of searching.", param="use_beam_search")
         if req.suffix:
             raise APIError(400, "suffix is not supported.", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of is not supported (vLLM's V1 engine dropped it): ask for n samples with "
-                                "logprobs and keep the best by their cumulative logprob.", param="best_of")
+        best_of = _best_of(req)
         routing = request_routing(request, req)
         try:
             given = _prompt_list(req.prompt)
@@ -58,6 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, str(e), param="prompt") from None
         prompts = await self._completion_prompts(req, given)
         params = [self._sampling_params(req, req.max_tokens, ids, "prompt") for _, ids in prompts]
+        if best_of > req.n:  # best_of samples, each scored by its cumulative logprob (the sampled tokens' own)
+            params = [sp.clone(n=best_of, logprobs=0 if sp.logprobs is None else sp.logprobs) for sp in params]
         self._admit(req.tokens_cost([len(ids) for _, ids in prompts], self.engine.max_model_len))
         rid = random_id("cmpl")
         if req.use_beam_search:
@@ -68,11 +69,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return self._sse(self._completion_chunks(rid, model, req, streams))
         finals = await with_disconnect(request, collect_finals(streams))
+        usage = self._usage(finals)  # every sample best_of made, as OpenAI counts them
+        if best_of > req.n:
+            finals = [_best_samples(out, req.n, keep_logprobs=req.logprobs is not None) for out in finals]
 
         def response() -> CompletionResponse:
             choices = [choice for i, out in enumerate(finals)
                        for choice in self._completion_choices(out, req, i * req.n)]
-            return CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
+            return CompletionResponse(id=rid, model=model, choices=choices, usage=usage,
                                       system_fingerprint=self.system_fingerprint,
                                       kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return await json_response(response, "choices", output_values(finals, req.logprobs))
@@ -261,3 +265,28 @@ def _token_ids(req: CompletionRequest, prompt_ids: list[int] | None, ids: list[i
     if not req.return_token_ids:
         return {}
     return {"prompt_token_ids": None if prompt_ids is None else list(prompt_ids), "token_ids": list(ids)}
+
+
+def _best_of(req: CompletionRequest) -> int:
+    """best_of (OpenAI's): how many samples a prompt makes, of which the n with the highest cumulative logprob come
+    back. Not streamed (the best are known only at the end) and never fewer than n."""
+    if req.best_of is None or req.best_of == req.n:
+        return req.n
+    if req.best_of < req.n:
+        raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n}).", param="best_of")
+    if req.use_beam_search:
+        raise APIError(400, "best_of does not apply to beam search (its n beams are the best ones): leave it out.",
+                       param="best_of")
+    if req.stream:
+        raise APIError(400, "best_of above n cannot be streamed: the best samples are known only once all end; "
+                            "leave out `stream` or best_of.", param="best_of")
+    return req.best_of
+
+
+def _best_samples(out: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
+    """The n samples of `out` with the highest cumulative logprob, best first and numbered 0..n-1; their per-token
+    logprobs dropped where the request asked for none (they were taken only to score the samples)."""
+    best = sorted(out.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+    kept = [dataclasses.replace(c, index=i, **({} if keep_logprobs else {"logprobs": None, "cumulative_logprob": None}))
+            for i, c in enumerate(best)]
+    return dataclasses.replace(out, outputs=kept)

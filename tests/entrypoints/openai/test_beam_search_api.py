@@ -65,7 +65,7 @@ def test_streamed_beam_search_is_a_400_as_on_vllm(server):
     ({"use_beam_search": True, "n": 11}, "n"),
     ({"use_beam_search": True, "stop": ["x"]}, "stop"),
     ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"best_of": 2}, "best_of"),
+    ({"use_beam_search": True, "best_of": 2}, "best_of"),
 ])
 def test_what_beam_search_cannot_honour_is_a_400_naming_it(server, fields, param):
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields},

@@ -225,3 +225,28 @@ def test_ping_answers_post_too_and_load_is_served(tiny_server):
         assert httpx.request(method, f"{tiny_server}/ping", timeout=30).status_code == 200
     # vLLM's GET /load: 0 without --enable-server-load-tracking (test_fields_prompt_tokens_details.py counts)
     assert httpx.get(f"{tiny_server}/load", timeout=30).json() == {"server_load": 0}
+
+
+# ---- best_of ----
+
+def test_best_of_keeps_the_n_samples_of_highest_cumulative_logprob(tiny_server):
+    body = {"prompt": PROMPT, "n": 2, "best_of": 5, "max_tokens": 6, "ignore_eos": True, "temperature": 1.0,
+            "seed": 3}
+    out = _ok(tiny_server, "/v1/completions", dict(body, logprobs=0))
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["completion_tokens"] == 5 * 6  # every sample best_of made
+    scores = [sum(c["logprobs"]["token_logprobs"]) for c in out["choices"]]
+    assert scores[0] >= scores[1]
+    # the same seed's five samples, all returned: the two kept are their best two
+    every = _ok(tiny_server, "/v1/completions", dict(body, n=5, best_of=None, logprobs=0))
+    best = sorted((sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]), reverse=True)[:2]
+    assert scores == pytest.approx(best, abs=1e-4)
+    plain = _ok(tiny_server, "/v1/completions", body)  # no logprobs asked: none shown, though they scored
+    assert all(c["logprobs"] is None for c in plain["choices"]) and len(plain["choices"]) == 2
+
+
+@pytest.mark.parametrize("fields", [{"n": 3, "best_of": 2}, {"n": 1, "best_of": 3, "stream": True}])
+def test_best_of_below_n_or_streamed_is_a_400(tiny_server, fields):
+    r = _post(tiny_server, "/v1/completions", dict(fields, prompt=PROMPT, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
