@@ -433,43 +433,18 @@ class Scheduler:
                 continue
             if not self._adapter_fits(req):  # --max-loras adapters run already
                 continue
-            if req.pooling is None:
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                loaded = self.kv.offloaded_chunks(req, len(hits))
-            else:  # pooling reads the hidden states of every prompt token: no prefix hits
-                hits, num_hit, loaded = [], 0, ()
-            if loaded is None:  # its prefix is on its way from a secondary offload tier
+            sources = self._prefix_sources(req)
+            if sources is None:  # its prefix is on its way from an offload tier or another engine
                 continue
-            num_hit += len(loaded) * self.kv.block_size
-            external = 0  # prompt tokens a KV connector loads from another engine, after the local hits
-            if self.connector is not None and req.pooling is None:
-                external = self.connector.get_num_new_matched_tokens(req, num_hit)
-                if external is None:  # its prompt's KV is on its way from another engine
-                    continue
+            hits, num_hit, loaded, external = sources
             self._deferred.discard(req.request_id)  # from here on, only room (budget, blocks) holds it back
             req.num_computed_tokens = 0
-            if req.whole_prompt:  # an encoder's prompt is never chunked: it waits for a step with room
-                if req.num_tokens > budget:
-                    continue
-                n = req.num_tokens
-            else:
-                n = self._prefill_chunk(min(req.num_tokens - num_hit - external, budget), num_hit + external, budget)
-                n = media_chunk(req.mm_features, num_hit + external, n, budget, self._encoder)
-                if n == 0:  # its next image waits for a step with room (tokens or encoder budget) for it
-                    continue
+            n = self._first_chunk(req, num_hit + external, budget)
+            if n == 0:  # it waits for a step with room (tokens, or encoder budget for its next image) for it
+                continue
             if not self.kv.allocate_slots(req, external + n + self.lookahead, hits, loaded):
                 break
-            if external:
-                self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), len(hits), external)
-                num_hit += external
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-                if self.connector is not None and req.pooling is None:
-                    self._external_queries += req.num_tokens
-                    self._external_hits += external
-                if external:
-                    self._external[req.request_id] = external
+            num_hit = self._take_prefix(req, len(hits), num_hit, external)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted += 1
@@ -489,6 +464,49 @@ class Scheduler:
         if admitted:
             self.waiting = [e for e in self.waiting if e[2].status != RequestStatus.RUNNING]
             heapq.heapify(self.waiting)
+
+    def _prefix_sources(self, req: Request) -> tuple[list, int, tuple, int] | None:
+        """Where `req`'s prompt KV comes from before it computes: the device's prefix hits, the chunks an offload
+        tier holds past them (both in num_hit) and the tokens a KV connector loads from another engine after those
+        (external); None while any of them is still on its way."""
+        if req.pooling is None:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            loaded = self.kv.offloaded_chunks(req, len(hits))
+        else:  # pooling reads the hidden states of every prompt token: no prefix hits
+            hits, num_hit, loaded = [], 0, ()
+        if loaded is None:
+            return None
+        num_hit += len(loaded) * self.kv.block_size
+        external = 0
+        if self.connector is not None and req.pooling is None:
+            external = self.connector.get_num_new_matched_tokens(req, num_hit)
+            if external is None:
+                return None
+        return hits, num_hit, loaded, external
+
+    def _first_chunk(self, req: Request, computed: int, budget: int) -> int:
+        """The prompt tokens `req` computes in its first step after `computed` known ones (0: it waits). An
+        encoder's prompt is never chunked; a chunk never ends inside an image's bidirectional run."""
+        if req.whole_prompt:
+            return req.num_tokens if req.num_tokens <= budget else 0
+        n = self._prefill_chunk(min(req.num_tokens - computed, budget), computed, budget)
+        return media_chunk(req.mm_features, computed, n, budget, self._encoder)
+
+    def _take_prefix(self, req: Request, num_hit_blocks: int, num_hit: int, external: int) -> int:
+        """Books an admitted request's known prompt tokens (the connector told of its blocks, the first admission's
+        cache and connector counts); returns them, external tokens included."""
+        if external:
+            self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_hit_blocks, external)
+            num_hit += external
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+            if self.connector is not None and req.pooling is None:
+                self._external_queries += req.num_tokens
+                self._external_hits += external
+            if external:
+                self._external[req.request_id] = external
+        return num_hit
 
     def _adapter_fits(self, req: Request) -> bool:
         """Whether the running requests with `req` hold at most max_loras distinct LoRA adapters."""

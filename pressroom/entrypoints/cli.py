@@ -235,7 +235,9 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    _add_server_args(serve.add_argument_group("server"))
+    server = serve.add_argument_group("server")
+    _add_server_args(server)
+    _add_server_chat_args(server)
     _add_tls_args(serve.add_argument_group("https: uvicorn's TLS on the server's socket"))
     _add_generation_args(serve.add_argument_group("generation defaults: what a request that leaves a sampling "
                                                   "parameter out gets"))
@@ -286,6 +288,10 @@ def _add_server_args(server: argparse._ArgumentGroup) -> None:
                         "connection its first request's headers (closed after); 0: no limit")
     server.add_argument("--max-concurrent-requests", type=int, default=_server_default("max_concurrent_requests"),
                         help="generation requests in flight beyond this get a 429 with Retry-After (0: no limit)")
+
+
+def _add_server_chat_args(server: argparse._ArgumentGroup) -> None:
+    """The server's chat handling: templates, reasoning spans and tool calls."""
     server.add_argument("--chat-template", default=None,
                         help="a chat template (a file, or the template itself) in place of the tokenizer's")
     server.add_argument("--default-chat-template-kwargs", default=None,

@@ -76,7 +76,13 @@ from pressroom.entrypoints.openai.protocol_messages import (
 )
 from pressroom.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from pressroom.entrypoints.openai.reasoning import make_parser
-from pressroom.entrypoints.openai.serving import ACCESS_RECORD_KEY, AccessRecord, OpenAIServingUtility, ServerLoad
+from pressroom.entrypoints.openai.serving import (
+    ACCESS_RECORD_KEY,
+    AccessRecord,
+    OpenAIServing,
+    OpenAIServingUtility,
+    ServerLoad,
+)
 from pressroom.entrypoints.openai.serving_audio import OpenAIServingAudio
 from pressroom.entrypoints.openai.serving_chat import MediaLoader, OpenAIServingChat
 from pressroom.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -384,28 +390,12 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     adapters = served_adapters(settings, engine, names[0])
     messages = OpenAIServingMessages(*shared, chat.reasoning, chat.auto_tool_parser)
     audio = OpenAIServingAudio(*shared)
-    defaults = server_sampling_defaults(settings, engine)
-    for handler in (utility, completion, chat, pooling, responses, messages, audio):
-        handler.adapters = adapters
-        handler.sampling_defaults = defaults
-        handler.prompt_tokens_details = settings.prompt_tokens_details
-        handler.force_include_usage = settings.force_include_usage
-        handler.tokens_as_ids = settings.return_tokens_as_token_ids
+    _share_settings((utility, completion, chat, pooling, responses, messages, audio), settings, adapters,
+                    server_sampling_defaults(settings, engine))
     media = MediaLoader(settings.media_policy)  # chat's media parts, on threads of their own
     for handler in (chat, responses, messages, audio):
         handler.media = media
-
-    @asynccontextmanager
-    async def lifespan(_):
-        await preprocessor.start()
-        logging_task = None
-        if settings.log_stats_interval > 0:
-            logging_task = asyncio.create_task(stats.log_periodically(engine.stats, settings.log_stats_interval))
-        yield
-        if logging_task is not None:
-            logging_task.cancel()
-        await preprocessor.close()
-
+    lifespan = _lifespan(engine, settings, stats, preprocessor)
     # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: they work with no network.
     app = FastAPIOffline(title="pressroom", version=pressroom.__version__, lifespan=lifespan,
                          swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io's validator
@@ -423,6 +413,34 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stats.instrument(app)  # outermost: the guards' 401s and 429s are counted too
     _add_exception_handlers(app)
     return app
+
+
+def _share_settings(handlers: tuple[OpenAIServing, ...], settings: ServerSettings, adapters,
+                    defaults: SamplingDefaults) -> None:
+    """What every handler reads alike: the served adapters, the sampling defaults, the usage and logprob flags."""
+    for handler in handlers:
+        handler.adapters = adapters
+        handler.sampling_defaults = defaults
+        handler.prompt_tokens_details = settings.prompt_tokens_details
+        handler.force_include_usage = settings.force_include_usage
+        handler.tokens_as_ids = settings.return_tokens_as_token_ids
+
+
+def _lifespan(engine: AsyncLLMEngine, settings: ServerSettings, stats: ServerMetrics, preprocessor: Preprocessor):
+    """The app's lifespan: the preprocessor's workers, and the periodic stats line while the app runs."""
+
+    @asynccontextmanager
+    async def lifespan(_):
+        await preprocessor.start()
+        logging_task = None
+        if settings.log_stats_interval > 0:
+            logging_task = asyncio.create_task(stats.log_periodically(engine.stats, settings.log_stats_interval))
+        yield
+        if logging_task is not None:
+            logging_task.cancel()
+        await preprocessor.close()
+
+    return lifespan
 
 
 def server_sampling_defaults(settings: ServerSettings, engine: AsyncLLMEngine) -> SamplingDefaults:
