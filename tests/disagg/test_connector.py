@@ -27,9 +27,18 @@ FINGERPRINT = bytes(range(16))
 
 
 def connector(role: str, **extra) -> NixlConnector:
-    config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_port=free_port(),
-                              kv_buffer_size=64 << 10, transfer_timeout_s=extra.pop("timeout", 10.0), **extra)
-    return NixlConnector(config, fingerprint=FINGERPRINT, chunk_shape=CHUNK, kv_dtype=torch.float32, block_size=BS)
+    """A connector listening on a free port. The port is free when picked, not when NIXL binds it (a clean-clone CI
+    run once lost that race: "Address already in use"), so a bind failure tries another port, twice at most."""
+    timeout = extra.pop("timeout", 10.0)
+    for attempt in range(3):
+        config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_port=free_port(),
+                                  kv_buffer_size=64 << 10, transfer_timeout_s=timeout, **extra)
+        try:
+            return NixlConnector(config, fingerprint=FINGERPRINT, chunk_shape=CHUNK, kv_dtype=torch.float32,
+                                 block_size=BS)
+        except RuntimeError as e:
+            if "bind" not in str(e) or attempt == 2:
+                raise
 
 
 @pytest.fixture
