@@ -1,37 +1,72 @@
 #!/usr/bin/env bash
-# What earlier sessions owe the GPU (issues 43-49, 2026-12-07), in one H200 call of under 600 s, each step under its
-# own timeout so one hang does not take the rest: the GPU tests of code written without a GPU (weight offload after
-# its two fixes, sleep mode, DSpark over Llama/DeepSeek targets), then the figures (Kimi-Linear's 4k/128k decode
-# after split-KV's cap went 16 -> 64, DeepSeek-V4 against HF, 16 LoRA adapters against the base, decode with 8 GiB
-# of weights offloaded). Needs more than an H100's memory for Kimi-Linear-48B: run with needs_h200.
-# Carry [".whl", ".whl-hf"] (benchmarks/gpu/wheels.sh builds them).
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [tests|figures|all]
+# What earlier sessions owe the GPU (issues 42-49, 2026-12-07), on one H200 in two calls (A, B) each well under the
+# 600 s a call may run, each step under its own timeout so one hang does not take the rest, most valuable first.
+# A: weight offload's GPU test (after its two fixes), the pinned host->device copy bandwidth and batch-1 decode with
+#    8 GiB of weights offloaded (the decode against the transfer bound), DeepSeek-V4 against HF transformers, 16
+#    rank-16 LoRA adapters against the base model (throughput and batch-1 decode: issue 48's 0.8x / 0.85x bars).
+# B: sleep mode's and DSpark's GPU tests, Kimi-Linear-48B's 4k/128k decode after split-KV's cap went 16 -> 64.
+# Needs more than an H100's memory (Kimi-Linear-48B, V4 beside HF): run with needs_h200.
+# Carry [".whl", ".whl-hf"] (benchmarks/gpu/wheels.sh builds them). Everything written ends in OUT_DIR/owed_PART.tgz
+# (a device call brings back 8 files at most).
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [tests|figures|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu/setup.sh > /dev/null
 step() { local seconds=$1 name=$2; shift 2; echo "== $name ($(date -u +%T))"; timeout "$seconds" "$@" > "$out/$name.log" 2>&1;
-         echo "rc $?"; grep -E "passed|failed|^E |decode step|tok/s|error" "$out/$name.log" | tail -8; }
-cli() { python3 -m pressroom.entrypoints.cli "$@"; }
-if [[ $part == tests || $part == all ]]; then
-  step 70 offload python3 -m pytest -q tests/gpu/test_weight_offload_gpu.py --tb=short
-  step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
-fi
-if [[ $part == figures || $part == all ]]; then
-  step 150 kimi bash benchmarks/gpu/recurrent_bench.sh "$out/rb" kimi-linear-48b-a3b 4096,131072
-  step 140 v4_hf bash benchmarks/gpu/v4_bench.sh "$out/v4h" hf
-  # random-token prompts: the tokenizer is never read, one entry serves
-  python3 -c "from tokenizers import Tokenizer; from tokenizers.models import WordLevel
+         echo "rc $? ($(date -u +%T))"; grep -E "passed|failed|^E |decode step|tok/s|GB/s|cpu-offload-gb|error|Error" \
+         "$out/$name.log" | grep -v "^INFO" | tail -10; }
+cli=(python3 -m pressroom.entrypoints.cli)  # an array: timeout runs programs, not shell functions
+
+# pinned host -> device, 1 GiB a copy: the bound of a step streaming the offloaded layers
+cat > /tmp/h2d_bandwidth.py <<'EOF'
+import json, sys, torch
+n = 1 << 30
+host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+for _ in range(3):
+    dev.copy_(host, non_blocking=True)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+reps = 10
+start.record()
+for _ in range(reps):
+    dev.copy_(host, non_blocking=True)
+end.record()
+end.synchronize()
+gbps = reps * n / (start.elapsed_time(end) / 1e3) / 1e9
+report = {"bytes_per_copy": n, "copies": reps, "pinned_h2d_GB_per_s": round(gbps, 2),
+          "device": torch.cuda.get_device_name(), "bound_s_per_8GiB": round(8 * n / (gbps * 1e9), 4)}
+print(f"pinned h2d {gbps:.2f} GB/s; 8 GiB a step -> {report['bound_s_per_8GiB'] * 1e3:.1f} ms "
+      f"({1 / report['bound_s_per_8GiB']:.2f} tok/s at batch 1)")
+json.dump(report, open(sys.argv[1], "w"), indent=2)
+EOF
+
+# random-token prompts: the tokenizer is never read, one entry serves
+python3 -c "from tokenizers import Tokenizer; from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast as F
 F(tokenizer_object=Tokenizer(WordLevel({'<unk>': 0}, unk_token='<unk>')), unk_token='<unk>').save_pretrained('/tmp/tok')"
-  shape=(--model pressroom/benchmarks/configs/llama-3.1-8b --load-format dummy --tokenizer /tmp/tok --skip-tokenizer-init
-         --ignore-eos)
-  step 120 lora_throughput cli bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
-    --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128
-  step 60 offload_latency cli bench latency "${shape[@]}" --backend pressroom --cpu-offload-gb 8 --batch-size 1 \
-    --input-len 32 --output-len 128 --num-iters 3
+shape=(--model pressroom/benchmarks/configs/llama-3.1-8b --load-format dummy --tokenizer /tmp/tok --skip-tokenizer-init
+       --ignore-eos)
+if [[ $part == A || $part == all ]]; then
+  step 80 offload_test python3 -m pytest -q tests/gpu/test_weight_offload_gpu.py --tb=short
+  step 20 h2d_bandwidth python3 /tmp/h2d_bandwidth.py "$out/h2d_bandwidth.json"
+  # batch 1: every step streams the offloaded layers (>= 8 GiB), so a short output suffices
+  step 75 offload_latency "${cli[@]}" bench latency "${shape[@]}" --backend pressroom --cpu-offload-gb 8 --batch-size 1 \
+    --input-len 32 --output-len 32 --num-iters 2 --output-json "$out/offload_latency.json"
+  # v4_bench.sh's hf part at HF's batch 64 alone (its batch 16 doubled HF's time for a lower figure)
+  step 165 v4_hf "${cli[@]}" bench gpu --model deepseek-v4-flash-reduced --workloads decode,throughput --num-prompts 128 \
+    --input-len 256 --output-len 128 --hf-batch-sizes 64 --hf-max-requests 64 --output-json "$out/v4_bench_gpu.json"
+  step 120 lora_throughput "${cli[@]}" bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
+    --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
+  step 80 lora_latency "${cli[@]}" bench latency "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
+    --lora-rank 16 --batch-size 1 --input-len 32 --output-len 128 --output-json "$out/lora_latency.json"
+fi
+if [[ $part == B || $part == all ]]; then
+  step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
+  step 150 kimi bash benchmarks/gpu/recurrent_bench.sh "$out/rb" kimi-linear-48b-a3b 4096,131072
 fi
 rm -f "$out"/*/gpu.txt "$out"/rb/context.log
+(cd "$out" && tar czf "owed_$part.tgz" --exclude='*.tgz' . && find . -mindepth 1 ! -name '*.tgz' -delete)
