@@ -106,6 +106,8 @@ class ModelConfig:
     max_logprobs: int = 20
     cpu_offload_gb: float = 0  # GiB of decoder layers kept in host memory, streamed in (model/weight_offload.py)
     enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up and the server's /sleep may free the engine's memory
+    # media items one prompt may hold, per modality (--limit-mm-per-prompt); a modality not named: 999, vLLM's
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb < 0:
@@ -846,6 +848,9 @@ class EngineArgs:
                                           "so a checkpoint whose architecture it lacks is refused, naming it")
     skip_tokenizer_init: bool = _config_arg(ModelConfig, "skip_tokenizer_init",
                                             "load no tokenizer: prompts and outputs are token ids only")
+    limit_mm_per_prompt: dict | str | None = _arg(None, 'media items one prompt may hold, per modality, a JSON '
+                                                        'object, e.g. {"image": 2, "audio": 1} (default: 999 of '
+                                                        "each, vLLM's)")
     hf_overrides: dict | str | None = _arg(None, 'config.json values to replace, a JSON object, e.g. '
                                                  '{"max_position_embeddings": 131072}; a nested object updates that '
                                                  "sub-config (text_config, vision_config) key by key")
@@ -922,10 +927,14 @@ class EngineArgs:
                            dtype=resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                            seed=self.seed, quantization=self.quantization, skip_tokenizer_init=self.skip_tokenizer_init,
                            cpu_offload_gb=self.cpu_offload_gb, enable_sleep_mode=self.enable_sleep_mode,
-                           max_logprobs=self.max_logprobs,
+                           max_logprobs=self.max_logprobs, limit_mm_per_prompt=self._media_limits(),
                            hf_overrides=None if self.hf_overrides is None else json_object(self.hf_overrides,
                                                                                            "hf_overrides"),
                            batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)
+
+    def _media_limits(self) -> dict[str, int] | None:
+        from pressroom.multimodal.media import limits_of
+        return None if self.limit_mm_per_prompt is None else limits_of(self.limit_mm_per_prompt)
 
     def _cache_config(self, device: str, dtype: torch.dtype) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,

@@ -383,6 +383,7 @@ class LLMEngine:
         """The model's media processors (a ValueError naming multi_modal_data for a text-only model)."""
         if self._media_processor is None:
             self._media_processor = MediaProcessor(resolve_model_path(self.config.model.model), self.hf_config,
+                                                   limits=self.config.model.limit_mm_per_prompt,
                                                    tokenizer=self.tokenizer)
         return self._media_processor
 

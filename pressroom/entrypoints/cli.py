@@ -356,9 +356,6 @@ def _add_media_args(media: argparse._ArgumentGroup) -> None:
                             "(default: none, no http(s) media; vLLM's: any)")
     media.add_argument("--allowed-local-media-path", default="", metavar="FOLDER",
                        help="the folder file:// media URLs may read under (default: none, no file:// media)")
-    media.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                       help='media items one prompt may hold, per modality, e.g. \'{"image": 2, "audio": 1}\' '
-                            "(default: 999 of each, vLLM's)")
     media.add_argument("--media-fetch-timeout", type=float, default=_media_default("fetch_timeout"),
                        metavar="SECONDS", help="seconds an http(s) media fetch may take in all, redirects included "
                                                "(vLLM's VLLM_IMAGE_FETCH_TIMEOUT)")

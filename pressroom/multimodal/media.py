@@ -116,7 +116,7 @@ class MediaPolicy:
             raise ValueError(f"--media-fetch-timeout must be positive; got {self.fetch_timeout}.")
         if not self.max_audio_seconds > 0:
             raise ValueError("MediaPolicy.max_audio_seconds must be positive.")
-        object.__setattr__(self, "limit_per_prompt", _limits(self.limit_per_prompt))
+        object.__setattr__(self, "limit_per_prompt", limits_of(self.limit_per_prompt))
         object.__setattr__(self, "allowed_media_domains",
                            tuple(_host(d) if d != ANY_DOMAIN else d for d in self.allowed_media_domains))
         root = self.allowed_local_media_path
@@ -130,17 +130,15 @@ class MediaPolicy:
         return ANY_DOMAIN in self.allowed_media_domains or _host(host) in self.allowed_media_domains
 
 
-def parse_limit_per_prompt(text: str) -> dict[str, int]:
-    """--limit-mm-per-prompt as vLLM takes it: a JSON object of counts, '{"image": 2, "audio": 1}' (a modality's
-    value may also be vLLM's {"count": N, ...} form, of which the count is read)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f'--limit-mm-per-prompt: not JSON ({e}); e.g. \'{{"image": 2, "audio": 1}}\'') from None
-    return _limits(value)
-
-
-def _limits(value: Any) -> dict[str, int]:
+def limits_of(value: str | Mapping[str, Any]) -> dict[str, int]:
+    """--limit-mm-per-prompt (LLM's limit_mm_per_prompt) as vLLM takes it: a JSON object of counts, '{"image": 2,
+    "audio": 1}', or that mapping itself (a modality's value may also be vLLM's {"count": N, ...} form, of which the
+    count is read)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'--limit-mm-per-prompt: not JSON ({e}); e.g. \'{{"image": 2, "audio": 1}}\'') from None
     if not isinstance(value, Mapping):
         raise ValueError('--limit-mm-per-prompt: a JSON object of counts, e.g. \'{"image": 2, "audio": 1}\'')
     out = {}

@@ -109,6 +109,19 @@ def test_bad_chat_parts_are_value_errors(vl_llm):
                     use_tqdm=False)
 
 
+def test_limit_mm_per_prompt_offline_as_vllm_spells_it(tiny_vl):
+    """LLM(limit_mm_per_prompt=...) caps the items of one prompt per modality (vLLM's constructor argument);
+    within the cap the prompt runs."""
+    llm = LLM(tiny_vl[0], dtype="float32", kv_cache_memory_gib=0.02, limit_mm_per_prompt={"image": 1})
+    two = {"prompt": f"{PAD}{PAD}", "multi_modal_data": {"image": [random_image(0, (60, 60))] * 2}}
+    with pytest.raises(ValueError, match=r"At most 1 image.*limit_mm_per_prompt"):
+        llm.generate(two, GREEDY, use_tqdm=False)
+    one = {"prompt": PAD, "multi_modal_data": {"image": random_image(0, (60, 60))}}
+    assert len(llm.generate(one, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+        LLM(tiny_vl[0], dtype="float32", limit_mm_per_prompt={"image": -1})
+
+
 def test_preprocessed_media_equal_multi_modal_data(vl_llm):
     """The server's way: media processed off the engine's lock (process_media), then added with mm_features."""
     engine = vl_llm.engine

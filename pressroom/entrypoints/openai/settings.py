@@ -13,7 +13,7 @@ from pressroom.engine.sampling_defaults import GENERATION_CONFIG_AUTO, check_gen
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
 from pressroom.entrypoints.openai.tls import TLSSettings
-from pressroom.multimodal.media import MediaPolicy, parse_limit_per_prompt
+from pressroom.multimodal.media import MediaPolicy, limits_of
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
 REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3", "mimo", "granite",
@@ -161,7 +161,7 @@ def media_policy_of(args: argparse.Namespace) -> MediaPolicy:
     return MediaPolicy(allowed_media_domains=tuple(args.allowed_media_domains or ()),
                        allowed_local_media_path=args.allowed_local_media_path or "",
                        fetch_timeout=args.media_fetch_timeout,
-                       limit_per_prompt=parse_limit_per_prompt(limits) if limits else {})
+                       limit_per_prompt=limits_of(limits) if limits else {})
 
 
 def api_keys_of(flag: list[str] | None) -> tuple[str, ...]:
