@@ -231,6 +231,10 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
     from pressroom.benchmarks.structured import add_structured_bench_args
     add_structured_bench_args(_subparser(bench_sub, "structured", "structured outputs vs unconstrained output tok/s "
                                                                   "through one server (a fixed JSON schema)"))
+    from pressroom.benchmarks.disagg import add_disagg_bench_args
+    add_disagg_bench_args(_subparser(bench_sub, "disagg", "disaggregated prefill/decode (prefill + decode engines "
+                                                          "and the router) vs one engine: streams' ITL under long "
+                                                          "prompts"))
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -647,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
             from pressroom.benchmarks import structured
             structured.run(args)
             return 0
+        if args.command == "bench" and args.bench_command == "disagg":
+            from pressroom.benchmarks import disagg
+            return disagg.main(args)
         if args.command == "bench" and args.bench_command == "serve":
             from pressroom.benchmarks import serve
             return 0 if serve.run(args)["completed"] else 1
