@@ -32,6 +32,9 @@ DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O; 0 alone differs here: no CUDA graphs
 VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
+# Patch counts a vision tower's CUDA graphs are captured at (worker/encoder_graphs.py): a 1024x1024 image is 5476
+# Qwen2.5-VL patches (6144's bucket); the largest bounds the graphs' memory (full attention over it: patches^2)
+ENCODER_CUDAGRAPH_SIZES = (1024, 2048, 4096, 6144, 8192)
 
 
 def resolve_device(device: str) -> str:
@@ -166,8 +169,13 @@ class CompilationConfig:
     """CUDA graphs: decode steps of up to `max_cudagraph_capture_size` requests replay a captured graph."""
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 512
+    # the vision tower's graphs: a step's images padded to the smallest of these patch counts that holds them
+    encoder_cudagraph_sizes: tuple[int, ...] = ENCODER_CUDAGRAPH_SIZES
 
     def __post_init__(self) -> None:
+        if not self.encoder_cudagraph_sizes or min(self.encoder_cudagraph_sizes) < 1:
+            raise ValueError("encoder_cudagraph_sizes must be positive patch counts, e.g. 1024,4096; got "
+                             f"{self.encoder_cudagraph_sizes!r}.")
         if not 1 <= self.max_cudagraph_capture_size <= MAX_CUDAGRAPH_CAPTURE_SIZE:
             raise ValueError(f"max_cudagraph_capture_size must lie in [1, {MAX_CUDAGRAPH_CAPTURE_SIZE}], "
                              f"got {self.max_cudagraph_capture_size}.")
@@ -825,6 +833,10 @@ class EngineArgs:
     max_cudagraph_capture_size: int = _config_arg(CompilationConfig, "max_cudagraph_capture_size",
                                                   "largest decode batch replayed from a captured CUDA graph "
                                                   f"(at most {MAX_CUDAGRAPH_CAPTURE_SIZE})")
+    encoder_cudagraph_sizes: str | list[int] | None = _arg(
+        None, "patch counts (comma-separated) a vision tower's CUDA graphs are captured at; a step's images are "
+              "padded to the smallest that holds them, larger ones run eagerly (default: "
+              f"{','.join(map(str, ENCODER_CUDAGRAPH_SIZES))}; --enforce-eager: none)")
     enable_sleep_mode: bool = _config_arg(ModelConfig, "enable_sleep_mode", "allow LLM.sleep / wake_up (and, with "
                                           "VLLM_SERVER_DEV_MODE=1, POST /sleep and /wake_up): level 1 moves the "
                                           "weights to host memory and frees the KV cache, level 2 frees both "
@@ -911,7 +923,8 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel,
                                     data_parallel_size=self.data_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager or self._optimization_level() == 0,
-                                          max_cudagraph_capture_size=self.max_cudagraph_capture_size),
+                                          max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+                                          **self._encoder_cudagraph_sizes()),
             device=device,
             speculative=speculative,
             num_threads=self.num_threads or None,
@@ -920,6 +933,17 @@ class EngineArgs:
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None,
         )
+
+    def _encoder_cudagraph_sizes(self) -> dict[str, tuple[int, ...]]:
+        """CompilationConfig's encoder_cudagraph_sizes from a list or a comma-separated string ({}: its default)."""
+        sizes = self.encoder_cudagraph_sizes
+        if sizes is None:
+            return {}
+        try:
+            values = tuple(int(n) for n in (sizes.split(",") if isinstance(sizes, str) else sizes))
+        except ValueError:
+            raise ValueError(f"encoder_cudagraph_sizes takes patch counts such as 1024,4096; got {sizes!r}.") from None
+        return {"encoder_cudagraph_sizes": values}
 
     def _model_config(self, device: str, encoder_only: bool) -> ModelConfig:
         runner = self._runner_fields(encoder_only)
