@@ -44,7 +44,7 @@ def media_units(items: list[MediaItem]) -> list[tuple[int, int]]:
     """(first token, encoder rows) of each unit the encoder runs for: a bidirectional run (its adjacent items at
     once, since one chunk computes them) or an item, in prompt order."""
     units = [(start, end - start) for start, end in bidirectional_runs(items)]
-    units += [(m.offset, m.length) for m in items if not m.bidirectional]
+    units += [(m.offset, m.encoder_cost) for m in items if not m.bidirectional]
     return sorted(units)
 
 

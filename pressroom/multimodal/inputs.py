@@ -25,6 +25,14 @@ class MediaItem:
     bidirectional: bool = False
     # a video's seconds per temporal patch (temporal_patch_size / sampled fps): M-RoPE's time axis (Qwen2.5-VL)
     seconds_per_grid: float = 0.0
+    # the encoder's output rows where they do not replace the placeholder (Whisper's clip, read by cross-attention:
+    # its frames / 2); 0: `length`
+    encoder_rows: int = 0
+
+    @property
+    def encoder_cost(self) -> int:
+        """Rows the encoder computes for this item: what it costs the step's encoder budget."""
+        return self.encoder_rows or self.length
 
     @property
     def end(self) -> int:

@@ -35,7 +35,7 @@ def _run(sched: Scheduler, requests: list[Request]) -> list[int]:
         rows = 0
         for rid, n in out.num_scheduled_tokens.items():
             req, start = sched.requests[rid], before[rid]
-            rows += sum(m.length for m in req.mm_features or () if start <= m.offset < start + n)
+            rows += sum(m.encoder_cost for m in req.mm_features or () if start <= m.offset < start + n)
         rows_per_step.append(rows)
         sampled = {rid: [7] for rid in out.num_scheduled_tokens
                    if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens}
@@ -80,3 +80,13 @@ def test_a_bidirectional_run_of_adjacent_images_is_one_unit():
     for r in (req, other):
         sched.add_request(r)
     assert sched.schedule().num_scheduled_tokens == {"g": 40, "o": 4}  # o's image waits for the next step's budget
+
+
+def test_a_clip_pays_its_encoder_rows_not_its_one_placeholder():
+    """Whisper's clip sits on one decoder token but its encoder computes 1,500 rows (a 30-s window): the budget
+    counts those, so a 2,000-row budget encodes one clip a step."""
+    def clip(rid: str) -> Request:
+        item = MediaItem("audio", f"clip-{rid}", 0, 1, b"", (80, 3000), encoder_rows=1500)
+        return Request(rid, [1] * 4, ONE, None, mm_features=[item])
+    rows = _run(_scheduler(encoder_budget=2000), [clip("a"), clip("b"), clip("c")])
+    assert [r for r in rows if r] == [1500, 1500, 1500]

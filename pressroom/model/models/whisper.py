@@ -326,4 +326,6 @@ def log_mel_item(features: np.ndarray, fingerprint: bytes = b"") -> MediaItem:
     import hashlib
     features = np.ascontiguousarray(features, dtype=np.float32)
     digest = hashlib.sha256(fingerprint + repr(features.shape).encode() + features.tobytes()).hexdigest()
-    return MediaItem("audio", digest, 0, 1, features.tobytes(), tuple(features.shape))
+    # the encoder's convolutions halve the frames: 1,500 rows for a 30-s window, what it costs the step's budget
+    return MediaItem("audio", digest, 0, 1, features.tobytes(), tuple(features.shape),
+                     encoder_rows=features.shape[-1] // 2)
