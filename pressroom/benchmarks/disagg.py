@@ -339,6 +339,9 @@ def _ms(values: list[float], p: float) -> float | None:
 def summarize(streams: list[RequestResult], longs: list[RequestResult], workload: Workload, duration: float) -> dict:
     """One configuration's figures: the streams' ITLs pooled over every stream, the long prompts' TTFTs, tokens."""
     itl = [gap for r in streams if r.success for gap in r.itl]
+    # a chunk may carry several tokens (a server that lags merges steps; one read may hold several events, a gap of
+    # 0): each stream's TPOT, (last chunk - first chunk) / (tokens - 1), is the per-token view beside the gaps
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in streams if r.success and r.output_tokens > 1]
     ttft = [r.ttft for r in longs if r.success]
     stream_tokens = sum(r.output_tokens for r in streams if r.success)
     long_tokens = sum(r.output_tokens for r in longs if r.success)
@@ -354,6 +357,7 @@ def summarize(streams: list[RequestResult], longs: list[RequestResult], workload
         "p50_itl_ms": _ms(itl, 50), "p99_itl_ms": _ms(itl, 99), "max_itl_ms": _ms(itl, 100),
         "mean_itl_ms": round(float(np.mean(itl)) * 1000.0, 3) if itl else None,
         "itl_curve_ms": {f"p{p:g}": _ms(itl, p) for p in ITL_CURVE_PERCENTILES},
+        "p50_tpot_ms": _ms(tpot, 50), "p99_tpot_ms": _ms(tpot, 99),
         "p50_long_ttft_ms": _ms(ttft, 50), "p99_long_ttft_ms": _ms(ttft, 99),
         "output_tokens_per_s": round((stream_tokens + long_tokens) / duration, 2) if duration else None,
         "stream_output_tokens_per_s": round(stream_tokens / duration, 2) if duration else None,
@@ -396,7 +400,8 @@ def ratios(results: dict[str, dict]) -> dict:
         a, b = results["disagg"].get(key), results["colocated"].get(key)
         return round(a / b, 4) if a is not None and b else None
     p99 = ratio("p99_itl_ms")
-    return {"p99_itl": p99, "p50_itl": ratio("p50_itl_ms"), "p99_long_ttft": ratio("p99_long_ttft_ms"),
+    return {"p99_itl": p99, "p50_itl": ratio("p50_itl_ms"), "p99_tpot": ratio("p99_tpot_ms"),
+            "p99_long_ttft": ratio("p99_long_ttft_ms"),
             "output_tokens_per_s": ratio("output_tokens_per_s"),
             "p99_itl_at_most_half": None if p99 is None else p99 <= 0.5}
 
@@ -441,9 +446,10 @@ def _device_name(device: str) -> str:
 
 
 def print_config(config: str, r: dict) -> None:
-    print(f"{config:>9}: ITL p50 {r['p50_itl_ms']} ms, p99 {r['p99_itl_ms']} ms, max {r['max_itl_ms']} ms; long "
-          f"prompts' TTFT p50 {r['p50_long_ttft_ms']} ms; {r['output_tokens_per_s']} output tok/s; streams "
-          f"{r['stream_tokens_received']}/{r['stream_tokens_asked']} tokens; {r['duration_s']} s", flush=True)
+    print(f"{config:>9}: ITL p50 {r['p50_itl_ms']} ms, p99 {r['p99_itl_ms']} ms, max {r['max_itl_ms']} ms; TPOT p99 "
+          f"{r['p99_tpot_ms']} ms; long prompts' TTFT p50 {r['p50_long_ttft_ms']} ms; {r['output_tokens_per_s']} "
+          f"output tok/s; streams {r['stream_tokens_received']}/{r['stream_tokens_asked']} tokens; "
+          f"{r['duration_s']} s", flush=True)
 
 
 def plot(report: dict, path: str) -> None:
