@@ -222,7 +222,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _with_new_kv_port(argv: list[str]) -> list[str]:
+def with_new_kv_port(argv: list[str]) -> list[str]:
     """`argv` with its --kv-transfer-config's kv_port replaced by another free port."""
     i = argv.index("--kv-transfer-config") + 1
     config = json.loads(argv[i])
@@ -262,7 +262,7 @@ def running(specs: dict[str, list[str]], log_dir: Path, timeout_s: float) -> Ite
                 if p.proc.poll() is not None:
                     if KV_PORT_CLASH in p.log_tail() and retries.get(name, 0) < 2:
                         retries[name] = retries.get(name, 0) + 1
-                        started[name] = _spawn(name, _with_new_kv_port(p.argv), log_dir)
+                        started[name] = _spawn(name, with_new_kv_port(p.argv), log_dir)
                         continue
                     raise RuntimeError(f"{name} exited while starting (rc {p.proc.returncode}):\n{p.log_tail()}")
                 if _healthy(p.url):

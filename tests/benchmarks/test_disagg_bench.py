@@ -45,7 +45,7 @@ def test_every_engine_and_router_flag_exists():
 
 def test_a_clashed_kv_port_is_replaced():
     argv = ["serve", "m", "--kv-transfer-config", json.dumps(disagg.transfer_config("kv_consumer", 1 << 20)), "-x"]
-    again = disagg._with_new_kv_port(argv)
+    again = disagg.with_new_kv_port(argv)
     before, after = json.loads(argv[3]), json.loads(again[3])
     assert after["kv_port"] != before["kv_port"] and {**after, "kv_port": 0} == {**before, "kv_port": 0}
     assert again[:3] == argv[:3] and again[4:] == argv[4:]

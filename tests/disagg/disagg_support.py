@@ -1,5 +1,12 @@
 """What the disaggregated-serving tests share: engine and router command lines, starting several side by side, and
-reading their metrics."""
+reading their metrics.
+
+The kv_port race, mended here for every test of the folder: a kv_port is picked free (`free_port`) but bound later,
+by NIXL's metadata listener inside an engine, and another process can take it in between (a clean-clone CI run lost
+that race: "Failed to bind metadata listener socket: Address already in use"). An engine that fails so is started
+again on another port: `with_free_kv_port` for an engine or connector built in this process, `started` for a
+`pressroom serve` (its --kv-transfer-config rewritten). NIXL's marker and the rewrite have one home,
+pressroom/benchmarks/disagg.py, whose `bench disagg` starts engines the same way."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +15,30 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from serving import STARTUP_S, Server, _die_with_test_run, _wait_healthy, free_port, tail
 
+from pressroom.benchmarks.disagg import KV_PORT_CLASH, with_new_kv_port
+
 MODEL = "tiny"
+KV_PORT_TRIES = 3
+T = TypeVar("T")
+
+
+def with_free_kv_port(build: Callable[[int], T]) -> T:
+    """`build(port)` on a free port; when NIXL could not bind it after all (taken since it was picked), on another,
+    KV_PORT_TRIES times at most."""
+    for attempt in range(KV_PORT_TRIES):
+        try:
+            return build(free_port())
+        except Exception as e:  # noqa: BLE001 - only NIXL's bind failure is retried; the rest is raised
+            if KV_PORT_CLASH not in str(e) or attempt == KV_PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def engine_args(model_dir: str) -> list[str]:
@@ -44,13 +69,19 @@ def started(specs: dict[str, list[str]], tmp_path, clean: bool = False):
     servers: dict[str, Server] = {}
     try:
         for name, args in specs.items():
-            port = free_port()
-            log = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115 — closed below
-            proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", *args, "--port", str(port)],
-                                    stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_test_run)
-            servers[name] = Server(f"http://127.0.0.1:{port}", proc, log, tmp_path / f"{name}.log")
-        for server in servers.values():
-            _wait_healthy(server, STARTUP_S)
+            servers[name] = _launch(name, args, tmp_path)
+        for name, args in specs.items():
+            for attempt in range(KV_PORT_TRIES):
+                try:
+                    _wait_healthy(servers[name], STARTUP_S)
+                    break
+                except AssertionError:
+                    lost_port = servers[name].proc.poll() is not None and KV_PORT_CLASH in tail(servers[name].log)
+                    if not lost_port or attempt == KV_PORT_TRIES - 1:
+                        raise
+                    servers[name].log.close()
+                    args = with_new_kv_port(args)
+                    servers[name] = _launch(name, args, tmp_path)
         yield servers
         if clean:
             for name, server in servers.items():
@@ -65,6 +96,14 @@ def started(specs: dict[str, list[str]], tmp_path, clean: bool = False):
                 server.proc.kill()
                 server.proc.wait()
             server.log.close()
+
+
+def _launch(name: str, args: list[str], tmp_path) -> Server:
+    port = free_port()
+    log = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115 — closed by `started`
+    proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", *args, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_test_run)
+    return Server(f"http://127.0.0.1:{port}", proc, log, tmp_path / f"{name}.log")
 
 
 @dataclass(frozen=True)

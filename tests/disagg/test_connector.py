@@ -14,6 +14,7 @@ pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install n
 
 from serving import free_port  # noqa: E402
 
+from disagg.disagg_support import with_free_kv_port  # noqa: E402
 from pressroom.config import EngineArgs, KVTransferConfig  # noqa: E402
 from pressroom.core.outputs import EngineCoreOutput  # noqa: E402
 from pressroom.core.request import Request, RequestStatus  # noqa: E402
@@ -27,18 +28,15 @@ FINGERPRINT = bytes(range(16))
 
 
 def connector(role: str, **extra) -> NixlConnector:
-    """A connector listening on a free port. The port is free when picked, not when NIXL binds it (a clean-clone CI
-    run once lost that race: "Address already in use"), so a bind failure tries another port, twice at most."""
+    """A connector listening on a free port (another if NIXL finds it taken: disagg_support says why)."""
     timeout = extra.pop("timeout", 10.0)
-    for attempt in range(3):
-        config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_port=free_port(),
-                                  kv_buffer_size=64 << 10, transfer_timeout_s=timeout, **extra)
-        try:
-            return NixlConnector(config, fingerprint=FINGERPRINT, chunk_shape=CHUNK, kv_dtype=torch.float32,
-                                 block_size=BS)
-        except RuntimeError as e:
-            if "bind" not in str(e) or attempt == 2:
-                raise
+
+    def build(port: int) -> NixlConnector:
+        config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_port=port, kv_buffer_size=64 << 10,
+                                  transfer_timeout_s=timeout, **extra)
+        return NixlConnector(config, fingerprint=FINGERPRINT, chunk_shape=CHUNK, kv_dtype=torch.float32,
+                             block_size=BS)
+    return with_free_kv_port(build)
 
 
 @pytest.fixture

@@ -21,7 +21,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "multimodal"))  # tiny_vl
 
 pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
 
-from disagg.disagg_support import MODEL, free_port, metrics, router_args, source, started, transfer_config  # noqa: E402
+from disagg.disagg_support import (  # noqa: E402
+    MODEL,
+    free_port,
+    metrics,
+    router_args,
+    source,
+    started,
+    transfer_config,
+    with_free_kv_port,
+)
 
 # the engines' tests: four engines and a router start side by side, about a minute on a loaded 2-core machine (past
 # the default suite's budget)
@@ -239,9 +248,12 @@ def test_encoder_params_this_engine_cannot_serve_are_refused(params, message):
 
 def offline(model: str, role: str):
     from pressroom import LLM
-    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port(), "kv_buffer_size": 8 << 20,
-              "kv_connector_extra_config": {"transfer_timeout_s": 10}}
-    return LLM(model, dtype="float32", kv_cache_memory_gib=0.02, kv_transfer_config=json.dumps(config))
+
+    def build(port: int) -> LLM:
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": port, "kv_buffer_size": 8 << 20,
+                  "kv_connector_extra_config": {"transfer_timeout_s": 10}}
+        return LLM(model, dtype="float32", kv_cache_memory_gib=0.02, kv_transfer_config=json.dumps(config))
+    return with_free_kv_port(build)
 
 
 def test_offline_encode_then_prefill_reads_the_rows_and_an_evicted_entry_is_encoded_again_to_stage(vl_model):

@@ -10,8 +10,7 @@ import torch
 
 pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
 
-from serving import free_port  # noqa: E402
-
+from disagg.disagg_support import with_free_kv_port  # noqa: E402
 from pressroom import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,10 @@ PROMPT = "Here is one fact about the moon landing in history, as the people who 
 
 
 def engine(path: str, role: str) -> LLM:
-    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port(), "kv_buffer_size": 32 << 20}
-    return LLM(path, kv_cache_memory_gib=0.05, enable_prefix_caching=False, kv_transfer_config=json.dumps(config))
+    def build(port: int) -> LLM:
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": port, "kv_buffer_size": 32 << 20}
+        return LLM(path, kv_cache_memory_gib=0.05, enable_prefix_caching=False, kv_transfer_config=json.dumps(config))
+    return with_free_kv_port(build)
 
 
 def test_the_decode_engine_gets_the_prefill_engines_kv_exactly(embedded_path):

@@ -10,8 +10,7 @@ import pytest
 
 pytest.importorskip("nixl", reason="the NixlConnector's transport (pip install nixl, or make install-test)")
 
-from serving import free_port  # noqa: E402
-
+from disagg.disagg_support import with_free_kv_port  # noqa: E402
 from pressroom import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -20,9 +19,11 @@ PROMPTS = [f"Here is one fact about topic number {i} in history{' again' * i}: i
 
 
 def engine(model: str, role: str, tp: int) -> LLM:
-    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port(), "kv_buffer_size": 16 << 20}
-    return LLM(model, dtype="float32", kv_cache_memory_gib=0.02, tensor_parallel_size=tp,
-               enable_prefix_caching=False, kv_transfer_config=json.dumps(config))
+    def build(port: int) -> LLM:
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_port": port, "kv_buffer_size": 16 << 20}
+        return LLM(model, dtype="float32", kv_cache_memory_gib=0.02, tensor_parallel_size=tp,
+                   enable_prefix_caching=False, kv_transfer_config=json.dumps(config))
+    return with_free_kv_port(build)
 
 
 @pytest.mark.parametrize("producer_tp, consumer_tp", [(1, 2), (2, 1)])
