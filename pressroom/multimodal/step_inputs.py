@@ -43,6 +43,8 @@ class MultimodalInputs:
         self.cache = EncoderCache(getattr(model, "max_cached_media_rows", cache_rows))
         self.requests: dict[str, MediaRequest] = {}
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # a step's missing items -> their rows, in one call: the model's tower, or its CUDA graphs once captured
+        self.encode = model.encode_media
 
     def start(self, req_id: str, num_prompt_tokens: int, items: list[MediaItem] | None) -> None:
         self.finish(req_id)  # a preempted request starts over
@@ -93,7 +95,7 @@ class MultimodalInputs:
     def _encode_missing(self, items: list[MediaItem]) -> None:
         missing = list({m.hash: m for m in items if m.hash not in self.cache}.values())
         if missing:
-            for item, rows in zip(missing, self.model.encode_media(missing)):
+            for item, rows in zip(missing, self.encode(missing)):
                 self.cache.put(item.hash, rows)
 
     def _mrope_positions(self, positions: torch.Tensor, spans: list[StepSpan], device) -> torch.Tensor:
@@ -111,6 +113,10 @@ class MultimodalInputs:
             in_prompt = pos < prompt_len
             rows[:, in_prompt] = state.mrope[:, pos[in_prompt]]
             rows[:, ~in_prompt] = pos[~in_prompt] + state.mrope_delta
+        if (out[0] == out[1]).all() and (out[0] == out[2]).all():
+            # text positions only (decodes, text after the images): M-RoPE's three equal rows are plain RoPE, and
+            # one row lets the step replay a decode CUDA graph
+            return torch.from_numpy(out[0].copy()).to(device)
         return torch.from_numpy(out).to(device)
 
     def _unpin_passed(self, span: StepSpan, state: MediaRequest) -> None:

@@ -73,6 +73,7 @@ class ModelRunner:
         self.attn_builder = self._make_builder()  # remade for the cache's table width by initialize_kv_cache
         self._batches: StepBatchBuilder | None = None  # made at the first step after initialize_kv_cache
         self.graphs = None  # CudaGraphs once captured
+        self.encoder_graphs = None  # EncoderGraphs (worker/encoder_graphs.py) once captured
         self.kv_offload: OffloadCopier | None = None  # KV offload on: the steps' copies to and from the CPU tier
         self.pooler = Pooler()
         self.grammars = GrammarReader()
@@ -163,9 +164,22 @@ class ModelRunner:
                                  self.device, self._aux_layers(), recurrent=self.state_cache is not None)
         self.graphs.capture()
 
+    def capture_encoder_graphs(self, buckets: Sequence[int]) -> bool:
+        """The media tower's CUDA graphs at these patch counts (worker/encoder_graphs.py), where the model has
+        them; a step's missing media go through them from here on. Whether any were captured."""
+        from pressroom.worker.encoder_graphs import EncoderGraphs, supports_encoder_graphs
+        if self.multimodal is None or not supports_encoder_graphs(self.model):
+            return False
+        self.encoder_graphs = EncoderGraphs(self.model, buckets)
+        self.encoder_graphs.capture()
+        self.multimodal.encode = self.encoder_graphs.encode_media
+        return True
+
     def release_cuda_graphs(self) -> None:
         """Drops the captured graphs and their memory pool (sleep mode: the addresses they replay are freed)."""
-        self.graphs = None
+        self.graphs = self.encoder_graphs = None
+        if self.multimodal is not None:
+            self.multimodal.encode = self.model.encode_media
 
     def discard_inflight(self) -> None:
         """Drops the async carry-over (launched steps and their tokens on the device) after a step failed:

@@ -230,6 +230,7 @@ class Worker:
         if config.device != "cuda" or config.compilation.enforce_eager:
             return False
         runner = self.model_runner
+        runner.capture_encoder_graphs(config.compilation.encoder_cudagraph_sizes)
         if not runner.model.cuda_graphs_supported:
             logger.warning("%s runs without CUDA graphs: its forward is not graph-safe yet",
                            type(runner.model).__name__)

@@ -137,20 +137,62 @@ class VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels: every image's patches back to back; returns their merged rows, in the same order."""
         device = pixels.device
-        unit = self.merge * self.merge
         window_index, window_bounds = self._window_index(grids)
-        window_index = window_index.to(device)
+        cos, sin = self._rotary(grids, device)
+        full_bounds = frame_bounds(grids)
+        return self._run(pixels, window_index.to(device), torch.argsort(window_index).to(device), cos, sin,
+                         Segments(full_bounds, device), Segments(window_bounds, device))
+
+    def _run(self, pixels: torch.Tensor, window_index: torch.Tensor, window_order: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, full, windows) -> torch.Tensor:
+        """The tower over patches (padded or not) whose windows and frames `windows` and `full` attend within."""
+        unit = self.merge * self.merge
         x = self.patch_embed(pixels)
         n = x.shape[0]
         x = x.view(n // unit, unit, -1)[window_index].reshape(n, -1)
-        cos, sin = self._rotary(grids, device)
         cos = cos.view(n // unit, unit, -1)[window_index].reshape(n, -1)
         sin = sin.view(n // unit, unit, -1)[window_index].reshape(n, -1)
-        full_bounds = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)])
-        full, windows = Segments(full_bounds, device), Segments(window_bounds, device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in self.full_blocks else windows)
-        return self.merger(x)[torch.argsort(window_index)]
+        return self.merger(x)[window_order]
+
+    # ---- fixed shapes (encoder CUDA graphs): patches padded to a bucket ----
+
+    def window_runs(self, patches: int) -> int:
+        """Attention windows a bucket of `patches` holds: twice its patches in whole windows (a window at an
+        image's edge is partial), at least 16 (each small image has a window of its own)."""
+        return max(16, 2 * patches // self._window_patches())
+
+    def _window_patches(self) -> int:
+        side = self.window_size // self.merge // self.patch_size
+        return side * side * self.merge * self.merge
+
+    def padded_inputs(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]], patches: int
+                      ) -> dict[str, torch.Tensor] | None:
+        """`static_forward`'s inputs with the images' patches padded to `patches` rows, every tensor's shape
+        fixed by `patches` alone; None where they do not fit (more patches or windows than the bucket holds).
+        Padding patches sit after the real ones, in no window and in frames of their own: no real patch
+        attends to them, and the merged rows they make come after the real ones."""
+        n, unit = pixels.shape[0], self.merge * self.merge
+        window_index, window_bounds = self._window_index(grids)
+        runs = self.window_runs(patches)
+        if n > patches or len(window_bounds) - 1 > runs:
+            return None
+        device = pixels.device
+        rows = torch.arange(n // unit, patches // unit)  # padding merged rows keep their place
+        window_index = torch.cat([window_index, rows])
+        cos, sin = self._rotary(grids, device)
+        return {"pixels": pad_rows(pixels, patches), "window_index": window_index.to(device),
+                "window_order": torch.argsort(window_index).to(device),
+                "cos": pad_rows(cos, patches), "sin": pad_rows(sin, patches),
+                "frame_ids": padded_frame_ids(grids, patches, device),
+                **StaticSegments.plan(window_bounds, runs, self._window_patches(), patches, device)}
+
+    def static_forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tower at `padded_inputs`' fixed shapes (what a CUDA graph captures): [patches / merge^2, out]."""
+        windows = StaticSegments(inputs["run_index"], inputs["run_mask"], inputs["run_scatter"])
+        return self._run(inputs["pixels"], inputs["window_index"], inputs["window_order"], inputs["cos"],
+                         inputs["sin"], BlockDiagonal(inputs["frame_ids"]), windows)
 
     def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each patch's (h, w) angles, in the processor's merge-block order: [patches, head_dim] cos and sin."""
@@ -208,6 +250,68 @@ class Segments:
         q, k, v = (t[self.index].transpose(1, 2) for t in (q, k, v))  # [runs, heads, longest, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.key_mask)
         return out.transpose(1, 2)[self.valid]
+
+
+def frame_bounds(grids: list[tuple[int, int, int]]) -> np.ndarray:
+    """Each frame's (an image is one) patch bounds, back to back: the runs full attention stays within."""
+    return np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)])
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
+def padded_frame_ids(grids: list[tuple[int, int, int]], patches: int, device) -> torch.Tensor:
+    """Each patch's frame number; each padding patch a frame of its own (negative), so it attends to itself only."""
+    lengths = np.diff(frame_bounds(grids))
+    ids = np.repeat(np.arange(len(lengths)), lengths)
+    pad = -1 - np.arange(patches - len(ids))
+    return torch.from_numpy(np.concatenate([ids, pad])).to(device)
+
+
+class BlockDiagonal:
+    """Full attention within each frame at a fixed shape: one pass over all the patches, a key counting where its
+    frame is the query's. Costs patches^2 whatever the frames, so it serves the bucketed (graph) path only, for
+    the few full-attention blocks; Segments is the eager path's."""
+
+    def __init__(self, frame_ids: torch.Tensor) -> None:
+        self.mask = frame_ids[:, None] == frame_ids[None, :]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, patches, head_dim]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)[0].transpose(0, 1)
+
+
+class StaticSegments:
+    """Segments at a fixed shape: `runs` x `longest` gathered slots whatever the images. A slot past its run's end
+    (whole runs past the last, too) is masked as a key and its output written to a dump row past the patches;
+    padding patches are in no run (their attention output is 0). Tensors from `plan`, which a CUDA graph reads."""
+
+    def __init__(self, index: torch.Tensor, key_mask: torch.Tensor, scatter: torch.Tensor) -> None:
+        self.index, self.key_mask, self.scatter = index, key_mask, scatter
+
+    @staticmethod
+    def plan(bounds: np.ndarray, runs: int, longest: int, patches: int, device) -> dict[str, torch.Tensor]:
+        """run_index [runs, longest] (patch of each slot; 0 where none), run_mask [runs, 1, 1, longest] (a slot's
+        key counts; each run's first always, so no row is masked whole), run_scatter [runs * longest] (where
+        each slot's output goes; `patches`, the dump row, where none)."""
+        lengths = np.zeros(runs, dtype=np.int64)
+        starts = np.zeros(runs, dtype=np.int64)
+        lengths[:len(bounds) - 1], starts[:len(bounds) - 1] = np.diff(bounds), np.asarray(bounds)[:-1]
+        offsets = np.arange(longest)
+        valid = offsets[None] < lengths[:, None]
+        index = np.where(valid, starts[:, None] + offsets, 0)
+        mask = valid | (offsets[None] == 0)
+        scatter = np.where(valid, index, patches).reshape(-1)
+        return {"run_index": torch.from_numpy(index).to(device),
+                "run_mask": torch.from_numpy(mask)[:, None, None, :].to(device),
+                "run_scatter": torch.from_numpy(scatter).to(device)}
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, heads, dim = q.shape
+        g = [t[self.index].transpose(1, 2) for t in (q, k, v)]  # [runs, heads, longest, head_dim]
+        out = F.scaled_dot_product_attention(*g, attn_mask=self.key_mask).transpose(1, 2).reshape(-1, heads, dim)
+        return q.new_zeros(n + 1, heads, dim).index_copy_(0, self.scatter, out)[:n]
 
 
 # ---- M-RoPE ----
@@ -273,7 +377,9 @@ def _time_steps(item: MediaItem, t: int, tokens_per_second: float) -> np.ndarray
 # ---- the model ----
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    cuda_graphs_supported = False  # decode positions carry a per-request M-RoPE offset the graphs do not take yet
+    # decode graphs: a step of text positions only gets M-RoPE's equal rows as one (multimodal/step_inputs.py),
+    # plain RoPE, which the graphs take; a step with media rows or image positions runs eagerly
+    cuda_graphs_supported = True
     supports_multimodal = True
     uses_mrope = True
     text_attention_bias: bool | None = True  # Qwen2's q, k and v biases
@@ -309,11 +415,40 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def encode_media(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Each item's embedding rows ([item.length, hidden]), every item (images and videos alike: a video is a
         grid of t temporal patches) in one pass of the vision tower."""
+        rows = self.visual(self._pixels(items), [m.grid_thw for m in items])
+        return self.split_media_rows(items, rows)
+
+    def _pixels(self, items: list[MediaItem]) -> torch.Tensor:
         device = self.lm_head.weight.device
         dtype = self.visual.patch_embed.proj.weight.dtype
-        pixels = torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
-        rows = self.visual(pixels, [m.grid_thw for m in items])
-        return list(rows.split([m.length for m in items]))
+        return torch.cat([m.pixel_tensor() for m in items]).to(device=device, dtype=dtype)
+
+    def split_media_rows(self, items: list[MediaItem], rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each item's rows of the tower's output for `items` (a padded output's extra rows after them dropped)."""
+        lengths = [m.length for m in items]
+        return list(rows[:sum(lengths)].split(lengths))
+
+    # ---- encoder CUDA graphs (worker/encoder_graphs.py): the tower at patch counts fixed per bucket ----
+
+    @staticmethod
+    def media_patches(items: list[MediaItem]) -> int:
+        """The tower's input rows for `items` (what a bucket must hold)."""
+        return sum(m.pixels_shape[0] for m in items)
+
+    def encoder_graph_inputs(self, items: list[MediaItem], patches: int) -> dict[str, torch.Tensor] | None:
+        """The tower's inputs for `items` padded to a bucket of `patches` (None: they do not fit it)."""
+        return self.visual.padded_inputs(self._pixels(items), [m.grid_thw for m in items], patches)
+
+    def encoder_graph_example(self, patches: int) -> dict[str, torch.Tensor]:
+        """Inputs of the bucket's shapes for capture: the smallest image (2 x 2 merged rows), zeros, padded."""
+        side = 2 * self.merge
+        pixels = torch.zeros(side * side, self.visual.patch_embed.proj.weight[0].numel(),
+                             dtype=self.visual.patch_embed.proj.weight.dtype, device=self.lm_head.weight.device)
+        return self.visual.padded_inputs(pixels, [(1, side, side)], patches)
+
+    def encoder_graph_forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tower on `encoder_graph_inputs` (what a CUDA graph captures): every row of the bucket."""
+        return self.visual.static_forward(inputs)
 
     def mrope_positions(self, num_prompt_tokens: int, items: list[MediaItem]) -> tuple[np.ndarray, int]:
         return mrope_positions(num_prompt_tokens, items, self.merge, self.tokens_per_second)

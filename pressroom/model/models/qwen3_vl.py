@@ -7,12 +7,19 @@ The encoder's rows for an image are [merged | deepstack 1 | ... | deepstack n] s
 and chunked prefill carry the DeepStack features with the embeddings (qwen2_5_vl.py's forward adds them)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pressroom.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, Segments, VisionAttention
+from pressroom.model.models.qwen2_5_vl import (
+    BlockDiagonal,
+    Qwen2_5_VLForConditionalGeneration,
+    Segments,
+    VisionAttention,
+    frame_bounds,
+    pad_rows,
+    padded_frame_ids,
+)
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
@@ -89,15 +96,37 @@ class Qwen3VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Every image's rows, [merged | DeepStack features ...] side by side."""
         device = pixels.device
-        x = self.patch_embed(pixels) + self._position_embeddings(grids).to(pixels.dtype)
         cos, sin = self._rotary(grids, device)
-        frames = Segments(np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]), device)
+        return self._run(pixels, self._position_embeddings(grids), cos, sin, Segments(frame_bounds(grids), device))
+
+    def _run(self, pixels: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             frames) -> torch.Tensor:
+        x = self.patch_embed(pixels) + positions.to(pixels.dtype)
         deep = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames)
             if i in self.deepstack_layers:
                 deep.append(self.deepstack_merger_list[self.deepstack_layers.index(i)](x))
         return torch.cat([self.merger(x), *deep], dim=-1)
+
+    # ---- fixed shapes (encoder CUDA graphs): patches padded to a bucket ----
+
+    def padded_inputs(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]], patches: int
+                      ) -> dict[str, torch.Tensor] | None:
+        """`static_forward`'s inputs padded to `patches` rows (None: more patches than that); padding patches
+        form frames of their own, after the real ones (qwen2_5_vl.py's VisionTransformer.padded_inputs)."""
+        if pixels.shape[0] > patches:
+            return None
+        device = pixels.device
+        cos, sin = self._rotary(grids, device)
+        return {"pixels": pad_rows(pixels, patches),
+                "positions": pad_rows(self._position_embeddings(grids).to(pixels.dtype), patches),
+                "cos": pad_rows(cos, patches), "sin": pad_rows(sin, patches),
+                "frame_ids": padded_frame_ids(grids, patches, device)}
+
+    def static_forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._run(inputs["pixels"], inputs["positions"], inputs["cos"], inputs["sin"],
+                         BlockDiagonal(inputs["frame_ids"]))
 
     def _merge_order(self, grid: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
         """[h, w, ...] per-patch values in the processor's merge-block order, repeated for each frame."""
