@@ -25,6 +25,7 @@ from pressroom.config import KV_CACHE_DTYPE_CHOICES
 
 DEFAULT_MODEL = "llama-3.1-8b"  # a shape shipped in the package (pressroom/benchmarks/configs/)
 WORKLOADS = ("decode", "throughput", "prefill")
+IMAGE_WORKLOAD = "image"  # requests of one image and text against HF (benchmarks/vision.py), a run of its own
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP_REPS, TIMED_REPS = 3, 10
 DECODE_READ_NOTE = ("bytes one batch-1 decode step reads: every weight except the input embedding table (one row of "
@@ -228,7 +229,8 @@ def pressroom_kwargs(args, max_model_len: int) -> tuple[dict, list[str]]:
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager,
               "skip_tokenizer_init": True, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
-              "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size}
+              "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
+              "encoder_cudagraph_sizes": args.encoder_cudagraph_sizes}
     if args.kv_cache_memory_gib is not None:
         wanted["kv_cache_memory_gib"] = args.kv_cache_memory_gib
     known = EngineArgs.names()
@@ -683,9 +685,12 @@ def _executors(text: str) -> list[str]:
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in WORKLOADS]
+    bad = [n for n in names if n not in (*WORKLOADS, IMAGE_WORKLOAD)]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"workloads must come from {', '.join(WORKLOADS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"workloads must come from {', '.join(WORKLOADS)}, or {IMAGE_WORKLOAD} "
+                                         f"alone; got {text!r}")
+    if IMAGE_WORKLOAD in names and len(names) > 1:
+        raise argparse.ArgumentTypeError(f"{IMAGE_WORKLOAD} runs alone (its own engine and HF model); got {text!r}")
     return names
 
 
@@ -707,7 +712,10 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="cuda, or cpu to test the plumbing with a tiny model")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="the weights' dtype (pressroom and HF)")
     p.add_argument("--workloads", type=_names, default=list(WORKLOADS), help="comma-separated subset of "
-                   + ",".join(WORKLOADS))
+                   + ",".join(WORKLOADS) + f", or {IMAGE_WORKLOAD} alone")
+    p.add_argument("--image-size", type=int, default=1024,
+                   help=f"{IMAGE_WORKLOAD}: the side of each request's square random image, in pixels (--input-len "
+                        "text tokens before it; a vision-language model's shape, such as qwen2.5-vl-7b)")
     p.add_argument("--decode-input-len", type=int, default=32, help="batch-1 decode: prompt length")
     p.add_argument("--decode-output-len", type=int, default=256, help="batch-1 decode: output length")
     p.add_argument("--num-prompts", type=int, default=1000, help="throughput requests")
@@ -726,6 +734,8 @@ def add_gpu_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="tokens one engine step computes at most")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--encoder-cudagraph-sizes", default=None,
+                   help="the engine's: patch counts of the vision tower's CUDA graphs (default: the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="pressroom's KV-cache dtype (auto: the model's); HF keeps the model's")
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (fp8, mxfp4: weights "

@@ -628,8 +628,8 @@ def main(argv: list[str] | None = None) -> int:
             from pressroom.training.prompts import run_cli as make_prompts
             return make_prompts(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "gpu":
-            from pressroom.benchmarks import gpu
-            gpu.run(args)
+            from pressroom.benchmarks import gpu, vision
+            (vision.run_image if gpu.IMAGE_WORKLOAD in args.workloads else gpu.run)(args)
             return 0
         if args.command == "bench" and args.bench_command == "spec":
             from pressroom.benchmarks import spec

@@ -13,7 +13,7 @@ from pressroom.model.loader import load_hf_config
 SHIPPED = {"deepseek-v2-lite", "deepseek-v2-lite-dsa", "deepseek-v3", "gpt-oss-20b", "llama-3.1-70b", "llama-3.1-8b",
            "llama-3.2-1b", "mixtral-8x7b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3-8b", "kimi-linear-48b-a3b",
            "mamba-codestral-7b", "nemotron-h-8b", "qwen3-next-80b-a3b", "deepseek-v4-flash", "deepseek-v4-pro",
-           "deepseek-v4-flash-reduced"}
+           "deepseek-v4-flash-reduced", "qwen2.5-vl-7b"}
 
 
 def test_every_shipped_shape_has_a_name():

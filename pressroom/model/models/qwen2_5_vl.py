@@ -331,7 +331,7 @@ class MRotaryEmbedding(RotaryEmbedding):
             section_of = torch.where((j % 3 == 1) & (j < 3 * sections[1]), 1, 0)
             section_of = torch.where((j % 3 == 2) & (j < 3 * sections[2]), 2, section_of)
         else:
-            section_of = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+            section_of = torch.from_numpy(np.repeat(np.arange(3), sections))  # numpy: builds on the meta device too
         self.register_buffer("section_of", section_of, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
