@@ -465,6 +465,11 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
                                "the CPU)", ()),
     ("--disable-sliding-window",): ("sliding-window layers always attend within their window", ()),
     ("--kv-events-config",): ("KV-cache events are not published", ()),
+    ("--enable-scale-out",): ("the scale-out routes (render, derender, /inference/v1/generate) are not served: "
+                              "they answer 403, as vLLM's do without this flag", ()),
+    ("--tokens-only",): ("the tokens-in, tokens-out route (/inference/v1/generate) is not served", ()),
+    ("--enable-elastic-ep",): ("elastic expert parallelism is not implemented: the data-parallel size is fixed at "
+                               "start", ()),
     ("--scheduler-cls",): (_CLASSES, ()),
     ("--worker-cls",): (_CLASSES, ()),
     ("--worker-extension-cls",): (_CLASSES, ()),
@@ -476,7 +481,7 @@ REFUSED_FLAGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
 }
 _SWITCHES = {"--headless", "--enable-eplb", "--enable-chunked-prefill",
              "--enable-prompt-embeds",
-             "--disable-sliding-window"}
+             "--disable-sliding-window", "--enable-scale-out", "--tokens-only", "--enable-elastic-ep"}
 
 
 def add_refused_args(parser: argparse.ArgumentParser) -> None:

@@ -227,8 +227,15 @@ class MessagesResponse(BaseModel):
     usage: MessagesUsage
 
 
+class ContextManagement(BaseModel):
+    """What context management did to the prompt before counting; none runs here, so the count is the original's
+    (vLLM 0.32 answers it the same way)."""
+    original_input_tokens: int
+
+
 class CountTokensResponse(BaseModel):
     input_tokens: int
+    context_management: ContextManagement | None = None
 
 
 class AnthropicErrorInfo(BaseModel):

@@ -51,6 +51,7 @@ import pressroom
 from pressroom.core.structured_outputs import GrammarSandbox
 from pressroom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pressroom.engine.sampling_defaults import SamplingDefaults, load_sampling_defaults
+from pressroom.entrypoints.openai import serving_vllm_routes as vllm_routes
 from pressroom.entrypoints.openai.chat_template import Preprocessor
 from pressroom.entrypoints.openai.errors import APIError, error_response
 from pressroom.entrypoints.openai.lora import Adapters
@@ -112,7 +113,8 @@ class _Guard:
     """ASGI middleware: Bearer auth on every route but /health, the chat page (and /metrics, if opened) when an
     API key is set (the key in `x-api-key`, as Anthropic's clients send it, is taken too, as vLLM takes it), and a cap
     on generation requests in flight (a 429 with Retry-After beyond it, rather than a queue without bound)."""
-    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH)
+    GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH, vllm_routes.BATCH_PATH,
+                  vllm_routes.SCORING_PATH)
 
     def __init__(self, app, api_keys: tuple[str, ...], max_concurrent: int | None, open_paths: tuple[str, ...]
                  ) -> None:
@@ -163,7 +165,7 @@ class _LoadCount:
 
 # the routes whose requests run the model: what vLLM's server load counts
 MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH, *POOLING_ROUTES,
-                "/v1/audio/transcriptions", "/v1/audio/translations")
+                "/v1/audio/transcriptions", "/v1/audio/translations", vllm_routes.BATCH_PATH, vllm_routes.SCORING_PATH)
 
 
 class _HostCheck:
@@ -403,6 +405,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     _add_routes(app, utility, completion, chat, pooling, responses)
     _add_messages_routes(app, messages)
     _add_audio_routes(app, audio)
+    _add_vllm_routes(app, chat, engine)
     if settings.tokenizer_info:
         app.get("/tokenizer_info")(utility.tokenizer_info)
     app.get("/load")(utility.load)
@@ -424,6 +427,8 @@ def _share_settings(handlers: tuple[OpenAIServing, ...], settings: ServerSetting
         handler.prompt_tokens_details = settings.prompt_tokens_details
         handler.force_include_usage = settings.force_include_usage
         handler.tokens_as_ids = settings.return_tokens_as_token_ids
+        if isinstance(handler, OpenAIServingChat):  # vLLM refuses a required or named tool_choice without a parser
+            handler.tool_parser_named = settings.tool_call_parser is not None
 
 
 def _lifespan(engine: AsyncLLMEngine, settings: ServerSettings, stats: ServerMetrics, preprocessor: Preprocessor):
@@ -584,6 +589,25 @@ def _add_audio_routes(app: FastAPI, audio: OpenAIServingAudio) -> None:
     body = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
     app.post("/v1/audio/transcriptions", openapi_extra=body, responses=_ERRORS)(audio.transcriptions)
     app.post("/v1/audio/translations", openapi_extra=body, responses=_ERRORS)(audio.translations)
+
+
+def _add_vllm_routes(app: FastAPI, chat: OpenAIServingChat, engine: AsyncLLMEngine) -> None:
+    """vLLM 0.32's other routes (serving_vllm_routes.py); those of generation only where the model generates, as
+    vLLM registers them."""
+    app.get("/kv_event_sources")(vllm_routes.kv_event_sources)
+    if engine.engine.config.model.runner == "pooling":
+        return
+    app.post(vllm_routes.BATCH_PATH, openapi_extra=_ANY_JSON_BODY,
+             responses=_responses(ChatCompletionResponse))(vllm_routes.chat_batch(chat))
+    scoring = vllm_routes.GenerativeScoring(chat)
+    app.post(vllm_routes.SCORING_PATH, openapi_extra=_request_body(vllm_routes.GenerativeScoringRequest),
+             responses=_responses(vllm_routes.GenerativeScoringResponse))(scoring.score)
+    _add_schemas(app, [(vllm_routes.GenerativeScoringRequest, "validation")])
+    app.post("/is_scaling_elastic_ep")(vllm_routes.is_scaling_elastic_ep)
+    app.post("/scale_elastic_ep", openapi_extra=_ANY_JSON_BODY, responses=_ERRORS)(
+        vllm_routes.scale_elastic_ep(engine.engine.config.parallel.data_parallel_size))
+    for path in vllm_routes.SCALE_OUT_ROUTES:
+        app.post(path, include_in_schema=False)(vllm_routes.scale_out_disabled)
 
 
 # /invocations takes whichever request its fields say (a JSON object): declared so, _JsonOnly guards it too

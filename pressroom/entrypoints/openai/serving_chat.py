@@ -149,6 +149,9 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, names, stats, max_request_bytes, preprocessor, limits)
         self.reasoning = reasoning
         self.auto_tool_parser = auto_tool_parser
+        # --tool-call-parser given (set by build_app): a required or named tool_choice is refused without one, as vLLM
+        # refuses it, though pressroom reads such calls as JSON
+        self.tool_parser_named = auto_tool_parser is not None
         # e.g. DeepSeek's tool-call tags where a tokenizer marks them special: kept in the text the parser reads
         self._tool_markers_special = auto_tool_parser is not None and engine.tokenizer is not None \
             and markers_are_special(engine.tokenizer, auto_tool_parser.markers())
@@ -183,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
         lora = self._check_model(req.model)
         self._check_combination(req)
         routing = request_routing(request, req)
-        tools = plan_tools(req, self.auto_tool_parser)
+        tools = plan_tools(req, self.auto_tool_parser, self.tool_parser_named)
         multi_modal_data = self.multi_modal_data(await self.media.load(media_parts(req.messages)))
         truncating = req.truncate_prompt_tokens is not None  # then only the kept tail counts against the context
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,

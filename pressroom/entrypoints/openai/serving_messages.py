@@ -22,6 +22,7 @@ from pressroom.engine.async_engine import EngineDeadError
 from pressroom.entrypoints.openai.errors import APIError
 from pressroom.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from pressroom.entrypoints.openai.protocol_messages import (
+    ContextManagement,
     CountTokensRequest,
     CountTokensResponse,
     MessagesRequest,
@@ -67,7 +68,9 @@ class OpenAIServingMessages(OpenAIServingChat):
             ids = await self._chat_ids(chat.messages, True, False, chat.template_kwargs, None, tools)
         except APIError as e:
             return messages_error(e.status, e.message)
-        return JSONResponse(CountTokensResponse(input_tokens=len(ids)).model_dump())
+        count = len(ids)
+        return JSONResponse(CountTokensResponse(input_tokens=count, context_management=ContextManagement(
+            original_input_tokens=count)).model_dump())
 
     async def _messages(self, request: Request) -> Response:
         req = await self._parse(request, MessagesRequest)
