@@ -385,9 +385,7 @@ BAD_REQUESTS: dict[str, tuple[str, dict]] = {
     "tool_choice required without --tool-call-parser": (CHAT, dict(CHAT_BASE, tools=[WEATHER],
                                                                    tool_choice="required")),
 }
-KNOWN_STATUS_DIFFERENCES = {
-    "a named tool_choice without --tool-call-parser": "pressroom calls the tool (200); vLLM 400 asks for the parser",
-    "tool_choice required without --tool-call-parser": "pressroom calls a tool (200); vLLM 400 asks for the parser"}
+KNOWN_STATUS_DIFFERENCES: dict[str, str] = {}  # name -> how pressroom's status differs (an xfail); none left
 
 
 def _status_case(name: str):
@@ -425,17 +423,17 @@ def test_http_errors_get_vllms_status(peers, method, path, kwargs):
 # ---- routes ----
 
 # (method, path) vLLM 0.32 serves with this command line; pressroom's that 404 are known differences.
+SCALE_OUT_ROUTES = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+                    "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender",
+                    "/inference/v1/generate")
 VLLM_ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
                ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/ping"), ("POST", "/invocations"),
                ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
                ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
                ("POST", "/ping"), ("GET", "/load"), ("POST", "/v1/chat/completions/batch"),
-               ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
-               ("POST", "/v1/messages/render"), ("POST", "/inference/v1/generate"),
-               ("POST", "/generative_scoring")]
-KNOWN_MISSING_ROUTES = {"/v1/chat/completions/batch", "/v1/chat/completions/render",
-                        "/v1/completions/render", "/v1/messages/render", "/inference/v1/generate",
-                        "/generative_scoring"}
+               *(("POST", path) for path in SCALE_OUT_ROUTES), ("POST", "/generative_scoring"),
+               ("GET", "/kv_event_sources"), ("POST", "/scale_elastic_ep"), ("POST", "/is_scaling_elastic_ep")]
+KNOWN_MISSING_ROUTES: set[str] = set()  # paths pressroom 404s (xfails); none left
 
 
 def _route(method: str, path: str):
@@ -450,6 +448,76 @@ def test_vllms_route_is_served(peers, method, path):
     body = {} if method == "POST" else None
     assert httpx.request(method, peers.vllm + path, json=body, timeout=60).status_code not in (404, 405)
     assert httpx.request(method, peers.pressroom + path, json=body, timeout=60).status_code not in (404, 405)
+
+
+@pytest.mark.parametrize("path", SCALE_OUT_ROUTES)
+def test_scale_out_routes_are_forbidden_as_on_vllm(peers, path):
+    """Without --enable-scale-out vLLM answers its scale-out routes 403; pressroom (which refuses that flag) too."""
+    theirs, mine = (httpx.post(base + path, json={}, timeout=60) for base in (peers.vllm, peers.pressroom))
+    assert theirs.status_code == mine.status_code == 403
+    assert mine.json()["error"]["message"]
+
+
+def test_small_routes_answer_as_vllm(peers):
+    """/kv_event_sources (no publisher), /is_scaling_elastic_ep, /scale_elastic_ep to the size the server runs (a
+    no-op) and its refusals of bad bodies."""
+    for method, path, body in (("GET", "/kv_event_sources", None), ("POST", "/is_scaling_elastic_ep", None),
+                               ("POST", "/scale_elastic_ep", {"new_data_parallel_size": 1})):
+        theirs, mine = (httpx.request(method, base + path, json=body, timeout=60) for base in (peers.vllm,
+                                                                                              peers.pressroom))
+        assert (mine.status_code, mine.json()) == (theirs.status_code, theirs.json()), path
+    for body in ({}, {"new_data_parallel_size": 0}, {"new_data_parallel_size": 1, "drain_timeout": 0}):
+        statuses = [httpx.post(base + "/scale_elastic_ep", json=body, timeout=60).status_code
+                    for base in (peers.vllm, peers.pressroom)]
+        assert statuses == [400, 400], body
+
+
+BATCH = {"model": SERVED_NAME, "temperature": 0, "max_tokens": 16,
+         "messages": [[{"role": "user", "content": p}] for p in PROMPTS]}
+
+
+def test_batch_chat_gives_vllms_answers(peers):
+    """/v1/chat/completions/batch: one choice per conversation, vLLM's texts, finish reasons and usage."""
+    (sv, v), (sp, p) = post(peers.vllm, CHAT + "/batch", BATCH), post(peers.pressroom, CHAT + "/batch", BATCH)
+    assert sv == sp == 200, p
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in p["choices"]] == \
+        [(c["index"], c["message"]["content"], c["finish_reason"]) for c in v["choices"]]
+    assert {k: p["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == \
+        {k: v["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    for bad in ({"n": 2}, {"use_beam_search": True}):
+        assert post(peers.pressroom, CHAT + "/batch", dict(BATCH, **bad))[0] == \
+            post(peers.vllm, CHAT + "/batch", dict(BATCH, **bad))[0] == 400
+
+
+def _scores(base: str, body: dict) -> tuple[int, dict]:
+    r = httpx.post(f"{base}/generative_scoring", json=body, timeout=120)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("apply_softmax", [True, False])
+def test_generative_scoring_gives_vllms_scores(peers, apply_softmax):
+    """/generative_scoring: each item's probability of the first label, as vLLM reads it (within float error)."""
+    labels = httpx.post(f"{peers.vllm}/tokenize", json={"model": SERVED_NAME, "prompt": " yes no",
+                                                        "add_special_tokens": False}, timeout=60).json()["tokens"]
+    body = {"model": SERVED_NAME, "query": "Is Paris the capital of France? Answer:", "items": ["", " Think."],
+            "label_token_ids": labels, "apply_softmax": apply_softmax}
+    (sv, v), (sp, p) = _scores(peers.vllm, body), _scores(peers.pressroom, body)
+    assert sv == sp == 200, p
+    assert [d["index"] for d in p["data"]] == [d["index"] for d in v["data"]] == [0, 1]
+    for mine, theirs in zip(p["data"], v["data"]):
+        assert mine["score"] == pytest.approx(theirs["score"], rel=1e-3, abs=1e-6)
+    assert {k: p["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == \
+        {k: v["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    for bad in ({"label_token_ids": [10 ** 7]}, {"items": []}):
+        assert _scores(peers.pressroom, dict(body, **bad))[0] == _scores(peers.vllm, dict(body, **bad))[0] == 400
+
+
+def test_count_tokens_answers_vllms_body(peers):
+    """/v1/messages/count_tokens: input_tokens and context_management.original_input_tokens."""
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": PROMPTS[0]}]}
+    theirs, mine = (httpx.post(f"{base}/v1/messages/count_tokens", json=body, timeout=60).json()
+                    for base in (peers.vllm, peers.pressroom))
+    assert mine == theirs and "context_management" in mine
 
 
 def _responses(base: str) -> tuple[str, str, int]:
