@@ -142,6 +142,10 @@ def _media_error(part: MediaPart, error: Exception) -> APIError:
 
 
 class OpenAIServingChat(OpenAIServing):
+    # vLLM refuses a required or named tool_choice on a server without --tool-call-parser on chat (and Messages),
+    # not on its Responses API
+    forced_tools_need_parser = True
+
     def __init__(self, engine: AsyncLLMEngine, names: list[str], stats: ServerMetrics, max_request_bytes: int,
                  preprocessor: Preprocessor, limits: AdmissionLimits, reasoning: ReasoningParser | None = None,
                  auto_tool_parser: type[ToolCallStream] | None = None) -> None:
@@ -186,7 +190,7 @@ class OpenAIServingChat(OpenAIServing):
         lora = self._check_model(req.model)
         self._check_combination(req)
         routing = request_routing(request, req)
-        tools = plan_tools(req, self.auto_tool_parser, self.tool_parser_named)
+        tools = plan_tools(req, self.auto_tool_parser, self.tool_parser_named or not self.forced_tools_need_parser)
         multi_modal_data = self.multi_modal_data(await self.media.load(media_parts(req.messages)))
         truncating = req.truncate_prompt_tokens is not None  # then only the kept tail counts against the context
         ids = await self._chat_ids(req.messages, req.add_generation_prompt, req.continue_final_message,

@@ -76,6 +76,7 @@ class ResponseStore:
 
 class OpenAIServingResponses(OpenAIServingChat):
     """The chat handler, answering in the Responses API's shapes, with the responses it keeps."""
+    forced_tools_need_parser = False  # vLLM's Responses API takes a required or named tool_choice without a parser
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

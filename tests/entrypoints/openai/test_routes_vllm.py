@@ -102,6 +102,16 @@ def test_with_a_parser_named_a_forced_tool_choice_runs(with_parser):
     assert len(answer.choices[0].token_ids) == 3  # generated under the constraint, not refused
 
 
+@pytest.mark.slow
+def test_the_responses_api_takes_a_named_tool_choice_without_a_parser(plain):
+    """vLLM 0.32 checks for the parser on chat and Messages only: its Responses API runs the named function. Slow:
+    the schema's grammar compiles in the grammar sandbox, some 20 s on 2 busy cores."""
+    r = _client(plain).responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=3, temperature=0,
+                                        tools=[{"type": "function", **WEATHER["function"]}],
+                                        tool_choice={"type": "function", "name": "get_weather"})
+    assert r.status == "incomplete" and r.usage.output_tokens == 3
+
+
 # ---- /v1/chat/completions/batch ----
 
 CONVERSATIONS = [[{"role": "user", "content": "Name a color."}],
