@@ -20,6 +20,6 @@ if [[ $part == test || $part == all ]]; then
 fi
 if [[ $part == bench || $part == all ]]; then
   step 300 vl_bench python3 -m pressroom.entrypoints.cli bench gpu --model qwen2.5-vl-7b --workloads image \
-    --image-size 1024 --num-prompts 128 --input-len 128 --output-len 128 --warmup-requests 4 \
+    --image-size 1024 --num-prompts 128 --input-len 128 --output-len 128 --warmup-requests 4 --max-num-seqs 128 \
     --hf-batch-sizes 16,32 --hf-max-requests 32 --gpu-memory-utilization 0.85 --output-json "$out/vl_bench.json"
 fi

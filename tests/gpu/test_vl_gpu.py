@@ -94,8 +94,8 @@ def _hf_reference(hf_model, llm: LLM, prompt: dict, ids: list[int]) -> tuple[lis
 def _generate(path: str, **engine) -> tuple[list, dict | None, LLM]:
     """Outputs of the four prompts in one batch, what the runner's encoder graphs did (None: not captured), and the
     engine (the caller shuts it down)."""
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
-              encoder_cudagraph_sizes=BUCKETS, **engine)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5, max_num_seqs=8,
+              encoder_cudagraph_sizes=BUCKETS, **engine)  # 8 sequences: 4 decode graphs to capture, not 67
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0,
                             detokenize=False)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
