@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import socket
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -300,20 +301,24 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def drive(url: str, workload: Workload, vocab: int, timeout_s: float) -> dict:
+async def drive(url: str, workload: Workload, vocab: int, timeout_s: float,
+                on_warm: Callable[[], None] | None = None) -> dict:
     """The workload against one front (an engine or the router): the streams start together; the long prompts
     arrive every 1 / long_rate s from then on. A warm-up first (a few streams and one long prompt) so that kernels
-    compiled at first use do not land in the figures."""
+    compiled at first use do not land in the figures; `on_warm` runs after it."""
     import aiohttp
     streams, longs = _prompts(workload, vocab)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client:
         target = f"{url}/v1/completions"
-        warm = [send_request(client, target, _body(p, 8), len(p)) for p in streams[:4]]
-        warm += [send_request(client, target, _body(longs[0] if longs else streams[0], 2), workload.long_input_len)]
+        # reversed prompts: the same lengths, no prefix the measured requests could hit in the cache
+        warm = [send_request(client, target, _body(p[::-1], 8), len(p)) for p in streams[:4]]
+        warm += [send_request(client, target, _body((longs or streams)[0][::-1], 2), workload.long_input_len)]
         failed = [r.error for r in await asyncio.gather(*warm) if not r.success]
         if failed:
             raise RuntimeError(f"the warm-up failed at {url}: {failed[0]}")
+        if on_warm is not None:
+            on_warm()
 
         async def long_arrivals() -> list[RequestResult]:
             tasks = []
@@ -382,13 +387,41 @@ def run_config(config: str, args, workload: Workload, tokenizer: str, vocab: int
             return _drive_logged(engines["engine"].url, workload, vocab, args, t0)
         front = router_args(engines["prefill"].url, engines["decode"].url, args.request_timeout)
         with running({"router": front}, log_dir, args.startup_timeout) as router:
-            return _drive_logged(router["router"].url, workload, vocab, args, t0)
+            before: dict[str, float] = {}
+            result = _drive_logged(router["router"].url, workload, vocab, args, t0,
+                                   on_warm=lambda: before.update(transfer_counts(engines["decode"].url)))
+            after = transfer_counts(engines["decode"].url)
+            return {**result, "decode_engine": {k: v - before.get(k, 0.0) for k, v in after.items()}}
 
 
-def _drive_logged(url: str, workload: Workload, vocab: int, args, t0: float) -> dict:
+def _drive_logged(url: str, workload: Workload, vocab: int, args, t0: float,
+                  on_warm: Callable[[], None] | None = None) -> dict:
     startup = time.perf_counter() - t0
-    result = asyncio.run(drive(url, workload, vocab, args.request_timeout))
+    result = asyncio.run(drive(url, workload, vocab, args.request_timeout, on_warm))
     return {"startup_s": round(startup, 1), **result}
+
+
+_SAMPLE = re.compile(r'^vllm:(\w+)\{([^}]*)\} (\S+)$')
+
+
+def transfer_counts(url: str) -> dict[str, float]:
+    """The decode engine's evidence that it read the prompts' KV rather than computing them: its prompt tokens by
+    source (local_compute, external_kv_transfer, ...) and its kv_transfer_* counters, each summed over labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name == "prompt_tokens_by_source_total":
+            source = re.search(r'source="([^"]+)"', labels)
+            name = f"prompt_tokens_{source.group(1) if source else 'unknown'}"
+        elif not (name.startswith("kv_transfer_") and name.endswith("_total")):
+            continue
+        counts[name] = counts.get(name, 0.0) + float(value)
+    return counts
 
 
 def ratios(results: dict[str, dict]) -> dict:
@@ -458,6 +491,10 @@ def print_config(config: str, r: dict) -> None:
           f"{r['p99_tpot_ms']} ms; long prompts' TTFT p50 {r['p50_long_ttft_ms']} ms; {r['output_tokens_per_s']} "
           f"output tok/s; streams {r['stream_tokens_received']}/{r['stream_tokens_asked']} tokens; "
           f"{r['duration_s']} s", flush=True)
+    if "decode_engine" in r:
+        d = r["decode_engine"]
+        print(f"{'':>9}  the decode engine read {d.get('prompt_tokens_external_kv_transfer', 0):.0f} prompt tokens' KV "
+              f"and computed {d.get('prompt_tokens_local_compute', 0):.0f}", flush=True)
 
 
 def plot(report: dict, path: str) -> None:

@@ -80,6 +80,9 @@ def test_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
         assert r["long_tokens_received"] == r["long_tokens_asked"] == 2 * 3, config
         assert r["itl_count"] > 0 and 0 <= r["p50_itl_ms"] <= r["p99_itl_ms"] <= r["max_itl_ms"], config
         assert r["p50_long_ttft_ms"] > 0 and r["output_tokens_per_s"] > 0, config
+    decode = report["results"]["disagg"]["decode_engine"]  # it read every prompt's KV: only last tokens computed
+    assert decode["prompt_tokens_local_compute"] == 3 + 2 and decode["kv_transfer_failed_reads_total"] == 0
+    assert decode["prompt_tokens_external_kv_transfer"] == 3 * 8 + 2 * 96 - 5
     assert set(report["ratios"]) >= {"p99_itl", "output_tokens_per_s", "p99_itl_at_most_half"}
     assert report["kv_cache_gib"] == {"colocated": 0.1, "disagg_each": 0.05}
     assert (tmp_path / "disagg.logs" / "router.log").exists()  # every process's log beside the report
