@@ -68,7 +68,9 @@ def run_pressroom_images(llm, prompts: list[list[int]], items: list[list], outpu
                          device: torch.device) -> ImageRun:
     from pressroom import SamplingParams
     from pressroom.benchmarks.gpu import sync
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    from pressroom.sampling_params import RequestOutputKind
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate asks
     engine = llm.engine
     sync(device)
     start = time.perf_counter()
