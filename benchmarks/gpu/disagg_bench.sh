@@ -91,11 +91,15 @@ from nixl._api import nixl_agent, nixl_agent_config
 a = nixl_agent('probe', nixl_agent_config(enable_prog_thread=False, enable_listen_thread=True, listen_port=5799,
                                           backends=['UCX']))
 print('nixl ok, backends', a.backends)" 2>&1 | tail -3 || { echo "NIXL does not start here: no disaggregated run"; }
+# the KV budget: two 8B engines (16 GiB of weights each) and half of it each must fit one card; an H100's 80 GB
+# takes 32 GiB (16 each, room for 64 streams of 1152 tokens and the long prompts in flight), an H200's 48
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1 | tr -cd 0-9)
+kv_default=$(( ${mib:-0} > 100000 ? 48 : 32 ))
 time timeout 380 python3 -m pressroom.entrypoints.cli bench disagg \
   --model "${MODEL:-pressroom/benchmarks/configs/llama-3.1-8b}" --load-format dummy --dtype bfloat16 \
   --device "${DEVICE:-cuda}" --streams "${STREAMS:-64}" --stream-output-len "${OUTPUT_LEN:-1024}" \
   --long-prompts "${LONG_PROMPTS:-32}" --long-input-len "${LONG_LEN:-4096}" --long-rate "${LONG_RATE:-2}" \
-  --kv-cache-gib "${KV_GIB:-48}" --startup-timeout 150 --request-timeout 200 \
+  --kv-cache-gib "${KV_GIB:-$kv_default}" --startup-timeout 150 --request-timeout 200 \
   --output-json "$out/disagg.json" --plot "$out/disagg.png"
 echo "rc $?"
 for f in "$out"/disagg.logs/*.log; do

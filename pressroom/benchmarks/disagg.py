@@ -72,7 +72,7 @@ class Workload:
 # shape), the CPU's small enough for a 2-core machine.
 DEFAULTS = {
     "cuda": dict(streams=64, stream_input_len=128, stream_output_len=1024, long_prompts=32, long_input_len=4096,
-                 long_output_len=16, long_rate=2.0, kv_cache_gib=48.0, kv_buffer_mib=4096),
+                 long_output_len=16, long_rate=2.0, kv_cache_gib=48.0, kv_buffer_mib=2048),
     "cpu": dict(streams=4, stream_input_len=16, stream_output_len=48, long_prompts=3, long_input_len=256,
                 long_output_len=4, long_rate=1.0, kv_cache_gib=0.25, kv_buffer_mib=64),
 }
@@ -101,7 +101,7 @@ def add_disagg_bench_args(parser: argparse.ArgumentParser) -> None:
     engines.add_argument("--kv-cache-gib", type=float, default=None,
                          help="the colocated engine's KV cache; each disaggregated engine gets half (48 / 0.25)")
     engines.add_argument("--kv-buffer-mib", type=int, default=None,
-                         help="each disaggregated engine's NIXL staging buffer, host memory (4096 / 64)")
+                         help="each disaggregated engine's NIXL staging buffer, host memory (2048 / 64)")
     engines.add_argument("--configs", default=",".join(CONFIGS), help="which to run, of colocated,disagg")
     engines.add_argument("--serve-args", default="", help="more `pressroom serve` flags for every engine, one string")
     engines.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for the engines to come up")
@@ -466,11 +466,13 @@ def run(args) -> dict:
                 print(f"{config} failed: {e}", file=sys.stderr, flush=True)
                 continue
             print_config(config, results[config])
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-              "device": _device_name(device), "model": args.model, "load_format": args.load_format,
-              "workload": asdict(workload), "kv_cache_gib": {"colocated": kv_gib, "disagg_each": kv_gib / 2},
-              "kv_buffer_mib": buffer_mib, "serve_args": args.serve_args, "results": results,
-              "ratios": ratios(results)}
+            report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+                      "device": _device_name(device), "model": args.model, "load_format": args.load_format,
+                      "workload": asdict(workload), "kv_cache_gib": {"colocated": kv_gib, "disagg_each": kv_gib / 2},
+                      "kv_buffer_mib": buffer_mib, "serve_args": args.serve_args, "results": results,
+                      "ratios": ratios(results)}
+            if args.output_json:  # each configuration's figures as soon as they exist: a run cut short keeps them
+                Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
