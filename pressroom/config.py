@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -87,6 +87,26 @@ def check_quantization(name: str) -> None:
         raise ValueError(f"quantization must be one of {', '.join([*QUANTIZATIONS, *plugins])} (an installed "
                          f"plug-in's name, entry point group {QUANTIZATION_ENTRY_POINTS!r}) or "
                          f"module.path:ClassName; got {name!r}.")
+
+
+def limits_of(value: str | Mapping[str, Any]) -> dict[str, int]:
+    """--limit-mm-per-prompt (LLM's limit_mm_per_prompt) as vLLM takes it: a JSON object of counts, '{"image": 2,
+    "audio": 1}', or that mapping itself (a modality's value may also be vLLM's {"count": N, ...} form, of which the
+    count is read)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'--limit-mm-per-prompt: not JSON ({e}); e.g. \'{{"image": 2, "audio": 1}}\'') from None
+    if not isinstance(value, Mapping):
+        raise ValueError('--limit-mm-per-prompt: a JSON object of counts, e.g. \'{"image": 2, "audio": 1}\'')
+    out = {}
+    for modality, limit in value.items():
+        count = limit.get("count") if isinstance(limit, Mapping) else limit
+        if not isinstance(modality, str) or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {limit!r}")
+        out[modality] = count
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -958,7 +978,6 @@ class EngineArgs:
                            batch_invariant=self.batch_invariant or _env_flag("VLLM_BATCH_INVARIANT"), **runner)
 
     def _media_limits(self) -> dict[str, int] | None:
-        from pressroom.multimodal.media import limits_of
         return None if self.limit_mm_per_prompt is None else limits_of(self.limit_mm_per_prompt)
 
     def _cache_config(self, device: str, dtype: torch.dtype) -> CacheConfig:

@@ -13,7 +13,6 @@ import base64
 import binascii
 import http.client
 import io
-import json
 import mimetypes
 import os
 import socket
@@ -23,9 +22,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 from urllib.request import url2pathname
+
+from pressroom.config import limits_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,26 +129,6 @@ class MediaPolicy:
 
     def allows_domain(self, host: str) -> bool:
         return ANY_DOMAIN in self.allowed_media_domains or _host(host) in self.allowed_media_domains
-
-
-def limits_of(value: str | Mapping[str, Any]) -> dict[str, int]:
-    """--limit-mm-per-prompt (LLM's limit_mm_per_prompt) as vLLM takes it: a JSON object of counts, '{"image": 2,
-    "audio": 1}', or that mapping itself (a modality's value may also be vLLM's {"count": N, ...} form, of which the
-    count is read)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'--limit-mm-per-prompt: not JSON ({e}); e.g. \'{{"image": 2, "audio": 1}}\'') from None
-    if not isinstance(value, Mapping):
-        raise ValueError('--limit-mm-per-prompt: a JSON object of counts, e.g. \'{"image": 2, "audio": 1}\'')
-    out = {}
-    for modality, limit in value.items():
-        count = limit.get("count") if isinstance(limit, Mapping) else limit
-        if not isinstance(modality, str) or isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {limit!r}")
-        out[modality] = count
-    return out
 
 
 def check_counts(counts: Mapping[str, int], policy: MediaPolicy) -> None:

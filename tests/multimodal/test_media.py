@@ -23,6 +23,7 @@ from hostile_media import (
     wav,
 )
 
+from pressroom.config import limits_of
 from pressroom.multimodal import media
 from pressroom.multimodal.media import (
     DurationLimitError,
@@ -214,7 +215,7 @@ def test_a_video_past_the_frame_or_pixel_cap_is_refused():
 # ---- the per-prompt limit ----
 
 def test_the_limit_per_prompt_parses_as_vllm_spells_it_and_names_itself():
-    policy = MediaPolicy(limit_per_prompt=media.limits_of(
+    policy = MediaPolicy(limit_per_prompt=limits_of(
         '{"image": 2, "audio": 0, "video": {"count": 1, "num_frames": 8}}'))
     assert (policy.limit("image"), policy.limit("audio"), policy.limit("video")) == (2, 0, 1)
     assert MediaPolicy().limit("image") == 999  # vLLM's default
@@ -225,7 +226,7 @@ def test_the_limit_per_prompt_parses_as_vllm_spells_it_and_names_itself():
         media.check_counts({"audio": 1}, policy)
     for bad in ("image=2", '{"image": -1}', '["image"]', '{"image": true}', '{"image": 1.5}'):
         with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
-            media.limits_of(bad)
+            limits_of(bad)
 
 
 def test_every_refusal_is_a_value_error():

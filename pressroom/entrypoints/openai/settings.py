@@ -8,12 +8,12 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pressroom.config import json_object
+from pressroom.config import json_object, limits_of
 from pressroom.engine.sampling_defaults import GENERATION_CONFIG_AUTO, check_generation_config
 from pressroom.entrypoints.openai.limits import AdmissionLimits
 from pressroom.entrypoints.openai.lora import LoRAModule
 from pressroom.entrypoints.openai.tls import TLSSettings
-from pressroom.multimodal.media import MediaPolicy, limits_of
+from pressroom.multimodal.media import MediaPolicy
 
 # auto: think for a model whose template or vocabulary has the markers; the deepseek ones: openai/reasoning.py
 REASONING_PARSERS = ("auto", "think", "deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3", "mimo", "granite",
