@@ -3,13 +3,13 @@
 # split in halves, behind `pressroom router`) against one engine alone, the same mixed workload: 64 streams decoding
 # 1024 tokens while 32 prompts of 4096 tokens arrive at 2/s. Llama-3.1-8B's shape, dummy weights, a synthetic
 # tokenizer (bench disagg writes it). Reports P50/P99 ITL of the streams, the long prompts' TTFT, output tok/s and
-# the disagg/colocated ratios (the bar: P99 ITL at most 0.5x) to OUT/disagg.json, OUT/disagg.png and OUT/*.log.
+# the disagg/colocated ratios (the bar: P99 ITL at most 0.5x) to OUT/disagg.json, OUT/disagg.png and OUT/disagg.logs/ (each process's log).
 #
 # The device image lacks NIXL (the KV transfer's transport) and pressroom's server packages. Prepare both here, on the
 # CPU machine, from the repo root, once:
 #   bash benchmarks/gpu/wheels.sh                  # .whl/: fastapi, uvicorn, msgspec, pyzmq, ...
-#   bash benchmarks/gpu/disagg_bench.sh --wheels   # .whl-nixl/: nixl 1.5.1 + nixl-cu13 1.5.1 slimmed to UCX (~17 MiB)
-# then, in one device call (carry [".whl", ".whl-nixl"]; about 4-6 minutes, under 400 s by the steps' timeouts):
+#   bash benchmarks/gpu/disagg_bench.sh --wheels   # .whl-nixl/: nixl 1.5.1 + nixl-cu13 1.5.1 slimmed to UCX (16 MiB)
+# then, in one device call (carry [".whl", ".whl-nixl"]; expected 3-5 minutes, under 400 s by the steps' timeouts):
 #   bash benchmarks/gpu/disagg_bench.sh $OUT
 # Environment: STREAMS, OUTPUT_LEN, LONG_PROMPTS, LONG_LEN, LONG_RATE, KV_GIB override the workload and KV budget;
 # MODEL and DEVICE=cpu run the same command on the CPU (how its flags were checked: a tiny config, small numbers).
@@ -85,7 +85,7 @@ fi
 source benchmarks/gpu/setup.sh > /dev/null  # .whl/ into /tmp/site, the checkout on PYTHONPATH, OUT/gpu.txt
 cat "$out/gpu.txt"
 # NIXL's agent with UCX in host memory, as the connector makes it, before four minutes go to the engines
-timeout 60 python3 -c "
+timeout 30 python3 -c "
 import torch  # first: NIXL's meta package picks its CUDA-13 build from torch's CUDA
 from nixl._api import nixl_agent, nixl_agent_config
 a = nixl_agent('probe', nixl_agent_config(enable_prog_thread=False, enable_listen_thread=True, listen_port=5799,
@@ -95,7 +95,7 @@ print('nixl ok, backends', a.backends)" 2>&1 | tail -3 || { echo "NIXL does not 
 # takes 32 GiB (16 each, room for 64 streams of 1152 tokens and the long prompts in flight), an H200's 48
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1 | tr -cd 0-9)
 kv_default=$(( ${mib:-0} > 100000 ? 48 : 32 ))
-time timeout 380 python3 -m pressroom.entrypoints.cli bench disagg \
+time timeout 360 python3 -m pressroom.entrypoints.cli bench disagg \
   --model "${MODEL:-pressroom/benchmarks/configs/llama-3.1-8b}" --load-format dummy --dtype bfloat16 \
   --device "${DEVICE:-cuda}" --streams "${STREAMS:-64}" --stream-output-len "${OUTPUT_LEN:-1024}" \
   --long-prompts "${LONG_PROMPTS:-32}" --long-input-len "${LONG_LEN:-4096}" --long-rate "${LONG_RATE:-2}" \
