@@ -3,7 +3,8 @@
 # split in halves, behind `pressroom router`) against one engine alone, the same mixed workload: 64 streams decoding
 # 1024 tokens while 32 prompts of 4096 tokens arrive at 2/s. Llama-3.1-8B's shape, dummy weights, a synthetic
 # tokenizer (bench disagg writes it). Reports P50/P99 ITL of the streams, the long prompts' TTFT, output tok/s and
-# the disagg/colocated ratios (the bar: P99 ITL at most 0.5x) to OUT/disagg.json, OUT/disagg.png and OUT/disagg.logs/ (each process's log).
+# the disagg/colocated ratios (the bar: P99 ITL at most 0.5x) to OUT/disagg.json, OUT/disagg.png and
+# OUT/disagg.logs/ (each process's log).
 #
 # The device image lacks NIXL (the KV transfer's transport) and pressroom's server packages. Prepare both here, on the
 # CPU machine, from the repo root, once:
