@@ -285,6 +285,10 @@ CASES: dict[str, FieldCase] = {
         ("echo",)),
     "echo with logprobs": FieldCase(COMPLETIONS, dict(BASE, echo=True, logprobs=1, max_tokens=1), ("echo",),
                                     seen=_echo_top_logprobs),
+    "return_tokens_as_token_ids": FieldCase(
+        COMPLETIONS, dict(BASE, logprobs=1, return_tokens_as_token_ids=True), ("return_tokens_as_token_ids",),
+        seen=lambda r: (r["choices"][0]["logprobs"]["tokens"],
+                        [sorted(t) for t in r["choices"][0]["logprobs"]["top_logprobs"]])),
     "cache_salt": FieldCase(COMPLETIONS, dict(BASE, cache_salt="tenant-a"), ("cache_salt",), changes=False),
     "min_tokens": FieldCase(CHAT, dict(CHAT_BASE, min_tokens=15, max_tokens=16), ("min_tokens",),
                             seen=lambda r: (_texts(r), r["usage"]["completion_tokens"])),
@@ -535,6 +539,19 @@ def _responses_streamed(base: str) -> tuple[str, set[str], str]:
         if event.type == "response.completed":
             final = event.response.output_text
     return text, types, final
+
+
+def test_responses_api_takes_a_named_tool_choice_without_a_parser_as_vllm(peers):
+    """vLLM refuses a forced tool_choice without --tool-call-parser on chat only: /v1/responses runs it."""
+    def status(base: str) -> int:
+        try:
+            _client(base).responses.create(model=SERVED_NAME, input="Weather in Paris?", max_output_tokens=8,
+                                           temperature=0, tools=[{"type": "function", **WEATHER["function"]}],
+                                           tool_choice={"type": "function", "name": "get_weather"})
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+    assert status(peers.pressroom) == status(peers.vllm) == 200
 
 
 def test_responses_api_whole_and_streamed_as_vllm(peers):

@@ -603,7 +603,8 @@ def _add_vllm_routes(app: FastAPI, chat: OpenAIServingChat, engine: AsyncLLMEngi
     app.post(vllm_routes.SCORING_PATH, openapi_extra=_request_body(vllm_routes.GenerativeScoringRequest),
              responses=_responses(vllm_routes.GenerativeScoringResponse))(scoring.score)
     _add_schemas(app, [(vllm_routes.GenerativeScoringRequest, "validation")])
-    app.post("/is_scaling_elastic_ep")(vllm_routes.is_scaling_elastic_ep)
+    # bodiless, so out of the schema (as POST /ping): the JSON-only guard and the fuzzer skip it
+    app.post("/is_scaling_elastic_ep", include_in_schema=False)(vllm_routes.is_scaling_elastic_ep)
     app.post("/scale_elastic_ep", openapi_extra=_ANY_JSON_BODY, responses=_ERRORS)(
         vllm_routes.scale_elastic_ep(engine.engine.config.parallel.data_parallel_size))
     for path in vllm_routes.SCALE_OUT_ROUTES:

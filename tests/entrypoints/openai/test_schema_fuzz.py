@@ -24,7 +24,8 @@ EXAMPLES_PER_OPERATION = 50
 # Routes that translate into the chat handler's request (whose own route takes the full 50) fuzz their own
 # bodies with fewer: the suite's time budget.
 EXAMPLES_ON_THE_CHAT_PATH = {"/v1/responses": 20, "/v1/responses/{response_id}": 20, "/v1/messages": 20,
-                             "/v1/messages/count_tokens": 20}
+                             "/v1/messages/count_tokens": 20, "/v1/chat/completions/batch": 20,
+                             "/generative_scoring": 20}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,14 +56,16 @@ def pooling_schema(pooling_server):
 
 # Parametrized here rather than by schemathesis' lazy `from_fixture`, which pytest 9 breaks (it reads a private
 # attribute of pytest's nodes); test_every_operation_is_fuzzed keeps the list whole.
-GETS = ["/health", "/ping", "/load", "/version", "/metrics", "/v1/models", "/v1/responses/{response_id}"]
+GETS = ["/health", "/ping", "/load", "/version", "/metrics", "/v1/models", "/v1/responses/{response_id}",
+        "/kv_event_sources"]
 POSTS = ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-         "/v1/messages/count_tokens"]
+         "/v1/messages/count_tokens", "/generative_scoring"]
 # bodies of two short strings, which schemathesis cannot make invalid ("negative" is unsatisfiable for them)
 POSITIVE_POSTS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 POOLING_POSTS = ["/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
                  "/classify", "/v2/embed"]
-ANY_OBJECT_POSTS = ["/invocations"]  # a JSON object of any fields: it dispatches on them
+# a JSON object of any fields: /invocations dispatches on them, the others check them by hand (as vLLM's do)
+ANY_OBJECT_POSTS = ["/invocations", "/v1/chat/completions/batch", "/scale_elastic_ep"]
 FORM_POSTS = ["/v1/audio/transcriptions", "/v1/audio/translations"]  # multipart forms (the text model: 400s)
 CASES = ([("GET", path, "positive") for path in GETS]
          + [("POST", path, mode) for path in POSTS + POOLING_POSTS + FORM_POSTS for mode in ("positive", "negative")]
@@ -106,6 +109,7 @@ VALID_BODIES = {  # per route: a valid body, which each case changes in one inte
     "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
     "/v1/messages": {"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
     "/v1/messages/count_tokens": {"model": "tiny", "messages": MESSAGES},
+    "/generative_scoring": {"model": "tiny", "query": "hi", "items": ["a"], "label_token_ids": [1]},
     "/v1/embeddings": {"model": "minilm", "input": "hi"},
     "/pooling": {"model": "minilm", "input": "hi"},
     "/score": {"model": "minilm", "text_1": "a", "text_2": "b"},
