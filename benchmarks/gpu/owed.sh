@@ -6,7 +6,10 @@
 #    rank-16 LoRA adapters against the base model (throughput and batch-1 decode: issue 48's 0.8x / 0.85x bars).
 # B: sleep mode's and DSpark's GPU tests, Kimi-Linear-48B's 4k/128k decode after split-KV's cap went 16 -> 64.
 # Needs more than an H100's memory (Kimi-Linear-48B, V4 beside HF): run with needs_h200.
-# Carry [".whl", ".whl-hf"] (benchmarks/gpu/wheels.sh builds them). Everything written ends in OUT_DIR/owed_PART.tgz
+# Carry [".whl", ".whl-hf"] (benchmarks/gpu/wheels.sh builds them). The tree travels under 64 MiB only without
+# .whl/'s pillow (added 2026-12-07 08:04, not needed here): carry a copy without it, e.g. [".whl-owed", ".whl-hf"]
+# with the command `rm -rf .whl && mv .whl-owed .whl && bash benchmarks/gpu/owed.sh $OUT A` (.whl-owed ignored in
+# .git/info/exclude). Everything written ends in OUT_DIR/owed_PART.tgz
 # (a device call brings back 8 files at most).
 # Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|all]
 set -uo pipefail
