@@ -96,7 +96,7 @@ def test_the_walk_reaches_every_subcommand():
                             ("make-prompts",), ("bench",),
                             ("bench", "throughput"), ("bench", "latency"), ("bench", "serve"), ("bench", "gpu"),
                             ("bench", "spec"), ("bench", "sparse-attention"), ("bench", "offload"),
-                            ("bench", "context"), ("bench", "embed"), ("bench", "structured")}
+                            ("bench", "context"), ("bench", "embed"), ("bench", "structured"), ("bench", "disagg")}
 
 
 @pytest.mark.parametrize("path", PARSERS, ids=lambda p: " ".join(p) or "pressroom")
