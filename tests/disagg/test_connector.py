@@ -262,3 +262,27 @@ def test_prompt_logprobs_compute_the_prompt_here(pair):
                                                      extra_args={"kv_transfer_params": params}), None)
     assert consumer.get_num_new_matched_tokens(req, 0) == 0
     assert consumer.stats().bytes_received == 0 and consumer.stats().staging_slots_used == 0
+
+
+def test_a_kv_port_taken_after_it_was_picked_is_traded_for_another(monkeypatch):
+    """The race disagg_support mends: the first port handed out is held by another socket when NIXL binds it; the
+    connector comes up on the next one instead of failing the test run."""
+    import socket
+
+    from disagg import disagg_support
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    handed = iter([taken])
+    monkeypatch.setattr(disagg_support, "free_port", lambda: next(handed, None) or free_port())
+    tried: list[int] = []
+    try:
+        c = disagg_support.with_free_kv_port(lambda port: tried.append(port) or NixlConnector(
+            KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer", kv_port=port,
+                             kv_buffer_size=64 << 10), fingerprint=FINGERPRINT, chunk_shape=CHUNK,
+            kv_dtype=torch.float32, block_size=BS))
+        c.close()
+    finally:
+        held.close()
+    assert tried[0] == taken and len(tried) == 2 and tried[1] != taken
