@@ -86,3 +86,17 @@ def test_end_to_end_on_the_cpu(tiny_model_dir, tmp_path):
     assert set(report["ratios"]) >= {"p99_itl", "output_tokens_per_s", "p99_itl_at_most_half"}
     assert report["kv_cache_gib"] == {"colocated": 0.1, "disagg_each": 0.05}
     assert (tmp_path / "disagg.logs" / "router.log").exists()  # every process's log beside the report
+
+
+def test_a_failed_start_stops_every_process_it_started(tmp_path):
+    """One process exits while starting (an unknown flag): `running` raises with its log, and the one started beside
+    it (a router, up or not) is stopped too: nothing outlives the bench."""
+    import subprocess
+    mark = f"http://127.0.0.1:9/{tmp_path.name}"  # in the router's command line: pgrep finds it by this
+    specs = {"router": disagg.router_args(mark, mark, 5), "broken": ["serve", "--no-such-flag"]}
+    with pytest.raises(RuntimeError, match="broken exited while starting") as error:
+        with disagg.running(specs, tmp_path, timeout_s=120):
+            pass
+    assert "--no-such-flag" in str(error.value)
+    assert (tmp_path / "router.log").exists()
+    assert subprocess.run(["pgrep", "-f", mark], capture_output=True).returncode == 1  # no such process left
