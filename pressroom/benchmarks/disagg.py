@@ -223,6 +223,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def lost_a_port(log: str) -> bool:
+    """A start that failed on a taken port: NIXL's kv_port, uvicorn's bind, or serve's own check of --port."""
+    text = log.lower()
+    return KV_PORT_CLASH in log or "address already in use" in text or "is in use by another process" in text
+
+
 def with_new_kv_port(argv: list[str]) -> list[str]:
     """`argv` with its --kv-transfer-config's kv_port replaced by another free port."""
     i = argv.index("--kv-transfer-config") + 1
@@ -248,8 +254,9 @@ def _stop(process: Process) -> None:
 @contextlib.contextmanager
 def running(specs: dict[str, list[str]], log_dir: Path, timeout_s: float) -> Iterator[dict[str, Process]]:
     """Starts each `pressroom` command of `specs` (name -> arguments) side by side and yields name -> Process once
-    every one answers /health; stops them all on the way out, whatever happened. An engine whose NIXL agent lost its
-    picked kv_port to another process (KV_PORT_CLASH in its log) is started again on another, twice at most."""
+    every one answers /health; stops them all on the way out, whatever happened. A process that lost a port it was
+    given to another process between the pick and its bind (its HTTP port, or its NIXL agent's kv_port:
+    KV_PORT_CLASH) is started again on other ports, twice at most."""
     started: dict[str, Process] = {}
     retries: dict[str, int] = {}
     try:
@@ -261,9 +268,11 @@ def running(specs: dict[str, list[str]], log_dir: Path, timeout_s: float) -> Ite
             for name in sorted(waiting):
                 p = started[name]
                 if p.proc.poll() is not None:
-                    if KV_PORT_CLASH in p.log_tail() and retries.get(name, 0) < 2:
+                    log = p.log_tail()
+                    if lost_a_port(log) and retries.get(name, 0) < 2:
                         retries[name] = retries.get(name, 0) + 1
-                        started[name] = _spawn(name, with_new_kv_port(p.argv), log_dir)
+                        argv = with_new_kv_port(p.argv) if KV_PORT_CLASH in log else p.argv
+                        started[name] = _spawn(name, argv, log_dir)  # on another HTTP port too
                         continue
                     raise RuntimeError(f"{name} exited while starting (rc {p.proc.returncode}):\n{p.log_tail()}")
                 if _healthy(p.url):

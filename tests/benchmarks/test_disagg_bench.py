@@ -100,3 +100,14 @@ def test_a_failed_start_stops_every_process_it_started(tmp_path):
     assert "--no-such-flag" in str(error.value)
     assert (tmp_path / "router.log").exists()
     assert subprocess.run(["pgrep", "-f", mark], capture_output=True).returncode == 1  # no such process left
+
+
+@pytest.mark.parametrize("log, lost", [
+    ("E1207 ... Socket Bind failed ...\nRuntimeError: Failed to bind metadata listener socket", True),  # NIXL
+    ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address already in use", True),
+    ("ERROR pressroom: port 1 on 127.0.0.1 is in use by another process: stop it, or choose another port", True),
+    ("ValueError: kv_buffer_size 1 holds no chunk of 1536 bytes; raise it.", False),
+])
+def test_what_a_lost_port_looks_like(log, lost):
+    """The three ways a start loses a port picked free (each seen in a real log); anything else is not retried."""
+    assert disagg.lost_a_port(log) is lost

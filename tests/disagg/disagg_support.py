@@ -5,8 +5,9 @@ The kv_port race, mended here for every test of the folder: a kv_port is picked 
 by NIXL's metadata listener inside an engine, and another process can take it in between (a clean-clone CI run lost
 that race: "Failed to bind metadata listener socket: Address already in use"). An engine that fails so is started
 again on another port: `with_free_kv_port` for an engine or connector built in this process, `started` for a
-`pressroom serve` (its --kv-transfer-config rewritten). NIXL's marker and the rewrite have one home,
-pressroom/benchmarks/disagg.py, whose `bench disagg` starts engines the same way."""
+`pressroom serve` (its --kv-transfer-config rewritten; a lost HTTP port is picked again the same way). What a lost
+port looks like in a log and the rewrite have one home, pressroom/benchmarks/disagg.py, whose `bench disagg` starts
+engines the same way."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ from typing import TypeVar
 import httpx
 from serving import STARTUP_S, Server, _die_with_test_run, _wait_healthy, free_port, tail
 
-from pressroom.benchmarks.disagg import KV_PORT_CLASH, with_new_kv_port
+from pressroom.benchmarks.disagg import KV_PORT_CLASH, lost_a_port, with_new_kv_port
 
 MODEL = "tiny"
 KV_PORT_TRIES = 3
@@ -76,12 +77,12 @@ def started(specs: dict[str, list[str]], tmp_path, clean: bool = False):
                     _wait_healthy(servers[name], STARTUP_S)
                     break
                 except AssertionError:
-                    lost_port = servers[name].proc.poll() is not None and KV_PORT_CLASH in tail(servers[name].log)
-                    if not lost_port or attempt == KV_PORT_TRIES - 1:
+                    log = tail(servers[name].log)
+                    if servers[name].proc.poll() is None or not lost_a_port(log) or attempt == KV_PORT_TRIES - 1:
                         raise
                     servers[name].log.close()
-                    args = with_new_kv_port(args)
-                    servers[name] = _launch(name, args, tmp_path)
+                    args = with_new_kv_port(args) if KV_PORT_CLASH in log else args
+                    servers[name] = _launch(name, args, tmp_path)  # on another HTTP port too
         yield servers
         if clean:
             for name, server in servers.items():
