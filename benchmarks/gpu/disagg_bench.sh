@@ -12,6 +12,9 @@
 #   bash benchmarks/gpu/disagg_bench.sh --wheels   # .whl-nixl/: nixl 1.5.1 + nixl-cu13 1.5.1 slimmed to UCX (16 MiB)
 # then, in one device call (carry [".whl", ".whl-nixl"]; expected 3-5 minutes, under 400 s by the steps' timeouts):
 #   bash benchmarks/gpu/disagg_bench.sh $OUT
+# Sizes on 2026-12-07: tree 24.9 MiB + .whl 18.0 (pillow 6.8 of it, not needed here) + .whl-nixl 15.9 = 58.8 of the
+# call's 64 MiB; if the tree has grown past that, carry .whl without pillow (owed.sh's .whl-owed: carry
+# [".whl-owed", ".whl-nixl"] and start with `rm -rf .whl && mv .whl-owed .whl && bash benchmarks/gpu/disagg_bench.sh`).
 # Environment: STREAMS, OUTPUT_LEN, LONG_PROMPTS, LONG_LEN, LONG_RATE, KV_GIB override the workload and KV budget;
 # MODEL and DEVICE=cpu run the same command on the CPU (how its flags were checked: a tiny config, small numbers).
 set -uo pipefail
