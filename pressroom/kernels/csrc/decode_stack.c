@@ -16,6 +16,7 @@ void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d
                    int64_t tokens, int64_t rows, int64_t cols, int threads);
 void vnni_gemm_f32(float *out, const float *x, int64_t tokens, int64_t k, const uint8_t *panel, const float *d,
                    const float *m, int64_t n, int threads);
+int q4_row_kernel_max_tokens(void);
 
 /* One layer's pointers, in this order (kernels/cpu.py's DECODE_LAYER_FIELDS names them): each matrix's 4-bit
  * tiles (q, d, m), then each one's byte panel (vnni_gemm.c: p, pd, pm; p = 0 where there is none). */
@@ -26,7 +27,9 @@ enum { LN1, QKV_Q, QKV_D, QKV_M, QKV_BIAS, O_Q, O_D, O_M, LN2, GU_Q, GU_D, GU_M,
 enum { TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, MAX_BLOCKS, CACHE_BF16, DIM_FIELDS };
 
 #define PTR(type, layer, field) ((type)(intptr_t)(layer)[field])
-#define ROW_KERNEL_MAX_TOKENS 8  /* quant.py's INT4_MAX_ROWS: more tokens take the panel */
+/* Past this many tokens the panel (vnni_gemm.c) beats the row kernel (quant_ops.c): 16 where the row kernel
+ * keeps a verification's 1 + K rows in registers over each unpacked block (AVX-512), else quant.py's INT4_MAX_ROWS. */
+#define ROW_KERNEL_MAX_TOKENS q4_row_kernel_max_tokens()
 
 /* out = x times the matrix whose row-kernel tiles start at field q and panel at field p (q, d, m; p, pd, pm):
  * the two give the same bits (vnni_gemm.c rounds and sums as quant_ops.c does). */
