@@ -27,7 +27,7 @@ enum { LN1, QKV_Q, QKV_D, QKV_M, QKV_BIAS, O_Q, O_D, O_M, LN2, GU_Q, GU_D, GU_M,
 enum { TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, MAX_BLOCKS, CACHE_BF16, DIM_FIELDS };
 
 #define PTR(type, layer, field) ((type)(intptr_t)(layer)[field])
-/* Past this many tokens the panel (vnni_gemm.c) beats the row kernel (quant_ops.c): 16 where the row kernel
+/* Past this many tokens the panel (vnni_gemm.c) beats the row kernel (quant_ops.c): 12 where the row kernel
  * keeps a verification's 1 + K rows in registers over each unpacked block (AVX-512), else quant.py's INT4_MAX_ROWS. */
 #define ROW_KERNEL_MAX_TOKENS q4_row_kernel_max_tokens()
 

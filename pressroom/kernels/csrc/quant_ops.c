@@ -157,7 +157,7 @@ static void q4_tile_chunk(float *out, struct qx x, const uint8_t *qs, const floa
 }
 #endif
 
-#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(Q4_PAIR_TILES)
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 /* With AVX-512's 32 vector registers, up to WIDE_TOKENS tokens share one unpacking of a block, their accumulators
  * held in registers: a verification's 1 + K rows (K <= 8) stream the nibbles once (TOKEN_CHUNK's 4 a pass took
  * three passes for 9). Each token's operations are q4_tile_chunk's in its order: the same bits. */
@@ -220,88 +220,15 @@ static void q4_tile_tokens(float *out, struct qx x, const uint8_t *qs, const flo
 #define HAVE_WIDE 0
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(Q4_PAIR_TILES)
-/* AVX-512: two tiles side by side in one 512-bit vector (lanes 0-7 tile g's rows, 8-15 tile g + 1's), and up to
- * PAIR_TOKENS tokens sharing one unpacking of a block, their accumulators held in registers (32 of them here): a
- * verification's 1 + K rows (K <= 8) stream the nibbles once. Each lane runs q4_tile_chunk's operations in its
- * order (the integer dots, then y += m * sum, y += dot * (d * scale) a block), so a token's bits do not depend on
- * the kernel or on the step's other tokens. */
-#define PAIR_TOKENS 12
-
-static inline __m512i load_pair(const uint8_t *p0, const uint8_t *p1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p0)), load256(p1), 1);
-}
-
-static inline __m512 load_pair_ps(const float *p0, const float *p1) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p0))),
-                                               _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
-}
-
-static inline __m512i broadcast4_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
-
-/* out[t][r] for tokens t0 .. t0 + n - 1 and the 16 rows of tiles g (qs, d, m) and g + 1 (at `stride` blocks'
- * worth further on); valid0, valid1: each tile's real rows. n is a constant in each caller (the accumulators'
- * loop unrolls into registers). */
-static inline __attribute__((always_inline)) void q4_pair_chunk(float *out, struct qx x, const uint8_t *qs,
-                                                                const float *d, const float *m, int64_t blocks,
-                                                                int64_t t0, const int n, int valid0, int valid1,
-                                                                int64_t rows, int64_t cols) {
-    const uint8_t *qs1 = qs + blocks * TILE_BYTES;
-    const float *d1 = d + blocks * TILE, *m1 = m + blocks * TILE;
-    const __m512i zero = _mm512_setzero_si512(), nib = _mm512_set1_epi8(0x0F);
-    __m512 acc[PAIR_TOKENS];
-    _Pragma("GCC unroll 12") for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i w[8];
-        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {
-            const __m512i raw = load_pair(qs + b * TILE_BYTES + 32 * k, qs1 + b * TILE_BYTES + 32 * k);
-            w[k] = _mm512_and_si512(raw, nib);
-            w[4 + k] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        }
-        const __m512 dv = load_pair_ps(d + b * TILE, d1 + b * TILE), mv = load_pair_ps(m + b * TILE, m1 + b * TILE);
-        _Pragma("GCC unroll 12") for (int i = 0; i < n; i++) {
-            const int64_t t = t0 + i;
-            const int8_t *xb = x.q + t * cols + b * QBLOCK;
-            __m512i lo = _mm512_dpbusd_epi32(zero, w[0], broadcast4_512(xb));
-            __m512i hi = _mm512_dpbusd_epi32(zero, w[4], broadcast4_512(xb + 16));
-            _Pragma("GCC unroll 3") for (int k = 1; k < 4; k++) {
-                lo = _mm512_dpbusd_epi32(lo, w[k], broadcast4_512(xb + 4 * k));
-                hi = _mm512_dpbusd_epi32(hi, w[4 + k], broadcast4_512(xb + 16 + 4 * k));
-            }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
-            acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum[t * blocks + b]), acc[i]);
-            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(x.scale[t * blocks + b])), acc[i]);
-        }
-    }
-    _Pragma("GCC unroll 12") for (int i = 0; i < n; i++) {
-        float lanes[2 * TILE];
-        _mm512_storeu_ps(lanes, acc[i]);
-        memcpy(out + (t0 + i) * rows, lanes, sizeof(float) * valid0);
-        memcpy(out + (t0 + i) * rows + TILE, lanes + TILE, sizeof(float) * valid1);
-    }
-}
-
-#define PAIR_CASE(N) case N: q4_pair_chunk(out, x, qs, d, m, blocks, t0, N, valid0, valid1, rows, cols); break;
-static void q4_pair(float *out, struct qx x, const uint8_t *qs, const float *d, const float *m, int64_t blocks,
-                    int64_t tokens, int valid0, int valid1, int64_t rows, int64_t cols) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += PAIR_TOKENS) {
-        switch (tokens - t0 < PAIR_TOKENS ? (int)(tokens - t0) : PAIR_TOKENS) {
-            PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6)
-            PAIR_CASE(7) PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)
-        }
-    }
-}
-#define HAVE_Q4_PAIR 1
-#else
-#define HAVE_Q4_PAIR 0
-#endif
 
 /* The most tokens the row kernel should take before a panel product (vnni_gemm.c) beats it: decode_stack.c asks. */
-int q4_row_kernel_max_tokens(void) { return HAVE_Q4_PAIR || HAVE_WIDE ? 16 : TOKEN_CHUNK * 2; }
+int q4_row_kernel_max_tokens(void) {
+#if HAVE_WIDE
+    return WIDE_TOKENS;  /* one pass over the weights (a verification of K <= 11 drafts) */
+#else
+    return 2 * TOKEN_CHUNK;  /* quant.py's INT4_MAX_ROWS */
+#endif
+}
 
 static void q4_tile(float *out, struct qx xq, const uint8_t *qs, const float *d, const float *m, int64_t g,
                     int64_t blocks, int64_t tokens, int64_t rows, int64_t cols) {
@@ -314,23 +241,7 @@ void q4_matmul_f32(float *out, const float *x, const uint8_t *qs, const float *d
                    int64_t tokens, int64_t rows, int64_t cols, int threads) {
     const int64_t blocks = cols / QBLOCK, tiles = (rows + TILE - 1) / TILE;
     struct qx xq = quantize_tokens(x, tokens, cols);
-#if HAVE_Q4_PAIR
-    const int64_t pairs = tiles / 2;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t g = 0; g < pairs + tiles % 2; g++) {
-        if (g == pairs) {  /* an odd tile out */
-            q4_tile(out, xq, qs, d, m, 2 * g, blocks, tokens, rows, cols);
-            continue;
-        }
-        const int64_t r0 = 2 * g * TILE;
-        const int valid0 = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-        const int valid1 = rows - r0 - TILE < TILE ? (int)(rows - r0 - TILE) : TILE;
-        q4_pair(out + r0, xq, qs + 2 * g * blocks * TILE_BYTES, d + 2 * g * blocks * TILE, m + 2 * g * blocks * TILE,
-                blocks, tokens, valid0, valid1, rows, cols);
-    }
-#else
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t g = 0; g < tiles; g++) q4_tile(out, xq, qs, d, m, g, blocks, tokens, rows, cols);
-#endif
     free_qx(xq);
 }
