@@ -33,7 +33,7 @@ class AttentionMetadata:
     plan: object = None  # a backend's per-step precomputation, made by the first layer and reused by the rest
     state: StateMetadata | None = None  # recurrent layers' slots and rounds (models with a recurrent state)
     # Every layer's module must run its own forward: hooks on them change the step (LoRA adapters), which the
-    # fused CPU decode stacks and captured CUDA graphs would skip.
+    # fused CPU decode stacks would skip (CUDA graphs captured with the adapters run them).
     layer_by_layer: bool = False
 
 

@@ -22,7 +22,8 @@ from pressroom.model.layers.linear import LinearBase
 
 @dataclass(slots=True)
 class LoRAStep:
-    """A step's adapters: the slot of each of its tokens (-1: the base model)."""
+    """A step's adapters: the slot of each of its tokens (-1: the base model). Inside a CUDA graph `token_slots` is
+    a view of the graph's input buffer, and the masks are computed in the graph from it."""
     token_slots: torch.Tensor  # [tokens] int64, on the device
     num_slots: int
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -38,6 +39,11 @@ class LoRAStep:
 
 
 _STEP: LoRAStep | None = None
+
+
+def current_step() -> LoRAStep | None:
+    """The adapters the forward pass now running applies (None: the base model)."""
+    return _STEP
 
 
 @contextmanager

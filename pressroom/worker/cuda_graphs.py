@@ -10,6 +10,10 @@ request and write no KV (slot -1). The paged-attention launch depends only on th
 token count and Q, so one graph serves any context lengths and query lengths. Every graph shares one
 memory pool, captured largest first.
 
+With LoRA adapters (--enable-lora), every graph applies them: each token's adapter slot is a graph input (-1, the
+base model, on padding tokens and in a step without adapters, whose updates are then exact zeros), and the adapters'
+weights live in the slots' fixed buffers, which loading an adapter overwrites in place (lora/layers.py).
+
 A model with recurrent layers (model/layers/state.py) replays decode graphs only: each row's state slot is a
 graph input like its block table (padding rows step the padding slot 0), and a step that writes a prefix
 checkpoint runs eager.
@@ -25,6 +29,7 @@ from torch import nn
 
 from pressroom.attention.backend import AttentionMetadata, AttentionMetadataBuilder, forward_context
 from pressroom.attention.state import StateMetadata, StateRound
+from pressroom.lora.layers import LoRAStep, current_step, lora_step
 
 logger = logging.getLogger("pressroom")
 
@@ -34,12 +39,13 @@ GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded 
 class CudaGraphs:
     def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
                  builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = (),
-                 recurrent: bool = False) -> None:
+                 recurrent: bool = False, lora_slots: int = 0) -> None:
         """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
         (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
         `builder`: the attention backend's metadata builder, which from here on splits a decode step as
         the graph of its padded size does; `aux_layers`: target layers a drafter conditions on, whose
-        outputs every graph also returns; `recurrent`: the model has recurrent layers (decode graphs only)."""
+        outputs every graph also returns; `recurrent`: the model has recurrent layers (decode graphs only);
+        `lora_slots`: the LoRA manager's device slots (0: no adapters)."""
         self.model, self.builder, self.max_rows = model, builder, max_rows
         self.aux_layers, self.recurrent = aux_layers, recurrent
         self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes and (q == 1 or not recurrent)}
@@ -56,6 +62,8 @@ class CudaGraphs:
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self.state_slots = torch.zeros(max_reqs, dtype=torch.int64, device=device)  # 0: the padding slot
+        self.lora_slots = lora_slots
+        self.lora_token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if lora_slots else None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         # With aux layers: each one's output, as each graph leaves them.
@@ -109,7 +117,7 @@ class CudaGraphs:
             rows = self.rows(q, n)
             self.query_start_loc[:rows + 1].copy_(torch.arange(rows + 1, dtype=torch.int32).clamp_(max=n))
             meta = self._meta(q, n)
-            with forward_context(meta):
+            with forward_context(meta), lora_step(self._lora_step(n)):
                 self._forward(n)  # compiles kernels outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -123,6 +131,10 @@ class CudaGraphs:
                            for q, s in self.shapes.items())
         logger.info("captured %d CUDA graphs (%s) in %.1fs, %.2f GiB", len(keys), shapes,
                     time.perf_counter() - start, used / (1 << 30))
+
+    def _lora_step(self, n: int) -> LoRAStep | None:
+        """The adapters a graph of `n` tokens applies: the slots in its input buffer (its own masks' cache)."""
+        return LoRAStep(self.lora_token_slots[:n], self.lora_slots) if self.lora_slots else None
 
     def _forward(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if not self.aux_layers:
@@ -149,7 +161,19 @@ class CudaGraphs:
         if self.recurrent:
             self.state_slots[:n].copy_(meta.state.rounds[0].slots)
             self.state_slots[n:rows].fill_(0)
+        if self.lora_slots:
+            self._set_lora_slots(t, tokens)
         self.graphs[key].replay()
         # Features are concatenated here, not in the graph: a fresh tensor outlives the next replay.
         features = torch.cat([a[:t] for a in self.aux[key]], dim=-1) if self.aux_layers else None
         return self.outputs[key][:t], features
+
+    def _set_lora_slots(self, t: int, tokens: int) -> None:
+        """The step's adapter slot per token into the graphs' input (-1 past its tokens, and for a step without
+        adapters)."""
+        step = current_step()
+        if step is None:
+            self.lora_token_slots[:tokens].fill_(-1)
+            return
+        self.lora_token_slots[:t].copy_(step.token_slots)
+        self.lora_token_slots[t:tokens].fill_(-1)

@@ -161,7 +161,8 @@ class ModelRunner:
         """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
         from pressroom.worker.cuda_graphs import CudaGraphs
         self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self.attn_builder,
-                                 self.device, self._aux_layers(), recurrent=self.state_cache is not None)
+                                 self.device, self._aux_layers(), recurrent=self.state_cache is not None,
+                                 lora_slots=self.lora.config.max_loras if self.lora else 0)
         self.graphs.capture()
 
     def capture_encoder_graphs(self, buckets: Sequence[int]) -> bool:
@@ -204,7 +205,10 @@ class ModelRunner:
         if self.state_cache is not None and meta.state is None:  # a profile's throw-away step: padding slot
             meta.state = StateMetadata.one_round(meta.query_start_loc, [0] * (len(meta.query_start_loc) - 1),
                                                  self.device, meta.num_decodes)
-        if self.graphs is not None and self.graphs.aux_layers == layers and not meta.layer_by_layer:
+        # a step with adapters replays graphs captured with them; its layers' hooks are what layer_by_layer keeps
+        # (the CPU's fused decode stack has none)
+        if self.graphs is not None and self.graphs.aux_layers == layers \
+                and (not meta.layer_by_layer or self.graphs.lora_slots):
             loc = meta.query_start_loc
             key = self.graphs.key_for(len(loc) - 1, meta.max_query_len, input_ids.shape[0], meta.state)
             if key is not None:

@@ -109,7 +109,7 @@ class Worker:
                              config.device, sched.async_scheduling, config.cache.cache_dtype,
                              max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                              batch_invariant=config.model.batch_invariant)
-        if config.lora is not None:  # before the memory profile and graph capture (it turns graphs off)
+        if config.lora is not None:  # before the memory profile and graph capture (graphs apply the adapters)
             runner.lora = LoRAManager(self.model, config.lora, config.model.dtype, config.device)
         spec = config.speculative
         if spec is not None and runner.state_cache is not None:  # before the states are sized

@@ -1,5 +1,6 @@
 """LoRA adapters on CUDA: four adapters and the base model in one batch against PEFT's merged models (fp32, HF on
-the CPU), with CUDA graphs on (steps without adapters replay them; steps with adapters run layer by layer)."""
+the CPU), with CUDA graphs on: steps with adapters replay graphs captured with them (each token's slot a graph input),
+as steps without do."""
 from __future__ import annotations
 
 import sys
@@ -34,9 +35,14 @@ def test_adapters_match_peft_on_cuda(tmp_path):
     llm = LLM(str(base), device="cuda", dtype="float32", skip_tokenizer_init=True, enable_lora=True, max_loras=4,
               max_lora_rank=16, gpu_memory_utilization=0.3)
     assert llm.engine.core.cuda_graphs
+    graphs = llm.engine.core.executor.driver_worker.model_runner.graphs
+    assert graphs.lora_slots == 4
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda *a, **k: replays.append(a[0]) or replay(*a, **k)  # counts, then replays
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=[loras[n] if n else None for n in names])
     for name, prompt, out in zip(names, prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(merged(str(base), paths.get(name)), prompt, NEW_TOKENS)
+    assert len(replays) >= NEW_TOKENS - 1  # the decode steps, every one with adapters, replayed graphs
     llm.shutdown()
