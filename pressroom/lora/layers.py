@@ -5,7 +5,8 @@ output scaling * B (A x) of its adapter's slot. All slots at once, in two produc
 every slot's rows, masked to the token's own slot's (`LoRAStep.mask`: zeros elsewhere, so the others add exact
 zeros), then the expand by B_all. Two products a layer whatever the adapters' number: on the CPU a step's small
 products cost their calls more than their arithmetic. A fused layer (qkv_proj, gate_up_proj) keeps its slices
-side by side: slice j's A rows at [j R, j R + r) and its B columns there too, B zero elsewhere.
+side by side: slice j's A rows at [j R, j R + r) and its B columns there too, B zero elsewhere. On CUDA a step of
+few tokens (decodes) instead gathers each token's own slot (kernels/triton/lora.py), reading a sliver of the slots.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class LoRAStep:
 
 
 _STEP: LoRAStep | None = None
+# On CUDA, a step of at most this many tokens reads only its tokens' slots (kernels/triton/lora.py): each token reads
+# its adapter's A and B, so past about as many tokens as slots the all-slots products read less.
+GATHER_MAX_TOKENS = 16
 
 
 def current_step() -> LoRAStep | None:
@@ -87,5 +91,9 @@ class LoRASlots:
         if step is None:
             return None
         x = inputs[0]
+        if x.is_cuda and x.shape[0] <= GATHER_MAX_TOKENS:
+            from pressroom.kernels.triton.lora import add_lora_updates
+            add_lora_updates(output, x, self.a, self.b, step.token_slots, self.width)
+            return output
         shrunk = (x @ self.a.t()) * step.mask(self.width, x.dtype)
         return output + (shrunk @ self.b.t()).to(output.dtype)
