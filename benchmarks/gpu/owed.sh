@@ -13,7 +13,7 @@
 # (a device call brings back 8 files at most).
 # Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -66,6 +66,14 @@ if [[ $part == A || $part == all ]]; then
     --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
   step 80 lora_latency "${cli[@]}" bench latency "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
     --lora-rank 16 --batch-size 1 --input-len 32 --output-len 128 --output-json "$out/lora_latency.json"
+fi
+if [[ $part == L ]]; then  # LoRA again after its steps replay CUDA graphs and gather their slots (0e01141, ca32d61)
+  step 90 lora_test python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/kernels/test_triton_lora.py --tb=short
+  step 80 lora_latency "${cli[@]}" bench latency "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
+    --lora-rank 16 --batch-size 1 --input-len 32 --output-len 128 --output-json "$out/lora_latency.json"
+  step 120 lora_throughput "${cli[@]}" bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
+    --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
+  step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
