@@ -524,6 +524,17 @@ def test_count_tokens_answers_vllms_body(peers):
     assert mine == theirs and "context_management" in mine
 
 
+@pytest.mark.xfail(reason="count_tokens with tools: vLLM 400 (it renders with tool_choice \"auto\", which needs "
+                          "--enable-auto-tool-choice); pressroom counts", strict=False)
+def test_count_tokens_with_tools_as_vllm(peers):
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "tools": [{"name": "get_weather", "description": "The weather in a city",
+                       "input_schema": WEATHER["function"]["parameters"]}]}
+    theirs, mine = (httpx.post(f"{base}/v1/messages/count_tokens", json=body, timeout=60)
+                    for base in (peers.vllm, peers.pressroom))
+    assert mine.status_code == theirs.status_code
+
+
 def _responses(base: str) -> tuple[str, str, int]:
     r = _client(base).responses.create(model=SERVED_NAME, input=PROMPTS[0], temperature=0, max_output_tokens=16)
     return r.output_text, r.status, r.usage.output_tokens
