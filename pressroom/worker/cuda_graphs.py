@@ -117,11 +117,13 @@ class CudaGraphs:
             rows = self.rows(q, n)
             self.query_start_loc[:rows + 1].copy_(torch.arange(rows + 1, dtype=torch.int32).clamp_(max=n))
             meta = self._meta(q, n)
-            with forward_context(meta), lora_step(self._lora_step(n)):
-                self._forward(n)  # compiles kernels outside capture
+            with forward_context(meta):
+                with lora_step(self._lora_step(n)):
+                    self._forward(n)  # compiles kernels outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # a LoRAStep of its own: masks cached by the run above live outside the graph's memory
+                with torch.cuda.graph(graph, pool=pool), lora_step(self._lora_step(n)):
                     self.outputs[q, n], self.aux[q, n] = self._forward(n)
             self.graphs[q, n] = graph
         torch.cuda.synchronize()

@@ -19,8 +19,12 @@ from test_lora import ADAPTERS, NEW_TOKENS, merged, requests, write_adapter  # n
 from pressroom import LLM, SamplingParams  # noqa: E402
 
 
-def test_adapters_match_peft_on_cuda(tmp_path):
+@pytest.mark.parametrize("gather_max_tokens", [16, 0])  # decodes gather their slots (Triton), or all-slots products
+def test_adapters_match_peft_on_cuda(tmp_path, monkeypatch, gather_max_tokens):
     import transformers
+
+    from pressroom.lora import layers
+    monkeypatch.setattr(layers, "GATHER_MAX_TOKENS", gather_max_tokens)
     from conftest import TINY_SHAPE, hf_greedy, random_prompts
     base = tmp_path / "base"  # no tokenizer: the GPU image lacks the embedded model
     torch.manual_seed(1234)

@@ -7,6 +7,8 @@ import torch
 
 from pressroom.kernels.triton.lora import add_lora_updates
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: Triton's interpreter
+
 
 def all_slots_reference(out, x, a, b, token_slots, width):
     """lora/layers.py's products: x A_all^T masked to each token's slot, times B_all, added."""
@@ -30,7 +32,9 @@ def test_each_token_gets_its_own_slots_update(in_features, out_features, width, 
     out = torch.randn(tokens, out_features, generator=gen).to(dtype)
     want = all_slots_reference(out, x, a, b, token_slots, width)
     before = out.clone()
-    add_lora_updates(out, x, a, b, token_slots, width)
+    on = [t.to(DEVICE) for t in (out, x, a, b, token_slots)]
+    add_lora_updates(*on, width)
+    out = on[0].cpu()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
     assert torch.equal(out[token_slots < 0], before[token_slots < 0])  # the base model's tokens untouched
@@ -43,10 +47,11 @@ def test_a_slots_update_reads_that_slot_alone():
     x, width = torch.randn(2, 64, generator=gen), 16
     a, b = torch.randn(3 * width, 64, generator=gen), torch.randn(32, 3 * width, generator=gen)
     slots = torch.tensor([1, 1])
-    first = torch.zeros(2, 32)
+    x, a, b, slots = (t.to(DEVICE) for t in (x, a, b, slots))
+    first = torch.zeros(2, 32, device=DEVICE)
     add_lora_updates(first, x, a, b, slots, width)
     a[:width] += 1.0
     b[:, 2 * width:] -= 1.0
-    second = torch.zeros(2, 32)
+    second = torch.zeros(2, 32, device=DEVICE)
     add_lora_updates(second, x, a, b, slots, width)
     assert torch.equal(first, second) and first.abs().sum() > 0
