@@ -73,7 +73,7 @@ if [[ $part == L ]]; then  # LoRA again after its steps replay CUDA graphs and g
     --lora-rank 16 --batch-size 1 --input-len 32 --output-len 128 --output-json "$out/lora_latency.json"
   step 120 lora_throughput "${cli[@]}" bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
     --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
-  step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
+  step 70 sleep python3 -m pytest -q -x tests/gpu/test_sleep_mode_gpu.py --tb=short
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
