@@ -4,7 +4,9 @@ call (best of REPEATS, each row count in turn, ROUNDS times), for 1, 2, 4, 8 and
 
 With --old LIB (a build of the C kernels from another checkout: `python benchmarks/cpu_verify_cost.py --build-old
 REV` writes one from a git revision), the two libraries take turns in one process, so a busy machine slows both
-alike. Usage: python benchmarks/cpu_verify_cost.py [--context N] [--repeats N] [--rounds N] [--threads N] [--cpu-time] [--old LIB]
+alike. Usage: python benchmarks/cpu_verify_cost.py [--context N] [--repeats N] [--rounds N] [--threads N]
+[--cpu-time] [--old LIB]. Two libraries in one process each start a workshare pool; with two threads, steps that
+use it (attention past the row kernel's count) can wait on the other pool's threads: --threads 1 --cpu-time avoids it.
 """
 from __future__ import annotations
 
@@ -41,9 +43,18 @@ def build_old(rev: str, out: Path) -> None:
 def load(path: str) -> ctypes.CDLL:
     """A kernel library typed as kernels/cpu.py types its own."""
     lib = ctypes.CDLL(path)
+    for base, argtypes in cpu._SIGNATURES.items():
+        for suffix in cpu._SUFFIX.values():
+            fn = getattr(lib, f"{base}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
     for name, argtypes in cpu._QUANT_SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in cpu._RECURRENT_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int64
+    for name in cpu._COUNTS:
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
     return lib
 
 
@@ -88,15 +99,15 @@ def main() -> None:
         for n in ROWS:
             ids, positions, meta = _profile_batch(runner, n, n, args.context)
 
-            def forward():
+            def forward(ids=ids, positions=positions, meta=meta):
                 with forward_context(meta):
                     return model(ids, positions)
             for name, lib in libs.items():
                 cpu._library = lambda lib=lib: lib
                 hidden = forward()
                 fwd = best_ms(forward, args.repeats, clock)
-                head = best_ms(lambda: model.compute_logits(hidden).float(), args.repeats, clock)
-                step = best_ms(lambda: model.compute_logits(forward()).float(), args.repeats, clock)
+                head = best_ms(lambda hidden=hidden: model.compute_logits(hidden).float(), args.repeats, clock)
+                step = best_ms(lambda forward=forward: model.compute_logits(forward()).float(), args.repeats, clock)
                 print(f"{rnd:5d}  {name:>3}  {n:4d}  {fwd:10.2f}  {head:10.2f}  {step:7.2f}", flush=True)
     cpu._library = lambda: new
     for cache in runner.kv_caches:
