@@ -79,6 +79,12 @@ def offload_to_host(storages: list[torch.UntypedStorage]) -> list[HostCopy]:
     return copies
 
 
+def drop_storages(storages: list[torch.UntypedStorage]) -> None:
+    """Frees each storage's device bytes now, whatever else still refers to the tensors viewing it."""
+    for storage in storages:
+        storage.resize_(0)
+
+
 def restore_from_host(copies: list[HostCopy]) -> None:
     """Gives each storage its device bytes back and copies its contents in."""
     for copy in copies:

@@ -32,6 +32,7 @@ from pressroom.worker.sleep import (
     HostCopy,
     check_wake_tags,
     device_storages,
+    drop_storages,
     model_bytes,
     offload_to_host,
     restore_from_host,
@@ -304,6 +305,8 @@ class Worker:
             freed += sum(c.host.numel() for c in self._host_weights)
         elif level == 2:
             freed += model_bytes(self.model, device)
+            if device.type == "cuda":  # now: a reference elsewhere (a proposer, an adapter's hooks) must not keep them
+                drop_storages(device_storages(self.model, device))
             self.model_runner = self.model = None
         self._asleep = {"weights", "kv_cache"}
         gc.collect()

@@ -34,18 +34,20 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, s_ptr, stride_x, stride_a, stride_s,
             x = tl.load(x_ptr + t * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
             a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
             acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-        tl.atomic_add(s_ptr + t * stride_s + rows, acc, mask=row_mask)
+        tl.store(s_ptr + t * stride_s + chunk * BLOCK_W + rows, acc, mask=row_mask)
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, slots_ptr, out_ptr, stride_s, stride_b, stride_o, out_features, width,
+def _expand_kernel(s_ptr, b_ptr, slots_ptr, out_ptr, stride_s, stride_b, stride_o, out_features, width, chunks,
                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
         w = tl.arange(0, BLOCK_W)
         w_mask = w < width
-        s = tl.load(s_ptr + t * stride_s + w, mask=w_mask, other=0.0)
+        s = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for c in range(0, chunks):  # the shrink's partial sums, one per chunk of the input features
+            s += tl.load(s_ptr + t * stride_s + c * BLOCK_W + w, mask=w_mask, other=0.0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < out_features
         b = tl.load(b_ptr + n.to(tl.int64)[:, None] * stride_b + (slot * width + w)[None, :],
@@ -65,10 +67,11 @@ def add_lora_updates(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
     if out.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("add_lora_updates needs unit column strides for out, a and b.")
     block_w = max(16, triton.next_power_of_2(width))
-    shrunk = torch.zeros(tokens, width, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(tokens, triton.cdiv(in_features, _K_CHUNK))](
-        x, a, token_slots, shrunk, x.stride(0), a.stride(0), shrunk.stride(0), in_features, width,
+    chunks = triton.cdiv(in_features, _K_CHUNK)
+    partials = torch.empty(tokens, chunks * block_w, dtype=torch.float32, device=x.device)  # [T, chunk, width]
+    _shrink_kernel[(tokens, chunks)](
+        x, a, token_slots, partials, x.stride(0), a.stride(0), partials.stride(0), in_features, width,
         K_CHUNK=_K_CHUNK, BLOCK_K=_BLOCK_K, BLOCK_W=block_w, num_warps=4)
     _expand_kernel[(tokens, triton.cdiv(out.shape[1], _BLOCK_N))](
-        shrunk, b, token_slots, out, shrunk.stride(0), b.stride(0), out.stride(0), out.shape[1], width,
+        partials, b, token_slots, out, partials.stride(0), b.stride(0), out.stride(0), out.shape[1], width, chunks,
         BLOCK_N=_BLOCK_N, BLOCK_W=block_w, num_warps=4)
