@@ -580,6 +580,8 @@ class EngineConfig:
     offload: OffloadConfig | None = None
     lora: LoRAConfig | None = None  # None: no adapters
     kv_transfer: KVTransferConfig | None = None  # a connector moving KV between engines (disaggregated serving)
+    # vLLM's: each step's FLOPs and bytes estimated from the model's shape, counted into /metrics' estimated_*_per_gpu
+    enable_mfu_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.model.batch_invariant and self.parallel.tensor_parallel_size > 1:
@@ -862,6 +864,9 @@ class EngineArgs:
                                           "VLLM_SERVER_DEV_MODE=1, POST /sleep and /wake_up): level 1 moves the "
                                           "weights to host memory and frees the KV cache, level 2 frees both "
                                           "(the weights reload from the checkpoint on waking)")
+    enable_mfu_metrics: bool = _config_arg(EngineConfig, "enable_mfu_metrics", "estimate each engine step's "
+                                           "FLOPs and bytes read and written per GPU from the model's shape and "
+                                           "count them into /metrics' vllm:estimated_*_per_gpu_total (0 without)")
     max_logprobs: int = _config_arg(ModelConfig, "max_logprobs", "the most logprobs a request may ask for at a "
                                     "position (logprobs, top_logprobs, prompt_logprobs); -1: the whole vocabulary")
     batch_invariant: bool = _config_arg(ModelConfig, "batch_invariant", "a request's tokens and logprobs do not "
@@ -953,6 +958,7 @@ class EngineArgs:
             kv_transfer=self._kv_transfer_config(),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None,
+            enable_mfu_metrics=self.enable_mfu_metrics,
         )
 
     def _encoder_cudagraph_sizes(self) -> dict[str, tuple[int, ...]]:
