@@ -93,6 +93,11 @@ class SchedulerStats:
     # pause included), and the level of its last sleep while asleep (0: awake or only paused)
     sleeping: bool = False
     sleep_level: int = 0
+    # --enable-mfu-metrics: the engine core's estimates over its steps since start, per GPU (engine/step_cost.py;
+    # set by the core, not the scheduler; 0 without the flag)
+    estimated_flops: int = 0
+    estimated_read_bytes: int = 0
+    estimated_write_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -21,11 +21,12 @@ from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.state_pool import StatePool
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.distributed.kv_transfer.base import check_kv_transfer_params, kv_transfer_params
+from pressroom.engine.step_cost import ModelShape, StepCostMeter, weight_bytes
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
 from pressroom.logger import printable
 from pressroom.lora.request import LoRARequest
-from pressroom.model.loader import load_tokenizer, resolve_model_path
+from pressroom.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pressroom.multimodal.inputs import MediaItem
 from pressroom.pooling_params import PoolingParams
 from pressroom.sampling_params import SamplingParams
@@ -153,6 +154,23 @@ class EngineCore:
         budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
                                    async_drafts=spec.device_drafts, kv_connector=self.kv_connector)
+        self.step_cost = self._make_step_cost(spec) if config.enable_mfu_metrics else None
+
+    def _make_step_cost(self, spec: ModelSpec) -> StepCostMeter | None:
+        """--enable-mfu-metrics: the per-step estimates from the model's shape (None, with a warning, for a shape
+        they do not cover)."""
+        model, cache = self.config.model, self.config.cache
+        try:
+            hf_config = load_hf_config(spec.model_path, model.hf_overrides)
+            dtype_bytes = model.dtype.itemsize
+            shape = ModelShape.from_hf_config(
+                hf_config, tp_size=self.config.parallel.tensor_parallel_size,
+                weight_bytes=weight_bytes(model.quantization, hf_config, dtype_bytes), activation_bytes=dtype_bytes,
+                kv_bytes=(cache.cache_dtype or model.dtype).itemsize)
+        except ValueError as e:
+            logger.warning("--enable-mfu-metrics: no FLOP or byte estimates for this model (%s)", e)
+            return None
+        return StepCostMeter(shape)
 
     # ---- set-up ----
 
@@ -397,6 +415,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         stats.sleeping, stats.sleep_level = self.is_sleeping(), self._sleep_level if self._asleep else 0
+        if self.step_cost is not None:
+            total = self.step_cost.total
+            stats.estimated_flops, stats.estimated_read_bytes = total.flops, total.read_bytes
+            stats.estimated_write_bytes = total.write_bytes
         return stats
 
     # ---- sleep mode ----
@@ -488,6 +510,8 @@ class EngineCore:
         isolating = bool(self.scheduler.suspects)
         started = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.step_cost is not None:
+            self.step_cost.count(sched)
         scheduled, scheduled_time = [new.req_id for new in sched.new_requests], time.monotonic()
         if self.kv_connector is not None:
             self._connector_before_step(sched)

@@ -29,11 +29,13 @@ python_*), as prometheus_client exports them to vLLM's registry, and with `Serve
 families prometheus_fastapi_instrumentator gives vLLM (http_requests_total, http_request_size_bytes,
 http_response_size_bytes, http_request_duration_highr_seconds, http_request_duration_seconds).
 
-Left out, no figure pressroom has would be true: admission_rejections_total (vLLM's --max-num-queued-reqs/-tokens
-rejections: pressroom has no such queue bound), the estimated_*_per_gpu MFU estimates (vLLM counts them only with
---enable-mfu-metrics, off by default; pressroom has no per-step FLOP or byte accounting),
-time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the opt-in
-ones (kv_block_* residency, corrupted_requests).
+admission_rejections (+ reason: max_num_queued_reqs, max_num_queued_tokens; labelled model_name and reason only, as
+vLLM's API server counts it) is always 0: pressroom has no such queue bound to reject by. estimated_flops_per_gpu,
+estimated_read_bytes_per_gpu and estimated_write_bytes_per_gpu (counters) are each core's per-step estimates from the
+model's shape (engine/step_cost.py), counted with --enable-mfu-metrics and 0 without it, as vLLM's.
+
+Left out: time_per_output_token_seconds (vLLM 0.32 shows it only with --show-hidden-metrics-for-version), and the
+opt-in ones (kv_block_* residency, corrupted_requests).
 
 A request's intervals are vLLM's: queue = arrival to its first scheduling by the engine core (the core's clock
 when it scheduled the step, CoreOutputs.scheduled_time); prefill = that to its first token; decode = first to last
@@ -81,7 +83,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "vllm:"  # vLLM's, so its dashboards and alerts work unchanged
 
 # vLLM 0.32's families (names without the prefix; counters without _total, as Prometheus parsers name families)
-# that this module exports.
+# that this module exports, each with model_name and engine labels; admission_rejections beside them.
 TARGET = (
     "num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason", "kv_cache_usage_perc",
     "engine_sleep_state", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
@@ -93,10 +95,12 @@ TARGET = (
     "inter_token_latency_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
     "request_decode_time_seconds", "cache_config_info",
+    "estimated_flops_per_gpu", "estimated_read_bytes_per_gpu", "estimated_write_bytes_per_gpu",
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
 )
 SPEC_FAMILIES = TARGET[-4:]  # exported with speculative decoding on
+ADMISSION_FAMILY = "admission_rejections"  # beside TARGET: vLLM labels it model_name and reason, no engine
 
 # vLLM's bucket sets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -111,6 +115,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's Fi
 TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource, nearest first
 WAITING_REASONS = ("capacity", "deferred")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # vLLM's queue bounds (flags of its own)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's: awake, or asleep at level 1 or 2
 LABELS = ("model_name", "engine")
 
@@ -220,6 +225,14 @@ class ServerMetrics:
                                             REQUEST_TIME_BUCKETS)
         self.decode_time = self._histogram("request_decode_time_seconds", "First token to last token.",
                                            REQUEST_TIME_BUCKETS)
+        # vLLM's admission_rejections: labelled by model_name and reason only (its API server counts them, not an
+        # engine core)
+        self.admission_rejections = Counter(
+            PREFIX + ADMISSION_FAMILY, "Admission attempts rejected by a queue limit, by reason (pressroom "
+            "has no --max-num-queued-reqs or --max-num-queued-tokens bound: always 0).", ["model_name", "reason"],
+            registry=self.registry)
+        for reason in ADMISSION_REASONS:  # vLLM's series, there from the start
+            self.admission_rejections.labels(self.model_name, reason)
         if shape.cache_info:
             self._cache_config_info(dict(shape.cache_info))
         self.registry.register(_SchedulerCollector(self))
@@ -411,6 +424,12 @@ _ENGINE_FAMILIES = (
     (CounterMetricFamily, "mm_cache_queries", "Multi-modal processor cache lookups (pressroom has no such cache).",
      None),
     (CounterMetricFamily, "mm_cache_hits", "Multi-modal processor cache hits (pressroom has no such cache).", None),
+    (CounterMetricFamily, "estimated_flops_per_gpu", "Estimated floating point operations per GPU (for Model Flops "
+     "Utilization; counted with --enable-mfu-metrics, else 0).", "estimated_flops"),
+    (CounterMetricFamily, "estimated_read_bytes_per_gpu", "Estimated bytes read from memory per GPU (for Model "
+     "Flops Utilization; counted with --enable-mfu-metrics, else 0).", "estimated_read_bytes"),
+    (CounterMetricFamily, "estimated_write_bytes_per_gpu", "Estimated bytes written to memory per GPU (for Model "
+     "Flops Utilization; counted with --enable-mfu-metrics, else 0).", "estimated_write_bytes"),
 )
 
 

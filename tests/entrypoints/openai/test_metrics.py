@@ -19,9 +19,12 @@ from conftest import tiny_args
 from prometheus_client.parser import text_string_to_metric_families
 from serving import serve
 
+from pressroom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pressroom.core.scheduler import ITERATION_TOKENS_BUCKETS, SchedulerStats
 from pressroom.engine.async_engine import EngineDeadError
+from pressroom.engine.step_cost import ModelShape, RequestStep, StepCost, estimate, request_steps
 from pressroom.entrypoints.openai.metrics import (
+    ADMISSION_FAMILY,
     HTTP_HIGHR_BUCKETS,
     PREEMPTION_BUCKETS,
     REQUEST_TIME_BUCKETS,
@@ -31,6 +34,7 @@ from pressroom.entrypoints.openai.metrics import (
     ServerMetrics,
     count_buckets,
 )
+from pressroom.model.loader import load_hf_config
 from pressroom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pressroom.sampling_params import SamplingParams
 
@@ -220,9 +224,10 @@ def _since(url: str, before: dict[str, float]) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def one_seq_server(tiny_model_dir, tmp_path_factory):
     """The tiny llama serving one sequence at a time (a second request waits for the first to finish), under
-    vLLM's prefix, with ngram drafts (the spec_decode families)."""
+    vLLM's prefix, with ngram drafts (the spec_decode families) and --enable-mfu-metrics (the estimates)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "adaptive_token_budget": False})
-    args = tiny_args(tiny_model_dir("llama"), "--max-num-seqs", "1", "--speculative-config", spec)
+    args = tiny_args(tiny_model_dir("llama"), "--max-num-seqs", "1", "--speculative-config", spec,
+                     "--enable-mfu-metrics")
     with serve(args, tmp_path_factory.mktemp("one-seq") / "server.log") as (url, _):
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -294,3 +299,107 @@ def test_queue_time_ends_at_first_scheduling_not_at_first_token(one_seq_server):
     assert both["request_queue_time_seconds_count"] == 2
     assert both["request_queue_time_seconds_sum"] > waited / 2, (both, waited)  # the second's wait
     assert both["request_queue_time_seconds_sum"] < both["time_to_first_token_seconds_sum"], both
+
+
+# ---- vLLM's MFU estimates (--enable-mfu-metrics) and admission rejections ----
+
+# 2 layers, hidden 8, 2 query heads and 1 KV head of 4, feed-forward 16, vocabulary 32; 2 bytes for everything
+TINY_SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                        vocab_size=32, weight_bytes=2, activation_bytes=2, kv_bytes=2)
+
+
+def test_a_steps_estimate_is_the_hand_computed_one():
+    """A 3-token prefill (nothing computed before) beside a 1-token decode after 5, worked out by hand: per layer
+    four matrix multiplies over the step's 4 rows, attention over each request's context at the step's end."""
+    steps = [RequestStep(3, 0, 1), RequestStep(1, 5, 1)]
+    # (weight in, out): qkv (8, 16), o (8, 8), gate+up (8, 32), down (16, 8)
+    matmul_flops = 2 * 4 * (8 * 16 + 8 * 8 + 8 * 32 + 16 * 8)  # 4608
+    matmul_read = 2 * (8 * 16 + 8 * 8 + 8 * 32 + 16 * 8) + 2 * 4 * (8 + 8 + 8 + 16)  # weights + input rows: 1472
+    matmul_write = 2 * 4 * (16 + 8 + 32 + 8)  # output rows: 512
+    # QK^T and PV: 2 heads x 4 dims, 3 tokens x context 3 and 1 token x context 6
+    attn_flops = 2 * 2 * 2 * 4 * (3 * 3 + 1 * 6)  # 480
+    attn_read = 2 * (4 * 2 * 4) + 2 * 2 * (3 + 6) * 1 * 4  # queries of 4 tokens + K and V over contexts 3 and 6: 208
+    attn_write = 2 * (4 * 2 * 4) + 2 * 2 * 4 * 1 * 4  # outputs + K and V of the 4 new tokens: 128
+    # LM head over the 2 sampled rows: (8, 32)
+    head = StepCost(2 * 2 * 8 * 32, 2 * 8 * 32 + 2 * 2 * 8, 2 * 2 * 32)
+    expected = StepCost(2 * (matmul_flops + attn_flops), 2 * (matmul_read + attn_read),
+                        2 * (matmul_write + attn_write)) + head
+    assert expected == StepCost(11200, 3904, 1408)
+    assert estimate(steps, TINY_SHAPE) == expected
+    assert estimate([], TINY_SHAPE) == StepCost()
+
+
+def test_experts_bill_their_top_k_rows_and_the_weights_those_rows_reach():
+    moe = ModelShape(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=0,
+                     num_moe_layers=1, num_experts=4, experts_per_token=2, expert_intermediate_size=4,
+                     vocab_size=32, weight_bytes=1, activation_bytes=1, kv_bytes=1)
+    one, many = estimate([RequestStep(1, 0, 1)], moe), estimate([RequestStep(8, 0, 1)], moe)
+    dense_part = estimate([RequestStep(1, 0, 1)], ModelShape(**{**_fields(moe), "num_moe_layers": 0,
+                                                                "intermediate_size": 1}))
+    # one token: 2 experts' weights (gate+up 8x8, down 4x8), 2 rows through each
+    expert_flops = 2 * 2 * (8 * 8 + 4 * 8)
+    assert one.flops - (dense_part.flops - 2 * (8 * 2 + 1 * 8)) == expert_flops
+    assert one.read_bytes - (dense_part.read_bytes - (8 * 2 + 1 * 8) - (8 + 1)) == 2 * (8 * 8 + 4 * 8) + 2 * (8 + 4)
+    # 8 tokens reach all 4 experts, never more
+    assert many.read_bytes > one.read_bytes and (many.read_bytes - one.read_bytes) < 8 * 4 * (8 * 8 + 4 * 8)
+
+
+def _fields(shape: ModelShape) -> dict:
+    return {name: getattr(shape, name) for name in ModelShape.__dataclass_fields__}
+
+
+def test_a_scheduled_steps_requests_with_their_context_and_sampled_rows():
+    sched = SchedulerOutput(
+        new_requests=[NewRequestData("a", list(range(10)), 10, SamplingParams(), [0], num_computed_tokens=4)],
+        cached_requests=[CachedRequestData("b", [], 7), CachedRequestData("c", [], 20),
+                         CachedRequestData("d", [], 3), CachedRequestData("idle", [], 9)],
+        num_scheduled_tokens={"a": 6, "b": 1, "c": 3, "d": 5}, total_num_scheduled_tokens=15,
+        scheduled_spec_decode_tokens={"c": [5, 6]})
+    assert request_steps(sched) == [RequestStep(6, 4, 1), RequestStep(1, 7, 1), RequestStep(3, 20, 3),
+                                    RequestStep(5, 3, 1)]  # a chunk, a decode, a verify of 2 drafts, a chunk
+
+
+def test_the_tiny_llamas_shape_from_its_config(tiny_model_dir):
+    config = load_hf_config(tiny_model_dir("llama"))
+    shape = ModelShape.from_hf_config(config, tp_size=1, weight_bytes=4, activation_bytes=4, kv_bytes=4)
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size,
+            shape.vocab_size) == (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                                  config.num_key_value_heads, config.intermediate_size, config.vocab_size)
+    assert shape.head_dim == getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    split = ModelShape.from_hf_config(config, tp_size=2, weight_bytes=4, activation_bytes=4, kv_bytes=4)
+    assert (split.num_heads, split.vocab_size) == (max(1, shape.num_heads // 2), shape.vocab_size // 2)
+
+
+def _estimated(url: str) -> StepCost:
+    families = _families(url)
+    value = [families[f"vllm:estimated_{kind}_per_gpu"].samples[0].value for kind in ("flops", "read_bytes",
+                                                                                     "write_bytes")]
+    return StepCost(*(int(v) for v in value))
+
+
+def test_mfu_counters_move_by_the_estimate_of_a_requests_steps(one_seq_server, tiny_model_dir):
+    """A request of one token is one step: its prompt, nothing computed before (a prompt no other test sends),
+    one row sampled. The counters move by that step's estimate for the tiny llama in float32."""
+    url, client = one_seq_server
+    before = _estimated(url)
+    reply = client.completions.create(model="tiny", prompt="zebra quasar mauve lattice", max_tokens=1)
+    prompt = reply.usage.prompt_tokens
+    shape = ModelShape.from_hf_config(load_hf_config(tiny_model_dir("llama")), weight_bytes=4, activation_bytes=4,
+                                      kv_bytes=4)
+    step = estimate([RequestStep(prompt, 0, 1)], shape)
+    after = _estimated(url)
+    assert step.flops > 0 and StepCost(after.flops - before.flops, after.read_bytes - before.read_bytes,
+                                       after.write_bytes - before.write_bytes) == step
+
+
+def test_without_the_flag_the_estimates_are_there_at_zero_and_admission_rejections_by_reason():
+    metrics = ServerMetrics("m", log_requests=False, shape=EngineShape(num_engines=2))
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render([SchedulerStats()] * 2).decode())}
+    for kind in ("flops", "read_bytes", "write_bytes"):
+        samples = families[f"vllm:estimated_{kind}_per_gpu"].samples
+        assert [(s.labels, s.value) for s in samples] == [({"model_name": "m", "engine": e}, 0) for e in "01"]
+        assert families[f"vllm:estimated_{kind}_per_gpu"].type == "counter"
+    rejections = families["vllm:" + ADMISSION_FAMILY]
+    assert rejections.type == "counter"
+    assert [(s.labels, s.value) for s in rejections.samples] == [
+        ({"model_name": "m", "reason": r}, 0) for r in ("max_num_queued_reqs", "max_num_queued_tokens")]
