@@ -642,9 +642,6 @@ VLLM_FAMILIES = (
     "request_params_max_tokens", "request_params_n", "request_prefill_kv_computed_tokens",
     "request_prefill_time_seconds", "request_prompt_tokens", "request_queue_time_seconds", "request_success_total",
     "request_time_per_output_token_seconds", "time_to_first_token_seconds")
-# no figure pressroom has would be true (metrics.py's docstring says why)
-MISSING_FAMILIES = {"admission_rejections_total", "estimated_flops_per_gpu_total",
-                    "estimated_read_bytes_per_gpu_total", "estimated_write_bytes_per_gpu_total"}
 
 
 def _families(base: str, prefix: str) -> dict[str, set[str]]:
@@ -669,12 +666,7 @@ def metric_families(peers) -> tuple[dict, dict]:
     return _families(peers.vllm, "vllm:"), _families(peers.pressroom, "vllm:")
 
 
-def _family(name: str):
-    marks = [pytest.mark.xfail(reason="not exported")] if name in MISSING_FAMILIES else []
-    return pytest.param(name, marks=marks)
-
-
-@pytest.mark.parametrize("family", [_family(name) for name in VLLM_FAMILIES])
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
 def test_metric_family_with_vllms_labels(metric_families, family):
     theirs, mine = metric_families
     assert family in theirs, f"vLLM no longer exports {family}: update VLLM_FAMILIES"
