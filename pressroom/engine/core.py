@@ -167,7 +167,7 @@ class EngineCore:
                 hf_config, tp_size=self.config.parallel.tensor_parallel_size,
                 weight_bytes=weight_bytes(model.quantization, hf_config, dtype_bytes), activation_bytes=dtype_bytes,
                 kv_bytes=(cache.cache_dtype or model.dtype).itemsize)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # a config the shape cannot be read from: no estimates, still serving
             logger.warning("--enable-mfu-metrics: no FLOP or byte estimates for this model (%s)", e)
             return None
         return StepCostMeter(shape)

@@ -66,34 +66,43 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, hf_config: Any, *, tp_size: int = 1, weight_bytes: float, activation_bytes: int,
                        kv_bytes: int) -> ModelShape:
-        """From an HF config (a multi-modal model's text_config). ValueError naming what is missing."""
+        """From an HF config (a multi-modal model's text_config), split over `tp_size` ranks. ValueError naming
+        what is missing."""
         c = getattr(hf_config, "text_config", None) or hf_config
-        def need(*names: str) -> int:
-            for name in names:
-                value = getattr(c, name, None)
-                if value:
-                    return int(value)
-            raise ValueError(f"the model config has none of {', '.join(names)}")
-        layers, hidden, heads = need("num_hidden_layers"), need("hidden_size"), need("num_attention_heads")
+        split = max(1, tp_size)
+        layers, hidden = _need(c, "num_hidden_layers"), _need(c, "hidden_size")
+        heads = _need(c, "num_attention_heads")
         kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
-        experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
-                      or getattr(c, "n_routed_experts", None) or 0)
-        moe_layers = layers - int(getattr(c, "first_k_dense_replace", 0) or 0) if experts else 0
-        expert_width = int(getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", 0)) \
-            if experts else 0
-        shared = int(getattr(c, "shared_expert_intermediate_size", None)
-                     or (getattr(c, "n_shared_experts", None) or 0) * expert_width) if experts else 0
-        split = max(1, tp_size)
+        ffn = {name: value // split if name.endswith("size") else value for name, value in _ffn(c, layers).items()}
         return cls(num_layers=layers, hidden_size=hidden, num_heads=max(1, heads // split),
                    num_kv_heads=max(1, kv_heads // split), head_dim=head_dim,
-                   intermediate_size=int(getattr(c, "intermediate_size", 0) or 0) // split if moe_layers < layers
-                   else 0,
-                   num_moe_layers=moe_layers, num_experts=experts,
-                   experts_per_token=int(getattr(c, "num_experts_per_tok", 0) or 0) if experts else 0,
-                   expert_intermediate_size=expert_width // split, shared_intermediate_size=shared // split,
-                   vocab_size=need("vocab_size") // split, weight_bytes=weight_bytes,
-                   activation_bytes=activation_bytes, kv_bytes=kv_bytes)
+                   vocab_size=_need(c, "vocab_size") // split, weight_bytes=weight_bytes,
+                   activation_bytes=activation_bytes, kv_bytes=kv_bytes, **ffn)
+
+
+def _need(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if not value:
+        raise ValueError(f"the model config has no {name}")
+    return int(value)
+
+
+def _ffn(c: Any, layers: int) -> dict[str, int]:
+    """The feed-forward's fields of ModelShape, whole (not split): dense, or experts (routed and shared) on every
+    layer past the first dense ones (first_k_dense_replace)."""
+    dense = int(getattr(c, "intermediate_size", 0) or 0)
+    experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+                  or getattr(c, "n_routed_experts", None) or 0)
+    if not experts:
+        return {"intermediate_size": dense}
+    moe_layers = layers - int(getattr(c, "first_k_dense_replace", 0) or 0)
+    width = int(getattr(c, "moe_intermediate_size", None) or dense)
+    shared = int(getattr(c, "shared_expert_intermediate_size", None) or 0) \
+        or int(getattr(c, "n_shared_experts", None) or 0) * width
+    return {"intermediate_size": dense if moe_layers < layers else 0, "num_moe_layers": moe_layers,
+            "num_experts": experts, "experts_per_token": int(getattr(c, "num_experts_per_tok", 0) or 0),
+            "expert_intermediate_size": width, "shared_intermediate_size": shared}
 
 
 def _matmul(rows: int, d_in: int, d_out: int, shape: ModelShape, copies: int = 1) -> StepCost:

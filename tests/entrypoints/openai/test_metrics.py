@@ -330,22 +330,33 @@ def test_a_steps_estimate_is_the_hand_computed_one():
 
 
 def test_experts_bill_their_top_k_rows_and_the_weights_those_rows_reach():
+    """One MoE layer (4 experts of width 4, top 2), 1 byte for everything, worked out by hand."""
     moe = ModelShape(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=0,
                      num_moe_layers=1, num_experts=4, experts_per_token=2, expert_intermediate_size=4,
                      vocab_size=32, weight_bytes=1, activation_bytes=1, kv_bytes=1)
-    one, many = estimate([RequestStep(1, 0, 1)], moe), estimate([RequestStep(8, 0, 1)], moe)
-    dense_part = estimate([RequestStep(1, 0, 1)], ModelShape(**{**_fields(moe), "num_moe_layers": 0,
-                                                                "intermediate_size": 1}))
-    # one token: 2 experts' weights (gate+up 8x8, down 4x8), 2 rows through each
-    expert_flops = 2 * 2 * (8 * 8 + 4 * 8)
-    assert one.flops - (dense_part.flops - 2 * (8 * 2 + 1 * 8)) == expert_flops
-    assert one.read_bytes - (dense_part.read_bytes - (8 * 2 + 1 * 8) - (8 + 1)) == 2 * (8 * 8 + 4 * 8) + 2 * (8 + 4)
-    # 8 tokens reach all 4 experts, never more
-    assert many.read_bytes > one.read_bytes and (many.read_bytes - one.read_bytes) < 8 * 4 * (8 * 8 + 4 * 8)
+    one = estimate([RequestStep(1, 0, 1)], moe)
+    # qkv (8, 16), o (8, 8); 2 routed rows through gate+up (8, 8) and down (4, 8); QK and PV over 1; head (8, 32)
+    assert one.flops == 2 * (8 * 16 + 8 * 8) + 2 * 2 * (8 * 8 + 4 * 8) + 2 * 2 * 2 * 4 + 2 * 8 * 32
+    # weights (2 experts reached) + input rows, per multiply; queries and K, V of the context; the head's
+    assert one.read_bytes == (8 * 16 + 8) + (8 * 8 + 8) + (2 * 8 * 8 + 2 * 8) + (2 * 4 * 8 + 2 * 4) + (8 + 8) \
+        + (8 * 32 + 8)
+    # 8 tokens: 16 routed rows reach all 4 experts, whose weights are read once
+    many = estimate([RequestStep(8, 0, 1)], moe)
+    assert many.read_bytes == (8 * 16 + 64) + (8 * 8 + 64) + (4 * 8 * 8 + 16 * 8) + (4 * 4 * 8 + 16 * 4) \
+        + (64 + 2 * 8 * 4) + (8 * 32 + 8)
 
 
-def _fields(shape: ModelShape) -> dict:
-    return {name: getattr(shape, name) for name in ModelShape.__dataclass_fields__}
+def test_moe_configs_give_their_experts():
+    from transformers import AutoConfig
+    qwen = AutoConfig.for_model("qwen2_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=128)
+    shape = ModelShape.from_hf_config(qwen, tp_size=2, weight_bytes=2, activation_bytes=2, kv_bytes=2)
+    assert (shape.num_moe_layers, shape.num_experts, shape.experts_per_token, shape.expert_intermediate_size,
+            shape.shared_intermediate_size, shape.intermediate_size) == (2, 8, 2, 16, 32, 0)
+    deepseek = AutoConfig.for_model("deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8,
+                                    n_shared_experts=1, moe_intermediate_size=32, intermediate_size=128)
+    shape = ModelShape.from_hf_config(deepseek, weight_bytes=2, activation_bytes=2, kv_bytes=2)
+    assert (shape.num_moe_layers, shape.intermediate_size, shape.shared_intermediate_size) == (3, 128, 32)
 
 
 def test_a_scheduled_steps_requests_with_their_context_and_sampled_rows():
