@@ -25,7 +25,6 @@ import copy
 import errno
 import gc
 import hmac
-import json
 import logging
 import os
 import socket
@@ -83,6 +82,7 @@ from pressroom.entrypoints.openai.serving import (
     OpenAIServing,
     OpenAIServingUtility,
     ServerLoad,
+    json_object_body,
 )
 from pressroom.entrypoints.openai.serving_audio import OpenAIServingAudio
 from pressroom.entrypoints.openai.serving_chat import MediaLoader, OpenAIServingChat
@@ -620,13 +620,7 @@ def _invocations(utility: OpenAIServingUtility, completion: OpenAIServingComplet
     """SageMaker's /invocations, as vLLM serves it: a chat request (`messages`), a completion (`prompt`) or
     embeddings (`input`), told apart by the body's fields."""
     async def invocations(request: Request) -> Response:
-        raw = await utility.read_body_once(request)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"The body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "The body must be a JSON object.")
+        body = json_object_body(await utility.read_body_once(request))
         if "messages" in body:
             return await chat.chat_completions(request)
         if "prompt" in body:

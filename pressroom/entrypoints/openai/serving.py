@@ -563,7 +563,7 @@ def _measured(raw: bytes, model: type[Body],
 
 def _validated(raw: bytes, model: type[Body], admit: Callable[[RequestCost | None], None]) -> Body:
     """The body as `model`, or a 400 naming what is wrong with it; `admit` judges its count of prompts first."""
-    data = _json_object(raw)
+    data = json_object_body(raw)
     unsupported = model.unsupported_field(data)
     if unsupported is not None:
         name, why = unsupported
@@ -580,7 +580,9 @@ def _validated(raw: bytes, model: type[Body], admit: Callable[[RequestCost | Non
                        param=param) from None
 
 
-def _json_object(body: bytes) -> dict:
+def json_object_body(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400 saying why not (not JSON, nested past the parser's limit, not an
+    object, a string UTF-8 cannot encode)."""
     try:
         data = json.loads(body)
     except RecursionError:  # e.g. 100,000 nested lists: json's parser stops at Python's recursion limit

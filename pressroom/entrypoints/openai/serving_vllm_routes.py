@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -36,7 +35,7 @@ from pressroom.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pressroom.entrypoints.openai.serving import OpenAIServing, Routing, request_priority
+from pressroom.entrypoints.openai.serving import OpenAIServing, Routing, json_object_body, request_priority
 from pressroom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pressroom.entrypoints.openai.streams import collect_finals, with_disconnect
 from pressroom.sampling_params import SamplingParams
@@ -97,7 +96,7 @@ def chat_batch(chat: OpenAIServingChat):
 
 
 async def _chat_batch(chat: OpenAIServingChat, request: Request) -> Response:
-    body = _json_object(await chat._read_body(request))
+    body = json_object_body(await chat._read_body(request))
     _batch_limits(body)
     chat._admit(RequestCost(prompts=len(body["messages"]), prompts_param="messages"))
     requests = [_conversation_request(body, i, c) for i, c in enumerate(body["messages"])]
@@ -125,16 +124,6 @@ async def _chat_batch(chat: OpenAIServingChat, request: Request) -> Response:
                                                       total_tokens=prompt + completion),
                                       system_fingerprint=chat.system_fingerprint)
     return JSONResponse(response.model_dump())
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"The body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The body must be a JSON object.")
-    return body
 
 
 # ---- /generative_scoring ----
@@ -264,12 +253,7 @@ def scale_elastic_ep(data_parallel_size: int):
     """POST /scale_elastic_ep: the body checked as vLLM checks it; scaling to the size the server runs is a no-op,
     as in vLLM; any other a 400 (the data-parallel size is fixed when the server starts)."""
     async def scale(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "Invalid JSON format") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "The body must be a JSON object.")
+        body = json_object_body(await request.body())
         size, drain = body.get("new_data_parallel_size"), body.get("drain_timeout", 120)
         if size is None:
             raise APIError(400, "new_data_parallel_size is required", param="new_data_parallel_size")
