@@ -10,7 +10,8 @@ the same fixed-shape forward eagerly, so the padding is checked where there is n
 
 The model provides: `media_patches(items)`, `encoder_graph_inputs(items, patches)` (None: does not fit),
 `encoder_graph_example(patches)` (inputs for capture), `encoder_graph_forward(inputs)` (the captured body),
-`split_media_rows(items, rows)` and `encode_media(items)` (the eager path).
+`split_media_rows(items, rows)` and `encode_media(items)` (the eager path); an audio tower also maps the configured
+buckets to its own units (`encoder_graph_buckets`: whole 30-s windows, models/whisper_encoder.py).
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class EncoderGraphs:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"Encoder graph buckets must be positive patch counts; got {list(buckets)}.")
         self.model = model
-        self.buckets = sorted(set(buckets))
+        to_units = getattr(model, "encoder_graph_buckets", None)  # an audio tower's: whole windows
+        self.buckets = sorted(set(to_units(list(buckets)) if to_units else buckets))  # empty: none holds an item
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # captured buckets' static inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -112,7 +114,6 @@ class EncoderGraphs:
             for name, tensor in self.inputs[bucket].items():
                 tensor.copy_(inputs[name])
             self.graphs[bucket].replay()
-            # a copy: the next replay overwrites the graph's output, the encoder cache keeps these rows
-            lengths = sum(m.length for m in items)
-            return self.model.split_media_rows(items, self.outputs[bucket][:lengths].clone())
+            # copies: the next replay overwrites the graph's output, the encoder cache keeps these rows
+            return [rows.clone() for rows in self.model.split_media_rows(items, self.outputs[bucket])]
         return None

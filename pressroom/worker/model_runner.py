@@ -9,6 +9,7 @@ the request states here, in `_book`, and nowhere else.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -39,6 +40,8 @@ from pressroom.worker.step_batch import StepBatch, StepBatchBuilder
 from pressroom.worker.step_output import DeviceStep, Emission, PendingOutput
 
 ENCODER_CACHE_MIN_ROWS = 16384  # encoder output rows kept for reuse (an image is some hundreds to thousands)
+
+logger = logging.getLogger("pressroom")
 
 
 def make_backend(device: str, dtype: torch.dtype, batch_invariant: bool = False) -> AttentionBackend:
@@ -171,8 +174,13 @@ class ModelRunner:
         from pressroom.worker.encoder_graphs import EncoderGraphs, supports_encoder_graphs
         if self.multimodal is None or not supports_encoder_graphs(self.model):
             return False
-        self.encoder_graphs = EncoderGraphs(self.model, buckets)
-        self.encoder_graphs.capture()
+        graphs = EncoderGraphs(self.model, buckets)
+        if not graphs.buckets:
+            logger.warning("no --encoder-cudagraph-sizes bucket holds one of %s's media items: its encoder runs "
+                           "eager", type(self.model).__name__)
+            return False
+        self.encoder_graphs = graphs
+        graphs.capture()
         self.multimodal.encode = self.encoder_graphs.encode_media
         return True
 

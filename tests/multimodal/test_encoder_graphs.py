@@ -137,3 +137,54 @@ def test_text_positions_collapse_to_one_row():
     assert positions.tolist() == [25 + mm.requests["a"].mrope_delta]
     _, positions = mm.step_inputs(torch.zeros(20, dtype=torch.long), torch.arange(20), [StepSpan("a", 0, 20, 0)])
     assert positions.shape == (3, 20) and not np.array_equal(positions[1].numpy(), positions[2].numpy())
+
+
+def _model_of(llm):
+    return llm.engine.core.executor.driver_worker.model_runner.model
+
+
+def test_audio_clips_padded_to_whole_windows_give_the_eager_rows(tmp_path, smollm_tokenizer):
+    """Qwen2-Audio's tower at a bucket's fixed shape (every clip padded to the 30-s window, here the tiny model's
+    2 s; a bucket a number of clips, padding clips of one frame) gives each clip the rows the eager batch padded
+    to its longest clip gives; the configured patch counts become whole windows."""
+    import copy
+
+    from tiny_audio import PAD, build_tiny_qwen2_audio, tone
+
+    from pressroom import LLM
+    build_tiny_qwen2_audio(tmp_path, copy.deepcopy(smollm_tokenizer))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.02)
+    engine, model = llm.engine, _model_of(llm)
+    clips = [(tone(1, 0.9), 16_000), (tone(2, 1.7), 16_000), (tone(3, 0.4), 16_000)]
+    _, ids = engine.tokenize_prompt(PAD * 3)
+    _, items = engine.process_media({"multi_modal_data": {"audio": clips}}, ids)
+    window = model.audio_tower.window_frames
+    graphs = EncoderGraphs(model, [window - 1, window, 2 * window + 5, 4 * window])
+    assert graphs.buckets == [window, 2 * window, 4 * window]  # whole windows; one under a window dropped
+    with torch.inference_mode():
+        eager = model.encode_media(items)
+        padded = graphs.encode_media(items)
+    assert graphs.padded_runs == 1 and graphs.eager_items == 0  # three clips in the four-clip bucket
+    for e, p, item in zip(eager, padded, items):
+        assert p.shape == e.shape and p.shape[0] == item.length
+        torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
+
+
+def test_whisper_windows_in_a_bucket_give_the_eager_rows(tmp_path):
+    """Whisper's clips (each its whole window, unmasked) through a two-clip bucket: each clip's encoder row equals
+    the eager pass's, a lone clip padded with a zero clip too."""
+    from test_whisper import build_tiny_whisper, tone
+
+    from pressroom import LLM
+    build_tiny_whisper(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.02)
+    model, inputs = _model_of(llm), llm.engine.encoder_inputs()
+    items = [inputs.item(tone(s, [220.0 * (i + 1)], i)) for i, s in enumerate((1.5, 0.7, 1.9))]
+    window = model.audio_tower_for_graphs.window_frames
+    graphs = EncoderGraphs(model, [2 * window])
+    with torch.inference_mode():
+        eager = model.encode_media(items)
+        padded = graphs.encode_media(items)
+    assert graphs.padded_runs == 2  # two clips, then the third beside a padding clip
+    for e, p in zip(eager, padded):
+        torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from torch import nn
 
 from pressroom.model.models.media_lm import MediaRowsLlama
 from pressroom.model.models.qwen2_5_vl import lift_text_config
-from pressroom.model.models.whisper_encoder import WhisperEncoder
+from pressroom.model.models.whisper_encoder import ClipEncoderGraphs, WhisperEncoder
 from pressroom.multimodal.inputs import MediaItem
 
 
@@ -26,7 +26,7 @@ class AudioProjector(nn.Module):
         return self.linear(x)
 
 
-class Qwen2AudioForConditionalGeneration(MediaRowsLlama):
+class Qwen2AudioForConditionalGeneration(ClipEncoderGraphs, MediaRowsLlama):
     supports_multimodal = True
     uses_mrope = False
     # the name map: the hub's (language_model.model.*, audio_tower.*) and transformers 5's (model.*)
@@ -54,5 +54,16 @@ class Qwen2AudioForConditionalGeneration(MediaRowsLlama):
         longest = max(m.shape[-1] for m in mels)
         features = torch.stack([nn.functional.pad(m, (0, longest - m.shape[-1])) for m in mels]).to(device)
         frames = torch.tensor([m.grid_thw[-1] for m in items], device=device)
-        rows = self.multi_modal_projector(self.audio_tower(features, frames))
+        return self.split_media_rows(items, self.encode_clips(features, frames))
+
+    def encode_clips(self, features: torch.Tensor, mel_frames: torch.Tensor) -> torch.Tensor:
+        """[clips, mel bins, frames] -> [clips, pooled positions, hidden]: past a clip's own rows, padding."""
+        return self.multi_modal_projector(self.audio_tower(features, mel_frames))
+
+    @staticmethod
+    def split_media_rows(items: list[MediaItem], rows: torch.Tensor) -> list[torch.Tensor]:
         return [r[:m.length] for r, m in zip(rows, items)]
+
+    @property
+    def audio_tower_for_graphs(self) -> WhisperEncoder:
+        return self.audio_tower

@@ -30,7 +30,7 @@ from pressroom.attention.state import StateRound
 from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.state import RecurrentLayer, StateShape
-from pressroom.model.models.whisper_encoder import _ACTS, WhisperEncoder, WhisperFeatures, resample
+from pressroom.model.models.whisper_encoder import _ACTS, ClipEncoderGraphs, WhisperEncoder, WhisperFeatures, resample
 from pressroom.model.weights import expected_names, load_named_weights
 from pressroom.multimodal.inputs import MediaItem, MediaRows
 
@@ -138,7 +138,7 @@ class WhisperModel(nn.Module):
         self.decoder = WhisperDecoder(config)
 
 
-class WhisperForConditionalGeneration(nn.Module):
+class WhisperForConditionalGeneration(ClipEncoderGraphs, nn.Module):
     supports_multimodal = True  # the runner encodes its media items (the audio) and hands their rows to forward
     cuda_graphs_supported = False  # a prefill's cross-attention loops over its requests on the host
     is_encoder_decoder = True
@@ -167,7 +167,20 @@ class WhisperForConditionalGeneration(nn.Module):
                                  f"{(encoder.conv1.in_channels, encoder.window_frames)}; got {item.modality} "
                                  f"{item.pixels_shape}.")
         features = torch.stack([m.pixel_tensor() for m in items]).to(device=weight.device, dtype=weight.dtype)
-        return list(encoder(features).flatten(1).unsqueeze(1))
+        return self.split_media_rows(items, self.encode_clips(features, None))
+
+    def encode_clips(self, features: torch.Tensor, mel_frames: torch.Tensor | None) -> torch.Tensor:
+        """[clips, mel bins, window] -> [clips, 1, frames * d_model]: HF runs the whole window unmasked, so
+        `mel_frames` is not read."""
+        return self.model.encoder(features).flatten(1).unsqueeze(1)
+
+    @staticmethod
+    def split_media_rows(items: list[MediaItem], rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows[:len(items)])
+
+    @property
+    def audio_tower_for_graphs(self) -> WhisperEncoder:
+        return self.model.encoder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: tuple[int, ...] = (),
                 media: MediaRows | None = None):

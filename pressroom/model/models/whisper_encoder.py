@@ -99,3 +99,45 @@ class WhisperEncoder(nn.Module):
         if self.pool:
             x = F.avg_pool1d(x.transpose(1, 2), 2, 2).transpose(1, 2)
         return self.layer_norm(x)
+
+
+# ---- CUDA graphs (worker/encoder_graphs.py): clips padded to the full window, a bucket a number of clips ----
+
+class ClipEncoderGraphs:
+    """The encoder-graph interface for a model whose tower is `audio_tower_for_graphs`: a bucket's unit is the mel
+    frame, and every clip is padded to the full window, so a bucket holds `bucket // window` clips of one fixed
+    shape. Padding clips have one frame (their rows are dropped; no clip attends across clips). The model gives
+    `encode_clips(features, mel_frames)` -> [clips, rows, width] and `split_media_rows`."""
+
+    def _clip_window(self) -> tuple[int, int, torch.Tensor]:
+        encoder = self.audio_tower_for_graphs
+        return encoder.window_frames, encoder.conv1.in_channels, encoder.conv1.weight
+
+    def media_patches(self, items: list) -> int:
+        return len(items) * self._clip_window()[0]
+
+    def encoder_graph_buckets(self, buckets: list[int]) -> list[int]:
+        """The configured patch counts as whole windows (bucket // window clips; those under one window dropped)."""
+        window = self._clip_window()[0]
+        return sorted({b // window * window for b in buckets if b >= window})
+
+    def encoder_graph_inputs(self, items: list, patches: int) -> dict[str, torch.Tensor] | None:
+        window, bins, weight = self._clip_window()
+        clips = patches // window
+        mels = [m.pixel_tensor() for m in items]
+        if len(items) > clips or any(m.shape != (bins, m.shape[-1]) or m.shape[-1] > window for m in mels):
+            return None
+        inputs = self.encoder_graph_example(patches)
+        for i, (mel, item) in enumerate(zip(mels, items)):
+            inputs["features"][i, :, :mel.shape[-1]] = mel.to(device=weight.device, dtype=weight.dtype)
+            inputs["mel_frames"][i] = item.grid_thw[-1]
+        return inputs
+
+    def encoder_graph_example(self, patches: int) -> dict[str, torch.Tensor]:
+        window, bins, weight = self._clip_window()
+        clips = patches // window
+        return {"features": torch.zeros(clips, bins, window, dtype=weight.dtype, device=weight.device),
+                "mel_frames": torch.ones(clips, dtype=torch.int64, device=weight.device)}
+
+    def encoder_graph_forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.encode_clips(inputs["features"], inputs["mel_frames"])
