@@ -187,7 +187,16 @@ class ServerMetrics:
         # Only model_name, engine and a few bounded labels (finished_reason, source, position) label series. A
         # request's session id goes to its log line, never to a label: session ids are unbounded, and one time
         # series per session would grow the registry (and every scrape) without limit.
-        counts = count_buckets(shape.max_model_len)
+        self._add_token_counters(shape)
+        self._add_request_histograms(count_buckets(shape.max_model_len))
+        self._add_latency_histograms()
+        self._add_admission_rejections()
+        if shape.cache_info:
+            self._cache_config_info(dict(shape.cache_info))
+        self.registry.register(_SchedulerCollector(self))
+
+    def _add_token_counters(self, shape: EngineShape) -> None:
+        """Tokens of finished requests (by source and cache tier without KV offload) and requests by reason."""
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
         self.prompt_tokens_cached = self._counter("prompt_tokens_cached", "Prompt tokens of finished requests "
@@ -200,6 +209,9 @@ class ServerMetrics:
             "them.", ("source",), CACHE_SOURCES)
         self.request_success = self._counter("request_success", "Finished requests by finish reason.",
                                              ("finished_reason",), FINISH_REASONS)
+
+    def _add_request_histograms(self, counts: list[int]) -> None:
+        """Per finished request: its token counts and parameters."""
         self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.", counts)
         self.request_generation_tokens = self._histogram("request_generation_tokens",
                                                          "Generated tokens per request (its samples together).", counts)
@@ -212,6 +224,9 @@ class ServerMetrics:
                                                          "The max_tokens request parameter.", counts)
         self.request_prefill_kv_computed_tokens = self._histogram(
             "request_prefill_kv_computed_tokens", "Prompt tokens per request computed (not found cached).", counts)
+
+    def _add_latency_histograms(self) -> None:
+        """Per finished request: its times, from arrival to finish and each phase's."""
         self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between output tokens.", TOKEN_GAP_BUCKETS)
         self.tpot = self._histogram("request_time_per_output_token_seconds",
@@ -225,6 +240,9 @@ class ServerMetrics:
                                             REQUEST_TIME_BUCKETS)
         self.decode_time = self._histogram("request_decode_time_seconds", "First token to last token.",
                                            REQUEST_TIME_BUCKETS)
+
+    def _add_admission_rejections(self) -> None:
+        """vLLM's family, present from the start (pressroom rejects nothing by a queue bound)."""
         # vLLM's admission_rejections: labelled by model_name and reason only (its API server counts them, not an
         # engine core)
         self.admission_rejections = Counter(
@@ -233,9 +251,6 @@ class ServerMetrics:
             registry=self.registry)
         for reason in ADMISSION_REASONS:  # vLLM's series, there from the start
             self.admission_rejections.labels(self.model_name, reason)
-        if shape.cache_info:
-            self._cache_config_info(dict(shape.cache_info))
-        self.registry.register(_SchedulerCollector(self))
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = (), values: tuple[str, ...] = ()) -> Counter:
         """A counter with a series per engine (and per value of its one extra label) from the start, as vLLM's."""
