@@ -16,12 +16,16 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from pressroom.benchmarks.workload import random_prompts
+
+if TYPE_CHECKING:
+    from pressroom.benchmarks.gpu import Run
 
 ENCODER_REPS = 10  # timed tower passes per mode (after 3 untimed)
 NOTE = ("prompt: --input-len random text tokens, then one image (its placeholder rows between vision start and end "
@@ -31,15 +35,13 @@ NOTE = ("prompt: --input-len random text tokens, then one image (its placeholder
         "synchronized")
 
 
-@dataclasses.dataclass(slots=True)
-class ImageRun:
-    backend: str
-    num_requests: int
-    input_tokens: int
-    output_tokens: int
-    elapsed_s: float
-    output_tokens_per_s: float
-    batch_size: int | None = None  # HF only: requests per generate call
+def _run(backend: str, prompts: list[list[int]], produced: int, elapsed: float, batch_size: int | None = None
+         ) -> Run:
+    """gpu.py's Run for a timed pass over `prompts`."""
+    from pressroom.benchmarks.gpu import Run
+    inputs = sum(map(len, prompts))
+    return Run(backend, len(prompts), inputs, produced, round(elapsed, 4), round(produced / elapsed, 2),
+               round(inputs / elapsed, 2), batch_size)
 
 
 def image_requests(args, hf_config, num: int, seed: int) -> tuple[list[list[int]], list[list], dict]:
@@ -65,7 +67,7 @@ def image_requests(args, hf_config, num: int, seed: int) -> tuple[list[list[int]
 
 
 def run_pressroom_images(llm, prompts: list[list[int]], items: list[list], output_len: int,
-                         device: torch.device) -> ImageRun:
+                         device: torch.device) -> Run:
     from pressroom import SamplingParams
     from pressroom.benchmarks.gpu import sync
     from pressroom.sampling_params import RequestOutputKind
@@ -81,8 +83,7 @@ def run_pressroom_images(llm, prompts: list[list[int]], items: list[list], outpu
         produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
     sync(device)
     elapsed = time.perf_counter() - start
-    return ImageRun("pressroom", len(prompts), sum(map(len, prompts)), produced, round(elapsed, 4),
-                    round(produced / elapsed, 2))
+    return _run("pressroom", prompts, produced, elapsed)
 
 
 def encoder_ms(encode, item, device: torch.device, reps: int = ENCODER_REPS) -> float:
@@ -153,7 +154,7 @@ def hf_generate_images(model, prompts: list[list[int]], items: list[list], outpu
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
-def run_hf_images(model, prompts, items, output_len: int, batch_size: int, device: torch.device) -> ImageRun:
+def run_hf_images(model, prompts, items, output_len: int, batch_size: int, device: torch.device) -> Run:
     from pressroom.benchmarks.gpu import sync
     batch_size = min(batch_size, len(prompts))
     hf_generate_images(model, prompts[:batch_size], items[:batch_size], output_len, device)  # warm-up, same shape
@@ -163,8 +164,7 @@ def run_hf_images(model, prompts, items, output_len: int, batch_size: int, devic
                    for i in range(0, len(prompts), batch_size))
     sync(device)
     elapsed = time.perf_counter() - start
-    return ImageRun("hf", len(prompts), sum(map(len, prompts)), produced, round(elapsed, 4),
-                    round(produced / elapsed, 2), batch_size)
+    return _run("hf", prompts, produced, elapsed, batch_size)
 
 
 # ---- the run ----
