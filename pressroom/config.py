@@ -93,13 +93,8 @@ def limits_of(value: str | Mapping[str, Any]) -> dict[str, int]:
     """--limit-mm-per-prompt (LLM's limit_mm_per_prompt) as vLLM takes it: a JSON object of counts, '{"image": 2,
     "audio": 1}', or that mapping itself (a modality's value may also be vLLM's {"count": N, ...} form, of which the
     count is read)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'--limit-mm-per-prompt: not JSON ({e}); e.g. \'{{"image": 2, "audio": 1}}\'') from None
-    if not isinstance(value, Mapping):
-        raise ValueError('--limit-mm-per-prompt: a JSON object of counts, e.g. \'{"image": 2, "audio": 1}\'')
+    value = json_object(dict(value) if isinstance(value, Mapping) else value,
+                        '--limit-mm-per-prompt (counts per modality, e.g. {"image": 2, "audio": 1})')
     out = {}
     for modality, limit in value.items():
         count = limit.get("count") if isinstance(limit, Mapping) else limit
