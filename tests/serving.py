@@ -4,6 +4,7 @@ that is killed).
 
 `launch` is for tests that end the server themselves (killing its core, signalling it); `serve` is for a server
 that must outlive its test: on exit it must still be up, have logged no traceback and stop cleanly on SIGTERM.
+`serve_in_thread` serves an app built in the test's own process (build_app over an engine it holds).
 Share a server through a module- or session-scoped fixture wherever tests can use the same arguments: a start
 costs some 10 s on 2 cores (conftest.py holds the session-wide ones)."""
 from __future__ import annotations
@@ -194,3 +195,26 @@ def kill_and_wait_for_503(pid: int, url: str, what: str) -> float:
         assert time.monotonic() - killed < 5, f"/health still 200 five seconds after {what} died"
         time.sleep(0.05)
     return killed
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, startup_s: float = 60) -> Iterator[str]:
+    """An ASGI app (build_app's) under uvicorn in this process, on a loopback port bound before it starts (no port
+    race); yields its base URL and stops it on exit."""
+    import uvicorn
+
+    from pressroom.entrypoints.openai.server import bind_listener
+    sock = bind_listener("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_s
+    try:
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the loopback server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

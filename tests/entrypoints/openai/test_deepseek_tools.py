@@ -10,16 +10,12 @@ runs the server on loopback (the shared tiny engine, `--reasoning-parser deepsee
 deepseek_v3`, R1-0528's pair) with the official openai client, the output forced by structured outputs."""
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import threading
-import time
 
 import openai
 import pytest
-import uvicorn
-from serving import free_port
+from serving import serve_in_thread
 
 from pressroom.entrypoints.openai.chat_template import template_messages
 from pressroom.entrypoints.openai.server import build_app
@@ -301,21 +297,9 @@ R1_SETTINGS = ServerSettings(served_model_name=("tiny",), log_stats_interval=0, 
                              tool_call_parser="deepseek_v3", trust_request_chat_template=True)
 
 
-@contextlib.contextmanager
 def _loopback(app):
     """The app under uvicorn on a free loopback port, in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return serve_in_thread(app)
 
 
 @pytest.mark.slow  # a server and a grammar's first compile (~10 s); the parsers' round trips above run by default

@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-import time
 from unittest import mock
 
 import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
+from serving import serve_in_thread
 
 from pressroom.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
-from pressroom.entrypoints.openai.server import DEV_MODE_ENV, bind_listener, build_app
+from pressroom.entrypoints.openai.server import DEV_MODE_ENV, build_app
 from pressroom.entrypoints.openai.serving_messages import _Blocks
 from pressroom.entrypoints.openai.settings import ServerSettings
 
@@ -65,18 +63,8 @@ def tiny(tiny_async_engine):
                               chat_template=TEMPLATE, log_requests=False, log_stats_interval=0)
     with mock.patch.dict(os.environ, {DEV_MODE_ENV: "1"}):
         app = build_app(tiny_async_engine, settings)
-    sock = bind_listener("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the loopback server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_thread(app) as url:
+        yield url
 
 
 # ---- the embedded SmolLM2 ----

@@ -8,10 +8,7 @@ same checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-import time
 from collections.abc import Iterator
 
 import anthropic
@@ -19,9 +16,9 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from serving import serve_in_thread
 
-from pressroom.entrypoints.openai.server import bind_listener, build_app
+from pressroom.entrypoints.openai.server import build_app
 from pressroom.entrypoints.openai.serving_vllm_routes import SCALE_OUT_ROUTES
 from pressroom.entrypoints.openai.settings import ServerSettings
 
@@ -32,23 +29,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                           "required": ["city"]}}}
 
 
-@contextlib.contextmanager
-def _serving(engine, settings: ServerSettings) -> Iterator[str]:
-    app = build_app(engine, settings)
-    sock = bind_listener("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the loopback server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+def _serving(engine, settings: ServerSettings):
+    return serve_in_thread(build_app(engine, settings))
 
 
 @pytest.fixture(scope="module")
