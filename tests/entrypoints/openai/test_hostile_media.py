@@ -234,7 +234,7 @@ def test_the_media_flags_make_the_servers_policy(tmp_path, capsys):
     default = ServerSettings.from_args(build_parser().parse_args(["serve", "m"])).media_policy
     assert default.allowed_media_domains == () and default.allowed_local_media_path == ""
     assert default.fetch_timeout == 5.0 and default.limit("image") == 999
-    for flags, message in ((["--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt: not JSON"),
+    for flags, message in ((["--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt (counts per modality"),
                            (["--allowed-local-media-path", str(tmp_path / "none")], "is not a folder"),
                            (["--media-fetch-timeout", "0"], "--media-fetch-timeout must be positive")):
         assert main(["serve", "m", *flags]) == 2  # before any model is loaded
