@@ -97,11 +97,12 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, bias: bool = False) -> None:
+        """`bias`: Qwen3-VL's patch projection has one, Qwen2.5-VL's not."""
         super().__init__()
         self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=self.shape[1:],
-                              stride=self.shape[1:], bias=False)
+                              stride=self.shape[1:], bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: [patches, C * T * P * P] as the processor flattens them -> [patches, hidden]."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from pressroom.model.models.qwen2_5_vl import (
     BlockDiagonal,
+    PatchEmbed,
     Qwen2_5_VLForConditionalGeneration,
     Segments,
     VisionAttention,
@@ -63,23 +64,11 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class PatchEmbed3(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=self.shape[1:],
-                              stride=self.shape[1:], bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = pixels.view(-1, *self.shape).to(self.proj.weight.dtype)
-        return self.proj(x).view(x.shape[0], -1)
-
-
 class Qwen3VisionTransformer(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size
-        self.patch_embed = PatchEmbed3(config)
+        self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.side = int(config.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(Qwen3VisionBlock(config) for _ in range(config.depth))
