@@ -32,6 +32,12 @@ def num_kv_splits(num_decodes: int, num_kv_heads: int, max_blocks_per_seq: int,
     return max(1, min(wanted, _MAX_SPLITS, max_blocks_per_seq // _MIN_BLOCKS_PER_SPLIT))
 
 
+def target_programs(device: torch.device | str) -> int:
+    """Programs a split launch should reach on `device` (the one rule for split-KV counts: dense decodes here, DSA's
+    chosen positions in kernels/triton/dsa.py)."""
+    return _PROGRAMS_PER_SM * multiprocessor_count(device)
+
+
 def multiprocessor_count(device: torch.device | str) -> int:
     """The device's SM count; a default where it is no CUDA device (the interpreter)."""
     device = torch.device(device)
@@ -51,7 +57,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, device: torch.device | str, num_kv_heads: int, max_blocks_per_seq: int,
                  batch_invariant: bool = False) -> None:
         super().__init__(device, num_kv_heads, max_blocks_per_seq)
-        self.target_programs = _PROGRAMS_PER_SM * multiprocessor_count(self.device)
+        self.target_programs = target_programs(self.device)
         self.batch_invariant = batch_invariant
 
     def num_kv_splits(self, num_decodes: int) -> int:
