@@ -233,6 +233,11 @@ class SchedulerConfig:
     # since its attention grows with c: a long prompt's later chunks shrink. 0: every token counts 1.
     # EngineArgs sets both by default: the CPU's measured, CUDA's from the model's shape (_prefill_chunking).
     prefill_cost_context: int = 0
+    # While decodes run, a step's prompt tokens are held so that its estimated time on the device stays within this
+    # many times that of its decodes alone, with a floor of prompt tokens per step (core/step_time.py; the estimate
+    # from the model's shape over the device's roofline, engine/step_cost.py). 0: no such bound. EngineArgs sets
+    # CUDA's (CUDA_STEP_TIME_FACTOR); the CPU's token budget already keeps its steps short.
+    step_time_factor: float = 0.0
     # --enable-lora's --max-loras: the distinct adapters the running requests may hold (their steps run them all
     # at once); a request for another waits. 0: no adapters.
     max_loras: int = 0
@@ -244,6 +249,9 @@ class SchedulerConfig:
         for name in ("long_prefill_token_threshold", "prefill_cost_context", "max_num_encoder_input_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}.")
+        if self.step_time_factor != 0 and not self.step_time_factor > 1:
+            raise ValueError(f"step_time_factor must be 0 (off) or above 1 (a step holds its decodes at least), got "
+                             f"{self.step_time_factor}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
@@ -637,6 +645,14 @@ CPU_PREFILL_COST_CONTEXT = 1024
 # for the usual contexts (1,310 at 32k, 5,243 at 128k), but it follows a length the core only knows once the KV
 # cache is sized, and on short contexts it would cut a GPU's chunks below what keeps it busy.
 CUDA_LONG_PREFILL_SHARE = 0.25
+# SchedulerConfig.step_time_factor on CUDA: a step that carries prompt tokens beside running decodes is estimated at
+# no more than 3 decode-only steps. Issue 44's target is a P99 inter-token latency under 4x the median; the estimate
+# leaves out what every step spends around the model (the host's scheduling and sampling, launch gaps: an H200's
+# median ITL at c=256 was 23.5 ms against a ~8 ms roofline estimate for its decode step), so a step estimated at 3x
+# takes less than 3x in time, and 3 keeps a margin for the estimate's errors. It still leaves each step room for
+# 2 decode steps' worth of prompt work: ~830 prompt tokens beside 256 decodes of a Llama-3.1-8B shape on an H200,
+# over 3x the ~256 a step that c=256 workload's arrivals need (one 256-token prompt a step as streams finish).
+CUDA_STEP_TIME_FACTOR = 3.0
 
 
 def _env_flag(name: str) -> bool:
@@ -820,6 +836,12 @@ class EngineArgs:
                                                   "FLOPs equal its linear layers', from the model's config.json "
                                                   "(0 where it gives no shape, as a GGUF's); "
                                                   f"{CPU_PREFILL_COST_CONTEXT} on the CPU)")
+    step_time_factor: float | None = _arg(None, "while decodes run, a step's prompt tokens are held so that the "
+                                                "step's estimated time (the model's FLOPs and bytes over the "
+                                                "device's roofline) stays within this many times that of its "
+                                                "decodes alone, with a floor of prompt tokens per step where the "
+                                                "device's matmuls turn compute-bound; 0: no such bound (default: "
+                                                f"{CUDA_STEP_TIME_FACTOR:g} on CUDA, 0 on the CPU)")
     max_num_seqs: int | None = _arg(None, f"requests running at once at most (default: {CUDA_MAX_NUM_SEQS} on "
                                           "CUDA, vLLM's for large GPUs; "
                                           f"{default_of(SchedulerConfig, 'max_num_seqs')} on the CPU)")
@@ -1016,7 +1038,14 @@ class EngineArgs:
                                policy=self.scheduling_policy,
                                async_scheduling=resolve_async_scheduling(self.async_scheduling, device, speculative),
                                max_loras=self.max_loras if self.enable_lora else 0,
+                               step_time_factor=self._step_time_factor(device),
                                **self._prefill_chunking(device, threads, budget, checkpoint))
+
+    def _step_time_factor(self, device: str) -> float:
+        """As asked, else CUDA's CUDA_STEP_TIME_FACTOR; the CPU's steps stay short by their token budget (0)."""
+        if self.step_time_factor is not None:
+            return self.step_time_factor
+        return CUDA_STEP_TIME_FACTOR if device == "cuda" else 0.0
 
     def _prefill_chunking(self, device: str, threads: int, budget: int,
                           checkpoint: CheckpointFacts) -> dict[str, int]:

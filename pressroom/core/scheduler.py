@@ -8,7 +8,9 @@ A prompt gets at most `long_prefill_token_threshold` of a step (vLLM's knob), so
 others. With `prefill_cost_context` set, the step's budget and that threshold count cost, not tokens: a prompt
 chunk's attention grows with the context already computed, so a long prompt's later chunks count for more and
 shrink. Both are set by default (config.py: the CPU's measured, CUDA's from the model's FLOPs), so a step's time
-stays bounded while a long prompt is prefilled.
+stays bounded while a long prompt is prefilled. Where the engine gives a step-time model and `step_time_factor` is set
+(CUDA's default), a step's prompt tokens beside running decodes are also held to a multiple of the decodes' own step
+time, estimated (core/step_time.py), so a wave of new prompts no longer stalls every running stream.
 
 A client's request fans out into many (n samples, a list of prompts): a group (`Request.group`). Among requests
 of equal priority, the better rank goes to the one whose group runs fewer requests, then to the earlier arrival
@@ -58,6 +60,7 @@ from pressroom.core.outputs import (
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.spec_calibration import ReliabilityTable
+from pressroom.core.step_time import StepTimeBound, StepTimeModel
 from pressroom.core.structured_outputs import grammar_ready
 from pressroom.kv_offload.manager import OffloadStats
 
@@ -161,13 +164,16 @@ class SpecDecodingStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *, spec_budget: AdaptiveBudget | None = None,
-                 lookahead: int = 0, async_drafts: int = 0, kv_connector: Any = None) -> None:
+                 lookahead: int = 0, async_drafts: int = 0, kv_connector: Any = None,
+                 step_time: StepTimeModel | None = None) -> None:
         """`spec_budget`: the adaptive speculative budget (None: every draft, up to the drafter's K);
         `lookahead`: slots each request keeps past its scheduled tokens for a drafter that writes into its
         blocks (a device drafter, or MTP in the target's block tables); `async_drafts`: under async scheduling
         with a device drafter, the placeholder drafts every sampling step leaves for the next one (their ids
         stay on the device); `kv_connector`: the scheduler side of a KV connector (distributed/kv_transfer/:
-        prompt KV loaded from other engines, a finished request's staged for them), or None."""
+        prompt KV loaded from other engines, a finished request's staged for them), or None; `step_time`: the
+        device's step-time estimates, which config.step_time_factor bounds a step's prompt tokens by (None, or a
+        factor of 0: no such bound)."""
         self.config = config
         self.connector = kv_connector
         self._external: dict[str, int] = {}  # request -> prompt tokens a KV connector loaded at its first scheduling
@@ -194,6 +200,8 @@ class Scheduler:
         # Requests of a failed step, in the order they run alone (see suspect()).
         self.suspects: dict[str, Request] = {}
         self._solo_turn = False
+        self._step_time = StepTimeBound(step_time, config.step_time_factor) \
+            if step_time is not None and config.step_time_factor else None
 
     # ---- request table ----
 
@@ -313,13 +321,17 @@ class Scheduler:
             # Async drafting with a planning budget: the placeholders are the plan's, priced already.
             if not (self.async_drafts and self.spec_budget.draft_costs is not None):
                 self._trim_drafts(budget)
+        if self._step_time is not None:
+            self._step_time.begin(self._decode_shares(budget))
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
+            n = self._within_step_time(req, n, req.num_computed_tokens)
             n = media_chunk(req.mm_features, req.num_computed_tokens, n, budget, self._encoder)
             if n == 0:
                 continue
+            prompt_chunk = n > 1  # else a decode: its step time is the bound's baseline already
             drafts = self._drafts_that_fit(req, n, budget)
             cost = self._cost(n, req.num_computed_tokens) + len(drafts)
             n += len(drafts)
@@ -336,6 +348,8 @@ class Scheduler:
             if drafts:
                 spec_tokens[req.request_id] = drafts
             budget = max(0, budget - cost)
+            if prompt_chunk and self._step_time is not None:
+                self._step_time.take(n, req.num_computed_tokens)
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             if self._book(req, n, len(drafts)):
@@ -428,7 +442,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], new_reqs: list[NewRequestData],
                        sampling: list[Request]) -> None:
-        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs or self._time_is_up():
             return
         admitted = 0
         for entry in self._fair_order():
@@ -455,6 +469,8 @@ class Scheduler:
             admitted += 1
             scheduled[req.request_id] = n
             budget = max(0, budget - self._cost(n, num_hit))
+            if self._step_time is not None:
+                self._step_time.take(n, num_hit)
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id, req.pooling,
@@ -464,7 +480,7 @@ class Scheduler:
             if self._book(req, n, 0):
                 sampling.append(req)
             self._seen_by_runner.add(req.request_id)
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs or self._time_is_up():
                 break
         if admitted:
             self.waiting = [e for e in self.waiting if e[2].status != RequestStatus.RUNNING]
@@ -495,7 +511,25 @@ class Scheduler:
         if req.whole_prompt:
             return req.num_tokens if req.num_tokens <= budget else 0
         n = self._prefill_chunk(min(req.num_tokens - computed, budget), computed, budget)
+        n = self._within_step_time(req, n, computed)
         return media_chunk(req.mm_features, computed, n, budget, self._encoder)
+
+    def _decode_shares(self, budget: int) -> list[tuple[int, int]]:
+        """The running decodes of the step being scheduled, as the step-time bound takes them: (tokens: one plus
+        the drafts offered, computed tokens) each."""
+        return [(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in self.running
+                if self._num_new_tokens(r, budget) == 1]
+
+    def _within_step_time(self, req: Request, n: int, computed: int) -> int:
+        """A prompt chunk of n tokens after `computed`, cut to what the step-time bound holds (core/step_time.py);
+        a single token (a decode's, counted in the bound's baseline) and an encoder's whole prompt are not cut."""
+        if self._step_time is None or n <= 1 or req.whole_prompt:
+            return n
+        return self._step_time.fit(n, computed)
+
+    def _time_is_up(self) -> bool:
+        """Whether the step-time bound holds no more prompt tokens this step (admission can stop)."""
+        return self._step_time is not None and self._step_time.full
 
     def _take_prefix(self, req: Request, num_hit_blocks: int, num_hit: int, external: int) -> int:
         """Books an admitted request's known prompt tokens (the connector told of its blocks, the first admission's

@@ -21,7 +21,14 @@ from pressroom.core.spec_budget import AdaptiveBudget
 from pressroom.core.state_pool import StatePool
 from pressroom.core.structured_outputs import COMPILE_TIMEOUT_S, GrammarCompiler, compile_error
 from pressroom.distributed.kv_transfer.base import check_kv_transfer_params, kv_transfer_params
-from pressroom.engine.step_cost import ModelShape, StepCostMeter, weight_bytes
+from pressroom.engine.step_cost import (
+    ModelShape,
+    StepCostMeter,
+    StepTimer,
+    device_roofline,
+    local_gpu_name,
+    weight_bytes,
+)
 from pressroom.executor import FATAL_ERRORS, make_executor
 from pressroom.executor.process import relax_gc
 from pressroom.logger import printable
@@ -152,25 +159,47 @@ class EngineCore:
                                        self.kv_offload, states, plan.checkpoint_interval)
         adaptive = config.speculative is not None and config.speculative.adaptive_token_budget
         budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
+        step_time = self._make_step_timer(spec) if config.scheduler.step_time_factor else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
-                                   async_drafts=spec.device_drafts, kv_connector=self.kv_connector)
+                                   async_drafts=spec.device_drafts, kv_connector=self.kv_connector,
+                                   step_time=step_time)
         self.step_cost = self._make_step_cost(spec) if config.enable_mfu_metrics else None
 
     def _make_step_cost(self, spec: ModelSpec) -> StepCostMeter | None:
-        """--enable-mfu-metrics: the per-step estimates from the model's shape (None, with a warning, for a shape
-        they do not cover)."""
-        model, cache = self.config.model, self.config.cache
+        """--enable-mfu-metrics: the per-step estimates from the model's shape (None for a shape they do not
+        cover)."""
         try:
-            hf_config = load_hf_config(spec.model_path, model.hf_overrides)
-            dtype_bytes = model.dtype.itemsize
-            shape = ModelShape.from_hf_config(
-                hf_config, tp_size=self.config.parallel.tensor_parallel_size,
-                weight_bytes=weight_bytes(model.quantization, hf_config, dtype_bytes), activation_bytes=dtype_bytes,
-                kv_bytes=(cache.cache_dtype or model.dtype).itemsize)
+            return StepCostMeter(self._model_shape(spec))
         except (ValueError, TypeError) as e:  # a config the shape cannot be read from: no estimates, still serving
             logger.warning("--enable-mfu-metrics: no FLOP or byte estimates for this model (%s)", e)
             return None
-        return StepCostMeter(shape)
+
+    def _make_step_timer(self, spec: ModelSpec) -> StepTimer | None:
+        """The scheduler's step-time estimates (SchedulerConfig.step_time_factor): the model's shape over the
+        device's roofline (None for a shape they do not cover: no step-time bound)."""
+        try:
+            shape = self._model_shape(spec)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # on by default: never fails a start
+            logger.info("no step-time bound for this model (%s)", e)
+            return None
+        timer = StepTimer(shape, device_roofline(self.config.device, local_gpu_name()))
+        roof = timer.roofline
+        logger.info("step-time bound: beside running decodes a step's prompt tokens keep its estimate within %gx "
+                    "the decodes' own, at least %d a step (%s: %.0f TFLOP/s, %.2f TB/s)",
+                    self.config.scheduler.step_time_factor, timer.floor_tokens, roof.name,
+                    roof.flops_per_s / 1e12, roof.bytes_per_s / 1e12)
+        return timer
+
+    def _model_shape(self, spec: ModelSpec) -> ModelShape:
+        """The model's shape per GPU for the step estimates; ValueError or TypeError for a config the shape cannot
+        be read from."""
+        model, cache = self.config.model, self.config.cache
+        hf_config = load_hf_config(spec.model_path, model.hf_overrides)
+        dtype_bytes = model.dtype.itemsize
+        return ModelShape.from_hf_config(
+            hf_config, tp_size=self.config.parallel.tensor_parallel_size,
+            weight_bytes=weight_bytes(model.quantization, hf_config, dtype_bytes), activation_bytes=dtype_bytes,
+            kv_bytes=(cache.cache_dtype or model.dtype).itemsize)
 
     # ---- set-up ----
 

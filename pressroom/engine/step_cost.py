@@ -14,13 +14,21 @@ The figures come from the model's shape alone (its HF config) and each step's to
   keys and values to it;
 - per GPU: heads, the feed-forward's width and the vocabulary split over the tensor-parallel ranks.
 Left out (small beside the above): norms, rotary embeddings, the embedding lookup, softmax, the sampler.
+
+The same estimates, over the device's roofline (`Roofline`: its bf16 matmul rate and memory bandwidth, by the GPU's
+name, `device_roofline`), time a step for the scheduler's step-time bound (`StepTimer`, core/step_time.py): the
+matmuls and attention each take the longer of their FLOPs at the matmul rate and their bytes at the bandwidth (they
+run as kernels of their own, so one's reads do not hide under the other's FLOPs).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pressroom.core.outputs import SchedulerOutput
+from pressroom.core.step_time import StepLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,33 +137,47 @@ def _layer_matmuls(tokens: int, shape: ModelShape, moe: bool) -> StepCost:
     return cost
 
 
-def _attention(steps: list[RequestStep], shape: ModelShape) -> StepCost:
-    """One layer's attention over the KV cache."""
+def _attention(load: StepLoad, shape: ModelShape) -> StepCost:
+    """One layer's attention over the KV cache: each new token's query read and its output written, QK^T and PV
+    over its context (`load.attended` pairs), every request's context read once, the new keys and values written."""
     s, d = shape, shape.head_dim
-    flops = read = write = 0
+    rows = load.tokens * s.num_heads * d * s.activation_bytes
+    return StepCost(2 * 2 * s.num_heads * d * load.attended,
+                    rows + 2 * load.context * s.num_kv_heads * d * s.kv_bytes,
+                    rows + 2 * load.tokens * s.num_kv_heads * d * s.kv_bytes)
+
+
+def _times(cost: StepCost, layers: int) -> StepCost:
+    return StepCost(layers * cost.flops, layers * cost.read_bytes, layers * cost.write_bytes)
+
+
+def matmul_cost(load: StepLoad, shape: ModelShape) -> StepCost:
+    """Every layer's matrix multiplies, and the LM head's over the sampled rows."""
+    if not load.tokens:
+        return StepCost()
+    total = StepCost()
+    for count, moe in ((shape.num_layers - shape.num_moe_layers, False), (shape.num_moe_layers, True)):
+        if count:
+            total += _times(_layer_matmuls(load.tokens, shape, moe), count)
+    return total + _matmul(load.sampled, shape.hidden_size, shape.vocab_size, shape) if load.sampled else total
+
+
+def attention_cost(load: StepLoad, shape: ModelShape) -> StepCost:
+    """Every layer's attention."""
+    return _times(_attention(load, shape), shape.num_layers) if load.tokens else StepCost()
+
+
+def load_of(steps: list[RequestStep]) -> StepLoad:
+    load = StepLoad()
     for r in steps:
-        context = r.num_computed + r.num_tokens
-        flops += 2 * 2 * s.num_heads * d * r.num_tokens * context  # QK^T and PV
-        read += r.num_tokens * s.num_heads * d * s.activation_bytes + 2 * context * s.num_kv_heads * d * s.kv_bytes
-        write += r.num_tokens * s.num_heads * d * s.activation_bytes \
-            + 2 * r.num_tokens * s.num_kv_heads * d * s.kv_bytes
-    return StepCost(flops, read, write)
+        load = load.plus(r.num_tokens, r.num_computed, r.num_sampled)
+    return load
 
 
 def estimate(steps: list[RequestStep], shape: ModelShape) -> StepCost:
     """The step's FLOPs and bytes read and written, per GPU."""
-    tokens = sum(r.num_tokens for r in steps)
-    if not tokens:
-        return StepCost()
-    dense_layers = shape.num_layers - shape.num_moe_layers
-    attention = _attention(steps, shape)
-    total = StepCost()
-    for count, moe in ((dense_layers, False), (shape.num_moe_layers, True)):
-        if count:
-            layer = _layer_matmuls(tokens, shape, moe) + attention
-            total += StepCost(count * layer.flops, count * layer.read_bytes, count * layer.write_bytes)
-    sampled = sum(r.num_sampled for r in steps)
-    return total + _matmul(sampled, shape.hidden_size, shape.vocab_size, shape) if sampled else total
+    load = load_of(steps)
+    return matmul_cost(load, shape) + attention_cost(load, shape)
 
 
 def request_steps(sched: SchedulerOutput) -> list[RequestStep]:
@@ -199,3 +221,87 @@ class StepCostMeter:
         cost = estimate(request_steps(sched), self.shape)
         self.total += cost
         return cost
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A device's dense bf16 matmul rate and memory bandwidth, per GPU."""
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+
+    def seconds(self, cost: StepCost) -> float:
+        """The longer of the cost's FLOPs at the matmul rate and its bytes at the bandwidth."""
+        return max(cost.flops / self.flops_per_s, (cost.read_bytes + cost.write_bytes) / self.bytes_per_s)
+
+
+# The vendor's figures (dense bf16 tensor-core FLOP/s without sparsity, memory bandwidth), by a part of the name
+# torch gives the GPU, most specific first. Only the ratio of the two shapes the step-time bound (it compares a step
+# with the decodes' own step), so figures a card reaches (an H200 measured 775-789 TFLOP/s and 4.2 TB/s in
+# docs/BENCHMARKS.md) would set it about the same.
+DEVICE_ROOFLINES = (
+    Roofline("B200", 2.25e15, 8.0e12),
+    Roofline("GH200", 989e12, 4.0e12),  # the 96 GB HBM3 part (the 144 GB HBM3e: 4.9 TB/s)
+    Roofline("H200", 989e12, 4.8e12),
+    Roofline("H100 PCIe", 756e12, 2.0e12),
+    Roofline("H100 NVL", 835e12, 3.9e12),
+    Roofline("H100", 989e12, 3.35e12),  # SXM
+    Roofline("A100-PCIE-40GB", 312e12, 1.555e12),
+    Roofline("A100-SXM4-40GB", 312e12, 1.555e12),
+    Roofline("A100", 312e12, 2.039e12),  # 80 GB
+    Roofline("L40S", 362e12, 0.864e12),
+    Roofline("L4", 121e12, 0.3e12),
+    Roofline("A10", 125e12, 0.6e12),
+)
+# A GPU not in the table, or one whose name the engine core cannot ask without a CUDA context of its own (the mp
+# and ray executors): an H100's ratio, about that of the other data-centre parts above (150-400 FLOP per byte).
+DEFAULT_CUDA_ROOFLINE = Roofline("CUDA GPU (default)", 989e12, 3.35e12)
+# The CPU's, only where its step-time bound is asked for (its default is off): a nominal 2-core AVX-512 server
+# (~0.2 TFLOP/s bf16, ~20 GB/s), not measured.
+CPU_ROOFLINE = Roofline("CPU (nominal)", 2e11, 2e10)
+
+
+def device_roofline(device: str, gpu_name: str | None = None) -> Roofline:
+    """The roofline of `device` ("cuda" or "cpu"); on CUDA by `gpu_name` (torch's name for it; None: not known)."""
+    if device != "cuda":
+        return CPU_ROOFLINE
+    name = (gpu_name or "").upper()
+    return next((r for r in DEVICE_ROOFLINES if r.name.upper() in name), DEFAULT_CUDA_ROOFLINE)
+
+
+def local_gpu_name() -> str | None:
+    """The name of this process's GPU where it has a CUDA context already (the worker runs in it: the uni
+    executor); None otherwise, rather than create a context that would take GPU memory the KV cache was sized
+    without."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+class StepTimer:
+    """A step's estimated seconds on a device (core/step_time.py's StepTimeModel): the matmuls' and attention's
+    costs (`matmul_cost`, `attention_cost`), each over the roofline."""
+
+    def __init__(self, shape: ModelShape, roofline: Roofline) -> None:
+        self.shape, self.roofline = shape, roofline
+        self.floor_tokens = compute_bound_tokens(shape, roofline)
+
+    def seconds(self, load: StepLoad) -> float:
+        return self.roofline.seconds(matmul_cost(load, self.shape)) \
+            + self.roofline.seconds(attention_cost(load, self.shape))
+
+
+def compute_bound_tokens(shape: ModelShape, roofline: Roofline, limit: int = 1 << 20) -> int:
+    """The fewest tokens (prompt tokens, one row sampled) whose step of matmuls takes as long at the matmul rate as
+    its weights' reads at the bandwidth: below it a step's matmuls are memory-bound, so tokens added ride on the
+    weight reads. bf16 weights: about the device's FLOP per byte (an H200's 206, an H100's 295); a mixture of
+    experts' far more (its step reads every expert, each token computes with a few)."""
+    def compute_bound(n: int) -> bool:
+        cost = matmul_cost(StepLoad(tokens=n, sampled=1), shape)
+        return cost.flops / roofline.flops_per_s >= (cost.read_bytes + cost.write_bytes) / roofline.bytes_per_s
+    lo, hi = 0, limit  # compute_bound(hi) holds, or hi is the limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if compute_bound(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

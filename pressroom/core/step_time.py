@@ -1,0 +1,107 @@
+"""The step-time bound: while decodes run, a step's prompt tokens are limited so that its estimated time on the
+device stays within `SchedulerConfig.step_time_factor` times that of the step its decodes alone would make.
+
+Why: a step is one forward pass, and every running stream waits for it. A step of decodes alone is memory-bound (its
+time is the weights' and the KV cache's reads); a prompt chunk is compute-bound (its time grows with its tokens). A
+16k-token wave of new prompts in one step took ~400 ms on an H200 against a 23.5 ms median inter-token latency
+(docs/BENCHMARKS.md, issue 44): every running stream stalled for it. The token budget (max_num_batched_tokens,
+counted as cost with prefill_cost_context) bounds a step's tokens, not its time beside decodes; this bounds the time.
+
+The rule, one step at a time (`StepTimeBound`):
+- no decodes running: no limit (a lone wave of prompts gets the whole token budget, as before);
+- decodes running: the step's estimate with every prompt chunk added stays within factor x the decodes' own
+  estimate; a chunk that would pass it is cut to the most tokens that fit;
+- but a step always gets at least `StepTimeModel.floor_tokens` prompt tokens (where prompts wait), so prompts
+  progress in every step whatever the decodes: the engine's model sets it where a step of the model's matmuls turns
+  compute-bound on the device, the tokens that ride along with the weight reads a step pays anyway.
+
+The estimates come from a `StepTimeModel` the engine gives the scheduler (engine/step_cost.py's `StepTimer`: the
+model's FLOPs and bytes from its shape, over the device's roofline); the scheduler only sums each request's share of
+a step into a `StepLoad`, which is what such an estimate reads of a step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoad:
+    """A step's requests summed as its cost estimate reads them. A request's share: n new tokens after c computed
+    ones, of which s rows are sampled (go through the LM head); its new tokens attend over its context at the
+    step's end, c + n (vLLM's count)."""
+    tokens: int = 0  # new tokens (query rows) of every request
+    sampled: int = 0  # rows through the LM head
+    attended: int = 0  # query-context pairs, sum of n (c + n): attention's FLOPs
+    context: int = 0  # KV-cache tokens read, sum of (c + n)
+
+    def plus(self, num_tokens: int, num_computed: int, num_sampled: int) -> StepLoad:
+        """This load with one more request's share."""
+        end = num_computed + num_tokens
+        return StepLoad(self.tokens + num_tokens, self.sampled + num_sampled, self.attended + num_tokens * end,
+                        self.context + end)
+
+
+class StepTimeModel(Protocol):
+    """A step's estimated seconds on the device (engine/step_cost.py's StepTimer implements it)."""
+
+    @property
+    def floor_tokens(self) -> int:
+        """Prompt tokens a step with decodes gets whatever the bound says."""
+        ...
+
+    def seconds(self, load: StepLoad) -> float:
+        ...
+
+
+class StepTimeBound:
+    """One step's limit, renewed by `begin` at each step: `fit` says how much of a prompt chunk the step still
+    holds, `take` books the chunk scheduled."""
+
+    def __init__(self, model: StepTimeModel, factor: float) -> None:
+        if factor <= 1:
+            raise ValueError(f"step_time_factor must exceed 1 (a step holds its decodes), got {factor}.")
+        self.model, self.factor = model, factor
+        self.load = StepLoad()
+        self.limit: float | None = None  # seconds; None: no decodes, no limit
+        self.prompt_tokens = 0  # the step's prompt tokens booked so far
+
+    def begin(self, decodes: list[tuple[int, int]]) -> None:
+        """A new step whose decodes are (tokens, computed) each (a token, or one plus its drafts, every one
+        sampled): its limit is factor x their estimate (none without decodes)."""
+        load = StepLoad()
+        for tokens, computed in decodes:
+            load = load.plus(tokens, computed, tokens)
+        self.load, self.prompt_tokens = load, 0
+        self.limit = self.factor * self.model.seconds(load) if decodes else None
+
+    @property
+    def full(self) -> bool:
+        """No prompt token fits any more (the floor taken and the limit reached): admission can stop."""
+        return self.fit(1, 0) == 0
+
+    def fit(self, n: int, computed: int) -> int:
+        """The most of a prompt chunk of n tokens after `computed` ones that the step holds: all of it without a
+        limit; else the most within the limit, and at least what is left of the floor."""
+        if self.limit is None or n <= 0:
+            return n
+        floor = min(n, max(0, self.model.floor_tokens - self.prompt_tokens))
+        if self._within(n, computed):
+            return n
+        lo, hi = 0, n  # _within(lo) holds (or lo == 0), _within(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._within(mid, computed):
+                lo = mid
+            else:
+                hi = mid
+        return max(lo, floor)
+
+    def take(self, n: int, computed: int) -> None:
+        """Books a prompt chunk of n tokens after `computed` ones (its last row sampled, as a chunk's is)."""
+        if n > 0:
+            self.load = self.load.plus(n, computed, 1)
+            self.prompt_tokens += n
+
+    def _within(self, n: int, computed: int) -> bool:
+        return self.model.seconds(self.load.plus(n, computed, 1)) <= self.limit
