@@ -648,10 +648,13 @@ CUDA_LONG_PREFILL_SHARE = 0.25
 # SchedulerConfig.step_time_factor on CUDA: a step that carries prompt tokens beside running decodes is estimated at
 # no more than 3 decode-only steps. Issue 44's target is a P99 inter-token latency under 4x the median; the estimate
 # leaves out what every step spends around the model (the host's scheduling and sampling, launch gaps: an H200's
-# median ITL at c=256 was 23.5 ms against a ~8 ms roofline estimate for its decode step), so a step estimated at 3x
-# takes less than 3x in time, and 3 keeps a margin for the estimate's errors. It still leaves each step room for
-# 2 decode steps' worth of prompt work: ~830 prompt tokens beside 256 decodes of a Llama-3.1-8B shape on an H200,
-# over 3x the ~256 a step that c=256 workload's arrivals need (one 256-token prompt a step as streams finish).
+# c=256 decode step of a Llama-3.1-8B shape is estimated at 5.7-7.5 ms against a 12.8 ms measured TPOT), so a step
+# estimated at 3x takes less than 3x as long, and 3 keeps a margin for the estimate's errors. It still leaves each
+# such step 2 decode steps' worth of prompt work: 800-1,050 prompt tokens beside those 256 decodes (contexts
+# 256-511), over 3x the ~256 a step that workload's arrivals need (one 256-token prompt a step as streams finish).
+# Simulated on the scheduler (serve_vs_offline.sh's workload, a step taking 1.5x its estimate + 2.5 ms): P99 ITL
+# 354 -> 33 ms (2.5x the median), output tok/s -2.0%; with 4: 3.2x and -1.2%; with 2: 1.4x and -3.9%. bench gpu's
+# offline 1,000 x 512/256 at max_num_seqs 1,024: -2.8% (tests/core/test_step_time_bound.py's simulation).
 CUDA_STEP_TIME_FACTOR = 3.0
 
 
