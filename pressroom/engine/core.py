@@ -185,7 +185,7 @@ class EngineCore:
         timer = StepTimer(shape, device_roofline(self.config.device, local_gpu_name()))
         roof = timer.roofline
         logger.info("step-time bound: beside running decodes a step's prompt tokens keep its estimate within %gx "
-                    "the decodes' own, at least %d a step (%s: %.0f TFLOP/s, %.2f TB/s)",
+                    "the decodes' own, at least %d a step (%s: %.3g TFLOP/s, %.3g TB/s)",
                     self.config.scheduler.step_time_factor, timer.floor_tokens, roof.name,
                     roof.flops_per_s / 1e12, roof.bytes_per_s / 1e12)
         return timer
