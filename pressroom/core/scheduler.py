@@ -322,12 +322,13 @@ class Scheduler:
             # Async drafting with a planning budget: the placeholders are the plan's, priced already.
             if not (self.async_drafts and self.spec_budget.draft_costs is not None):
                 self._trim_drafts(budget)
-        if self.step_time is not None:
-            self.step_time.begin(self._decode_shares(budget))
-        for req in list(self.running):
+        wanted = [(req, self._num_new_tokens(req, budget)) for req in self.running]
+        if self.step_time is not None:  # the decodes' own step is its baseline
+            self.step_time.begin((1 + len(r.spec_token_ids), r.num_computed_tokens) for r, n in wanted if n == 1)
+        for req, n in wanted:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = self._prefill_chunk(self._num_new_tokens(req, budget), req.num_computed_tokens, budget)
+            n = self._prefill_chunk(min(n, budget), req.num_computed_tokens, budget)
             n = self._within_step_time(req, n, req.num_computed_tokens)
             n = media_chunk(req.mm_features, req.num_computed_tokens, n, budget, self._encoder)
             if n == 0:
@@ -514,12 +515,6 @@ class Scheduler:
         n = self._prefill_chunk(min(req.num_tokens - computed, budget), computed, budget)
         n = self._within_step_time(req, n, computed)
         return media_chunk(req.mm_features, computed, n, budget, self._encoder)
-
-    def _decode_shares(self, budget: int) -> list[tuple[int, int]]:
-        """The running decodes of the step being scheduled, as the step-time bound takes them: (tokens: one plus
-        the drafts offered, computed tokens) each."""
-        return [(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in self.running
-                if self._num_new_tokens(r, budget) == 1]
 
     def _within_step_time(self, req: Request, n: int, computed: int) -> int:
         """A prompt chunk of n tokens after `computed`, cut to what the step-time bound holds (core/step_time.py);

@@ -21,6 +21,7 @@ a step into a `StepLoad`, which is what such an estimate reads of a step.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,11 +36,20 @@ class StepLoad:
     attended: int = 0  # query-context pairs, sum of n (c + n): attention's FLOPs
     context: int = 0  # KV-cache tokens read, sum of (c + n)
 
+    @classmethod
+    def of(cls, shares: Iterable[tuple[int, int, int]]) -> StepLoad:
+        """The load of requests' shares, (new tokens, computed tokens, sampled rows) each."""
+        tokens = sampled = attended = context = 0
+        for n, computed, rows in shares:
+            end = computed + n
+            tokens, sampled, attended, context = tokens + n, sampled + rows, attended + n * end, context + end
+        return cls(tokens, sampled, attended, context)
+
     def plus(self, num_tokens: int, num_computed: int, num_sampled: int) -> StepLoad:
         """This load with one more request's share."""
-        end = num_computed + num_tokens
-        return StepLoad(self.tokens + num_tokens, self.sampled + num_sampled, self.attended + num_tokens * end,
-                        self.context + end)
+        share = StepLoad.of(((num_tokens, num_computed, num_sampled),))
+        return StepLoad(self.tokens + share.tokens, self.sampled + share.sampled, self.attended + share.attended,
+                        self.context + share.context)
 
 
 class StepTimeModel(Protocol):
@@ -66,14 +76,12 @@ class StepTimeBound:
         self.limit: float | None = None  # seconds; None: no decodes, no limit
         self.prompt_tokens = 0  # the step's prompt tokens booked so far
 
-    def begin(self, decodes: list[tuple[int, int]]) -> None:
+    def begin(self, decodes: Iterable[tuple[int, int]]) -> None:
         """A new step whose decodes are (tokens, computed) each (a token, or one plus its drafts, every one
         sampled): its limit is factor x their estimate (none without decodes)."""
-        load = StepLoad()
-        for tokens, computed in decodes:
-            load = load.plus(tokens, computed, tokens)
+        load = StepLoad.of((tokens, computed, tokens) for tokens, computed in decodes)
         self.load, self.prompt_tokens = load, 0
-        self.limit = self.factor * self.model.seconds(load) if decodes else None
+        self.limit = self.factor * self.model.seconds(load) if load.tokens else None
 
     @property
     def full(self) -> bool:

@@ -168,10 +168,7 @@ def attention_cost(load: StepLoad, shape: ModelShape) -> StepCost:
 
 
 def load_of(steps: list[RequestStep]) -> StepLoad:
-    load = StepLoad()
-    for r in steps:
-        load = load.plus(r.num_tokens, r.num_computed, r.num_sampled)
-    return load
+    return StepLoad.of((r.num_tokens, r.num_computed, r.num_sampled) for r in steps)
 
 
 def estimate(steps: list[RequestStep], shape: ModelShape) -> StepCost:
