@@ -5,20 +5,24 @@ output scaling * B (A x) of its adapter's slot. All slots at once, in two produc
 every slot's rows, masked to the token's own slot's (`LoRAStep.mask`: zeros elsewhere, so the others add exact
 zeros), then the expand by B_all. Two products a layer whatever the adapters' number: on the CPU a step's small
 products cost their calls more than their arithmetic. A fused layer (qkv_proj, gate_up_proj) keeps its slices
-side by side: slice j's A rows at [j R, j R + r) and its B columns there too, B zero elsewhere. On CUDA a step of
-few tokens (decodes) instead gathers each token's own slot (kernels/triton/lora.py), reading a sliver of the slots.
+side by side: slice j's A rows at [j R, j R + r) and its B columns there too, B zero elsewhere. On CUDA the products
+read only each token's own slot instead (kernels/triton/lora.py; `_add_updates` says which kernel when).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pressroom.lora.adapter import LoRAUpdate, layer_slices
 from pressroom.model.layers.linear import LinearBase
+
+if TYPE_CHECKING:  # Triton is imported where CUDA runs a step (lazily: the CPU needs none)
+    from pressroom.kernels.triton.lora import SlotGroups
 
 
 @dataclass(slots=True)
@@ -28,6 +32,14 @@ class LoRAStep:
     token_slots: torch.Tensor  # [tokens] int64, on the device
     num_slots: int
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _groups: SlotGroups | None = None
+
+    def groups(self) -> SlotGroups:
+        """The tokens grouped by slot for the grouped kernels (computed on the device once a step, for every layer)."""
+        if self._groups is None:
+            from pressroom.kernels.triton.lora import group_by_slot
+            self._groups = group_by_slot(self.token_slots, self.num_slots)
+        return self._groups
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, num_slots * width]: 1 over the columns of each token's slot, 0 elsewhere (made once a step
@@ -40,9 +52,12 @@ class LoRAStep:
 
 
 _STEP: LoRAStep | None = None
-# On CUDA, a step of at most this many tokens reads only its tokens' slots (kernels/triton/lora.py): each token reads
-# its adapter's A and B, so past about as many tokens as slots the all-slots products read less.
-GATHER_MAX_TOKENS = 16
+# On CUDA, which kernel for how many tokens (the one home of the rule): a step of at most this many tokens (decode
+# graphs up to batch 16) takes the fused kernel, one launch a layer with no grouping, whose cost grows with the tokens
+# (each token's programs re-read its slot's A from L2: about 3 MB a token and layer at the 8B shape); larger steps
+# group their tokens by slot once a step and take the grouped kernels (two launches a layer, each slot's A and B read
+# once per tile of up to 32 of its tokens, on the tensor cores).
+FUSED_MAX_TOKENS = 16
 
 
 def current_step() -> LoRAStep | None:
@@ -68,6 +83,9 @@ class LoRASlots:
     def __init__(self, layer: LinearBase, num_slots: int, max_rank: int, dtype: torch.dtype, device) -> None:
         self.slices, self.max_rank = layer_slices(layer), max_rank
         self.width = len(self.slices) * max_rank
+        # the kernels' view of the slices: (first output feature, features), on the device for graph replays
+        self.slice_table = torch.tensor(self.slices, dtype=torch.int32, device=device)
+        self.largest_slice = max(size for _, size in self.slices)
         self.a = torch.zeros(num_slots * self.width, layer.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(layer.out_features, num_slots * self.width, dtype=dtype, device=device)
         self.handle = layer.register_forward_hook(self._add_updates)
@@ -91,9 +109,13 @@ class LoRASlots:
         if step is None:
             return None
         x = inputs[0]
-        if x.is_cuda and x.shape[0] <= GATHER_MAX_TOKENS:
-            from pressroom.kernels.triton.lora import add_lora_updates
-            add_lora_updates(output, x, self.a, self.b, step.token_slots, self.width)
+        if x.is_cuda:
+            from pressroom.kernels.triton.lora import add_lora_fused, add_lora_grouped
+            layout = (self.slice_table, self.largest_slice, self.max_rank)
+            if x.shape[0] <= FUSED_MAX_TOKENS:
+                add_lora_fused(output, x, self.a, self.b, step.token_slots, *layout)
+            else:
+                add_lora_grouped(output, x, self.a, self.b, step.groups(), *layout)
             return output
         shrunk = (x @ self.a.t()) * step.mask(self.width, x.dtype)
         return output + (shrunk @ self.b.t()).to(output.dtype)

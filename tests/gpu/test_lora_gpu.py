@@ -1,6 +1,7 @@
 """LoRA adapters on CUDA: four adapters and the base model in one batch against PEFT's merged models (fp32, HF on
 the CPU), with CUDA graphs on: steps with adapters replay graphs captured with them (each token's slot a graph input),
-as steps without do."""
+as steps without do; decode steps on the fused kernel and larger ones on the grouped kernels, or every step on the
+grouped ones (kernels/triton/lora.py)."""
 from __future__ import annotations
 
 import sys
@@ -19,12 +20,22 @@ from test_lora import ADAPTERS, NEW_TOKENS, merged, requests, write_adapter  # n
 from pressroom import LLM, SamplingParams  # noqa: E402
 
 
-@pytest.mark.parametrize("gather_max_tokens", [16, 0])  # decodes gather their slots (Triton), or all-slots products
-def test_adapters_match_peft_on_cuda(tmp_path, monkeypatch, gather_max_tokens):
+@pytest.mark.parametrize("fused_max_tokens", [16, 0])  # decodes on the fused kernel, or every step grouped
+def test_adapters_match_peft_on_cuda(tmp_path, monkeypatch, fused_max_tokens):
     import transformers
 
+    from pressroom.kernels.triton import lora as kernels
     from pressroom.lora import layers
-    monkeypatch.setattr(layers, "GATHER_MAX_TOKENS", gather_max_tokens)
+    monkeypatch.setattr(layers, "FUSED_MAX_TOKENS", fused_max_tokens)
+    launched = {"add_lora_fused": 0, "add_lora_grouped": 0}  # calls: graph captures and eager steps
+
+    def counted(name, kernel):
+        def launch(*args):
+            launched[name] += 1
+            kernel(*args)
+        return launch
+    for name in launched:
+        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
     from conftest import TINY_SHAPE, hf_greedy, random_prompts
     base = tmp_path / "base"  # no tokenizer: the GPU image lacks the embedded model
     torch.manual_seed(1234)
@@ -49,5 +60,7 @@ def test_adapters_match_peft_on_cuda(tmp_path, monkeypatch, gather_max_tokens):
     for name, prompt, out in zip(names, prompts, outs):
         assert list(out.outputs[0].token_ids) == hf_greedy(merged(str(base), paths.get(name)), prompt, NEW_TOKENS)
     assert len(replays) >= NEW_TOKENS - 1  # the decode steps, every one with adapters, replayed graphs
+    assert launched["add_lora_grouped"] > 0  # prefills (and with 0, the decode graphs' captures)
+    assert (launched["add_lora_fused"] > 0) == (fused_max_tokens > 0)  # the decode graphs' captures
     del graphs.replay, graphs  # the spy's reference cycle would keep this engine's memory past its shutdown
     llm.shutdown()
