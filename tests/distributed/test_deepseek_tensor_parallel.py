@@ -20,7 +20,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokeniz
 # lengths 68, 12, 11, 7 and 32: one past V3.2's index_topk of 32, one at it
 PROMPTS = random_prompts(5, high=70, seed=3)
 # rows split by heads across the ranks: each rank's share is the rank-th chunk along `dim`
-HEAD_SPLIT = {"q_b_proj.weight": 0, "q_proj.weight": 0, "kv_b_proj.weight": 0, "o_proj.weight": 1}
+HEAD_SPLIT = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "o_proj.weight": 1}
 
 
 def _generate(model: str, **kw) -> list[list[int]]:
@@ -67,28 +67,43 @@ def _attention(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if ".self_attn." in name}
 
 
+def _share(model, name: str, whole: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """Rank `rank`'s share of parameter `name` of the one-rank model: a chunk of a head-split one; of the fused input
+    projection, its q_proj rows chunked (V2) over the latent rows whole; any other whole."""
+    dim = next((d for suffix, d in HEAD_SPLIT.items() if name.endswith(suffix)), None)
+    if dim is not None:
+        return whole.chunk(ranks, dim)[rank]
+    if name.endswith("fused_qkv_a_proj.weight"):
+        fused = model.get_submodule(name.removesuffix(".weight"))
+        pieces = whole.split(fused.sizes)
+        return torch.cat([p.chunk(ranks)[rank] if part.by_heads else p for p, part in zip(pieces, fused.parts)])
+    return whole
+
+
 @pytest.mark.parametrize("arch, ranks", [("deepseek_v32", 2), ("deepseek_v3", 4),
                                          pytest.param("deepseek_v2", 2, marks=pytest.mark.slow)])
 def test_each_rank_holds_and_reads_its_share_of_the_heads(arch, ranks, tiny_model_dir, monkeypatch):
-    """Rank r holds the r-th share of q_b_proj's (V2: q_proj's) and kv_b_proj's rows and of o_proj's columns (the
-    rope rows reordered within each head, as one rank does), reads only those rows of the checkpoint, and holds
-    the latent projections, their norms and the indexer whole. Four ranks: one head each."""
+    """Rank r holds the r-th share of q_b_proj's (V2: q_proj's, in the fused input projection) and kv_b_proj's rows
+    and of o_proj's columns (the rope rows reordered within each head, as one rank does), reads only those rows of
+    the checkpoint, and holds the latent projections, their norms and the indexer whole. Four ranks: one head
+    each."""
     path = tiny_model_dir(arch)
     whole = _load(path, monkeypatch, 0, 1)
     full = _attention(whole.model)
     head_params = [name for name in full if name.endswith(tuple(HEAD_SPLIT))]
-    assert len(head_params) == 3 * tiny_config(arch).num_hidden_layers
+    layers = tiny_config(arch).num_hidden_layers
+    assert len(head_params) == (3 if tiny_config(arch).q_lora_rank else 2) * layers
+    split_reads = [n for n in whole.reads.by_name if n.endswith(("q_b_proj.weight", "self_attn.q_proj.weight",
+                                                                  "kv_b_proj.weight"))]
+    assert len(split_reads) == 2 * layers
     for rank in range(ranks):
         loaded = _load(path, monkeypatch, rank, ranks)
         held = _attention(loaded.model)
         for name, param in held.items():
-            dim = next((d for suffix, d in HEAD_SPLIT.items() if name.endswith(suffix)), None)
-            want = full[name] if dim is None else full[name].chunk(ranks, dim)[rank]
-            assert torch.equal(param, want), (rank, name)
+            assert torch.equal(param, _share(whole.model, name, full[name], rank, ranks)), (rank, name)
         assert sum(held[n].numel() for n in head_params) * ranks == sum(full[n].numel() for n in head_params)
-        for name in head_params:
-            if name.endswith(("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight")):
-                assert loaded.reads.by_name[name] * ranks == whole.reads.by_name[name], name
+        for name in split_reads:
+            assert loaded.reads.by_name[name] * ranks == whole.reads.by_name[name], name
 
 
 def test_a_head_count_the_ranks_do_not_divide_is_refused(tiny_model_dir, monkeypatch):

@@ -108,9 +108,15 @@ def test_choose_positions_in_runs_equals_one_pass(monkeypatch):
 
 
 def test_a_lone_decode_splits_its_chosen_positions():
-    assert dsa.sparse_splits(1, 1, 2048, 32) == 16  # one token would leave all but one SM idle
-    assert dsa.sparse_splits(512, 1, 2048, 32) == 1
-    assert dsa.sparse_splits(1, 1, 40, 32) == 1  # too few positions to cut
+    """Splits until the device's target of programs (two per SM: 264 on an H200), capped; none past it."""
+    from pressroom.attention.triton_backend import target_programs
+    h200 = 2 * 132
+    assert dsa.sparse_splits(1, 1, 2048, 32, h200) == 16  # one token would leave all but one SM idle
+    assert dsa.sparse_splits(1, 8, 2048, 32, h200) == 16  # V3.2's 128 heads: 8 head blocks still want 33
+    assert dsa.sparse_splits(1, 1, 2048, 32, 8) == 8  # a small device wants fewer
+    assert dsa.sparse_splits(512, 1, 2048, 32, h200) == 1
+    assert dsa.sparse_splits(1, 1, 40, 32, h200) == 1  # too few positions to cut
+    assert target_programs("cpu") == h200  # the interpreter's stand-in device: an H100/H200's SM count
 
 
 def test_padding_tokens_with_nothing_chosen_get_zeros_through_the_merge():

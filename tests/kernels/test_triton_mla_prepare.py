@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="triton is not installed: the CUDA backend'
 
 from pressroom.kernels import triton as triton_kernels
 from pressroom.kernels.triton import norm, rotary
-from pressroom.kernels.triton.mla_prepare import mla_prepare
+from pressroom.kernels.triton.mla_prepare import IndexerKey, mla_prepare, mla_prepare_into_cache
 from pressroom.model.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(),
@@ -104,10 +104,72 @@ def test_refuses_tables_narrower_than_the_rope_part():
         mla_prepare(inputs.q, inputs.q_latent, inputs.kv, inputs.weight, EPS, inputs.cos[:, :4], inputs.sin[:, :4])
 
 
+class Indexed(Inputs):
+    """DSA's inputs: also the indexer key as wk made it (a strided view) and its LayerNorm's weight and bias."""
+
+    def __init__(self, tokens: int, heads: int, dtype: torch.dtype, dim: int = 24, seed: int = 4) -> None:
+        super().__init__(tokens, heads, 8, 32, 16, dtype, seed)
+        gen = torch.Generator().manual_seed(seed + 100)
+        self.key = (3 * torch.randn(tokens, dim + 7, generator=gen) + 1).to(dtype)[:, 2:dim + 2]
+        self.key_weight = (1 + 0.5 * torch.randn(dim, generator=gen)).to(dtype)
+        self.key_bias = (0.3 * torch.randn(dim, generator=gen)).to(dtype)
+
+    def index_key(self) -> IndexerKey:
+        return IndexerKey(self.key, self.key_weight, self.key_bias, EPS)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_prepare(self.q, self.q_latent, self.kv, self.weight, EPS, self.cos, self.sin, self.index_key())
+
+    def replaced_sequence(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What SparseMLAAttention ran before: the entry as above, then nn.LayerNorm, rotary_ and a cat."""
+        query, entry = super().replaced_sequence()
+        normed = torch.nn.functional.layer_norm(self.key, (self.key.shape[-1],), self.key_weight, self.key_bias, EPS)
+        key = rotary.rotary_(normed.unsqueeze(1).contiguous(), self.cos, self.sin, self.rope)[:, 0]
+        return query, torch.cat((entry, key), dim=-1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_indexer_key_joins_the_entry(dtype, tol):
+    """DSA's entry: the latent's and shared key's parts as before, then the indexer key normed and rotated."""
+    inputs = Indexed(3, 4, dtype).to(DEVICE)
+    query, entry = inputs.run()
+    want_query, want_entry = inputs.replaced_sequence()
+    assert entry.shape == (3, 32 + 16 + 24)
+    _assert_close((query, entry), (want_query, want_entry), tol)
+    _assert_close(Inputs.run(inputs), (query, entry[:, :48].contiguous()), 0.0)  # the rest as without the key
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_entries_go_into_their_cache_slots(cache_dtype):
+    """mla_prepare_into_cache writes each entry where write_kv would (FP8: saturated, as write_kv does); a
+    negative slot (a padding row) is written nowhere; the query is mla_prepare's."""
+    from pressroom.kernels.triton.cache import write_kv
+    inputs = Indexed(4, 3, torch.float32, seed=6).to(DEVICE)
+    inputs.kv[1, 0] = 1e6  # past FP8's largest value: saturates rather than becoming NaN
+    slots = torch.tensor([9, 2, -1, 14], device=DEVICE)
+    width = 32 + 16 + 24
+    cache = torch.full((4, 4, 1, width), 5.0, device=DEVICE).to(cache_dtype)
+    query = mla_prepare_into_cache(inputs.q, inputs.q_latent, inputs.kv, inputs.weight, EPS, inputs.cos,
+                                   inputs.sin, inputs.index_key(), cache, slots)
+    want_query, entry = inputs.run()
+    want = torch.full((1, 4, 4, 1, width), 5.0, device=DEVICE).to(cache_dtype)
+    write_kv(want, entry.unsqueeze(1), None, slots)
+    assert torch.equal(query, want_query)
+    assert torch.equal(cache.float(), want[0].float())
+    assert (cache.view(-1, width)[[0, 1, 3]].float() == 5.0).all()  # untouched slots, the padding row's included
+
+
+def test_refuses_a_cache_of_another_width():
+    inputs = Indexed(2, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"\[blocks, block_size, 1, 72\]"):
+        mla_prepare_into_cache(inputs.q, inputs.q_latent, inputs.kv, inputs.weight, EPS, inputs.cos, inputs.sin,
+                               inputs.index_key(), torch.zeros(2, 4, 1, 48), torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_the_layers_one_kernel_path_equals_its_reference_path(arch):
     """MLAAttention's CUDA branch (run here through the interpreter) against its CPU path, with and without
-    q_lora_rank: the kernel gets the layer's own tensors and the q_resid the indexer reads is unchanged."""
+    q_lora_rank: the kernel gets the layer's own tensors (strided views of the fused input projection's output)."""
     from conftest import tiny_config
 
     from pressroom.model.models.deepseek import MLAAttention
@@ -120,13 +182,12 @@ def test_the_layers_one_kernel_path_equals_its_reference_path(arch):
     rotary_emb = rotary_from_config(cfg, cfg.qk_rope_head_dim)
     rope = RopeTables(rotary_emb, *rotary_emb.cos_sin(torch.tensor([0, 7, 300])))
     x = torch.randn(3, cfg.hidden_size)
-    expected = attn.absorbed_query_and_key(rope, x)
+    expected = attn.absorbed_query_and_key(rope, *attn.inputs(x)[1:3])
     attn, x = attn.to(DEVICE), x.to(DEVICE)
     rope = RopeTables(rotary_emb.to(DEVICE), rope.cos.to(DEVICE), rope.sin.to(DEVICE))
-    actual = attn.absorbed_query_and_key_in_one_kernel(rope, x)
-    assert (actual[0] is None) == (expected[0] is None)
-    _assert_close(actual[1:] if actual[0] is None else actual, expected[1:] if expected[0] is None else expected,
-                  1e-5)
+    _, q, kv, _ = attn.inputs(x)
+    assert kv.stride(0) == attn.fused_qkv_a_proj.out_features  # a view of the one GEMM's output, not a copy
+    _assert_close(attn.absorbed_query_and_key_in_one_kernel(rope, q, kv), expected, 1e-5)
 
 
 @pytest.mark.gpu

@@ -214,7 +214,7 @@ def test_fp8_blocks_stay_in_fp8_and_match_the_dequantized_twin(checkpoints, hf_o
     model = llm.engine.model
     kept = [name for name, m in model.named_modules()
             if isinstance(m, LinearBase) and isinstance(m.quant_method, Fp8LinearMethod) and m.weight.dtype == fp8.FP8]
-    for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "layers.0.mlp.gate_up_proj",
+    for part in ("fused_qkv_a_proj", "q_b_proj", "o_proj", "layers.0.mlp.gate_up_proj",
                  "layers.0.mlp.down_proj", "shared_experts.gate_up_proj", "shared_experts.down_proj"):
         assert sum(part in name for name in kept) >= 1, (part, kept)
     assert next(m for m in model.modules() if isinstance(m, FusedMoE)).w13.dtype == fp8.FP8  # kept (Fp8MoeMethod)
@@ -234,8 +234,8 @@ def test_quantization_none_matches_hf_on_the_dequantized_weights(dequantized, hf
 
 @pytest.mark.slow  # ~5 s each: their own checkpoints and HF oracles
 @pytest.mark.parametrize("arch, kept", [
-    ("deepseek_v2", ("self_attn.q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.down_proj")),
-    ("deepseek_v32", ("q_b_proj", "kv_a_proj_with_mqa", "indexer.wq_b", "indexer.wk")),
+    ("deepseek_v2", ("fused_qkv_a_proj", "o_proj", "shared_experts.down_proj")),  # q_proj + kv_a_proj_with_mqa
+    ("deepseek_v32", ("q_b_proj", "fused_qkv_a_proj", "indexer.wq_b")),  # the indexer's wk is in fused_qkv_a_proj
 ])
 def test_v2_and_v32_keep_their_linear_layers_in_fp8(arch, kept, tiny_model_dir, tmp_path):
     """V2-Lite's form (q_proj, no q compression) and V3.2's (the indexer's wq_b and wk in FP8, its head weights

@@ -35,8 +35,8 @@ def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, token_req_ptr, token_pos_ptr, out_ptr,
-                           num_heads, width, index_offset, scale, stride_qt, stride_qh, stride_wt, stride_cb,
-                           stride_cs, stride_bt, stride_ot, INDEX_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                           num_heads, width, index_offset, scale, weight_scale, stride_qt, stride_qh, stride_wt,
+                           stride_cb, stride_cs, stride_bt, stride_ot, INDEX_DIM: tl.constexpr, D_PAD: tl.constexpr,
                            H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                            BF16_DOTS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -52,7 +52,7 @@ def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, token_req_
         d_ok = dims < INDEX_DIM
         q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + token * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + token * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32) * weight_scale
         blocks = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=visible, other=0)
         entry = cache_ptr + blocks.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + index_offset
         k = tl.load(entry[:, None] + dims[None, :], mask=visible[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -66,10 +66,12 @@ def _indexer_logits_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, token_req_
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                   token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int) -> torch.Tensor:
-    """q [T, index_heads, index_dim] and weights [T, index_heads] (fp32); cache [blocks, block_size, 1, entry];
-    block_tables [B, max_blocks]. Returns fp32 [T, max_blocks * block_size]: each query's score of every
-    position of its request's context, -inf past its own position."""
+                   token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int,
+                   weight_scale: float = 1.0) -> torch.Tensor:
+    """q [T, index_heads, index_dim] and weights [T, index_heads] (any float dtype: read into fp32, the weights then
+    times `weight_scale`, as `weights.float() * weight_scale` would make them, without its launches); cache [blocks,
+    block_size, 1, entry]; block_tables [B, max_blocks]. Returns fp32 [T, max_blocks * block_size]: each query's
+    score of every position of its request's context, -inf past its own position."""
     tokens, heads, dim = q.shape
     block_size = cache.shape[1]
     width = block_tables.shape[1] * block_size
@@ -79,8 +81,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     tile = 64
     _indexer_logits_kernel[(tokens, triton.cdiv(width, tile))](
         q, weights, cache, block_tables, token_req, token_pos, out, heads, width, index_offset, dim ** -0.5,
-        q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
-        out.stride(0), INDEX_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
+        weight_scale, q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), cache.stride(1),
+        block_tables.stride(0), out.stride(0), INDEX_DIM=dim, D_PAD=max(16, triton.next_power_of_2(dim)),
         H_PAD=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, TILE_N=tile,
         BF16_DOTS=cache.dtype != torch.float32 and not _INTERPRETED, num_warps=4)
     return out
@@ -92,17 +94,21 @@ SCORE_BYTES = 512 << 20
 
 
 def choose_positions(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int, top_k: int) -> torch.Tensor:
-    """Each query's `top_k` best visible positions [T, k] (-1: none), its scores made and reduced in runs of
-    queries whose scores fit SCORE_BYTES."""
+                     token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int, top_k: int,
+                     weight_scale: float = 1.0) -> torch.Tensor:
+    """Each query's `top_k` best visible positions [T, k] (-1: none), its scores (`indexer_logits`) made and reduced
+    in runs of queries whose scores fit SCORE_BYTES; a step of one run (any decode step) is chosen in place."""
     tokens = q.shape[0]
     width = block_tables.shape[1] * cache.shape[1]
-    chosen = torch.empty(tokens, min(top_k, width), dtype=torch.int64, device=q.device)
     run = max(1, SCORE_BYTES // (4 * width))
+    if tokens <= run:
+        return select_top_k(indexer_logits(q, weights, cache, block_tables, token_req, token_pos, index_offset,
+                                           weight_scale), top_k)
+    chosen = torch.empty(tokens, min(top_k, width), dtype=torch.int64, device=q.device)
     for start in range(0, tokens, run):
         end = min(tokens, start + run)
         logits = indexer_logits(q[start:end], weights[start:end], cache, block_tables, token_req[start:end],
-                                token_pos[start:end], index_offset)
+                                token_pos[start:end], index_offset, weight_scale)
         chosen[start:end] = select_top_k(logits, top_k)
     return chosen
 
@@ -171,24 +177,25 @@ def _merge_token_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-# Splits of the chosen positions: until a launch reaches about this many programs (two per SM of an H200), and
-# each split reads at least two tiles.
-_TARGET_PROGRAMS = 2 * 132
+# Splits of the chosen positions: until a launch reaches the device's target of programs (the caller's, from
+# attention/triton_backend.py's `target_programs`: two per SM), each split reading at least two tiles, and at most
+# this many (the merge holds every split's partial row in registers).
 _MAX_SPLITS = 16
 
 
-def sparse_splits(tokens: int, head_blocks: int, top_k: int, tile: int) -> int:
+def sparse_splits(tokens: int, head_blocks: int, top_k: int, tile: int, target_programs: int) -> int:
     """Splits per (token, head block): a few decodes otherwise leave all but a handful of SMs idle."""
-    wanted = -(-_TARGET_PROGRAMS // max(1, tokens * head_blocks))
+    wanted = -(-target_programs // max(1, tokens * head_blocks))
     return max(1, min(wanted, _MAX_SPLITS, top_k // (2 * tile)))
 
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, token_req: torch.Tensor,
                          chosen: torch.Tensor, scale: float, out: torch.Tensor, latent_dim: int,
-                         num_splits: int | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, target_programs: int = 1) -> torch.Tensor:
     """Absorbed MLA of each query [T, H, latent + rope] over only its chosen positions [T, k] (-1: unused) of its
     request's paged context: out [T, H, latent_dim] (a query with nothing chosen gets zeros). `num_splits`:
-    runs of the chosen positions computed apart and merged (default: from the shapes, `sparse_splits`)."""
+    runs of the chosen positions computed apart and merged (default: `sparse_splits` from the shapes and the
+    device's `target_programs`; 1, the default, never splits)."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1 or out.shape != (tokens, heads, latent_dim) or cache.shape[-1] < dim:
         raise ValueError(f"sparse MLA needs q [tokens, heads, latent + rope] (unit last stride), out [tokens, "
@@ -201,7 +208,7 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     tile = 32 if latent_pad >= 256 else 64
     top_k = chosen.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
-    splits = num_splits or sparse_splits(tokens, head_blocks, top_k, tile)
+    splits = num_splits or sparse_splits(tokens, head_blocks, top_k, tile, target_programs)
     per_split = triton.cdiv(triton.cdiv(top_k, tile), splits) * tile
     partials = split_partials(out, splits)
     _sparse_mla_kernel[(tokens, head_blocks, splits)](

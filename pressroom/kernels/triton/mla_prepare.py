@@ -5,12 +5,20 @@ the rotary pass and the two concatenations of the result. Each token gets a few 
 last copy a block of heads' latent queries and rotate those heads' rope parts; the last normalises the
 KV latent and rotates the shared key. The math follows the kernels it replaces (norm.py's RMSNorm and
 rotary.py's rotation): fp32 throughout, one rounding at the store.
+
+DSA layers (V3.2) also hand over the indexer's key as wk made it: the entry's last part is its LayerNorm and
+rotation (nn.LayerNorm, the rotary pass and the entry's concatenation in the replaced sequence), and the entry
+goes straight into its cache slot (`mla_prepare_into_cache`: write_kv's launch too).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from pressroom.kernels.triton.cache import saturation_limit
 
 _TILE = 4096  # elements of latent query one program copies at most (heads x padded rank)
 
@@ -24,21 +32,62 @@ def _rotated_halves(src, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _write_entry(kv_ptr, weight_ptr, entry_ptr, cos, sin, token, stride_kvt, stride_et, rank, eps,
-                 RANK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """The token's cache entry: RMSNorm of the KV latent (as norm.py's kernel computes it), rotated key."""
+def _store(dst, value, mask, like_ptr, LIMIT: tl.constexpr):
+    """value (fp32) rounded to like_ptr's element type (the model's: what the replaced kernels stored), then, for an
+    FP8 destination (LIMIT > 0), saturated and converted as cache.py's write_kv does."""
+    value = value.to(like_ptr.dtype.element_ty)
+    if LIMIT > 0:
+        value = tl.clamp(value.to(tl.float32), -LIMIT, LIMIT)
+    tl.store(dst, value.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_entry(kv_ptr, weight_ptr, entry, ok, cos, sin, token, stride_kvt, rank, eps,
+                 RANK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, LIMIT: tl.constexpr):
+    """The token's cache entry at `entry` (written where `ok`): RMSNorm of the KV latent (as norm.py's kernel
+    computes it), rotated key."""
     cols = tl.arange(0, RANK_PAD)
     col_ok = cols < rank
     x = tl.load(kv_ptr + token * stride_kvt + cols, mask=col_ok, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / rank + eps)
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    entry = entry_ptr + token * stride_et
-    tl.store(entry + cols, (x * inv_rms * w).to(entry_ptr.dtype.element_ty), mask=col_ok)
+    _store(entry + cols, x * inv_rms * w, col_ok & ok, kv_ptr, LIMIT)
     half = tl.arange(0, HALF_PAD)
     half_ok = half < HALF
     first, second = _rotated_halves(kv_ptr + token * stride_kvt + rank + half, cos, sin, half_ok, HALF)
-    tl.store(entry + rank + half, first.to(entry_ptr.dtype.element_ty), mask=half_ok)
-    tl.store(entry + rank + HALF + half, second.to(entry_ptr.dtype.element_ty), mask=half_ok)
+    _store(entry + rank + half, first, half_ok & ok, kv_ptr, LIMIT)
+    _store(entry + rank + HALF + half, second, half_ok & ok, kv_ptr, LIMIT)
+
+
+@triton.jit
+def _layer_normed(src, w_ptr, b_ptr, mean, rstd, mask):
+    """LayerNorm of the values at src (fp32 statistics given), rounded to their dtype as nn.LayerNorm's output is."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr, mask=mask, other=0.0).to(tl.float32)
+    return ((x - mean) * rstd * w + b).to(src.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _write_indexer_key(key_ptr, w_ptr, b_ptr, dst, ok, cos, sin, token, stride_keyt, dim, eps,
+                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, LIMIT: tl.constexpr):
+    """DSA's indexer key: LayerNorm (two-pass fp32 statistics), then rotate-half over its first 2 * HALF dims."""
+    row = key_ptr + token * stride_keyt
+    cols = tl.arange(0, DIM_PAD)
+    col_ok = cols < dim
+    x = tl.load(row + cols, mask=col_ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 0) / dim
+    centred = tl.where(col_ok, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
+    half = tl.arange(0, HALF_PAD)
+    half_ok = half < HALF
+    x1 = _layer_normed(row + half, w_ptr + half, b_ptr + half, mean, rstd, half_ok)
+    x2 = _layer_normed(row + HALF + half, w_ptr + HALF + half, b_ptr + HALF + half, mean, rstd, half_ok)
+    _store(dst + half, x1 * cos - x2 * sin, half_ok & ok, key_ptr, LIMIT)
+    _store(dst + HALF + half, x2 * cos + x1 * sin, half_ok & ok, key_ptr, LIMIT)
+    rest = col_ok & (cols >= 2 * HALF)
+    _store(dst + cols, _layer_normed(row + cols, w_ptr + cols, b_ptr + cols, mean, rstd, rest), rest & ok, key_ptr,
+           LIMIT)
 
 
 @triton.jit
@@ -62,11 +111,13 @@ def _write_queries(q_ptr, q_latent_ptr, query_ptr, cos, sin, token, head_block, 
 
 
 @triton.jit
-def _mla_prepare_kernel(q_ptr, q_latent_ptr, kv_ptr, weight_ptr, cos_ptr, sin_ptr, query_ptr, entry_ptr,
+def _mla_prepare_kernel(q_ptr, q_latent_ptr, kv_ptr, weight_ptr, cos_ptr, sin_ptr, query_ptr, entry_ptr, slot_ptr,
+                        key_ptr, key_w_ptr, key_b_ptr,
                         stride_qt, stride_qh, stride_lh, stride_lt, stride_kvt, stride_ct, stride_st,
-                        stride_yt, stride_yh, stride_et, num_heads, nope, rank, eps,
+                        stride_yt, stride_yh, stride_et, stride_keyt, num_heads, nope, rank, eps, key_dim, key_eps,
                         RANK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr, KEY_PAD: tl.constexpr, HAS_KEY: tl.constexpr,
+                        TO_CACHE: tl.constexpr, LIMIT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     half = tl.arange(0, HALF_PAD)
@@ -75,15 +126,34 @@ def _mla_prepare_kernel(q_ptr, q_latent_ptr, kv_ptr, weight_ptr, cos_ptr, sin_pt
     sin = tl.load(sin_ptr + token * stride_st + half, mask=half_ok, other=0.0).to(tl.float32)
     # each branch in its own function: the compiler refuses names bound to differently shaped values in both
     if head_block * BLOCK_H >= num_heads:  # the token's last program
-        _write_entry(kv_ptr, weight_ptr, entry_ptr, cos, sin, token, stride_kvt, stride_et, rank, eps,
-                     RANK_PAD, HALF, HALF_PAD)
+        if TO_CACHE:  # the entry's row is its cache slot; a negative slot is a padding row, written nowhere
+            row = tl.load(slot_ptr + token).to(tl.int64)
+        else:
+            row = token
+        ok = row >= 0
+        entry = entry_ptr + tl.maximum(row, 0) * stride_et
+        _write_entry(kv_ptr, weight_ptr, entry, ok, cos, sin, token, stride_kvt, rank, eps, RANK_PAD, HALF,
+                     HALF_PAD, LIMIT)
+        if HAS_KEY:
+            _write_indexer_key(key_ptr, key_w_ptr, key_b_ptr, entry + rank + 2 * HALF, ok, cos, sin, token,
+                               stride_keyt, key_dim, key_eps, HALF, HALF_PAD, KEY_PAD, LIMIT)
     else:
         _write_queries(q_ptr, q_latent_ptr, query_ptr, cos, sin, token, head_block, stride_qt, stride_qh, stride_lh,
                        stride_lt, stride_yt, stride_yh, num_heads, nope, rank, RANK_PAD, HALF, HALF_PAD, BLOCK_H)
 
 
+@dataclass(frozen=True, slots=True)
+class IndexerKey:
+    """DSA's indexer key as wk made it, for the entry's last part: key [T, dim] (row stride free) and its LayerNorm's
+    weight and bias [dim] and eps; the first rope dims are rotated after the norm."""
+    key: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+
 def _check_shapes(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+                  cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None) -> None:
     tokens, heads, _ = q.shape
     rank, rope = q_latent.shape[-1], 2 * cos.shape[-1]
     if q_latent.shape != (heads, tokens, rank) or kv.shape != (tokens, rank + rope) or weight.shape != (rank,):
@@ -96,29 +166,67 @@ def _check_shapes(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, wei
         raise ValueError("mla_prepare needs unit stride in the last dimension of every input")
     if q.dtype != q_latent.dtype:  # the old path's cat would have promoted; the model never mixes them
         raise ValueError(f"q ({q.dtype}) and q_latent ({q_latent.dtype}) must share a dtype")
+    if index_key is not None:
+        key, dim = index_key.key, index_key.key.shape[-1]
+        if key.shape != (tokens, dim) or key.stride(-1) != 1 or dim < rope or \
+                index_key.weight.shape != (dim,) or index_key.bias.shape != (dim,):
+            raise ValueError(f"the indexer key must be [tokens, dim >= {rope}] with unit stride in dim and its norm's "
+                             f"weight and bias [dim]; got key {tuple(key.shape)}, weight "
+                             f"{tuple(index_key.weight.shape)}, bias {tuple(index_key.bias.shape)}")
+
+
+def _launch(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+            cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None, entries: torch.Tensor,
+            slot_mapping: torch.Tensor | None) -> torch.Tensor:
+    """The query, with each token's entry written into row `slot_mapping[t]` of entries (row t without it)."""
+    _check_shapes(q, q_latent, kv, norm_weight, cos, sin, index_key)
+    tokens, heads, width = q.shape
+    rank, half = q_latent.shape[-1], cos.shape[-1]
+    query = torch.empty(tokens, heads, rank + 2 * half, dtype=q_latent.dtype, device=q.device)
+    if tokens == 0:
+        return query
+    rank_pad = triton.next_power_of_2(rank)
+    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // rank_pad))
+    key = index_key or IndexerKey(kv, norm_weight, norm_weight, 0.0)  # placeholders the kernel never reads
+    key_dim = key.key.shape[-1] if index_key else 0
+    # num_warps=4, as norm.py's kernel for rank <= 1024: the same reduction layout, so the same sum
+    _mla_prepare_kernel[(tokens, triton.cdiv(heads, block_h) + 1)](
+        q, q_latent, kv, norm_weight, cos, sin, query, entries, kv if slot_mapping is None else slot_mapping,
+        key.key, key.weight, key.bias,
+        q.stride(0), q.stride(1), q_latent.stride(0), q_latent.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
+        query.stride(0), query.stride(1), entries.stride(0), key.key.stride(0), heads, width - 2 * half, rank, eps,
+        key_dim, key.eps, RANK_PAD=rank_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_H=block_h,
+        KEY_PAD=triton.next_power_of_2(max(key_dim, 1)), HAS_KEY=index_key is not None,
+        TO_CACHE=slot_mapping is not None, LIMIT=saturation_limit(entries.dtype), num_warps=4)
+    return query
 
 
 def mla_prepare(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """From q [T, heads, nope + rope] (only its rope part is read; row strides free), the absorbed
     q_latent [heads, T, rank], kv_a_proj_with_mqa's kv [T, rank + rope], kv_a_layernorm's weight [rank]
     and eps, and the rope tables cos, sin [T, rope / 2] (rotate-half over all rope dims): returns
     query [T, heads, rank + rope] = cat(q_latent^T, rotate(q rope)) in q_latent's dtype and
-    entry [T, rank + rope] = cat(rms_norm(kv latent) * weight, rotate(kv rope)) in kv's dtype.
+    entry [T, rank + rope] = cat(rms_norm(kv latent) * weight, rotate(kv rope)) in kv's dtype, followed by
+    rotate(layer_norm(key)) [T, dim] where `index_key` is given (DSA).
     Reference: tests/kernels/test_triton_mla_prepare.py's prepare_reference."""
-    _check_shapes(q, q_latent, kv, norm_weight, cos, sin)
-    tokens, heads, width = q.shape
-    rank, half = q_latent.shape[-1], cos.shape[-1]
-    query = torch.empty(tokens, heads, rank + 2 * half, dtype=q_latent.dtype, device=q.device)
-    entry = torch.empty(tokens, rank + 2 * half, dtype=kv.dtype, device=kv.device)
-    if tokens == 0:
-        return query, entry
-    rank_pad = triton.next_power_of_2(rank)
-    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // rank_pad))
-    # num_warps=4, as norm.py's kernel for rank <= 1024: the same reduction layout, so the same sum
-    _mla_prepare_kernel[(tokens, triton.cdiv(heads, block_h) + 1)](
-        q, q_latent, kv, norm_weight, cos, sin, query, entry,
-        q.stride(0), q.stride(1), q_latent.stride(0), q_latent.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
-        query.stride(0), query.stride(1), entry.stride(0), heads, width - 2 * half, rank, eps,
-        RANK_PAD=rank_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4)
-    return query, entry
+    dim = index_key.key.shape[-1] if index_key is not None else 0
+    entry = torch.empty(q.shape[0], q_latent.shape[-1] + 2 * cos.shape[-1] + dim, dtype=kv.dtype, device=kv.device)
+    return _launch(q, q_latent, kv, norm_weight, eps, cos, sin, index_key, entry, None), entry
+
+
+def mla_prepare_into_cache(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None,
+                           cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """mla_prepare with each token's entry written straight into its slot of cache [blocks, block_size, 1, width]
+    (the cache write of the replaced sequence, cache.py's write_kv: FP8 saturates, negative slots are padding rows
+    and are skipped) instead of returned; returns the query."""
+    dim = index_key.key.shape[-1] if index_key is not None else 0
+    entry_width = q_latent.shape[-1] + 2 * cos.shape[-1] + dim
+    if cache.dim() != 4 or cache.shape[2] != 1 or not cache.is_contiguous() or cache.shape[-1] != entry_width:
+        raise ValueError(f"the latent cache must be a contiguous [blocks, block_size, 1, {entry_width}] tensor; got "
+                         f"{tuple(cache.shape)}")
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping must hold one slot per token ({q.shape[0]}); got {tuple(slot_mapping.shape)}")
+    return _launch(q, q_latent, kv, norm_weight, eps, cos, sin, index_key, cache.view(-1, entry_width), slot_mapping)

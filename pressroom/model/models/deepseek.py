@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -78,9 +79,77 @@ def heads_per_rank(num_heads: int, tp_size: int) -> int:
     return num_heads // tp_size
 
 
+@dataclass(frozen=True, slots=True)
+class InputPart:
+    """One projection of the attention input that LatentInputProjection stacks: its checkpoint module under
+    self_attn, its output rows (all ranks'), whether tensor parallelism splits those rows by heads (q_proj), and
+    whether it has a bias."""
+    name: str
+    rows: int
+    by_heads: bool = False
+    bias: bool = False
+
+
+def input_parts(config, indexer: bool) -> tuple[InputPart, ...]:
+    """The projections that read the attention input x, in the order their rows stack: the query's (q_a_proj, or
+    q_proj without q_lora_rank), kv_a_proj_with_mqa's, then (`indexer`, V3.2) the lightning indexer's key (wk)."""
+    bias = bool(getattr(config, "attention_bias", False))
+    if getattr(config, "q_lora_rank", None):
+        query = InputPart("q_a_proj", config.q_lora_rank, bias=bias)
+    else:  # HF's q_proj has no bias whatever attention_bias says
+        query = InputPart("q_proj", config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim),
+                          by_heads=True)
+    parts = (query, InputPart("kv_a_proj_with_mqa", config.kv_lora_rank + config.qk_rope_head_dim, bias=bias))
+    return (*parts, InputPart("indexer.wk", config.index_head_dim)) if indexer else parts
+
+
+class LatentInputProjection(LinearBase):
+    """Every projection of the attention input x in one GEMM (vLLM's fused_qkv_a_proj): `input_parts`' rows stacked,
+    each loaded from its own checkpoint tensor (the shard id is its name), the output split back by views. The
+    latent parts are replicated and q_proj is split by heads, so each rank's matrix is its heads' q rows over the
+    whole latent rows: exact under tensor parallelism. A part without a bias adds zeros."""
+
+    def __init__(self, in_features: int, parts: tuple[InputPart, ...]) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.parts = parts
+        self.sizes = [p.rows // self.tp_size if p.by_heads else p.rows for p in parts]  # this rank's rows
+        super().__init__(in_features, sum(self.sizes), any(p.bias for p in parts))
+        if self.bias is not None:
+            self.bias.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        index = next((i for i, p in enumerate(self.parts) if p.name == shard_id), None)
+        if index is None:
+            raise ValueError(f"{shard_id!r} is none of the projections this layer stacks "
+                             f"({', '.join(p.name for p in self.parts)}).")
+        part, size = self.parts[index], self.sizes[index]
+        expected = (part.rows, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)} where the model config implies "
+                             f"{expected}; the checkpoint and config.json disagree.")
+        if part.by_heads:
+            loaded = loaded.narrow(0, self.tp_rank * size, size)
+        self._store_rows(param, sum(self.sizes[:index]), loaded)
+
+
+def _norm_rows(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of x's rows, a strided view of the fused projection's output: on CUDA norm.py's kernel reads the
+    rows where they are (the module would take torch's unfused path for a non-contiguous x); elsewhere the
+    module's own path, which copies them first."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and not norm.batch_invariant:
+        from pressroom.kernels.triton.norm import rms_norm
+        return rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
+
+
 class MLAAttention(nn.Module):
     """Multi-head latent attention; under tensor parallelism this rank's `num_heads` of the model's `total_heads`
     (from `head_start`), over a latent every rank computes."""
+
+    indexed = False  # whether the lightning indexer's key joins the input projection (SparseMLAAttention)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -90,16 +159,12 @@ class MLAAttention(nn.Module):
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         bias = bool(getattr(config, "attention_bias", False))
-        # column-parallel over whole heads: each head's nope + rope rows are contiguous, the split even
-        q_out = self.total_heads * (self.nope + self.rope_dim)
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        # q_a_proj (or q_proj, column-parallel over whole heads) and kv_a_proj_with_mqa: one GEMM of x
+        self.fused_qkv_a_proj = LatentInputProjection(hidden, input_parts(config, self.indexed))
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
-        else:
-            self.q_proj = ColumnParallelLinear(hidden, q_out)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.rank + self.rope_dim, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.total_heads * (self.nope + self.rope_dim))
         self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
         # W_UK and W_UV of this rank's heads, used as batched matrices (absorbed), never as a linear layer
         self.kv_b_proj = nn.Module()
@@ -127,62 +192,73 @@ class MLAAttention(nn.Module):
         return scale
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
-        _, query, key = self.absorbed_query_and_key(rope, x)
+        _, q, kv, _ = self.inputs(x)
+        query, key = self.absorbed_query_and_key(rope, q, kv)
         return self.output(self.attn(query, key.unsqueeze(1)).view(x.shape[0], self.num_heads, self.rank))
 
-    def absorbed_query_and_key(self, rope: RopeTables, x: torch.Tensor
-                               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The compressed query (None without q_lora_rank), each head's query in latent space with its
-        rotated rope part [tokens, heads, rank + rope], and the token's cache entry [tokens, rank + rope]
-        (the normalised latent and the rotated shared key)."""
-        if x.is_cuda and rope.rotary.rotary_dim == self.rope_dim:
-            return self.absorbed_query_and_key_in_one_kernel(rope, x)
-        q_resid, q_nope, q_pe, latent, k_pe = self.project(rope, x)
-        q_latent = self._absorb(q_nope)
-        return q_resid, torch.cat((q_latent.transpose(0, 1), q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1)
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """From the one GEMM of x: the compressed query (None without q_lora_rank), the query [tokens, heads,
+        nope + rope], kv_a_proj_with_mqa's output [tokens, rank + rope] (a strided view) and the indexer's key
+        before its norm [tokens, index_dim] (a strided view; None unless `indexed`)."""
+        query_part, kv, *index_key = self.fused_qkv_a_proj(x)
+        q_resid = _norm_rows(self.q_a_layernorm, query_part) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else query_part
+        return q_resid, q.view(x.shape[0], self.num_heads, self.nope + self.rope_dim), kv, \
+            (index_key[0] if index_key else None)
 
-    def absorbed_query_and_key_in_one_kernel(self, rope: RopeTables, x: torch.Tensor
-                                             ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """absorbed_query_and_key with everything after the projections and the W_UK bmm in one Triton
-        launch (the latent's norm, both rotations, both concatenations): batch-1 decode is launch-bound.
-        Needs the rope tables to cover all qk_rope_head_dim dims."""
+    def absorbed_query_and_key(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's query in latent space with its rotated rope part [tokens, heads, rank + rope], and the
+        token's cache entry [tokens, rank + rope] (the normalised latent and the rotated shared key)."""
+        if q.is_cuda and rope.rotary.rotary_dim == self.rope_dim:
+            return self.absorbed_query_and_key_in_one_kernel(rope, q, kv)
+        q_pe, latent, k_pe = self._rotated_parts(rope, q, kv)
+        q_latent = self._absorb(q[..., :self.nope])
+        return torch.cat((q_latent.transpose(0, 1), q_pe), dim=-1), torch.cat((latent, k_pe), dim=-1)
+
+    def absorbed_query_and_key_in_one_kernel(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor
+                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """absorbed_query_and_key with everything after the W_UK bmm in one Triton launch (the latent's norm, both
+        rotations, both concatenations): batch-1 decode is launch-bound. Needs the rope tables to cover all
+        qk_rope_head_dim dims."""
         from pressroom.kernels.triton.mla_prepare import mla_prepare
-        q_resid, q = self._query(x)
         norm = self.kv_a_layernorm
-        query, entry = mla_prepare(q, self._absorb(q[..., :self.nope]), self.kv_a_proj_with_mqa(x), norm.weight,
-                                   norm.eps, rope.cos, rope.sin)
-        return q_resid, query, entry
+        return mla_prepare(q, self._absorb(q[..., :self.nope]), kv, norm.weight, norm.eps, rope.cos, rope.sin)
 
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """Each head's nope query [tokens, heads, nope] through its W_UK: [heads, tokens, rank]."""
+        """Each head's nope query [tokens, heads, nope] through its W_UK: [heads, tokens, rank]. Both operands are
+        strided views (q's rows, kv_b_proj's W_UK rows of each head) that the batched GEMM reads as they are."""
         w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)[:, :self.nope]
         return torch.bmm(q_nope.transpose(0, 1), w_uk)
 
-    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The compressed query (None without q_lora_rank) and the query [tokens, heads, nope + rope]."""
-        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
-        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(x)
-        return q_resid, q.view(x.shape[0], self.num_heads, self.nope + self.rope_dim)
+    def _rotated_parts(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """In torch: q's rope part rotated [tokens, heads, rope], the normalised latent [tokens, rank] and the
+        rotated shared key [tokens, rope]."""
+        latent, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        # q's and the shared key's rope parts rotated in one pass, as one stack of heads
+        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
+        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
+        return pe[:, :self.num_heads], latent, pe[:, self.num_heads]
 
     def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The compressed query (None without q_lora_rank), each head's query parts [tokens, heads, nope] and
         [tokens, heads, rope] (rotated), the normalised latent [tokens, rank] and the rotated shared key
         [tokens, rope]."""
-        heads = self.num_heads
-        q_resid, q = self._query(x)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        # q's and the shared key's rope parts rotated in one pass, as one stack of heads
-        pe = torch.cat((q[..., self.nope:], k_pe.unsqueeze(1)), dim=1).contiguous()
-        pe = rope.rotary.rotate(pe, rope.cos, rope.sin)
-        return q_resid, q[..., :self.nope], pe[:, :heads], latent, pe[:, heads]
+        q_resid, q, kv, _ = self.inputs(x)
+        q_pe, latent, k_pe = self._rotated_parts(rope, q, kv)
+        return q_resid, q[..., :self.nope], q_pe, latent, k_pe
 
     def output(self, mixed: torch.Tensor) -> torch.Tensor:
-        """Attention's mix of latents [tokens, heads, rank] through each head's W_UV, then o_proj."""
+        """Attention's mix of latents [tokens, heads, rank] through each head's W_UV, then o_proj. The batched GEMM
+        writes each head's rows straight into their places of o_proj's input [tokens, heads * v_dim] (no
+        transposing copy)."""
         tokens, heads = mixed.shape[:2]
         w_uv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)[:, self.nope:]
-        out = torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v_dim]
-        return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim))
+        out = mixed.new_empty(tokens, heads, self.v_dim)
+        torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.view(tokens, heads * self.v_dim))
 
 
 class PerHeadMLAAttention(MLAAttention):
@@ -223,13 +299,21 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = LlamaMLP(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.experts.shared_experts_of(self.shared_experts) if x.is_cuda else None
+        if shared is not None:
+            return self.forward_folded(x, shared)
         out = tp_all_reduce(self.experts(x, *self.route(x)))
         return out if self.shared_experts is None else out + self.shared_experts(x)  # reduced inside
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's expert weights and ids [tokens, top_k] (select_experts')."""
+    def forward_folded(self, x: torch.Tensor, shared) -> torch.Tensor:
+        """forward with the shared experts as experts every token routes to, weighted 1 (`shared`:
+        FusedMoE.shared_experts_of's): one pair of expert launches and one reduction for both."""
+        return tp_all_reduce(self.experts(x, *self.route(x, shared.count), shared))
+
+    def route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's expert weights and ids [tokens, top_k + shared] (select_experts')."""
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        return select_experts(self.gate(x), self.router, bias)
+        return select_experts(self.gate(x), self.router, bias, shared)
 
 
 class DeepseekV2ForCausalLM(_MoeForCausalLM):
@@ -267,13 +351,45 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
     def rope_interleaved(self) -> bool:
         return True
 
+    def input_parts(self) -> tuple[InputPart, ...]:
+        """The projections each layer's fused_qkv_a_proj stacks (`input_parts`)."""
+        return input_parts(self.config, indexer=False)
+
     def checkpoint_target(self, name: str) -> tuple[str, object]:
-        if ".self_attn." in name:  # MLA's projections load as they are (Llama's q/k/v stacking does not apply)
-            return name, None
-        return super().checkpoint_target(name)
+        """MLA's projections of x load into fused_qkv_a_proj (the shard id: the part's name); the others as they
+        are (Llama's q/k/v stacking does not apply)."""
+        if ".self_attn." not in name:
+            return super().checkpoint_target(name)
+        layer, _, rest = name.partition(".self_attn.")
+        module, _, kind = rest.rpartition(".")
+        if any(p.name == module for p in self.input_parts()):
+            return f"{layer}.self_attn.fused_qkv_a_proj.{kind}", module
+        return name, None
 
     def checkpoint_parts(self, name: str) -> list[str]:
-        return [name] if ".self_attn." in name else super().checkpoint_parts(name)
+        if ".self_attn." not in name:
+            return super().checkpoint_parts(name)
+        layer, _, rest = name.partition(".self_attn.")
+        module, _, kind = rest.rpartition(".")
+        if module != "fused_qkv_a_proj":
+            return [name]
+        return [f"{layer}.self_attn.{p.name}.{kind}" for p in self.input_parts() if kind == "weight" or p.bias]
+
+    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """benchmarks/gpu.py's HF copy: each fused_qkv_a_proj split back into its parts (views), rope rows in the
+        checkpoint's order. Tensor parallelism 1 (the bench's)."""
+        out = {}
+        for name, tensor in state.items():
+            layer, _, rest = name.partition(".self_attn.fused_qkv_a_proj.")
+            if not rest:
+                out[name] = tensor
+                continue
+            parts = self.input_parts()
+            for part, piece in zip(parts, tensor.split([p.rows for p in parts], dim=0), strict=True):
+                if rest == "weight" or part.bias:
+                    part_name = f"{layer}.self_attn.{part.name}.{rest}"
+                    out[part_name] = self.to_checkpoint_layout(part_name, piece)
+        return out
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         return (self.deinterleave_rope(name, t) for name, t in self._main_model(weights))
@@ -362,14 +478,15 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 class LightningIndexer(nn.Module):
     """DSA's indexer (DeepSeek-V3.2): its own small keys per token (kept in the layer's cache after the
     latent) and per-query head weights; a query's score for a past token is the weighted sum over the
-    indexer heads of relu(q . k), and attention reads only the `index_topk` best tokens."""
+    indexer heads of relu(q . k), and attention reads only the `index_topk` best tokens. Its key projection (wk)
+    is part of the attention's fused input projection; `keys` takes its output."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.weight_scale = self.heads ** -0.5  # the head weights' scale
         # replicated, not split by heads: each rank picks the same tokens from the same scores
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.heads * self.dim)
-        self.wk = ReplicatedLinear(config.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
         self.k_norm.requires_grad_(False)
         # never quantized in DeepSeek's FP8 checkpoints (vLLM builds it with quant_config=None): a plain linear
@@ -377,30 +494,50 @@ class LightningIndexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
         self.weights_proj.requires_grad_(False)
 
-    def keys(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        """[tokens, dim]: rotated (rotate-half, on the first qk_rope_head_dim dimensions)."""
-        k = self.k_norm(self.wk(x)).unsqueeze(1).contiguous()
+    def keys(self, k: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """wk's output [tokens, dim] normed and rotated (rotate-half, on the first qk_rope_head_dim dimensions)."""
+        k = self.k_norm(k).unsqueeze(1).contiguous()
         return rope.rotary.rotate(k, rope.cos, rope.sin).squeeze(1)
 
     def queries(self, q_resid: torch.Tensor, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated queries [tokens, heads, dim] and head weights [tokens, heads] (scaled by heads^-0.5)."""
+        """Rotated queries [tokens, heads, dim] and head weights [tokens, heads], both in the model's dtype; the
+        weights are still to be scaled by `weight_scale` in fp32 (`select` does it, the GPU's scoring kernel too)."""
         q = self.wq_b(q_resid).view(-1, self.heads, self.dim).contiguous()
-        q = rope.rotary.rotate(q, rope.cos, rope.sin)
-        weights = self.weights_proj(x).float() * self.heads ** -0.5
-        return q.float(), weights
+        return rope.rotary.rotate(q, rope.cos, rope.sin), self.weights_proj(x)
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For queries at `positions` over a context's keys [context, dim]: each query's chosen tokens
-        [queries, k] (k = min(index_topk, context)) and whether each is causal (a query near the start
+        """For queries at `positions` (`queries`' outputs) over a context's keys [context, dim]: each query's chosen
+        tokens [queries, k] (k = min(index_topk, context)) and whether each is causal (a query near the start
         has fewer than k past tokens)."""
         # the checkpoints' own order of operations: a near-tie at the k-th place must fall the same way
-        scores = torch.relu(torch.matmul(q, keys.float().t()) * self.dim ** -0.5)  # [queries, heads, context]
-        index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
+        scores = torch.relu(torch.matmul(q.float(), keys.float().t()) * self.dim ** -0.5)  # [queries, heads, context]
+        index = torch.matmul((weights.float() * self.weight_scale).unsqueeze(1), scores).squeeze(1)
         causal = torch.arange(keys.shape[0]) <= positions[:, None]
         index = index.masked_fill(~causal, float("-inf"))
         chosen = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return chosen, causal.gather(1, chosen)
+
+
+@dataclass(frozen=True, slots=True)
+class SparsePlan:
+    """A step's token_req and token_pos (kernels/triton/dsa.py's `token_positions`) for `tokens` query rows: the
+    first sparse layer makes them, the others read them (one set of launches a step, not one a layer)."""
+    tokens: int
+    token_req: torch.Tensor
+    token_pos: torch.Tensor
+
+
+def sparse_plan(meta, tokens: int) -> SparsePlan:
+    """The step's SparsePlan, kept in the metadata's per-step `plan` slot (device tensors only: graph-safe)."""
+    from pressroom.kernels.triton import dsa
+    plan = meta.plan
+    if isinstance(plan, SparsePlan) and plan.tokens == tokens:
+        return plan
+    if plan is not None and not isinstance(plan, SparsePlan):
+        raise ValueError(f"the step's metadata already holds another plan ({type(plan).__name__}).")
+    meta.plan = SparsePlan(tokens, *dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, tokens))
+    return meta.plan
 
 
 class SparseMLAAttention(MLAAttention):
@@ -409,34 +546,45 @@ class SparseMLAAttention(MLAAttention):
     k latents per query, so its cost grows with index_topk, not with the context (the indexer still scores
     every past token, over its small keys); with a context of at most index_topk tokens it equals dense MLA."""
 
+    indexed = True
+
     def __init__(self, config) -> None:
-        super().__init__(config)
-        if not self.q_lora_rank:
+        if not getattr(config, "q_lora_rank", None):
             raise ValueError("DeepSeek sparse attention needs q_lora_rank: its indexer reads the compressed query.")
+        super().__init__(config)
         self.indexer = LightningIndexer(config)
         self.attn = Attention(self.num_heads, self.rank + self.rope_dim, 1, self.attn.scale, v_head_dim=self.rank,
                               latent=True, extra_dim=self.indexer.dim)
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
-        q_resid, query, key = self.absorbed_query_and_key(rope, x)
-        entry = torch.cat((key, self.indexer.keys(x, rope)), dim=-1)  # what the cache keeps
+        q_resid, q, kv, index_key = self.inputs(x)
         index_q, index_w = self.indexer.queries(q_resid, x, rope)
-        sparse = self._sparse_on_gpu if x.is_cuda else self._sparse_on_cpu
-        return self.output(sparse(query, entry, index_q, index_w, get_attention_metadata()))
+        meta = get_attention_metadata()
+        if x.is_cuda:
+            return self.output(self._sparse_on_gpu(rope, q, kv, index_key, index_q, index_w, meta))
+        query, key = self.absorbed_query_and_key(rope, q, kv)
+        entry = torch.cat((key, self.indexer.keys(index_key, rope)), dim=-1)  # what the cache keeps
+        return self.output(self._sparse_on_cpu(query, entry, index_q, index_w, meta))
 
-    def _sparse_on_gpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
-                       meta) -> torch.Tensor:
-        """Triton: device tensors only, so decode steps replay from CUDA graphs."""
-        from pressroom.kernels.triton import cache as cache_kernels
+    def _sparse_on_gpu(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor, index_key: torch.Tensor,
+                       index_q: torch.Tensor, index_w: torch.Tensor, meta) -> torch.Tensor:
+        """Triton: the absorbed query made and the cache entry (latent, shared key, indexer key) written into the
+        cache in one launch, the step's token positions made once, device tensors only, so decode steps replay
+        from CUDA graphs."""
+        from pressroom.attention.triton_backend import target_programs
         from pressroom.kernels.triton import dsa
-        kv_cache = self.attn.kv_cache
-        cache_kernels.write_kv(kv_cache, entry.unsqueeze(1), None, meta.slot_mapping)
-        token_req, token_pos = dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, query.shape[0])
-        chosen = dsa.choose_positions(index_q, index_w, kv_cache[0], meta.block_tables, token_req, token_pos,
-                                      self.rank + self.rope_dim, self.indexer.topk)
+        from pressroom.kernels.triton.mla_prepare import IndexerKey, mla_prepare_into_cache
+        cache = self.attn.kv_cache[0]
+        norm, k_norm = self.kv_a_layernorm, self.indexer.k_norm
+        query = mla_prepare_into_cache(q, self._absorb(q[..., :self.nope]), kv, norm.weight, norm.eps, rope.cos,
+                                       rope.sin, IndexerKey(index_key, k_norm.weight, k_norm.bias, k_norm.eps),
+                                       cache, meta.slot_mapping)
+        plan = sparse_plan(meta, query.shape[0])
+        chosen = dsa.choose_positions(index_q, index_w, cache, meta.block_tables, plan.token_req, plan.token_pos,
+                                      self.rank + self.rope_dim, self.indexer.topk, self.indexer.weight_scale)
         mixed = query.new_empty(*query.shape[:2], self.rank)
-        return dsa.sparse_mla_attention(query, kv_cache[0], meta.block_tables, token_req, chosen, self.attn.scale,
-                                        mixed, self.rank)
+        return dsa.sparse_mla_attention(query, cache, meta.block_tables, plan.token_req, chosen, self.attn.scale,
+                                        mixed, self.rank, target_programs=target_programs(query.device))
 
     def _sparse_on_cpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
                        meta) -> torch.Tensor:
@@ -465,6 +613,9 @@ class SparseMLAAttention(MLAAttention):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     def make_attention(self, layer: int) -> nn.Module:
         return SparseMLAAttention(self.config)
+
+    def input_parts(self) -> tuple[InputPart, ...]:
+        return input_parts(self.config, indexer=True)
 
     def rope_interleaved(self) -> bool:
         return True  # V3.2's MLA always rotates interleaved pairs; its indexer rotates halves

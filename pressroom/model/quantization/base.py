@@ -134,7 +134,8 @@ def loads_into(model: nn.Module, name: str, method: type | tuple[type, ...]) -> 
 
 
 # a pressroom stacked layer -> the checkpoint modules it stacks (an exclusion may name any of them)
-_STACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_STACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                  "fused_qkv_a_proj": ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "indexer.wk")}  # DeepSeek's MLA
 
 
 def excluded(prefix: str, patterns: Iterable[str]) -> bool:
