@@ -210,14 +210,20 @@ def test_sparse_attentions_cuda_path_equals_its_torch_path():
     assert isinstance(meta_gpu.plan, SparsePlan) and meta_gpu.plan.tokens == tokens
 
 
-def test_a_steps_token_positions_are_made_once():
+def test_a_steps_token_positions_are_made_once(monkeypatch):
     """The first sparse layer of a step makes the token positions, the others read the same tensors; a forward
-    of another token count remakes them; another backend's plan is never overwritten."""
+    of another token count remakes them, and so does the first layer of a CUDA graph's capture after the eager
+    compile run with the same metadata (else the graph would replay the compile run's positions); another
+    backend's plan is never overwritten."""
+    from pressroom.model.models import deepseek
     gen = torch.Generator().manual_seed(5)
     meta, _ = _meta([(20, 1), (9, 3)], 8, gen, torch.int32, 4)
     first = sparse_plan(meta, 4)
-    assert sparse_plan(meta, 4) is first
+    assert sparse_plan(meta, 4) is first and not first.captured
     assert first.token_pos.tolist() == [19, 6, 7, 8]
+    monkeypatch.setattr(deepseek, "_capturing", lambda: True)
+    in_graph = sparse_plan(meta, 4)
+    assert in_graph is not first and in_graph.captured and sparse_plan(meta, 4) is in_graph
     assert sparse_plan(meta, 6).token_pos.tolist() == [19, 6, 7, 8, -1, -1]
     meta.plan = [0]
     with pytest.raises(ValueError, match="already holds another plan"):

@@ -522,21 +522,30 @@ class LightningIndexer(nn.Module):
 @dataclass(frozen=True, slots=True)
 class SparsePlan:
     """A step's token_req and token_pos (kernels/triton/dsa.py's `token_positions`) for `tokens` query rows: the
-    first sparse layer makes them, the others read them (one set of launches a step, not one a layer)."""
+    first sparse layer makes them, the others read them (one set of launches a step, not one a layer).
+    `captured`: made while a CUDA graph was being captured (so the graph remakes them at each replay)."""
     tokens: int
+    captured: bool
     token_req: torch.Tensor
     token_pos: torch.Tensor
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def sparse_plan(meta, tokens: int) -> SparsePlan:
-    """The step's SparsePlan, kept in the metadata's per-step `plan` slot (device tensors only: graph-safe)."""
+    """The step's SparsePlan, kept in the metadata's per-step `plan` slot: device tensors only, no host sync. The
+    graph runner runs a forward eagerly (compiling) and then captures one with the same metadata: a plan made
+    outside the capture is made again inside it, else the graph would replay the compile run's positions."""
     from pressroom.kernels.triton import dsa
-    plan = meta.plan
-    if isinstance(plan, SparsePlan) and plan.tokens == tokens:
+    plan, capturing = meta.plan, _capturing()
+    if isinstance(plan, SparsePlan) and plan.tokens == tokens and plan.captured == capturing:
         return plan
     if plan is not None and not isinstance(plan, SparsePlan):
         raise ValueError(f"the step's metadata already holds another plan ({type(plan).__name__}).")
-    meta.plan = SparsePlan(tokens, *dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, tokens))
+    positions = dsa.token_positions(meta.query_start_loc_device, meta.seq_lens, tokens)
+    meta.plan = SparsePlan(tokens, capturing, *positions)
     return meta.plan
 
 
