@@ -59,6 +59,7 @@ LAYERS = {  # name: (in_features, slices, max_rank, each slot's rank, dtype)
     "qkv bf16, ragged input": (200, [(0, 64), (64, 32), (96, 32)], 16, (16, 8, 16, 16), torch.bfloat16),
     "gate_up fp32, ranks 8/64": (72, [(0, 150), (150, 150)], 64, (64, 8, 64, 16), torch.float32),
     "down bf16, split input": (2100, [(0, 130)], 16, (16, 16, 8, 16), torch.bfloat16),
+    "qkv fp32, ranks to 128": (40, [(0, 48), (48, 16), (64, 16)], 128, (128, 8, 32, 128), torch.float32),
 }
 
 

@@ -35,10 +35,13 @@ _FUSED_WARPS = 8
 _SHRINK_STAGES = 2
 
 # Grouped products: BLOCK_M tokens of one slot a program (16 decodes of one slot fill half a tile; prefill chunks fill
-# them), 64-wide steps of the input features, 128-wide steps of the output features.
+# them), 64-wide steps of the input features, 128-wide steps of the output features; B's and A's tiles at most 8K
+# elements (at rank 256 too: a pipelined stage's shared memory stays 16 KB), so the width is cut into tiles of 128.
 BLOCK_M = 32
 _GROUPED_BLOCK_K = 64
 _GROUPED_BLOCK_N = 128
+_GROUPED_MAX_W = 128
+_GROUPED_TILE_ELEMENTS = 8192
 _GROUPED_FEATURES = 512  # an expand program's output features: it sums the shrink's partials once for all of them
 _MAX_SPLITS = 4  # the shrink's split of the input features at few tiles (the expand sums the partials)
 
@@ -174,14 +177,15 @@ def _tile_rows(order_ptr, starts_ptr, tile_starts_ptr, num_slots, BLOCK_M: tl.co
 
 @triton.jit
 def _grouped_shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, tile_starts_ptr, s_ptr, stride_x, stride_a,
-                           stride_split, stride_s, in_features, width, k_per_split, num_slots,
+                           stride_split, stride_s, in_features, width, k_per_split, w_tiles, num_slots,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                            BLOCK_S: tl.constexpr, FP32: tl.constexpr):
-    """s[split, row, :] = x[token] . A_slot^T over this split's input features, for a tile of one slot's rows."""
+    """s[split, row, a tile of the width] = x[token] . A_slot^T over this split's input features, for a tile of one
+    slot's rows."""
     slot, rows, row_mask, tokens = _tile_rows(order_ptr, starts_ptr, tile_starts_ptr, num_slots, BLOCK_M, BLOCK_S)
     if slot < num_slots:
-        split = tl.program_id(1)
-        w = tl.arange(0, BLOCK_W)
+        split = tl.program_id(1) // w_tiles
+        w = (tl.program_id(1) % w_tiles) * BLOCK_W + tl.arange(0, BLOCK_W)
         w_mask = w < width
         a_cols = a_ptr + (slot * width + w).to(tl.int64)[None, :] * stride_a  # A^T: [K, W]
         acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
@@ -250,15 +254,19 @@ def add_lora_grouped(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
     block_s = max(16, triton.next_power_of_2(groups.num_slots))
     tiles, splits = groups.max_tiles, _splits(groups.max_tiles, in_features)
     k_per_split = triton.cdiv(triton.cdiv(in_features, splits), _GROUPED_BLOCK_K) * _GROUPED_BLOCK_K
+    block_w = min(_GROUPED_MAX_W, max(16, triton.next_power_of_2(width)))
+    w_tiles = triton.cdiv(width, block_w)
+    block_r = max(16, triton.next_power_of_2(rank))
     s = torch.empty(splits, tokens, width, dtype=torch.float32, device=x.device)  # by sorted row
     fp32 = a.dtype == torch.float32 or _INTERPRETED
     meta = (groups.order, groups.starts, groups.tile_starts)
-    _grouped_shrink_kernel[(tiles, splits)](
-        x, a, *meta, s, x.stride(0), a.stride(0), s.stride(0), s.stride(1), in_features, width, k_per_split,
-        groups.num_slots, BLOCK_M=BLOCK_M, BLOCK_K=_GROUPED_BLOCK_K, BLOCK_W=max(16, triton.next_power_of_2(width)),
-        BLOCK_S=block_s, FP32=fp32, num_warps=4)
+    _grouped_shrink_kernel[(tiles, splits * w_tiles)](
+        x, a, *meta, s, x.stride(0), a.stride(0), s.stride(0), s.stride(1), in_features, width, k_per_split, w_tiles,
+        groups.num_slots, BLOCK_M=BLOCK_M, BLOCK_K=_GROUPED_BLOCK_K, BLOCK_W=block_w, BLOCK_S=block_s, FP32=fp32,
+        num_warps=4)
     feature_tiles = triton.cdiv(largest_slice, _GROUPED_FEATURES)
     _grouped_expand_kernel[(tiles, num_slices * feature_tiles)](
         s, b, *meta, slice_table, out, s.stride(0), s.stride(1), b.stride(0), out.stride(0), splits, rank, width,
-        feature_tiles, groups.num_slots, FEATURES=_GROUPED_FEATURES, BLOCK_M=BLOCK_M, BLOCK_N=_GROUPED_BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_S=block_s, FP32=fp32, num_warps=4)
+        feature_tiles, groups.num_slots, FEATURES=_GROUPED_FEATURES, BLOCK_M=BLOCK_M,
+        BLOCK_N=min(_GROUPED_BLOCK_N, max(32, _GROUPED_TILE_ELEMENTS // block_r)), BLOCK_R=block_r, BLOCK_S=block_s,
+        FP32=fp32, num_warps=4)
