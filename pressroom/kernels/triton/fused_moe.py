@@ -8,6 +8,14 @@ pairs + min(experts, pairs) * (BLOCK_M - 1) slots, and blocks past the used ones
 Launch configurations come from a sweep committed per shape and GPU (moe_configs/, written by
 benchmarks/gpu/sweep_fused_moe.py), looked up by the token count nearest to the call's.
 
+Small steps (batch-1 decode) take token-major GEMVs instead (`MoeLaunch.gemv`): each (token, expert) pair's
+gate/up and activation in one launch, then each token's down projections over its k pairs, weighted and summed,
+in a second: no alignment and no separate top-k sum, two launches where the grouped path takes four.
+
+Shared experts (DeepSeek's, Qwen2-MoE's) fold into either path as extra experts every token routes to
+(`SharedExperts`): read in place from the dense MLP's gate/up and down weights, in chunks of the routed experts'
+intermediate size, so one pair of launches computes the routed and the shared experts.
+
 `fused_moe_fp4`: the same two grouped GEMMs over FP4 experts (kernels/fp4_moe.py: MXFP4 or NVFP4, weight-only).
 Each weight tile is read packed and dequantized in registers (quant_gemv.py's unpacking: the low nibbles of a
 byte meet the activations' even inputs, the high nibbles the odd ones, two tl.dot per tile), so the experts are
@@ -44,6 +52,10 @@ SWEEP_DIR = Path(__file__).with_name("moe_configs")
 ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
 
 
+# Without a swept choice, steps of up to this many tokens take the token-major GEMVs.
+GEMV_MAX_TOKENS = 4
+
+
 @dataclass(slots=True, frozen=True)
 class MoeLaunch:
     block_m: int = 16
@@ -51,16 +63,42 @@ class MoeLaunch:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # token-major GEMVs (block_m unused) instead of the aligned grouped GEMMs
 
 
-def sweep_path(experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, gpu: str) -> Path:
+@dataclass(slots=True, frozen=True)
+class SharedExperts:
+    """A dense SwiGLU MLP's weights read as `count` extra experts that every token routes to: gate/up
+    [2 * count * inter, hidden] (all gate rows, then all up rows) and down [hidden, count * inter], `inter` the
+    routed experts' intermediate size. Extra expert j (id: routed experts + j) is rows [j * inter, (j + 1) * inter)
+    of each half of gate/up and the same columns of down: the chunks' outputs sum to the MLP's."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    count: int
+
+    def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        _, double_inter, hidden = w13.shape
+        width = self.count * double_inter // 2
+        if (tuple(self.w13.shape) != (2 * width, hidden) or tuple(self.w2.shape) != (hidden, width)
+                or self.w13.dtype != w13.dtype or self.w2.dtype != w2.dtype
+                or self.w13.stride(1) != 1 or self.w2.stride(1) != 1):
+            raise ValueError(f"shared experts of shapes {tuple(self.w13.shape)} and {tuple(self.w2.shape)} "
+                             f"({self.w13.dtype}) are not {self.count} experts of the routed experts' shape "
+                             f"{tuple(w13.shape[1:])} ({w13.dtype}) with unit column stride.")
+
+
+def sweep_path(experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, gpu: str,
+               shared: int = 0) -> Path:
+    """The launch table of one MoE shape (with `shared` folded shared experts) on one GPU: the one key."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}_{dtype_name}_{gpu.replace(' ', '_')}.json"
+    folded = f"_S{shared}" if shared else ""
+    return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}{folded}_{dtype_name}_{gpu.replace(' ', '_')}.json"
 
 
 @functools.cache
 def load_sweep(path: Path) -> dict[int, MoeLaunch]:
-    """The sweep's best launch per token count; empty where no sweep was committed for this shape."""
+    """The sweep's best launch per token count; empty where no sweep was committed for this shape. (A table swept
+    before the GEMVs were candidates keeps its grouped launches until it is swept again.)"""
     if not path.exists():
         return {}
     best = json.loads(path.read_text())["best"]
@@ -82,13 +120,23 @@ def default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
     return MoeLaunch(64, 128, 64, 8, 3)
 
 
-def choose_launch(tokens: int, w13: torch.Tensor, top_k: int) -> MoeLaunch:
-    if w13.device.type != "cuda":  # Triton's interpreter: correctness only
-        return default_launch(tokens, top_k, w13.shape[0])
+def gemv_launch() -> MoeLaunch:
+    """The token-major GEMVs without a sweep: narrow column blocks (many programs for one token's few pairs),
+    wide input tiles."""
+    return MoeLaunch(1, 16, 256, 4, 1, gemv=True)
+
+
+def choose_launch(tokens: int, w13: torch.Tensor, top_k: int, shared: int = 0) -> MoeLaunch:
+    """The swept launch for this shape nearest to `tokens` (top_k counts the routed experts; `shared`: folded shared
+    experts); without a sweep, the GEMVs up to GEMV_MAX_TOKENS tokens, else default_launch."""
     experts, double_inter, hidden = w13.shape
-    table = load_sweep(sweep_path(experts, double_inter // 2, hidden, top_k, w13.dtype,
-                                  _gpu_name(w13.device.index or 0)))
-    return nearest_launch(table, tokens) if table else default_launch(tokens, top_k, experts)
+    table = {}
+    if w13.device.type == "cuda":  # Triton's interpreter: correctness only, the defaults
+        table = load_sweep(sweep_path(experts, double_inter // 2, hidden, top_k, w13.dtype,
+                                      _gpu_name(w13.device.index or 0), shared))
+    if table:
+        return nearest_launch(table, tokens)
+    return gemv_launch() if tokens <= GEMV_MAX_TOKENS else default_launch(tokens, top_k + shared, experts + shared)
 
 
 def nearest_launch(table: dict[int, MoeLaunch], tokens: int) -> MoeLaunch:
@@ -97,11 +145,13 @@ def nearest_launch(table: dict[int, MoeLaunch], tokens: int) -> MoeLaunch:
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, scale,
-                       TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       RENORMALIZE: tl.constexpr, BINS: tl.constexpr):
+def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, x_ptr, gate_ptr, num_experts, stride_logits,
+                       stride_x, hidden, scale, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, BINS: tl.constexpr, NUM_SHARED: tl.constexpr,
+                       SHARED_GATE: tl.constexpr, BLOCK_H: tl.constexpr):
     """One token: scores (softmax or sigmoid), the top-k by score plus the correction bias, the chosen
-    scores as weights (renormalised to sum to one where asked), times the routed scaling factor."""
+    scores as weights (renormalised to sum to one where asked), times the routed scaling factor. Then the
+    NUM_SHARED shared experts (ids num_experts ..), weighted 1, or with SHARED_GATE sigmoid(x . gate)."""
     token = tl.program_id(0)
     e = tl.arange(0, BINS)
     ok = e < num_experts
@@ -125,21 +175,44 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, 
     total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
     norm = scale / (total + 1e-20) if RENORMALIZE else scale
     rank = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # chosen experts in expert order
-    tl.store(weights_ptr + token * TOP_K + rank, scores * norm, mask=picked)
-    tl.store(ids_ptr + token * TOP_K + rank, e, mask=picked)
+    row = token * (TOP_K + NUM_SHARED)
+    tl.store(weights_ptr + row + rank, scores * norm, mask=picked)
+    tl.store(ids_ptr + row + rank, e, mask=picked)
+    if NUM_SHARED > 0:
+        shared_weight = 1.0
+        if SHARED_GATE:  # Qwen2-MoE: the shared expert's own sigmoid gate over the token
+            dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for h0 in range(0, hidden, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                h_ok = h < hidden
+                dot += (tl.load(x_ptr + token.to(tl.int64) * stride_x + h, mask=h_ok, other=0.0).to(tl.float32)
+                        * tl.load(gate_ptr + h, mask=h_ok, other=0.0).to(tl.float32))
+            shared_weight = 1.0 / (1.0 + tl.exp(-tl.sum(dot, axis=0)))
+        j = tl.arange(0, BINS)
+        is_shared = j < NUM_SHARED
+        tl.store(weights_ptr + row + TOP_K + j, tl.zeros((BINS,), dtype=tl.float32) + shared_weight, mask=is_shared)
+        tl.store(ids_ptr + row + TOP_K + j, num_experts + j, mask=is_shared)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, scaling: float,
-               correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               correction_bias: torch.Tensor | None = None, shared: int = 0,
+               shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """select_experts for routers without expert groups, in one launch: weights (fp32) and ids (int32, as
-    the alignment reads them), [tokens, top_k] each."""
+    the alignment reads them), [tokens, top_k + shared] each. The last `shared` columns are the shared experts
+    (ids experts ..), weighted 1, or sigmoid(x . gate) with `shared_gate` (x [tokens, H], gate [1, H] or [H])."""
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(tokens, top_k + shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + shared, dtype=torch.int32, device=logits.device)
     bias = correction_bias if correction_bias is not None else weights
-    _route_topk_kernel[(tokens,)](logits, bias, weights, ids, experts, logits.stride(0), scaling, TOP_K=top_k,
-                                  SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-                                  BINS=max(16, triton.next_power_of_2(experts)), num_warps=4 if experts > 256 else 1)
+    x, gate = shared_gate if shared_gate is not None else (weights, weights)
+    if shared_gate is not None and (x.stride(-1) != 1 or gate.numel() != x.shape[1] or not gate.is_contiguous()):
+        raise ValueError(f"the shared expert's gate {tuple(gate.shape)} does not fit tokens {tuple(x.shape)}.")
+    _route_topk_kernel[(tokens,)](logits, bias, weights, ids, x, gate, experts, logits.stride(0), x.stride(0),
+                                  x.shape[-1], scaling, TOP_K=top_k, SIGMOID=sigmoid,
+                                  HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+                                  BINS=max(16, triton.next_power_of_2(max(experts, shared))), NUM_SHARED=shared,
+                                  SHARED_GATE=shared_gate is not None, BLOCK_H=1024,
+                                  num_warps=4 if experts > 256 else 1)
     return weights, ids
 
 
@@ -300,12 +373,30 @@ def _store_pairs(acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, slot, valid,
 
 
 @triton.jit
+def _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed, stride_sn, shared_chunk,
+                    shared_up, HAS_SHARED: tl.constexpr):
+    """Expert `expert`'s weight matrix: its first row, the stride between rows and the offset of its up rows. With
+    HAS_SHARED, ids from num_routed on are chunks of the shared experts' matrix (shared_ptr; chunk j starts
+    j * shared_chunk elements in, its up rows shared_up rows below its gate rows)."""
+    base = w_ptr + expert.to(tl.int64) * stride_we
+    stride_n = stride_wn
+    up_rows = n_out
+    if HAS_SHARED:
+        if expert >= num_routed:
+            base = shared_ptr + (expert - num_routed).to(tl.int64) * shared_chunk
+            stride_n = stride_sn
+            up_rows = shared_up
+    return base, stride_n, up_rows.to(tl.int64) * stride_n
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_ptr, bias_ptr,
                      n_out, k_in, num_pairs, stride_a, stride_we, stride_wn, stride_c, stride_be, top_k, alpha, limit,
+                     shared_ptr, num_routed, stride_sn, shared_chunk, shared_up,
                      A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False,
-                     ACTIVATION: tl.constexpr = 0):
+                     ACTIVATION: tl.constexpr = 0, HAS_SHARED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -313,10 +404,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
         return
     slot, valid, a_row, cols, col_ok = _block_pairs(pid_m, pid_n, slots_ptr, num_pairs, top_k, n_out, A_BY_TOKEN,
                                                     BLOCK_M, BLOCK_N)
+    w_base, stride_n, up_offset = _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed,
+                                                  stride_sn, shared_chunk, shared_up, HAS_SHARED)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a + ks[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]
-    up_offset = n_out * stride_wn
+    w_ptrs = w_base + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * stride_n + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
@@ -340,39 +432,143 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
                  stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, ACTIVATION)
 
 
+@triton.jit
+def _gemv_rows(a_row_ptr, w_rows, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row (k_in inputs) times BLOCK_N weight rows (pointers to each row's first input): fp32 [BLOCK_N].
+    Rows past the matrix point at a real row and are masked when stored."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_in
+        a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _moe_up_gemv_kernel(x_ptr, w_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, num_experts, stride_x, stride_we,
+                        stride_wn, stride_mid, stride_be, top_k, alpha, limit, shared_ptr, num_routed, stride_sn,
+                        shared_chunk, shared_up, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                        HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (token, expert) pair's gate and up rows [pid_n's BLOCK_N columns] over its token, plus the expert's bias,
+    through the gated activation, out to mid's pair row. A pair of another rank's expert (-1) is skipped."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    w_base, stride_n, up_offset = _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed,
+                                                  stride_sn, shared_chunk, shared_up, HAS_SHARED)
+    w_rows = w_base + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_n
+    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    gate = _gemv_rows(a_row, w_rows, k_in, BLOCK_N, BLOCK_K)[None, :]
+    up = _gemv_rows(a_row, w_rows + up_offset, k_in, BLOCK_N, BLOCK_K)[None, :]
+    gate, up = _add_bias(gate, up, bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
+    mid = _gated(gate, up, alpha, limit, ACTIVATION)
+    tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols[None, :], mid.to(mid_ptr.dtype.element_ty),
+             mask=col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_sum_gemv_kernel(mid_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, n_out, k_in, num_experts,
+                              stride_mid, stride_we, stride_wn, stride_out, stride_be, shared_ptr, num_routed,
+                              stride_sn, shared_chunk, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's output [pid_n's BLOCK_N columns]: the sum over its TOP_K pairs of the pair's top-k weight times
+    (its expert's down rows over the pair's mid row, plus the expert's bias), in fp32, rounded once. Pairs of another
+    rank's experts (-1) add nothing."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    total = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + pair)
+        here = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(here, expert, 0)
+        w_base, stride_n, _ = _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed,
+                                              stride_sn, shared_chunk, n_out, HAS_SHARED)
+        w_rows = w_base + tl.where(col_ok & here, cols, 0).to(tl.int64)[:, None] * stride_n
+        acc = _gemv_rows(mid_ptr + pair * stride_mid, w_rows, tl.where(here, k_in, 0), BLOCK_N, BLOCK_K)[None, :]
+        acc, _ = _add_bias(acc, acc, bias_ptr, expert, stride_be, cols, col_ok, n_out, False, HAS_BIAS)
+        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=col_ok[None, :])
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               launch: MoeLaunch | None = None, all_local: bool = False, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | LimitedSwiglu | None = None
-              ) -> torch.Tensor:
+              w2_bias: torch.Tensor | None = None, activation: ClampedSwiglu | LimitedSwiglu | None = None,
+              shared: SharedExperts | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights (fp32) and ids [T, k], ids local to w13's experts
     (-1: another rank's expert; `all_local`: there are none). Returns [T, H] in x's dtype. gpt-oss: biases
-    w13_bias [E, 2I] and w2_bias [E, H], and its clamped SwiGLU as `activation`; DeepSeek-V4: its LimitedSwiglu."""
+    w13_bias [E, 2I] and w2_bias [E, H], and its clamped SwiGLU as `activation`; DeepSeek-V4: its LimitedSwiglu.
+    `shared`: shared experts folded in as experts E .. E + count - 1, which ids must name (with their weights)."""
     tokens, hidden = x.shape
-    experts, double_inter, _ = w13.shape
+    routed, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
-    pairs = tokens * k
-    cfg = launch or choose_launch(tokens, w13, k)
-    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
-    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
-    # every row is written unless another rank holds some pairs: those must add zero
-    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
+    count = 0 if shared is None else shared.count
+    if shared is not None:
+        shared.check(w13, w2)
+        if w13_bias is not None or w2_bias is not None or activation is not None:
+            raise ValueError("shared experts fold only into SwiGLU experts without biases.")
+    cfg = launch or choose_launch(tokens, w13, k - count, count)
     flat_weights = weights.reshape(-1).float().contiguous()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
-    common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = _activation_args(activation)
     b13, b2 = _bias_args(w13_bias, flat_weights), _bias_args(w2_bias, flat_weights)
+    s13, s2 = _shared_args(shared, w13, w2, routed, inter)
+    mid = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)  # pairs no program holds are never read
+    if cfg.gemv:
+        return _gemv_moe(x, w13, w2, mid, flat_weights, ids, act, b13, b2, s13, s2, routed + count, cfg)
+    slots, block_expert = align_by_expert(ids, routed + count, cfg.block_m)
+    # every row is written unless another rank holds some pairs: those must add zero
+    out = (torch.empty if all_local else torch.zeros)(tokens * k, hidden, dtype=x.dtype, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models keep fp32 products
+    common = dict(PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, HAS_SHARED=shared is not None)
     grid = (block_expert.numel(), triton.cdiv(inter, cfg.block_n))
-    _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, b13[0], inter, hidden, pairs,
-                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), b13[1], k, *act[:2],
+    _moe_gemm_kernel[grid](x, w13, mid, slots, block_expert, flat_weights, b13[0], inter, hidden, tokens * k,
+                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0), b13[1], k, *act[:2], *s13,
                            A_BY_TOKEN=True, GATED=True, MUL_WEIGHTS=False, EVEN_K=hidden % cfg.block_k == 0,
                            HAS_BIAS=b13[2], ACTIVATION=act[2], **common)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
-    _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
-                           mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, *act[:2],
+    _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, tokens * k,
+                           mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, *act[:2], *s2,
                            A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
                            HAS_BIAS=b2[2], **common)
     return sum_top_k(out.view(tokens, k, hidden))
+
+
+def _gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, mid: torch.Tensor, flat_weights: torch.Tensor,
+              ids: torch.Tensor, act: tuple, b13: tuple, b2: tuple, s13: tuple, s2: tuple, experts: int,
+              cfg: MoeLaunch) -> torch.Tensor:
+    """fused_moe's token-major path: the pairs' gate/up GEMVs, then each token's down GEMVs summed (two launches)."""
+    tokens, hidden = x.shape
+    inter, k = mid.shape[1], ids.shape[1]
+    flat_ids = ids.reshape(-1).to(torch.int32)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    common = dict(HAS_SHARED=experts > w13.shape[0], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps)
+    _moe_up_gemv_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
+        x, w13, mid, flat_ids, b13[0], inter, hidden, experts, x.stride(0), w13.stride(0), w13.stride(1),
+        mid.stride(0), b13[1], k, *act[:2], *s13, HAS_BIAS=b13[2], ACTIVATION=act[2], **common)
+    _moe_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+        mid, w2, out, flat_ids, flat_weights, b2[0], hidden, inter, experts, mid.stride(0), w2.stride(0),
+        w2.stride(1), out.stride(0), b2[1], *s2[:4], TOP_K=k, HAS_BIAS=b2[2], **common)
+    return out
+
+
+def _shared_args(shared: SharedExperts | None, w13: torch.Tensor, w2: torch.Tensor, routed: int, inter: int
+                 ) -> tuple[tuple, tuple]:
+    """The kernels' (shared_ptr, num_routed, stride_sn, shared_chunk, shared_up) for the gate/up and the down pass;
+    without shared experts, placeholders never read."""
+    if shared is None:
+        return (w13, routed, w13.stride(1), 0, inter), (w2, routed, w2.stride(1), 0, inter)
+    width = shared.count * inter
+    return ((shared.w13, routed, shared.w13.stride(0), inter * shared.w13.stride(0), width),
+            (shared.w2, routed, shared.w2.stride(0), inter, width))
 
 
 @triton.jit
@@ -444,7 +640,8 @@ def fused_moe_relu2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg.block_n))
     _moe_gemm_kernel[grid](mid, w2, out, slots, block_expert, flat_weights, b2[0], hidden, inter, pairs,
                            mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), b2[1], k, 1.0, 0.0,
-                           A_BY_TOKEN=False, GATED=False, MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
+                           *_shared_args(None, w1, w2, experts, inter)[1], A_BY_TOKEN=False, GATED=False,
+                           MUL_WEIGHTS=True, EVEN_K=inter % cfg.block_k == 0,
                            HAS_BIAS=b2[2], **common)
     return sum_top_k(out.view(tokens, k, hidden))
 

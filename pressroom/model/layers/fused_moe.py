@@ -11,6 +11,10 @@ NVFP4 in fp4.py, DeepSeek's FP8 blocks in fp8.py), in its own form and with its 
 Options for gpt-oss: expert biases (`w13_bias` [experts, 2 * inter], `w2_bias` [experts, hidden]) and its
 clamped SwiGLU (kernels/moe_activation.py) in place of SwiGLU. For Nemotron-H: experts with no gate half
 (activation `Relu2`): `w13` holds only the up matrices [experts, inter, hidden], relu(up)² feeds down.
+
+Shared experts on CUDA (`shared_experts_of`): a block's dense shared MLP joins the routed experts' Triton kernels as
+extra experts every token routes to (ids num_experts ..; select_experts appends them with their weights), read in
+place from the MLP's weights: one pair of launches for routed and shared. The CPU keeps the MLP as it is.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pressroom.kernels.moe_activation import ClampedSwiglu, Relu2, gated
+from pressroom.model.layers.activation import SiluAndMul
 from pressroom.model.layers.deferred import held_weight
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import MoeMethod
@@ -48,15 +53,34 @@ class RouterConfig:
             raise ValueError(f"topk_group ({self.topk_groups}) is larger than n_group ({self.num_groups}).")
 
 
-def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
+def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None,
+                   shared: int = 0, shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's chosen experts ([tokens, top_k], int64) and their weights (fp32). The correction bias
-    (sigmoid routers) steers which experts are chosen, never their weights."""
+    """Each token's chosen experts ([tokens, top_k + shared], int64 or, on CUDA, int32) and their weights (fp32). The
+    correction bias (sigmoid routers) steers which experts are chosen, never their weights. `shared`: that many
+    shared experts appended to every token (ids experts .. experts + shared - 1), weighted 1, or sigmoid(x . gate)
+    with `shared_gate` (x, gate weight [1, hidden]: Qwen2-MoE's)."""
     if logits.is_cuda and cfg.num_groups == 1:  # one Triton launch instead of a handful of torch ones
         from pressroom.kernels.triton.fused_moe import route_topk
         return route_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize, cfg.routed_scaling_factor,
-                          correction_bias)
-    return select_experts_torch(logits, cfg, correction_bias)
+                          correction_bias, shared, shared_gate)
+    weights, ids = select_experts_torch(logits, cfg, correction_bias)
+    return with_shared(weights, ids, logits.shape[1], shared, shared_gate)
+
+
+def with_shared(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, shared: int,
+                shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts' top-k with `shared` shared experts appended (see select_experts)."""
+    if not shared:
+        return weights, ids
+    tokens = ids.shape[0]
+    if shared_gate is None:
+        gate = torch.ones(tokens, 1, dtype=weights.dtype, device=weights.device)
+    else:
+        x, w = shared_gate
+        gate = torch.sigmoid(x.float() @ w.float().reshape(-1, 1))
+    extra = torch.arange(num_experts, num_experts + shared, dtype=ids.dtype, device=ids.device)
+    return torch.cat((weights, gate.expand(tokens, shared)), dim=1), torch.cat((ids, extra.expand(tokens, -1)), dim=1)
 
 
 def select_experts_torch(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
@@ -192,21 +216,44 @@ class FusedMoE(nn.Module):
         getattr(self, param).data[expert].narrow(0, row, loaded.shape[0]).copy_(loaded)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids -> this rank's (-1: an expert another rank holds)."""
-        return ids if self.owns_all else torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
+        """Global expert ids -> this rank's (-1: an expert another rank holds); folded shared experts' ids (from
+        num_experts on) follow this rank's routed experts."""
+        if self.owns_all:
+            return ids
+        routed = torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
+        return torch.where(ids >= self.num_experts, ids - self.num_experts + (self.end - self.start), routed)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts."""
+    def shared_experts_of(self, mlp: nn.Module | None):
+        """The block's dense shared MLP (gate_up_proj, SiluAndMul, down_proj: Llama's) as a kernels/triton/fused_moe.py
+        SharedExperts these experts' kernels fold in; None where they cannot: quantized, biased or hooked (LoRA)
+        layers on either side, other activations, or a width on this rank that is not whole experts."""
+        if mlp is None or not self._foldable_experts() or not isinstance(getattr(mlp, "act", None), SiluAndMul):
+            return None
+        gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if not all(_plain_dense(layer, self.w13) for layer in (gate_up, down)):
+            return None
+        width = down.weight.shape[1]
+        if width % self.intermediate or gate_up.weight.shape != (2 * width, self.hidden) \
+                or down.weight.shape[0] != self.hidden:
+            return None
+        from pressroom.kernels.triton.fused_moe import SharedExperts
+        return SharedExperts(gate_up.weight, down.weight, width // self.intermediate)
+
+    def _foldable_experts(self) -> bool:
+        return (self.quant_method is None and self.gated and self.activation is None and self.w13_bias is None
+                and self.w2_bias is None)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None) -> torch.Tensor:
+        """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts; `shared` (CUDA): the
+        SharedExperts that shared_experts_of gave, whose ids select_experts appended."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, weights, ids)
         if x.is_cuda and not self.gated:
             from pressroom.kernels.triton.fused_moe import fused_moe_relu2
             return fused_moe_relu2(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids),
                                    all_local=self.owns_all, w1_bias=self.w13_bias, w2_bias=self.w2_bias)
-        if x.is_cuda:  # buffers sized by tokens * top_k whatever the routing: the memory profile covers any
-            from pressroom.kernels.triton.fused_moe import fused_moe
-            return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all,
-                             w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation)
+        if x.is_cuda or shared is not None:
+            return self.forward_triton(x, weights, ids, shared)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -226,6 +273,13 @@ class FusedMoE(nn.Module):
             out.index_add_(0, idx, y * scale[rows].unsqueeze(1).to(y.dtype))
         return out
 
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None) -> torch.Tensor:
+        """The Triton kernels (CUDA; the CPU under TRITON_INTERPRET=1): buffers sized by tokens * top_k whatever the
+        routing, so the memory profile covers any, and no host sync."""
+        from pressroom.kernels.triton.fused_moe import fused_moe
+        return fused_moe(x.contiguous(), self.w13, self.w2, weights, self.local_ids(ids), all_local=self.owns_all,
+                         w13_bias=self.w13_bias, w2_bias=self.w2_bias, activation=self.activation, shared=shared)
+
     def _activated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Local expert `expert`'s first projection of x through its activation: what its down projection reads."""
         projected = F.linear(x, self.w13[expert], _row(self.w13_bias, expert))
@@ -233,6 +287,16 @@ class FusedMoE(nn.Module):
             return self.activation(projected)
         gate, up = projected.chunk(2, dim=-1)
         return gated(gate, up, self.activation)
+
+
+def _plain_dense(layer: nn.Module | None, like: torch.Tensor) -> bool:
+    """A linear layer holding a plain weight of `like`'s dtype and device, without bias, quantized forms or hooks."""
+    if layer is None or getattr(layer, "bias", None) is not None or layer._forward_hooks or layer._forward_pre_hooks:
+        return False
+    if any(getattr(layer, form, None) is not None for form in ("quant_method", "ggml", "int4", "onednn")):
+        return False
+    weight = layer.weight
+    return weight.dim() == 2 and weight.dtype == like.dtype and weight.device == like.device and weight.stride(1) == 1
 
 
 def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """Mixture-of-experts families on the Llama layers: Mixtral, Qwen2-MoE (a sigmoid-gated shared expert)
 and Qwen3-MoE (q/k norm). Attention is the Llama family's; the feed-forward block of each sparse layer is
-a router, FusedMoE over the routed experts and, where the family has one, a shared expert."""
+a router, FusedMoE over the routed experts and, where the family has one, a shared expert (on CUDA folded into the
+routed experts' kernels: FusedMoE.shared_experts_of)."""
 from __future__ import annotations
 
 import re
@@ -31,6 +32,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.experts.shared_experts_of(self.shared_expert) if x.is_cuda else None
+        if shared is not None:
+            return self.forward_folded(x, shared)
         weights, ids = select_experts(self.gate(x), self.router)
         out = tp_all_reduce(self.experts(x, weights, ids))  # each rank's experts, or slices of them
         if self.shared_expert is not None:  # tensor-parallel as a dense MLP: reduced inside
@@ -39,6 +43,13 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def forward_folded(self, x: torch.Tensor, shared) -> torch.Tensor:
+        """forward with the shared expert folded into the routed experts' kernels (`shared`: shared_experts_of's),
+        its sigmoid gate a routing weight: one pair of expert launches and one reduction for both."""
+        gate = None if self.shared_expert_gate is None else (x, self.shared_expert_gate.weight)
+        weights, ids = select_experts(self.gate(x), self.router, shared=shared.count, shared_gate=gate)
+        return tp_all_reduce(self.experts(x, weights, ids, shared))
 
 
 def _rank_experts(num_experts: int, hidden: int, intermediate: int, **options) -> FusedMoE:
