@@ -201,7 +201,7 @@ class Scheduler:
         self.suspects: dict[str, Request] = {}
         self._solo_turn = False
         # the step-time bound (core/step_time.py), renewed each step; None: off
-        self.step_time = StepTimeBound(step_time, config.step_time_factor) \
+        self.time_bound = StepTimeBound(step_time, config.step_time_factor) \
             if step_time is not None and config.step_time_factor else None
 
     # ---- request table ----
@@ -323,8 +323,8 @@ class Scheduler:
             if not (self.async_drafts and self.spec_budget.draft_costs is not None):
                 self._trim_drafts(budget)
         wanted = [(req, self._num_new_tokens(req, budget)) for req in self.running]
-        if self.step_time is not None:  # the decodes' own step is its baseline
-            self.step_time.begin((1 + len(r.spec_token_ids), r.num_computed_tokens) for r, n in wanted if n == 1)
+        if self.time_bound is not None:  # the decodes' own step is its baseline
+            self.time_bound.begin((1 + len(r.spec_token_ids), r.num_computed_tokens) for r, n in wanted if n == 1)
         for req, n in wanted:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
@@ -350,8 +350,8 @@ class Scheduler:
             if drafts:
                 spec_tokens[req.request_id] = drafts
             budget = max(0, budget - cost)
-            if prompt_chunk and self.step_time is not None:
-                self.step_time.take(n, req.num_computed_tokens)
+            if prompt_chunk and self.time_bound is not None:
+                self.time_bound.take(n, req.num_computed_tokens)
             new_blocks = self.kv.block_ids(req.request_id)[old_len:]
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             if self._book(req, n, len(drafts)):
@@ -471,8 +471,8 @@ class Scheduler:
             admitted += 1
             scheduled[req.request_id] = n
             budget = max(0, budget - self._cost(n, num_hit))
-            if self.step_time is not None:
-                self.step_time.take(n, num_hit)
+            if self.time_bound is not None:
+                self.time_bound.take(n, num_hit)
             new_reqs.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                            req.sampling_params, self.kv.block_ids(req.request_id), num_hit,
                                            req.eos_token_id, req.pooling,
@@ -519,13 +519,13 @@ class Scheduler:
     def _within_step_time(self, req: Request, n: int, computed: int) -> int:
         """A prompt chunk of n tokens after `computed`, cut to what the step-time bound holds (core/step_time.py);
         a single token (a decode's, counted in the bound's baseline) and an encoder's whole prompt are not cut."""
-        if self.step_time is None or n <= 1 or req.whole_prompt:
+        if self.time_bound is None or n <= 1 or req.whole_prompt:
             return n
-        return self.step_time.fit(n, computed)
+        return self.time_bound.fit(n, computed)
 
     def _time_is_up(self) -> bool:
         """Whether the step-time bound holds no more prompt tokens this step (admission can stop)."""
-        return self.step_time is not None and self.step_time.full
+        return self.time_bound is not None and self.time_bound.full
 
     def _take_prefix(self, req: Request, num_hit_blocks: int, num_hit: int, external: int) -> int:
         """Books an admitted request's known prompt tokens (the connector told of its blocks, the first admission's

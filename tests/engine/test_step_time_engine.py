@@ -63,8 +63,8 @@ def _run(model: str, factor: float) -> tuple[LLMEngine, list, dict[str, list[int
 
 def test_prompts_beside_streams_keep_each_step_within_the_bound_and_the_tokens(small_llama):
     engine, steps, tokens = _run(small_llama, FACTOR)
-    timer = engine.scheduler.step_time.model
-    assert isinstance(timer, StepTimer) and engine.scheduler.step_time.factor == FACTOR
+    timer = engine.scheduler.time_bound.model
+    assert isinstance(timer, StepTimer) and engine.scheduler.time_bound.factor == FACTOR
     mixed = []
     for out in steps:
         shares = request_steps(out)

@@ -70,7 +70,7 @@ def _step_times(**kwargs) -> tuple[float, float, list[int]]:
 def test_cuda_defaults_the_bound_on_with_the_cards_roofline():
     with LLM(LLAMA_8B, load_format="dummy", dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
              max_model_len=1024, gpu_memory_utilization=0.6) as llm:
-        bound = llm.engine.scheduler.step_time
+        bound = llm.engine.scheduler.time_bound
         assert bound is not None and bound.factor == CUDA_STEP_TIME_FACTOR
         name = torch.cuda.get_device_name()
         if any(r.name.upper() in name.upper() for r in DEVICE_ROOFLINES):  # H100, H200, A100 ...
