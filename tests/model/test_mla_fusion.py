@@ -73,7 +73,7 @@ def test_the_one_gemm_equals_the_separate_projections(arch, bias):
     parts = _checkpoint_parts(cfg, arch)
     _load(fused, parts)
     x = torch.randn(5, cfg.hidden_size)
-    outs = fused(x)
+    outs = fused.parts_of(fused(x))
     assert [p.name for p in fused.parts] == list(parts)
     assert len(outs) == len(parts) == (3 if arch == "deepseek_v32" else 2)
     for out, tensors in zip(outs, parts.values(), strict=True):
@@ -105,7 +105,7 @@ def test_under_tensor_parallelism_each_rank_holds_its_heads_q_rows_over_the_whol
         rows = [t["weight"].chunk(2)[rank] if p.by_heads else t["weight"] for p, t in zip(fused.parts, parts.values())]
         assert fused.parts[0].by_heads == (arch == "deepseek_v2")
         assert torch.equal(fused.weight, torch.cat(rows))
-        for out, want in zip(fused(x), rows, strict=True):
+        for out, want in zip(fused.parts_of(fused(x)), rows, strict=True):
             torch.testing.assert_close(out, F.linear(x, want), atol=1e-5, rtol=1e-5)
 
 

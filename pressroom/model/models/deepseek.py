@@ -107,7 +107,8 @@ class LatentInputProjection(LinearBase):
     """Every projection of the attention input x in one GEMM (vLLM's fused_qkv_a_proj): `input_parts`' rows stacked,
     each loaded from its own checkpoint tensor (the shard id is its name), the output split back by views. The
     latent parts are replicated and q_proj is split by heads, so each rank's matrix is its heads' q rows over the
-    whole latent rows: exact under tensor parallelism. A part without a bias adds zeros."""
+    whole latent rows: exact under tensor parallelism. A part without a bias adds zeros. LoRA adapters on these
+    parts are not placed (lora/adapter.py knows the qkv and gate-up stacks only) and are refused."""
 
     def __init__(self, in_features: int, parts: tuple[InputPart, ...]) -> None:
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
@@ -117,8 +118,10 @@ class LatentInputProjection(LinearBase):
         if self.bias is not None:
             self.bias.data.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.sizes, dim=-1)
+    def parts_of(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """forward's output [tokens, out_features] as each part's view (forward itself returns the one tensor, as
+        every linear layer does, for the hooks that read it)."""
+        return y.split(self.sizes, dim=-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         index = next((i for i, p in enumerate(self.parts) if p.name == shard_id), None)
@@ -200,7 +203,7 @@ class MLAAttention(nn.Module):
         """From the one GEMM of x: the compressed query (None without q_lora_rank), the query [tokens, heads,
         nope + rope], kv_a_proj_with_mqa's output [tokens, rank + rope] (a strided view) and the indexer's key
         before its norm [tokens, index_dim] (a strided view; None unless `indexed`)."""
-        query_part, kv, *index_key = self.fused_qkv_a_proj(x)
+        query_part, kv, *index_key = self.fused_qkv_a_proj.parts_of(self.fused_qkv_a_proj(x))
         q_resid = _norm_rows(self.q_a_layernorm, query_part) if self.q_lora_rank else None
         q = self.q_b_proj(q_resid) if self.q_lora_rank else query_part
         return q_resid, q.view(x.shape[0], self.num_heads, self.nope + self.rope_dim), kv, \
