@@ -8,7 +8,8 @@ time is the weights' and the KV cache's reads); a prompt chunk is compute-bound 
 counted as cost with prefill_cost_context) bounds a step's tokens, not its time beside decodes; this bounds the time.
 
 The rule, one step at a time (`StepTimeBound`):
-- no decodes running: no limit (a lone wave of prompts gets the whole token budget, as before);
+- no decodes running: no limit (a lone wave of prompts gets the whole token budget, as before; a wave larger than
+  the budget is bounded from its second step on, where its first prompts decode);
 - decodes running: the step's estimate with every prompt chunk added stays within factor x the decodes' own
   estimate; a chunk that would pass it is cut to the most tokens that fit;
 - but a step always gets at least `StepTimeModel.floor_tokens` prompt tokens (where prompts wait), so prompts
