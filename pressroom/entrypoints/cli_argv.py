@@ -24,7 +24,7 @@ VLLM_GROUPS = {
     "kv_offloading_size": "CacheConfig", "kv_offloading_disk_path": "CacheConfig",
     "kv_offloading_disk_size": "CacheConfig",
     "max_num_batched_tokens": "SchedulerConfig", "long_prefill_token_threshold": "SchedulerConfig",
-    "prefill_cost_context": "SchedulerConfig", "max_num_seqs": "SchedulerConfig",
+    "prefill_cost_context": "SchedulerConfig", "step_time_factor": "SchedulerConfig", "max_num_seqs": "SchedulerConfig",
     "async_scheduling": "SchedulerConfig",
     "distributed_executor_backend": "ParallelConfig", "num_threads": "ParallelConfig",
     "device": "DeviceConfig", "download_dir": "LoadConfig", "enable_lora": "LoRAConfig",
