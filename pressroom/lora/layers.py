@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # Triton is imported where CUDA runs a step (lazily: the CPU 
 @dataclass(slots=True)
 class LoRAStep:
     """A step's adapters: the slot of each of its tokens (-1: the base model). Inside a CUDA graph `token_slots` is
-    a view of the graph's input buffer, and the masks are computed in the graph from it."""
+    a view of the graph's input buffer, and the grouping by slot is computed in the graph from it."""
     token_slots: torch.Tensor  # [tokens] int64, on the device
     num_slots: int
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)

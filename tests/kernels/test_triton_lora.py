@@ -149,4 +149,5 @@ def test_kernels_replay_in_cuda_graphs_at_llama_8b_shapes(in_features, slices, t
         token_slots.copy_(torch.randint(-1, slots, (tokens,), generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         want = reference(torch.zeros(tokens, out_features), x.cpu(), a.cpu(), b.cpu(), token_slots.cpu(), width)
-        torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
+        # updates up to ~30: the grouped expand multiplies a bf16 copy of the shrink (as torch's bf16 products do)
+        torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=0.1)
