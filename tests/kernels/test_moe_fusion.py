@@ -220,3 +220,29 @@ def test_shared_experts_stay_unfolded_where_the_kernels_cannot_take_them():
     assert experts.shared_experts_of(None) is None
     biased = FusedMoE(6, 32, 16, bias=True)
     assert biased.shared_experts_of(mlp) is None
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_experts_take_the_same_gemvs(fmt):
+    """FP4 experts (packed, dequantized in registers) through the GEMVs: equal to the grouped FP4 GEMMs and to the
+    torch reference, with another rank's experts (-1) and gpt-oss's biases."""
+    from pressroom.kernels import fp4_moe
+    from pressroom.kernels.triton.fused_moe import fused_moe_fp4
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, tokens = 4, 64, 32, 3
+    w13 = fp4_moe.quantize(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2, fmt)
+    w2 = fp4_moe.quantize(torch.randn(experts, hidden, inter, generator=gen) * 0.2, fmt)
+    biases = dict(w13_bias=torch.randn(experts, 2 * inter, generator=gen), w2_bias=torch.randn(experts, hidden,
+                                                                                               generator=gen))
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=2))
+    ids = torch.where(ids == 3, -1, ids)
+    expected = fp4_moe.reference(x, w13, w2, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), **biases)
+    on = lambda w: fp4_moe.Fp4Experts(*(None if t is None else t.to(DEVICE)  # noqa: E731
+                                        for t in (w.packed, w.scales, w.global_scale)))
+    args = (x.to(DEVICE), on(w13), on(w2), weights.to(DEVICE), ids.to(DEVICE))
+    biases = {name: b.to(DEVICE) for name, b in biases.items()}
+    gemv = fused_moe_fp4(*args, MoeLaunch(1, 16, 64, 4, 1, gemv=True), **biases)  # whole blocks of 32 inputs a tile
+    grouped = fused_moe_fp4(*args, MoeLaunch(16, 32, 64, 4, 2), **biases)
+    _close(gemv, grouped, torch.float32)
+    _close(gemv, expected, torch.float32)

@@ -706,10 +706,88 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
                  stride_be, alpha, limit, GATED, MUL_WEIGHTS, HAS_BIAS, ACTIVATION)
 
 
+@triton.jit
+def _fp4_gemv_rows(a_row_ptr, w_rows, s_rows, g_rows, k_in, col_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BB: tl.constexpr):
+    """_gemv_rows over FP4 weight rows (int32 words, block scales, NVFP4's global scales), dequantized in registers."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row_ptr + ks, mask=ks < k_in, other=0.0).to(tl.float32)
+        w = fp4_weights(w_rows, s_rows, g_rows, k0, col_ok, k_in, BLOCK_N, BLOCK_K, BB)
+        acc += tl.sum(w * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _moe_fp4_up_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, num_experts,
+                            stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, stride_mid,
+                            stride_be, top_k, alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                            BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_up_gemv_kernel over FP4 experts (_moe_fp4_gemm_kernel's operands)."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    e = expert.to(tl.int64)
+    n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
+    w_rows, s_rows, g_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sn, \
+        g_ptr + e * stride_ge + n * stride_gn
+    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    gate = _fp4_gemv_rows(a_row, w_rows, s_rows, g_rows, k_in, col_ok, BLOCK_N, BLOCK_K, BB)[None, :]
+    up = _fp4_gemv_rows(a_row, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn, g_rows + n_out * stride_gn,
+                        k_in, col_ok, BLOCK_N, BLOCK_K, BB)[None, :]
+    gate, up = _add_bias(gate, up, bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
+    mid = _gated(gate, up, alpha, limit, ACTIVATION)
+    tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols[None, :], mid.to(mid_ptr.dtype.element_ty),
+             mask=col_ok[None, :])
+
+
+@triton.jit
+def _moe_fp4_down_sum_gemv_kernel(mid_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, n_out, k_in,
+                                  num_experts, stride_mid, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
+                                  stride_gn, stride_out, stride_be, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_down_sum_gemv_kernel over FP4 experts."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
+    total = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + pair)
+        here = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(here, expert, 0)
+        e = expert.to(tl.int64)
+        acc = _fp4_gemv_rows(mid_ptr + pair * stride_mid, w_ptr + e * stride_we + n * stride_wn,
+                             s_ptr + e * stride_se + n * stride_sn, g_ptr + e * stride_ge + n * stride_gn,
+                             tl.where(here, k_in, 0), col_ok & here, BLOCK_N, BLOCK_K, BB)[None, :]
+        acc, _ = _add_bias(acc, acc, bias_ptr, expert, stride_be, cols, col_ok, n_out, False, HAS_BIAS)
+        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=col_ok[None, :])
+
+
 def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
-    """default_launch's rows per block; 64 inputs a tile (whole MXFP4 blocks of 32 per tile)."""
+    """The GEMVs up to GEMV_MAX_TOKENS tokens; beyond, default_launch's rows per block, 64 inputs a tile (whole
+    MXFP4 blocks of 32 per tile). (No sweep for FP4 experts yet.)"""
+    if tokens <= GEMV_MAX_TOKENS:
+        return gemv_launch()
     launch = default_launch(tokens, top_k, experts)
     return MoeLaunch(launch.block_m, launch.block_n, 64, launch.num_warps, launch.num_stages)
+
+
+def _fp4_operands(w: Fp4Experts, placeholder: torch.Tensor) -> tuple:
+    """(words, scales, global scales, their strides: expert and row each) for the FP4 kernels; MXFP4's global
+    scales a placeholder never read."""
+    g = w.global_scale if w.global_scale is not None else w.scales
+    g_strides = (g.stride(0), g.stride(1)) if w.global_scale is not None else (0, 0)
+    words = as_words(w.packed)
+    return (words, w.scales, g, words.stride(0), words.stride(1), w.scales.stride(0), w.scales.stride(1),
+            *g_strides)
 
 
 def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: torch.Tensor, ids: torch.Tensor,
@@ -718,7 +796,7 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
               ) -> torch.Tensor:
     """fused_moe with FP4 experts (kernels/fp4_moe.py): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] as Fp4Experts of
     one format; weights (fp32) and ids [T, k] local to the experts (-1: another rank's). Returns [T, H] in x's
-    dtype. gpt-oss's dense biases and clamped SwiGLU as in fused_moe."""
+    dtype. gpt-oss's dense biases and clamped SwiGLU as in fused_moe; small steps take the GEMVs, as fused_moe's."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -726,24 +804,37 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
         raise ValueError(f"FP4 experts of shapes {w13.shape} and {w2.shape} do not fit {hidden} hidden features.")
     pairs = tokens * k
     cfg = launch or fp4_launch(tokens, k, experts)
-    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    if cfg.block_k % w13.block:
+        raise ValueError(f"a launch for FP4 experts reads whole blocks of {w13.block} inputs; block_k {cfg.block_k} "
+                         "is not a multiple.")
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
+    alpha, limit, form = _activation_args(activation)
+    (b13, b13_stride, has_b13), (b2, b2_stride, has_b2) = (_bias_args(w13_bias, flat_weights),
+                                                          _bias_args(w2_bias, flat_weights))
+    up_ops, down_ops = _fp4_operands(w13, flat_weights), _fp4_operands(w2, flat_weights)
+    if cfg.gemv:
+        flat_ids = ids.reshape(-1).to(torch.int32)
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        common = dict(BB=w13.block // 2, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        _moe_fp4_up_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
+            x, *up_ops[:3], mid, flat_ids, b13, inter, hidden, experts, x.stride(0), *up_ops[3:], mid.stride(0),
+            b13_stride, k, alpha, limit, HAS_BIAS=has_b13, ACTIVATION=form, **common)
+        _moe_fp4_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+            mid, *down_ops[:3], out, flat_ids, flat_weights, b2, hidden, inter, experts, mid.stride(0),
+            *down_ops[3:], out.stride(0), b2_stride, TOP_K=k, HAS_BIAS=has_b2, **common)
+        return out
+    slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(PRECISION=precision, BB=w13.block // 2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    alpha, limit, form = _activation_args(activation)
-    passes = ((x, w13, w13_bias, mid, inter, hidden, True), (mid, w2, w2_bias, out, hidden, inter, False))
-    for a, w, bias, c, n_out, k_in, by_token in passes:
-        g = w.global_scale if w.global_scale is not None else w.scales  # MXFP4: a placeholder, never read
-        g_strides = (g.stride(0), g.stride(1)) if w.global_scale is not None else (0, 0)
-        b, stride_be, has_bias = _bias_args(bias, flat_weights)
+    passes = ((x, up_ops, b13, b13_stride, has_b13, mid, inter, hidden, True),
+              (mid, down_ops, b2, b2_stride, has_b2, out, hidden, inter, False))
+    for a, ops, b, stride_be, has_bias, c, n_out, k_in, by_token in passes:
         grid = (block_expert.numel(), triton.cdiv(n_out, cfg.block_n))
-        words = as_words(w.packed)
-        _moe_fp4_gemm_kernel[grid](a, words, w.scales, g, c, slots, block_expert, flat_weights, b, n_out, k_in,
-                                   pairs, a.stride(0), words.stride(0), words.stride(1), w.scales.stride(0),
-                                   w.scales.stride(1), *g_strides, c.stride(0), stride_be, k, alpha, limit,
+        _moe_fp4_gemm_kernel[grid](a, *ops[:3], c, slots, block_expert, flat_weights, b, n_out, k_in, pairs,
+                                   a.stride(0), *ops[3:], c.stride(0), stride_be, k, alpha, limit,
                                    A_BY_TOKEN=by_token, GATED=by_token, MUL_WEIGHTS=not by_token, HAS_BIAS=has_bias,
                                    ACTIVATION=form if by_token else SWIGLU, **common)
     return sum_top_k(out.view(tokens, k, hidden))
