@@ -36,9 +36,14 @@ def reference(out, x, a, b, token_slots, width):
 
 def run_kernel(kernel, out, x, a, b, token_slots, slices, max_rank):
     """Applies `kernel` ('fused' or 'grouped') on DEVICE; returns out on the CPU."""
+    table = torch.tensor(slices, dtype=torch.int32)
+    return run_layout(kernel, out, x, a, b, token_slots, (table, max(size for _, size in slices), max_rank))
+
+
+def run_layout(kernel, out, x, a, b, token_slots, layout):
+    """As run_kernel, with the kernels' layout arguments (slice table, largest slice, rank) as given."""
     out, x, a, b, token_slots = (t.to(DEVICE) for t in (out, x, a, b, token_slots))
-    table = torch.tensor(slices, dtype=torch.int32, device=DEVICE)
-    layout = (table, max(size for _, size in slices), max_rank)
+    layout = (layout[0].to(DEVICE), *layout[1:])
     if kernel == "fused":
         kernels.add_lora_fused(out, x, a, b, token_slots, *layout)
     else:
@@ -80,7 +85,7 @@ def check_layer(kernel, layer, tokens, seed):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-@pytest.mark.parametrize("tokens", [1, 7, 16])
+@pytest.mark.parametrize("tokens", [1, 16])
 def test_fused_kernel_gives_each_token_its_own_slots_update(layer, tokens):
     check_layer("fused", layer, tokens, seed=tokens)
 
@@ -114,6 +119,32 @@ def test_a_slots_update_reads_that_slot_alone(kernel):
     b[:, 2 * width:] -= 1.0
     second = run_kernel(kernel, torch.zeros(3, 32), x, a, b, token_slots, slices, width)
     assert torch.equal(first, second) and first.abs().sum() > 0 and not first[1].any()
+
+
+@pytest.mark.parametrize("kernel, tokens", [("fused", 5), ("grouped", 37)])
+@pytest.mark.parametrize("fused", ["qkv", "gate_up"])
+def test_the_kernels_read_lora_slots_layout(kernel, tokens, fused):
+    """A real fused layer's LoRASlots (adapters on some of its slices, of ranks below the slots' 16) through the
+    kernels equals its CPU hook's all-slots products: the slice table, widths and columns agree."""
+    from pressroom.lora.adapter import LoRAUpdate
+    from pressroom.lora.layers import LoRASlots, LoRAStep, lora_step
+    from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    layer = QKVParallelLinear(64, 16, 4, 2) if fused == "qkv" else MergedColumnParallelLinear(64, [96, 80])
+    slots = LoRASlots(layer, SLOTS, 16, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    for slot, (j, rank) in enumerate([(0, 8), (len(slots.slices) - 1, 16), (0, 4)]):  # slot 3 left empty
+        offset, size = slots.slices[j]
+        slots.write(slot, LoRAUpdate(f"{fused}", offset, size, torch.randn(rank, 64, generator=gen),
+                                     torch.randn(size, rank, generator=gen), 0.5))
+    x = torch.randn(tokens, 64, generator=gen)
+    out = torch.randn(tokens, layer.out_features, generator=gen)
+    token_slots = torch.randint(-1, SLOTS, (tokens,), generator=gen)
+    with lora_step(LoRAStep(token_slots, SLOTS)):
+        want = slots._add_updates(layer, (x,), out.clone())
+    layout = (slots.slice_table, slots.largest_slice, slots.max_rank)  # as the layer's hook passes them on CUDA
+    got = run_layout(kernel, out.clone(), x, slots.a, slots.b, token_slots, layout)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, out)
 
 
 def apply_on_cuda(out, x, a, b, token_slots, table, max_rank):
