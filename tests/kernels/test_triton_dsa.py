@@ -58,6 +58,17 @@ def test_indexer_logits_equal_the_reference():
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_head_weights_scale_is_folded_in_as_torch_would_apply_it():
+    """Weights in the model's dtype and `weight_scale`: the scores of `weights.float() * weight_scale`, bit for bit
+    (the model no longer launches the cast and the product)."""
+    step = Step().to(DEVICE)
+    req, pos = step.positions()
+    args = (step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    weights = step.index_w.to(torch.bfloat16)
+    folded = dsa.indexer_logits(step.index_q, weights, *args, weight_scale=INDEX_HEADS ** -0.5)
+    assert torch.equal(folded, dsa.indexer_logits(step.index_q, weights.float() * INDEX_HEADS ** -0.5, *args))
+
+
 def test_select_top_k_marks_what_is_not_visible():
     logits = torch.tensor([[0.5, 2.0, float("-inf"), 1.0], [float("-inf"), 3.0, float("-inf"), float("-inf")]])
     assert dsa.select_top_k(logits, 3).tolist() == [[1, 3, 0], [1, -1, -1]]
