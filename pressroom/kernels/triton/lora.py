@@ -27,12 +27,12 @@ import triton.language as tl
 from pressroom.kernels.triton import interpreting
 
 _INTERPRETED = interpreting()  # the same test triton.jit made when the kernels below were defined
-# Elements of one loaded tile: 16K elements over 8 warps is 64 a thread, enough bytes in flight per SM to hide the
+# The fused kernel's tiles of A and B: 32 KB (16K bf16 elements, 64 a thread over 8 warps), and its shrink loop
+# pipelined 3 deep (loads without a dot are pipelined only when the loop asks): ~96 KB in flight per SM, to hide the
 # load latency that made the old two-kernel decode path (64-wide tiles in a serial loop) slow.
-_TILE_ELEMENTS = 16384
+_TILE_BYTES = 32768
 _FUSED_WARPS = 8
-# Stages of the fused kernel's shrink loop (loads without a dot are pipelined only when the loop asks).
-_SHRINK_STAGES = 2
+_SHRINK_STAGES = 3
 
 # Grouped products: BLOCK_M tokens of one slot a program (16 decodes of one slot fill half a tile; prefill chunks fill
 # them), 64-wide steps of the input features, 128-wide steps of the output features; B's and A's tiles at most 8K
@@ -80,13 +80,14 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, slots_ptr, slice_ptr, out_ptr, stride_x, 
         r_mask = r < rank
         column = slot * width + j * rank + r  # the slice's rows of a, columns of b
         a_rows = a_ptr + column.to(tl.int64)[:, None] * stride_a
-        s = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)  # summed across threads once, after the loop
         for k in tl.range(0, in_features, BLOCK_K, num_stages=STAGES):
             cols = k + tl.arange(0, BLOCK_K)
             k_mask = cols < in_features
             xk = tl.load(x_ptr + t * stride_x + cols, mask=k_mask, other=0.0).to(tl.float32)
             ak = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-            s += tl.sum(ak.to(tl.float32) * xk[None, :], axis=1)
+            acc += ak.to(tl.float32) * xk[None, :]
+        s = tl.sum(acc, axis=1)
         for sub in range(0, FEATURES, BLOCK_N):
             n = first + sub + tl.arange(0, BLOCK_N)
             n_mask = n < size
@@ -116,8 +117,9 @@ def add_lora_fused(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     block_r = max(16, triton.next_power_of_2(rank))
     features = _features_per_program(in_features, largest_slice)
     tiles = triton.cdiv(largest_slice, features)
-    block_k = min(triton.next_power_of_2(in_features), max(64, _TILE_ELEMENTS // block_r))
-    block_n = min(features, max(64, _TILE_ELEMENTS // block_r))
+    tile = _TILE_BYTES // a.element_size()
+    block_k = min(triton.next_power_of_2(in_features), max(64, tile // block_r))
+    block_n = min(features, max(64, tile // block_r))
     _fused_kernel[(tokens, slice_table.shape[0] * tiles)](
         x, a, b, token_slots, slice_table, out, x.stride(0), a.stride(0), b.stride(0), out.stride(0),
         in_features, rank, slice_table.shape[0] * rank, tiles,
