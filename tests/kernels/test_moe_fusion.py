@@ -98,7 +98,7 @@ def test_folded_shared_experts_in_bf16(launch):
     _close(got, expected, torch.bfloat16)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (4, 6, 3), (3, 8, 8)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (4, 6, 3), (2, 8, 8)])
 def test_the_gemvs_equal_the_grouped_gemms(tokens, experts, top_k):
     """The token-major GEMVs against the aligned grouped GEMMs and the per-expert loop, with another rank's experts
     (-1) in the routing: they add nothing."""
@@ -246,3 +246,28 @@ def test_fp4_experts_take_the_same_gemvs(fmt):
     grouped = fused_moe_fp4(*args, MoeLaunch(16, 32, 64, 4, 2), **biases)
     _close(gemv, grouped, torch.float32)
     _close(gemv, expected, torch.float32)
+
+
+@pytest.mark.parametrize("quantized, pow2", [(True, True), (False, False)])
+def test_fp8_block_experts_take_the_same_gemvs(quantized, pow2):
+    """DeepSeek's FP8 block experts through the GEMVs (activations quantized per 128-input group in registers, or
+    weight-only), whole and partial last blocks, power-of-two scales: equal to the grouped FP8 GEMMs and to the
+    reference; another rank's experts (-1) add nothing."""
+    from pressroom.kernels import fp8_moe
+    from pressroom.kernels.triton.fused_moe_fp8 import fp8_gemv_launch, fused_moe_fp8
+    gen = torch.Generator().manual_seed(7)
+    experts, tokens, hidden, inter = 4, 2, 200, 192  # a partial last block each way
+    w13 = fp8_moe.quantize(torch.randn(experts, 2 * inter, hidden, generator=gen), halves=2)
+    w2 = fp8_moe.quantize(torch.randn(experts, hidden, inter, generator=gen))
+    x = torch.randn(tokens, hidden, generator=gen) * 4
+    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=2))
+    ids = torch.where(ids == 3, -1, ids)
+    options = dict(quantize_activations=quantized, pow2_scales=pow2)
+    want = fp8_moe.reference(x, w13, w2, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), **options)
+    on = lambda w: fp8_moe.Fp8Experts(w.weight.to(DEVICE), w.scale.to(DEVICE), w.halves)  # noqa: E731
+    args = (x.to(DEVICE), on(w13), on(w2), weights.to(DEVICE), ids.to(DEVICE))
+    gemv = fused_moe_fp8(*args, launch=fp8_gemv_launch(), **options).cpu()
+    grouped = fused_moe_fp8(*args, launch=MoeLaunch(16, 64, 128, 4, 2), **options).cpu()
+    tol = dict(rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(gemv, grouped, **tol)
+    torch.testing.assert_close(gemv, want, **tol)

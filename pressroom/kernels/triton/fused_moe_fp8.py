@@ -13,6 +13,12 @@ are (weight-only, as kernels/triton/quant_gemv.py does for linear layers).
 Launches come from a sweep per shape and GPU (`sweep`, written to moe_configs/ beside the bf16 tables, names ending
 in `_fp8_block128_<gpu>.json`), looked up by the nearest token count; without one, `default_launch`'s rows per
 block with 128 inputs a tile.
+
+Small steps (batch-1 decode) take fused_moe.py's token-major GEMVs over the FP8 experts instead (`MoeLaunch.gemv`):
+each pair's token quantized per 128-input group in registers (the same fp32 operations as `quantize_groups`), its
+gate/up and SwiGLU in one launch, then each token's k down projections (its pairs' intermediate rows quantized
+likewise), weighted and summed, in a second: two launches where the grouped path takes six (two quantizations, the
+alignment, two GEMMs, the top-k sum).
 """
 from __future__ import annotations
 
@@ -30,9 +36,11 @@ import triton.language as tl
 from pressroom.kernels import fp8
 from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts, quantize
 from pressroom.kernels.triton.fused_moe import (
+    GEMV_MAX_TOKENS,
     SWEEP_DIR,
     MoeLaunch,
     _block_pairs,
+    _gated,
     _store_pairs,
     align_by_expert,
     default_launch,
@@ -61,12 +69,19 @@ def fp8_default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
     return MoeLaunch(launch.block_m, launch.block_n, BLOCK, launch.num_warps, launch.num_stages)
 
 
+def fp8_gemv_launch() -> MoeLaunch:
+    """The GEMVs without a sweep: narrow column blocks, one 128-input group a tile."""
+    return MoeLaunch(1, 16, BLOCK, 4, 1, gemv=True)
+
+
 def choose_launch(tokens: int, w13: Fp8Experts, top_k: int) -> MoeLaunch:
     experts, double_inter, hidden = w13.shape
-    if w13.weight.device.type != "cuda":  # Triton's interpreter: correctness only
-        return fp8_default_launch(tokens, top_k, experts)
-    table = _launch_table(experts, double_inter // 2, hidden, top_k, w13.weight.device.index or 0)
-    return nearest_launch(table, tokens) if table else fp8_default_launch(tokens, top_k, experts)
+    table = {}
+    if w13.weight.device.type == "cuda":  # Triton's interpreter: correctness only, the defaults
+        table = _launch_table(experts, double_inter // 2, hidden, top_k, w13.weight.device.index or 0)
+    if table:
+        return nearest_launch(table, tokens)
+    return fp8_gemv_launch() if tokens <= GEMV_MAX_TOKENS else fp8_default_launch(tokens, top_k, experts)
 
 
 @triton.jit
@@ -174,6 +189,105 @@ def _moe_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, slots_ptr, block_e
                  0, 1.0, 0.0, GATED, MUL_WEIGHTS, False, 0)  # ACTIVATION 0: SwiGLU (V4's clamp applied above)
 
 
+@triton.jit
+def _fp8_gemv_rows(a_row_ptr, w_rows, ws_rows, k_in, col_ok, A_FP8: tl.constexpr, POW2: tl.constexpr,
+                   MIN_AMAX: tl.constexpr, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row times BLOCK_N FP8 weight rows (w_rows: each row's first input; ws_rows: its block row of
+    scales), a 128-input group a step: fp32 [BLOCK_N]. A_FP8: the row's group quantized first, as quantize_groups
+    does (its scale times the weights' in the group's product)."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k_in, GROUP):
+        ks = k0 + tl.arange(0, GROUP)
+        k_ok = ks < k_in
+        a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        scale = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
+        if A_FP8:
+            a_scale = tl.maximum(tl.max(tl.abs(a), axis=0), MIN_AMAX) / FP8_LIMIT
+            if POW2:
+                a_scale = _power_of_two_above(a_scale)
+            a = _on_fp8_grid(tl.clamp(tl.math.div_rn(a, a_scale), -FP8_LIMIT, FP8_LIMIT))
+            scale = scale * a_scale
+        acc += tl.sum(w * a[None, :], axis=1) * scale
+    return acc
+
+
+@triton.jit
+def _moe_fp8_up_gemv_kernel(x_ptr, w_ptr, ws_ptr, mid_ptr, ids_ptr, n_out, k_in, num_experts, stride_x, stride_we,
+                            stride_wn, stride_wse, stride_wsn, stride_mid, top_k, up_scale_rows, limit,
+                            A_FP8: tl.constexpr, POW2: tl.constexpr, LIMITED: tl.constexpr, MIN_AMAX: tl.constexpr,
+                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (token, expert) pair's gate and up rows over its token (FP8 weights, block scales), through SwiGLU (V4's
+    clamp first where LIMITED), out to mid's pair row. A pair of another rank's expert (-1) is skipped."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    e = expert.to(tl.int64)
+    n = tl.where(col_ok, cols, 0).to(tl.int64)
+    w_rows = w_ptr + e * stride_we + n[:, None] * stride_wn
+    ws_rows = ws_ptr + e * stride_wse + (n // GROUP) * stride_wsn
+    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    gate = _fp8_gemv_rows(a_row, w_rows, ws_rows, k_in, col_ok, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
+    up = _fp8_gemv_rows(a_row, w_rows + n_out * stride_wn, ws_rows + up_scale_rows * stride_wsn, k_in, col_ok, A_FP8,
+                        POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
+    if LIMITED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    mid = _gated(gate, up, 1.0, 0.0, 0)
+    tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols, mid.to(mid_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_fp8_down_sum_gemv_kernel(mid_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, n_out, k_in, num_experts,
+                                  stride_mid, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+                                  TOP_K: tl.constexpr, A_FP8: tl.constexpr, POW2: tl.constexpr,
+                                  MIN_AMAX: tl.constexpr, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):
+    """One token's output: the sum over its TOP_K pairs of the pair's weight times its expert's FP8 down rows over
+    the pair's mid row, in fp32, rounded once. Pairs of another rank's experts (-1) add nothing."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    n = tl.where(col_ok, cols, 0).to(tl.int64)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + pair)
+        here = (expert >= 0) & (expert < num_experts)
+        e = tl.where(here, expert, 0).to(tl.int64)
+        acc = _fp8_gemv_rows(mid_ptr + pair * stride_mid, w_ptr + e * stride_we + n[:, None] * stride_wn,
+                             ws_ptr + e * stride_wse + (n // GROUP) * stride_wsn, tl.where(here, k_in, 0),
+                             col_ok & here, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
+        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _gemv_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, flat_weights: torch.Tensor, ids: torch.Tensor,
+                  cfg: MoeLaunch, quantize_activations: bool, swiglu_limit: float | None, pow2_scales: bool
+                  ) -> torch.Tensor:
+    """fused_moe_fp8's token-major path (two launches)."""
+    tokens, hidden = x.shape
+    experts, double_inter, _ = w13.shape
+    inter, k = double_inter // 2, ids.shape[1]
+    flat_ids = ids.reshape(-1).to(torch.int32)
+    mid = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    common = dict(A_FP8=quantize_activations, POW2=pow2_scales, MIN_AMAX=1e-12, FP8_LIMIT=fp8.FP8_MAX, GROUP=BLOCK,
+                  BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    _moe_fp8_up_gemv_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
+        x, w13.weight, w13.scale, mid, flat_ids, inter, hidden, experts, x.stride(0), w13.weight.stride(0),
+        w13.weight.stride(1), w13.scale.stride(0), w13.scale.stride(1), mid.stride(0), k, w13.scale.shape[1] // 2,
+        float(swiglu_limit or 0.0), LIMITED=swiglu_limit is not None, **common)
+    _moe_fp8_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+        mid, w2.weight, w2.scale, out, flat_ids, flat_weights, hidden, inter, experts, mid.stride(0),
+        w2.weight.stride(0), w2.weight.stride(1), w2.scale.stride(0), w2.scale.stride(1), out.stride(0), TOP_K=k,
+        **common)
+    return out
+
+
 def check_experts(w13: Fp8Experts, w2: Fp8Experts, hidden: int) -> None:
     experts, double_inter, _ = w13.shape
     if w13.halves != 2 or w2.halves != 1:
@@ -197,10 +311,14 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
     inter, k = double_inter // 2, ids.shape[1]
     pairs = tokens * k
     cfg = launch or choose_launch(tokens, w13, k)
-    if BLOCK % cfg.block_k or cfg.block_k < 32:
-        raise ValueError(f"FP8 tiles of {cfg.block_k} inputs: use 32, 64 or 128 (a tile lies in one 128-input group).")
+    if BLOCK % cfg.block_k or cfg.block_k < 32 or cfg.gemv and cfg.block_k != BLOCK:
+        raise ValueError(f"FP8 tiles of {cfg.block_k} inputs: use 32, 64 or 128 (a tile lies in one 128-input group; "
+                         "the GEMVs take whole groups: 128).")
     if tokens == 0:
         return torch.empty_like(x)
+    if cfg.gemv:
+        return _gemv_moe_fp8(x.contiguous(), w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg,
+                             quantize_activations, swiglu_limit, pow2_scales)
     slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
     mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # pairs no block holds are never read
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
