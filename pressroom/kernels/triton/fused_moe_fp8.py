@@ -52,6 +52,7 @@ from pressroom.kernels.triton.fused_moe import (
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes a launch's pipelined tiles may take (H100 and H200: 227 KiB per block)
 GROUPS_PER_PROGRAM = 8  # activation groups one quantization program takes
+GEMV_SWEEP_TOKENS = 16  # the sweep times the GEMVs up to here
 
 
 def fp8_sweep_path(experts: int, inter: int, hidden: int, top_k: int, gpu: str) -> Path:
@@ -341,14 +342,16 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
 
 
 def sweep_candidates(tokens: int, top_k: int, experts: int) -> list[MoeLaunch]:
-    """Rows per block no larger than twice the pairs an expert gets on average (16 always); the pipelined FP8 tiles
-    (activations, gate's and up's weights) within the shared-memory budget."""
+    """Up to GEMV_SWEEP_TOKENS tokens the GEMVs' column blocks and warps (a whole group a tile); then rows per block no
+    larger than twice the pairs an expert gets on average (16 always); the pipelined FP8 tiles (activations, gate's
+    and up's weights) within the shared-memory budget."""
+    gemvs = [MoeLaunch(1, n, BLOCK, w, 1, gemv=True) for n, w in itertools.product((8, 16, 32, 64), (2, 4, 8))]
     per_expert = tokens * top_k / experts
     space = {16: ((32, 64, 128), (64, 128), (4, 8), (3, 4, 5)),
              32: ((64, 128), (64, 128), (4, 8), (3, 4)),
              64: ((64, 128, 256), (64, 128), (4, 8), (3, 4)),
              128: ((64, 128, 256), (128,), (4, 8), (3, 4))}
-    out = []
+    out = gemvs if tokens <= GEMV_SWEEP_TOKENS else []
     for block_m, (ns, ks, warps, stages) in space.items():
         if block_m > 16 and block_m > 2 * per_expert:
             continue
@@ -408,7 +411,7 @@ def sweep(experts: int, inter: int, hidden: int, top_k: int, token_counts: tuple
                                        "group", "gpu": gpu, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "timing": "do_bench_cudagraph(rep=20 ms) of fused_moe_fp8: activation quantization + alignment + both "
-                        "GEMMs + top-k sum; uniform random routing"}
+                        "GEMMs + top-k sum, or the two GEMVs (gemv: true); uniform random routing"}
     for tokens in token_counts:
         x, weights, ids = _routed(tokens, experts, top_k, hidden)
         args = (x, w13, w2, weights, ids)
@@ -416,7 +419,7 @@ def sweep(experts: int, inter: int, hidden: int, top_k: int, token_counts: tuple
         timed = {c: _time_launch(args, c) for c in sweep_candidates(tokens, top_k, experts)}
         timed = {c: t for c, t in timed.items() if t is not None}
         winner = min(timed, key=timed.get)
-        fallback = fp8_default_launch(tokens, top_k, experts)
+        fallback = fp8_gemv_launch() if tokens <= GEMV_MAX_TOKENS else fp8_default_launch(tokens, top_k, experts)
         base = timed.get(fallback) or _time_launch(args, fallback)
         table["best"][str(tokens)], table["best_us"][str(tokens)] = asdict(winner), round(timed[winner], 2)
         table["default_us"][str(tokens)] = None if base is None else round(base, 2)
