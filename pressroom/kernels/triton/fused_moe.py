@@ -87,10 +87,11 @@ class SharedExperts:
                              f"{tuple(w13.shape[1:])} ({w13.dtype}) with unit column stride.")
 
 
-def sweep_path(experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, gpu: str,
+def sweep_path(experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype | str, gpu: str,
                shared: int = 0) -> Path:
-    """The launch table of one MoE shape (with `shared` folded shared experts) on one GPU: the one key."""
-    dtype_name = str(dtype).removeprefix("torch.")
+    """The launch table of one MoE shape (with `shared` folded shared experts) and weight form (a dtype, or a name
+    such as fused_moe_fp8's "fp8_block128") on one GPU: the one key every table is filed and found under."""
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     folded = f"_S{shared}" if shared else ""
     return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}{folded}_{dtype_name}_{gpu.replace(' ', '_')}.json"
 

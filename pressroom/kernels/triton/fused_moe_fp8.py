@@ -37,7 +37,6 @@ from pressroom.kernels import fp8
 from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts, quantize
 from pressroom.kernels.triton.fused_moe import (
     GEMV_MAX_TOKENS,
-    SWEEP_DIR,
     MoeLaunch,
     _block_pairs,
     _gated,
@@ -47,6 +46,7 @@ from pressroom.kernels.triton.fused_moe import (
     load_sweep,
     nearest_launch,
     sum_top_k,
+    sweep_path,
 )
 
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -56,7 +56,7 @@ GEMV_SWEEP_TOKENS = 16  # the sweep times the GEMVs up to here
 
 
 def fp8_sweep_path(experts: int, inter: int, hidden: int, top_k: int, gpu: str) -> Path:
-    return SWEEP_DIR / f"E{experts}_N{inter}_H{hidden}_K{top_k}_fp8_block128_{gpu.replace(' ', '_')}.json"
+    return sweep_path(experts, inter, hidden, top_k, "fp8_block128", gpu)
 
 
 @functools.cache
