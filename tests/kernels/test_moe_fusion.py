@@ -271,3 +271,31 @@ def test_fp8_block_experts_take_the_same_gemvs(quantized, pow2):
     tol = dict(rtol=1e-4, atol=1e-4 * want.abs().max().item())
     torch.testing.assert_close(gemv, grouped, **tol)
     torch.testing.assert_close(gemv, want, **tol)
+
+
+@pytest.mark.parametrize("launch", [GROUPED, GEMV], ids=["grouped", "gemv"])
+def test_expert_parallel_ranks_with_folded_shared_experts_sum_to_the_whole(launch):
+    """Two expert-parallel ranks, each with half the routed experts and half the shared MLP's width (as its
+    column/row-parallel layers hold it), the shared ids mapped after each rank's own experts (local_ids): the two
+    partial sums (what the one all-reduce adds) equal the whole layer unfused."""
+    experts, hidden, inter, top_k, width, tokens = 6, 32, 16, 2, 64, 3
+    whole = _experts(experts, hidden, inter, seed=21)
+    gate_up, down = _shared_mlp(hidden, width, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=top_k))
+    expected = whole(x, weights, ids) + _dense_mlp(x, gate_up, down)
+    half, part = width // 2, experts // 2
+    weights, ids = with_shared(weights, ids, experts, half // inter)
+    total = torch.zeros(tokens, hidden)
+    for rank in range(2):
+        layer = FusedMoE(experts, hidden, inter, expert_range=(rank * part, (rank + 1) * part))
+        layer.w13.data, layer.w2.data = whole.w13.data[rank * part:(rank + 1) * part], \
+            whole.w2.data[rank * part:(rank + 1) * part]
+        cols = slice(rank * half, (rank + 1) * half)
+        shared = SharedExperts(torch.cat((gate_up[:width][cols], gate_up[width:][cols])).to(DEVICE),
+                               down[:, cols].contiguous().to(DEVICE), half // inter)
+        local = layer.local_ids(ids.to(DEVICE))
+        total += fused_moe(x.to(DEVICE), layer.w13.data.to(DEVICE), layer.w2.data.to(DEVICE), weights.to(DEVICE),
+                           local, launch, shared=shared).cpu()
+    _close(total, expected, torch.float32)
