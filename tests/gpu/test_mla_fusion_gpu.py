@@ -18,8 +18,9 @@ from pressroom.model.models.llama import RopeTables, rotary_from_config  # noqa:
 ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
                  qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=16384, num_hidden_layers=1)
 # kernels one layer's batch-1 decode launches over a 4,000-token context (split-KV, so a merge), cuBLAS's split-K
-# reductions aside; before issue 44: 10, 12 and about 39
-MOST_LAUNCHES = {"v2_lite": 8, "v3": 10, "v32": 18}
+# reductions and torch.topk's own kernels (one call: radix select, sort) aside; before issue 44: 9, 11 and 37
+MOST_LAUNCHES = {"v2_lite": 8, "v3": 10, "v32": 15}
+_LIBRARY_HELPERS = ("splitKreduce", "topk", "TopK", "Sort", "sort", "radix", "Radix", "Blockwise")
 
 
 def _config(form: str):
@@ -85,8 +86,9 @@ def test_launches_per_decode_layer(form):
             decode.step()
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    ours = [k for k in kernels if "splitKreduce" not in k]
-    print(f"\n{form}: {len(ours)} launches per decode layer ({len(kernels)} with cuBLAS's split-K reductions)")
+    ours = [k for k in kernels if not any(helper in k for helper in _LIBRARY_HELPERS)]
+    print(f"\n{form}: {len(ours)} launches per decode layer ({len(kernels)} with cuBLAS's split-K reductions and "
+          "torch.topk's kernels)")
     print("\n".join(f"  {k[:110]}" for k in kernels))
     assert len(ours) <= MOST_LAUNCHES[form], kernels
 
