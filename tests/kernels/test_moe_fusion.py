@@ -299,3 +299,30 @@ def test_expert_parallel_ranks_with_folded_shared_experts_sum_to_the_whole(launc
         total += fused_moe(x.to(DEVICE), layer.w13.data.to(DEVICE), layer.w2.data.to(DEVICE), weights.to(DEVICE),
                            local, launch, shared=shared).cpu()
     _close(total, expected, torch.float32)
+
+
+@pytest.mark.parametrize("experts, groups, topk_groups, top_k, scoring, top2, shared", [
+    (8, 4, 2, 2, "sigmoid", True, 1),  # the tiny DeepSeek-V3 of the parity tests
+    (64, 8, 4, 8, "sigmoid", True, 0),  # V3's form: 8 groups, 4 kept, top-8
+    (60, 6, 3, 6, "softmax", False, 2),  # V2's group_limited_greedy (by group max), members not a power of two
+    (6, 2, 1, 2, "softmax", False, 0)])  # the tiny V2's
+def test_the_grouped_router_launch_equals_select_experts(experts, groups, topk_groups, top_k, scoring, top2, shared):
+    """DeepSeek's grouped routers (a group's best or two best choices score it; only the best groups compete) in
+    the router's one launch: the same experts and weights as the torch router, the shared experts appended."""
+    gen = torch.Generator().manual_seed(experts)
+    logits = torch.randn(7, experts, generator=gen)
+    correction = torch.rand(experts, generator=gen) if scoring == "sigmoid" else None
+    cfg = RouterConfig(top_k=top_k, scoring=scoring, renormalize=scoring == "sigmoid", num_groups=groups,
+                       topk_groups=topk_groups, group_score="top2_sum" if top2 else "max",
+                       routed_scaling_factor=2.5)
+    expected_w, expected_ids = with_shared(*select_experts_torch(logits, cfg, correction), experts, shared)
+    weights, ids = route_topk(logits.to(DEVICE), top_k, scoring == "sigmoid", cfg.renormalize, 2.5,
+                              None if correction is None else correction.to(DEVICE), shared,
+                              groups=(groups, topk_groups, top2))
+    routed, order = ids[:, :top_k].cpu().long().sort(dim=-1)
+    expected_routed, expected_order = expected_ids[:, :top_k].sort(dim=-1)
+    assert torch.equal(routed, expected_routed)
+    torch.testing.assert_close(weights[:, :top_k].cpu().gather(1, order),
+                               expected_w[:, :top_k].gather(1, expected_order))
+    assert torch.equal(ids[:, top_k:].cpu().long(), expected_ids[:, top_k:])
+    assert torch.equal(weights[:, top_k:].cpu(), expected_w[:, top_k:])

@@ -146,13 +146,58 @@ def nearest_launch(table: dict[int, MoeLaunch], tokens: int) -> MoeLaunch:
 
 
 @triton.jit
+def _pick_top_k(choice, scores, experts, weights_ptr, ids_ptr, row, scale, TOP_K: tl.constexpr,
+                RENORMALIZE: tl.constexpr, BINS: tl.constexpr):
+    """The TOP_K best of `choice` (every real expert above -inf; others -inf), stored at weights/ids row `row` in
+    expert order: their `scores` (renormalised to sum to one where asked) times `scale`, and their `experts` ids."""
+    lanes = tl.arange(0, BINS)
+    picked = tl.zeros((BINS,), dtype=tl.int1)
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(tl.where(picked, float("-inf"), choice), axis=0)
+        picked = picked | (lanes == best)
+    total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
+    norm = scale / (total + 1e-20) if RENORMALIZE else scale
+    rank = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # chosen experts in expert order
+    tl.store(weights_ptr + row + rank, scores * norm, mask=picked)
+    tl.store(ids_ptr + row + rank, experts, mask=picked)
+
+
+@triton.jit
+def _store_shared(weights_ptr, ids_ptr, row, token, x_ptr, gate_ptr, stride_x, hidden, num_experts,
+                  NUM_SHARED: tl.constexpr, SHARED_GATE: tl.constexpr, BLOCK_H: tl.constexpr, BINS: tl.constexpr):
+    """The NUM_SHARED shared experts (ids num_experts ..) after a token's top-k: weighted 1, or with SHARED_GATE
+    sigmoid(x . gate) (Qwen2-MoE's shared expert gate, over the token's hidden features)."""
+    shared_weight = 1.0
+    if SHARED_GATE:
+        dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < hidden
+            dot += (tl.load(x_ptr + token.to(tl.int64) * stride_x + h, mask=h_ok, other=0.0).to(tl.float32)
+                    * tl.load(gate_ptr + h, mask=h_ok, other=0.0).to(tl.float32))
+        shared_weight = 1.0 / (1.0 + tl.exp(-tl.sum(dot, axis=0)))
+    j = tl.arange(0, BINS)
+    is_shared = j < NUM_SHARED
+    tl.store(weights_ptr + row + j, tl.zeros((BINS,), dtype=tl.float32) + shared_weight, mask=is_shared)
+    tl.store(ids_ptr + row + j, num_experts + j, mask=is_shared)
+
+
+@triton.jit
+def _finite_choice(choice, ok):
+    """Every real expert above -inf, even a NaN or -inf score (garbage activations, as dummy weights can make), so
+    each round of the top-k picks a new one: always top_k distinct experts, never an unwritten id."""
+    choice = tl.where(choice == choice, tl.maximum(choice, -3.0e38), -3.0e38)
+    return tl.where(ok, choice, float("-inf"))
+
+
+@triton.jit
 def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, x_ptr, gate_ptr, num_experts, stride_logits,
                        stride_x, hidden, scale, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                        RENORMALIZE: tl.constexpr, BINS: tl.constexpr, NUM_SHARED: tl.constexpr,
                        SHARED_GATE: tl.constexpr, BLOCK_H: tl.constexpr):
     """One token: scores (softmax or sigmoid), the top-k by score plus the correction bias, the chosen
-    scores as weights (renormalised to sum to one where asked), times the routed scaling factor. Then the
-    NUM_SHARED shared experts (ids num_experts ..), weighted 1, or with SHARED_GATE sigmoid(x . gate)."""
+    scores as weights (renormalised to sum to one where asked), times the routed scaling factor; then the
+    NUM_SHARED shared experts (_store_shared)."""
     token = tl.program_id(0)
     e = tl.arange(0, BINS)
     ok = e < num_experts
@@ -165,42 +210,65 @@ def _route_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, x_ptr, gate_p
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    # Every real expert stays above -inf, even a NaN or -inf score (garbage activations, as dummy weights
-    # can make), so each round picks a new one: always top_k distinct experts, never an unwritten id.
-    choice = tl.where(choice == choice, tl.maximum(choice, -3.0e38), -3.0e38)
-    choice = tl.where(ok, choice, float("-inf"))
-    picked = tl.zeros((BINS,), dtype=tl.int1)
-    for _ in tl.static_range(TOP_K):
-        best = tl.argmax(tl.where(picked, float("-inf"), choice), axis=0)
-        picked = picked | (e == best)
-    total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
-    norm = scale / (total + 1e-20) if RENORMALIZE else scale
-    rank = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # chosen experts in expert order
     row = token * (TOP_K + NUM_SHARED)
-    tl.store(weights_ptr + row + rank, scores * norm, mask=picked)
-    tl.store(ids_ptr + row + rank, e, mask=picked)
+    _pick_top_k(_finite_choice(choice, ok), scores, e, weights_ptr, ids_ptr, row, scale, TOP_K, RENORMALIZE, BINS)
     if NUM_SHARED > 0:
-        shared_weight = 1.0
-        if SHARED_GATE:  # Qwen2-MoE: the shared expert's own sigmoid gate over the token
-            dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            for h0 in range(0, hidden, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                h_ok = h < hidden
-                dot += (tl.load(x_ptr + token.to(tl.int64) * stride_x + h, mask=h_ok, other=0.0).to(tl.float32)
-                        * tl.load(gate_ptr + h, mask=h_ok, other=0.0).to(tl.float32))
-            shared_weight = 1.0 / (1.0 + tl.exp(-tl.sum(dot, axis=0)))
-        j = tl.arange(0, BINS)
-        is_shared = j < NUM_SHARED
-        tl.store(weights_ptr + row + TOP_K + j, tl.zeros((BINS,), dtype=tl.float32) + shared_weight, mask=is_shared)
-        tl.store(ids_ptr + row + TOP_K + j, num_experts + j, mask=is_shared)
+        _store_shared(weights_ptr, ids_ptr, row + TOP_K, token, x_ptr, gate_ptr, stride_x, hidden, num_experts,
+                      NUM_SHARED, SHARED_GATE, BLOCK_H, BINS)
+
+
+@triton.jit
+def _route_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, x_ptr, gate_ptr, num_experts, stride_logits,
+                          stride_x, hidden, scale, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr,
+                          SHARED_GATE: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr,
+                          PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr,
+                          GROUP_BINS: tl.constexpr, MEMBER_BINS: tl.constexpr, SHARED_BINS: tl.constexpr):
+    """_route_topk_kernel for grouped routers (DeepSeek-V2's group_limited_greedy, V3's noaux_tc): the experts laid
+    out [group, member]; a group scores its best (V2) or its two best (TOP2_SUM, V3) choices' sum; only the
+    TOPK_GROUPS best groups' experts compete in the top-k."""
+    token = tl.program_id(0)
+    group = tl.arange(0, GROUP_BINS)
+    member = tl.arange(0, MEMBER_BINS)
+    ok = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
+    e = group[:, None] * PER_GROUP + member[None, :]
+    x = tl.load(logits_ptr + token * stride_logits + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        scores = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
+        scores = scores / tl.sum(tl.sum(scores, axis=1), axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    choice = _finite_choice(choice, ok)
+    group_score = tl.max(choice, axis=1)
+    if TOP2_SUM:  # the best plus the best of the rest (the same value again where two tie)
+        first = tl.argmax(choice, axis=1)
+        group_score += tl.max(tl.where(member[None, :] == first[:, None], float("-inf"), choice), axis=1)
+    group_score = tl.where(group < GROUPS, group_score, float("-inf"))
+    kept = tl.zeros((GROUP_BINS,), dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUPS):
+        best = tl.argmax(tl.where(kept, float("-inf"), group_score), axis=0)
+        kept = kept | (group == best)
+    choice = tl.where(kept[:, None], choice, float("-inf"))
+    bins: tl.constexpr = GROUP_BINS * MEMBER_BINS
+    row = token * (TOP_K + NUM_SHARED)
+    _pick_top_k(tl.reshape(choice, (bins,)), tl.reshape(scores, (bins,)), tl.reshape(e, (bins,)), weights_ptr,
+                ids_ptr, row, scale, TOP_K, RENORMALIZE, bins)
+    if NUM_SHARED > 0:
+        _store_shared(weights_ptr, ids_ptr, row + TOP_K, token, x_ptr, gate_ptr, stride_x, hidden, num_experts,
+                      NUM_SHARED, SHARED_GATE, BLOCK_H, SHARED_BINS)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, scaling: float,
                correction_bias: torch.Tensor | None = None, shared: int = 0,
-               shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_experts for routers without expert groups, in one launch: weights (fp32) and ids (int32, as
-    the alignment reads them), [tokens, top_k + shared] each. The last `shared` columns are the shared experts
-    (ids experts ..), weighted 1, or sigmoid(x . gate) with `shared_gate` (x [tokens, H], gate [1, H] or [H])."""
+               shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+               groups: tuple[int, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in one launch: weights (fp32) and ids (int32, as the alignment reads them), [tokens, top_k +
+    shared] each. `groups` (num_groups, topk_groups, top2_sum): a grouped router's expert groups. The last `shared`
+    columns are the shared experts (ids experts ..), weighted 1, or sigmoid(x . gate) with `shared_gate` (x [tokens,
+    H], gate [1, H] or [H])."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k + shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + shared, dtype=torch.int32, device=logits.device)
@@ -208,12 +276,21 @@ def route_topk(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: boo
     x, gate = shared_gate if shared_gate is not None else (weights, weights)
     if shared_gate is not None and (x.stride(-1) != 1 or gate.numel() != x.shape[1] or not gate.is_contiguous()):
         raise ValueError(f"the shared expert's gate {tuple(gate.shape)} does not fit tokens {tuple(x.shape)}.")
-    _route_topk_kernel[(tokens,)](logits, bias, weights, ids, x, gate, experts, logits.stride(0), x.stride(0),
-                                  x.shape[-1], scaling, TOP_K=top_k, SIGMOID=sigmoid,
-                                  HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-                                  BINS=max(16, triton.next_power_of_2(max(experts, shared))), NUM_SHARED=shared,
-                                  SHARED_GATE=shared_gate is not None, BLOCK_H=1024,
-                                  num_warps=4 if experts > 256 else 1)
+    args = (logits, bias, weights, ids, x, gate, experts, logits.stride(0), x.stride(0), x.shape[-1], scaling)
+    common = dict(TOP_K=top_k, SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+                  NUM_SHARED=shared, SHARED_GATE=shared_gate is not None, BLOCK_H=1024,
+                  num_warps=4 if experts > 256 else 1)
+    if groups is None or groups[0] == 1:
+        _route_topk_kernel[(tokens,)](*args, BINS=max(16, triton.next_power_of_2(max(experts, shared))), **common)
+        return weights, ids
+    num_groups, topk_groups, top2_sum = groups
+    if experts % num_groups:
+        raise ValueError(f"{experts} experts do not split into {num_groups} groups.")
+    per_group = experts // num_groups
+    _route_grouped_kernel[(tokens,)](*args, GROUPS=num_groups, PER_GROUP=per_group, TOPK_GROUPS=topk_groups,
+                                     TOP2_SUM=top2_sum, GROUP_BINS=max(2, triton.next_power_of_2(num_groups)),
+                                     MEMBER_BINS=max(8, triton.next_power_of_2(per_group)),
+                                     SHARED_BINS=max(16, triton.next_power_of_2(shared)), **common)
     return weights, ids
 
 

@@ -60,12 +60,17 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
     correction bias (sigmoid routers) steers which experts are chosen, never their weights. `shared`: that many
     shared experts appended to every token (ids experts .. experts + shared - 1), weighted 1, or sigmoid(x . gate)
     with `shared_gate` (x, gate weight [1, hidden]: Qwen2-MoE's)."""
-    if logits.is_cuda and cfg.num_groups == 1:  # one Triton launch instead of a handful of torch ones
+    if logits.is_cuda:  # one Triton launch instead of a handful (grouped routers: a dozen) of torch ones
         from pressroom.kernels.triton.fused_moe import route_topk
         return route_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize, cfg.routed_scaling_factor,
-                          correction_bias, shared, shared_gate)
+                          correction_bias, shared, shared_gate, router_groups(cfg))
     weights, ids = select_experts_torch(logits, cfg, correction_bias)
     return with_shared(weights, ids, logits.shape[1], shared, shared_gate)
+
+
+def router_groups(cfg: RouterConfig) -> tuple[int, int, bool] | None:
+    """route_topk's `groups` for a grouped router (None for one group)."""
+    return None if cfg.num_groups == 1 else (cfg.num_groups, cfg.topk_groups, cfg.group_score == "top2_sum")
 
 
 def with_shared(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, shared: int,
