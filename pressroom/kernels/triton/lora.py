@@ -36,7 +36,7 @@ _SHRINK_STAGES = 3
 
 # Grouped products: BLOCK_M tokens of one slot a program (16 decodes of one slot fill half a tile; prefill chunks fill
 # them), 64-wide steps of the input features, 128-wide steps of the output features; B's and A's tiles at most 8K
-# elements (at rank 256 too: a pipelined stage's shared memory stays 16 KB), so the width is cut into tiles of 128.
+# elements (at rank 256 too: a pipelined stage's shared memory stays ~20 KB), so the width is cut into tiles of 128.
 BLOCK_M = 32
 _GROUPED_BLOCK_K = 64
 _GROUPED_BLOCK_N = 128
