@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the MoE kernels at real shapes")]
 
 if torch.cuda.is_available():
-    from pressroom.kernels.triton.fused_moe import SharedExperts, default_launch, fused_moe, gemv_launch
+    from pressroom.kernels.triton.fused_moe import MoeLaunch, SharedExperts, default_launch, fused_moe, gemv_launch
     from pressroom.model.layers.fused_moe import RouterConfig, with_shared
 
 # name: (routed experts, hidden, intermediate, top_k, shared experts' width or 0, gated shared expert)
@@ -167,3 +167,42 @@ def test_decode_launches_per_moe_layer():
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"{len(kernels)} kernels: {kernels}")
     assert len(kernels) <= 5, kernels
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_grouped_router_launch_at_deepseek_v3_shape(tokens):
+    """256 experts in 8 groups, 4 kept, top-8, sigmoid with a correction bias, one shared expert appended: the one
+    launch against the torch router (the same experts; weights within fp32 rounding)."""
+    from pressroom.kernels.triton.fused_moe import route_topk
+    from pressroom.model.layers.fused_moe import select_experts_torch
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 256, device="cuda", generator=gen)
+    bias = torch.rand(256, device="cuda", generator=gen) * 0.1
+    cfg = RouterConfig(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)
+    expected_w, expected_ids = with_shared(*select_experts_torch(logits, cfg, bias), 256, 1)
+    weights, ids = route_topk(logits, 8, True, True, 2.5, bias, 1, groups=(8, 4, True))
+    got_ids, order = ids[:, :8].long().sort(dim=-1)
+    want_ids, want_order = expected_ids[:, :8].sort(dim=-1)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(weights[:, :8].gather(1, order), expected_w[:, :8].gather(1, want_order))
+    assert torch.equal(ids[:, 8:].long(), expected_ids[:, 8:])
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_fp8_gemvs_at_deepseek_v3_shape(tokens):
+    """DeepSeek-V3's FP8 block experts (256, hidden 7168, 2048 intermediate, top-8): the GEMVs against the grouped
+    FP8 GEMMs, DeepSeek's recipe (activations quantized per group)."""
+    from pressroom.kernels import fp8_moe
+    from pressroom.kernels.triton.fused_moe_fp8 import _random_experts as random_experts
+    from pressroom.kernels.triton.fused_moe_fp8 import fp8_gemv_launch, fused_moe_fp8
+    w13, w2 = random_experts(256, 2 * 2048, 7168, 2), random_experts(256, 7168, 2048, 1)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 7168, device="cuda", generator=gen).bfloat16()
+    top = torch.randn(tokens, 256, device="cuda", generator=gen).topk(8, dim=-1)
+    weights = torch.softmax(top.values, dim=-1)
+    gemv = fused_moe_fp8(x, w13, w2, weights, top.indices, launch=fp8_gemv_launch(), all_local=True)
+    grouped = fused_moe_fp8(x, w13, w2, weights, top.indices, launch=MoeLaunch(16, 64, 128, 4, 3), all_local=True)
+    want = fp8_moe.reference(x, w13, w2, weights, top.indices)
+    scale = want.float().abs().max()
+    assert (gemv.float() - grouped.float()).abs().max() <= 2e-2 * scale
+    assert (gemv.float() - want.float()).abs().max() <= 2e-2 * scale
