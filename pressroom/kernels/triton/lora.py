@@ -147,8 +147,8 @@ def group_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGroups:
     """A stable counting sort of the tokens by slot, in a few device ops with no host sync (graph-safe): each token's
     place is its slot's start plus the tokens of its slot before it."""
     device = token_slots.device
-    key = torch.where(token_slots < 0, num_slots, token_slots)  # the base model's tokens last
-    one_hot = (key[:, None] == torch.arange(num_slots + 1, device=device)).to(torch.int32)
+    key = token_slots.remainder(num_slots + 1)  # slot -1 (the base model) becomes num_slots: its tokens last
+    one_hot = key[:, None] == torch.arange(num_slots + 1, device=device)
     before = one_hot.cumsum(0, dtype=torch.int32)  # [T, slots + 1]: tokens of each slot up to and including t
     counts = before[-1]
     zero = torch.zeros(1, dtype=torch.int32, device=device)
