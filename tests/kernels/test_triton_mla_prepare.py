@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="triton is not installed: the CUDA backend'
 
 from pressroom.kernels import triton as triton_kernels
 from pressroom.kernels.triton import norm, rotary
-from pressroom.kernels.triton.mla_prepare import IndexerKey, mla_prepare, mla_prepare_into_cache
+from pressroom.kernels.triton.mla_prepare import IndexerInputs, mla_prepare, mla_prepare_into_cache
 from pressroom.model.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(),
@@ -114,8 +114,8 @@ class Indexed(Inputs):
         self.key_weight = (1 + 0.5 * torch.randn(dim, generator=gen)).to(dtype)
         self.key_bias = (0.3 * torch.randn(dim, generator=gen)).to(dtype)
 
-    def index_key(self) -> IndexerKey:
-        return IndexerKey(self.key, self.key_weight, self.key_bias, EPS)
+    def index_key(self) -> IndexerInputs:
+        return IndexerInputs(self.key, self.key_weight, self.key_bias, EPS)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         return mla_prepare(self.q, self.q_latent, self.kv, self.weight, EPS, self.cos, self.sin, self.index_key())
@@ -137,6 +137,21 @@ def test_the_indexer_key_joins_the_entry(dtype, tol):
     assert entry.shape == (3, 32 + 16 + 24)
     _assert_close((query, entry), (want_query, want_entry), tol)
     _assert_close(Inputs.run(inputs), (query, entry[:, :48].contiguous()), 0.0)  # the rest as without the key
+
+
+@pytest.mark.parametrize("index_heads", [3, 20])
+def test_the_indexer_queries_are_rotated_in_place_as_rotary_would(index_heads):
+    """Programs after the entry's rotate the indexer's queries in place: rotary.py's pass, bit for bit under the
+    interpreter (two blocks of heads at 20); the query and entry are unchanged by them."""
+    inputs = Indexed(3, 4, torch.bfloat16).to(DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    queries = torch.randn(3, index_heads, 24, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    want = rotary.rotary_(queries.clone(), inputs.cos, inputs.sin, inputs.rope)
+    key = inputs.index_key()
+    query, entry = mla_prepare(inputs.q, inputs.q_latent, inputs.kv, inputs.weight, EPS, inputs.cos, inputs.sin,
+                               IndexerInputs(key.key, key.weight, key.bias, key.eps, queries=queries))
+    torch.testing.assert_close(queries.cpu(), want.cpu(), atol=0.0 if DEVICE == "cpu" else 1e-2, rtol=0)
+    _assert_close((query, entry), inputs.run(), 0.0)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])

@@ -172,7 +172,8 @@ def _meta(specs, block_size: int, gen: torch.Generator, index_dtype: torch.dtype
 
 def test_sparse_attentions_cuda_path_equals_its_torch_path():
     """V3.2's CUDA branch (through the interpreter): the prepare kernel writes each entry (latent, shared key and
-    the indexer key normed and rotated) into the cache, the indexer scores with its head weights' scale folded in,
+    the indexer key normed and rotated) into the cache and rotates the indexer's queries, the indexer scores with
+    its head weights' scale folded in,
     and the sparse kernel attends over the chosen tokens: the cache and the attention's mix of latents equal the
     torch path's, for a decode past index_topk, a prompt chunk and a padding row."""
     from pressroom.kernels import triton as triton_kernels
@@ -191,9 +192,8 @@ def test_sparse_attentions_cuda_path_equals_its_torch_path():
 
     layer.attn.kv_cache = past.clone()
     q_resid, q, kv, index_key = layer.inputs(x)
-    index_q, index_w = layer.indexer.queries(q_resid, x, rope)
     with forward_context(meta_gpu):
-        mixed = layer._sparse_on_gpu(rope, q, kv, index_key, index_q, index_w, meta_gpu)
+        mixed = layer._sparse_on_gpu(rope, q, kv, index_key, q_resid, x, meta_gpu)
     cache_gpu = layer.attn.kv_cache
 
     layer.attn.kv_cache = past.clone()

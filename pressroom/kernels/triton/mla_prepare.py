@@ -8,7 +8,8 @@ rotary.py's rotation): fp32 throughout, one rounding at the store.
 
 DSA layers (V3.2) also hand over the indexer's key as wk made it: the entry's last part is its LayerNorm and
 rotation (nn.LayerNorm, the rotary pass and the entry's concatenation in the replaced sequence), and the entry
-goes straight into its cache slot (`mla_prepare_into_cache`: write_kv's launch too).
+goes straight into its cache slot (`mla_prepare_into_cache`: write_kv's launch too); the indexer's queries are
+rotated in the same launch (programs after the entry's).
 """
 from __future__ import annotations
 
@@ -91,6 +92,19 @@ def _write_indexer_key(key_ptr, w_ptr, b_ptr, dst, ok, cos, sin, token, stride_k
 
 
 @triton.jit
+def _rotate_heads(x_ptr, cos, sin, token, block, stride_xt, stride_xh, num_heads, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """rotary.py's pass over a block of heads of x, in place (DSA's indexer queries)."""
+    heads = (block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    half = tl.arange(0, HALF_PAD)
+    mask = (heads < num_heads)[:, None] & (half < HALF)[None, :]
+    first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + half[None, :]
+    x1, x2 = _rotated_halves(first, cos[None, :], sin[None, :], mask, HALF)
+    tl.store(first, x1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, x2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_queries(q_ptr, q_latent_ptr, query_ptr, cos, sin, token, head_block, stride_qt, stride_qh, stride_lh,
                    stride_lt, stride_yt, stride_yh, num_heads, nope, rank,
                    RANK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -112,20 +126,26 @@ def _write_queries(q_ptr, q_latent_ptr, query_ptr, cos, sin, token, head_block, 
 
 @triton.jit
 def _mla_prepare_kernel(q_ptr, q_latent_ptr, kv_ptr, weight_ptr, cos_ptr, sin_ptr, query_ptr, entry_ptr, slot_ptr,
-                        key_ptr, key_w_ptr, key_b_ptr,
+                        key_ptr, key_w_ptr, key_b_ptr, iq_ptr,
                         stride_qt, stride_qh, stride_lh, stride_lt, stride_kvt, stride_ct, stride_st,
-                        stride_yt, stride_yh, stride_et, stride_keyt, num_heads, nope, rank, eps, key_dim, key_eps,
+                        stride_yt, stride_yh, stride_et, stride_keyt, stride_iqt, stride_iqh, num_heads, nope, rank,
+                        eps, key_dim, key_eps, index_heads,
                         RANK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                         BLOCK_H: tl.constexpr, KEY_PAD: tl.constexpr, HAS_KEY: tl.constexpr,
-                        TO_CACHE: tl.constexpr, LIMIT: tl.constexpr):
+                        INDEX_BLOCK_H: tl.constexpr, TO_CACHE: tl.constexpr, LIMIT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     half = tl.arange(0, HALF_PAD)
     half_ok = half < HALF
     cos = tl.load(cos_ptr + token * stride_ct + half, mask=half_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_st + half, mask=half_ok, other=0.0).to(tl.float32)
+    # programs per token: blocks of heads' queries, the entry, then blocks of the indexer's queries (DSA)
     # each branch in its own function: the compiler refuses names bound to differently shaped values in both
-    if head_block * BLOCK_H >= num_heads:  # the token's last program
+    query_blocks = tl.cdiv(num_heads, BLOCK_H)
+    if head_block > query_blocks:
+        _rotate_heads(iq_ptr, cos, sin, token, head_block - query_blocks - 1, stride_iqt, stride_iqh, index_heads,
+                      HALF, HALF_PAD, INDEX_BLOCK_H)
+    elif head_block == query_blocks:
         if TO_CACHE:  # the entry's row is its cache slot; a negative slot is a padding row, written nowhere
             row = tl.load(slot_ptr + token).to(tl.int64)
         else:
@@ -143,17 +163,19 @@ def _mla_prepare_kernel(q_ptr, q_latent_ptr, kv_ptr, weight_ptr, cos_ptr, sin_pt
 
 
 @dataclass(frozen=True, slots=True)
-class IndexerKey:
+class IndexerInputs:
     """DSA's indexer key as wk made it, for the entry's last part: key [T, dim] (row stride free) and its LayerNorm's
-    weight and bias [dim] and eps; the first rope dims are rotated after the norm."""
+    weight and bias [dim] and eps; the first rope dims are rotated after the norm. `queries` [T, index_heads, dim]
+    (dims 1, 2 dense), where given, are rotated in place as rotary.py's pass would (their rotary launch)."""
     key: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     eps: float
+    queries: torch.Tensor | None = None
 
 
 def _check_shapes(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None) -> None:
+                  cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerInputs | None) -> None:
     tokens, heads, _ = q.shape
     rank, rope = q_latent.shape[-1], 2 * cos.shape[-1]
     if q_latent.shape != (heads, tokens, rank) or kv.shape != (tokens, rank + rope) or weight.shape != (rank,):
@@ -173,10 +195,15 @@ def _check_shapes(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, wei
             raise ValueError(f"the indexer key must be [tokens, dim >= {rope}] with unit stride in dim and its norm's "
                              f"weight and bias [dim]; got key {tuple(key.shape)}, weight "
                              f"{tuple(index_key.weight.shape)}, bias {tuple(index_key.bias.shape)}")
+        queries = index_key.queries
+        if queries is not None and (queries.dim() != 3 or queries.shape[0] != tokens or queries.shape[-1] < rope
+                                    or queries.stride(2) != 1 or queries.stride(1) != queries.shape[2]):
+            raise ValueError(f"the indexer queries must be [{tokens}, heads, dim >= {rope}] with dims 1 and 2 dense; "
+                             f"got {tuple(queries.shape)}")
 
 
 def _launch(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-            cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None, entries: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerInputs | None, entries: torch.Tensor,
             slot_mapping: torch.Tensor | None) -> torch.Tensor:
     """The query, with each token's entry written into row `slot_mapping[t]` of entries (row t without it)."""
     _check_shapes(q, q_latent, kv, norm_weight, cos, sin, index_key)
@@ -187,29 +214,34 @@ def _launch(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weig
         return query
     rank_pad = triton.next_power_of_2(rank)
     block_h = min(triton.next_power_of_2(heads), max(1, _TILE // rank_pad))
-    key = index_key or IndexerKey(kv, norm_weight, norm_weight, 0.0)  # placeholders the kernel never reads
+    key = index_key or IndexerInputs(kv, norm_weight, norm_weight, 0.0)  # placeholders the kernel never reads
     key_dim = key.key.shape[-1] if index_key else 0
+    index_q = key.queries if key.queries is not None else q  # a placeholder where there are none
+    index_heads = index_q.shape[1] if key.queries is not None else 0
+    index_block_h = min(16, triton.next_power_of_2(max(index_heads, 1)))  # rotary.py's heads per program
     # num_warps=4, as norm.py's kernel for rank <= 1024: the same reduction layout, so the same sum
-    _mla_prepare_kernel[(tokens, triton.cdiv(heads, block_h) + 1)](
+    programs = triton.cdiv(heads, block_h) + 1 + triton.cdiv(index_heads, index_block_h)
+    _mla_prepare_kernel[(tokens, programs)](
         q, q_latent, kv, norm_weight, cos, sin, query, entries, kv if slot_mapping is None else slot_mapping,
-        key.key, key.weight, key.bias,
+        key.key, key.weight, key.bias, index_q,
         q.stride(0), q.stride(1), q_latent.stride(0), q_latent.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
-        query.stride(0), query.stride(1), entries.stride(0), key.key.stride(0), heads, width - 2 * half, rank, eps,
-        key_dim, key.eps, RANK_PAD=rank_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_H=block_h,
-        KEY_PAD=triton.next_power_of_2(max(key_dim, 1)), HAS_KEY=index_key is not None,
-        TO_CACHE=slot_mapping is not None, LIMIT=saturation_limit(entries.dtype), num_warps=4)
+        query.stride(0), query.stride(1), entries.stride(0), key.key.stride(0), index_q.stride(0), index_q.stride(1),
+        heads, width - 2 * half, rank, eps, key_dim, key.eps, index_heads, RANK_PAD=rank_pad, HALF=half,
+        HALF_PAD=triton.next_power_of_2(half), BLOCK_H=block_h, KEY_PAD=triton.next_power_of_2(max(key_dim, 1)),
+        HAS_KEY=index_key is not None, INDEX_BLOCK_H=index_block_h, TO_CACHE=slot_mapping is not None,
+        LIMIT=saturation_limit(entries.dtype), num_warps=4)
     return query
 
 
 def mla_prepare(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None = None
+                cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerInputs | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """From q [T, heads, nope + rope] (only its rope part is read; row strides free), the absorbed
     q_latent [heads, T, rank], kv_a_proj_with_mqa's kv [T, rank + rope], kv_a_layernorm's weight [rank]
     and eps, and the rope tables cos, sin [T, rope / 2] (rotate-half over all rope dims): returns
     query [T, heads, rank + rope] = cat(q_latent^T, rotate(q rope)) in q_latent's dtype and
     entry [T, rank + rope] = cat(rms_norm(kv latent) * weight, rotate(kv rope)) in kv's dtype, followed by
-    rotate(layer_norm(key)) [T, dim] where `index_key` is given (DSA).
+    rotate(layer_norm(key)) [T, dim] where `index_key` is given (DSA; its queries rotated in place).
     Reference: tests/kernels/test_triton_mla_prepare.py's prepare_reference."""
     dim = index_key.key.shape[-1] if index_key is not None else 0
     entry = torch.empty(q.shape[0], q_latent.shape[-1] + 2 * cos.shape[-1] + dim, dtype=kv.dtype, device=kv.device)
@@ -217,7 +249,7 @@ def mla_prepare(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_
 
 
 def mla_prepare_into_cache(q: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerKey | None,
+                           eps: float, cos: torch.Tensor, sin: torch.Tensor, index_key: IndexerInputs | None,
                            cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """mla_prepare with each token's entry written straight into its slot of cache [blocks, block_size, 1, width]
     (the cache write of the replaced sequence, cache.py's write_kv: FP8 saturates, negative slots are padding rows

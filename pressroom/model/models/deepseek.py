@@ -505,8 +505,11 @@ class LightningIndexer(nn.Module):
     def queries(self, q_resid: torch.Tensor, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated queries [tokens, heads, dim] and head weights [tokens, heads], both in the model's dtype; the
         weights are still to be scaled by `weight_scale` in fp32 (`select` does it, the GPU's scoring kernel too)."""
-        q = self.wq_b(q_resid).view(-1, self.heads, self.dim).contiguous()
-        return rope.rotary.rotate(q, rope.cos, rope.sin), self.weights_proj(x)
+        return rope.rotary.rotate(self.unrotated_queries(q_resid), rope.cos, rope.sin), self.weights_proj(x)
+
+    def unrotated_queries(self, q_resid: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, dim] before their rotation (on CUDA the prepare kernel rotates them in place)."""
+        return self.wq_b(q_resid).view(-1, self.heads, self.dim).contiguous()
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -570,27 +573,28 @@ class SparseMLAAttention(MLAAttention):
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
         q_resid, q, kv, index_key = self.inputs(x)
-        index_q, index_w = self.indexer.queries(q_resid, x, rope)
         meta = get_attention_metadata()
         if x.is_cuda:
-            return self.output(self._sparse_on_gpu(rope, q, kv, index_key, index_q, index_w, meta))
+            return self.output(self._sparse_on_gpu(rope, q, kv, index_key, q_resid, x, meta))
+        index_q, index_w = self.indexer.queries(q_resid, x, rope)
         query, key = self.absorbed_query_and_key(rope, q, kv)
         entry = torch.cat((key, self.indexer.keys(index_key, rope)), dim=-1)  # what the cache keeps
         return self.output(self._sparse_on_cpu(query, entry, index_q, index_w, meta))
 
     def _sparse_on_gpu(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor, index_key: torch.Tensor,
-                       index_q: torch.Tensor, index_w: torch.Tensor, meta) -> torch.Tensor:
-        """Triton: the absorbed query made and the cache entry (latent, shared key, indexer key) written into the
-        cache in one launch, the step's token positions made once, device tensors only, so decode steps replay
-        from CUDA graphs."""
+                       q_resid: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+        """Triton: the absorbed query made, the cache entry (latent, shared key, indexer key) written into the
+        cache and the indexer's queries rotated in one launch, the step's token positions made once, device tensors
+        only, so decode steps replay from CUDA graphs."""
         from pressroom.attention.triton_backend import target_programs
         from pressroom.kernels.triton import dsa
-        from pressroom.kernels.triton.mla_prepare import IndexerKey, mla_prepare_into_cache
+        from pressroom.kernels.triton.mla_prepare import IndexerInputs, mla_prepare_into_cache
         cache = self.attn.kv_cache[0]
         norm, k_norm = self.kv_a_layernorm, self.indexer.k_norm
+        index_q, index_w = self.indexer.unrotated_queries(q_resid), self.indexer.weights_proj(x)
+        indexer = IndexerInputs(index_key, k_norm.weight, k_norm.bias, k_norm.eps, queries=index_q)
         query = mla_prepare_into_cache(q, self._absorb(q[..., :self.nope]), kv, norm.weight, norm.eps, rope.cos,
-                                       rope.sin, IndexerKey(index_key, k_norm.weight, k_norm.bias, k_norm.eps),
-                                       cache, meta.slot_mapping)
+                                       rope.sin, indexer, cache, meta.slot_mapping)
         plan = sparse_plan(meta, query.shape[0])
         chosen = dsa.choose_positions(index_q, index_w, cache, meta.block_tables, plan.token_req, plan.token_pos,
                                       self.rank + self.rope_dim, self.indexer.topk, self.indexer.weight_scale)
