@@ -5,6 +5,8 @@ V3.2's CUDA path (one prepare launch that also writes the cache, one set of toke
 through Triton's interpreter, equals the torch path."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,57 +158,59 @@ def test_w_uv_writes_o_projs_input_in_place():
     assert torch.equal(layer.output(mixed), layer.o_proj(before))
 
 
-def _meta(specs, block_size: int, gen: torch.Generator, index_dtype: torch.dtype, num_tokens: int):
+def _meta(specs, block_size: int, gen: torch.Generator, index_dtype: torch.dtype, num_tokens: int,
+          device: str = "cpu"):
     tables, seq_lens, qsl, num_blocks = scattered_paged_layout(specs, block_size, gen)
     slots = []
     for b, (context, queries) in enumerate(specs):
         for pos in range(context - queries, context):
             slots.append(int(tables[b, pos // block_size]) * block_size + pos % block_size)
     slots += [-1] * (num_tokens - len(slots))  # padding rows, as CUDA graphs run them
-    meta = AttentionMetadata(num_decodes=1, num_decode_tokens=1, slot_mapping=torch.tensor(slots),
-                             block_tables=tables.to(index_dtype), seq_lens=seq_lens.to(index_dtype),
+    meta = AttentionMetadata(num_decodes=1, num_decode_tokens=1, slot_mapping=torch.tensor(slots, device=device),
+                             block_tables=tables.to(device, index_dtype), seq_lens=seq_lens.to(device, index_dtype),
                              query_start_loc=qsl.tolist(), seq_lens_host=seq_lens.tolist(),
-                             query_start_loc_device=qsl, max_query_len=max(q for _, q in specs))
+                             query_start_loc_device=qsl.to(device), max_query_len=max(q for _, q in specs))
     return meta, num_blocks
 
 
 def test_sparse_attentions_cuda_path_equals_its_torch_path():
-    """V3.2's CUDA branch (through the interpreter): the prepare kernel writes each entry (latent, shared key and
-    the indexer key normed and rotated) into the cache and rotates the indexer's queries, the indexer scores with
-    its head weights' scale folded in,
-    and the sparse kernel attends over the chosen tokens: the cache and the attention's mix of latents equal the
-    torch path's, for a decode past index_topk, a prompt chunk and a padding row."""
+    """V3.2's CUDA branch (through the interpreter on the CPU; as it is where CUDA is): the prepare kernel writes each
+    entry (latent, shared key and the indexer key normed and rotated) into the cache and rotates the indexer's
+    queries, the indexer scores with its head weights' scale folded in, and the sparse kernel attends over the
+    chosen tokens: the cache and the attention's mix of latents equal the torch path's (fp32), for a decode past
+    index_topk, a prompt chunk and a padding row."""
     from pressroom.kernels import triton as triton_kernels
     if not triton_kernels.available():
         pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = _config("deepseek_v32")
     layer = _layer(cfg, "deepseek_v32")
     specs, block_size, tokens = [(45, 1), (12, 5)], 8, 7
     meta_cpu, num_blocks = _meta(specs, block_size, torch.Generator().manual_seed(3), torch.int64, tokens - 1)
-    meta_gpu, _ = _meta(specs, block_size, torch.Generator().manual_seed(3), torch.int32, tokens)
+    meta_gpu, _ = _meta(specs, block_size, torch.Generator().manual_seed(3), torch.int32, tokens, device)
     past = torch.randn(layer.attn.cache_shape(num_blocks, block_size), generator=torch.Generator().manual_seed(4))
     rotary = rotary_from_config(cfg, cfg.qk_rope_head_dim)
-    positions = torch.tensor([44, 7, 8, 9, 10, 11, 0])
-    rope = RopeTables(rotary, *rotary.cos_sin(positions))
+    cos, sin = rotary.cos_sin(torch.tensor([44, 7, 8, 9, 10, 11, 0]))
     x = torch.randn(tokens, cfg.hidden_size)
 
-    layer.attn.kv_cache = past.clone()
-    q_resid, q, kv, index_key = layer.inputs(x)
+    gpu_layer = copy.deepcopy(layer).to(device)
+    gpu_layer.attn.kv_cache = past.to(device)
+    rope = RopeTables(rotary.to(device), cos.to(device), sin.to(device))
+    q_resid, q, kv, index_key = gpu_layer.inputs(x.to(device))
     with forward_context(meta_gpu):
-        mixed = layer._sparse_on_gpu(rope, q, kv, index_key, q_resid, x, meta_gpu)
-    cache_gpu = layer.attn.kv_cache
+        mixed = gpu_layer._sparse_on_gpu(rope, q, kv, index_key, q_resid, x.to(device), meta_gpu)
 
     layer.attn.kv_cache = past.clone()
     real = tokens - 1  # the torch path has no padding rows
-    cpu_rope = RopeTables(rotary, rope.cos[:real], rope.sin[:real])
+    cpu_rope = RopeTables(rotary_from_config(cfg, cfg.qk_rope_head_dim), cos[:real], sin[:real])
     q_resid, q, kv, index_key = layer.inputs(x[:real])
     index_q, index_w = layer.indexer.queries(q_resid, x[:real], cpu_rope)
     query, key = layer.absorbed_query_and_key(cpu_rope, q, kv)
     entry = torch.cat((key, layer.indexer.keys(index_key, cpu_rope)), dim=-1)
     want = layer._sparse_on_cpu(query, entry, index_q, index_w, meta_cpu)
 
-    torch.testing.assert_close(cache_gpu, layer.attn.kv_cache, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mixed[:real], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu_layer.attn.kv_cache.cpu(), layer.attn.kv_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[:real].cpu(), want, atol=1e-4, rtol=1e-4)
     assert isinstance(meta_gpu.plan, SparsePlan) and meta_gpu.plan.tokens == tokens
 
 
