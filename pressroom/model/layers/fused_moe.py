@@ -19,6 +19,7 @@ place from the MLP's weights: one pair of launches for routed and shared. The CP
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from pressroom.model.layers.activation import SiluAndMul
 from pressroom.model.layers.deferred import held_weight
 from pressroom.model.lazy_weight import materialize
 from pressroom.model.quantization.base import MoeMethod
+
+if TYPE_CHECKING:  # the Triton module loads where its kernels run
+    from pressroom.kernels.triton.fused_moe import SharedExperts
 
 # A stacked parameter's part: gate (w1), up (w3) and down (w2), as Mixtral names them.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -228,7 +232,7 @@ class FusedMoE(nn.Module):
         routed = torch.where((ids >= self.start) & (ids < self.end), ids - self.start, -1)
         return torch.where(ids >= self.num_experts, ids - self.num_experts + (self.end - self.start), routed)
 
-    def shared_experts_of(self, mlp: nn.Module | None):
+    def shared_experts_of(self, mlp: nn.Module | None) -> SharedExperts | None:
         """The block's dense shared MLP (gate_up_proj, SiluAndMul, down_proj: Llama's) as a kernels/triton/fused_moe.py
         SharedExperts these experts' kernels fold in; None where they cannot: quantized, biased or hooked (LoRA)
         layers on either side, other activations, or a width on this rank that is not whole experts."""
@@ -248,7 +252,8 @@ class FusedMoE(nn.Module):
         return (self.quant_method is None and self.gated and self.activation is None and self.w13_bias is None
                 and self.w2_bias is None)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: SharedExperts | None = None) -> torch.Tensor:
         """x [tokens, hidden]; weights and ids [tokens, top_k] from select_experts; `shared` (CUDA): the
         SharedExperts that shared_experts_of gave, whose ids select_experts appended."""
         if self.quant_method is not None:
@@ -278,7 +283,8 @@ class FusedMoE(nn.Module):
             out.index_add_(0, idx, y * scale[rows].unsqueeze(1).to(y.dtype))
         return out
 
-    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None) -> torch.Tensor:
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       shared: SharedExperts | None = None) -> torch.Tensor:
         """The Triton kernels (CUDA; the CPU under TRITON_INTERPRET=1): buffers sized by tokens * top_k whatever the
         routing, so the memory profile covers any, and no host sync."""
         from pressroom.kernels.triton.fused_moe import fused_moe

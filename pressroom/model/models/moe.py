@@ -5,6 +5,7 @@ routed experts' kernels: FusedMoE.shared_experts_of)."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from torch import nn
 from pressroom.distributed.parallel_state import expert_parallel, get_tp_rank, get_tp_size, tp_all_reduce
 from pressroom.model.layers.fused_moe import DOWN, GATE, UP, FusedMoE, RouterConfig, select_experts
 from pressroom.model.models.llama import LlamaForCausalLM, LlamaMLP
+
+if TYPE_CHECKING:  # the Triton module loads where its kernels run
+    from pressroom.kernels.triton.fused_moe import SharedExperts
 
 
 class SparseMoeBlock(nn.Module):
@@ -44,7 +48,7 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out
 
-    def forward_folded(self, x: torch.Tensor, shared) -> torch.Tensor:
+    def forward_folded(self, x: torch.Tensor, shared: SharedExperts) -> torch.Tensor:
         """forward with the shared expert folded into the routed experts' kernels (`shared`: shared_experts_of's),
         its sigmoid gate a routing weight: one pair of expert launches and one reduction for both."""
         gate = None if self.shared_expert_gate is None else (x, self.shared_expert_gate.weight)
