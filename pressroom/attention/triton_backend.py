@@ -103,18 +103,27 @@ class TritonAttentionBackend:
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, window: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-        latent = kv_cache.shape[0] == 1  # MLA: one entry per token, its first v_dim values the value vector
+        self._refuse_unsupported(kv_cache, window, sinks)  # before anything is written
+        write_kv(kv_cache, k, None if kv_cache.shape[0] == 1 else v, meta.slot_mapping)
+        return self.attend_cached(q, kv_cache, meta, scale, v.shape[-1], window, sinks)
+
+    def _refuse_unsupported(self, kv_cache: torch.Tensor, window: int | None, sinks: torch.Tensor | None) -> None:
+        latent = kv_cache.shape[0] == 1
         if latent and (window is not None or sinks is not None):
             raise ValueError("multi-head latent attention (MLA) takes no sliding window or attention sinks.")
         if self.batch_invariant and (latent or window is not None or sinks is not None):
             raise ValueError("--batch-invariant does not cover multi-head latent attention (MLA), sliding-window "
                              "attention or attention sinks yet.")
-        write_kv(kv_cache, k, None if latent else v, meta.slot_mapping)
-        out = q.new_empty(*q.shape[:2], v.shape[-1])
-        if latent:
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      v_dim: int, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """forward's attention over a cache that holds this step's keys and values already (MLA's prepare kernel
+        writes its entries itself: one launch fewer a layer); [tokens, heads, v_dim]."""
+        self._refuse_unsupported(kv_cache, window, sinks)
+        out = q.new_empty(*q.shape[:2], v_dim)
+        if kv_cache.shape[0] == 1:  # MLA: one entry per token, its first v_dim values the value vector
             def attend(q, tables, lens, starts, max_query_len, out, splits=1):
-                return mla_attention(q, kv_cache[0], tables, lens, starts, max_query_len, scale, out, v.shape[-1],
-                                     splits)
+                return mla_attention(q, kv_cache[0], tables, lens, starts, max_query_len, scale, out, v_dim, splits)
         else:
             def attend(q, tables, lens, starts, max_query_len, out, splits=1):
                 return paged_attention(q, kv_cache, tables, lens, starts, max_query_len, scale, out, splits,

@@ -1,8 +1,9 @@
 """MLA's fused decode path on CUDA at real widths (DeepSeek-V2-Lite's attention: 16 heads, no q compression, hidden
 2048; V3's and V3.2's per-rank shape at TP 8: 16 heads, q_lora_rank 1536, hidden 7168, V3.2's indexer of 64 heads x
 128 and index_topk 2048): the kernels launched by one layer's batch-1 decode, counted by the profiler and printed
-(pytest -s); the CUDA path against the torch path on the same weights and cache (fp32); and a decode replayed from
-a CUDA graph captured with the compile run's metadata, as the graph runner does, against an eager step."""
+(pytest -s; before issue 44 and after: 9 -> 7, 11 -> 9, 37 -> 14); the CUDA path against the torch path on the
+same weights and cache (fp32); and a decode replayed from a CUDA graph captured with the compile run's metadata, as
+the graph runner does, against an eager step."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=51
                  qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=16384, num_hidden_layers=1)
 # kernels one layer's batch-1 decode launches over a 4,000-token context (split-KV, so a merge), cuBLAS's split-K
 # reductions and torch.topk's own kernels (one call: radix select, sort) aside; before issue 44: 9, 11 and 37
-MOST_LAUNCHES = {"v2_lite": 8, "v3": 10, "v32": 14}
+MOST_LAUNCHES = {"v2_lite": 7, "v3": 9, "v32": 14}
 _LIBRARY_HELPERS = ("splitKreduce", "topk", "TopK", "Sort", "sort", "radix", "Radix", "Blockwise")
 
 

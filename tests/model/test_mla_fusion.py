@@ -214,6 +214,44 @@ def test_sparse_attentions_cuda_path_equals_its_torch_path():
     assert isinstance(meta_gpu.plan, SparsePlan) and meta_gpu.plan.tokens == tokens
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_dense_mlas_cuda_path_writes_its_cache_in_the_prepare_launch(arch):
+    """Dense MLA's CUDA branch: the prepare kernel writes each entry into its cache slot and the Triton backend
+    attends over the cache as it is (no write_kv launch); the cache and the mix of latents equal the torch path's
+    (the torch backend's write and attention), decode and prompt chunk alike (fp32)."""
+    from pressroom.attention.torch_ref import TorchAttentionBackend
+    from pressroom.attention.triton_backend import TritonAttentionBackend
+    from pressroom.kernels import triton as triton_kernels
+    if not triton_kernels.available():
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = _config(arch)
+    layer = _layer(cfg, arch)
+    specs, block_size, tokens = [(30, 1), (12, 5)], 8, 6
+    meta_cpu, num_blocks = _meta(specs, block_size, torch.Generator().manual_seed(3), torch.int64, tokens)
+    meta_gpu, _ = _meta(specs, block_size, torch.Generator().manual_seed(3), torch.int32, tokens, device)
+    past = torch.randn(layer.attn.cache_shape(num_blocks, block_size), generator=torch.Generator().manual_seed(4))
+    rotary = rotary_from_config(cfg, cfg.qk_rope_head_dim)
+    cos, sin = rotary.cos_sin(torch.tensor([29, 7, 8, 9, 10, 11]))
+    x = torch.randn(tokens, cfg.hidden_size)
+
+    gpu_layer = copy.deepcopy(layer).to(device)
+    gpu_layer.attn.kv_cache, gpu_layer.attn.backend = past.to(device), TritonAttentionBackend()
+    rope = RopeTables(rotary.to(device), cos.to(device), sin.to(device))
+    _, q, kv, _ = gpu_layer.inputs(x.to(device))
+    with forward_context(meta_gpu):
+        mixed = gpu_layer.attn.forward_cached(gpu_layer._prepare_into_cache(rope, q, kv))
+
+    layer.attn.kv_cache, layer.attn.backend = past.clone(), TorchAttentionBackend()
+    _, q, kv, _ = layer.inputs(x)
+    query, key = layer.absorbed_query_and_key(RopeTables(rotary_from_config(cfg, cfg.qk_rope_head_dim), cos, sin), q,
+                                              kv)
+    with forward_context(meta_cpu):
+        want = layer.attn(query, key.unsqueeze(1))
+    torch.testing.assert_close(gpu_layer.attn.kv_cache.cpu(), layer.attn.kv_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_steps_token_positions_are_made_once(monkeypatch):
     """The first sparse layer of a step makes the token positions, the others read the same tensors; a forward
     of another token count remakes them, and so does the first layer of a CUDA graph's capture after the eager

@@ -48,3 +48,14 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, sinks)
         return out.flatten(1)
+
+    def attends_cached(self) -> bool:
+        """Whether the backend can attend over entries the layer wrote into its cache itself (`forward_cached`)."""
+        return hasattr(self.backend, "attend_cached")
+
+    def forward_cached(self, q: torch.Tensor) -> torch.Tensor:
+        """forward for a layer that wrote this step's entries into its cache itself (MLA's prepare kernel):
+        q [tokens, heads, head_dim] -> [tokens, heads * v_head_dim]."""
+        out = self.backend.attend_cached(q, self.kv_cache, get_attention_metadata(), self.scale, self.v_head_dim,
+                                         self.sliding_window)
+        return out.flatten(1)

@@ -196,8 +196,20 @@ class MLAAttention(nn.Module):
 
     def forward(self, rope: RopeTables, x: torch.Tensor) -> torch.Tensor:
         _, q, kv, _ = self.inputs(x)
-        query, key = self.absorbed_query_and_key(rope, q, kv)
-        return self.output(self.attn(query, key.unsqueeze(1)).view(x.shape[0], self.num_heads, self.rank))
+        if q.is_cuda and rope.rotary.rotary_dim == self.rope_dim and self.attn.attends_cached():
+            mixed = self.attn.forward_cached(self._prepare_into_cache(rope, q, kv))
+        else:
+            query, key = self.absorbed_query_and_key(rope, q, kv)
+            mixed = self.attn(query, key.unsqueeze(1))
+        return self.output(mixed.view(x.shape[0], self.num_heads, self.rank))
+
+    def _prepare_into_cache(self, rope: RopeTables, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """absorbed_query_and_key's query, its cache entry written into the layer's cache slot by the same launch
+        (the backend's write_kv launch saved)."""
+        from pressroom.kernels.triton.mla_prepare import mla_prepare_into_cache
+        norm = self.kv_a_layernorm
+        return mla_prepare_into_cache(q, self._absorb(q[..., :self.nope]), kv, norm.weight, norm.eps, rope.cos,
+                                      rope.sin, None, self.attn.kv_cache[0], get_attention_metadata().slot_mapping)
 
     def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """From the one GEMM of x: the compressed query (None without q_lora_rank), the query [tokens, heads,
