@@ -10,17 +10,27 @@ multi-query attention with one KV head whose values are the first `kv_lora_rank`
 DeepSeek rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes the rope rows of q and of the
 shared key to (even dims, odd dims), so the rotate-half kernels compute the same rotation.
 
+Decode is launch-bound, so the layer runs in few launches (issue 44). The projections that read x (q_a_proj or
+q_proj, kv_a_proj_with_mqa, V3.2's indexer wk) are one GEMM, `fused_qkv_a_proj`, loaded part by part from the
+checkpoint's own tensors (vLLM's name). On CUDA, one Triton launch (kernels/triton/mla_prepare.py) normalises the
+latent (and V3.2's indexer key), rotates every rope part (V3.2's indexer queries too), lays out the absorbed query
+and writes the cache entry into its slot; the backend then attends over the cache as it is. The W_UK and W_UV
+products are batched GEMMs over strided views of kv_b_proj (no per-step copies); W_UV writes o_proj's input in
+place. V3.2's per-step token positions are made once a step (`sparse_plan`).
+
 Tensor parallelism splits the attention heads evenly over the ranks, as vLLM does: q_b_proj (or q_proj) is
 column-parallel by heads, each rank keeps its heads' W_UK and W_UV of kv_b_proj, and o_proj is row-parallel
-(its all-reduce joins the heads). The latent path is replicated: q_a_proj, kv_a_proj_with_mqa and their norms,
+(its all-reduce joins the heads; fused_qkv_a_proj holds the rank's q_proj rows over the whole latent rows). The
+latent path is replicated: q_a_proj, kv_a_proj_with_mqa and their norms,
 so every rank computes the same latent and caches it (one KV head, replicated), and V3.2's lightning indexer,
 whose top-k is then the same on every rank. The MoE splits as Qwen-MoE's (models/moe.py): each expert's
 intermediate features sliced, or whole experts per rank under expert parallelism, the partial sums all-reduced;
 shared experts and dense layers split as any dense MLP.
 
 FP8 checkpoints as DeepSeek ships them (128x128 block scales, `weight_scale_inv`; model/quantization/fp8.py)
-stay in FP8 in every linear layer: MLA's q_a/q_b (or q) projection, kv_a_proj_with_mqa and o_proj, the dense
-MLPs, the shared experts, V3.2 indexer's wq_b and wk, and the routed experts (fp8.py's `Fp8MoeMethod`: stacked
+stay in FP8 in every linear layer: MLA's fused_qkv_a_proj (q_a or q, kv_a_proj_with_mqa, V3.2 indexer's wk: a
+checkpoint that left any of them unquantized keeps the fused layer dense), q_b_proj and o_proj, the dense MLPs, the
+shared experts, V3.2 indexer's wq_b, and the routed experts (fp8.py's `Fp8MoeMethod`: stacked
 with one scale per 128x128 block, run by kernels/triton/fused_moe_fp8.py on CUDA; under tensor parallelism each
 rank's share of moe_intermediate_size must be whole blocks, else use expert parallelism). The rope reorder is
 exact on them: pressroom keeps a block's scale on each of its rows, so permuting rows moves each row's scales
