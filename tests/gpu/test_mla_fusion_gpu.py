@@ -19,9 +19,10 @@ from pressroom.model.models.llama import RopeTables, rotary_from_config  # noqa:
 ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
                  qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=16384, num_hidden_layers=1)
 # kernels one layer's batch-1 decode launches over a 4,000-token context (split-KV, so a merge), cuBLAS's split-K
-# reductions and torch.topk's own kernels (one call: radix select, sort) aside; before issue 44: 9, 11 and 37
+# reductions and memsets and torch.topk's own kernels (one call: radix select, sort) aside; before issue 44: 9, 11
+# and 37
 MOST_LAUNCHES = {"v2_lite": 7, "v3": 9, "v32": 14}
-_LIBRARY_HELPERS = ("splitKreduce", "topk", "TopK", "Sort", "sort", "radix", "Radix", "Blockwise")
+_LIBRARY_HELPERS = ("splitKreduce", "Memset", "topk", "TopK", "Sort", "sort", "radix", "Radix", "Blockwise")
 
 
 def _config(form: str):
