@@ -108,8 +108,17 @@ def fallback_launch(tokens: int, shape: dict[str, int]) -> MoeLaunch:
     return default_launch(tokens, shape["top_k"] + shape["shared"], shape["experts"] + shape["shared"])
 
 
+def table_so_far(path: Path, shape: dict[str, int]) -> tuple[dict, dict, dict]:
+    """(best, best_us, default_us) an earlier sweep of this shape wrote to `path`, else empty: a sweep of some token
+    counts (--max-tokens 64: the decode buckets) keeps the others' entries."""
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    if {**earlier.get("shape", {}), "shared": earlier.get("shape", {}).get("shared", 0)} != shape:
+        return {}, {}, {}
+    return earlier["best"], earlier["best_us"], earlier["default_us"]
+
+
 def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int],
-          save: Callable[[dict], None]) -> None:
+          save: Callable[[dict], None], earlier: tuple[dict, dict, dict] = ({}, {}, {})) -> None:
     e, i, h, count = shape["experts"], shape["inter"], shape["hidden"], shape["shared"]
     w13 = (torch.randn(e, 2 * i, h, device="cuda") * 0.02).to(dtype)
     w2 = (torch.randn(e, h, i, device="cuda") * 0.02).to(dtype)
@@ -117,7 +126,7 @@ def sweep(shape: dict[str, int], dtype: torch.dtype, token_counts: list[int],
     if count:
         shared = SharedExperts((torch.randn(2 * count * i, h, device="cuda") * 0.02).to(dtype),
                                (torch.randn(h, count * i, device="cuda") * 0.02).to(dtype), count)
-    best, best_us, default_us = {}, {}, {}
+    best, best_us, default_us = (dict(d) for d in earlier)
     for tokens in token_counts:
         args = routed_inputs(tokens, shape, w13, w2, shared)
         start = time.perf_counter()
@@ -158,7 +167,7 @@ def main() -> None:
         if args.output_dir:
             (args.output_dir / path.name).write_text(text)
 
-    sweep(shape, dtype, [t for t in TOKENS if t <= args.max_tokens], save)
+    sweep(shape, dtype, [t for t in TOKENS if t <= args.max_tokens], save, table_so_far(path, shape))
     print(f"wrote {path}")
 
 
