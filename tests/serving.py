@@ -56,22 +56,44 @@ class Server:
     log_path: Path
 
 
+PORT_TRIES = 3
+# What `pressroom serve` logs when its --port was taken (bind_listener's PortUnavailableError; uvicorn's own).
+PORT_LOST = ("is in use by another process", "address already in use")
+
+
 @contextlib.contextmanager
 def launch(cli_args: list[str], log_path: Path, startup_s: float = STARTUP_S) -> Iterator[Server]:
     """Runs `python -m pressroom.entrypoints.cli *cli_args --port P` and yields it once /health is 200; on exit
-    kills it if it still runs."""
-    port = free_port()
-    with open(log_path, "w+") as log:
+    kills it if it still runs. The port is picked free but bound only by the server, seconds later: another
+    process can take it in between, and a start that lost it so is made again on another (PORT_TRIES at most)."""
+    for attempt in range(PORT_TRIES):
+        port = free_port()
+        log = open(log_path, "w+")
         proc = subprocess.Popen([sys.executable, "-m", "pressroom.entrypoints.cli", *cli_args, "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_test_run)
+        server = Server(f"http://127.0.0.1:{port}", proc, log, Path(log_path))
         try:
-            server = Server(f"http://127.0.0.1:{port}", proc, log, Path(log_path))
             _wait_healthy(server, startup_s)
+        except BaseException as e:  # noqa: BLE001 - ended and raised again, unless the port was lost
+            lost = isinstance(e, AssertionError) and proc.poll() is not None and \
+                any(s in tail(log).lower() for s in PORT_LOST)
+            _end(proc)
+            log.close()
+            if lost and attempt < PORT_TRIES - 1:
+                continue
+            raise
+        break
+    with log:
+        try:
             yield server
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _end(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
