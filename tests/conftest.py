@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model, tiny random-weight HF models on disk, and an HF greedy oracle."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -147,14 +148,26 @@ def tiny_args(model_dir: str, *extra: str, name: str = "tiny") -> list[str]:
             *extra]
 
 
+FRIEND = "http://friend.example"  # the one browser origin the shared tiny server lets in (--allowed-origins)
+
+
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, tmp_path_factory):
-    """One server of the tiny llama, served as "tiny", no API key, requests up to 1 MiB, that several modules
-    share (the server, bench serve and pooling-route tests)."""
+def tiny_served(tiny_model_dir, tmp_path_factory):
+    """One server of the tiny llama, served as "tiny", no API key, requests up to 1 MiB, an INFO line per finished
+    request (--enable-log-requests), FRIEND its one allowed browser origin, that several modules share (the server,
+    bench serve, pooling-route, edge-validation, browser-guard and loop-latency tests): (its URL, its log's path).
+    One start, not one per module's flag: none of these flags changes what another module's requests get."""
     from serving import serve
-    args = tiny_args(tiny_model_dir("llama"), "--max-request-bytes", str(1 << 20))
-    with serve(args, tmp_path_factory.mktemp("tiny") / "server.log") as (url, _):
-        yield url
+    log_path = tmp_path_factory.mktemp("tiny") / "server.log"
+    args = tiny_args(tiny_model_dir("llama"), "--max-request-bytes", str(1 << 20), "--enable-log-requests",
+                     "--allowed-origins", json.dumps([FRIEND]))
+    with serve(args, log_path, shutdown_s=20) as (url, _):
+        yield url, log_path
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_served) -> str:
+    return tiny_served[0]
 
 
 TINY_KEY = "sesame"

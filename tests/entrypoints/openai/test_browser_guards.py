@@ -10,13 +10,11 @@ import json
 
 import httpx
 import pytest
-from conftest import tiny_args
-from serving import serve
+from conftest import FRIEND
 
 from pressroom.entrypoints.cli import build_parser
 from pressroom.entrypoints.openai.settings import ServerSettings
 
-FRIEND = "http://friend.example"
 ATTACKER = "http://attacker.example"
 TOKENIZE = {"prompt": "hi"}
 
@@ -24,10 +22,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    args = tiny_args(tiny_model_dir("llama"), "--allowed-origins", json.dumps([FRIEND]))
-    with serve(args, tmp_path_factory.mktemp("browser") / "server.log", shutdown_s=20) as (url, _):
-        yield url
+def server(tiny_server):
+    return tiny_server  # the tiny llama, FRIEND its one allowed origin (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")

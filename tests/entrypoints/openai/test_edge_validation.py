@@ -11,8 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import tiny_args
-from serving import serve
 from starlette.requests import Request
 
 from pressroom.entrypoints.openai.errors import APIError
@@ -28,15 +26,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def log_path(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("edge") / "server.log"
+def server(tiny_served) -> str:
+    return tiny_served[0]  # the tiny llama, a line logged per finished request (shared: conftest.py)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, log_path):
-    with serve(tiny_args(tiny_model_dir("llama"), "--enable-log-requests", name=MODEL), log_path,
-               shutdown_s=20) as (url, _):
-        yield url
+def log_path(tiny_served) -> Path:
+    return tiny_served[1]
 
 
 ROUTES = {"chat": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),

@@ -41,8 +41,14 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    args = tiny_args(tiny_model_dir("llama"), "--log-stats-interval", "0", name=MODEL)  # requests up to 8 MiB
+def server(tiny_server):
+    return tiny_server  # the tiny llama, requests up to 1 MiB (shared: conftest.py)
+
+
+@pytest.fixture(scope="module")
+def big_body_server(tiny_model_dir, tmp_path_factory):
+    """For the megabyte bodies of the two slow tests: the default 8 MiB limit, no stats lines."""
+    args = tiny_args(tiny_model_dir("llama"), "--log-stats-interval", "0", name=MODEL)
     with serve(args, tmp_path_factory.mktemp("loop-latency") / "server.log") as (url, _):
         yield url
 
@@ -106,7 +112,8 @@ def _encoded(body: dict) -> bytes:
 # answer in full clean-clone runs (7 ms and passing when run alone): their figures belong to a quiet machine, so
 # they run with test-slow (make test-slow), not in the default suite.
 @pytest.mark.slow
-def test_health_and_metrics_answer_within_100ms_while_heavy_requests_arrive(server):
+def test_health_and_metrics_answer_within_100ms_while_heavy_requests_arrive(big_body_server):
+    server = big_body_server
     text = "hello world, this is a test. " * 268_000  # 7.8 MB, under the default 8 MiB body limit
     messages = [{"role": "user", "content": "hi"}]
     requests = {
@@ -153,10 +160,11 @@ def test_health_and_metrics_answer_within_100ms_while_heavy_requests_arrive(serv
 
 
 @pytest.mark.slow  # timed: see the note above the previous test
-def test_a_million_prompts_are_refused_before_they_are_validated(server):
+def test_a_million_prompts_are_refused_before_they_are_validated(big_body_server):
     """Their count is judged on the parsed JSON: pydantic takes a microsecond a prompt (1.9 s for these, all of it
     holding the interpreter). Parsing the JSON of a million lists still holds it some 80 ms, hence only the bound
     on the largest /health latency here."""
+    server = big_body_server
     body = _encoded({"model": MODEL, "prompt": [[100]] * 1_000_000})  # 7 MB
     results: dict = {}
     with HealthPoller(server) as poller:
