@@ -11,9 +11,11 @@
 # with the command `rm -rf .whl && mv .whl-owed .whl && bash benchmarks/gpu/owed.sh $OUT A` (.whl-owed ignored in
 # .git/info/exclude). Everything written ends in OUT_DIR/owed_PART.tgz
 # (a device call brings back 8 files at most).
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|all]
+# Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
+# tables) and disagg_bench.sh (issue 49), each a call of its own.
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -74,6 +76,24 @@ if [[ $part == L ]]; then  # LoRA again after its steps replay CUDA graphs and g
   step 120 lora_throughput "${cli[@]}" bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
     --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
   step 70 sleep python3 -m pytest -q -x tests/gpu/test_sleep_mode_gpu.py --tb=short
+fi
+# C and D: what the 2026-12-07 (c) session built without a GPU (issue 44 items 1, 2, 6; issue 48's kernels; the audio
+# encoder graphs), on an H100 or H200: C its GPU tests, D the regressions around them and the decode figures.
+if [[ $part == C ]]; then
+  step 150 moe_fusion python3 -m pytest -q -s tests/gpu/test_moe_fusion_gpu.py --tb=short
+  step 120 mla_fusion python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_mla_prepare.py \
+    tests/kernels/test_triton_dsa.py tests/kernels/test_triton_mla.py --tb=short
+  step 90 lora_test python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/kernels/test_triton_lora.py --tb=short
+  step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
+  step 70 audio_graphs python3 -m pytest -q tests/gpu/test_audio_graphs_gpu.py --tb=short
+fi
+if [[ $part == D ]]; then
+  step 240 regressions python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "moe or deepseek" tests/gpu/test_fp8_moe_gpu.py \
+    tests/gpu/test_fp4_gpu.py tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_deepseek_v4_gpu.py --tb=short
+  for model in deepseek-v2-lite qwen3-30b-a3b; do  # batch-1 decode against the bound (0.344 / 0.361 before)
+    step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_$model.json"
+  done
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
