@@ -42,8 +42,8 @@ run: install
 	$(VENV)/bin/pressroom serve
 
 # The suite CI runs (kept under 12 minutes on 2 cores; the 25 slowest tests are listed at the end). Tests marked
-# slow (a long prompt prefilled beside a stream, the embedded model speculating, a drafter trained) run with
-# test-slow.
+# slow (a long prompt prefilled beside a stream, the embedded model speculating, a drafter trained, 256 concurrent
+# streams) run with test-slow.
 test: install-test
 	$(PY) -m pytest -q -m "not gpu and not slow" --durations=25 tests
 
