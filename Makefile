@@ -41,11 +41,15 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/pressroom serve
 
-# The suite CI runs (kept under 12 minutes on 2 cores; the 25 slowest tests are listed at the end). Tests marked
-# slow (a long prompt prefilled beside a stream, the embedded model speculating, a drafter trained, 256 concurrent
-# streams) run with test-slow.
+# The quick suite (under 12 minutes on 2 cores; the 25 slowest tests are listed at the end). The modules of seconds a
+# test (servers, processes, Triton's interpreter: tests/conftest.py's HEAVY_MODULES) are marked heavy and run with
+# test-heavy; CI runs both. Tests marked slow (a long prompt prefilled beside a stream, the embedded model
+# speculating, a drafter trained, 256 concurrent streams) run with test-slow.
 test: install-test
-	$(PY) -m pytest -q -m "not gpu and not slow" --durations=25 tests
+	$(PY) -m pytest -q -m "not gpu and not slow and not heavy" --durations=25 tests
+
+test-heavy: install-test
+	$(PY) -m pytest -q -m "heavy and not gpu and not slow" --durations=10 tests
 
 test-slow: install-test
 	$(PY) -m pytest -q -m "slow and not gpu" tests
@@ -53,6 +57,7 @@ test-slow: install-test
 lint: install-test
 	$(VENV)/bin/ruff check pressroom tests benchmarks
 
-# CI's second pass: the same suite on the AVX2 path, whatever the CPU has.
+# CI's AVX2 pass: the quick suite on the AVX2 path, whatever the CPU has (the heavy modules read no CPU feature that
+# the quick suite's model and kernel tests do not).
 test-avx2: install-test
-	$(AVX2_ENV) $(PY) -m pytest -q -m "not gpu and not slow" tests
+	$(AVX2_ENV) $(PY) -m pytest -q -m "not gpu and not slow and not heavy" tests

@@ -14,6 +14,39 @@ from pressroom.model.gguf_file import embedded_model_path, load_gguf_tokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The modules of seconds a test: servers, processes and engines end to end, and Triton's interpreter (whose kernels
+# read no CPU feature): 36 modules, ~640 s of the default suite's ~1,200 s on 2 cores (a run's junit, 2026-12-07).
+# Each test in them is marked `heavy`: `make test` (the quick suite, under 12 minutes) leaves them out, `make
+# test-heavy` runs them, and CI runs both; the AVX2 pass repeats only the quick suite, which holds the tests of
+# the C kernels and oneDNN paths that the ISA changes.
+HEAVY_MODULES = frozenset(f"tests/{m}.py" for m in (
+    "entrypoints/openai/test_hostile_input", "entrypoints/openai/test_schema_fuzz", "spec_decode/test_spec_engine",
+    "executor/test_multiproc", "spec_decode/test_async_spec", "engine/test_core_process",
+    "kv_offload/test_offload_faults", "entrypoints/test_cli", "entrypoints/openai/test_chat_page",
+    "benchmarks/test_bench_serve", "disagg/test_disagg_serving", "spec_decode/test_dspark",
+    "entrypoints/openai/test_hostile_media", "spec_decode/test_mtp", "lora/test_lora", "entrypoints/openai/test_server",
+    "training/test_train_drafter", "engine/test_constrained_decoding", "entrypoints/openai/test_request_cost",
+    "test_vllm_python_api", "distributed/test_data_parallel", "spec_decode/test_spec_server",
+    "engine/test_async_scheduling", "engine/test_sleep_mode", "lora/test_lora_server",
+    "entrypoints/openai/test_reasoning",
+    "kernels/test_triton_kernels", "kernels/test_batch_invariant_kernels", "kernels/test_triton_smem",
+    "kernels/test_triton_mla", "kernels/test_moe_fusion", "kernels/test_fp8_moe", "kernels/test_triton_dsa",
+    "kernels/test_triton_recurrent_prefill", "kernels/test_fp4_moe", "kernels/test_triton_v4_attention"))
+
+
+def pytest_configure(config) -> None:
+    # a renamed or deleted module must leave the list too, else its successor is not where the list says
+    missing = sorted(m for m in HEAVY_MODULES if not (Path(__file__).parent.parent / m).exists())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's HEAVY_MODULES names modules that do not exist: {missing}")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
+
+
 TINY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   initializer_range=0.2, tie_word_embeddings=False)
