@@ -444,6 +444,7 @@ def run(args) -> dict:
     ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
     kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
     llm, ready_s = build_llm(kwargs, device)
+    phases = dict(llm.engine.startup_phases)
     ranks = args.tensor_parallel_size
     if args.quantization not in ("auto", "none") and ranks == 1:  # the roofline of the bytes the engine reads
         size.loaded_decode_read_bytes = loaded_decode_read_bytes(llm.engine.model)
@@ -464,8 +465,9 @@ def run(args) -> dict:
     hf_runs, memory, hf_info = run_hf_phase(state, workloads, args, device, dtype) if state else ({}, {}, {})
     report = {"benchmark": "gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_machine(device),
               "device": device.type, "model": str(args.model), "dtype": args.dtype, "engine_args": kwargs,
-              "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3), "hf": hf_info,
-              "model_size": asdict(size), "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
+              "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3),
+              "time_to_ready_phases_s": phases, "hf": hf_info, "model_size": asdict(size),
+              "ceilings": asdict(ceilings), "flops_note": FLOPS_NOTE,
               "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
               "tensor_parallel_size": ranks, "collectives": collectives,
               "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,

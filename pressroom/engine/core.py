@@ -9,7 +9,8 @@ import itertools
 import logging
 import time
 from concurrent import futures
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 from pressroom.config import EngineConfig
 from pressroom.core.cache_plan import CachePlan, default_checkpoint_interval, plan_cache
@@ -102,6 +103,7 @@ class CoreInfo:
     model_path: str
     startup_seconds: float
     cuda_graphs: bool
+    startup_phases: dict[str, float] = field(default_factory=dict)  # seconds each part of the start took
     kv_fingerprint: str | None = None  # a KV connector's model fingerprint (hex): a decode's params must carry it
 
 
@@ -111,7 +113,9 @@ class EngineCore:
         structured outputs' grammars, on their threads, at the first such request)."""
         start = time.perf_counter()
         self.config, self.eos_token_id = config, eos_token_id
-        self.executor = make_executor(config)
+        self.startup_phases: dict[str, float] = {}
+        with self._phase("workers"):
+            self.executor = make_executor(config)
         try:
             self._start(config)
         except BaseException:
@@ -133,26 +137,41 @@ class EngineCore:
         self._sleep_level = 0
         # (speculation's steps: its CUDA graphs; an encoder runs no decode steps to warm up)
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
-            self._warm_up_step_shapes()
+            with self._phase("warm-up steps"):
+                self._warm_up_step_shapes()
         relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
                              self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs,
+                             self.startup_phases,
                              self.kv_connector.fingerprint.hex() if self.kv_connector is not None else None)
 
+    @contextmanager
+    def _phase(self, name: str):
+        """Times one part of the start (issue 44's time to ready: which part to cut)."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup_phases[name] = round(time.perf_counter() - begin, 3)
+
     def _start(self, config: EngineConfig) -> None:
-        spec = self.model_spec = self.executor.load_model()
-        plan = self._plan_cache(spec)
+        with self._phase("weights"):
+            spec = self.model_spec = self.executor.load_model()
+        with self._phase("memory profile"):
+            plan = self._plan_cache(spec)
         num_blocks = plan.num_blocks
         self.max_model_len = self._max_model_len(spec, num_blocks)
         # the core's config from here on: its scheduler's holds the length the KV cache allows
         config = self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=self.max_model_len))
         states = StatePool(plan.num_live_slots, plan.num_checkpoints) if plan.num_live_slots else None
-        self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead,
-                                          states.num_slots if states else 1)
+        with self._phase("KV cache"):
+            self.executor.initialize_kv_cache(num_blocks, self.max_model_len + spec.lookahead,
+                                              states.num_slots if states else 1)
         self._log_capacity(num_blocks)
         if states is not None:
             self._log_states(plan)
-        self.cuda_graphs = self.executor.compile_or_warm_up_model()
+        with self._phase("compile and graphs"):
+            self.cuda_graphs = self.executor.compile_or_warm_up_model()
         self.kv_offload = self._make_offload(spec)
         self.kv_connector = self._make_kv_connector(spec)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,

@@ -147,6 +147,7 @@ class LLMEngine:
         info: CoreInfo = core.info
         self.max_model_len, self.vocab_size, self.eos_token_id = info.max_model_len, info.vocab_size, info.eos_token_id
         self.model_path, self.startup_seconds = info.model_path, info.startup_seconds
+        self.startup_phases = info.startup_phases
         self.kv_fingerprint = info.kv_fingerprint  # a KV connector's model fingerprint: a decode's params must match
         self.decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.parents: dict[str, _Parent] = {}
@@ -154,7 +155,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.pooling_defaults = self._pooling_defaults(path) if config.model.runner == "pooling" else None
         self._media_processor: MediaProcessor | None = None  # made at the first prompt with media
-        logger.info("engine ready in %.1fs: %s on %s, max_model_len %d", self.startup_seconds, self.model_path,
+        logger.info("engine ready in %.1fs (%s): %s on %s, max_model_len %d", self.startup_seconds,
+                    ", ".join(f"{name} {s:.1f}s" for name, s in self.startup_phases.items()), self.model_path,
                     config.device, self.max_model_len)
 
     def _load_config_and_tokenizer(self, path: str) -> int | None:
