@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.w
 export PYTHONPATH=/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu/setup.sh > /dev/null
 step() { local seconds=$1 name=$2; shift 2; echo "== $name ($(date -u +%T))"; timeout "$seconds" "$@" > "$out/$name.log" 2>&1;
-         echo "rc $? ($(date -u +%T))"; grep -E "passed|failed|^E |decode step|tok/s|GB/s|cpu-offload-gb|error|Error" \
+         echo "rc $? ($(date -u +%T))"; grep -E "passed|failed|^E |decode step|tok/s|GB/s|time to ready|cpu-offload-gb|error|Error" \
          "$out/$name.log" | grep -v "^INFO" | tail -10; }
 cli=(python3 -m pressroom.entrypoints.cli)  # an array: timeout runs programs, not shell functions
 

@@ -654,7 +654,8 @@ def print_report(report: dict) -> None:
     print(f"\n== bench gpu: {Path(report['model']).name} ({report['dtype']}) on {report['device']} ==")
     print(f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.3f} TB/s (read+write), "
           f"matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({c['matmul_size']}^3, {c['timer']})")
-    print(f"pressroom time to ready: {report['time_to_ready_s']:.1f} s")
+    parts = ", ".join(f"{name} {s:.1f}" for name, s in report.get("time_to_ready_phases_s", {}).items())
+    print(f"pressroom time to ready: {report['time_to_ready_s']:.1f} s ({parts})")
     print(f"{'workload':<11}{'tokens/s of':>12}{'pressroom':>12}{'hf':>12}{'bound':>12}{'pr/hf':>8}"
           f"{'pr/bound':>10}{'hf/bound':>10}")
     for name, s in report["workloads"].items():
