@@ -17,12 +17,20 @@ weights live in the slots' fixed buffers, which loading an adapter overwrites in
 A model with recurrent layers (model/layers/state.py) replays decode graphs only: each row's state slot is a
 graph input like its block table (padding rows step the padding slot 0), and a step that writes a prefix
 checkpoint runs eager.
+
+Decode graphs may also run the LM head (`head=True`: the target's runner; a drafter computes its own logits): the
+logits of every row (one per request, so no row selection) and each row's greedy argmax are graph outputs
+(`DecodeHead`), so a step of greedy requests takes its tokens without another launch over the vocabulary. Every
+head graph writes its logits into one buffer, the largest head graph's rows x vocab: outputs kept per graph would
+add up to several times that. Only graphs whose logits fit DECODE_HEAD_MAX_BYTES include the head (the larger
+ones return hidden states, and their steps compute logits as eager steps do).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,19 +41,37 @@ from pressroom.lora.layers import LoRAStep, current_step, lora_step
 
 logger = logging.getLogger("pressroom")
 
+# The LM head's logits a decode graph may keep (rows x vocab x element size); larger graphs leave the head out.
+# 0: no graph runs the head. Tests switch the feature off through it.
+DECODE_HEAD_MAX_BYTES = 128 << 20  # an 8B Llama's 512 rows (bf16, 128k vocabulary): 125 MiB
+
 GraphKey = tuple[int, int]  # (query length: 1 or the varlen family's Q, padded requests or padded tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeHead:
+    """What a decode graph's LM head left for the step's rows: their logits ([rows, vocab], the head's own dtype:
+    the graph's buffer, overwritten by the next replay) and each row's argmax ([rows] int64)."""
+    logits: torch.Tensor
+    argmax: torch.Tensor
+
+
+def head_rows(decode_sizes: list[int], row_bytes: int, max_bytes: int) -> int:
+    """The largest decode graph (padded request count) whose logits fit `max_bytes` (0: none)."""
+    return max((s for s in decode_sizes if s * row_bytes <= max_bytes), default=0)
 
 
 class CudaGraphs:
     def __init__(self, model: nn.Module, shapes: dict[int, list[int]], max_rows: int, max_blocks_per_seq: int,
                  builder: AttentionMetadataBuilder, device: str, aux_layers: tuple[int, ...] = (),
-                 recurrent: bool = False, lora_slots: int = 0) -> None:
+                 recurrent: bool = False, lora_slots: int = 0, head: bool = False) -> None:
         """`shapes`: {1: padded request counts of decode steps, Q: padded token counts of varlen steps}
         (either may be missing; at most one Q > 1); `max_rows`: requests a varlen step may hold;
         `builder`: the attention backend's metadata builder, which from here on splits a decode step as
         the graph of its padded size does; `aux_layers`: target layers a drafter conditions on, whose
         outputs every graph also returns; `recurrent`: the model has recurrent layers (decode graphs only);
-        `lora_slots`: the LoRA manager's device slots (0: no adapters)."""
+        `lora_slots`: the LoRA manager's device slots (0: no adapters); `head`: decode graphs of up to
+        DECODE_HEAD_MAX_BYTES of logits also run the model's `compute_logits` and the greedy argmax."""
         self.model, self.builder, self.max_rows = model, builder, max_rows
         self.aux_layers, self.recurrent = aux_layers, recurrent
         self.shapes = {q: sorted(sizes) for q, sizes in sorted(shapes.items()) if sizes and (q == 1 or not recurrent)}
@@ -68,6 +94,10 @@ class CudaGraphs:
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         # With aux layers: each one's output, as each graph leaves them.
         self.aux: dict[GraphKey, list[torch.Tensor]] = {}
+        self.head = head
+        self.head_rows = 0  # decode graphs up to this many requests run the head (set at capture)
+        self.logits: torch.Tensor | None = None  # [head_rows, vocab]: every head graph's logits
+        self.argmax: dict[GraphKey, torch.Tensor] = {}  # each head graph's rows' argmax
 
     def rows(self, q: int, size: int) -> int:
         """Requests the graph (q, size) holds: `size` for decodes; for varlen, as many as its tokens allow."""
@@ -119,12 +149,18 @@ class CudaGraphs:
             meta = self._meta(q, n)
             with forward_context(meta):
                 with lora_step(self._lora_step(n)):
-                    self._forward(n)  # compiles kernels outside capture
+                    hidden = self._forward(n)[0]  # compiles kernels outside capture
+                    with_head = q == 1 and self._has_head(n, hidden)
+                    if with_head:
+                        self._run_head(hidden)
+                del hidden
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 # a LoRAStep of its own: masks cached by the run above live outside the graph's memory
                 with torch.cuda.graph(graph, pool=pool), lora_step(self._lora_step(n)):
                     self.outputs[q, n], self.aux[q, n] = self._forward(n)
+                    if with_head:
+                        self.argmax[q, n] = self._run_head(self.outputs[q, n])
             self.graphs[q, n] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
@@ -133,6 +169,30 @@ class CudaGraphs:
                            for q, s in self.shapes.items())
         logger.info("captured %d CUDA graphs (%s) in %.1fs, %.2f GiB", len(keys), shapes,
                     time.perf_counter() - start, used / (1 << 30))
+        if self.logits is not None:
+            logger.info("decode graphs of up to %d requests run the LM head and greedy argmax (logits buffer "
+                        "%.1f MiB)", self.head_rows, self.logits.nbytes / (1 << 20))
+
+    def _has_head(self, n: int, hidden: torch.Tensor) -> bool:
+        """Whether the decode graph of `n` requests runs the head. The first one asked (the largest: graphs are
+        captured largest first) sizes the logits buffer from one row's logits (the vocabulary and dtype)."""
+        if not self.head:
+            return False
+        if self.logits is None:
+            row = self.model.compute_logits(hidden[:1])
+            self.head_rows = head_rows(self.shapes[1], row.shape[-1] * row.element_size(), DECODE_HEAD_MAX_BYTES)
+            self.head = self.head_rows > 0
+            if not self.head:
+                return False
+            self.logits = torch.empty(self.head_rows, row.shape[-1], dtype=row.dtype, device=row.device)
+        return n <= self.head_rows
+
+    def _run_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every row's logits into the shared buffer, and their argmax (the sampler's greedy_tokens on CUDA:
+        argmax over the head's values, which `.float()` converts exactly, so the same index as over fp32)."""
+        logits = self.model.compute_logits(hidden)
+        self.logits[:hidden.shape[0]].copy_(logits)
+        return logits.argmax(dim=-1)
 
     def _lora_step(self, n: int) -> LoRAStep | None:
         """The adapters a graph of `n` tokens applies: the slots in its input buffer (its own masks' cache)."""
@@ -143,10 +203,11 @@ class CudaGraphs:
             return self.model(self.input_ids[:n], self.positions[:n]), []
         return self.model(self.input_ids[:n], self.positions[:n], self.aux_layers)
 
-    def replay(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of the step's tokens from the graph `key` (from `key_for`), and the aux layers'
-        outputs side by side where the graphs were captured with some."""
+    def replay(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+               ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeHead | None]:
+        """Hidden states of the step's tokens from the graph `key` (from `key_for`), the aux layers'
+        outputs side by side where the graphs were captured with some, and the LM head's outputs for the
+        step's rows where the graph runs it."""
         q, size = key
         rows, tokens = self.rows(q, size), size
         n, t = len(meta.query_start_loc) - 1, input_ids.shape[0]
@@ -168,7 +229,9 @@ class CudaGraphs:
         self.graphs[key].replay()
         # Features are concatenated here, not in the graph: a fresh tensor outlives the next replay.
         features = torch.cat([a[:t] for a in self.aux[key]], dim=-1) if self.aux_layers else None
-        return self.outputs[key][:t], features
+        argmax = self.argmax.get(key)
+        head = None if argmax is None else DecodeHead(self.logits[:t], argmax[:t])
+        return self.outputs[key][:t], features, head
 
     def _set_lora_slots(self, t: int, tokens: int) -> None:
         """The step's adapter slot per token into the graphs' input (-1 past its tokens, and for a step without

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from pressroom.attention.backend import AttentionBackend, AttentionMetadata, Att
 from pressroom.attention.state import StateMetadata
 from pressroom.attention.torch_ref import make_cpu_backend
 from pressroom.core.outputs import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from pressroom.distributed.parallel_state import get_tp_size
 from pressroom.kv_offload.slab import SlabHandle
 from pressroom.lora.layers import lora_step
 from pressroom.lora.manager import LoRAManager
@@ -33,11 +35,14 @@ from pressroom.worker.pooler import Pooler, PoolRow
 from pressroom.worker.proposer import Proposer, TargetStep
 from pressroom.worker.rejection_sampler import verify, verify_on_device
 from pressroom.worker.request_state import CachedRequestState
-from pressroom.worker.sampler import needs_host_history, sample, sample_on_device, top_logprobs
+from pressroom.worker.sampler import needs_host_history, sample, sample_on_device, takes_raw_argmax, top_logprobs
 from pressroom.worker.speculator import NO_LIMIT, Speculator
 from pressroom.worker.state_cache import StateCache
 from pressroom.worker.step_batch import StepBatch, StepBatchBuilder
 from pressroom.worker.step_output import DeviceStep, Emission, PendingOutput
+
+if TYPE_CHECKING:
+    from pressroom.worker.cuda_graphs import DecodeHead
 
 ENCODER_CACHE_MIN_ROWS = 16384  # encoder output rows kept for reuse (an image is some hundreds to thousands)
 
@@ -160,13 +165,22 @@ class ModelRunner:
         """Maps the offload CPU tier's slab; each step's copies go through it from here on."""
         self.kv_offload = OffloadCopier(handle, kv_head_range(self.model, self.attention_layers), self.device)
 
-    def capture_cudagraphs(self, shapes: dict[int, list[int]], max_rows: int) -> None:
-        """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold."""
+    def capture_cudagraphs(self, shapes: dict[int, list[int]], max_rows: int, decode_head: bool = False) -> None:
+        """`shapes`: see CompilationConfig.graph_shapes; `max_rows`: requests a step may hold; `decode_head`:
+        decode graphs also run the LM head and the greedy argmax, where the head is graph-safe (`_head_in_graphs`;
+        a runner whose steps sample asks for it, a drafter's, which computes its own logits, does not)."""
         from pressroom.worker.cuda_graphs import CudaGraphs
         self.graphs = CudaGraphs(self.model, shapes, max_rows, self.max_blocks_per_seq, self.attn_builder,
                                  self.device, self._aux_layers(), recurrent=self.state_cache is not None,
-                                 lora_slots=self.lora.config.max_loras if self.lora else 0)
+                                 lora_slots=self.lora.config.max_loras if self.lora else 0,
+                                 head=decode_head and self._head_in_graphs())
         self.graphs.capture()
+
+    def _head_in_graphs(self) -> bool:
+        """Whether the model's LM head may run inside a decode graph: one rank's whole vocabulary (a tensor-parallel
+        head gathers its slices across ranks, a collective left out of graphs until checked on several GPUs).
+        Adapters never reach the head (lora/adapter.py refuses LM-head weights); media steps run eager anyway."""
+        return get_tp_size() == 1 and callable(getattr(self.model, "compute_logits", None))
 
     def capture_encoder_graphs(self, buckets: Sequence[int]) -> bool:
         """The media tower's CUDA graphs at these patch counts (worker/encoder_graphs.py), where the model has
@@ -203,9 +217,11 @@ class ModelRunner:
         return self._forward(input_ids, positions, meta)[0]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 media: MediaRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 media: MediaRows | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeHead | None]:
         """Hidden states of a step and, where the proposer conditions on target layers, their outputs side
         by side ([tokens, layers * width]): a captured graph's where one fits the step's shape, else eager.
+        Third, where a decode graph ran the LM head, its logits and argmax for the step's rows (else None).
         `media`: the step's media rows and the tokens they replace (multimodal models; eager)."""
         layers = self._aux_layers()
         if media is not None or positions.dim() > 1:
@@ -223,18 +239,18 @@ class ModelRunner:
                 return self.graphs.replay(key, input_ids, positions, meta)
         with forward_context(meta):
             if not layers:
-                return self.model(input_ids, positions), None
+                return self.model(input_ids, positions), None, None
             hidden, aux = self.model(input_ids, positions, layers)
-        return hidden, torch.cat(aux, dim=-1)
+        return hidden, torch.cat(aux, dim=-1), None
 
     def _forward_multimodal(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                             media: MediaRows | None, layers: tuple[int, ...]
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         with forward_context(meta):
             if not layers:
-                return self.model(input_ids, positions, media=media), None
+                return self.model(input_ids, positions, media=media), None, None
             hidden, aux = self.model(input_ids, positions, layers, media=media)
-        return hidden, torch.cat(aux, dim=-1)
+        return hidden, torch.cat(aux, dim=-1), None
 
     def _multimodal_inputs(self, batch: StepBatch, sched: SchedulerOutput
                            ) -> tuple[MediaRows | None, torch.Tensor]:
@@ -247,7 +263,11 @@ class ModelRunner:
                  for s, end in zip(batch.order, batch.query_ends)]
         return self.multimodal.step_inputs(batch.input_ids, batch.positions, spans)
 
-    def _logits_at(self, hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    def _logits_at(self, hidden: torch.Tensor, positions: list[int], head: DecodeHead | None = None) -> torch.Tensor:
+        """fp32 logits at the given flat positions: the decode graph's where it ran the head (a decode step's
+        positions are its rows), else the LM head over those rows of `hidden`."""
+        if head is not None:
+            return _rows_at(head.logits, positions).float()
         rows = hidden.index_select(0, to_device(torch.tensor(positions), hidden.device))
         return self.model.compute_logits(rows).float()
 
@@ -278,9 +298,9 @@ class ModelRunner:
             batch.meta.layer_by_layer = adapters is not None
             media, positions = self._multimodal_inputs(batch, sched)
             with lora_step(adapters):
-                hidden, features = self._forward(batch.input_ids, positions, batch.meta, media)
+                hidden, features, head = self._forward(batch.input_ids, positions, batch.meta, media)
             pooled = self._pool(batch, sched, hidden)
-            emission = self._emit(batch, sched, hidden)
+            emission = self._emit(batch, sched, hidden, head)
             pending = emission.pending
             pending.output.pooled = pooled
             self.prev = emission.device_step(self.device) if self.async_scheduling else None
@@ -341,26 +361,33 @@ class ModelRunner:
 
     # ---- sample or verify ----
 
-    def _emit(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> Emission:
+    def _emit(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+              head: DecodeHead | None = None) -> Emission:
         """Samples, or verifies the scheduled drafts: on the device, unless some request's sampling reads
-        its token history or reports logprobs (then on the host)."""
+        its token history or reports logprobs (then on the host). `head`: the decode graph's LM head outputs."""
         if any(needs_host_history(s.params) for s in batch.order):
-            emission = self._emit_on_host(batch, sched, hidden)
+            emission = self._emit_on_host(batch, sched, hidden, head)
         else:
-            emission = self._emit_on_device(batch, sched, hidden)
+            emission = self._emit_on_device(batch, sched, hidden, head)
         self._unbooked.append(emission.pending)
         self._book(wait=False)  # a step sampled on the host is booked at once
         return emission
 
-    def _emit_on_device(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> Emission:
+    def _emit_on_device(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                        head: DecodeHead | None) -> Emission:
         """Samples (verifies, where drafts were scheduled) with no host round trip and starts the copy of
-        the tokens home without waiting for it."""
+        the tokens home without waiting for it. Where the decode graph ran the head and every row takes the
+        raw argmax, its argmax are the tokens."""
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         sampling, spec = batch.sampling, batch.spec
         if not sampling:
             return Emission(PendingOutput.done(out), [], [])
         states = [s for _, s in sampling]
-        logits = self._logits_at(hidden, spec.logits_positions(range(len(sampling))))
+        positions = spec.logits_positions(range(len(sampling)))
+        if head is not None and not spec.max_drafts and all(takes_raw_argmax(s.params) for s in states):
+            tokens = _rows_at(head.argmax, positions).clone().unsqueeze(1)  # a copy: the next replay overwrites
+            return self._start_pending(out, batch, states, tokens, None)
+        logits = self._logits_at(hidden, positions, head)
         if not spec.max_drafts:
             self._constrain(logits, states)
             rows = [s.bare_sampling_row() for s in states]
@@ -371,10 +398,17 @@ class ModelRunner:
             tokens, counts = verify_on_device(logits, [s.params for s in states], spec.num_drafts,
                                               batch.input_ids[spec.draft_index], speculator.draft_q(sampling, spec),
                                               self.generator, speculator.synthetic_rates)
+        return self._start_pending(out, batch, states, tokens, counts)
+
+    @staticmethod
+    def _start_pending(out: ModelRunnerOutput, batch: StepBatch, states: list[CachedRequestState],
+                       tokens: torch.Tensor, counts: torch.Tensor | None) -> Emission:
+        """The device's tokens in flight: each row's span counted, their copy home started."""
+        spec = batch.spec
         for s, span in zip(states, spec.spans):
             s.num_inflight += span
         pending = PendingOutput.start(out, states, tokens, counts, spec.spans)
-        return Emission(pending, sampling, spec.num_drafts, tokens, counts)
+        return Emission(pending, batch.sampling, spec.num_drafts, tokens, counts)
 
     def _grammar_drafts(self, sched: SchedulerOutput, s: CachedRequestState) -> list[int]:
         """The drafts a request verifies this step: their ids where its grammar must see them (fetched from the
@@ -382,21 +416,22 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens.get(s.req_id, [])
         return drafts if s.grammar is None else self.speculator.host_drafts(drafts, s.req_id)
 
-    def _emit_on_host(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor) -> Emission:
+    def _emit_on_host(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
+                      head: DecodeHead | None) -> Emission:
         """Samples and verifies on the host, once the steps in flight (async scheduling) are booked: the
         sampler reads complete token histories. Drafts left on the device are fetched first."""
         self._book(wait=True)
         scheduled = sched.scheduled_spec_decode_tokens
         drafts = {rid: self.speculator.host_drafts(d, rid) for rid, d in scheduled.items()} if scheduled else {}
-        out = self._sample_on_host(batch, sched, hidden, drafts)
+        out = self._sample_on_host(batch, sched, hidden, drafts, head)
         states = [s for _, s in batch.sampling]
         return Emission(PendingOutput.on_host(out, states), batch.sampling, batch.spec.num_drafts,
                         emitted=[out.sampled_token_ids[s.req_id] for s in states])
 
     def _sample_on_host(self, batch: StepBatch, sched: SchedulerOutput, hidden: torch.Tensor,
-                        drafts: dict[str, list[int]]) -> ModelRunnerOutput:
+                        drafts: dict[str, list[int]], head: DecodeHead | None = None) -> ModelRunnerOutput:
         """Samples, and verifies `drafts` (the scheduled drafts' ids), on the host with each request's token
-        history."""
+        history. `head`: the decode graph's logits, where it ran the head."""
         out = ModelRunnerOutput({s.req_id: [] for s in batch.order})
         for i, s in enumerate(batch.order):
             if s.params.prompt_logprobs is not None and s.num_computed_tokens < max(1, s.num_prompt_tokens - 1):
@@ -407,7 +442,7 @@ class ModelRunner:
             self._verify(batch, hidden, verifying, drafts, out)
         if plain:
             states = [batch.sampling[j][1] for j in plain]
-            logits = self._logits_at(hidden, batch.spec.logits_positions(plain))
+            logits = self._logits_at(hidden, batch.spec.logits_positions(plain), head)
             self._constrain(logits, states)
             rows = [s.sampling_row() if needs_host_history(s.params) else s.bare_sampling_row() for s in states]
             tokens, lps = sample(logits, rows, self.generator)
@@ -499,3 +534,11 @@ class ModelRunner:
                           [sched.draft_limits.get(s.req_id, NO_LIMIT) for _, s in sampling],
                           [s.req_id for s in batch.order], [s.token_ids for s in batch.order],
                           [s.num_computed_tokens for s in batch.order])
+
+
+def _rows_at(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t`'s given rows: a view where they are its first ones in order (a decode step where every row samples),
+    else a gathered copy."""
+    if rows == list(range(len(rows))):
+        return t[:len(rows)]
+    return t.index_select(0, to_device(torch.tensor(rows), t.device))

@@ -197,6 +197,13 @@ def needs_host_history(params: SamplingParams) -> bool:
                 or params.thinking_token_budget is not None or params.needs_token_masks)
 
 
+def takes_raw_argmax(params: SamplingParams) -> bool:
+    """Whether this request's token is the argmax of the model's raw logits, which a decode graph computes
+    (worker/cuda_graphs.py's DecodeHead): greedy, with nothing that changes the logits (penalties, logit bias,
+    allowed or bad words, min_tokens, a thinking budget, a grammar's mask) or reports them (logprobs)."""
+    return params.greedy and params.structured_outputs is None and not needs_host_history(params)
+
+
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
                      ) -> torch.Tensor:
     """Tokens as a device tensor, with no host round trip, for rows where needs_host_history is False."""

@@ -239,7 +239,8 @@ class Worker:
         sched, spec, compilation = config.scheduler, config.speculative, config.compilation
         k = spec.num_speculative_tokens if spec is not None else 0
         runner.capture_cudagraphs(
-            compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs)
+            compilation.graph_shapes(sched.max_num_seqs, sched.max_num_batched_tokens, 1 + k), sched.max_num_seqs,
+            decode_head=config.model.runner == "generate")
         if runner.proposer is not None:
             runner.proposer.capture_cudagraphs(compilation, sched.max_num_seqs, sched.max_num_batched_tokens)
         return True
