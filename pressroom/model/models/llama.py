@@ -13,7 +13,12 @@ from pressroom.model.layers import cpu_decode
 from pressroom.model.layers.activation import SiluAndMul
 from pressroom.model.layers.attention import Attention
 from pressroom.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pressroom.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pressroom.model.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pressroom.model.layers.norm import RMSNorm
 from pressroom.model.layers.rotary import RotaryEmbedding
 from pressroom.model.weights import expected_names, load_named_weights
@@ -57,7 +62,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: RopeTables, x: torch.Tensor, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """`see_ahead`: keys past its own each token also sees (Attention.forward's; None: causal)."""
-        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attend(rope, self.qkv_proj(x), see_ahead))
+
+    def attend(self, rope: RopeTables, qkv: torch.Tensor, see_ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """What runs between the projections: qkv [tokens, (heads + 2 kv heads) * head_dim] -> the attention
+        output [tokens, heads * head_dim]."""
+        heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = heads[:, :self.num_heads + self.num_kv_heads], heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None and qk.is_cuda:  # one launch for both norms, no concatenation
             from pressroom.kernels.triton.norm import qk_rms_norm
@@ -65,7 +75,7 @@ class LlamaAttention(nn.Module):
         elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = rope.rotary.rotate(qk, rope.cos, rope.sin)  # q and k heads rotated in one pass
-        return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, see_ahead=see_ahead))
+        return self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, see_ahead=see_ahead)
 
 
 class LlamaMLP(nn.Module):
@@ -80,6 +90,19 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+# Decode-sized steps on CUDA through the fused GEMVs (LlamaDecoderLayer._takes_small_step says when); the one off
+# switch, for tests that compare the two paths.
+SMALL_STEP_GEMV = True
+
+
+def dense_on_one_rank(linear: LinearBase, dtype: torch.dtype) -> bool:
+    """Whether `linear` is a plain dense weight of `dtype` on one rank: no quantized or prepacked form, no
+    batch-invariant switch, no hook (LoRA's updates are forward hooks)."""
+    return (linear.quant_method is None and linear.ggml is None and linear.int4 is None and linear.onednn is None
+            and not linear.batch_invariant and linear.tp_size == 1 and linear.weight.dtype == dtype
+            and not linear._forward_hooks and not linear._forward_pre_hooks)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qk_norm: bool, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
         """`mlp`: the feed-forward block (default: the dense SwiGLU MLP), e.g. a mixture of experts;
@@ -91,6 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, residual):
+        if self._takes_small_step(x):
+            return self._forward_small(rope, x, residual)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -98,6 +123,33 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_small(self, rope, x, residual):
+        """forward in four GEMV launches around attention: each RMSNorm in the prologue of the projection after
+        it (qkv, gate_up), SwiGLU in down's; the same rounding as the modules' kernels (kernels/triton/gemv.py)."""
+        from pressroom.kernels.triton import gemv
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        qkv, residual = gemv.norm_gemv(x, norm.weight, norm.eps, attn.qkv_proj.weight, residual, attn.qkv_proj.bias)
+        x = gemv.gemv(attn.attend(rope, qkv), attn.o_proj.weight, attn.o_proj.bias)
+        norm = self.post_attention_layernorm
+        gate_up, residual = gemv.norm_gemv(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, residual,
+                                           mlp.gate_up_proj.bias)
+        return gemv.silu_mul_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
+    def _takes_small_step(self, x: torch.Tensor) -> bool:
+        """A step of at most GEMV_MAX_TOKENS tokens on CUDA through Llama's own blocks, each weight dense bf16/fp16
+        on one rank with nothing (a quantized form, a batch-invariant switch, LoRA's hooks) that the fused
+        kernels would skip; everything else takes the modules' forwards."""
+        if not (SMALL_STEP_GEMV and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        from pressroom.kernels.triton.gemv import GEMV_MAX_TOKENS
+        attn, mlp = self.self_attn, self.mlp
+        return (x.shape[0] <= GEMV_MAX_TOKENS and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
+                and type(mlp.act) is SiluAndMul and not mlp.act.batch_invariant
+                and all(type(n) is RMSNorm and not n.batch_invariant
+                        for n in (self.input_layernorm, self.post_attention_layernorm))
+                and all(dense_on_one_rank(linear, x.dtype)
+                        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,158 @@
+"""The fused decode GEMVs (kernels/triton/gemv.py) against their unfused torch references: RMSNorm (with and
+without the residual add) then F.linear, silu(gate) * up then F.linear, and F.linear alone; run by Triton's
+interpreter on the CPU at tiny shapes with tails in N and K (tests/conftest.py sets TRITON_INTERPRET=1 where CUDA
+is absent). And the decoder layer's choice of path: never on the CPU, never over a weight it would skip a form of.
+
+fp16 is the exact check: the interpreter rounds to fp16 as the GPU does, so the references round where the unfused
+kernels round and only the GEMM's summation order differs (the output within about an fp16 step). Its bf16 rounding
+truncates instead, so bf16 is checked to bf16's coarser tolerance."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pressroom.kernels import triton as triton_kernels
+
+pytestmark = pytest.mark.skipif(not triton_kernels.available(),
+                                reason="neither CUDA nor TRITON_INTERPRET=1: Triton kernels cannot run")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+TOL = {torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+SHAPES = [(40, 96), (37, 70)]  # (out, in): a partial row block and, in the second, odd N and K
+
+
+def _gemv():
+    from pressroom.kernels.triton import gemv
+    return gemv
+
+
+def _launches():
+    """None (the default table's: one token on the CUDA cores, more through tl.dot) and a small split-K tiling that
+    gives several programs, tiles and splits even at these shapes."""
+    return [None, _gemv().GemvLaunch(block_n=16, block_k=32, split_k=2)]
+
+
+def _operands(tokens: int, n: int, k: int, dtype: torch.dtype, seed: int, width: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width or k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    return x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+def _linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in fp32 over the rounded operands, rounded once: what an fp32-accumulating GEMM gives."""
+    return F.linear(a.float(), w.float(), None if bias is None else bias.float()).to(a.dtype)
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """kernels/triton/norm.py's arithmetic: fp32, x * rsqrt(mean(x^2) + eps) * w, rounded once."""
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(h.dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **TOL[got.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_norm_gemv_equals_rms_norm_then_linear(dtype, with_residual, n, k):
+    gemv = _gemv()
+    for tokens in range(1, gemv.GEMV_MAX_TOKENS + 1):
+        x, w = _operands(tokens, n, k, dtype, seed=tokens)
+        residual = (torch.randn(tokens, k) * 4).to(DEVICE, dtype) if with_residual else None
+        norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, dtype)
+        bias = torch.randn(n).to(DEVICE, dtype) if tokens % 2 else None  # Qwen2's qkv bias
+        x_before = x.clone()
+        h = x if residual is None else (x.float() + residual.float()).to(dtype)  # torch's `x + residual`
+        want = _linear(_rms_norm(h, norm_weight), w, bias)
+        for launch in _launches():
+            got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual, bias, launch=launch)
+            _close(got, want)
+            if residual is None:
+                assert stream is x  # the stream is x itself, as `x, residual = norm(x), x`
+            elif dtype == torch.float16:
+                assert torch.equal(stream, h)
+            else:
+                _close(stream, h)
+            assert torch.equal(x, x_before)  # x and the old residual are read, never written
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_silu_mul_gemv_equals_swiglu_then_linear(dtype, n, k):
+    gemv = _gemv()
+    for tokens in range(1, gemv.GEMV_MAX_TOKENS + 1):
+        gate_up, w = _operands(tokens, n, k, dtype, seed=100 + tokens, width=2 * k)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        want = _linear((F.silu(gate) * up).to(dtype), w)  # activation.py's: fp32, rounded once
+        for launch in _launches():
+            _close(gemv.silu_mul_gemv(gate_up, w, launch=launch), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_gemv_equals_linear_for_strided_rows(dtype, n, k):
+    gemv = _gemv()
+    for tokens in (1, 2, 5, 8):
+        wide, w = _operands(tokens, n, k, dtype, seed=200 + tokens, width=k + 8)
+        x = wide[:, 8:]  # rows at a stride longer than K (a view of a wider tensor)
+        bias = torch.randn(n).to(DEVICE, dtype)
+        for launch in _launches():
+            _close(gemv.gemv(x, w, launch=launch), _linear(x, w))
+            _close(gemv.gemv(x, w, bias, launch=launch), _linear(x, w, bias))
+
+
+def test_the_kernels_refuse_what_they_do_not_take():
+    gemv = _gemv()
+    x, w = _operands(gemv.GEMV_MAX_TOKENS + 1, 16, 32, torch.float16, seed=0)
+    with pytest.raises(ValueError, match="tokens <= 8"):
+        gemv.gemv(x, w)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        gemv.gemv(x[:2].float(), w.float())
+    with pytest.raises(ValueError, match=r"\[out, 32\]"):
+        gemv.gemv(x[:2], w[:, :16])
+    with pytest.raises(ValueError, match="residual must match"):
+        gemv.norm_gemv(x[:2], torch.ones(32, dtype=x.dtype, device=DEVICE), EPS, w, x[:3])
+    with pytest.raises(ValueError, match="2 \\* I"):
+        gemv.silu_mul_gemv(x[:2, :31], w)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv.GemvLaunch(block_n=12, block_k=64)
+
+
+def test_every_shape_class_and_token_bucket_has_a_default_launch():
+    gemv = _gemv()
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    classes = {name: gemv.shape_class(n, k) for name, (n, k) in shapes.items()}
+    assert classes == {"qkv": "square", "o": "square", "gate_up": "tall", "down": "long"}
+    for tokens in range(1, gemv.GEMV_MAX_TOKENS + 1):
+        for n, k in shapes.values():
+            assert isinstance(gemv.default_launch(tokens, n, k), gemv.GemvLaunch)
+
+
+def _tiny_layer(dtype: torch.dtype):
+    from conftest import tiny_config
+
+    from pressroom.model.models.llama import LlamaDecoderLayer
+    return LlamaDecoderLayer(tiny_config("llama"), qk_norm=False).to(dtype)
+
+
+def test_the_decoder_layer_keeps_its_own_path_on_the_cpu():
+    layer = _tiny_layer(torch.bfloat16)
+    assert not layer._takes_small_step(torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
+def test_only_plain_dense_weights_on_one_rank_count_as_fusable():
+    from pressroom.model.models.llama import dense_on_one_rank
+    layer = _tiny_layer(torch.bfloat16)
+    qkv = layer.self_attn.qkv_proj
+    assert dense_on_one_rank(qkv, torch.bfloat16)
+    assert not dense_on_one_rank(qkv, torch.float16)  # another dtype than the step's
+    handle = qkv.register_forward_hook(lambda module, inputs, output: output)  # LoRA's updates come as hooks
+    assert not dense_on_one_rank(qkv, torch.bfloat16)
+    handle.remove()
+    qkv.batch_invariant = True
+    assert not dense_on_one_rank(qkv, torch.bfloat16)
