@@ -13,16 +13,16 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu/setup.sh > /dev/null
 step() { local seconds=$1 name=$2; shift 2; echo "== $name ($(date -u +%T))"; timeout "$seconds" "$@" > "$out/$name.log" 2>&1;
-         echo "rc $? ($(date -u +%T))"; grep -E "passed|failed|^E |decode step|tok/s|GB/s|time to ready|cpu-offload-gb|error|Error" \
+         echo "rc $? ($(date -u +%T))"; grep -E "passed|failed|^E |decode step|tok/s|GB/s|time to ready|ITL|cpu-offload-gb|error|Error" \
          "$out/$name.log" | grep -v "^INFO" | tail -10; }
 cli=(python3 -m pressroom.entrypoints.cli)  # an array: timeout runs programs, not shell functions
 
@@ -94,6 +94,22 @@ if [[ $part == D ]]; then
     step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
       --output-json "$out/bench_gpu_decode_$model.json"
   done
+fi
+# E and F: C and D again, tighter, for a session with 25 minutes of device time (2026-12-07 d): E the fused MoE and
+# MLA kernels' tests and the two MoE models' decode and time to ready (its parts); F the serving tail and the rest.
+if [[ $part == E ]]; then
+  step 130 moe_fusion python3 -m pytest -q -s tests/gpu/test_moe_fusion_gpu.py --tb=short
+  step 110 mla_fusion python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_mla_prepare.py \
+    tests/kernels/test_triton_dsa.py tests/kernels/test_triton_mla.py --tb=short
+  for model in deepseek-v2-lite qwen3-30b-a3b; do
+    step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_$model.json"
+  done
+fi
+if [[ $part == F ]]; then
+  step 330 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
+  step 90 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
+  step 90 lora_test python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/kernels/test_triton_lora.py --tb=short
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
