@@ -72,6 +72,20 @@ DEFAULT_LAUNCHES: dict[tuple[int, str], GemvLaunch] = {
 }
 
 
+def sweep_launches(tokens: int, n: int, k: int) -> list[GemvLaunch]:
+    """The launches benchmarks/gpu/norm_gemv.py times for a shape (DEFAULT_LAUNCHES' candidates): one token, tiles
+    of 4K to 16K weights over 4 to 16 rows; more, tl.dot tiles of 16 to 64 rows; split-K only where the rows are
+    few (N <= 4,096)."""
+    if tokens == 1:
+        tiles = [(4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8)]
+    else:
+        tiles = [(16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 128, 4), (64, 256, 8)]
+    splits = (1, 2, 4) if n <= 4096 else (1,)
+    stages = 2 if tokens == 1 else 3
+    return [GemvLaunch(block_n, block_k, split, warps, stages) for block_n, block_k, warps in tiles for split in splits
+            if split == 1 or triton.cdiv(k, split) >= block_k]
+
+
 def shape_class(n: int, k: int) -> str:
     """'tall' for many short rows (gate_up), 'long' for few long rows (down), else 'square' (qkv, o)."""
     if n >= 4 * k:
