@@ -108,18 +108,18 @@ def model_dir(tmp_path_factory):
     return make
 
 
-def _decode(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their logprobs, bf16 with CUDA graphs; the batch shrinks from 12 sequences to 1 as they
-    finish, so decode steps of 1 to 8 tokens replay the graphs that take the fused path and larger ones do not."""
+def _decode(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy tokens and each step's top-2 logprobs (bf16, CUDA graphs). The batch shrinks from 12 sequences to 1
+    as they finish, so decode steps of 1 to 8 tokens replay graphs that take the fused path and larger ones not."""
     llm = LLM(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_gib=0.25,
               max_num_seqs=64)
     assert llm.engine.runner.graphs is not None
-    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, detokenize=False, logprobs=0)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, detokenize=False, logprobs=2)
               for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.shutdown()
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                             o.outputs[0].logprobs)]) for o in outs]
+    return [(list(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+            for c in (o.outputs[0] for o in outs)]
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -140,11 +140,15 @@ def test_engine_decodes_the_same_with_the_fused_path_on_and_off(name, model_dir,
     taken = len(calls)
     off = _decode(path, prompts)
     assert len(calls) == taken  # the switch turns it off
-    same = total = 0
+    diverged = 0
     for (tokens_on, lp_on), (tokens_off, lp_off) in zip(on, off):
         agree = next((i for i, (a, b) in enumerate(zip(tokens_on, tokens_off)) if a != b), len(tokens_on))
-        same, total = same + agree, total + len(tokens_on)
-        # before any divergence both ran on the same context: the logprobs differ by bf16 rounding only
-        assert max((abs(a - b) for a, b in zip(lp_on[:agree], lp_off[:agree])), default=0.0) < 0.05
-    # bf16: a GEMM summed in another order may flip a near tie, and one flip changes the rest of a sequence
-    assert same >= 0.9 * total
+        # on the same context both paths give the same logprobs but for bf16 rounding (GEMMs summed in other orders)
+        for i in range(agree):
+            token = tokens_on[i]
+            assert abs(lp_on[i][token] - lp_off[i][token]) < 0.05, (i, lp_on[i], lp_off[i])
+        if agree < len(tokens_on):  # a divergence only where the fused path saw a near tie between the two tokens
+            diverged += 1
+            a, b = tokens_on[agree], tokens_off[agree]
+            assert b in lp_on[agree] and lp_on[agree][a] - lp_on[agree][b] < 0.05, (agree, lp_on[agree], a, b)
+    assert diverged <= len(prompts) // 2

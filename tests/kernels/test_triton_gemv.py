@@ -81,6 +81,21 @@ def test_norm_gemv_equals_rms_norm_then_linear(dtype, with_residual, n, k):
             assert torch.equal(x, x_before)  # x and the old residual are read, never written
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_norm_gemv_over_rows_longer_than_a_statistics_tile(tokens):
+    """8,300 inputs: the statistics pass takes several tiles (8,192 activations each; 512 inputs a tile for
+    tl.dot's 16 padded rows), the last one partial."""
+    gemv = _gemv()
+    n, k = 24, 8300
+    x, w = _operands(tokens, n, k, torch.float16, seed=300 + tokens)
+    residual = torch.randn(tokens, k).to(DEVICE, torch.float16)
+    norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, torch.float16)
+    h = (x.float() + residual.float()).to(torch.float16)
+    got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual)
+    _close(got, _linear(_rms_norm(h, norm_weight), w))
+    assert torch.equal(stream, h)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_silu_mul_gemv_equals_swiglu_then_linear(dtype, n, k):

@@ -39,6 +39,7 @@ _INTERPRETED = interpreting()
 _DOT_ROWS = 16  # tl.dot's smallest tile: 2 to GEMV_MAX_TOKENS tokens are padded to it
 _NONE, _NORM, _SILU = 0, 1, 2  # the prologue
 _SUM_BLOCK = 1024  # outputs a program of the split-K pass adds
+_STATS_ELEMENTS = 8192  # the norm's statistics pass reads tiles of this many activations (one pass at 4,096 inputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +114,11 @@ def _stream(x_ptr, res_ptr, rm, k, mask, stride_xm, stride_rm, ADD_RESIDUAL: tl.
 
 @triton.jit
 def _inv_rms(x_ptr, res_ptr, new_res_ptr, rm, m_ok, K, stride_xm, stride_rm, eps, writer,
-             ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of each token's residual stream [BLOCK_M]; the `writer` program also stores the stream."""
+             ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """1 / rms of each token's residual stream [BLOCK_M]; the `writer` program also stores the stream. Wide tiles
+    and a pipelined loop: every program waits for this before its first weight load."""
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         mask = m_ok[:, None] & (k < K)[None, :]
         h = _stream(x_ptr, res_ptr, rm, k, mask, stride_xm, stride_rm, ADD_RESIDUAL)
@@ -148,7 +150,7 @@ def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, 
                  stride_wn, stride_om, stride_split, k_per_split, eps,
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STATS_K: tl.constexpr, STAGES: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,7 +158,7 @@ def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, 
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 1:
         inv_rms = _inv_rms(x_ptr, res_ptr, new_res_ptr, rm, m_ok, K, stride_xm, stride_rm, eps,
-                           (pid_n == 0) & (pid_k == 0), ADD_RESIDUAL, BLOCK_M, BLOCK_K)
+                           (pid_n == 0) & (pid_k == 0), ADD_RESIDUAL, BLOCK_M, STATS_K, STAGES)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     if BLOCK_M == 1:  # CUDA cores: elementwise products, summed across K once after the loop
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -237,7 +239,8 @@ def _launch(prologue: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
         bias if bias is not None else w, out, m, n, k, x.stride(0), res.stride(0), w.stride(0), n, m * n,
         k_per_split, eps, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, UPCAST=_INTERPRETED and x.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=launch.num_stages, num_warps=launch.num_warps)
+        BLOCK_K=block_k, STATS_K=min(triton.next_power_of_2(k), _STATS_ELEMENTS // block_m), STAGES=launch.num_stages,
+        num_warps=launch.num_warps)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, _SUM_BLOCK), m)](
             out, bias if bias is not None else y, y, n, m * n, n, n, SPLITS=splits, HAS_BIAS=bias is not None,
