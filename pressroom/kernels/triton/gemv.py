@@ -75,10 +75,10 @@ DEFAULT_LAUNCHES: dict[tuple[int, str], GemvLaunch] = {
 
 def sweep_launches(tokens: int, n: int, k: int) -> list[GemvLaunch]:
     """The launches benchmarks/gpu/norm_gemv.py times for a shape (DEFAULT_LAUNCHES' candidates): one token, tiles
-    of 4K to 16K weights over 4 to 16 rows; more, tl.dot tiles of 16 to 64 rows; split-K only where the rows are
-    few (N <= 4,096)."""
+    of 4K to 16K weights over 4 to 32 rows (more rows a program: fewer re-reads of the activations from L2);
+    more tokens, tl.dot tiles of 16 to 64 rows; split-K only where the rows are few (N <= 4,096)."""
     if tokens == 1:
-        tiles = [(4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8)]
+        tiles = [(4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (32, 512, 8)]
     else:
         tiles = [(16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 128, 4), (64, 256, 8)]
     splits = (1, 2, 4) if n <= 4096 else (1,)
