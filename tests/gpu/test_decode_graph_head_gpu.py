@@ -41,7 +41,9 @@ def path(tmp_path_factory) -> str:
 
 def _llm(path: str, monkeypatch, head_bytes: int | None = None, **kwargs) -> LLM:
     """An engine whose decode graphs keep up to `head_bytes` of logits (None: the default; 0: no head)."""
-    kwargs = {"dtype": "float32", "kv_cache_memory_gib": 0.25, "max_num_seqs": MAX_SEQS, **kwargs}
+    # one step prefills every prompt below, so the decode steps that follow are the same in every engine
+    kwargs = {"dtype": "float32", "kv_cache_memory_gib": 0.25, "max_num_seqs": MAX_SEQS,
+              "max_num_batched_tokens": 16384, **kwargs}
     with monkeypatch.context() as m:
         if head_bytes is not None:
             m.setattr(cuda_graphs, "DECODE_HEAD_MAX_BYTES", head_bytes)
