@@ -13,9 +13,9 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -110,6 +110,21 @@ if [[ $part == F ]]; then
   step 330 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
   step 90 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
   step 90 lora_test python3 -m pytest -q tests/gpu/test_lora_gpu.py tests/kernels/test_triton_lora.py --tb=short
+fi
+# G: issue 44 item 3 (2026-12-07 d): the fused decode GEMVs' sweep and tests, the decode graphs' LM head and argmax,
+# and Llama-3.1-8B's batch-1 decode with both (as shipped) against both off, in one call.
+if [[ $part == G ]]; then
+  step 200 norm_gemv python3 benchmarks/gpu/norm_gemv.py --budget-s 110 --out "$out/norm_gemv.json"
+  step 200 gemv_head_tests python3 -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_decode_graph_head_gpu.py \
+    --tb=short -x
+  for variant in on off; do  # off: today's layer (norm + cuBLAS) and the LM head outside the graph
+    step 110 "decode_8b_$variant" python3 -c "import sys
+import pressroom.model.models.llama as llama, pressroom.worker.cuda_graphs as graphs
+if sys.argv[1] == 'off': llama.SMALL_STEP_GEMV, graphs.DECODE_HEAD_MAX_BYTES = False, 0
+from pressroom.entrypoints.cli import main
+sys.exit(main(sys.argv[2:]))" "$variant" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_8b_$variant.json"
+  done
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
