@@ -69,10 +69,34 @@ def test_the_head_weights_scale_is_folded_in_as_torch_would_apply_it():
     assert torch.equal(folded, dsa.indexer_logits(step.index_q, weights.float() * INDEX_HEADS ** -0.5, *args))
 
 
-def test_select_top_k_marks_what_is_not_visible():
-    logits = torch.tensor([[0.5, 2.0, float("-inf"), 1.0], [float("-inf"), 3.0, float("-inf"), float("-inf")]])
-    assert dsa.select_top_k(logits, 3).tolist() == [[1, 3, 0], [1, -1, -1]]
+def _marked(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The choice as select_top_k made it before the module's rule: -1 wherever topk took a -inf score."""
+    values, chosen = logits.topk(min(top_k, logits.shape[1]), dim=-1)
+    return torch.where(values > float("-inf"), chosen, -1)
+
+
+def test_select_top_k_is_topk_best_first():
+    logits = torch.tensor([[0.5, 2.0, 1.0, float("-inf")], [3.0, float("-inf"), float("-inf"), float("-inf")]])
+    chosen = dsa.select_top_k(logits, 3)
+    assert chosen[0].tolist() == [1, 2, 0]
+    assert chosen[1, 0] == 0 and bool((chosen[1, 1:] > 0).all())  # past position 0: unused
     assert dsa.select_top_k(logits, 9).shape == (2, 4)
+
+
+@pytest.mark.parametrize("top_k", [12, 64])
+def test_the_choice_past_each_querys_position_is_only_what_it_cannot_see(top_k):
+    """The module's rule on the indexer's real scores (contexts and prompt positions shorter than k, padding rows):
+    the positions a query may read are exactly its best min(k, visible) ones, the old choice's (-1 marked) in
+    its order; everything else chosen lies past its position."""
+    step = Step(pad_tokens=3).to(DEVICE)
+    req, pos = step.positions()
+    logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    chosen, marked = dsa.select_top_k(logits, top_k).cpu(), _marked(logits, top_k).cpu()
+    for t, last in enumerate(pos.tolist()):
+        used = (chosen[t] >= 0) & (chosen[t] <= last)
+        assert int(used.sum()) == min(top_k, last + 1)  # no visible position dropped (none at all on padding)
+        assert chosen[t][used].tolist() == marked[t][marked[t] >= 0].tolist()
+        assert bool((chosen[t][~used] > last).all())
 
 
 @pytest.mark.parametrize("dtype, top_k, splits", [(torch.float32, 12, 1), (torch.bfloat16, 12, 1),
@@ -86,9 +110,9 @@ def test_sparse_mla_equals_the_reference(dtype, top_k, splits):
     chosen = dsa.select_top_k(logits, top_k)
     query, cache = step.query.to(dtype), step.cache.to(dtype)
     out = torch.full((query.shape[0], HEADS, LATENT), 7.0, dtype=dtype, device=DEVICE)
-    dsa.sparse_mla_attention(query, cache, step.block_tables, req, chosen, step.scale, out, LATENT, splits)
-    expected = dsa.sparse_mla_reference(query.cpu(), cache.cpu(), step.block_tables.cpu(), req.cpu(), chosen.cpu(),
-                                        step.scale, LATENT)
+    dsa.sparse_mla_attention(query, cache, step.block_tables, req, pos, chosen, step.scale, out, LATENT, splits)
+    expected = dsa.sparse_mla_reference(query.cpu(), cache.cpu(), step.block_tables.cpu(), req.cpu(), pos.cpu(),
+                                        chosen.cpu(), step.scale, LATENT)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
 
@@ -100,7 +124,7 @@ def test_sparse_mla_choosing_every_visible_token_is_dense_mla():
     logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
     chosen = dsa.select_top_k(logits, 64)
     sparse = torch.empty(step.query.shape[0], HEADS, LATENT, device=DEVICE)
-    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, chosen, step.scale, sparse, LATENT)
+    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, pos, chosen, step.scale, sparse, LATENT)
     dense = torch.empty_like(sparse)
     mla.mla_attention(step.query, step.cache, step.block_tables, step.seq_lens, step.qsl, 21, step.scale, dense,
                       LATENT)
@@ -136,5 +160,28 @@ def test_padding_tokens_with_nothing_chosen_get_zeros_through_the_merge():
     chosen = dsa.select_top_k(dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req,
                                                  pos, LATENT + ROPE), 12)
     out = torch.full((step.query.shape[0], HEADS, LATENT), 7.0, device=DEVICE)
-    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, chosen, step.scale, out, LATENT, 3)
+    dsa.sparse_mla_attention(step.query, step.cache, step.block_tables, req, pos, chosen, step.scale, out, LATENT, 3)
     assert bool((out[-3:] == 0).all()) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("dtype, top_k, splits", [(torch.float32, 12, 1), (torch.bfloat16, 64, 3)])
+def test_topk_as_it_is_attends_as_the_marked_choice_did(dtype, top_k, splits):
+    """Contexts and prompt positions shorter than k, padding rows: the kernel over topk's indices as they are gives,
+    bit for bit, what it gave over the old choice (-1 wherever the score was -inf), and the reference over that
+    old choice (the outputs before the module's rule)."""
+    step = Step(pad_tokens=3).to(DEVICE)
+    req, pos = step.positions()
+    logits = dsa.indexer_logits(step.index_q, step.index_w, step.cache, step.block_tables, req, pos, LATENT + ROPE)
+    query, cache = step.query.to(dtype), step.cache.to(dtype)
+    outs = []
+    for chosen in (dsa.select_top_k(logits, top_k), _marked(logits, top_k)):
+        outs.append(torch.full((query.shape[0], HEADS, LATENT), 7.0, dtype=dtype, device=DEVICE))
+        dsa.sparse_mla_attention(query, cache, step.block_tables, req, pos, chosen, step.scale, outs[-1], LATENT,
+                                 splits)
+    assert torch.equal(outs[0], outs[1])
+    everywhere = torch.full_like(pos, 1 << 30).cpu()  # the old rule: every chosen position >= 0 is read
+    before = dsa.sparse_mla_reference(query.cpu(), cache.cpu(), step.block_tables.cpu(), req.cpu(), everywhere,
+                                      _marked(logits, top_k).cpu(), step.scale, LATENT)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs[0].float().cpu(), before, atol=tol, rtol=tol)
+    assert bool((outs[0][-3:] == 0).all())  # padding rows attend to nothing

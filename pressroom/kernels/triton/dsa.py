@@ -4,9 +4,19 @@ only the tokens each query selected.
 Each cache entry holds the latent, the rotated shared key, then the indexer's key (`index_dim` values at
 `index_offset`). The indexer score of a past token for one query is sum_h w_h * relu(q_h . k * dim^-0.5)
 (the checkpoints' order: scale, relu, then the weighted sum), -inf where the token is not yet visible; the
-caller takes the top-k per query and passes the chosen positions (-1: none) to `sparse_mla_attention`, whose
-cost grows with k, not with the context. Both launches read only device tensors and shapes, so they are
-captured into CUDA graphs.
+caller takes the top-k per query and passes the chosen positions to `sparse_mla_attention`, whose cost grows
+with k, not with the context. Both launches read only device tensors and shapes, so they are captured into CUDA
+graphs.
+
+Which chosen positions are used (the one rule, for the kernels and their references): position p of a query at
+position `token_pos` (`token_positions`; -1 on padding rows) is read iff 0 <= p <= token_pos. So `select_top_k`
+returns topk's indices as they are, with no pass that marks the unused ones (a compare, a fill and a where: three
+launches a layer). Why that is exact: `indexer_logits` writes -inf exactly at p > token_pos (its `visible` mask;
+a whole tile past token_pos is -inf unread) and a finite score at every p <= token_pos (a weighted sum of relus
+of finite inputs), so where a query sees fewer than k positions, topk takes every visible one (finite beats -inf,
+however it breaks the ties among the -infs) and fills the rest with positions of -inf scores, each past
+token_pos; a padding row scores nothing and reads nothing. -1 (hand-made choices) is unused as well. V4's
+`choose_entries` applies it to compressed entries (token_pos: a query's last causal entry).
 """
 from __future__ import annotations
 
@@ -96,7 +106,7 @@ SCORE_BYTES = 512 << 20
 def choose_positions(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int, top_k: int,
                      weight_scale: float = 1.0) -> torch.Tensor:
-    """Each query's `top_k` best visible positions [T, k] (-1: none), its scores (`indexer_logits`) made and reduced
+    """Each query's `top_k` best positions [T, k] (`select_top_k`'s), its scores (`indexer_logits`) made and reduced
     in runs of queries whose scores fit SCORE_BYTES; a step of one run (any decode step) is chosen in place."""
     tokens = q.shape[0]
     width = block_tables.shape[1] * cache.shape[1]
@@ -114,13 +124,13 @@ def choose_positions(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor
 
 
 def select_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The `top_k` best positions per query [T, k] (k = min(top_k, width)); -1 where fewer are visible."""
-    values, chosen = logits.topk(min(top_k, logits.shape[1]), dim=-1)
-    return torch.where(values > float("-inf"), chosen, -1)
+    """The `top_k` best positions per query [T, k] (k = min(top_k, width)), best first; where fewer are visible, the
+    rest are invisible positions (past the query's own: unused, the module's rule)."""
+    return logits.topk(min(top_k, logits.shape[1]), dim=-1).indices
 
 
 @triton.jit
-def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_ptr, chosen_ptr,
+def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_ptr, token_pos_ptr, chosen_ptr,
                        part_out_ptr, part_max_ptr, part_sum_ptr, num_heads, top_k, per_split,
                        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
                        stride_ct, LATENT_DIM: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE_DIM: tl.constexpr,
@@ -133,6 +143,7 @@ def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_pt
     split = tl.program_id(2)
     h_ok = heads < num_heads
     req = tl.load(token_req_ptr + token)
+    last = tl.load(token_pos_ptr + token)  # chosen positions past it are unused (the module's rule)
     q_lat, q_pe = _latent_query(q_ptr + token * stride_qt + heads * stride_qh, h_ok, LATENT_DIM, LATENT_PAD,
                                 ROPE_DIM, ROPE_PAD, FP8_CACHE)
     table = block_tables_ptr + req * stride_bt
@@ -144,7 +155,7 @@ def _sparse_mla_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, token_req_pt
     for start in range(lo, hi, TILE_N):
         j = start + tl.arange(0, TILE_N)
         pos = tl.load(chosen_ptr + token * stride_ct + j, mask=j < hi, other=-1)
-        ok = pos >= 0
+        ok = (pos >= 0) & (pos <= last)
         blocks = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
         entry = cache_ptr + blocks.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
         m, l, acc = _latent_step(q_lat, q_pe, m, l, acc, entry, ok, ok[None, :], scale_log2, LATENT_DIM, LATENT_PAD,
@@ -190,12 +201,12 @@ def sparse_splits(tokens: int, head_blocks: int, top_k: int, tile: int, target_p
 
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, token_req: torch.Tensor,
-                         chosen: torch.Tensor, scale: float, out: torch.Tensor, latent_dim: int,
-                         num_splits: int | None = None, target_programs: int = 1) -> torch.Tensor:
-    """Absorbed MLA of each query [T, H, latent + rope] over only its chosen positions [T, k] (-1: unused) of its
-    request's paged context: out [T, H, latent_dim] (a query with nothing chosen gets zeros). `num_splits`:
-    runs of the chosen positions computed apart and merged (default: `sparse_splits` from the shapes and the
-    device's `target_programs`; 1, the default, never splits)."""
+                         token_pos: torch.Tensor, chosen: torch.Tensor, scale: float, out: torch.Tensor,
+                         latent_dim: int, num_splits: int | None = None, target_programs: int = 1) -> torch.Tensor:
+    """Absorbed MLA of each query [T, H, latent + rope] at (token_req, token_pos) over only its chosen positions
+    [T, k] of its request's paged context, those the module's rule uses: out [T, H, latent_dim] (a query with
+    none gets zeros). `num_splits`: runs of the chosen positions computed apart and merged (default:
+    `sparse_splits` from the shapes and the device's `target_programs`; 1, the default, never splits)."""
     tokens, heads, dim = q.shape
     if q.stride(-1) != 1 or out.shape != (tokens, heads, latent_dim) or cache.shape[-1] < dim:
         raise ValueError(f"sparse MLA needs q [tokens, heads, latent + rope] (unit last stride), out [tokens, "
@@ -212,7 +223,7 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     per_split = triton.cdiv(triton.cdiv(top_k, tile), splits) * tile
     partials = split_partials(out, splits)
     _sparse_mla_kernel[(tokens, head_blocks, splits)](
-        q, cache, out, block_tables, token_req, chosen, *partials, heads, top_k, per_split,
+        q, cache, out, block_tables, token_req, token_pos, chosen, *partials, heads, top_k, per_split,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0), chosen.stride(0), LATENT_DIM=latent_dim, LATENT_PAD=latent_pad,
         ROPE_DIM=dim - latent_dim, ROPE_PAD=max(16, triton.next_power_of_2(dim - latent_dim)),
@@ -247,10 +258,10 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 
 
 def sparse_mla_reference(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, token_req: torch.Tensor,
-                         chosen: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+                         token_pos: torch.Tensor, chosen: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
     out = torch.zeros(*q.shape[:2], latent_dim)
-    for t, req in enumerate(token_req.tolist()):
-        picks = chosen[t][chosen[t] >= 0].long()
+    for t, (req, last) in enumerate(zip(token_req.tolist(), token_pos.tolist(), strict=True)):
+        picks = chosen[t][(chosen[t] >= 0) & (chosen[t] <= last)].long()
         if picks.numel() == 0:
             continue
         keys = gather_entries(cache, block_tables, req, picks)[:, :q.shape[-1]].float()

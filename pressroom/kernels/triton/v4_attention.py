@@ -142,8 +142,9 @@ def v4_attention(q: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tens
     rows, D] holding position p at row p % rows, each request's slot [B], the query starts [B + 1], the step's
     own K=V [T, D]: a request's positions from its first of the step on are read there). With `entries` =
     (compressed cache [1, blocks, E, 1, >= D], entry table, E, rate) from `entry_table`, also its causal
-    compressed entries, or with `chosen` [T, k] (-1: none; a query's chosen entries first) only those; sinks [H]
-    (fp32). Returns [T, H, D] in q's dtype."""
+    compressed entries, or with `chosen` [T, k] only those: a query reads its first min(k, causal entries) columns
+    (-1 there: skipped), where `choose_entries` puts its causal ones (what follows, entries it cannot see, is not
+    read: dsa.py's rule); sinks [H] (fp32). Returns [T, H, D] in q's dtype."""
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
@@ -195,9 +196,10 @@ def v4_attention(q: torch.Tensor, token_req: torch.Tensor, token_pos: torch.Tens
 
 def choose_entries(index_q: torch.Tensor, index_w: torch.Tensor, entries: tuple[torch.Tensor, torch.Tensor, int, int],
                    token_req: torch.Tensor, token_pos: torch.Tensor, index_offset: int, top_k: int) -> torch.Tensor:
-    """The lightning indexer's choice: each query's `top_k` best causal entries [T, min(top_k, entries)] (-1:
-    none; best first), from its queries index_q [T, heads, dim] and head weights index_w [T, heads] (fp32) and
-    the indexer keys at `index_offset` of each entry of `entries` (as `v4_attention` takes them)."""
+    """The lightning indexer's choice: each query's `top_k` best causal entries [T, min(top_k, entries)] (best
+    first; where it has fewer, entries past its last causal one: unused, dsa.py's rule), from its queries index_q
+    [T, heads, dim] and head weights index_w [T, heads] (fp32) and the indexer keys at `index_offset` of each entry
+    of `entries` (as `v4_attention` takes them)."""
     cache, table, _, rate = entries
     last = torch.div(token_pos + 1, rate, rounding_mode="floor") - 1  # the last entry a query sees (-1: none)
     return choose_positions(index_q, index_w, cache[0], table, token_req, last, index_offset, top_k)

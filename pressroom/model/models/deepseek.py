@@ -621,8 +621,9 @@ class SparseMLAAttention(MLAAttention):
         chosen = dsa.choose_positions(index_q, index_w, cache, meta.block_tables, plan.token_req, plan.token_pos,
                                       self.rank + self.rope_dim, self.indexer.topk, self.indexer.weight_scale)
         mixed = query.new_empty(*query.shape[:2], self.rank)
-        return dsa.sparse_mla_attention(query, cache, meta.block_tables, plan.token_req, chosen, self.attn.scale,
-                                        mixed, self.rank, target_programs=target_programs(query.device))
+        return dsa.sparse_mla_attention(query, cache, meta.block_tables, plan.token_req, plan.token_pos, chosen,
+                                        self.attn.scale, mixed, self.rank,
+                                        target_programs=target_programs(query.device))
 
     def _sparse_on_cpu(self, query: torch.Tensor, entry: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor,
                        meta) -> torch.Tensor:
