@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pressroom.config import EngineConfig
 from pressroom.core.cache_plan import CachePlan, default_checkpoint_interval, plan_cache
 from pressroom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, SchedulerOutput
+from pressroom.core.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.core.request import Request, RequestStatus
 from pressroom.core.scheduler import Scheduler, SchedulerStats
 from pressroom.core.spec_budget import AdaptiveBudget
@@ -27,7 +27,9 @@ from pressroom.engine.step_cost import (
     StepCostMeter,
     StepTimer,
     device_roofline,
+    load_of,
     local_gpu_name,
+    request_steps,
     weight_bytes,
 )
 from pressroom.executor import FATAL_ERRORS, make_executor
@@ -178,10 +180,11 @@ class EngineCore:
                                        self.kv_offload, states, plan.checkpoint_interval)
         adaptive = config.speculative is not None and config.speculative.adaptive_token_budget
         budget = self._adaptive_budget(config.speculative.num_speculative_tokens) if adaptive else None
-        step_time = self._make_step_timer(spec) if config.scheduler.step_time_factor else None
+        self.step_timer = self._make_step_timer(spec) if config.scheduler.step_time_factor else None
+        self._last_resolved: float | None = None  # when the last step in flight was resolved (the fit's clock)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, spec_budget=budget, lookahead=spec.lookahead,
                                    async_drafts=spec.device_drafts, kv_connector=self.kv_connector,
-                                   step_time=step_time)
+                                   step_time=self.step_timer)
         self.step_cost = self._make_step_cost(spec) if config.enable_mfu_metrics else None
 
     def _make_step_cost(self, spec: ModelSpec) -> StepCostMeter | None:
@@ -371,6 +374,9 @@ class EngineCore:
             self._run_warm_up_steps()
         finally:
             self.kv_cache.offload = offload
+            if self.step_timer is not None:  # those steps' times were Triton's compiles
+                self.step_timer.forget()
+            self._last_resolved = None
         logger.info("warmed up step shapes in %.1fs", time.perf_counter() - start)
 
     def _run_warm_up_steps(self) -> None:
@@ -571,12 +577,14 @@ class EngineCore:
             result = self.executor.execute_model(sched)
             if isinstance(result, AsyncModelRunnerOutput) and not isolating:
                 self._inflight = (sched, result)
-                outputs = self._update(inflight[0], inflight[1].resolve()) if inflight is not None else []
+                outputs = self._update(inflight[0], self._resolve_pipelined(inflight)) if inflight is not None else []
             else:
                 if isinstance(result, AsyncModelRunnerOutput):
                     result = result.resolve()  # isolating: a failure must name this step's requests
                 outputs = self._update(sched, result)
                 self._time_step(sched, time.perf_counter() - started)
+                self._observe_step_time(sched, time.perf_counter() - started)
+                self._last_resolved = None
         except FATAL_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 — any fault of a step is its requests' alone, up to a limit
@@ -598,6 +606,23 @@ class EngineCore:
         context = sum(r.num_computed_tokens for r in self.scheduler.running)
         budget.observe_step(seconds, sched.total_num_scheduled_tokens, bool(sched.scheduled_spec_decode_tokens),
                             sched.draft_limits, context)
+
+    def _resolve_pipelined(self, inflight: tuple[SchedulerOutput, AsyncModelRunnerOutput]) -> ModelRunnerOutput:
+        """The step in flight's output. Its time, for the step-time fit, is the gap since the step before it was
+        resolved in the call before: while steps follow each other that is the engine's step cadence (the device's
+        time where it is the slower, the host's where that is), what a running stream waits between its tokens; an
+        empty step in between (an idle engine) starts the clock again."""
+        output = inflight[1].resolve()
+        now = time.perf_counter()
+        previous, self._last_resolved = self._last_resolved, (now if not inflight[0].is_empty else None)
+        if previous is not None:
+            self._observe_step_time(inflight[0], now - previous)
+        return output
+
+    def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time into the step-time bound's fit (engine/step_cost.py's StepTimer)."""
+        if self.step_timer is not None and not sched.is_empty:
+            self.step_timer.observe(load_of(request_steps(sched)), seconds)
 
     def _check_compiles(self) -> list[EngineCoreOutput]:
         """Ends the requests whose grammar failed to compile or took too long (finish_reason "error"); when

@@ -18,17 +18,21 @@ Left out (small beside the above): norms, rotary embeddings, the embedding looku
 The same estimates, over the device's roofline (`Roofline`: its bf16 matmul rate and memory bandwidth, by the GPU's
 name, `device_roofline`), time a step for the scheduler's step-time bound (`StepTimer`, core/step_time.py): the
 matmuls and attention each take the longer of their FLOPs at the matmul rate and their bytes at the bandwidth (they
-run as kernels of their own, so one's reads do not hide under the other's FLOPs).
+run as kernels of their own, so one's reads do not hide under the other's FLOPs), at the shares of those rates an
+engine reaches, until the engine's measured step times have fitted its own (core/step_time.py's StepTimeFit).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pressroom.core.outputs import SchedulerOutput
-from pressroom.core.step_time import StepLoad
+from pressroom.core.step_time import FIT_OUTLIER, StepLoad, StepTimeFit
+
+logger = logging.getLogger("pressroom")
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +254,12 @@ DEVICE_ROOFLINES = (
     Roofline("L4", 121e12, 0.3e12),
     Roofline("A10", 125e12, 0.6e12),
 )
+# The shares of those figures an engine's steps reach, the step-time estimate's starting point before the engine's
+# own steps are fitted: a decode step reads at ~80% of the bandwidth, a mixed step's prompt chunk multiplies at ~55% of
+# the matmul rate (an H100, 2026-12-07: with the data sheet's figures the estimate put a 1,000-token chunk beside 64
+# decodes at 3x the decodes' step; it took 4.33x, 1.44 times more, as 0.80 / 0.55 says).
+BANDWIDTH_SHARE_REACHED = 0.80
+MATMUL_SHARE_REACHED = 0.55
 # A GPU not in the table, or one whose name the engine core cannot ask without a CUDA context of its own (the mp
 # and ray executors): an H100's ratio, about that of the other data-centre parts above (150-400 FLOP per byte).
 DEFAULT_CUDA_ROOFLINE = Roofline("CUDA GPU (default)", 989e12, 3.35e12)
@@ -275,15 +285,42 @@ def local_gpu_name() -> str | None:
 
 class StepTimer:
     """A step's estimated seconds on a device (core/step_time.py's StepTimeModel): the matmuls' and attention's
-    costs (`matmul_cost`, `attention_cost`), each over the roofline."""
+    costs (`matmul_cost`, `attention_cost`), each over the roofline, until the engine's own step times (`observe`)
+    have fitted what its kernels reach (core/step_time.py's StepTimeFit); from then on the fit's."""
 
     def __init__(self, shape: ModelShape, roofline: Roofline) -> None:
         self.shape, self.roofline = shape, roofline
         self.floor_tokens = compute_bound_tokens(shape, roofline)
+        # what an engine reaches of the data sheet until its own steps say (the fit's prior: 1x these rates)
+        self.reached = Roofline(roofline.name, roofline.flops_per_s * MATMUL_SHARE_REACHED,
+                                roofline.bytes_per_s * BANDWIDTH_SHARE_REACHED)
+        self.fit = StepTimeFit()
 
     def seconds(self, load: StepLoad) -> float:
-        return self.roofline.seconds(matmul_cost(load, self.shape)) \
-            + self.roofline.seconds(attention_cost(load, self.shape))
+        matmuls, attention = matmul_cost(load, self.shape), attention_cost(load, self.shape)
+        fitted = self.fit.predict(*self._terms(matmuls + attention))
+        if fitted is not None:
+            return fitted
+        return self.reached.seconds(matmuls) + self.reached.seconds(attention)
+
+    def observe(self, load: StepLoad, seconds: float) -> None:
+        """A step of `load` took `seconds` on the device (or, where it cannot be timed alone, between results); a
+        step far slower than its estimate (a kernel compiling, a collection pausing the host) teaches nothing."""
+        if load.tokens and seconds <= FIT_OUTLIER * self.seconds(load):
+            fitted = self.fit.coefficients is not None
+            self.fit.observe(*self._terms(matmul_cost(load, self.shape) + attention_cost(load, self.shape)), seconds)
+            if not fitted and self.fit.coefficients is not None:
+                logger.info("step-time estimates fitted to %d steps: %.2f ms a step + %.2fx the bytes' time + %.2fx "
+                            "the FLOPs' time at the rates reached (%s)", self.fit.steps,
+                            self.fit.coefficients[0] * 1e3, *self.fit.coefficients[1:], self.roofline.name)
+
+    def forget(self) -> None:
+        """Drops what the fit learned (the warm-up's steps, which were compiles)."""
+        self.fit = StepTimeFit()
+
+    def _terms(self, cost: StepCost) -> tuple[float, float]:
+        """The cost's bytes at the bandwidth and its FLOPs at the matmul rate an engine reaches (the fit's terms)."""
+        return (cost.read_bytes + cost.write_bytes) / self.reached.bytes_per_s, cost.flops / self.reached.flops_per_s
 
 
 def compute_bound_tokens(shape: ModelShape, roofline: Roofline, limit: int = 1 << 20) -> int:

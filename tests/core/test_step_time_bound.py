@@ -21,6 +21,7 @@ from pressroom.engine.step_cost import (
     DEFAULT_CUDA_ROOFLINE,
     ModelShape,
     StepTimer,
+    attention_cost,
     device_roofline,
     load_of,
     matmul_cost,
@@ -233,3 +234,56 @@ def test_simulated_serving_tail_and_throughput():
     rate0, median0, p990 = _simulate(0, 1024, 256, 256, 256)
     assert p990 > 10 * median0 and p99 < 4 * median
     assert rate > 0.95 * rate0
+
+
+def test_the_fit_recovers_the_rates_an_engine_reaches():
+    """StepTimeFit: steps whose times are 0.5 ms + 1.3x their bytes' time + 1.8x their FLOPs' time (an engine at
+    77% of the bandwidth and 56% of the matmul rate) give those back; nothing before FIT_MIN_STEPS steps."""
+    import random
+
+    from pressroom.core.step_time import FIT_MIN_STEPS, StepTimeFit
+    rng, fit = random.Random(3), StepTimeFit()
+    for i in range(400):
+        memory, compute = rng.uniform(4e-3, 6e-3), rng.choice([0.0, 1e-4, rng.uniform(1e-3, 40e-3)])
+        assert (fit.predict(memory, compute) is None) == (i < FIT_MIN_STEPS)
+        fit.observe(memory, compute, (0.5e-3 + 1.3 * memory + 1.8 * compute) * rng.uniform(0.98, 1.02))
+    c, a, b = fit.coefficients
+    assert abs(a - 1.3) < 0.1 and abs(b - 1.8) < 0.05 and 0 <= c < 1e-3
+    assert abs(fit.predict(5e-3, 20e-3) - (0.5e-3 + 1.3 * 5e-3 + 1.8 * 20e-3)) < 1e-3
+
+
+def test_the_fit_follows_a_change_and_keeps_rates_sane():
+    """Old steps are forgotten (the rates it reaches now, not at start); a fit never calls the card more than
+    1 / FIT_MIN_RATE times faster than its data sheet, however odd the steps."""
+    from pressroom.core.step_time import FIT_MIN_RATE, StepTimeFit
+    fit = StepTimeFit()
+    for i in range(300):
+        memory, compute = 5e-3, (i % 7) * 5e-3
+        fit.observe(memory, compute, memory + 3.0 * compute)
+    for i in range(1500):
+        memory, compute = 5e-3, (i % 7) * 5e-3
+        fit.observe(memory, compute, memory + 1.5 * compute)
+    assert abs(fit.coefficients[2] - 1.5) < 0.1
+    odd = StepTimeFit()
+    for i in range(100):
+        odd.observe(5e-3, (i % 5) * 1e-3, 1e-6)  # steps no card runs this fast
+    assert min(odd.coefficients[1:]) >= FIT_MIN_RATE
+
+
+def test_the_timer_learns_from_steps_but_not_from_stalls():
+    """StepTimer.observe: a step far beyond its estimate (a compile) is left out, `forget` drops what was learned,
+    and once fitted, seconds() is the fit's."""
+    from pressroom.core.step_time import FIT_MIN_STEPS, FIT_OUTLIER
+    timer = StepTimer(LLAMA_8B.shape, LLAMA_8B.roofline)
+    decode = StepLoad.of([(1, 500, 1)] * 32)
+    chunk = decode.plus(1000, 0, 1)
+    sheet = timer.seconds(decode), timer.seconds(chunk)
+    timer.observe(decode, 2 * FIT_OUTLIER * sheet[0])
+    assert timer.fit.steps == 0
+    for i in range(FIT_MIN_STEPS * 4):
+        load = chunk if i % 2 else decode
+        timer.observe(load, 1.2 * timer.roofline.seconds(matmul_cost(load, timer.shape)
+                                                           + attention_cost(load, timer.shape)) + 1e-3)
+    assert timer.fit.coefficients is not None and timer.seconds(chunk) != sheet[1]
+    timer.forget()
+    assert timer.fit.steps == 0 and (timer.seconds(decode), timer.seconds(chunk)) == sheet
