@@ -13,9 +13,9 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -124,6 +124,25 @@ if sys.argv[1] == 'off': llama.SMALL_STEP_GEMV, graphs.DECODE_HEAD_MAX_BYTES = F
 from pressroom.entrypoints.cli import main
 sys.exit(main(sys.argv[2:]))" "$variant" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
       --output-json "$out/bench_gpu_decode_8b_$variant.json"
+  done
+fi
+# H and I: what the 2026-12-07 (d) session changed after its H100 run, for the next one: H the tests (the graph's LM
+# head, never run; the one-token GEMVs; DSA's launches; the step-time bound with its fit) and 8B decode against the
+# bound; I the serving tail with the fitted bound and a second (warm-cache) start of the MoE models.
+if [[ $part == H ]]; then
+  step 200 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
+    --tb=short
+  step 120 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
+    --tb=short
+  step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
+  step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
+    --output-json "$out/bench_gpu_decode_8b.json"
+fi
+if [[ $part == I ]]; then
+  step 300 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
+  for start in first second; do  # the second start finds Triton's cache warm (issue 44 item 5: under 10 s)
+    step 120 "decode_v2lite_$start" "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_v2lite_$start.json"
   done
 fi
 if [[ $part == B || $part == all ]]; then
