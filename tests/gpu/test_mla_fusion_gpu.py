@@ -20,8 +20,10 @@ ATTENTION = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=51
                  qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=16384, num_hidden_layers=1)
 # kernels one layer's batch-1 decode launches over a 4,000-token context (split-KV, so a merge), cuBLAS's split-K
 # reductions and memsets and torch.topk's own kernels (one call: radix select, sort) aside; before issue 44: 9, 11
-# and 37
-MOST_LAUNCHES = {"v2_lite": 7, "v3": 9, "v32": 14}
+# and 37. V3.2's 12: 7 GEMMs, the q norm, the prepare launch, the indexer's scores, sparse MLA and its merge (topk's
+# indices go to the sparse kernel as they are: kernels/triton/dsa.py's rule; marking the unused ones with -1 took
+# three elementwise launches, 15 on an H100 on 2026-12-07)
+MOST_LAUNCHES = {"v2_lite": 7, "v3": 9, "v32": 12}
 _LIBRARY_HELPERS = ("splitKreduce", "Memset", "topk", "TopK", "Sort", "sort", "radix", "Radix", "Blockwise")
 
 
@@ -95,10 +97,11 @@ def test_launches_per_decode_layer(form):
     assert len(ours) <= MOST_LAUNCHES[form], kernels
 
 
-@pytest.mark.parametrize("form, context", [("v2_lite", 300), ("v3", 300), ("v32", 2600)])
+@pytest.mark.parametrize("form, context", [("v2_lite", 300), ("v3", 300), ("v32", 2600), ("v32", 300)])
 def test_the_cuda_path_equals_the_torch_path(form, context):
     """fp32, three decodes: the layer's output and the cache it writes (V3.2: the indexer really selects, 2048 of
-    2600 tokens)."""
+    2600 tokens; over 300, CUDA's topk fills 1,748 of its 2,048 places with -inf scores, past the query's
+    position: unused by dsa.py's rule)."""
     gpu, cpu = Decode(form, 3, context, "cuda", torch.float32), Decode(form, 3, context, "cpu", torch.float32)
     with torch.inference_mode():
         got, want = gpu.step(), cpu.step()
