@@ -132,7 +132,8 @@ fi
 if [[ $part == H ]]; then
   step 200 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
     --tb=short
-  step 120 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
+  step 150 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
+    tests/kernels/test_triton_v4_attention.py \
     --tb=short
   step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
   step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
