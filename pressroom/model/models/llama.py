@@ -90,8 +90,8 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-# Decode-sized steps on CUDA through the fused GEMVs (LlamaDecoderLayer._takes_small_step says when); the one off
-# switch, for tests that compare the two paths.
+# One-token decode steps on CUDA through the fused GEMVs (LlamaDecoderLayer._takes_small_step says when); the one
+# off switch, for tests that compare the two paths.
 SMALL_STEP_GEMV = True
 
 
@@ -137,9 +137,10 @@ class LlamaDecoderLayer(nn.Module):
         return gemv.silu_mul_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
     def _takes_small_step(self, x: torch.Tensor) -> bool:
-        """A step of at most GEMV_MAX_TOKENS tokens on CUDA through Llama's own blocks, each weight dense bf16/fp16
-        on one rank with nothing (a quantized form, a batch-invariant switch, LoRA's hooks) that the fused
-        kernels would skip; everything else takes the modules' forwards."""
+        """A step of at most GEMV_MAX_TOKENS tokens (one: where the fused kernels were measured to win) on CUDA
+        through Llama's own blocks, each weight dense bf16/fp16 on one rank with nothing (a quantized form, a
+        batch-invariant switch, LoRA's hooks) that the fused kernels would skip; everything else takes the modules'
+        forwards."""
         if not (SMALL_STEP_GEMV and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
         from pressroom.kernels.triton.gemv import GEMV_MAX_TOKENS
