@@ -114,7 +114,8 @@ def _decode(path: str, prompts: list[list[int]], dtype: str) -> list[tuple[list[
     """Greedy tokens and each step's top-2 logprobs (CUDA graphs), one prompt at a time: every decode step is one
     token, so each replays the one-token graph."""
     llm = LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gib=0.25, max_num_seqs=8)
-    assert llm.engine.runner.graphs is not None
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and max(graphs.shapes[1]) > 1  # larger decode graphs too, which must not fuse
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, detokenize=False, logprobs=2)
     outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
     llm.shutdown()
