@@ -1,7 +1,8 @@
 """The fused decode GEMVs (kernels/triton/gemv.py) against their unfused torch references: RMSNorm (with and
 without the residual add) then F.linear, silu(gate) * up then F.linear, and F.linear alone; run by Triton's
 interpreter on the CPU at tiny shapes with tails in N and K (tests/conftest.py sets TRITON_INTERPRET=1 where CUDA
-is absent). And the decoder layer's choice of path: never on the CPU, never over a weight it would skip a form of.
+is absent). And the decoder layer: its one-token path (the four launches around attention) equal to its modules'
+forward, and its choice of path: never on the CPU, never over a weight it would skip a form of.
 
 fp16 is the exact check: the interpreter rounds to fp16 as the GPU does, so the references round where the unfused
 kernels round and only the GEMM's summation order differs (the output within about an fp16 step). Its bf16 rounding
@@ -154,6 +155,50 @@ def _tiny_layer(dtype: torch.dtype):
 
     from pressroom.model.models.llama import LlamaDecoderLayer
     return LlamaDecoderLayer(tiny_config("llama"), qk_norm=False).to(dtype)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_decoder_layers_one_token_path_equals_its_modules_forward(with_residual, monkeypatch):
+    """LlamaDecoderLayer._forward_small (the four fused launches around attention; the interpreter on the CPU) against
+    forward through its modules, one decode token over a cached context, fp16, qkv bias on: the same layer output
+    up to the GEMMs' summation order, the same residual stream and the same KV cache entries."""
+    from conftest import tiny_config
+
+    from pressroom.attention.backend import AttentionMetadata, forward_context
+    from pressroom.attention.torch_ref import TorchAttentionBackend
+    from pressroom.model.models import llama
+    from pressroom.model.models.llama import LlamaDecoderLayer, RopeTables, rotary_from_config
+    monkeypatch.setattr(llama, "SMALL_STEP_GEMV", False)  # forward: the modules' path on CUDA too
+    config = tiny_config("llama")
+    config.attention_bias = True  # Qwen2's
+    layer = LlamaDecoderLayer(config, qk_norm=False)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in layer.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.data.copy_(1 + noise / 4 if "norm" in name else noise / p.shape[-1] ** 0.5)
+    layer = layer.to(DEVICE, torch.float16)
+    attn = layer.self_attn.attn
+    attn.backend = TorchAttentionBackend()  # the same attention on both paths: the GEMVs' wiring is under test
+    past = torch.randn(attn.cache_shape(1, 8), generator=gen).to(DEVICE, torch.float16)
+    rotary = rotary_from_config(config).to(DEVICE)
+    rope = RopeTables(rotary, *rotary.cos_sin(torch.tensor([5], device=DEVICE)))
+    meta = AttentionMetadata(num_decodes=1, num_decode_tokens=1, slot_mapping=torch.tensor([5], device=DEVICE),
+                             block_tables=torch.zeros(1, 1, dtype=torch.int64, device=DEVICE),
+                             seq_lens=torch.tensor([6], device=DEVICE), query_start_loc=[0, 1], seq_lens_host=[6],
+                             max_query_len=1)
+    x = torch.randn(1, config.hidden_size, generator=gen).to(DEVICE, torch.float16)
+    residual = torch.randn(1, config.hidden_size, generator=gen).to(DEVICE, torch.float16) if with_residual else None
+
+    def step(forward):
+        attn.kv_cache = past.clone()
+        with forward_context(meta):
+            out, stream = forward(rope, x, residual)
+        return out, stream, attn.kv_cache
+
+    want_out, want_stream, want_cache = step(layer.forward)
+    out, stream, cache = step(layer._forward_small)
+    _close(out, want_out)
+    assert torch.equal(stream, want_stream) and torch.equal(cache, want_cache)
 
 
 def test_the_decoder_layer_keeps_its_own_path_on_the_cpu():
