@@ -7,33 +7,16 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from norm_gemv import graph_seconds  # this directory's: fn(i) captured `calls` times, timed over replays
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
 
 
-def graph_seconds(fn, calls: int, replays: int = 5) -> float:
-    """Seconds per call of fn, captured `calls` times in one CUDA graph and timed over `replays` replays."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
-
-
 def seconds_per_call(w: torch.Tensor, rows: int) -> float:
     x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
-    return graph_seconds(lambda: F.linear(x, w), 50 if rows <= 64 else 3)
+    return graph_seconds(lambda i: F.linear(x, w), 50 if rows <= 64 else 3)
 
 
 def main() -> None:
