@@ -444,7 +444,7 @@ def run(args) -> dict:
     ceilings = measure_ceilings(device, copy_bytes, matmul_n, dtype)
     kwargs, dropped = pressroom_kwargs(args, required_model_len(workloads))
     llm, ready_s = build_llm(kwargs, device)
-    phases = dict(llm.engine.startup_phases)
+    phases = {name: round(seconds, 3) for name, seconds in llm.engine.startup_phases.items()}
     ranks = args.tensor_parallel_size
     if args.quantization not in ("auto", "none") and ranks == 1:  # the roofline of the bytes the engine reads
         size.loaded_decode_read_bytes = loaded_decode_read_bytes(llm.engine.model)

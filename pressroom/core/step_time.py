@@ -119,9 +119,9 @@ class StepTimeBound:
         return self.model.seconds(self.load.plus(n, computed, 1)) <= self.limit
 
 
-# The fit's prior: worth this many steps of each term (the data sheet's rates: 1 s of estimate is 1 s of step, no
-# fixed cost), forgotten at this rate per step (a card's rates hold; a workload's mix drifts), used from this many
-# steps on; a fitted rate never below this share of the data sheet's (a noisy fit must not call the card 10x faster).
+# The fit's prior: worth this many steps of each term (the rates an engine reaches: 1 s of estimate is 1 s of step,
+# no fixed cost), forgotten at this rate per step (a card's rates hold; a workload's mix drifts), used from this many
+# steps on; a fitted coefficient never below this (a noisy fit must not call the card 10x faster than that).
 FIT_PRIOR_STEPS = 4.0
 FIT_DECAY = 0.995
 FIT_MIN_STEPS = 16
@@ -131,7 +131,8 @@ FIT_OUTLIER = 10.0  # a step this many times its estimate is left out of the fit
 
 class StepTimeFit:
     """Measured step times against an estimate's two terms: seconds ~ c + a * memory + b * compute, where memory
-    and compute are the step's bytes at the data sheet's bandwidth and its FLOPs at its matmul rate. Weighted least
+    and compute are the step's bytes and FLOPs at the bandwidth and matmul rate an engine reaches (the data sheet's
+    times engine/step_cost.py's shares). Weighted least
     squares with exponential forgetting, pulled toward (0, 1, 1) by a prior worth FIT_PRIOR_STEPS steps per term.
 
     Why: the data sheet's rates are not what an engine reaches, and not in the same proportion: on an H100 a step of

@@ -154,7 +154,7 @@ class EngineCore:
         try:
             yield
         finally:
-            self.startup_phases[name] = round(time.perf_counter() - begin, 3)
+            self.startup_phases[name] = time.perf_counter() - begin
 
     def _start(self, config: EngineConfig) -> None:
         with self._phase("weights"):
@@ -582,8 +582,9 @@ class EngineCore:
                 if isinstance(result, AsyncModelRunnerOutput):
                     result = result.resolve()  # isolating: a failure must name this step's requests
                 outputs = self._update(sched, result)
-                self._time_step(sched, time.perf_counter() - started)
-                self._observe_step_time(sched, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self._time_step(sched, seconds)
+                self._observe_step_time(sched, seconds)
                 self._last_resolved = None
         except FATAL_ERRORS:
             raise

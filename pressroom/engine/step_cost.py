@@ -257,7 +257,7 @@ DEVICE_ROOFLINES = (
 # The shares of those figures an engine's steps reach, the step-time estimate's starting point before the engine's
 # own steps are fitted: a decode step reads at ~80% of the bandwidth, a mixed step's prompt chunk multiplies at ~55% of
 # the matmul rate (an H100, 2026-12-07: with the data sheet's figures the estimate put a 1,000-token chunk beside 64
-# decodes at 3x the decodes' step; it took 4.33x, 1.44 times more, as 0.80 / 0.55 says).
+# decodes at 3x the decodes' step; it took 4.33x, 1.44 times more, about the 0.80 / 0.55 = 1.45 assumed here).
 BANDWIDTH_SHARE_REACHED = 0.80
 MATMUL_SHARE_REACHED = 0.55
 # A GPU not in the table, or one whose name the engine core cannot ask without a CUDA context of its own (the mp
@@ -297,22 +297,26 @@ class StepTimer:
         self.fit = StepTimeFit()
 
     def seconds(self, load: StepLoad) -> float:
-        matmuls, attention = matmul_cost(load, self.shape), attention_cost(load, self.shape)
-        fitted = self.fit.predict(*self._terms(matmuls + attention))
-        if fitted is not None:
-            return fitted
-        return self.reached.seconds(matmuls) + self.reached.seconds(attention)
+        return self._estimate(matmul_cost(load, self.shape), attention_cost(load, self.shape))
 
     def observe(self, load: StepLoad, seconds: float) -> None:
         """A step of `load` took `seconds` on the device (or, where it cannot be timed alone, between results); a
         step far slower than its estimate (a kernel compiling, a collection pausing the host) teaches nothing."""
-        if load.tokens and seconds <= FIT_OUTLIER * self.seconds(load):
+        if not load.tokens:
+            return
+        matmuls, attention = matmul_cost(load, self.shape), attention_cost(load, self.shape)
+        if seconds <= FIT_OUTLIER * self._estimate(matmuls, attention):
             fitted = self.fit.coefficients is not None
-            self.fit.observe(*self._terms(matmul_cost(load, self.shape) + attention_cost(load, self.shape)), seconds)
+            self.fit.observe(*self._terms(matmuls + attention), seconds)
             if not fitted and self.fit.coefficients is not None:
                 logger.info("step-time estimates fitted to %d steps: %.2f ms a step + %.2fx the bytes' time + %.2fx "
                             "the FLOPs' time at the rates reached (%s)", self.fit.steps,
                             self.fit.coefficients[0] * 1e3, *self.fit.coefficients[1:], self.roofline.name)
+
+    def _estimate(self, matmuls: StepCost, attention: StepCost) -> float:
+        if self.fit.coefficients is None:
+            return self.reached.seconds(matmuls) + self.reached.seconds(attention)
+        return self.fit.predict(*self._terms(matmuls + attention))
 
     def forget(self) -> None:
         """Drops what the fit learned (the warm-up's steps, which were compiles)."""
