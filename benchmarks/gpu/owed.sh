@@ -126,25 +126,24 @@ sys.exit(main(sys.argv[2:]))" "$variant" bench gpu --model llama-3.1-8b --worklo
       --output-json "$out/bench_gpu_decode_8b_$variant.json"
   done
 fi
-# H and I: what the 2026-12-07 (d) session changed after its H100 run, for the next one: H the tests (the graph's LM
-# head, never run; the one-token GEMVs; DSA's launches; the step-time bound with its fit) and 8B decode against the
-# bound; I the serving tail with the fitted bound and a second (warm-cache) start of the MoE models.
+# H and I: what the 2026-12-07 (d) session changed after its H100 run, for the next one: H V2-Lite's batch-1 profile
+# (a cold start), the tests (the graph's LM head, never run; the one-token GEMVs; DSA's launches) and V2-Lite's
+# second (warm-cache) start; I the serving tail and the step-time test with the fitted bound, 8B decode.
 if [[ $part == H ]]; then
-  step 200 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
+  # the profile's engine is V2-Lite's first (cold) start; bench gpu's at the end finds Triton's cache warm (item 5)
+  step 130 profile_v2lite python3 benchmarks/gpu/profile_decode.py deepseek-v2-lite "$out" b1
+  step 170 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
     --tb=short
-  step 150 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
-    tests/kernels/test_triton_v4_attention.py \
-    --tb=short
-  step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
-  step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
-    --output-json "$out/bench_gpu_decode_8b.json"
+  step 120 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
+    tests/kernels/test_triton_v4_attention.py --tb=short
+  step 90 decode_v2lite_second "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
+    --output-json "$out/bench_gpu_decode_v2lite_second.json"
 fi
 if [[ $part == I ]]; then
   step 300 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
-  # the profile's engine is V2-Lite's first (cold) start; bench gpu's then finds Triton's cache warm (item 5: < 10 s)
-  step 130 profile_v2lite python3 benchmarks/gpu/profile_decode.py deepseek-v2-lite "$out" b1
-  step 100 decode_v2lite_second "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
-    --output-json "$out/bench_gpu_decode_v2lite_second.json"
+  step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
+  step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
+    --output-json "$out/bench_gpu_decode_8b.json"
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
