@@ -149,5 +149,5 @@ if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
   step 150 kimi bash benchmarks/gpu/recurrent_bench.sh "$out/rb" kimi-linear-48b-a3b 4096,131072
 fi
-rm -f "$out"/*/gpu.txt "$out"/rb/context.log
+rm -f "$out"/*/gpu.txt "$out"/rb/context.log "$out"/decode_b*.json  # the traces: their summaries are in the logs
 (cd "$out" && tar czf "owed_$part.tgz" --exclude='*.tgz' . && find . -mindepth 1 ! -name '*.tgz' -delete)
