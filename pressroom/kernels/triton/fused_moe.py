@@ -511,17 +511,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 
 
 @triton.jit
-def _gemv_rows(a_row_ptr, w_rows, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row (k_in inputs) times BLOCK_N weight rows (pointers to each row's first input): fp32 [BLOCK_N].
-    Rows past the matrix point at a real row and are masked when stored."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def _gemv_gate_up(a_row_ptr, w_rows, up_offset, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row (k_in inputs) times BLOCK_N gate rows (pointers to each row's first input) and the up rows
+    up_offset further on: fp32 [BLOCK_N] each. Both tiles load in one iteration (twice the bytes in flight of a row
+    block at a time). Rows past the matrix point at a real row and are masked when stored."""
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_in
-        a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
-    return acc
+        a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_gate = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w_up = tl.load(w_rows + up_offset + ks[None, :], mask=k_ok[None, :], other=0.0)
+        gate += tl.sum(w_gate.to(tl.float32) * a, axis=1)
+        up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+    return gate, up
 
 
 @triton.jit
@@ -540,10 +544,9 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, n
     w_base, stride_n, up_offset = _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed,
                                                   stride_sn, shared_chunk, shared_up, HAS_SHARED)
     w_rows = w_base + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_n
-    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
-    gate = _gemv_rows(a_row, w_rows, k_in, BLOCK_N, BLOCK_K)[None, :]
-    up = _gemv_rows(a_row, w_rows + up_offset, k_in, BLOCK_N, BLOCK_K)[None, :]
-    gate, up = _add_bias(gate, up, bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
+    gate, up = _gemv_gate_up(x_ptr + (pair // top_k).to(tl.int64) * stride_x, w_rows, up_offset, k_in, BLOCK_N,
+                             BLOCK_K)
+    gate, up = _add_bias(gate[None, :], up[None, :], bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
     mid = _gated(gate, up, alpha, limit, ACTIVATION)
     tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols[None, :], mid.to(mid_ptr.dtype.element_ty),
              mask=col_ok[None, :])
@@ -552,28 +555,42 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, n
 @triton.jit
 def _moe_down_sum_gemv_kernel(mid_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, n_out, k_in, num_experts,
                               stride_mid, stride_we, stride_wn, stride_out, stride_be, shared_ptr, num_routed,
-                              stride_sn, shared_chunk, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              stride_sn, shared_chunk, TOP_K: tl.constexpr, PAIRS: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
     """One token's output [pid_n's BLOCK_N columns]: the sum over its TOP_K pairs of the pair's top-k weight times
-    (its expert's down rows over the pair's mid row, plus the expert's bias), in fp32, rounded once. Pairs of another
-    rank's experts (-1) add nothing."""
+    (its expert's down rows over the pair's mid row, plus the expert's bias), in fp32, rounded once. All TOP_K
+    experts' tiles load in one iteration (PAIRS: TOP_K rounded up to a power of two): a token's few programs keep
+    TOP_K times the bytes in flight of one expert at a time. Pairs of another rank's experts (-1) add nothing."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    total = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
-        here = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(here, expert, 0)
-        w_base, stride_n, _ = _expert_weights(w_ptr, expert, stride_we, stride_wn, n_out, shared_ptr, num_routed,
-                                              stride_sn, shared_chunk, n_out, HAS_SHARED)
-        w_rows = w_base + tl.where(col_ok & here, cols, 0).to(tl.int64)[:, None] * stride_n
-        acc = _gemv_rows(mid_ptr + pair * stride_mid, w_rows, tl.where(here, k_in, 0), BLOCK_N, BLOCK_K)[None, :]
-        acc, _ = _add_bias(acc, acc, bias_ptr, expert, stride_be, cols, col_ok, n_out, False, HAS_BIAS)
-        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
-             mask=col_ok[None, :])
+    j = tl.arange(0, PAIRS)
+    pair = token.to(tl.int64) * TOP_K + j
+    expert = tl.load(ids_ptr + pair, mask=j < TOP_K, other=-1)
+    here = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(here, expert, 0).to(tl.int64)
+    base = w_ptr + expert * stride_we
+    stride_n = tl.zeros((PAIRS,), dtype=tl.int64) + stride_wn
+    if HAS_SHARED:  # ids from num_routed on: chunks of the shared experts' matrix (as _expert_weights reads them)
+        shared = expert >= num_routed
+        base = tl.where(shared, shared_ptr + (expert - num_routed) * shared_chunk, base)
+        stride_n = tl.where(shared, stride_sn, stride_n)
+    w_rows = base[:, None] + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * stride_n[:, None]  # [PAIRS, BLOCK_N]
+    mid_rows = mid_ptr + pair * stride_mid
+    acc = tl.zeros((PAIRS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = here[:, None] & (ks < k_in)[None, :]  # [PAIRS, BLOCK_K]
+        a = tl.load(mid_rows[:, None] + ks[None, :], mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows[:, :, None] + ks[None, None, :], mask=k_ok[:, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert[:, None] * stride_be + cols[None, :], mask=here[:, None] & col_ok[None, :],
+                       other=0.0).to(tl.float32)
+    weight = tl.load(weights_ptr + pair, mask=here, other=0.0)
+    total = tl.sum(acc * weight[:, None], axis=0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -634,7 +651,8 @@ def _gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, mid: torch.T
         mid.stride(0), b13[1], k, *act[:2], *s13, HAS_BIAS=b13[2], ACTIVATION=act[2], **common)
     _moe_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
         mid, w2, out, flat_ids, flat_weights, b2[0], hidden, inter, experts, mid.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), b2[1], *s2[:4], TOP_K=k, HAS_BIAS=b2[2], **common)
+        w2.stride(1), out.stride(0), b2[1], *s2[:4], TOP_K=k, PAIRS=triton.next_power_of_2(k), HAS_BIAS=b2[2],
+        **common)
     return out
 
 
