@@ -54,6 +54,9 @@ ALIGN_IN_ONE_PROGRAM_MAX_PAIRS = 4096
 
 # Without a swept choice, steps of up to this many tokens take the token-major GEMVs.
 GEMV_MAX_TOKENS = 4
+# The down-sum GEMV's tile over a token's experts holds at most this many weights (64 a thread at 4 warps): its input
+# tile is the launch's block_k cut to fit (a wider one spills registers).
+DOWN_TILE_WEIGHTS = 8192
 
 
 @dataclass(slots=True, frozen=True)
@@ -644,15 +647,15 @@ def _gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, mid: torch.T
     inter, k = mid.shape[1], ids.shape[1]
     flat_ids = ids.reshape(-1).to(torch.int32)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    common = dict(HAS_SHARED=experts > w13.shape[0], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps)
+    common = dict(HAS_SHARED=experts > w13.shape[0], BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     _moe_up_gemv_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
         x, w13, mid, flat_ids, b13[0], inter, hidden, experts, x.stride(0), w13.stride(0), w13.stride(1),
-        mid.stride(0), b13[1], k, *act[:2], *s13, HAS_BIAS=b13[2], ACTIVATION=act[2], **common)
+        mid.stride(0), b13[1], k, *act[:2], *s13, HAS_BIAS=b13[2], ACTIVATION=act[2], BLOCK_K=cfg.block_k, **common)
+    pairs = triton.next_power_of_2(k)
+    down_k = max(16, min(cfg.block_k, DOWN_TILE_WEIGHTS // (pairs * cfg.block_n)))
     _moe_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
         mid, w2, out, flat_ids, flat_weights, b2[0], hidden, inter, experts, mid.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), b2[1], *s2[:4], TOP_K=k, PAIRS=triton.next_power_of_2(k), HAS_BIAS=b2[2],
-        **common)
+        w2.stride(1), out.stride(0), b2[1], *s2[:4], TOP_K=k, PAIRS=pairs, HAS_BIAS=b2[2], BLOCK_K=down_k, **common)
     return out
 
 
