@@ -197,6 +197,33 @@ def model_flops(size: ModelSize, body_tokens: int, lm_head_positions: int) -> fl
     return 2.0 * size.active_non_embedding_params * body_tokens + 2.0 * size.lm_head_params * lm_head_positions
 
 
+def batch_read_bytes(size: ModelSize, batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens reads: what each token reads alone (the decode bound's bytes)
+    less the routed experts it selects, plus every routed expert at least one of the tokens selects. Uniform
+    routing: an expert is left by all `batch` tokens with probability (unselected share) ** batch. Quantized weights
+    scale by their loaded bytes; KV-cache reads not counted."""
+    per_token = size.loaded_decode_read_bytes or size.decode_read_bytes
+    if not size.routed_expert_params:
+        return per_token
+    scale = per_token / size.decode_read_bytes  # quantized: loaded bytes per bf16-equivalent byte
+    unselected = size.non_embedding_params - size.active_non_embedding_params
+    routed_bytes = size.routed_expert_params * size.bytes_per_param * scale
+    share_untouched = unselected / size.routed_expert_params
+    selected_bytes = routed_bytes * (1 - share_untouched)
+    return per_token - selected_bytes + routed_bytes * (1 - share_untouched ** batch)
+
+
+def throughput_roofline(size: ModelSize, ceilings: Ceilings, run: Run, flops: float, batch: int) -> dict:
+    """The throughput workload's roofline: output tokens a second if every step were decode steps of `batch`
+    sequences at the copy bandwidth (weights only), against the matmul-rate bound; the smaller binds. A mixture of
+    experts at a few hundred sequences reads nearly all its experts each step: bandwidth, not FLOPs, binds it."""
+    memory = batch * ceilings.copy_bytes_per_s / batch_read_bytes(size, batch)
+    compute = ceilings.matmul_flops_per_s * run.output_tokens / flops
+    return {"decode_batch": batch, "memory_bound_tokens_per_s": round(memory, 2),
+            "roofline_tokens_per_s": round(min(memory, compute), 2),
+            "pressroom_over_roofline": round(run.output_tokens_per_s / min(memory, compute), 4)}
+
+
 def workload_flops(name: str, size: ModelSize, run: Run) -> float:
     """Prefill's one output token is sampled, never fed back: the layers see the prompts only. Generation
     counts prompt and output tokens through the layers (the usual 2 x params x tokens rule)."""
@@ -463,6 +490,8 @@ def run(args) -> dict:
     del llm
     free_device_memory(device)
     hf_runs, memory, hf_info = run_hf_phase(state, workloads, args, device, dtype) if state else ({}, {}, {})
+    from pressroom.config import default_max_num_seqs
+    max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type)
     report = {"benchmark": "gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_machine(device),
               "device": device.type, "model": str(args.model), "dtype": args.dtype, "engine_args": kwargs,
               "engine_args_not_supported": dropped, "time_to_ready_s": round(ready_s, 3),
@@ -471,7 +500,7 @@ def run(args) -> dict:
               "warmup_note": WARMUP_NOTE, "memory": memory, "allocator_during_pressroom": allocator,
               "tensor_parallel_size": ranks, "collectives": collectives,
               "workloads": {name: workload_report(name, workloads[name], ours[name], hf_runs.get(name), size,
-                                                  ceilings, ranks) for name in workloads}}
+                                                  ceilings, ranks, max_num_seqs) for name in workloads}}
     report["ratios"] = summary_ratios(report["workloads"])
     print_report(report)
     if args.output_json:
@@ -572,10 +601,12 @@ def device_machine(device: torch.device) -> dict:
 
 
 def workload_report(name: str, workload: Workload, ours: Run, hf: list[Run] | None, size: ModelSize,
-                    ceilings: Ceilings, ranks: int = 1) -> dict:
+                    ceilings: Ceilings, ranks: int = 1, max_num_seqs: int | None = None) -> dict:
     """Figures, the physical bound and the ratios of one workload. Prefill compares prompt tokens/s
     (its bound ratio is the model FLOP utilisation); the others compare output tokens/s. With `ranks`
-    devices (tensor parallelism) the bound is theirs together: each reads and multiplies its shard."""
+    devices (tensor parallelism) the bound is theirs together: each reads and multiplies its shard. Throughput
+    also gets its roofline (throughput_roofline) at the sequences that run at once (max_num_seqs at most), on one
+    device."""
     key = "input_tokens_per_s" if name == "prefill" else "output_tokens_per_s"
     bound_name, bound = workload_bound(name, ours, size, ceilings)
     if ranks > 1:
@@ -595,6 +626,9 @@ def workload_report(name: str, workload: Workload, ours: Run, hf: list[Run] | No
     if name == "throughput":
         section["flops_per_output_token"] = flops / ours.output_tokens
         section["hf_by_batch_size"] = [asdict(r) for r in hf or []]
+        if ranks == 1:
+            batch = min(len(workload.prompts), max_num_seqs or len(workload.prompts))
+            section["roofline"] = throughput_roofline(size, ceilings, ours, flops, batch)
     else:
         section["pressroom_mfu"] = section["pressroom_over_bound"]
         section["hf_mfu"] = section["hf_over_bound"]
@@ -664,6 +698,11 @@ def print_report(report: dict) -> None:
         print(f"{name:<11}{key.split('_')[0]:>12}{s['pressroom'][key]:>12.1f}{_fmt(hf, 12, '.1f')}"
               f"{s['bound_tokens_per_s']:>12.1f}{_fmt(s['pressroom_over_hf'], 8, '.2f')}"
               f"{s['pressroom_over_bound']:>10.3f}{_fmt(s['hf_over_bound'], 10, '.3f')}")
+    roofline = report["workloads"].get("throughput", {}).get("roofline")
+    if roofline:
+        print(f"throughput roofline at {roofline['decode_batch']} sequences a step: "
+              f"{roofline['roofline_tokens_per_s']:.1f} tok/s (weights at the copy bandwidth: "
+              f"{roofline['memory_bound_tokens_per_s']:.1f}); pressroom at {roofline['pressroom_over_roofline']:.3f}")
     col = report.get("collectives")
     if col:
         measured = ", ".join(f"{x * 1e3:.3f}" for x in col["all_reduce_s_per_step"])

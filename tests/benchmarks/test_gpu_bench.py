@@ -42,7 +42,8 @@ def test_report_has_every_figure(report):
         assert set(section["pressroom"]) == RUN_KEYS and set(section["hf"]) == RUN_KEYS
         for key in ("bound_tokens_per_s", "pressroom_over_bound", "hf_over_bound", "pressroom_over_hf"):
             assert section[key] > 0, (name, key)
-    assert {"flops_per_output_token", "hf_by_batch_size"} <= report["workloads"]["throughput"].keys()
+    assert {"flops_per_output_token", "hf_by_batch_size", "roofline"} <= report["workloads"]["throughput"].keys()
+    assert report["workloads"]["throughput"]["roofline"]["decode_batch"] == 4  # the 4 prompts, all at once
     assert {"pressroom_mfu", "hf_mfu", "flops"} <= report["workloads"]["prefill"].keys()
     assert all(v is not None for v in report["ratios"].values()) and len(report["ratios"]) == 9
 
@@ -195,6 +196,29 @@ def test_moe_decode_reads_the_selected_experts_only():
     assert size.routed_expert_params == routed
     assert size.active_non_embedding_params == size.non_embedding_params - routed * 120 // 128
     assert size.decode_read_bytes == 2 * (size.active_non_embedding_params + size.lm_head_params)
+
+
+def test_a_moe_batch_reads_the_experts_any_token_selects():
+    """Qwen3-30B-A3B: one token reads the decode bound's bytes; 200 tokens of uniform routing leave an expert with
+    probability (120/128)^200 (~2.5e-6), so a step reads nearly every expert: bandwidth binds its throughput far
+    below the matmul rate's bound, and the roofline takes the smaller."""
+    from pressroom.model.loader import load_hf_config
+    size = gpu.model_size(load_hf_config(str(CONFIGS / "qwen3-30b-a3b")), torch.bfloat16)
+    assert gpu.batch_read_bytes(size, 1) == pytest.approx(size.decode_read_bytes)
+    everything = size.decode_read_bytes + 2 * size.routed_expert_params * 120 // 128
+    assert gpu.batch_read_bytes(size, 200) == pytest.approx(everything, rel=1e-5)
+    assert size.decode_read_bytes < gpu.batch_read_bytes(size, 4) < gpu.batch_read_bytes(size, 16) < everything
+    ceilings = gpu.Ceilings(copy_bytes_per_s=4e12, copy_buffer_bytes=0, matmul_flops_per_s=8e14, matmul_size=0,
+                            timer="")
+    run = gpu.Run("pressroom", 200, 200 * 512, 200 * 256, 10.0, 200 * 25.6, 0.0)
+    flops = gpu.workload_flops("throughput", size, run)
+    roofline = gpu.throughput_roofline(size, ceilings, run, flops, 200)
+    assert roofline["memory_bound_tokens_per_s"] == pytest.approx(200 * 4e12 / everything, rel=1e-4)
+    assert roofline["roofline_tokens_per_s"] == roofline["memory_bound_tokens_per_s"]  # < the compute bound
+    assert roofline["pressroom_over_roofline"] == pytest.approx(200 * 25.6 / roofline["roofline_tokens_per_s"],
+                                                                rel=1e-3)
+    dense = gpu.model_size(load_hf_config(str(CONFIGS / "llama-3.1-8b")), torch.bfloat16)
+    assert gpu.batch_read_bytes(dense, 200) == dense.decode_read_bytes
 
 
 def test_deepseek_v4_decode_reads_the_selected_experts_only():
