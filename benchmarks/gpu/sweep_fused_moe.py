@@ -52,11 +52,11 @@ def moe_shape(config_dir: Path) -> dict[str, int]:
 
 
 def gemv_candidates(tokens: int) -> list[MoeLaunch]:
-    """The token-major GEMVs' column blocks, input tiles and warps (no pipelining: num_stages 1)."""
+    """The token-major GEMVs' column blocks, input tiles, warps and tiles in flight (1: no pipelining)."""
     if tokens > GEMV_TOKENS:
         return []
-    return [MoeLaunch(1, n, k, w, 1, gemv=True) for n, k, w in itertools.product((8, 16, 32, 64), (128, 256, 512),
-                                                                                  (2, 4, 8))]
+    return [MoeLaunch(1, n, k, w, s, gemv=True)
+            for n, k, w, s in itertools.product((8, 16, 32, 64), (128, 256, 512), (2, 4, 8), (1, 2))]
 
 
 def candidates(tokens: int, top_k: int, experts: int, itemsize: int) -> list[MoeLaunch]:

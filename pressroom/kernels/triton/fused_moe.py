@@ -126,8 +126,8 @@ def default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
 
 def gemv_launch() -> MoeLaunch:
     """The token-major GEMVs without a sweep: narrow column blocks (many programs for one token's few pairs),
-    wide input tiles."""
-    return MoeLaunch(1, 16, 256, 4, 1, gemv=True)
+    wide input tiles, two tiles in flight (as the dense GEMVs' loop)."""
+    return MoeLaunch(1, 16, 256, 4, 2, gemv=True)
 
 
 def choose_launch(tokens: int, w13: torch.Tensor, top_k: int, shared: int = 0) -> MoeLaunch:
@@ -514,28 +514,31 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 
 
 @triton.jit
-def _gemv_gate_up(a_row_ptr, w_rows, up_offset, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_gate_up(a_row_ptr, w_rows, up_offset, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr):
     """One activation row (k_in inputs) times BLOCK_N gate rows (pointers to each row's first input) and the up rows
-    up_offset further on: fp32 [BLOCK_N] each. Both tiles load in one iteration (twice the bytes in flight of a row
-    block at a time). Rows past the matrix point at a real row and are masked when stored."""
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
+    up_offset further on: fp32 [BLOCK_N] each. As kernels/triton/gemv.py's loop: both tiles load in one pipelined
+    iteration, products add up elementwise and are summed across K once at the end. Rows past the matrix point at a
+    real row and are masked when stored."""
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_in
         a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w_gate = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
         w_up = tl.load(w_rows + up_offset + ks[None, :], mask=k_ok[None, :], other=0.0)
-        gate += tl.sum(w_gate.to(tl.float32) * a, axis=1)
-        up += tl.sum(w_up.to(tl.float32) * a, axis=1)
-    return gate, up
+        gate += w_gate.to(tl.float32) * a
+        up += w_up.to(tl.float32) * a
+    return tl.sum(gate, axis=1), tl.sum(up, axis=1)
 
 
 @triton.jit
 def _moe_up_gemv_kernel(x_ptr, w_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, num_experts, stride_x, stride_we,
                         stride_wn, stride_mid, stride_be, top_k, alpha, limit, shared_ptr, num_routed, stride_sn,
                         shared_chunk, shared_up, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        STAGES: tl.constexpr):
     """One (token, expert) pair's gate and up rows [pid_n's BLOCK_N columns] over its token, plus the expert's bias,
     through the gated activation, out to mid's pair row. A pair of another rank's expert (-1) is skipped."""
     pair = tl.program_id(0)
@@ -548,7 +551,7 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, mid_ptr, ids_ptr, bias_ptr, n_out, k_in, n
                                                   stride_sn, shared_chunk, shared_up, HAS_SHARED)
     w_rows = w_base + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_n
     gate, up = _gemv_gate_up(x_ptr + (pair // top_k).to(tl.int64) * stride_x, w_rows, up_offset, k_in, BLOCK_N,
-                             BLOCK_K)
+                             BLOCK_K, STAGES)
     gate, up = _add_bias(gate[None, :], up[None, :], bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
     mid = _gated(gate, up, alpha, limit, ACTIVATION)
     tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols[None, :], mid.to(mid_ptr.dtype.element_ty),
@@ -560,7 +563,7 @@ def _moe_down_sum_gemv_kernel(mid_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, bia
                               stride_mid, stride_we, stride_wn, stride_out, stride_be, shared_ptr, num_routed,
                               stride_sn, shared_chunk, TOP_K: tl.constexpr, PAIRS: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """One token's output [pid_n's BLOCK_N columns]: the sum over its TOP_K pairs of the pair's top-k weight times
     (its expert's down rows over the pair's mid row, plus the expert's bias), in fp32, rounded once. All TOP_K
     experts' tiles load in one iteration (PAIRS: TOP_K rounded up to a power of two): a token's few programs keep
@@ -581,13 +584,14 @@ def _moe_down_sum_gemv_kernel(mid_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, bia
         stride_n = tl.where(shared, stride_sn, stride_n)
     w_rows = base[:, None] + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * stride_n[:, None]  # [PAIRS, BLOCK_N]
     mid_rows = mid_ptr + pair * stride_mid
-    acc = tl.zeros((PAIRS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
+    prods = tl.zeros((PAIRS, BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed across K once, after the loop
+    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = here[:, None] & (ks < k_in)[None, :]  # [PAIRS, BLOCK_K]
         a = tl.load(mid_rows[:, None] + ks[None, :], mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows[:, :, None] + ks[None, None, :], mask=k_ok[:, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[:, None, :], axis=2)
+        prods += w * a[:, None, :]
+    acc = tl.sum(prods, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert[:, None] * stride_be + cols[None, :], mask=here[:, None] & col_ok[None, :],
                        other=0.0).to(tl.float32)
@@ -647,7 +651,8 @@ def _gemv_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, mid: torch.T
     inter, k = mid.shape[1], ids.shape[1]
     flat_ids = ids.reshape(-1).to(torch.int32)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    common = dict(HAS_SHARED=experts > w13.shape[0], BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    common = dict(HAS_SHARED=experts > w13.shape[0], BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                  num_warps=cfg.num_warps)
     _moe_up_gemv_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
         x, w13, mid, flat_ids, b13[0], inter, hidden, experts, x.stride(0), w13.stride(0), w13.stride(1),
         mid.stride(0), b13[1], k, *act[:2], *s13, HAS_BIAS=b13[2], ACTIVATION=act[2], BLOCK_K=cfg.block_k, **common)
