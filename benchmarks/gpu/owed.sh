@@ -132,9 +132,9 @@ fi
 if [[ $part == H ]]; then
   # the profile's engine is V2-Lite's first (cold) start; bench gpu's at the end finds Triton's cache warm (item 5)
   step 130 profile_v2lite python3 benchmarks/gpu/profile_decode.py deepseek-v2-lite "$out" b1
-  step 170 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
+  step 150 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
     --tb=short
-  step 120 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
+  step 110 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
     tests/kernels/test_triton_v4_attention.py --tb=short
   step 90 decode_v2lite_second "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
     --output-json "$out/bench_gpu_decode_v2lite_second.json"
