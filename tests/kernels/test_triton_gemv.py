@@ -1,8 +1,10 @@
 """The fused decode GEMVs (kernels/triton/gemv.py) against their unfused torch references: RMSNorm (with and
-without the residual add) then F.linear, silu(gate) * up then F.linear, and F.linear alone; run by Triton's
-interpreter on the CPU at tiny shapes with tails in N and K (tests/conftest.py sets TRITON_INTERPRET=1 where CUDA
-is absent). And the decoder layer: its one-token path (the four launches around attention) equal to its modules'
-forward, and its choice of path: never on the CPU, never over a weight it would skip a form of.
+without the residual add) then F.linear, silu(gate) * up then F.linear, and F.linear alone, at one token (the
+one-token kernel) and 2, 3, 4 and 8 (the rows kernel: a masked row past 3); run by Triton's interpreter on the CPU
+at tiny shapes with tails in N and K (tests/conftest.py sets TRITON_INTERPRET=1 where CUDA is absent). Rows to be
+normalised are scaled apart (row i by i + 1), so a row normalised by another row's statistics would be far off.
+And the decoder layer: its small-step path (the four launches around attention) equal to its modules' forward at
+one and three decodes, and its choice of path: never on the CPU, never over a weight it would skip a form of.
 
 fp16 is the exact check: the interpreter rounds to fp16 as the GPU does, so the references round where the unfused
 kernels round and only the GEMM's summation order differs (the output within about an fp16 step). Its bf16 rounding
@@ -21,6 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 TOL = {torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 SHAPES = [(40, 96), (37, 70)]  # (out, in): a partial row block and, in the second, odd N and K
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = [1, 2, 3, 4, 8]  # one token's kernel, then the rows kernel at 2, 4 (3: a masked row) and MAX_ROWS
 
 
 def _gemv():
@@ -34,11 +38,22 @@ def _launches():
     return [None, _gemv().GemvLaunch(block_n=16, block_k=32)]
 
 
-def _operands(tokens: int, n: int, k: int, dtype: torch.dtype, seed: int, width: int | None = None):
+def _operands(tokens: int, n: int, k: int, dtype: torch.dtype, seed: int, width: int | None = None,
+              scaled: bool = False):
+    """x [tokens, width or k], row i scaled by i + 1 where `scaled` (the norm's tests: each row its own statistics);
+    w [n, k]."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, width or k, generator=gen)
+    if scaled:
+        x *= torch.arange(1, tokens + 1)[:, None]
     w = torch.randn(n, k, generator=gen) / k ** 0.5
     return x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+def _scaled_rows(tokens: int, width: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """[tokens, width] normal, row i scaled by (i + 1) * scale."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, width, generator=gen) * torch.arange(1, tokens + 1)[:, None] * scale
 
 
 def _linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,34 +76,36 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])  # Qwen2's qkv bias
-def test_norm_gemv_equals_rms_norm_then_linear(dtype, with_residual, n, k, with_bias):
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_norm_gemv_equals_rms_norm_then_linear(dtype, with_residual, n, k, with_bias, tokens):
     gemv = _gemv()
-    for tokens in range(1, gemv.GEMV_MAX_TOKENS + 1):
-        x, w = _operands(tokens, n, k, dtype, seed=tokens)
-        residual = (torch.randn(tokens, k) * 4).to(DEVICE, dtype) if with_residual else None
-        norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, dtype)
-        bias = torch.randn(n).to(DEVICE, dtype) if with_bias else None
-        x_before = x.clone()
-        h = x if residual is None else (x.float() + residual.float()).to(dtype)  # torch's `x + residual`
-        want = _linear(_rms_norm(h, norm_weight), w, bias)
-        for launch in _launches():
-            got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual, bias, launch=launch)
-            _close(got, want)
-            if residual is None:
-                assert stream is x  # the stream is x itself, as `x, residual = norm(x), x`
-            elif dtype == torch.float16:
-                assert torch.equal(stream, h)
-            else:
-                _close(stream, h)
-            assert torch.equal(x, x_before)  # x and the old residual are read, never written
+    x, w = _operands(tokens, n, k, dtype, seed=tokens, scaled=True)
+    residual = _scaled_rows(tokens, k, seed=50 + tokens, scale=4).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, dtype)
+    bias = torch.randn(n).to(DEVICE, dtype) if with_bias else None
+    x_before = x.clone()
+    h = x if residual is None else (x.float() + residual.float()).to(dtype)  # torch's `x + residual`
+    want = _linear(_rms_norm(h, norm_weight), w, bias)
+    for launch in _launches():
+        got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual, bias, launch=launch)
+        _close(got, want)
+        if residual is None:
+            assert stream is x  # the stream is x itself, as `x, residual = norm(x), x`
+        elif dtype == torch.float16:
+            assert torch.equal(stream, h)  # every row's, written once
+        else:
+            _close(stream, h)
+        assert torch.equal(x, x_before)  # x and the old residual are read, never written
 
 
-def test_norm_gemv_over_rows_longer_than_a_statistics_tile():
-    """8,300 inputs: the statistics pass takes two tiles (8,192 activations each), the second one partial."""
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_norm_gemv_over_rows_longer_than_a_statistics_tile(tokens):
+    """The statistics pass reads tiles of 8,192 activations over the rows: one token's 8,300 inputs take two tiles,
+    the second partial; four tokens' tiles are 2,048 wide, five tiles."""
     gemv = _gemv()
     n, k = 24, 8300
-    x, w = _operands(1, n, k, torch.float16, seed=301)
-    residual = torch.randn(1, k).to(DEVICE, torch.float16)
+    x, w = _operands(tokens, n, k, torch.float16, seed=301, scaled=True)
+    residual = _scaled_rows(tokens, k, seed=302).to(DEVICE, torch.float16)
     norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, torch.float16)
     h = (x.float() + residual.float()).to(torch.float16)
     got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual)
@@ -98,21 +115,23 @@ def test_norm_gemv_over_rows_longer_than_a_statistics_tile():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_silu_mul_gemv_equals_swiglu_then_linear(dtype, n, k):
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_mul_gemv_equals_swiglu_then_linear(dtype, n, k, tokens):
     gemv = _gemv()
-    for tokens in range(1, gemv.GEMV_MAX_TOKENS + 1):
-        gate_up, w = _operands(tokens, n, k, dtype, seed=100 + tokens, width=2 * k)
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        want = _linear((F.silu(gate) * up).to(dtype), w)  # activation.py's: fp32, rounded once
-        for launch in _launches():
-            _close(gemv.silu_mul_gemv(gate_up, w, launch=launch), want)
+    gate_up, w = _operands(tokens, n, k, dtype, seed=100 + tokens, width=2 * k)
+    bias = torch.randn(n).to(DEVICE, dtype) if tokens % 2 else None
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = _linear((F.silu(gate) * up).to(dtype), w, bias)  # activation.py's: fp32, rounded once
+    for launch in _launches():
+        _close(gemv.silu_mul_gemv(gate_up, w, bias, launch=launch), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_gemv_equals_linear_for_a_view_into_a_wider_row(dtype, n, k):
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_gemv_equals_linear_for_a_view_into_a_wider_row(dtype, n, k, tokens):
     gemv = _gemv()
-    wide, w = _operands(1, n, k, dtype, seed=200, width=k + 8)
+    wide, w = _operands(tokens, n, k, dtype, seed=200, width=k + 8)
     x = wide[:, 8:]  # a view starting past its storage's start, at a row stride longer than K
     bias = torch.randn(n).to(DEVICE, dtype)
     for launch in _launches():
@@ -120,10 +139,29 @@ def test_gemv_equals_linear_for_a_view_into_a_wider_row(dtype, n, k):
         _close(gemv.gemv(x, w, bias, launch=launch), _linear(x, w, bias))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_prologues_read_rows_at_their_strides(tokens):
+    """x, the residual and gate_up as views into wider rows, each at its own row stride (fp16: exact)."""
+    gemv = _gemv()
+    n, k = 37, 70
+    wide, w = _operands(tokens, n, k, torch.float16, seed=400, width=k + 3, scaled=True)
+    x = wide[:, 3:]
+    residual = _scaled_rows(tokens, k + 10, seed=401).to(DEVICE, torch.float16)[:, :k]
+    norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, torch.float16)
+    h = (x.float() + residual.float()).to(torch.float16)
+    got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual)
+    _close(got, _linear(_rms_norm(h, norm_weight), w))
+    assert torch.equal(stream, h)
+    wide_gate_up, _ = _operands(tokens, n, k, torch.float16, seed=402, width=2 * k + 5)
+    gate_up = wide_gate_up[:, 5:]
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _close(gemv.silu_mul_gemv(gate_up, w), _linear((F.silu(gate) * up).half(), w))
+
+
 def test_the_kernels_refuse_what_they_do_not_take():
     gemv = _gemv()
-    x, w = _operands(gemv.GEMV_MAX_TOKENS + 1, 16, 32, torch.float16, seed=0)
-    with pytest.raises(ValueError, match="tokens <= 1"):
+    x, w = _operands(gemv.MAX_ROWS + 1, 16, 32, torch.float16, seed=0)
+    with pytest.raises(ValueError, match="tokens <= 8"):
         gemv.gemv(x, w)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         gemv.gemv(x[:1].float(), w.float())
@@ -137,12 +175,33 @@ def test_the_kernels_refuse_what_they_do_not_take():
         gemv.GemvLaunch(block_n=12, block_k=64)
 
 
+def test_the_rows_kernels_launches_keep_the_accumulator_within_its_registers():
+    """Past one token rows_launch cuts block_k, only as far as needed, so rows x block_n x block_k fp32
+    accumulators fit ACC_PER_THREAD a thread; the defaults and every swept launch are so cut, and one token's are
+    the one-token table's as they are."""
+    gemv = _gemv()
+    assert gemv.GEMV_MAX_TOKENS <= gemv.MAX_ROWS
+    for tokens in range(2, gemv.MAX_ROWS + 1):
+        rows = 1 << (tokens - 1).bit_length()
+        cut = [gemv.default_launch(n, k, tokens) for n, k in LLAMA_8B.values()] + gemv.sweep_launches(tokens)
+        assert len(set(gemv.sweep_launches(tokens))) == len(gemv.sweep_launches(tokens))
+        for launch in cut:
+            assert gemv.rows_launch(launch, tokens) == launch
+            threads = 32 * launch.num_warps
+            assert rows * launch.block_n * launch.block_k <= gemv.ACC_PER_THREAD * threads
+        for launch in gemv.MULTI_ROW_LAUNCHES.values():
+            block_k = gemv.rows_launch(launch, tokens).block_k
+            assert block_k == launch.block_k or rows * launch.block_n * 2 * block_k > gemv.ACC_PER_THREAD * 128
+    assert all(gemv.default_launch(n, k) == gemv.DEFAULT_LAUNCHES[gemv.shape_class(n, k)]
+               for n, k in LLAMA_8B.values())
+    assert gemv.rows_launch(gemv.GemvLaunch(16, 512), 1) == gemv.GemvLaunch(16, 512)
+
+
 def test_each_llama_projection_takes_its_own_swept_launch():
     """Llama-3.1-8B's four projections fall in four shape classes, each with the H100 sweep's best; so do
     SmolLM2-135M's (960 x 576 qkv) and Qwen2.5-7B's (4608 x 3584 qkv)."""
     gemv = _gemv()
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    classes = {name: gemv.shape_class(n, k) for name, (n, k) in shapes.items()}
+    classes = {name: gemv.shape_class(n, k) for name, (n, k) in LLAMA_8B.items()}
     assert classes == {"qkv": "wide", "o": "square", "gate_up": "tall", "down": "long"}
     assert set(gemv.DEFAULT_LAUNCHES) == set(classes.values())
     assert gemv.shape_class(960, 576) == gemv.shape_class(4608, 3584) == "wide"

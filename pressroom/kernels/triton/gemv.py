@@ -1,5 +1,5 @@
-"""Dense GEMVs for decode steps of one token, with the op before each projection in their prologue: RMSNorm (and
-the residual add) before qkv and gate_up, SwiGLU's silu(gate) * up before down.
+"""Dense GEMVs for decode steps of one to eight tokens, with the op before each projection in their prologue:
+RMSNorm (and the residual add) before qkv and gate_up, SwiGLU's silu(gate) * up before down.
 
 A decode step of a dense model reads every weight once and does two flops per weight: it is bound by memory, and at
 batch 1 of an 8B model the separate norm and activation kernels between cuBLAS's GEMMs cost launches and gaps
@@ -19,9 +19,16 @@ Measured (benchmarks/gpu/norm_gemv.py, H100, 2026-12-07; docs/BENCHMARKS.md): at
 shapes these run 2-14% faster than the norm/activation kernel + cuBLAS they replace (qkv 20.4 against 22.1 us, o
 13.2 against 15.1, gate_up 78.7 against 80.2, down 40.0 against 43.3); splitting K over several programs never
 helped at one token, so there is no split-K. A 2-8 token variant through tl.dot (tokens padded to 16 rows)
-ran at 0.52-0.72x the unfused kernels on qkv, gate_up and down (o even) and was removed. To try next for 2-4
-tokens: this CUDA-core loop over up to 4 token rows a weight tile (each tile loaded once, an accumulator a row),
-swept against the unfused kernels before GEMV_MAX_TOKENS is raised.
+ran at 0.52-0.72x the unfused kernels on qkv, gate_up and down (o even) and was removed.
+
+Steps of 2 to MAX_ROWS tokens (a decode step of a few sequences; speculative verification's 1 + K rows) take
+`_gemv_rows_kernel`: the same CUDA-core loop, each [block_n, block_k] weight tile loaded once and multiplied into
+every token row's fp32 accumulator ([rows, block_n, block_k], summed across K after the loop), the prologue exact
+per row (each row its own mean square, the new residual stream written for every row; SwiGLU a row at a time).
+More rows multiply the accumulator, so block_k is cut to keep it within ACC_PER_THREAD registers
+(`rows_launch`). Not yet measured on a GPU: GEMV_MAX_TOKENS stays 1 (the model's steps of 2-8 tokens take the
+norm kernel + cuBLAS) until benchmarks/gpu/norm_gemv.py --tokens 2,4,8 shows the rows kernel beating them, and
+MULTI_ROW_LAUNCHES is the one-token table until that sweep's best launches replace it.
 """
 from __future__ import annotations
 
@@ -32,8 +39,13 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_TOKENS = 1  # the one home of the rule: steps of at most this many tokens take these kernels
+MAX_ROWS = 8  # the most token rows the kernels take (any step up to it runs; GEMV_MAX_TOKENS says which do)
 _NONE, _NORM, _SILU = 0, 1, 2  # the prologue
 _STATS_ELEMENTS = 8192  # the norm's statistics pass reads tiles of this many activations (one pass at 4,096 inputs)
+# fp32 accumulators a thread of the rows kernel holds: the one-token launches' (16 x 512 over 4 warps, 8 x 2048 over
+# 8); rows multiply the accumulator, so rows_launch cuts block_k to stay within it rather than spill registers.
+ACC_PER_THREAD = 64
+assert 1 <= GEMV_MAX_TOKENS <= MAX_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +71,34 @@ DEFAULT_LAUNCHES: dict[str, GemvLaunch] = {
     "tall": GemvLaunch(8, 1024),  # gate_up
     "long": GemvLaunch(8, 1024),  # down
 }
+# shape class -> launch for 2 to MAX_ROWS tokens, before rows_launch's cut: not yet swept, so the one-token table;
+# benchmarks/gpu/norm_gemv.py --tokens 2,4,8 prints the best launch per shape to put here.
+MULTI_ROW_LAUNCHES: dict[str, GemvLaunch] = dict(DEFAULT_LAUNCHES)
 
 
-def sweep_launches() -> list[GemvLaunch]:
-    """The launches benchmarks/gpu/norm_gemv.py times for each shape (DEFAULT_LAUNCHES' candidates): tiles of 4K to
-    16K weights over 4 to 32 rows (more rows a program: fewer re-reads of the activations from L2)."""
-    tiles = [(4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (32, 512, 8)]
-    return [GemvLaunch(block_n, block_k, warps) for block_n, block_k, warps in tiles]
+def rows_launch(launch: GemvLaunch, tokens: int) -> GemvLaunch:
+    """The launch the rows kernel runs for `tokens` rows: block_k cut (to a power of two) so the accumulator of every
+    row, rows x block_n x block_k, fits ACC_PER_THREAD registers a thread. One token: the launch as it is."""
+    if tokens <= 1:
+        return launch
+    rows = triton.next_power_of_2(tokens)
+    fits = max(1, ACC_PER_THREAD * 32 * launch.num_warps // (rows * launch.block_n))
+    block_k = min(launch.block_k, 1 << (fits.bit_length() - 1))
+    return GemvLaunch(launch.block_n, block_k, launch.num_warps, launch.num_stages)
+
+
+def sweep_launches(tokens: int = 1) -> list[GemvLaunch]:
+    """The launches benchmarks/gpu/norm_gemv.py times for each shape at `tokens` rows (DEFAULT_LAUNCHES' and
+    MULTI_ROW_LAUNCHES' candidates): tiles of 4K to 16K weights over 4 to 32 rows (more rows a program: fewer
+    re-reads of the activations from L2); past one token also 64 rows a program and deeper pipelines (the
+    activations' re-reads grow with the rows, and the cut tiles keep fewer bytes in flight), each through
+    rows_launch, without repeats."""
+    tiles = [(4, 2048, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 512, 4, 2), (16, 1024, 8, 2),
+             (32, 512, 8, 2)]
+    if tokens > 1:
+        tiles += [(16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (64, 256, 8, 2), (64, 512, 16, 2)]
+    launches = [rows_launch(GemvLaunch(*tile), tokens) for tile in tiles]
+    return list(dict.fromkeys(launches))
 
 
 def shape_class(n: int, k: int) -> str:
@@ -78,69 +111,75 @@ def shape_class(n: int, k: int) -> str:
     return "wide" if n > k else "square"
 
 
-def default_launch(n: int, k: int) -> GemvLaunch:
-    return DEFAULT_LAUNCHES[shape_class(n, k)]
+def default_launch(n: int, k: int, tokens: int = 1) -> GemvLaunch:
+    if tokens <= 1:
+        return DEFAULT_LAUNCHES[shape_class(n, k)]
+    return rows_launch(MULTI_ROW_LAUNCHES[shape_class(n, k)], tokens)
 
 
 @triton.jit
-def _stream(x_ptr, res_ptr, k, mask, ADD_RESIDUAL: tl.constexpr):
-    """The residual stream's tile [1, BLOCK]: x + residual rounded to the residual's dtype (as torch's
-    `x + residual`), or x."""
-    x = tl.load(x_ptr + k[None, :], mask=mask, other=0.0)
+def _stream(x_ptr, res_ptr, x_row, res_row, k, mask, ADD_RESIDUAL: tl.constexpr):
+    """The residual stream's tile [rows, BLOCK]: x + residual rounded to the residual's dtype (as torch's
+    `x + residual`), or x. x_row, res_row [rows, 1]: each row's offset."""
+    x = tl.load(x_ptr + x_row + k[None, :], mask=mask, other=0.0)
     if ADD_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + tl.load(res_ptr + res_row + k[None, :], mask=mask, other=0.0).to(tl.float32)
              ).to(res_ptr.dtype.element_ty)
     return x
 
 
 @triton.jit
-def _inv_rms(x_ptr, res_ptr, new_res_ptr, K, eps, writer, ADD_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr,
-             STAGES: tl.constexpr):
-    """1 / rms of the token's residual stream [1]; the `writer` program also stores the stream. Wide tiles and a
+def _inv_rms(x_ptr, res_ptr, new_res_ptr, x_row, res_row, new_row, row_ok, K, eps, writer,
+             ADD_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """1 / rms of each token's residual stream [ROWS]; the `writer` program also stores the streams. Wide tiles and a
     pipelined loop: every program waits for this before its first weight load."""
-    total = tl.zeros((1,), dtype=tl.float32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        mask = (k < K)[None, :]
-        h = _stream(x_ptr, res_ptr, k, mask, ADD_RESIDUAL)
+        mask = row_ok & (k < K)[None, :]
+        h = _stream(x_ptr, res_ptr, x_row, res_row, k, mask, ADD_RESIDUAL)
         if ADD_RESIDUAL:
-            tl.store(new_res_ptr + k[None, :], h, mask=mask & writer)
+            tl.store(new_res_ptr + new_row + k[None, :], h, mask=mask & writer)
         h = h.to(tl.float32)
         total += tl.sum(h * h, 1)
     return tl.rsqrt(total / K + eps)
 
 
 @triton.jit
-def _activation(x_ptr, res_ptr, nw_ptr, k, mask, K, inv_rms, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-    """The product's left operand [1, BLOCK_K] in the activation dtype, rounded where the unfused kernels round
+def _activation(x_ptr, res_ptr, nw_ptr, x_row, res_row, k, mask, K, inv_rms, PROLOGUE: tl.constexpr,
+                ADD_RESIDUAL: tl.constexpr):
+    """The product's left operand [rows, BLOCK_K] in the activation dtype, rounded where the unfused kernels round
     it."""
-    if PROLOGUE == 2:  # silu(gate) * up: gate at [0, K), up at [K, 2K)
-        gate = tl.load(x_ptr + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 2:  # silu(gate) * up: gate at [0, K), up at [K, 2K) of each row
+        gate = tl.load(x_ptr + x_row + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + x_row + K + k[None, :], mask=mask, other=0.0).to(tl.float32)
         return (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
     if PROLOGUE == 1:
-        h = _stream(x_ptr, res_ptr, k, mask, ADD_RESIDUAL).to(tl.float32)
+        h = _stream(x_ptr, res_ptr, x_row, res_row, k, mask, ADD_RESIDUAL).to(tl.float32)
         w = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         return (h * inv_rms[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
-    return tl.load(x_ptr + k[None, :], mask=mask, other=0.0)
+    return tl.load(x_ptr + x_row + k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, eps,
                  PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, STAGES: tl.constexpr):
+    """One token: a [BLOCK_N, BLOCK_K] accumulator (the launches measured at one token)."""
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    row = tl.zeros((1, 1), dtype=tl.int32)  # the one row's offset: folds away
     inv_rms = tl.zeros((1,), dtype=tl.float32)
     if PROLOGUE == 1:
-        inv_rms = _inv_rms(x_ptr, res_ptr, new_res_ptr, K, eps, pid_n == 0, ADD_RESIDUAL, STATS_K, STAGES)
+        inv_rms = _inv_rms(x_ptr, res_ptr, new_res_ptr, row, row, row, row == 0, K, eps, pid_n == 0, ADD_RESIDUAL,
+                           1, STATS_K, STAGES)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # elementwise products, summed across K after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        a = _activation(x_ptr, res_ptr, nw_ptr, k, k_ok[None, :], K, inv_rms, PROLOGUE, ADD_RESIDUAL)
+        a = _activation(x_ptr, res_ptr, nw_ptr, row, row, k, k_ok[None, :], K, inv_rms, PROLOGUE, ADD_RESIDUAL)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)
     out = tl.sum(acc, 1)
@@ -149,9 +188,41 @@ def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, N, 
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _gemv_rows_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_rm,
+                      stride_wn, eps, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """M tokens (ROWS: M's power of two, rows past M masked): each weight tile loaded once and multiplied into every
+    row's [BLOCK_N, BLOCK_K] accumulator. x, residual: rows at their strides; new residual and out: contiguous."""
+    pid_n = tl.program_id(0)
+    rm = tl.arange(0, ROWS)
+    row_ok = (rm < M)[:, None]
+    x_row, res_row = (rm * stride_xm)[:, None], (rm * stride_rm)[:, None]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    inv_rms = tl.zeros((ROWS,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(x_ptr, res_ptr, new_res_ptr, x_row, res_row, (rm * K)[:, None], row_ok, K, eps,
+                           pid_n == 0, ADD_RESIDUAL, ROWS, STATS_K, STAGES)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed across K after the loop, as one token's
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = _activation(x_ptr, res_ptr, nw_ptr, x_row, res_row, k, row_ok & k_ok[None, :], K, inv_rms, PROLOGUE,
+                        ADD_RESIDUAL)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :]
+    out = tl.sum(acc, 2)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + (rm * N)[:, None] + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok & n_ok[None, :])
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, k: int, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or not 0 <= x.shape[0] <= GEMV_MAX_TOKENS or x.stride(-1) != 1:
-        raise ValueError(f"the fused GEMVs take x [tokens <= {GEMV_MAX_TOKENS}, features] with unit column stride "
+    if x.dim() != 2 or not 0 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
+        raise ValueError(f"the fused GEMVs take x [tokens <= {MAX_ROWS}, features] with unit column stride "
                          f"(larger steps: the modules' forwards), got {tuple(x.shape)} with strides {x.stride()}")
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise ValueError(f"the fused GEMVs take bf16 or fp16 activations and weights of the same dtype, got "
@@ -165,25 +236,33 @@ def _check(x: torch.Tensor, w: torch.Tensor, k: int, bias: torch.Tensor | None) 
 def _launch(prologue: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, launch: GemvLaunch | None,
             residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """y [m, n] = the prologue's activation of x times w^T (+ bias): one token through _gemv_kernel, 2 to MAX_ROWS
+    through _gemv_rows_kernel at the launch rows_launch cuts for them."""
     (m, n), k = (x.shape[0], w.shape[0]), w.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    launch = launch or default_launch(n, k)
-    block_k = min(launch.block_k, triton.next_power_of_2(k))
+    launch = rows_launch(launch, m) if launch is not None else default_launch(n, k, m)
     res = residual if residual is not None else x  # placeholder pointers where a prologue reads none
-    _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
-        x, res, new_residual if new_residual is not None else x, norm_weight if norm_weight is not None else w, w,
-        bias if bias is not None else w, y, n, k, w.stride(0), eps, PROLOGUE=prologue,
-        ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        STATS_K=min(triton.next_power_of_2(k), _STATS_ELEMENTS), STAGES=launch.num_stages,
-        num_warps=launch.num_warps)
+    pointers = (x, res, new_residual if new_residual is not None else x,
+                norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y)
+    flags = dict(PROLOGUE=prologue, ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                 BLOCK_N=launch.block_n, BLOCK_K=min(launch.block_k, triton.next_power_of_2(k)),
+                 STAGES=launch.num_stages, num_warps=launch.num_warps)
+    grid = (triton.cdiv(n, launch.block_n),)
+    if m == 1:
+        _gemv_kernel[grid](*pointers, n, k, w.stride(0), eps, STATS_K=min(triton.next_power_of_2(k), _STATS_ELEMENTS),
+                           **flags)
+        return y
+    rows = triton.next_power_of_2(m)
+    _gemv_rows_kernel[grid](*pointers, m, n, k, x.stride(0), res.stride(0), w.stride(0), eps, ROWS=rows,
+                            STATS_K=min(triton.next_power_of_2(k), _STATS_ELEMENTS // rows), **flags)
     return y
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          launch: GemvLaunch | None = None) -> torch.Tensor:
-    """x [1, K] -> F.linear(x, w, bias) [1, N]."""
+    """x [tokens <= MAX_ROWS, K] -> F.linear(x, w, bias) [tokens, N]."""
     _check(x, w, x.shape[-1] if x.dim() else 0, bias)
     return _launch(_NONE, x, w, bias, launch)
 
@@ -207,8 +286,8 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.T
 
 def silu_mul_gemv(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   launch: GemvLaunch | None = None) -> torch.Tensor:
-    """gate_up [1, 2 I] (gate first, as LlamaMLP's gate_up_proj) -> F.linear(silu(gate) * up, w, bias) [1, N],
-    the activation computed in fp32 and rounded once, as kernels/triton/activation.py's."""
+    """gate_up [tokens <= MAX_ROWS, 2 I] (gate first, as LlamaMLP's gate_up_proj) -> F.linear(silu(gate) * up, w,
+    bias) [tokens, N], the activation computed in fp32 and rounded once, as kernels/triton/activation.py's."""
     width = gate_up.shape[-1] if gate_up.dim() else 0
     if width % 2:
         raise ValueError(f"gate_up must be [tokens, 2 * I], got {tuple(gate_up.shape)}")
