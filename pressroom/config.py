@@ -185,6 +185,8 @@ class CompilationConfig:
     """CUDA graphs: decode steps of up to `max_cudagraph_capture_size` requests replay a captured graph."""
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 512
+    # the Triton kernels earlier starts recorded compile in parallel processes at start (kernels/triton/precompile.py)
+    precompile_kernels: bool = True
     # the vision tower's graphs: a step's images padded to the smallest of these patch counts that holds them
     encoder_cudagraph_sizes: tuple[int, ...] = ENCODER_CUDAGRAPH_SIZES
 
@@ -869,6 +871,10 @@ class EngineArgs:
     gpu_memory_utilization: float = _config_arg(CacheConfig, "gpu_memory_utilization", "share of the GPU's memory "
                                                 "the engine may use (weights, activations, KV cache), in (0, 1]")
     enforce_eager: bool = _config_arg(CompilationConfig, "enforce_eager", "no CUDA graphs: every step runs eagerly")
+    precompile_kernels: bool = _config_arg(CompilationConfig, "precompile_kernels", "on CUDA, compile the Triton "
+                                           "kernels earlier starts of this model recorded in parallel processes "
+                                           "while the weights load (--no-precompile-kernels: the JIT compiles each "
+                                           "at its first launch)")
     optimization_level: int = _arg(2, "vLLM's -O: 0 runs every step eagerly, as --enforce-eager; 1, 2 (vLLM's default) "
                                       "and 3 replay CUDA graphs as --enforce-eager and --max-cudagraph-capture-size "
                                       "allow (pressroom compiles nothing with torch.compile, so the levels above 0 "
@@ -970,6 +976,7 @@ class EngineArgs:
                                     data_parallel_size=self.data_parallel_size),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager or self._optimization_level() == 0,
                                           max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+                                          precompile_kernels=self.precompile_kernels,
                                           **self._encoder_cudagraph_sizes()),
             device=device,
             speculative=speculative,

@@ -32,7 +32,7 @@ HEAVY_MODULES = frozenset(f"tests/{m}.py" for m in (
     "kernels/test_triton_kernels", "kernels/test_batch_invariant_kernels", "kernels/test_triton_smem",
     "kernels/test_triton_mla", "kernels/test_moe_fusion", "kernels/test_fp8_moe", "kernels/test_triton_dsa",
     "kernels/test_triton_recurrent_prefill", "kernels/test_fp4_moe", "kernels/test_triton_v4_attention",
-    "kernels/test_triton_gemv"))
+    "kernels/test_triton_gemv", "kernels/test_precompile"))
 
 
 def pytest_configure(config) -> None:

@@ -31,7 +31,8 @@ OTHER_VALUES = {"tokenizer": "tok", "load_format": "dummy", "quantization": "non
                 "scheduling_policy": "priority", "tensor_parallel_size": 2, "enable_expert_parallel": True,
                 "data_parallel_size": 2, "num_threads": 3, "enforce_eager": True, "max_cudagraph_capture_size": 64,
                 "mamba_block_size": 64, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 4, "cpu_offload_gb": 2.5,
-                "max_logprobs": 5, "enable_sleep_mode": True, "enable_mfu_metrics": True}
+                "max_logprobs": 5, "enable_sleep_mode": True, "enable_mfu_metrics": True,
+                "precompile_kernels": False}
 
 
 def _sets() -> dict[str, tuple[type, str]]:

@@ -141,6 +141,8 @@ class EngineCore:
         if config.device == "cuda" and config.speculative is None and not config.model.encoder_only:
             with self._phase("warm-up steps"):
                 self._warm_up_step_shapes()
+        if config.device == "cuda":  # the kernels this start compiled, for the next start's precompile
+            self.executor.collective_rpc("save_kernel_manifest")
         relax_gc()
         self.info = CoreInfo(self.max_model_len, self.model_spec.vocab_size, eos_token_id,
                              self.model_spec.model_path, time.perf_counter() - start, self.cuda_graphs,
@@ -159,6 +161,9 @@ class EngineCore:
     def _start(self, config: EngineConfig) -> None:
         with self._phase("weights"):
             spec = self.model_spec = self.executor.load_model()
+        if config.device == "cuda":  # the precompile started with the workers, before their first kernel
+            with self._phase("kernel precompile"):
+                self.executor.collective_rpc("wait_for_kernel_precompile")
         with self._phase("memory profile"):
             plan = self._plan_cache(spec)
         num_blocks = plan.num_blocks

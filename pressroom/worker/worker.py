@@ -9,7 +9,9 @@ Its answers are plain data that can cross a process boundary.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -19,8 +21,9 @@ from pressroom.config import EngineConfig, SpeculativeConfig
 from pressroom.core.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pressroom.distributed.kv_transfer.worker_side import KVConnectorWorker
 from pressroom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pressroom.kernels.triton.precompile import StartupKernels, start_kernel_precompile
 from pressroom.lora.manager import LoRAManager
-from pressroom.model.loader import load_model
+from pressroom.model.loader import load_model, resolve_model_path
 from pressroom.model.weight_offload import WeightOffload
 from pressroom.platforms import set_up_worker_threads
 from pressroom.worker.collective_profile import CollectiveProfile
@@ -86,6 +89,8 @@ class Worker:
         if world > 1:
             init_tensor_parallel(rank, world, config.device, distributed_init_method,
                                  config.parallel.enable_expert_parallel)
+        # Triton's kernels of earlier starts compile in other processes while the weights load (issue 44)
+        self._kernels = _start_kernels(config, rank)
         self.model_runner: ModelRunner | None = None
         self.model: torch.nn.Module | None = None
         self.hf_config = None
@@ -198,11 +203,22 @@ class Worker:
         cache = self._encoder_cache()
         return cache.encoder_runs if cache is not None else 0
 
+    def wait_for_kernel_precompile(self) -> None:
+        """Waits (bounded) for the precompile started with the worker, before the first kernel runs."""
+        if self._kernels is not None:
+            self._kernels.wait()
+
+    def save_kernel_manifest(self) -> None:
+        """The end of the start: the kernels it compiled are saved for the next start's precompile."""
+        if self._kernels is not None:
+            self._kernels.save()
+
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache: the configured size, or on CUDA what a memory profile
         leaves (vLLM's rule): gpu_memory_utilization of the card, minus the weights and the activation
         peak of a max_num_batched_tokens forward pass (both in the profiled peak), memory outside
         torch's allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs."""
+        self.wait_for_kernel_precompile()  # the core waits for it first, in a phase of its own
         cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
@@ -358,10 +374,34 @@ class Worker:
             self.kv_connector.close()
             self.kv_connector = None
         self.model_runner = self.model = self.weight_offload = None
+        if self._kernels is not None:
+            self._kernels.close()
         destroy_tensor_parallel()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _start_kernels(config: EngineConfig, rank: int) -> StartupKernels | None:
+    """On CUDA, the first engine's rank 0 precompiles and records (the ranks' kernels and the disk cache are shared;
+    the core waits for every rank before the memory profile)."""
+    if config.device != "cuda" or not config.compilation.precompile_kernels or rank or \
+            config.parallel.data_parallel_rank:
+        return None
+    model = config.model
+    return start_kernel_precompile(_model_identity(model.model, model.hf_overrides), str(model.dtype),
+                                   model.quantization, config.parallel.tensor_parallel_size)
+
+
+def _model_identity(model: str, hf_overrides: dict | None) -> str:
+    """The model's config.json (its shapes), with --hf-overrides; a GGUF file's name and size; else its name."""
+    try:
+        path = resolve_model_path(model)
+        text = open(os.path.join(path, "config.json")).read() if os.path.isdir(path) else \
+            f"{os.path.basename(path)}:{os.path.getsize(path)}"
+    except (OSError, ValueError):
+        text = str(model)
+    return text + json.dumps(hf_overrides, sort_keys=True, default=str)
 
 
 def _full_attention_bytes_per_block(runner: ModelRunner, hf_config) -> int:
