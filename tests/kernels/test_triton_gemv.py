@@ -217,10 +217,12 @@ def _tiny_layer(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_the_decoder_layers_one_token_path_equals_its_modules_forward(with_residual, monkeypatch):
+@pytest.mark.parametrize("decodes", [1, 3])
+def test_the_decoder_layers_small_step_path_equals_its_modules_forward(with_residual, decodes, monkeypatch):
     """LlamaDecoderLayer._forward_small (the four fused launches around attention; the interpreter on the CPU) against
-    forward through its modules, one decode token over a cached context, fp16, qkv bias on: the same layer output
-    up to the GEMMs' summation order, the same residual stream and the same KV cache entries."""
+    forward through its modules, one decode token of each of `decodes` sequences over a cached context (three: the
+    rows kernel, as a step takes it once GEMV_MAX_TOKENS is raised), fp16, qkv bias on: the same layer output up to
+    the GEMMs' summation order, the same residual stream and the same KV cache entries."""
     from conftest import tiny_config
 
     from pressroom.attention.backend import AttentionMetadata, forward_context
@@ -238,15 +240,17 @@ def test_the_decoder_layers_one_token_path_equals_its_modules_forward(with_resid
     layer = layer.to(DEVICE, torch.float16)
     attn = layer.self_attn.attn
     attn.backend = TorchAttentionBackend()  # the same attention on both paths: the GEMVs' wiring is under test
-    past = torch.randn(attn.cache_shape(1, 8), generator=gen).to(DEVICE, torch.float16)
+    block = 8  # a block a sequence, each with 5 cached tokens and the step's at position 5
+    past = torch.randn(attn.cache_shape(decodes, block), generator=gen).to(DEVICE, torch.float16)
     rotary = rotary_from_config(config).to(DEVICE)
-    rope = RopeTables(rotary, *rotary.cos_sin(torch.tensor([5], device=DEVICE)))
-    meta = AttentionMetadata(num_decodes=1, num_decode_tokens=1, slot_mapping=torch.tensor([5], device=DEVICE),
-                             block_tables=torch.zeros(1, 1, dtype=torch.int64, device=DEVICE),
-                             seq_lens=torch.tensor([6], device=DEVICE), query_start_loc=[0, 1], seq_lens_host=[6],
-                             max_query_len=1)
-    x = torch.randn(1, config.hidden_size, generator=gen).to(DEVICE, torch.float16)
-    residual = torch.randn(1, config.hidden_size, generator=gen).to(DEVICE, torch.float16) if with_residual else None
+    rope = RopeTables(rotary, *rotary.cos_sin(torch.full((decodes,), 5, device=DEVICE)))
+    seqs = torch.arange(decodes, device=DEVICE)
+    meta = AttentionMetadata(num_decodes=decodes, num_decode_tokens=decodes, slot_mapping=seqs * block + 5,
+                             block_tables=seqs[:, None], seq_lens=torch.full((decodes,), 6, device=DEVICE),
+                             query_start_loc=list(range(decodes + 1)), seq_lens_host=[6] * decodes, max_query_len=1)
+    x = torch.randn(decodes, config.hidden_size, generator=gen).to(DEVICE, torch.float16)
+    residual = (torch.randn(decodes, config.hidden_size, generator=gen).to(DEVICE, torch.float16) if with_residual
+                else None)
 
     def step(forward):
         attn.kv_cache = past.clone()
