@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton.language as tl
 
 from pressroom.kernels.triton import precompile as pc
 
@@ -66,20 +67,28 @@ def test_the_key_names_the_model_dtype_quantization_tp_gpu_and_triton():
         assert pc.manifest_key(**{**base, field: value}) != key, field
 
 
+def _not_ours(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), 0)
+
+
 def test_the_recorder_keeps_pressroom_kernels_and_calls_the_hook_before_it():
+    """Triton's own `_call_hook` (what `_do_compile` calls after each compile) feeds the recorder."""
     from triton import knobs
-    from triton.runtime.jit import JitFunctionInfo
+    from triton.runtime.jit import JITFunction
+    fn, (signature, constexprs, attrs), options, entry = _jit_launch(256)
+    theirs = JITFunction(_not_ours)
     seen = []
     previous = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
     try:
         with pc.CompileRecorder() as recorder:
+            for kernel, sig, consts, ats in ((fn, signature, constexprs, attrs),
+                                             (theirs, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {(1,): 64}, {})):
+                key = json.loads(entry)["key"]
+                kernel._call_hook(knobs.runtime.jit_post_compile_hook, key, sig, 0, consts, options, [ats], False)
             hook = knobs.runtime.jit_post_compile_hook
-            for module, spec in (("pressroom.kernels.triton.norm", "ours"), ("other.lib", "theirs")):
-                hook(key="k", repr="r", fn=JitFunctionInfo(module, "kern", None),
-                     compile={"specialization_data": spec}, is_manual_warmup=False, already_compiled=False)
-        assert recorder.entries == ("ours",)
-        assert seen == ["kern", "kern"]  # chained, for every kernel
+        assert recorder.entries == (entry,)  # the JIT's specialization, pressroom's kernels only
+        assert seen == ["_silu_and_mul_kernel", "_not_ours"]  # chained, for every kernel
         assert knobs.runtime.jit_post_compile_hook is not hook  # uninstalled: the earlier hook is back
     finally:
         knobs.runtime.jit_post_compile_hook = previous
