@@ -138,3 +138,14 @@ def test_the_engines_start_reads_the_checkpoint_sets_threads_and_logs_the_cpu_pa
         torch.set_num_threads(threads)
     assert config.model.runner == "pooling"
     assert any("dtype float32 (as asked)" in r.getMessage() for r in caplog.records)
+
+
+def test_decode_graphs_follow_vllms_ladder():
+    """1, 2, 4, every 8 below 256, every 16 from 256, ending at the limit (max_num_seqs or the capture size)."""
+    from pressroom.config import CompilationConfig
+    sizes = CompilationConfig().capture_sizes(1024)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 51
+    assert {b - a for a, b in zip(sizes[3:], sizes[4:]) if b <= 256} == {8}
+    assert {b - a for a, b in zip(sizes, sizes[1:]) if a >= 256} == {16}
+    assert CompilationConfig().capture_sizes(100)[-2:] == [96, 100]  # the limit closes the ladder
+    assert CompilationConfig(max_cudagraph_capture_size=1024).capture_sizes(1024)[-1] == 1024
