@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -397,7 +398,7 @@ def _model_identity(model: str, hf_overrides: dict | None) -> str:
     """The model's config.json (its shapes), with --hf-overrides; a GGUF file's name and size; else its name."""
     try:
         path = resolve_model_path(model)
-        text = open(os.path.join(path, "config.json")).read() if os.path.isdir(path) else \
+        text = Path(path, "config.json").read_text() if os.path.isdir(path) else \
             f"{os.path.basename(path)}:{os.path.getsize(path)}"
     except (OSError, ValueError):
         text = str(model)

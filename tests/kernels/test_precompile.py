@@ -166,16 +166,19 @@ def test_a_precompiled_kernel_is_the_jits_cache_hit(caches):
 
 
 def test_startup_kernels_precompile_what_the_last_start_saved(caches, caplog):
-    """The worker's side: a start with a saved manifest precompiles it and logs it; its own compiles are saved."""
+    """The worker's side: a start with a saved manifest precompiles it and logs it; an entry that failed (its
+    kernel since removed) leaves the manifest at the next save."""
     entry = _jit_launch(512)[3]
-    pc.save_manifest("k", _manifest(entry))
+    gone = json.dumps(json.loads(entry) | {"name": "pressroom.kernels.triton.activation._removed_kernel"})
+    pc.save_manifest("k", _manifest(entry, gone))
     with caplog.at_level(logging.INFO, logger="pressroom"):
         kernels = pc.StartupKernels("k", H100, workers=1)
         try:
             result = kernels.wait(120)
         finally:
             kernels.close()
-    assert result.compiled == 1
+    assert (result.compiled, result.failed) == (1, 1) and result.failed_entries == {gone}
     assert "precompiled 1 Triton kernels in" in caplog.text and "(1 workers)" in caplog.text
-    # the next start's own compiles (none in this interpreter-run process) leave the manifest as it was
-    assert kernels.save() is None and pc.load_manifest("k").entries == (entry,)
+    assert "_removed_kernel failed" in caplog.text
+    kernels.save()  # this start recorded nothing (Triton's interpreter runs this process's kernels)
+    assert pc.load_manifest("k").entries == (entry,)

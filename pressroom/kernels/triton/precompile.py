@@ -35,6 +35,7 @@ MANIFEST_DIR = "triton-manifests"
 MANIFEST_CAP = 4096  # entries one manifest keeps (the newest): bounds a file that every start adds to
 MAX_WORKERS = 16
 WAIT_SECONDS = 120.0  # the longest a start waits for the pool before its first kernel (then the JIT compiles)
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[2])  # pressroom/
 _OWN_PREFIX = "pressroom."  # the kernels recorded: pressroom's own (others' may carry unserializable constexprs)
 
 
@@ -46,12 +47,12 @@ class KernelManifest:
     triton_version: str
     entries: tuple[str, ...]
 
-    def merged(self, older: KernelManifest | None) -> KernelManifest:
-        """This manifest's entries, then those of `older` it lacks, up to MANIFEST_CAP (`older` is dropped if it
-        was recorded for another target or Triton)."""
+    def merged(self, older: KernelManifest | None, drop: frozenset[str] = frozenset()) -> KernelManifest:
+        """This manifest's entries, then those of `older` it lacks and `drop` does not name, up to MANIFEST_CAP
+        (`older` is dropped if it was recorded for another target or Triton)."""
         keep = dict.fromkeys(self.entries)
         if older is not None and (older.target, older.triton_version) == (self.target, self.triton_version):
-            keep.update(dict.fromkeys(older.entries))
+            keep.update(dict.fromkeys(e for e in older.entries if e not in drop))
         return KernelManifest(self.target, self.triton_version, tuple(list(keep)[:MANIFEST_CAP]))
 
     def to_json(self) -> str:
@@ -94,10 +95,11 @@ def load_manifest(key: str) -> KernelManifest | None:
         return None
 
 
-def save_manifest(key: str, manifest: KernelManifest) -> Path:
-    """Writes `manifest` merged with what is saved under `key` already (a union, newest first), atomically."""
+def save_manifest(key: str, manifest: KernelManifest, drop: frozenset[str] = frozenset()) -> Path:
+    """Writes `manifest` merged with what is saved under `key` already (a union, newest first; less the saved
+    entries `drop` names: those that failed to precompile, unless this start recorded them again), atomically."""
     path = manifest_path(key)
-    merged = manifest.merged(load_manifest(key))
+    merged = manifest.merged(load_manifest(key), drop)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     tmp.write_text(merged.to_json())
@@ -161,6 +163,7 @@ class PrecompileResult:
     failed: int  # entries the pool could not compile (the JIT compiles them at their first launch)
     seconds: float
     workers: int
+    failed_entries: frozenset[str] = frozenset()  # the next save drops them (a kernel since renamed or removed)
 
 
 class PrecompileHandle:
@@ -216,9 +219,9 @@ def _run(manifest: KernelManifest, workers: int, cancel: threading.Event) -> Pre
     if not todo:
         return PrecompileResult(0, cached, 0, time.perf_counter() - start, 0)
     workers = min(workers, len(todo))
-    counts = _CompileProcesses(workers, manifest.target).run(todo, cancel)
+    counts, failed = _CompileProcesses(workers, manifest.target).run(todo, cancel)
     return PrecompileResult(counts["compiled"], cached + counts["cached"], counts["failed"],
-                            time.perf_counter() - start, workers)
+                            time.perf_counter() - start, workers, frozenset(failed))
 
 
 def _known_cached(entry: str, target: tuple[str, int, int]) -> bool:
@@ -241,18 +244,22 @@ class _CompileProcesses:
     def __init__(self, count: int, target: tuple[str, int, int]) -> None:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         env.pop("TRITON_INTERPRET", None)  # they compile (where it is set, the JIT recorded nothing to precompile)
-        bootstrap = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+        # pressroom's package is entered without its __init__ (the engine, transformers: a second of imports):
+        # the kernel modules import only what they need below it
+        bootstrap = ("import json, sys, types; sys.path[:] = json.loads(sys.argv[1]); "
+                     "package = types.ModuleType('pressroom'); package.__path__ = [sys.argv[3]]; "
+                     "sys.modules['pressroom'] = package; "
                      "from pressroom.kernels.triton.precompile import serve_compiles; "
                      "serve_compiles(tuple(json.loads(sys.argv[2])))")
-        args = [sys.executable, "-c", bootstrap, json.dumps(sys.path), json.dumps(list(target))]
+        args = [sys.executable, "-c", bootstrap, json.dumps(sys.path), json.dumps(list(target)), _PACKAGE_DIR]
         self.procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                                        bufsize=1, close_fds=True) for _ in range(count)]
 
-    def run(self, entries: list[str], cancel: threading.Event) -> collections.Counter:
+    def run(self, entries: list[str], cancel: threading.Event) -> tuple[collections.Counter, list[str]]:
         """Compiles `entries` over the processes, each taking the next when it is done; how many were compiled,
-        found in the cache, failed."""
+        found in the cache, failed, and the entries that failed."""
         queue, lock = collections.deque(entries), threading.Lock()
-        counts = collections.Counter()
+        counts, failed = collections.Counter(), []
 
         def feed(proc: subprocess.Popen) -> None:
             try:
@@ -268,6 +275,8 @@ class _CompileProcesses:
                     error = reply.get("error")
                     with lock:
                         counts["failed" if error else "cached" if reply.get("cached") else "compiled"] += 1
+                        if error:
+                            failed.append(entry)
                     if error:
                         logger.warning("precompiling Triton kernel %s failed (%s); the JIT compiles it at its first "
                                        "launch", _entry_name(entry), error)
@@ -283,7 +292,7 @@ class _CompileProcesses:
             t.start()
         for t in threads:
             t.join()
-        return counts
+        return counts, failed
 
 
 def _close(proc: subprocess.Popen) -> None:
@@ -347,7 +356,8 @@ def _source_and_options(entry: str, backend):
         raise TypeError(f"{obj['name']} is a {type(fn).__name__}, not a JITFunction")
     constexprs = {
         tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
-        tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else
+        convert_to_tuple_if_list(v)  # a tuple constexpr came back from JSON a list (preload leaves it one)
         for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
     attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
     signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
@@ -420,10 +430,11 @@ class StartupKernels:
         """Stops recording and saves this start's kernels merged into the manifest (a failure is only logged)."""
         self.recorder.uninstall()
         manifest = self.recorder.manifest(self.target)
-        if not manifest.entries:
+        if not manifest.entries and not (self.result is not None and self.result.failed_entries):
             return None
+        drop = self.result.failed_entries if self.result is not None else frozenset()
         try:
-            path = save_manifest(self.key, manifest)
+            path = save_manifest(self.key, manifest, drop)
         except Exception as e:  # noqa: BLE001  a start never fails for want of a manifest
             logger.warning("could not save the Triton kernel manifest (%s: %s)", type(e).__name__, e)
             return None
