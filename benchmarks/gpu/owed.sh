@@ -75,10 +75,10 @@ if [[ $part == L ]]; then  # LoRA again after its steps replay CUDA graphs and g
     --lora-rank 16 --batch-size 1 --input-len 32 --output-len 128 --output-json "$out/lora_latency.json"
   step 120 lora_throughput "${cli[@]}" bench throughput "${shape[@]}" --backend pressroom,pressroom-lora --num-loras 16 \
     --lora-rank 16 --num-prompts 512 --input-len 256 --output-len 128 --output-json "$out/lora_throughput.json"
-  for start in first second; do  # the second start finds Triton's cache warm (issue 44 item 5: under 10 s)
-    step 110 "decode_v2lite_$start" "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
-      --output-json "$out/bench_gpu_decode_v2lite_$start.json"
-  done
+  # the profile's engine is V2-Lite's first (cold) start: its parts; bench gpu's then finds Triton's cache warm
+  step 130 profile_v2lite python3 benchmarks/gpu/profile_decode.py deepseek-v2-lite "$out" b1
+  step 90 decode_v2lite_second "${cli[@]}" bench gpu --model deepseek-v2-lite --workloads decode --skip-hf \
+    --output-json "$out/bench_gpu_decode_v2lite_second.json"
 fi
 # C and D: what the 2026-12-07 (c) session built without a GPU (issue 44 items 1, 2, 6; issue 48's kernels; the audio
 # encoder graphs), on an H100 or H200: C its GPU tests, D the regressions around them and the decode figures.
@@ -129,18 +129,17 @@ sys.exit(main(sys.argv[2:]))" "$variant" bench gpu --model llama-3.1-8b --worklo
       --output-json "$out/bench_gpu_decode_8b_$variant.json"
   done
 fi
-# H and I: what the 2026-12-07 (d) session changed after its H100 run, for the next one: H V2-Lite's batch-1 profile
-# (a cold start), the tests (the graph's LM head, never run; the one-token GEMVs; DSA's launches; the MoE GEMVs on
-# CUDA); I the serving tail and the step-time test with the fitted bound, 8B decode. L: LoRA's bars, then V2-Lite's
-# decode from a cold and a warm start (Triton's cache) in one call.
+# H and I: what the 2026-12-07 (d, e) sessions changed without a GPU: H the tests (the graph's LM head, never run; the
+# GEMVs; DSA's launches; the MoE GEMVs on CUDA; the kernel precompile); I the serving tail and the step-time test with
+# the fitted bound, 8B decode. L: LoRA's bars, then V2-Lite's batch-1 profile (a cold start, its parts) and a warm
+# second start (Triton's cache), in one call.
 if [[ $part == H ]]; then
-  # the profile's engine is V2-Lite's first (cold) start: its parts; then the MoE GEMVs' kernel tests on CUDA
-  step 130 profile_v2lite python3 benchmarks/gpu/profile_decode.py deepseek-v2-lite "$out" b1
   step 150 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
     --tb=short
   step 110 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
     tests/kernels/test_triton_v4_attention.py --tb=short
   step 60 moe_kernels python3 -m pytest -q tests/kernels/test_moe_fusion.py --tb=short
+  step 100 precompile python3 -m pytest -q -s tests/gpu/test_kernel_precompile_gpu.py --tb=short
 fi
 if [[ $part == I ]]; then
   step 300 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
