@@ -8,8 +8,9 @@ Each variant is timed over CUDA-graph replays of many calls (as gemv_rates.py), 
 weight that no call finds its weight in L2 (50 MB), and reported as weight bytes / time in TB/s, beside the
 device's copy rate (read + write bytes / time of a 1 GiB copy, measured here). Variants: `unfused` (the RMSNorm
 kernel + F.linear, SwiGLU kernel + F.linear, F.linear: today's layer), `cublas` (F.linear alone: the GEMM without
-what comes before it), and the fused kernels at each launch of gemv.sweep_launches(tokens) (past one token as
-gemv.rows_launch cuts it: the JSON records the launch as run), each checked against the unfused result first.
+what comes before it), and the fused kernels at each launch of gemv.sweep_launches(tokens) (the JSON records each
+as run, with its fp32 accumulators a thread), each checked against the unfused result first (each row's error
+relative to its largest output).
 The baselines and the default launch (gemv.default_launch) of every shape and token count come first, then the
 other launches round-robin over the cases until --budget-s (mostly Triton compiles, about a second each), so a
 short budget still covers every case. Prints each case's launches, the best per shape and token count, and each
@@ -140,7 +141,7 @@ class Case:
         fn = self.fused(launch)
         got = fn(0).float()
         error = ((got - self.want).abs().amax(1) / self.want.abs().amax(1)).max().item()
-        entry = {"variant": "fused", "launch": launch_dict(launch), "rel_error": error}
+        entry = {"variant": "fused", "launch": launch_dict(launch, self.tokens), "rel_error": error}
         if error > 2 ** -7:
             entry["wrong"] = True
         else:
@@ -164,8 +165,10 @@ def sweep(cases: list[Case], deadline: float) -> None:
         case.row["skipped_launches"] = len(case.pending)
 
 
-def launch_dict(launch: gemv.GemvLaunch) -> dict:
-    return {f: getattr(launch, f) for f in ("block_n", "block_k", "num_warps", "num_stages")}
+def launch_dict(launch: gemv.GemvLaunch, tokens: int) -> dict:
+    """The launch's fields and the fp32 accumulators a thread (gemv.ACC_PER_THREAD bounds the defaults')."""
+    fields = {f: getattr(launch, f) for f in ("block_n", "block_k", "num_warps", "num_stages")}
+    return fields | {"acc_per_thread": gemv.acc_per_thread(launch, tokens)}
 
 
 def variant(row: dict, name: str) -> dict:
@@ -184,7 +187,7 @@ def report(row: dict, copy_tbs: float) -> None:
         best = min(fused, key=lambda v: v["us"])
         row["best"] = {"launch": best["launch"], "us": best["us"], "tb_s": best["tb_s"],
                        "of_copy": round(best["tb_s"] / copy_tbs, 3), "x_unfused": round(unfused["us"] / best["us"], 3)}
-        default = launch_dict(gemv.default_launch(row["n"], row["k"], row["tokens"]))
+        default = launch_dict(gemv.default_launch(row["n"], row["k"], row["tokens"]), row["tokens"])
         at_default = next((v for v in fused if v["launch"] == default), None)
         print(f"{head}; best fused {best['us']:7.1f} us {best['tb_s']:.2f} TB/s ({best['tb_s'] / copy_tbs:.0%} of "
               f"copy, {unfused['us'] / best['us']:.2f}x unfused) at {best['launch']}; the default "

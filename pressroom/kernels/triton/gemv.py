@@ -25,9 +25,15 @@ Steps of 2 to MAX_ROWS tokens (a decode step of a few sequences; speculative ver
 `_gemv_rows_kernel`: the same CUDA-core loop, each [block_n, block_k] weight tile loaded once and multiplied into
 every token row's fp32 accumulator ([rows, block_n, block_k], summed across K after the loop), the prologue exact
 per row (each row its own mean square, the new residual stream written for every row; SwiGLU a row at a time).
-More rows multiply the accumulator, so block_k is cut to keep it within ACC_PER_THREAD registers
-(`rows_launch`). Not yet measured on a GPU: GEMV_MAX_TOKENS stays 1 (the model's steps of 2-8 tokens take the
-norm kernel + cuBLAS) until benchmarks/gpu/norm_gemv.py --tokens 2,4,8 shows the rows kernel beating them, and
+More rows multiply the accumulator, so the default launches' block_k is cut to keep it within ACC_PER_THREAD
+registers (`rows_launch`); an explicit launch runs as given (the sweep also tries twice the registers).
+Compiled for sm_90 on the CPU (ptxas): no spills at the default launches; the K loop issues about 3.5-4
+instructions a weight element a thread at one token, 6-10 at two rows, 9-17 at four, 17-33 at eight (8 FMAs a
+weight, plus each row's prologue spread over only 8 weight rows a thread). An H100 streaming weights at its copy
+rate leaves about 20 a weight, so eight rows, SwiGLU's most, may be bound by issue rather than memory.
+
+Not yet measured on a GPU: GEMV_MAX_TOKENS stays 1 (the model's steps of 2-8 tokens take the norm kernel +
+cuBLAS) until benchmarks/gpu/norm_gemv.py --tokens 2,4,8 shows the rows kernel beating them, and
 MULTI_ROW_LAUNCHES is the one-token table until that sweep's best launches replace it.
 """
 from __future__ import annotations
@@ -76,29 +82,38 @@ DEFAULT_LAUNCHES: dict[str, GemvLaunch] = {
 MULTI_ROW_LAUNCHES: dict[str, GemvLaunch] = dict(DEFAULT_LAUNCHES)
 
 
-def rows_launch(launch: GemvLaunch, tokens: int) -> GemvLaunch:
+def rows_launch(launch: GemvLaunch, tokens: int, acc_per_thread: int = ACC_PER_THREAD) -> GemvLaunch:
     """The launch the rows kernel runs for `tokens` rows: block_k cut (to a power of two) so the accumulator of every
-    row, rows x block_n x block_k, fits ACC_PER_THREAD registers a thread. One token: the launch as it is."""
+    row, rows x block_n x block_k, fits `acc_per_thread` registers a thread. One token: the launch as it is."""
     if tokens <= 1:
         return launch
     rows = triton.next_power_of_2(tokens)
-    fits = max(1, ACC_PER_THREAD * 32 * launch.num_warps // (rows * launch.block_n))
+    fits = max(1, acc_per_thread * 32 * launch.num_warps // (rows * launch.block_n))
     block_k = min(launch.block_k, 1 << (fits.bit_length() - 1))
     return GemvLaunch(launch.block_n, block_k, launch.num_warps, launch.num_stages)
 
 
 def sweep_launches(tokens: int = 1) -> list[GemvLaunch]:
     """The launches benchmarks/gpu/norm_gemv.py times for each shape at `tokens` rows (DEFAULT_LAUNCHES' and
-    MULTI_ROW_LAUNCHES' candidates): tiles of 4K to 16K weights over 4 to 32 rows (more rows a program: fewer
-    re-reads of the activations from L2); past one token also 64 rows a program and deeper pipelines (the
-    activations' re-reads grow with the rows, and the cut tiles keep fewer bytes in flight), each through
-    rows_launch, without repeats."""
+    MULTI_ROW_LAUNCHES' candidates), without repeats. One token: tiles of 4K to 16K weights over 4 to 32 rows (more
+    rows a program: fewer re-reads of the activations from L2). More tokens, first: 64 or 128 rows a program (a
+    thread's share of the prologue's per-row work is spread over more weight rows: the fewest instructions a weight
+    in ptxas's output for sm_90, though the N = 4,096 shapes then fill only half the SMs) and twice ACC_PER_THREAD
+    (fewer instructions again, about 170-250 registers), then the one-token tiles and a deeper pipeline; each cut by
+    rows_launch."""
     tiles = [(4, 2048, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 512, 4, 2), (16, 1024, 8, 2),
              (32, 512, 8, 2)]
-    if tokens > 1:
-        tiles += [(16, 512, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (64, 256, 8, 2), (64, 512, 16, 2)]
-    launches = [rows_launch(GemvLaunch(*tile), tokens) for tile in tiles]
+    if tokens <= 1:
+        return [GemvLaunch(*tile) for tile in tiles]
+    first = [(64, 256, 8, 2, 1), (16, 512, 4, 2, 2), (32, 512, 8, 2, 1), (128, 256, 8, 2, 2), (64, 512, 16, 2, 1)]
+    then = [(*tile, 1) for tile in tiles] + [(16, 512, 4, 3, 1), (32, 512, 8, 3, 1)]
+    launches = [rows_launch(GemvLaunch(*tile[:4]), tokens, tile[4] * ACC_PER_THREAD) for tile in first + then]
     return list(dict.fromkeys(launches))
+
+
+def acc_per_thread(launch: GemvLaunch, tokens: int) -> int:
+    """The fp32 accumulators a thread holds at this launch and token count."""
+    return triton.next_power_of_2(tokens) * launch.block_n * launch.block_k // (32 * launch.num_warps)
 
 
 def shape_class(n: int, k: int) -> str:
@@ -237,12 +252,12 @@ def _launch(prologue: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
             residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """y [m, n] = the prologue's activation of x times w^T (+ bias): one token through _gemv_kernel, 2 to MAX_ROWS
-    through _gemv_rows_kernel at the launch rows_launch cuts for them."""
+    through _gemv_rows_kernel; `launch` None: the table's, cut by rows_launch past one token."""
     (m, n), k = (x.shape[0], w.shape[0]), w.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    launch = rows_launch(launch, m) if launch is not None else default_launch(n, k, m)
+    launch = launch or default_launch(n, k, m)  # an explicit launch runs as given (the sweep's)
     res = residual if residual is not None else x  # placeholder pointers where a prologue reads none
     pointers = (x, res, new_residual if new_residual is not None else x,
                 norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y)
