@@ -7,12 +7,12 @@ batch 1 of an 8B model the separate norm and activation kernels between cuBLAS's
 
 - A program owns block_n weight rows (bf16/fp16 [N, K] row-major) and walks K in block_k tiles, multiplying and
   adding on the CUDA cores into an fp32 [block_n, block_k] accumulator summed across K once at the end.
-- `norm_gemv`: each program first recomputes the token's mean square (x is 8 KB at 4,096 inputs, read from L2) and
-  program 0 writes the new residual stream (x + residual) to a fresh tensor; other programs must still read the
+- `norm_gemv`: each program first recomputes each token's mean square (x is 8 KB a token at 4,096 inputs, read from
+  L2) and program 0 writes the new residual stream (x + residual) to a fresh tensor; other programs must still read the
   old one, so it is never updated in place. The normalised activation is rounded to the activation dtype before
   the product, exactly where kernels/triton/norm.py's RMSNorm rounds it, so the result equals RMSNorm then F.linear
   up to the GEMM's summation order.
-- `silu_mul_gemv`: silu(gate) * up in fp32 rounded once (kernels/triton/activation.py's), gate_up [1, 2 I] as
+- `silu_mul_gemv`: silu(gate) * up in fp32 rounded once (kernels/triton/activation.py's), gate_up [tokens, 2 I] as
   LlamaMLP's fused projection lays it out (gate first).
 
 Measured (benchmarks/gpu/norm_gemv.py, H100, 2026-12-07; docs/BENCHMARKS.md): at one token and Llama-3.1-8B's
@@ -82,13 +82,13 @@ DEFAULT_LAUNCHES: dict[str, GemvLaunch] = {
 MULTI_ROW_LAUNCHES: dict[str, GemvLaunch] = dict(DEFAULT_LAUNCHES)
 
 
-def rows_launch(launch: GemvLaunch, tokens: int, acc_per_thread: int = ACC_PER_THREAD) -> GemvLaunch:
+def rows_launch(launch: GemvLaunch, tokens: int, acc_cap: int = ACC_PER_THREAD) -> GemvLaunch:
     """The launch the rows kernel runs for `tokens` rows: block_k cut (to a power of two) so the accumulator of every
-    row, rows x block_n x block_k, fits `acc_per_thread` registers a thread. One token: the launch as it is."""
+    row, rows x block_n x block_k, fits `acc_cap` registers a thread. One token: the launch as it is."""
     if tokens <= 1:
         return launch
     rows = triton.next_power_of_2(tokens)
-    fits = max(1, acc_per_thread * 32 * launch.num_warps // (rows * launch.block_n))
+    fits = max(1, acc_cap * 32 * launch.num_warps // (rows * launch.block_n))
     block_k = min(launch.block_k, 1 << (fits.bit_length() - 1))
     return GemvLaunch(launch.block_n, block_k, launch.num_warps, launch.num_stages)
 
@@ -96,10 +96,10 @@ def rows_launch(launch: GemvLaunch, tokens: int, acc_per_thread: int = ACC_PER_T
 def sweep_launches(tokens: int = 1) -> list[GemvLaunch]:
     """The launches benchmarks/gpu/norm_gemv.py times for each shape at `tokens` rows (DEFAULT_LAUNCHES' and
     MULTI_ROW_LAUNCHES' candidates), without repeats. One token: tiles of 4K to 16K weights over 4 to 32 rows (more
-    rows a program: fewer re-reads of the activations from L2). More tokens, first: 64 or 128 rows a program (a
-    thread's share of the prologue's per-row work is spread over more weight rows: the fewest instructions a weight
-    in ptxas's output for sm_90, though the N = 4,096 shapes then fill only half the SMs) and twice ACC_PER_THREAD
-    (fewer instructions again, about 170-250 registers), then the one-token tiles and a deeper pipeline; each cut by
+    rows a program: fewer re-reads of the activations from L2). More tokens, first: 64 or 128 rows a program (every
+    row's activations re-read by fewer programs, and the fewest instructions a weight in ptxas's sm_90 output at 4
+    and 8 rows, though the N = 4,096 shapes then fill only half the SMs) and twice ACC_PER_THREAD (fewer
+    instructions again, 170-250 registers), then the one-token tiles and a deeper pipeline; each cut by
     rows_launch."""
     tiles = [(4, 2048, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 512, 4, 2), (16, 1024, 8, 2),
              (32, 512, 8, 2)]
