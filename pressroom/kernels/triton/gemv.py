@@ -47,6 +47,7 @@ import triton.language as tl
 GEMV_MAX_TOKENS = 1  # the one home of the rule: steps of at most this many tokens take these kernels
 MAX_ROWS = 8  # the most token rows the kernels take (any step up to it runs; GEMV_MAX_TOKENS says which do)
 _NONE, _NORM, _SILU = 0, 1, 2  # the prologue
+_ONE_ROW = tl.constexpr(1)  # the one-token kernel's rows (a constexpr, as the helpers' ROWS must be)
 _STATS_ELEMENTS = 8192  # the norm's statistics pass reads tiles of this many activations (one pass at 4,096 inputs)
 # fp32 accumulators a thread of the rows kernel holds: the one-token launches' (16 x 512 over 4 warps, 8 x 2048 over
 # 8); rows multiply the accumulator, so rows_launch cuts block_k to stay within it rather than spill registers.
@@ -188,7 +189,7 @@ def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, N, 
     inv_rms = tl.zeros((1,), dtype=tl.float32)
     if PROLOGUE == 1:
         inv_rms = _inv_rms(x_ptr, res_ptr, new_res_ptr, row, row, row, row == 0, K, eps, pid_n == 0, ADD_RESIDUAL,
-                           1, STATS_K, STAGES)
+                           _ONE_ROW, STATS_K, STAGES)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # elementwise products, summed across K after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
