@@ -130,8 +130,8 @@ sys.exit(main(sys.argv[2:]))" "$variant" bench gpu --model llama-3.1-8b --worklo
   done
 fi
 # H and I: what the 2026-12-07 (d, e) sessions changed without a GPU: H the tests (the graph's LM head, never run; the
-# GEMVs; DSA's launches; the MoE GEMVs on CUDA; the kernel precompile); I the serving tail and the step-time test with
-# the fitted bound, 8B decode. L: LoRA's bars, then V2-Lite's batch-1 profile (a cold start, its parts) and a warm
+# GEMVs; DSA's launches; the MoE GEMVs on CUDA; the kernel precompile); I the serving tail with the fitted bound, the
+# 2-8 token GEMVs' sweep, 8B decode. L: LoRA's bars, then V2-Lite's batch-1 profile (a cold start, its parts) and a warm
 # second start (Triton's cache), in one call.
 if [[ $part == H ]]; then
   step 150 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
@@ -143,7 +143,8 @@ if [[ $part == H ]]; then
 fi
 if [[ $part == I ]]; then
   step 300 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
-  step 120 step_time python3 -m pytest -q -s tests/gpu/test_step_time_gpu.py --tb=short
+  step 110 norm_gemv_rows python3 benchmarks/gpu/norm_gemv.py --tokens 2,4,8 --budget-s 80 \
+    --out "$out/norm_gemv_rows.json"
   step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
     --output-json "$out/bench_gpu_decode_8b.json"
 fi
