@@ -32,10 +32,11 @@ DEVICES = ("auto", "cpu", "cuda")
 MAX_CUDAGRAPH_CAPTURE_SIZE = 1024
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O; 0 alone differs here: no CUDA graphs
 VARLEN_GRAPH_MAX_TOKENS = 4096  # steps that verify more tokens at once are compute-bound: eager costs little more
-# Patch counts a vision tower's CUDA graphs are captured at (worker/encoder_graphs.py), in steps of 512 to 3072, then
-# 1024: a 1024x1024 image is 5476 Qwen2.5-VL patches (6144's bucket), a 512x512 one 1296 (1536's); the largest
-# bounds the graphs' memory (their full-attention blocks attend over the whole bucket: patches^2)
-ENCODER_CUDAGRAPH_SIZES = (1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+# Patch counts a vision tower's CUDA graphs are captured at (worker/encoder_graphs.py), in steps of 512: a 1024x1024
+# image is 5476 Qwen2.5-VL patches (5632's bucket, 2.8% padding; steps of 1024 past 3072 padded it to 6144, 12%, and
+# the tower was ~3/4 of an image request's time on the H100), a 512x512 one 1296 (1536's); the largest bounds the
+# graphs' memory (their full-attention blocks attend over the whole bucket: patches^2)
+ENCODER_CUDAGRAPH_SIZES = tuple(range(1024, 8193, 512))
 
 
 def resolve_device(device: str) -> str:
