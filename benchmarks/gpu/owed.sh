@@ -133,13 +133,13 @@ fi
 # GEMVs; DSA's launches; the MoE GEMVs on CUDA; the kernel precompile); I the serving tail with the fitted bound, the
 # 2-8 token GEMVs' sweep, 8B decode. L: LoRA's bars, then V2-Lite's batch-1 profile (a cold start, its parts) and a warm
 # second start (Triton's cache), in one call.
-if [[ $part == H ]]; then
+if [[ $part == H ]]; then  # the new defaults first: every CUDA start precompiles, MoE decode takes the new GEMVs
+  step 100 precompile python3 -m pytest -q -s tests/gpu/test_kernel_precompile_gpu.py --tb=short
+  step 60 moe_kernels python3 -m pytest -q tests/kernels/test_moe_fusion.py --tb=short
   step 150 head_gemv_tests python3 -m pytest -q tests/gpu/test_decode_graph_head_gpu.py tests/gpu/test_gemv_gpu.py \
     --tb=short
   step 110 dsa_launches python3 -m pytest -q -s tests/gpu/test_mla_fusion_gpu.py tests/kernels/test_triton_dsa.py \
     tests/kernels/test_triton_v4_attention.py --tb=short
-  step 60 moe_kernels python3 -m pytest -q tests/kernels/test_moe_fusion.py --tb=short
-  step 100 precompile python3 -m pytest -q -s tests/gpu/test_kernel_precompile_gpu.py --tb=short
 fi
 if [[ $part == I ]]; then
   step 300 serve_vs_offline bash benchmarks/gpu/serve_vs_offline.sh "$out/serve"
