@@ -97,7 +97,7 @@ def test_chunk_delta_rule_varlen_strong_decay(per_channel: bool) -> None:
     x = _delta_inputs(int(cu[-1]), h_k=1, h_v=1, d_k=16, d_v=16, per_channel=per_channel, dtype=torch.float32,
                       num_slots=8)
     # a generator of its own: the global one's state depends on which tests ran before
-    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(30))
+    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(30)).to(DEVICE)
     expected_out, expected_pool = _delta_reference(x, cu, slots)
     pool = x.pop("states")
     out = delta_rule_chunk.chunk_delta_rule_varlen(**x, cu_seqlens=cu, states=pool, slots=slots)
