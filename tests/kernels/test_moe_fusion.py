@@ -199,11 +199,12 @@ def test_a_block_folded_equals_the_block_unfused(make):
     dense shared MLP) on the same weights, in fp32: Qwen2-MoE's gated shared expert (three experts wide) and
     DeepSeek-V3's two shared experts behind a grouped sigmoid router."""
     block = make()
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    expected = block(x)  # the CPU keeps the shared MLP unfolded
+    block.to(DEVICE)  # in place: the folded path reads the weights where the kernels run
     shared_mlp = getattr(block, "shared_expert", None) or block.shared_experts
     shared = block.experts.shared_experts_of(shared_mlp)
     assert shared is not None and shared.count == shared_mlp.down_proj.weight.shape[1] // 16
-    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
-    expected = block(x)  # the CPU keeps the shared MLP unfolded
     _close(block.forward_folded(x.to(DEVICE), shared), expected, torch.float32)
 
 
