@@ -53,12 +53,18 @@ def _step_times(**kwargs) -> tuple[float, float, list[int]]:
             engine.add_request(f"w{i}", {"prompt_token_ids": [(i * 53 + j) % 30_000 + 1 for j in range(PROMPT_LEN)]},
                                wave)
         waiting = {f"w{i}" for i in range(WAVE)}
+        prompt_left = dict.fromkeys(waiting, PROMPT_LEN)  # a prompt's last chunk may be one token: count by request
         while waiting:
             start = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - start
             waiting -= {o.request_id for o in outputs if o.finished}
-            tokens = sum(n for n in scheduled[-1].num_scheduled_tokens.values() if n > 1)
+            tokens = 0
+            for rid, n in scheduled[-1].num_scheduled_tokens.items():
+                chunk = min(n, prompt_left.get(rid, 0))
+                tokens += chunk
+                if chunk:
+                    prompt_left[rid] -= chunk
             if tokens:
                 mixed.append(seconds)
                 prompt_tokens.append(tokens)
