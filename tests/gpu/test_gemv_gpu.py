@@ -141,19 +141,24 @@ def _decode(path: str, prompts: list[list[int]], dtype: str,
             for c in (o.outputs[0] for o in outs)]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_engine_decodes_the_same_with_the_fused_path_on_and_off(name, dtype, model_dir, monkeypatch):
-    from pressroom.model.models import llama
-    path, prompts = model_dir(name), random_prompts(6, low=4, high=120, seed=19)
-    calls = []
-    fused = gemv.norm_gemv
+def _count_norm_gemv(monkeypatch) -> list[int]:
+    """The rows of every fused norm_gemv call from now on (the layer looks it up in the module at each call)."""
+    calls, fused = [], gemv.norm_gemv
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(gemv, "norm_gemv", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_engine_decodes_the_same_with_the_fused_path_on_and_off(name, dtype, model_dir, monkeypatch):
+    from pressroom.model.models import llama
+    path, prompts = model_dir(name), random_prompts(6, low=4, high=120, seed=19)
+    calls = _count_norm_gemv(monkeypatch)
     on = _decode(path, prompts, dtype)
     # graphs of 1 to 8 decodes are captured at start and prompts prefill eagerly: only steps of at most
     # GEMV_MAX_TOKENS take it
@@ -171,14 +176,7 @@ def test_engine_decodes_a_batch_the_same_through_the_rows_kernel(model_dir, monk
     the same checks as one prompt at a time (fp16: every step)."""
     from pressroom.model.models import llama
     path, prompts = model_dir("llama-d128"), random_prompts(6, low=4, high=120, seed=23)
-    calls = []
-    fused = gemv.norm_gemv
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(gemv, "norm_gemv", counted)
+    calls = _count_norm_gemv(monkeypatch)
     monkeypatch.setattr(gemv, "GEMV_MAX_TOKENS", gemv.MAX_ROWS)
     on = _decode(path, prompts, "float16", together=True)
     assert calls and max(calls) == gemv.MAX_ROWS and len(set(calls)) > 2  # graphs of 1 to 8 decodes take it
