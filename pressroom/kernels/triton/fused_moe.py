@@ -519,8 +519,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, weights_p
 def _gemv_gate_up(a_row_ptr, w_rows, up_offset, k_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   STAGES: tl.constexpr):
     """One activation row (k_in inputs) times BLOCK_N gate rows (pointers to each row's first input) and the up rows
-    up_offset further on: fp32 [BLOCK_N] each. As kernels/triton/gemv.py's loop: both tiles load in one pipelined
-    iteration, products add up elementwise and are summed across K once at the end. Rows past the matrix point at a
+    up_offset further on: fp32 [BLOCK_N] each. As kernels/triton/gemv.py's loop: both tiles load in one iteration
+    (sm_90's compile keeps them in registers: no shared-memory stages), products add up elementwise and are summed
+    across K once at the end. Rows past the matrix point at a
     real row and are masked when stored."""
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
