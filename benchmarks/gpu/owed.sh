@@ -13,9 +13,9 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -147,6 +147,16 @@ if [[ $part == I ]]; then
     --out "$out/norm_gemv_rows.json"
   step 110 decode_8b "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf \
     --output-json "$out/bench_gpu_decode_8b.json"
+fi
+# J (2026-12-07 f): the MoE decode GEMVs end to end (V2-Lite, Qwen3-30B batch-1 decode against the bound; 0.344 /
+# 0.361 before, bar 0.65), their kernel tests on CUDA, then the kernel precompile's GPU test.
+if [[ $part == J ]]; then
+  step 60 moe_kernels python3 -m pytest -q tests/kernels/test_moe_fusion.py --tb=short
+  for model in deepseek-v2-lite qwen3-30b-a3b; do
+    step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_$model.json"
+  done
+  step 100 precompile python3 -m pytest -q -s tests/gpu/test_kernel_precompile_gpu.py --tb=short
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
