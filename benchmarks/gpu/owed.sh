@@ -13,9 +13,9 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -157,6 +157,15 @@ if [[ $part == J ]]; then
       --output-json "$out/bench_gpu_decode_$model.json"
   done
   step 100 precompile python3 -m pytest -q -s tests/gpu/test_kernel_precompile_gpu.py --tb=short
+fi
+# K (on an H200, needs_h200): issue 43's DeepSeek-V4 against HF (A's step), then J's two MoE decodes.
+if [[ $part == K ]]; then
+  step 165 v4_hf "${cli[@]}" bench gpu --model deepseek-v4-flash-reduced --workloads decode,throughput --num-prompts 128 \
+    --input-len 256 --output-len 128 --hf-batch-sizes 64 --hf-max-requests 64 --output-json "$out/v4_bench_gpu.json"
+  for model in deepseek-v2-lite qwen3-30b-a3b; do
+    step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
+      --output-json "$out/bench_gpu_decode_$model.json"
+  done
 fi
 if [[ $part == B || $part == all ]]; then
   step 110 sleep_dspark python3 -m pytest -q tests/gpu/test_sleep_mode_gpu.py tests/gpu/test_dspark_gpu.py --tb=short
