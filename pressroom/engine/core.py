@@ -161,9 +161,6 @@ class EngineCore:
     def _start(self, config: EngineConfig) -> None:
         with self._phase("weights"):
             spec = self.model_spec = self.executor.load_model()
-        if config.device == "cuda":  # the precompile started with the workers, before their first kernel
-            with self._phase("kernel precompile"):
-                self.executor.collective_rpc("wait_for_kernel_precompile")
         with self._phase("memory profile"):
             plan = self._plan_cache(spec)
         num_blocks = plan.num_blocks

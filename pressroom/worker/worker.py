@@ -204,11 +204,6 @@ class Worker:
         cache = self._encoder_cache()
         return cache.encoder_runs if cache is not None else 0
 
-    def wait_for_kernel_precompile(self) -> None:
-        """Waits (bounded) for the precompile started with the worker, before the first kernel runs."""
-        if self._kernels is not None:
-            self._kernels.wait()
-
     def save_kernel_manifest(self) -> None:
         """The end of the start: the kernels it compiled are saved for the next start's precompile."""
         if self._kernels is not None:
@@ -219,7 +214,6 @@ class Worker:
         leaves (vLLM's rule): gpu_memory_utilization of the card, minus the weights and the activation
         peak of a max_num_batched_tokens forward pass (both in the profiled peak), memory outside
         torch's allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs."""
-        self.wait_for_kernel_precompile()  # the core waits for it first, in a phase of its own
         cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
@@ -384,8 +378,8 @@ class Worker:
 
 
 def _start_kernels(config: EngineConfig, rank: int) -> StartupKernels | None:
-    """On CUDA, the first engine's rank 0 precompiles and records (the ranks' kernels and the disk cache are shared;
-    the core waits for every rank before the memory profile)."""
+    """On CUDA, the first engine's rank 0 precompiles and records (the ranks' kernels and the disk cache are shared:
+    another rank's JIT finds in the disk cache what the pool compiled before it got there)."""
     if config.device != "cuda" or not config.compilation.precompile_kernels or rank or \
             config.parallel.data_parallel_rank:
         return None

@@ -1,7 +1,9 @@
 """A start precompiles, in other processes, the Triton kernels the previous start recorded (issue 44: time to
 ready): the second of two cold starts (each in a fresh process with an empty Triton cache; only the manifest is
-kept) compiles none of pressroom's kernels in its own process, and generates the same greedy tokens. Both starts'
-time to ready and phases are printed (`pytest -s`). Token ids only: the GPU machine has no tokenizer files."""
+kept) compiles fewer of pressroom's kernels in its own process, none that the pool compiled too (its JIT takes a
+kernel out of the pool's queue or waits for the pool process compiling it), and generates the same greedy tokens.
+Both starts' time to ready and phases are printed (`pytest -s`). Token ids only: the GPU machine has no tokenizer
+files."""
 from __future__ import annotations
 
 import json
@@ -35,7 +37,7 @@ llm = LLM(sys.argv[1], device="cuda", dtype="float32", skip_tokenizer_init=True,
           max_num_seqs=8, max_cudagraph_capture_size=8)
 start_compiles = list(compiles)
 kernels = llm.engine.core.executor.driver_worker._kernels
-result = kernels.result if kernels is not None else None
+result = kernels.wait(60) if kernels is not None else None  # a start does not wait for the whole pool
 params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
 outs = llm.generate([{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(4)], params, use_tqdm=False)
 print("RESULT " + json.dumps({
@@ -73,7 +75,7 @@ def _start(model: str, root, n: int, manifests=None) -> dict:
     return out
 
 
-def test_the_second_start_compiles_no_pressroom_kernel_itself(llama_dir, tmp_path):
+def test_the_second_start_compiles_fewer_kernels_itself_and_none_twice(llama_dir, tmp_path):
     first = _start(llama_dir, tmp_path, 1)
     second = _start(llama_dir, tmp_path, 2, manifests=first["manifests"])
     for name, run in (("first", first), ("second", second)):
@@ -86,7 +88,8 @@ def test_the_second_start_compiles_no_pressroom_kernel_itself(llama_dir, tmp_pat
     assert first["precompiled"] is None  # no manifest yet
     saved = list(first["manifests"].glob("*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["entries"]
-    assert second["precompiled"] >= len(set(ours)) and second["precompile_failed"] == 0
-    assert "kernel precompile" in second["phases"]
-    assert [c for c in second["start_compiles"] if c.startswith("pressroom.")] == []
+    second_ours = [c for c in second["start_compiles"] if c.startswith("pressroom.")]
+    assert second["precompiled"] > 0 and second["precompile_failed"] == 0
+    assert len(second_ours) < len(ours)  # the pool compiled the rest
+    assert second["precompiled"] + len(second_ours) <= len(ours)  # and no kernel was compiled by both
     assert second["tokens"] == first["tokens"]

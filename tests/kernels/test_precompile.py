@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -32,13 +33,13 @@ def _manifest(*entries: str) -> pc.KernelManifest:
     return pc.KernelManifest(H100, triton.__version__, tuple(entries))
 
 
-def test_a_save_merges_with_the_saved_manifest_newest_first(caches, monkeypatch):
+def test_a_save_puts_this_starts_entries_before_the_saved_ones(caches, monkeypatch):
     pc.save_manifest("k", _manifest("a", "b"))
     pc.save_manifest("k", _manifest("c", "a"))
     assert pc.load_manifest("k").entries == ("c", "a", "b")
     monkeypatch.setattr(pc, "MANIFEST_CAP", 3)
     pc.save_manifest("k", _manifest("d"))
-    assert pc.load_manifest("k").entries == ("d", "c", "a")  # the cap keeps the newest
+    assert pc.load_manifest("k").entries == ("d", "c", "a")  # the cap keeps the last starts'
     assert pc.load_manifest("other") is None
     # another target's or Triton's entries are not merged into this one's
     pc.save_manifest("k", pc.KernelManifest(H100, "0.0", ("x",)))
@@ -182,3 +183,74 @@ def test_startup_kernels_precompile_what_the_last_start_saved(caches, caplog):
     assert "_removed_kernel failed" in caplog.text
     kernels.save()  # this start recorded nothing (Triton's interpreter runs this process's kernels)
     assert pc.load_manifest("k").entries == (entry,)
+
+
+def _cache_key(fn, parts, options) -> str:
+    """The key of the folder `triton.compile` looks up for this launch (what `_cache_state` computes)."""
+    import hashlib
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+    key = get_cache_key(ASTSource(fn, *parts), make_backend(GPUTarget(*H100)), options,
+                        get_cache_invalidating_env_vars())
+    return get_cache_manager(hashlib.sha256(key.encode()).hexdigest()).key
+
+
+def _jit_compile(fn, parts, options) -> list[bool]:
+    """`triton.compile` of the launch as the JIT's `_do_compile` calls it; its cache hits (one per compile)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    hits = []
+    knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    try:
+        triton.compile(ASTSource(fn, *parts), target=GPUTarget(*H100), options=options.__dict__)
+    finally:
+        knobs.compilation.listener = None
+    return hits
+
+
+def test_the_schedule_hands_out_in_order_and_the_jit_claims_or_waits():
+    schedule = pc._Schedule([("a", "A"), (None, "N"), ("b", "B"), ("c", "C")])
+    assert schedule.take() == ("a", "A")
+    assert schedule.claim("b", 1.0) is False  # queued: the JIT takes it and compiles it itself
+    assert schedule.take() == (None, "N") and schedule.take() == ("c", "C")  # b is not handed out
+    assert schedule.take() is None
+    assert schedule.claim("zz", 1.0) is False  # not the precompile's: nothing to wait for
+    threading.Timer(0.3, schedule.done, args=("c",)).start()
+    start = time.perf_counter()
+    assert schedule.claim("c", 30.0) is True  # compiling: waits for the pool process
+    assert 0.2 < time.perf_counter() - start < 20
+    schedule.done("a")
+    assert schedule.claim("a", 30.0) is False  # done: the disk cache has it
+
+
+def test_the_jit_waits_for_the_kernel_a_pool_process_is_compiling(caches, monkeypatch):
+    fn, parts, options, entry = _jit_launch(1024)
+    key = _cache_key(fn, parts, options)
+    schedule = pc._Schedule([(key, entry)])
+    waited = []
+    claim = schedule.claim
+    monkeypatch.setattr(schedule, "claim", lambda k, t: waited.append(claim(k, t)) or waited[-1])
+    with pc._claims_installed(schedule):
+        pool = threading.Thread(target=pc._CompileProcesses(1, H100).run, args=(schedule, threading.Event()))
+        pool.start()
+        while schedule._queue:  # the pool process took it
+            time.sleep(0.01)
+        hits = _jit_compile(fn, parts, options)
+        pool.join(120)
+    assert waited == [True] and hits == [True]  # waited for it, then loaded what the pool process compiled
+    from triton import knobs
+    assert knobs.cache.manager_class is None  # Triton's own cache manager is back
+
+
+def test_the_jit_takes_a_queued_kernel_out_of_the_pools_way(caches):
+    fn, parts, options, entry = _jit_launch(2048)
+    schedule = pc._Schedule([(_cache_key(fn, parts, options), entry)])
+    with pc._claims_installed(schedule):
+        assert _jit_compile(fn, parts, options) == [False]  # compiled here
+    assert schedule.take() is None  # and no pool process will compile it again

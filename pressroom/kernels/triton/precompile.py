@@ -8,12 +8,18 @@ pool of processes that compile each kernel for the recorded GPU target without a
 on-disk cache under the key the JIT computes for it (the same source, signature, constexprs, attributes,
 options, target and environment), so the JIT's first launch of a kernel only loads its binary.
 
+The start does not wait for the pool: while it runs, Triton's cache lookups go through a cache manager that, on a
+miss for a kernel the pool has not done yet, takes it out of the pool's queue (the JIT compiles it now) or waits for
+the pool process compiling it; so no kernel is compiled twice and the start waits only for kernels it needs. The
+pool takes entries in the order the last start first compiled them: the order this start will need them.
+
 Triton is imported where it is used: the engine's CPU processes import this module without it.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import importlib
 import json
@@ -34,15 +40,17 @@ logger = logging.getLogger("pressroom")
 MANIFEST_DIR = "triton-manifests"
 MANIFEST_CAP = 4096  # entries one manifest keeps (the newest): bounds a file that every start adds to
 MAX_WORKERS = 16
-WAIT_SECONDS = 120.0  # the longest a start waits for the pool before its first kernel (then the JIT compiles)
+WAIT_SECONDS = 120.0  # the longest `StartupKernels.wait` waits for the whole pool by default
+CLAIM_WAIT_SECONDS = 60.0  # the longest the JIT waits for a kernel a pool process is compiling (then compiles it)
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[2])  # pressroom/
 _OWN_PREFIX = "pressroom."  # the kernels recorded: pressroom's own (others' may carry unserializable constexprs)
 
 
 @dataclass(frozen=True, slots=True)
 class KernelManifest:
-    """Kernels a start compiled: each Triton's specialization JSON (`serialize_specialization_data`), newest
-    first; the GPU target (backend, arch, warp size) they were compiled for; Triton's version."""
+    """Kernels starts compiled: each Triton's specialization JSON (`serialize_specialization_data`), the last
+    start's in the order it first compiled them, then older starts' it lacks; the GPU target (backend, arch, warp
+    size) they were compiled for; Triton's version."""
     target: tuple[str, int, int]
     triton_version: str
     entries: tuple[str, ...]
@@ -96,8 +104,9 @@ def load_manifest(key: str) -> KernelManifest | None:
 
 
 def save_manifest(key: str, manifest: KernelManifest, drop: frozenset[str] = frozenset()) -> Path:
-    """Writes `manifest` merged with what is saved under `key` already (a union, newest first; less the saved
-    entries `drop` names: those that failed to precompile, unless this start recorded them again), atomically."""
+    """Writes `manifest` merged with what is saved under `key` already (a union, `manifest`'s entries first; less
+    the saved entries `drop` names: those that failed to precompile, unless this start recorded them again),
+    atomically."""
     path = manifest_path(key)
     merged = manifest.merged(load_manifest(key), drop)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +158,7 @@ class CompileRecorder:
     @property
     def entries(self) -> tuple[str, ...]:
         with self._lock:
-            return tuple(reversed(self._entries))  # newest first, as manifests keep them
+            return tuple(self._entries)  # in the order first compiled: the next start's pool takes them so
 
     def manifest(self, target: tuple[str, int, int]) -> KernelManifest:
         import triton
@@ -167,7 +176,8 @@ class PrecompileResult:
 
 
 class PrecompileHandle:
-    """A precompile running in the background; `wait` blocks until it is done or the time is up."""
+    """A precompile running in the background (the JIT claims or waits for the kernels it needs meanwhile);
+    `wait` blocks until it is done or the time is up."""
 
     def __init__(self, future: cf.Future, cancel: threading.Event) -> None:
         self._future, self._cancel = future, cancel
@@ -199,7 +209,8 @@ def default_workers() -> int:
 
 def precompile(manifest: KernelManifest, workers: int | None = None) -> PrecompileHandle:
     """Starts compiling, in `workers` fresh processes, every manifest entry that Triton's disk cache lacks;
-    returns at once. An entry that fails is logged and skipped."""
+    returns at once. An entry that fails is logged and skipped. Until it is done, this process's JIT claims or
+    waits for the entries it is about to compile (`_Schedule`)."""
     cancel = threading.Event()
     runner = cf.ThreadPoolExecutor(1, thread_name_prefix="triton-precompile")
     future = runner.submit(_run, manifest, workers or default_workers(), cancel)
@@ -214,24 +225,108 @@ def _run(manifest: KernelManifest, workers: int, cancel: threading.Event) -> Pre
         logger.warning("Triton kernel manifest from Triton %s, this is %s: not precompiling",
                        manifest.triton_version, triton.__version__)
         return PrecompileResult(0, 0, 0, 0.0, 0)
-    todo = [entry for entry in manifest.entries if not _known_cached(entry, manifest.target)]
+    todo = []
+    for entry in manifest.entries:
+        key, cached = _cache_state(entry, manifest.target)
+        if not cached:
+            todo.append((key, entry))
     cached = len(manifest.entries) - len(todo)
     if not todo:
         return PrecompileResult(0, cached, 0, time.perf_counter() - start, 0)
     workers = min(workers, len(todo))
-    counts, failed = _CompileProcesses(workers, manifest.target).run(todo, cancel)
+    schedule = _Schedule(todo)
+    with _claims_installed(schedule):
+        counts, failed = _CompileProcesses(workers, manifest.target).run(schedule, cancel)
     return PrecompileResult(counts["compiled"], cached + counts["cached"], counts["failed"],
                             time.perf_counter() - start, workers, frozenset(failed))
 
 
-def _known_cached(entry: str, target: tuple[str, int, int]) -> bool:
-    """Whether this process sees the kernel in the disk cache; False where it cannot tell (a kernel renamed since it
-    was recorded, or this process runs Triton's interpreter): a compile process imports it afresh and finds out."""
+def _cache_state(entry: str, target: tuple[str, int, int]) -> tuple[str | None, bool]:
+    """The key of the kernel's folder in Triton's disk cache and whether it holds the kernel; (None, False) where
+    this process cannot tell (a kernel renamed since it was recorded, or this process runs Triton's interpreter):
+    a compile process imports it afresh and finds out."""
+    from triton.runtime.cache import get_cache_manager
     try:
-        return is_cached(entry, target)
+        digest, name = _cache_hash_and_name(entry, target)
+        manager = get_cache_manager(digest)
+        return manager.key, manager.get_group(f"{name[:150]}.json") is not None
     except Exception as e:  # noqa: BLE001
         logger.debug("Triton kernel %s: cache not checked here (%s: %s)", _entry_name(entry), type(e).__name__, e)
-        return False
+        return None, False
+
+
+class _Schedule:
+    """A precompile's entries not yet handed out or compiling, by the key of their folder in Triton's disk cache
+    (None where this process could not compute it). The pool processes take them in order; this process's JIT,
+    about to compile a kernel itself, takes a queued one out of the pool's way or waits for a compiling one."""
+
+    def __init__(self, items: list[tuple[str | None, str]]) -> None:
+        self._queue = collections.deque(items)
+        self._queued = {key for key, _ in items if key is not None}
+        self._compiling: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[str | None, str] | None:
+        """The next entry for a pool process (marked compiling), or None when none is left."""
+        with self._lock:
+            while self._queue:
+                key, entry = self._queue.popleft()
+                if key is None:
+                    return key, entry
+                if key in self._queued:  # else the JIT claimed it
+                    self._queued.discard(key)
+                    self._compiling[key] = threading.Event()
+                    return key, entry
+            return None
+
+    def done(self, key: str | None) -> None:
+        """A pool process is done with the entry under `key` (compiled, cached or failed)."""
+        with self._lock:
+            event = self._compiling.pop(key, None) if key is not None else None
+        if event is not None:
+            event.set()
+
+    def claim(self, key: str, timeout: float) -> bool:
+        """The JIT is about to compile the kernel under `key`: a queued one leaves the queue (the JIT compiles it);
+        for one compiling, waits until it is done or `timeout` passes. Whether it waited."""
+        with self._lock:
+            if key in self._queued:
+                self._queued.discard(key)
+                return False
+            event = self._compiling.get(key)
+        if event is None:
+            return False
+        event.wait(timeout)
+        return True
+
+
+@contextlib.contextmanager
+def _claims_installed(schedule: _Schedule):
+    """While the pool runs, Triton's cache lookups in this process claim from `schedule` on a miss (not where a
+    cache manager of the user's is set: then the JIT and the pool may both compile a kernel)."""
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+    if knobs.cache.manager_class is not None:
+        yield
+        return
+
+    class ClaimingCache(FileCacheManager):
+        def __init__(self, key, override=False, dump=False):
+            super().__init__(key, override, dump)
+            self._plain = not (override or dump)  # the compile cache, not the IR override or dump folders
+
+        def get_group(self, filename):
+            group = super().get_group(filename)
+            if group is None and self._plain and schedule.claim(self.key, CLAIM_WAIT_SECONDS):
+                group = super().get_group(filename)  # the pool process wrote it (unless it failed)
+            return group
+
+    knobs.cache.manager_class = ClaimingCache
+    try:
+        yield
+    finally:
+        if knobs.cache.__dict__.get("manager_class") is ClaimingCache:
+            del knobs.cache.manager_class
 
 
 class _CompileProcesses:
@@ -255,22 +350,22 @@ class _CompileProcesses:
         self.procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                                        bufsize=1, close_fds=True) for _ in range(count)]
 
-    def run(self, entries: list[str], cancel: threading.Event) -> tuple[collections.Counter, list[str]]:
-        """Compiles `entries` over the processes, each taking the next when it is done; how many were compiled,
-        found in the cache, failed, and the entries that failed."""
-        queue, lock = collections.deque(entries), threading.Lock()
+    def run(self, schedule: _Schedule, cancel: threading.Event) -> tuple[collections.Counter, list[str]]:
+        """Compiles the schedule's entries over the processes, each taking the next when it is done; how many were
+        compiled, found in the cache, failed, and the entries that failed."""
+        lock = threading.Lock()
         counts, failed = collections.Counter(), []
 
         def feed(proc: subprocess.Popen) -> None:
             try:
-                while not cancel.is_set():
-                    with lock:
-                        if not queue:
-                            return
-                        entry = queue.popleft()
-                    proc.stdin.write(json.dumps(entry) + "\n")
-                    proc.stdin.flush()
-                    line = proc.stdout.readline()
+                while not cancel.is_set() and (item := schedule.take()) is not None:
+                    key, entry = item
+                    try:
+                        proc.stdin.write(json.dumps(entry) + "\n")
+                        proc.stdin.flush()
+                        line = proc.stdout.readline()
+                    finally:
+                        schedule.done(key)  # the JIT waiting for it goes on (and compiles it itself if it failed)
                     reply = json.loads(line) if line else {"error": "the compile process ended"}
                     error = reply.get("error")
                     with lock:
@@ -402,8 +497,9 @@ def compile_entry(entry: str, target: tuple[str, int, int]) -> str:
 
 
 class StartupKernels:
-    """One CUDA worker's start: precompiles what earlier starts of this key recorded (in the background, while
-    the weights load), records this start's compiles, and saves them merged into the manifest."""
+    """One CUDA worker's start: precompiles what earlier starts of this key recorded (in the background, from
+    before the weights load; the start never waits for the whole pool), records this start's compiles, and saves
+    them merged into the manifest."""
 
     def __init__(self, key: str, target: tuple[str, int, int], precompile_now: bool = True,
                  workers: int | None = None) -> None:
@@ -427,8 +523,14 @@ class StartupKernels:
         return result
 
     def save(self) -> Path | None:
-        """Stops recording and saves this start's kernels merged into the manifest (a failure is only logged)."""
+        """Stops recording and saves this start's kernels merged into the manifest (a failure is only logged). A
+        precompile not done yet hands out no more entries (every kernel this start needed is compiled by now;
+        those compiling finish into the cache) and its failures are not known to drop."""
         self.recorder.uninstall()
+        if self._handle is not None and not self._handle.done():
+            self._handle.cancel()
+        elif self._handle is not None:
+            self.wait(0)
         manifest = self.recorder.manifest(self.target)
         if not manifest.entries and not (self.result is not None and self.result.failed_entries):
             return None
