@@ -13,9 +13,9 @@
 # (a device call brings back 8 files at most).
 # Then serve_vs_offline.sh (the step-time bound: P99 ITL at most 4x the median), moe_fusion.sh's sweeps (commit the
 # tables) and disagg_bench.sh (issue 49), each a call of its own.
-# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|all]
+# Usage: bash benchmarks/gpu/owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|Q|all]
 set -uo pipefail
-out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|all]}
+out=${1:?usage: owed.sh OUT_DIR [A|B|C|D|E|F|G|H|I|J|K|L|Q|all]}
 part=${2:-all}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl 2>/dev/null
@@ -165,6 +165,15 @@ if [[ $part == K ]]; then
   for model in deepseek-v2-lite qwen3-30b-a3b; do
     step 150 "decode_$model" "${cli[@]}" bench gpu --model "$model" --workloads decode --skip-hf \
       --output-json "$out/bench_gpu_decode_$model.json"
+  done
+fi
+# Q (2026-12-07 f): the FP8 one-token GEMV's elementwise loop (issue 44 item 3's 1.7x bar): its sweep and defaults
+# against bf16, then 8B batch-1 decode in bf16 and FP8, in one call.
+if [[ $part == Q ]]; then
+  step 240 quant_gemv python3 benchmarks/gpu/quant_gemv.py "$out/quant_gemv.json" --no-fp4-sweep
+  for q in none fp8; do
+    step 110 "decode_8b_$q" "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf --quantization $q \
+      --output-json "$out/bench_gpu_decode_8b_$q.json"
   done
 fi
 if [[ $part == B || $part == all ]]; then

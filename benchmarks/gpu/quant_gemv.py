@@ -2,7 +2,7 @@
 Llama-3.1-8B's projection shapes, timed over CUDA-graph replays (gemv_rates.py's timer); at one token it also
 sweeps the kernels' tile configurations and prints the best beside the default. Per-token FP8 quantization:
 the Triton kernel against the plain-torch one.
-Run on the GPU machine: python benchmarks/gpu/quant_gemv.py [OUT.json] [--no-fp8-sweep] [--no-sweep]
+Run on the GPU machine: python benchmarks/gpu/quant_gemv.py [OUT.json] [--no-fp8-sweep] [--no-fp4-sweep] [--no-sweep]
 """
 import itertools
 import json
@@ -62,7 +62,7 @@ def shape_figures(name: str, n: int, k: int, rows: int) -> dict:
     if sweep and "--no-fp8-sweep" not in sys.argv:
         t, c = best(lambda c: quant_gemv.fp8_linear(x, w_q, w_scale, k, config=c), sweep, rows)
         row["fp8_best_us"], row["fp8_best"] = t, _fields(c)
-    if sweep:
+    if sweep and "--no-fp4-sweep" not in sys.argv:
         fp4_sweep = FP4_DECODE_SWEEP if rows == 1 else sweep
         t, c = best(lambda c: quant_gemv.mxfp4_linear(x, packed, scales, config=c), fp4_sweep, rows)
         row["mxfp4_best_us"], row["mxfp4_best"] = t, _fields(c)

@@ -49,9 +49,11 @@ class GemvConfig:
     num_stages: int = 2
 
 
-# The best of benchmarks/gpu/quant_gemv.py's sweep on the H200 (docs/BENCHMARKS.md): one token, FP8: long tiles
-# (2,048 inputs) over 8 rows for qkv and o, 4 rows for the larger gate_up and down (more programs in flight).
-FP8_DECODE = GemvConfig(1, 8, 2048, 4)
+# One token, FP8: the H200 sweep's best for the per-tile-sum loop (docs/BENCHMARKS.md) took 2,048 inputs over 8 rows
+# for qkv and o, 4 rows for the larger gate_up and down (more programs in flight). The elementwise loop holds a
+# tile's products in registers, so 8 rows take 1,024 inputs (116 registers on sm_90; 2,048 took 201: two programs
+# an SM); 4 x 2,048 takes 96. Until benchmarks/gpu/quant_gemv.py sweeps it again.
+FP8_DECODE = GemvConfig(1, 8, 1024, 4)
 FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
 LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
 # FP4, one token (_fp4_gemv_kernel: two groups of block_n rows a program): the sweep's best on the H200 took 4 rows,
@@ -103,18 +105,28 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     n_ok, m_ok = rn < N, rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        part = _tile_product(x, w, BLOCK_M, PRECISION)
-        if PER_ROW:
-            acc += part
-        else:  # BLOCK_K divides GROUP: one scale per row for this tile
-            scale = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-            acc += part * scale[None, :]
+    if BLOCK_M == 1 and PER_ROW:  # one token: products add up elementwise, summed across K once (no per-tile
+        prods = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # shuffles: ~0.9 of 4.4 instructions a value)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            prods += w * x.to(tl.float32)
+        acc = tl.sum(prods, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            part = _tile_product(x, w, BLOCK_M, PRECISION)
+            if PER_ROW:
+                acc += part
+            else:  # BLOCK_K divides GROUP: one scale per row for this tile
+                scale = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+                acc += part * scale[None, :]
     if PER_ROW:
         acc *= tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)[None, :]
     _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
