@@ -249,11 +249,11 @@ def test_fp4_experts_take_the_same_gemvs(fmt):
     _close(gemv, expected, torch.float32)
 
 
-@pytest.mark.parametrize("quantized, pow2", [(True, True), (False, False)])
-def test_fp8_block_experts_take_the_same_gemvs(quantized, pow2):
+@pytest.mark.parametrize("quantized, pow2, top_k", [(True, True, 3), (False, False, 2)])
+def test_fp8_block_experts_take_the_same_gemvs(quantized, pow2, top_k):
     """DeepSeek's FP8 block experts through the GEMVs (activations quantized per 128-input group in registers, or
-    weight-only), whole and partial last blocks, power-of-two scales: equal to the grouped FP8 GEMMs and to the
-    reference; another rank's experts (-1) add nothing."""
+    weight-only), whole and partial last blocks, power-of-two scales, a top-k that is not a power of two: equal to
+    the grouped FP8 GEMMs and to the reference; another rank's experts (-1) add nothing."""
     from pressroom.kernels import fp8_moe
     from pressroom.kernels.triton.fused_moe_fp8 import fp8_gemv_launch, fused_moe_fp8
     gen = torch.Generator().manual_seed(7)
@@ -261,7 +261,7 @@ def test_fp8_block_experts_take_the_same_gemvs(quantized, pow2):
     w13 = fp8_moe.quantize(torch.randn(experts, 2 * inter, hidden, generator=gen), halves=2)
     w2 = fp8_moe.quantize(torch.randn(experts, hidden, inter, generator=gen))
     x = torch.randn(tokens, hidden, generator=gen) * 4
-    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=2))
+    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=top_k))
     ids = torch.where(ids == 3, -1, ids)
     options = dict(quantize_activations=quantized, pow2_scales=pow2)
     want = fp8_moe.reference(x, w13, w2, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), **options)

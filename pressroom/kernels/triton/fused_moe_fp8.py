@@ -36,6 +36,7 @@ import triton.language as tl
 from pressroom.kernels import fp8
 from pressroom.kernels.fp8_moe import BLOCK, Fp8Experts, quantize
 from pressroom.kernels.triton.fused_moe import (
+    DOWN_TILE_WEIGHTS,
     GEMV_MAX_TOKENS,
     MoeLaunch,
     _block_pairs,
@@ -71,8 +72,9 @@ def fp8_default_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
 
 
 def fp8_gemv_launch() -> MoeLaunch:
-    """The GEMVs without a sweep: narrow column blocks, one 128-input group a tile."""
-    return MoeLaunch(1, 16, BLOCK, 4, 1, gemv=True)
+    """The GEMVs without a sweep: fused_moe.py's bf16 GEMV default (8 columns a program, two tiles in flight), one
+    128-input group a tile."""
+    return MoeLaunch(1, 8, BLOCK, 4, 2, gemv=True)
 
 
 def choose_launch(tokens: int, w13: Fp8Experts, top_k: int) -> MoeLaunch:
@@ -191,49 +193,58 @@ def _moe_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, slots_ptr, block_e
 
 
 @triton.jit
-def _fp8_gemv_rows(a_row_ptr, w_rows, ws_rows, k_in, col_ok, A_FP8: tl.constexpr, POW2: tl.constexpr,
-                   MIN_AMAX: tl.constexpr, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One activation row times BLOCK_N FP8 weight rows (w_rows: each row's first input; ws_rows: its block row of
-    scales), a 128-input group a step: fp32 [BLOCK_N]. A_FP8: the row's group quantized first, as quantize_groups
-    does (its scale times the weights' in the group's product)."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_in, GROUP):
-        ks = k0 + tl.arange(0, GROUP)
-        k_ok = ks < k_in
-        a = tl.load(a_row_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        scale = tl.load(ws_rows + k0 // GROUP, mask=col_ok, other=0.0)
-        if A_FP8:
-            a_scale = tl.maximum(tl.max(tl.abs(a), axis=0), MIN_AMAX) / FP8_LIMIT
-            if POW2:
-                a_scale = _power_of_two_above(a_scale)
-            a = _on_fp8_grid(tl.clamp(tl.math.div_rn(a, a_scale), -FP8_LIMIT, FP8_LIMIT))
-            scale = scale * a_scale
-        acc += tl.sum(w * a[None, :], axis=1) * scale
-    return acc
+def _fp8_groups(a_rows, ok, k0, k_in, A_FP8: tl.constexpr, POW2: tl.constexpr, MIN_AMAX: tl.constexpr,
+                FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr):
+    """Activation rows' (a_rows: each row's first input; rows not `ok` read zeros) group of GROUP inputs from k0, in
+    fp32 [R, GROUP], and each row's scale for it [R]: 1, or where A_FP8 the group quantized as quantize_groups does
+    (values on the FP8 grid, their scale returned)."""
+    ks = k0 + tl.arange(0, GROUP)
+    a = tl.load(a_rows[:, None] + ks[None, :], mask=ok[:, None] & (ks < k_in)[None, :], other=0.0).to(tl.float32)
+    a_scale = tl.full(ok.shape, 1.0, tl.float32)
+    if A_FP8:
+        a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_LIMIT
+        if POW2:
+            a_scale = _power_of_two_above(a_scale)
+        a = _on_fp8_grid(tl.clamp(tl.math.div_rn(a, a_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+    return a, a_scale
 
 
 @triton.jit
 def _moe_fp8_up_gemv_kernel(x_ptr, w_ptr, ws_ptr, mid_ptr, ids_ptr, n_out, k_in, num_experts, stride_x, stride_we,
                             stride_wn, stride_wse, stride_wsn, stride_mid, top_k, up_scale_rows, limit,
                             A_FP8: tl.constexpr, POW2: tl.constexpr, LIMITED: tl.constexpr, MIN_AMAX: tl.constexpr,
-                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+                            FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                            STAGES: tl.constexpr):
     """One (token, expert) pair's gate and up rows over its token (FP8 weights, block scales), through SwiGLU (V4's
-    clamp first where LIMITED), out to mid's pair row. A pair of another rank's expert (-1) is skipped."""
+    clamp first where LIMITED), out to mid's pair row. As fused_moe.py's bf16 GEMV: gate's and up's tiles load in
+    one iteration, products add up elementwise (the group's scales folded into the activation: BLOCK_N divides
+    GROUP, so a tile's rows share one block row of scales) and are summed across K once. Rows past the matrix read
+    row 0 and are masked when stored. A pair of another rank's expert (-1) is skipped."""
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     if (expert < 0) | (expert >= num_experts):
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     e = expert.to(tl.int64)
-    n = tl.where(col_ok, cols, 0).to(tl.int64)
-    w_rows = w_ptr + e * stride_we + n[:, None] * stride_wn
-    ws_rows = ws_ptr + e * stride_wse + (n // GROUP) * stride_wsn
-    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
-    gate = _fp8_gemv_rows(a_row, w_rows, ws_rows, k_in, col_ok, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
-    up = _fp8_gemv_rows(a_row, w_rows + n_out * stride_wn, ws_rows + up_scale_rows * stride_wsn, k_in, col_ok, A_FP8,
-                        POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
+    w_rows = w_ptr + e * stride_we + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wn
+    ws_gate = ws_ptr + e * stride_wse + (first // GROUP) * stride_wsn
+    ws_up = ws_gate + up_scale_rows * stride_wsn
+    one_row = tl.zeros((1,), dtype=tl.int64)  # the token's row as _fp8_groups's rows
+    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x + one_row
+    gate = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    for k0 in tl.range(0, k_in, GROUP, num_stages=STAGES):
+        a, a_scale = _fp8_groups(a_row, one_row == 0, k0, k_in, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP)
+        ks = k0 + tl.arange(0, GROUP)
+        k_ok = (ks < k_in)[None, :]
+        w_gate = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0).to(tl.float32)
+        w_up = tl.load(w_rows + n_out * stride_wn + ks[None, :], mask=k_ok, other=0.0).to(tl.float32)
+        group = k0 // GROUP
+        gate += w_gate * (a * (a_scale * tl.load(ws_gate + group))[:, None])
+        up += w_up * (a * (a_scale * tl.load(ws_up + group))[:, None])
+    gate, up = tl.sum(gate, axis=1), tl.sum(up, axis=1)
     if LIMITED:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -244,32 +255,44 @@ def _moe_fp8_up_gemv_kernel(x_ptr, w_ptr, ws_ptr, mid_ptr, ids_ptr, n_out, k_in,
 @triton.jit
 def _moe_fp8_down_sum_gemv_kernel(mid_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, weights_ptr, n_out, k_in, num_experts,
                                   stride_mid, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                                  TOP_K: tl.constexpr, A_FP8: tl.constexpr, POW2: tl.constexpr,
+                                  TOP_K: tl.constexpr, PAIRS: tl.constexpr, A_FP8: tl.constexpr, POW2: tl.constexpr,
                                   MIN_AMAX: tl.constexpr, FP8_LIMIT: tl.constexpr, GROUP: tl.constexpr,
-                                  BLOCK_N: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     """One token's output: the sum over its TOP_K pairs of the pair's weight times its expert's FP8 down rows over
-    the pair's mid row, in fp32, rounded once. Pairs of another rank's experts (-1) add nothing."""
+    the pair's mid row, in fp32, rounded once. As fused_moe.py's bf16 GEMV: all TOP_K experts' tiles load in one
+    iteration (PAIRS: TOP_K rounded up to a power of two), each pair's group scales folded into its activations.
+    Pairs of another rank's experts (-1) add nothing."""
     token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    n = tl.where(col_ok, cols, 0).to(tl.int64)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
-        here = (expert >= 0) & (expert < num_experts)
-        e = tl.where(here, expert, 0).to(tl.int64)
-        acc = _fp8_gemv_rows(mid_ptr + pair * stride_mid, w_ptr + e * stride_we + n[:, None] * stride_wn,
-                             ws_ptr + e * stride_wse + (n // GROUP) * stride_wsn, tl.where(here, k_in, 0),
-                             col_ok & here, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP, BLOCK_N)
-        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
+    j = tl.arange(0, PAIRS)
+    pair = token.to(tl.int64) * TOP_K + j
+    expert = tl.load(ids_ptr + pair, mask=j < TOP_K, other=-1)
+    here = (expert >= 0) & (expert < num_experts)
+    e = tl.where(here, expert, 0).to(tl.int64)
+    w_rows = w_ptr + e[:, None] * stride_we + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * stride_wn
+    ws_rows = ws_ptr + e * stride_wse + (first // GROUP) * stride_wsn  # [PAIRS]: one block row of scales each
+    mid_rows = mid_ptr + pair * stride_mid
+    prods = tl.zeros((PAIRS, BLOCK_N, GROUP), dtype=tl.float32)
+    for k0 in tl.range(0, k_in, GROUP, num_stages=STAGES):
+        a, a_scale = _fp8_groups(mid_rows, here, k0, k_in, A_FP8, POW2, MIN_AMAX, FP8_LIMIT, GROUP)
+        scale = a_scale * tl.load(ws_rows + k0 // GROUP, mask=here, other=0.0)
+        ks = k0 + tl.arange(0, GROUP)
+        k_ok = here[:, None] & (ks < k_in)[None, :]
+        w = tl.load(w_rows[:, :, None] + ks[None, None, :], mask=k_ok[:, None, :], other=0.0).to(tl.float32)
+        prods += w * (a * scale[:, None])[:, None, :]
+    acc = tl.sum(prods, axis=2)
+    weight = tl.load(weights_ptr + pair, mask=here, other=0.0)
+    total = tl.sum(acc * weight[:, None], axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _gemv_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, flat_weights: torch.Tensor, ids: torch.Tensor,
                   cfg: MoeLaunch, quantize_activations: bool, swiglu_limit: float | None, pow2_scales: bool
                   ) -> torch.Tensor:
-    """fused_moe_fp8's token-major path (two launches)."""
+    """fused_moe_fp8's token-major path (two launches). The down pass takes fewer columns a program where the top-k
+    experts' tiles would pass DOWN_TILE_WEIGHTS (a whole group a tile)."""
     tokens, hidden = x.shape
     experts, double_inter, _ = w13.shape
     inter, k = double_inter // 2, ids.shape[1]
@@ -277,15 +300,17 @@ def _gemv_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, flat_weights
     mid = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     common = dict(A_FP8=quantize_activations, POW2=pow2_scales, MIN_AMAX=1e-12, FP8_LIMIT=fp8.FP8_MAX, GROUP=BLOCK,
-                  BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+                  STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     _moe_fp8_up_gemv_kernel[(tokens * k, triton.cdiv(inter, cfg.block_n))](
         x, w13.weight, w13.scale, mid, flat_ids, inter, hidden, experts, x.stride(0), w13.weight.stride(0),
         w13.weight.stride(1), w13.scale.stride(0), w13.scale.stride(1), mid.stride(0), k, w13.scale.shape[1] // 2,
-        float(swiglu_limit or 0.0), LIMITED=swiglu_limit is not None, **common)
-    _moe_fp8_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+        float(swiglu_limit or 0.0), LIMITED=swiglu_limit is not None, BLOCK_N=cfg.block_n, **common)
+    pairs = triton.next_power_of_2(k)
+    down_n = max(1, min(cfg.block_n, DOWN_TILE_WEIGHTS // (pairs * BLOCK)))
+    _moe_fp8_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, down_n))](
         mid, w2.weight, w2.scale, out, flat_ids, flat_weights, hidden, inter, experts, mid.stride(0),
         w2.weight.stride(0), w2.weight.stride(1), w2.scale.stride(0), w2.scale.stride(1), out.stride(0), TOP_K=k,
-        **common)
+        PAIRS=pairs, BLOCK_N=down_n, **common)
     return out
 
 
@@ -312,9 +337,9 @@ def fused_moe_fp8(x: torch.Tensor, w13: Fp8Experts, w2: Fp8Experts, weights: tor
     inter, k = double_inter // 2, ids.shape[1]
     pairs = tokens * k
     cfg = launch or choose_launch(tokens, w13, k)
-    if BLOCK % cfg.block_k or cfg.block_k < 32 or cfg.gemv and cfg.block_k != BLOCK:
+    if BLOCK % cfg.block_k or cfg.block_k < 32 or cfg.gemv and (cfg.block_k != BLOCK or BLOCK % cfg.block_n):
         raise ValueError(f"FP8 tiles of {cfg.block_k} inputs: use 32, 64 or 128 (a tile lies in one 128-input group; "
-                         "the GEMVs take whole groups: 128).")
+                         "the GEMVs take whole groups, 128, and columns that divide one: a block row of scales).")
     if tokens == 0:
         return torch.empty_like(x)
     if cfg.gemv:
@@ -345,7 +370,8 @@ def sweep_candidates(tokens: int, top_k: int, experts: int) -> list[MoeLaunch]:
     """Up to GEMV_SWEEP_TOKENS tokens the GEMVs' column blocks and warps (a whole group a tile); then rows per block no
     larger than twice the pairs an expert gets on average (16 always); the pipelined FP8 tiles (activations, gate's
     and up's weights) within the shared-memory budget."""
-    gemvs = [MoeLaunch(1, n, BLOCK, w, 1, gemv=True) for n, w in itertools.product((8, 16, 32, 64), (2, 4, 8))]
+    gemvs = [MoeLaunch(1, n, BLOCK, w, s, gemv=True)
+             for n, w, s in itertools.product((4, 8, 16, 32), (2, 4, 8), (1, 2))]
     per_expert = tokens * top_k / experts
     space = {16: ((32, 64, 128), (64, 128), (4, 8), (3, 4, 5)),
              32: ((64, 128), (64, 128), (4, 8), (3, 4)),
