@@ -223,20 +223,21 @@ def test_shared_experts_stay_unfolded_where_the_kernels_cannot_take_them():
     assert biased.shared_experts_of(mlp) is None
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_fp4_experts_take_the_same_gemvs(fmt):
+@pytest.mark.parametrize("fmt, top_k", [("mxfp4", 2), ("nvfp4", 3)])
+def test_fp4_experts_take_the_same_gemvs(fmt, top_k):
     """FP4 experts (packed, dequantized in registers) through the GEMVs: equal to the grouped FP4 GEMMs and to the
-    torch reference, with another rank's experts (-1) and gpt-oss's biases."""
+    torch reference, with another rank's experts (-1), gpt-oss's biases, a partial last tile of inputs and a top-k
+    that is not a power of two."""
     from pressroom.kernels import fp4_moe
     from pressroom.kernels.triton.fused_moe import fused_moe_fp4
     gen = torch.Generator().manual_seed(3)
-    experts, hidden, inter, tokens = 4, 64, 32, 3
+    experts, hidden, inter, tokens = 4, 96, 32, 3
     w13 = fp4_moe.quantize(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2, fmt)
     w2 = fp4_moe.quantize(torch.randn(experts, hidden, inter, generator=gen) * 0.2, fmt)
     biases = dict(w13_bias=torch.randn(experts, 2 * inter, generator=gen), w2_bias=torch.randn(experts, hidden,
                                                                                                generator=gen))
     x = torch.randn(tokens, hidden, generator=gen)
-    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=2))
+    weights, ids = select_experts_torch(torch.randn(tokens, experts, generator=gen), RouterConfig(top_k=top_k))
     ids = torch.where(ids == 3, -1, ids)
     expected = fp4_moe.reference(x, w13, w2, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), **biases)
     on = lambda w: fp4_moe.Fp4Experts(*(None if t is None else t.to(DEVICE)  # noqa: E731

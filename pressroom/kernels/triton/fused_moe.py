@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pressroom.kernels.fp4_moe import Fp4Experts
 from pressroom.kernels.moe_activation import ClampedSwiglu, LimitedSwiglu
-from pressroom.kernels.triton.quant_gemv import as_words, fp4_weights
+from pressroom.kernels.triton.quant_gemv import as_words, fp4_blocks, fp4_weights
 
 # The gate/up pass's activation (the kernels' ACTIVATION constexpr).
 SWIGLU, CLAMPED_SWIGLU, LIMITED_SWIGLU = 0, 1, 2
@@ -814,16 +814,17 @@ def _moe_fp4_gemm_kernel(a_ptr, w_ptr, s_ptr, g_ptr, c_ptr, slots_ptr, block_exp
 
 
 @triton.jit
-def _fp4_gemv_rows(a_row_ptr, w_rows, s_rows, g_rows, k_in, col_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BB: tl.constexpr):
-    """_gemv_rows over FP4 weight rows (int32 words, block scales, NVFP4's global scales), dequantized in registers."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row_ptr + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-        w = fp4_weights(w_rows, s_rows, g_rows, k0, col_ok, k_in, BLOCK_N, BLOCK_K, BB)
-        acc += tl.sum(w * a[None, :], axis=1)
-    return acc
+def _fp4_block_sums(a_rows, a_ok, w_rows, s_rows, g_rows, k0, row_ok, k_in, ROWS: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BB: tl.constexpr):
+    """Activation rows (a_rows [ROWS or 1]: each row's first input) times FP4 weight rows' tile of inputs from k0
+    (fp4_blocks: a scale block's words in one thread): each block's products summed in its thread and scaled, fp32
+    [ROWS, blocks]; the blocks are summed once, after the loop (the dense one-token GEMV's scheme)."""
+    NB: tl.constexpr = BLOCK_K // (2 * BB)
+    k = k0 + tl.arange(0, NB)[:, None] * (2 * BB) + tl.arange(0, 2 * BB)[None, :]
+    a = tl.load(a_rows[:, None, None] + k[None, :, :], mask=a_ok[:, None, None] & (k < k_in)[None, :, :],
+                other=0.0).to(tl.float32)
+    values, scale = fp4_blocks(w_rows, s_rows, g_rows, k0, row_ok, k_in, ROWS, BLOCK_K, BB)
+    return tl.sum(values * a, axis=2) * scale
 
 
 @triton.jit
@@ -831,7 +832,8 @@ def _moe_fp4_up_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, mid_ptr, ids_ptr, bias_p
                             stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_gn, stride_mid,
                             stride_be, top_k, alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                             BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_moe_up_gemv_kernel over FP4 experts (_moe_fp4_gemm_kernel's operands)."""
+    """_moe_up_gemv_kernel over FP4 experts (_moe_fp4_gemm_kernel's operands): gate's and up's tiles in one
+    iteration, block sums kept apart until the loop ends."""
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     if (expert < 0) | (expert >= num_experts):
@@ -842,11 +844,16 @@ def _moe_fp4_up_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, mid_ptr, ids_ptr, bias_p
     n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
     w_rows, s_rows, g_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sn, \
         g_ptr + e * stride_ge + n * stride_gn
-    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
-    gate = _fp4_gemv_rows(a_row, w_rows, s_rows, g_rows, k_in, col_ok, BLOCK_N, BLOCK_K, BB)[None, :]
-    up = _fp4_gemv_rows(a_row, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn, g_rows + n_out * stride_gn,
-                        k_in, col_ok, BLOCK_N, BLOCK_K, BB)[None, :]
-    gate, up = _add_bias(gate, up, bias_ptr, expert, stride_be, cols, col_ok, n_out, True, HAS_BIAS)
+    one_row = tl.zeros((1,), dtype=tl.int64)
+    a_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x + one_row
+    gate = tl.zeros((BLOCK_N, BLOCK_K // (2 * BB)), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K // (2 * BB)), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        gate += _fp4_block_sums(a_row, one_row == 0, w_rows, s_rows, g_rows, k0, col_ok, k_in, BLOCK_N, BLOCK_K, BB)
+        up += _fp4_block_sums(a_row, one_row == 0, w_rows + n_out * stride_wn, s_rows + n_out * stride_sn,
+                              g_rows + n_out * stride_gn, k0, col_ok, k_in, BLOCK_N, BLOCK_K, BB)
+    gate, up = _add_bias(tl.sum(gate, axis=1)[None, :], tl.sum(up, axis=1)[None, :], bias_ptr, expert, stride_be,
+                         cols, col_ok, n_out, True, HAS_BIAS)
     mid = _gated(gate, up, alpha, limit, ACTIVATION)
     tl.store(mid_ptr + pair.to(tl.int64) * stride_mid + cols[None, :], mid.to(mid_ptr.dtype.element_ty),
              mask=col_ok[None, :])
@@ -855,27 +862,36 @@ def _moe_fp4_up_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, mid_ptr, ids_ptr, bias_p
 @triton.jit
 def _moe_fp4_down_sum_gemv_kernel(mid_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, weights_ptr, bias_ptr, n_out, k_in,
                                   num_experts, stride_mid, stride_we, stride_wn, stride_se, stride_sn, stride_ge,
-                                  stride_gn, stride_out, stride_be, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_moe_down_sum_gemv_kernel over FP4 experts."""
+                                  stride_gn, stride_out, stride_be, TOP_K: tl.constexpr, PAIRS: tl.constexpr,
+                                  HAS_BIAS: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr):
+    """_moe_down_sum_gemv_kernel over FP4 experts: all TOP_K experts' tiles in one iteration, as PAIRS * BLOCK_N
+    rows (row r: pair r // BLOCK_N's expert, column r % BLOCK_N), each reading its pair's mid row."""
+    ROWS: tl.constexpr = PAIRS * BLOCK_N
     token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    j = r // BLOCK_N
+    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
     col_ok = cols < n_out
-    n = tl.where(col_ok, cols, 0).to(tl.int64)[:, None]
-    total = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
-        here = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(here, expert, 0)
-        e = expert.to(tl.int64)
-        acc = _fp4_gemv_rows(mid_ptr + pair * stride_mid, w_ptr + e * stride_we + n * stride_wn,
-                             s_ptr + e * stride_se + n * stride_sn, g_ptr + e * stride_ge + n * stride_gn,
-                             tl.where(here, k_in, 0), col_ok & here, BLOCK_N, BLOCK_K, BB)[None, :]
-        acc, _ = _add_bias(acc, acc, bias_ptr, expert, stride_be, cols, col_ok, n_out, False, HAS_BIAS)
-        total += tl.where(here, acc * tl.load(weights_ptr + pair), 0.0)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
-             mask=col_ok[None, :])
+    pair = token.to(tl.int64) * TOP_K + j
+    expert = tl.load(ids_ptr + pair, mask=j < TOP_K, other=-1)
+    here = (expert >= 0) & (expert < num_experts)
+    e = tl.where(here, expert, 0).to(tl.int64)
+    n = tl.where(col_ok, cols, 0).to(tl.int64)
+    w_rows, s_rows, g_rows = (w_ptr + e * stride_we + n * stride_wn)[:, None], \
+        (s_ptr + e * stride_se + n * stride_sn)[:, None], (g_ptr + e * stride_ge + n * stride_gn)[:, None]
+    sums = tl.zeros((ROWS, BLOCK_K // (2 * BB)), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        sums += _fp4_block_sums(mid_ptr + pair * stride_mid, here, w_rows, s_rows, g_rows, k0, here, k_in, ROWS,
+                                BLOCK_K, BB)
+    acc = tl.sum(sums, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + n, mask=here & col_ok, other=0.0).to(tl.float32)
+    weighted = acc * tl.load(weights_ptr + pair, mask=here, other=0.0)
+    total = tl.sum(tl.reshape(weighted, (PAIRS, BLOCK_N)), axis=0)
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + out_cols, total.to(out_ptr.dtype.element_ty),
+             mask=out_cols < n_out)
 
 
 def fp4_launch(tokens: int, top_k: int, experts: int) -> MoeLaunch:
@@ -927,9 +943,12 @@ def fused_moe_fp4(x: torch.Tensor, w13: Fp4Experts, w2: Fp4Experts, weights: tor
         _moe_fp4_up_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
             x, *up_ops[:3], mid, flat_ids, b13, inter, hidden, experts, x.stride(0), *up_ops[3:], mid.stride(0),
             b13_stride, k, alpha, limit, HAS_BIAS=has_b13, ACTIVATION=form, **common)
+        top_k_pairs = triton.next_power_of_2(k)  # the down pass's tiles hold every pair's rows: fewer inputs a tile
+        down_k = max(w13.block, min(cfg.block_k, DOWN_TILE_WEIGHTS // (top_k_pairs * cfg.block_n)))
         _moe_fp4_down_sum_gemv_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
             mid, *down_ops[:3], out, flat_ids, flat_weights, b2, hidden, inter, experts, mid.stride(0),
-            *down_ops[3:], out.stride(0), b2_stride, TOP_K=k, HAS_BIAS=has_b2, **common)
+            *down_ops[3:], out.stride(0), b2_stride, TOP_K=k, PAIRS=top_k_pairs, HAS_BIAS=has_b2,
+            **(common | {"BLOCK_K": down_k}))
         return out
     slots, block_expert = align_by_expert(ids, experts, cfg.block_m)
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=x.dtype, device=x.device)
