@@ -249,8 +249,16 @@ def test_the_jit_waits_for_the_kernel_a_pool_process_is_compiling(caches, monkey
 
 
 def test_the_jit_takes_a_queued_kernel_out_of_the_pools_way(caches):
+    """A pool process gets an entry only once it is ready (its imports done): the JIT, reaching the kernel first,
+    compiles it itself rather than waiting on a process's imports, and the pool compiles nothing."""
     fn, parts, options, entry = _jit_launch(2048)
     schedule = pc._Schedule([(_cache_key(fn, parts, options), entry)])
+    results = []
     with pc._claims_installed(schedule):
+        pool = threading.Thread(target=lambda: results.append(
+            pc._CompileProcesses(1, H100).run(schedule, threading.Event())))
+        pool.start()  # its process is still importing torch
         assert _jit_compile(fn, parts, options) == [False]  # compiled here
-    assert schedule.take() is None  # and no pool process will compile it again
+        pool.join(120)
+    counts, failed = results[0]
+    assert sum(counts.values()) == 0 and failed == []  # no pool process compiled it again

@@ -358,6 +358,10 @@ class _CompileProcesses:
 
         def feed(proc: subprocess.Popen) -> None:
             try:
+                # an entry goes to a process only once it has imported what compiling takes: until then the JIT
+                # claims the entries it reaches and compiles them itself, rather than waiting on an import
+                if json.loads(proc.stdout.readline() or "{}").get("ready") is not True:
+                    raise ValueError("the compile process ended before it was ready")
                 while not cancel.is_set() and (item := schedule.take()) is not None:
                     key, entry = item
                     try:
@@ -403,10 +407,13 @@ def _close(proc: subprocess.Popen) -> None:
 
 
 def serve_compiles(target: tuple[str, int, int]) -> None:
-    """A compile process's loop: one entry (a JSON string) a line in, one reply a line out: {} (compiled),
-    {"cached": true} or {"error": ...}."""
+    """A compile process's loop: first {"ready": true} once the imports every compile takes are done, then one entry
+    (a JSON string) a line in, one reply a line out: {} (compiled), {"cached": true} or {"error": ...}."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever else prints goes to stderr, never into the replies
+    import torch  # noqa: F401  the kernel modules' heaviest import
+    import triton.compiler  # noqa: F401
+    out.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         try:
             entry = json.loads(line)
