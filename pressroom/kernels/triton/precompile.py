@@ -245,11 +245,9 @@ def _cache_state(entry: str, target: tuple[str, int, int]) -> tuple[str | None, 
     """The key of the kernel's folder in Triton's disk cache and whether it holds the kernel; (None, False) where
     this process cannot tell (a kernel renamed since it was recorded, or this process runs Triton's interpreter):
     a compile process imports it afresh and finds out."""
-    from triton.runtime.cache import get_cache_manager
     try:
-        digest, name = _cache_hash_and_name(entry, target)
-        manager = get_cache_manager(digest)
-        return manager.key, manager.get_group(f"{name[:150]}.json") is not None
+        manager, cached = _cache_lookup(entry, target)
+        return manager.key, cached
     except Exception as e:  # noqa: BLE001
         logger.debug("Triton kernel %s: cache not checked here (%s: %s)", _entry_name(entry), type(e).__name__, e)
         return None, False
@@ -487,11 +485,18 @@ def _cache_hash_and_name(entry: str, target: tuple[str, int, int]) -> tuple[str,
     return hashlib.sha256(key.encode("utf-8")).hexdigest(), src.name
 
 
-def is_cached(entry: str, target: tuple[str, int, int]) -> bool:
-    """Whether Triton's disk cache holds this kernel's binary already (its metadata file, as `compile` looks)."""
+def _cache_lookup(entry: str, target: tuple[str, int, int]) -> tuple[Any, bool]:
+    """The kernel's folder in Triton's disk cache (its cache manager) and whether it holds the kernel's binary
+    already (its metadata file, as `compile` looks)."""
     from triton.runtime.cache import get_cache_manager
     digest, name = _cache_hash_and_name(entry, target)
-    return get_cache_manager(digest).get_group(f"{name[:150]}.json") is not None
+    manager = get_cache_manager(digest)
+    return manager, manager.get_group(f"{name[:150]}.json") is not None
+
+
+def is_cached(entry: str, target: tuple[str, int, int]) -> bool:
+    """Whether Triton's disk cache holds this kernel's binary already."""
+    return _cache_lookup(entry, target)[1]
 
 
 def compile_entry(entry: str, target: tuple[str, int, int]) -> str:
