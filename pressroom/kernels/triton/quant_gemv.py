@@ -96,6 +96,14 @@ def _finish(acc, b_ptr, y_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _fp8_tiles(w_rows, x_rows, k, K, n_ok, m_ok):
+    """The FP8 weight rows' tile at inputs k, widened to fp32, and the activation rows' (their dtype)."""
+    k_ok = k < K
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    return w, tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, GROUP,
                 PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -108,19 +116,13 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     if BLOCK_M == 1 and PER_ROW:  # one token: products add up elementwise, summed across K once (no per-tile
         prods = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # shuffles: ~0.9 of 4.4 instructions a value)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w, x = _fp8_tiles(w_rows, x_rows, k0 + rk, K, n_ok, m_ok)
             prods += w * x.to(tl.float32)
         acc = tl.sum(prods, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w, x = _fp8_tiles(w_rows, x_rows, k0 + rk, K, n_ok, m_ok)
             part = _tile_product(x, w, BLOCK_M, PRECISION)
             if PER_ROW:
                 acc += part
