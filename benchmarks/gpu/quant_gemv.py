@@ -27,7 +27,7 @@ SKINNY_SWEEP = [GemvConfig(16, n, k, 4, 3) for n, k in itertools.product((16, 32
 
 
 def us(fn, rows: int) -> float:
-    return graph_seconds(fn, 50 if rows <= 64 else 5) * 1e6
+    return graph_seconds(lambda i: fn(), 50 if rows <= 64 else 5) * 1e6
 
 
 def best(fn_of_config, configs, rows: int) -> tuple[float, GemvConfig | None]:

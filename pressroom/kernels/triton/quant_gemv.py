@@ -49,13 +49,11 @@ class GemvConfig:
     num_stages: int = 2
 
 
-# One token, FP8: the H200 sweep's best for the per-tile-sum loop (docs/BENCHMARKS.md) took 2,048 inputs over 8 rows
-# for qkv and o, 4 rows for the larger gate_up and down (more programs in flight). The elementwise loop holds a
-# tile's products in registers, so 8 rows take 1,024 inputs (116 registers on sm_90; 2,048 took 201: two programs
-# an SM); 4 x 2,048 takes 96. Until benchmarks/gpu/quant_gemv.py sweeps it again.
-FP8_DECODE = GemvConfig(1, 8, 1024, 4)
-FP8_DECODE_LARGE = GemvConfig(1, 4, 2048, 4)
-LARGE_WEIGHT = 32 << 20  # weights (N x K) from which FP8_DECODE_LARGE wins
+# One token, FP8, the elementwise loop (a tile's products held in registers): the best of benchmarks/gpu/
+# quant_gemv.py's sweep on an H100 (2026-12-07, docs/BENCHMARKS.md) took 4 rows at every 8B shape, 1,024 inputs
+# (qkv's best, 512, within 2 us) and for the long rows of down 2,048 with 8 warps (24.0 us against 28.5).
+FP8_DECODE = GemvConfig(1, 4, 1024, 4)
+FP8_DECODE_LONG_ROWS = GemvConfig(1, 4, 2048, 8)
 # FP4, one token (_fp4_gemv_kernel: two groups of block_n rows a program): the sweep's best on the H200 took 4 rows,
 # 3 stages and 1,024 inputs a tile (2,048 for the longer rows of down).
 FP4_DECODE = GemvConfig(1, 4, 1024, 4, 3)
@@ -73,7 +71,7 @@ def default_config(tokens: int, n: int, k: int, mxfp4: bool) -> GemvConfig:
         if mxfp4:
             config = FP4_DECODE_LONG_ROWS if k > 4096 else FP4_DECODE
         else:
-            config = FP8_DECODE_LARGE if n * k >= LARGE_WEIGHT else FP8_DECODE
+            config = FP8_DECODE_LONG_ROWS if k > 4096 else FP8_DECODE
         return GemvConfig(1, config.block_n, min(config.block_k, max(32, triton.next_power_of_2(k))),
                           config.num_warps, config.num_stages)
     return SKINNY if tokens <= SMALL_M else LARGE
