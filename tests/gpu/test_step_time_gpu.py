@@ -53,7 +53,11 @@ def _step_times(**kwargs) -> tuple[float, float, list[int]]:
             engine.add_request(f"w{i}", {"prompt_token_ids": [(i * 53 + j) % 30_000 + 1 for j in range(PROMPT_LEN)]},
                                wave)
         waiting = {f"w{i}" for i in range(WAVE)}
-        prompt_left = dict.fromkeys(waiting, PROMPT_LEN)  # a prompt's last chunk may be one token: count by request
+        # the scheduler knows a request by the engine's internal id; a prompt's last chunk may be one token: count
+        # by request
+        prompt_left = {cid: PROMPT_LEN for cid, (parent, _) in engine.child_to_parent.items()
+                       if parent.request_id in waiting}
+        assert len(prompt_left) == WAVE
         while waiting:
             start = time.perf_counter()
             outputs = engine.step()
