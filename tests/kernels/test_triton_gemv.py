@@ -215,13 +215,23 @@ def _tiny_layer(dtype: torch.dtype):
     return LlamaDecoderLayer(tiny_config("llama"), qk_norm=False).to(dtype)
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("decodes", [1, 3])
-def test_the_decoder_layers_small_step_path_equals_its_modules_forward(with_residual, decodes, monkeypatch):
+def _as_fp8_rows(linear) -> None:
+    """The layer's weight quantized online to FP8 with one scale a row, weight-only at every step (as a decode step
+    runs it on CUDA)."""
+    from pressroom.model.quantization.fp8 import Fp8LinearMethod
+    linear.set_quant_method(Fp8LinearMethod(serialized=False))
+    linear.quant_method.quantize_activations = False
+    linear.quant_method.process_weights_after_loading(linear)
+
+
+@pytest.mark.parametrize("with_residual, decodes, fp8", [(False, 1, False), (True, 1, False), (False, 3, False),
+                                                         (True, 3, False), (True, 1, True)])
+def test_the_decoder_layers_small_step_path_equals_its_modules_forward(with_residual, decodes, fp8, monkeypatch):
     """LlamaDecoderLayer._forward_small (the four fused launches around attention; the interpreter on the CPU) against
     forward through its modules, one decode token of each of `decodes` sequences over a cached context (three: the
     rows kernel, as a step takes it once GEMV_MAX_TOKENS is raised), fp16, qkv bias on: the same layer output up to
-    the GEMMs' summation order, the same residual stream and the same KV cache entries."""
+    the GEMMs' summation order, the same residual stream and the same KV cache entries. `fp8`: every projection
+    FP8 with row scales (the modules' forward: Fp8LinearMethod's weight-only product)."""
     from conftest import tiny_config
 
     from pressroom.attention.backend import AttentionMetadata, forward_context
@@ -237,6 +247,9 @@ def test_the_decoder_layers_small_step_path_equals_its_modules_forward(with_resi
         noise = torch.randn(p.shape, generator=gen)
         p.data.copy_(1 + noise / 4 if "norm" in name else noise / p.shape[-1] ** 0.5)
     layer = layer.to(DEVICE, torch.float16)
+    if fp8:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            _as_fp8_rows(linear)
     attn = layer.self_attn.attn
     attn.backend = TorchAttentionBackend()  # the same attention on both paths: the GEMVs' wiring is under test
     block = 8  # a block a sequence, each with 5 cached tokens and the step's at position 5
@@ -279,3 +292,53 @@ def test_only_plain_dense_weights_on_one_rank_count_as_fusable():
     handle.remove()
     qkv.batch_invariant = True
     assert not dense_on_one_rank(qkv, torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fp8_weights_with_row_scales_take_the_same_prologues(tokens):
+    """FP8 e4m3 weights with one fp32 scale a row (Fp8LinearMethod's per-row form): norm_gemv, silu_mul_gemv and gemv
+    equal the unfused prologue then the weight-only FP8 product (dequantized weight, fp32 sums, scaled per row)."""
+    from pressroom.kernels import fp8
+    gemv = _gemv()
+    n, k = SHAPES[1]
+    x, w_full = _operands(tokens, n, k, torch.float16, seed=400 + tokens, scaled=True)
+    w, scale = fp8.quantize(w_full.float().cpu(), k)
+    w, scale = w.to(DEVICE), scale.reshape(-1).to(DEVICE)
+    dense = (w.float() * scale[:, None]).to(DEVICE)  # what the product multiplies by, in fp32
+    bias = torch.randn(n).to(DEVICE, torch.float16)
+    residual = _scaled_rows(tokens, k, seed=401, scale=4).to(DEVICE, torch.float16)
+    norm_weight = (1 + torch.randn(k) / 4).to(DEVICE, torch.float16)
+
+    def product(a, b=None):
+        return F.linear(a.float(), dense, None if b is None else b.float()).to(torch.float16)
+
+    h = (x.float() + residual.float()).to(torch.float16)
+    for launch in _launches():
+        got, stream = gemv.norm_gemv(x, norm_weight, EPS, w, residual, bias, launch=launch, scale=scale)
+        _close(got, product(_rms_norm(h, norm_weight), bias))
+        assert torch.equal(stream, h)
+        _close(gemv.gemv(x, w, launch=launch, scale=scale), product(x))
+        gate_up = torch.cat([x, residual], dim=1)
+        _close(gemv.silu_mul_gemv(gate_up, w, launch=launch, scale=scale),
+               product((F.silu(x.float()) * residual.float()).to(torch.float16)))
+    with pytest.raises(ValueError, match="FP8 e4m3 weights with their scales"):
+        gemv.gemv(x, w)  # an FP8 weight without its scales
+    with pytest.raises(ValueError, match="one a row"):
+        gemv.gemv(x, w, scale=scale[:-1])
+
+
+def test_fp8_weights_with_row_scales_on_one_rank_count_as_fusable():
+    from pressroom.model.models.llama import dense_on_one_rank, fp8_rows_on_one_rank
+    layer = _tiny_layer(torch.bfloat16)
+    qkv = layer.self_attn.qkv_proj
+    assert not fp8_rows_on_one_rank(qkv)  # dense
+    _as_fp8_rows(qkv)
+    assert fp8_rows_on_one_rank(qkv) and not dense_on_one_rank(qkv, torch.bfloat16)
+    handle = qkv.register_forward_hook(lambda module, inputs, output: output)
+    assert not fp8_rows_on_one_rank(qkv)
+    handle.remove()
+    o = layer.self_attn.o_proj  # block scales (DeepSeek's checkpoints): not one a row
+    from pressroom.model.quantization.fp8 import Fp8LinearMethod
+    o.set_quant_method(Fp8LinearMethod(serialized=False, block_cols=32))
+    o.quant_method.process_weights_after_loading(o)
+    assert o.weight_scale.shape[1] > 1 and not fp8_rows_on_one_rank(o)

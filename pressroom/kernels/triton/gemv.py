@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+FP8 = torch.float8_e4m3fn
 GEMV_MAX_TOKENS = 1  # the one home of the rule: steps of at most this many tokens take these kernels
 MAX_ROWS = 8  # the most token rows the kernels take (any step up to it runs; GEMV_MAX_TOKENS says which do)
 _NONE, _NORM, _SILU = 0, 1, 2  # the prologue
@@ -77,6 +78,15 @@ DEFAULT_LAUNCHES: dict[str, GemvLaunch] = {
     "square": GemvLaunch(4, 2048),  # o
     "tall": GemvLaunch(8, 1024),  # gate_up
     "long": GemvLaunch(8, 1024),  # down
+}
+# shape class -> launch for FP8 weights (one scale a row), one token: the best of benchmarks/gpu/quant_gemv.py's
+# sweep of quant_gemv's FP8 kernel on the H100 (2026-12-07: the same elementwise loop without the prologues) took
+# 4 rows at every 8B shape, 1,024 inputs, and 2,048 with 8 warps for down's long rows.
+FP8_LAUNCHES: dict[str, GemvLaunch] = {
+    "wide": GemvLaunch(4, 1024),
+    "square": GemvLaunch(4, 1024),
+    "tall": GemvLaunch(4, 1024),
+    "long": GemvLaunch(4, 2048, 8),
 }
 # shape class -> launch for 2 to MAX_ROWS tokens, before rows_launch's cut: not yet swept, so the one-token table;
 # benchmarks/gpu/norm_gemv.py --tokens 2,4,8 prints the best launch per shape to put here.
@@ -127,10 +137,12 @@ def shape_class(n: int, k: int) -> str:
     return "wide" if n > k else "square"
 
 
-def default_launch(n: int, k: int, tokens: int = 1) -> GemvLaunch:
+def default_launch(n: int, k: int, tokens: int = 1, fp8: bool = False) -> GemvLaunch:
+    """The table's launch for an [n, k] weight (FP8_LAUNCHES' for FP8 weights), cut by rows_launch past a token."""
+    one_token = (FP8_LAUNCHES if fp8 else DEFAULT_LAUNCHES)[shape_class(n, k)]
     if tokens <= 1:
-        return DEFAULT_LAUNCHES[shape_class(n, k)]
-    return rows_launch(MULTI_ROW_LAUNCHES[shape_class(n, k)], tokens)
+        return one_token
+    return rows_launch(one_token if fp8 else MULTI_ROW_LAUNCHES[shape_class(n, k)], tokens)
 
 
 @triton.jit
@@ -178,8 +190,8 @@ def _activation(x_ptr, res_ptr, nw_ptr, x_row, res_row, k, mask, K, inv_rms, PRO
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, eps,
-                 PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, eps,
+                 PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr, STAGES: tl.constexpr):
     """One token: a [BLOCK_N, BLOCK_K] accumulator (the launches measured at one token)."""
     pid_n = tl.program_id(0)
@@ -199,14 +211,17 @@ def _gemv_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, N, 
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)
     out = tl.sum(acc, 1)
+    if HAS_SCALE:  # FP8 weights: each row's scale
+        out *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_rm,
-                      stride_wn, eps, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _gemv_rows_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                      stride_rm, stride_wn, eps, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_K: tl.constexpr,
                       STAGES: tl.constexpr):
     """M tokens (ROWS: M's power of two, rows past M masked): each weight tile loaded once and multiplied into every
@@ -231,18 +246,24 @@ def _gemv_rows_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :]
     out = tl.sum(acc, 2)
+    if HAS_SCALE:
+        out *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + (rm * N)[:, None] + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, k: int, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, k: int, bias: torch.Tensor | None,
+           scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or not 0 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
         raise ValueError(f"the fused GEMVs take x [tokens <= {MAX_ROWS}, features] with unit column stride "
                          f"(larger steps: the modules' forwards), got {tuple(x.shape)} with strides {x.stride()}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"the fused GEMVs take bf16 or fp16 activations and weights of the same dtype, got "
-                         f"{x.dtype} and {w.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != (FP8 if scale is not None else x.dtype):
+        raise ValueError(f"the fused GEMVs take bf16 or fp16 activations and weights of the same dtype (or FP8 e4m3 "
+                         f"weights with their scales), got {x.dtype} and {w.dtype}")
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != w.shape[0] or not scale.is_contiguous()):
+        raise ValueError(f"an FP8 weight's scales must be fp32, one a row ({w.shape[0]}), contiguous; got "
+                         f"{tuple(scale.shape)} {scale.dtype}")
     if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"the weight must be [out, {k}] with unit column stride, got {tuple(w.shape)}")
     if bias is not None and bias.shape != (w.shape[0],):
@@ -251,18 +272,22 @@ def _check(x: torch.Tensor, w: torch.Tensor, k: int, bias: torch.Tensor | None) 
 
 def _launch(prologue: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, launch: GemvLaunch | None,
             residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """y [m, n] = the prologue's activation of x times w^T (+ bias): one token through _gemv_kernel, 2 to MAX_ROWS
-    through _gemv_rows_kernel; `launch` None: the table's, cut by rows_launch past one token."""
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0, scale: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """y [m, n] = the prologue's activation of x times w^T (times each row's scale, + bias): one token through
+    _gemv_kernel, 2 to MAX_ROWS through _gemv_rows_kernel; `launch` None: the table's, cut by rows_launch past one
+    token."""
     (m, n), k = (x.shape[0], w.shape[0]), w.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    launch = launch or default_launch(n, k, m)  # an explicit launch runs as given (the sweep's)
+    launch = launch or default_launch(n, k, m, fp8=scale is not None)  # an explicit launch runs as given
     res = residual if residual is not None else x  # placeholder pointers where a prologue reads none
     pointers = (x, res, new_residual if new_residual is not None else x,
-                norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, y)
-    flags = dict(PROLOGUE=prologue, ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                norm_weight if norm_weight is not None else x, w, scale if scale is not None else x,
+                bias if bias is not None else x, y)
+    flags = dict(PROLOGUE=prologue, ADD_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+                 HAS_BIAS=bias is not None,
                  BLOCK_N=launch.block_n, BLOCK_K=min(launch.block_k, triton.next_power_of_2(k)),
                  STAGES=launch.num_stages, num_warps=launch.num_warps)
     grid = (triton.cdiv(n, launch.block_n),)
@@ -277,35 +302,38 @@ def _launch(prologue: int, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         launch: GemvLaunch | None = None) -> torch.Tensor:
-    """x [tokens <= MAX_ROWS, K] -> F.linear(x, w, bias) [tokens, N]."""
-    _check(x, w, x.shape[-1] if x.dim() else 0, bias)
-    return _launch(_NONE, x, w, bias, launch)
+         launch: GemvLaunch | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens <= MAX_ROWS, K] -> F.linear(x, w, bias) [tokens, N]. `scale`: w is FP8 e4m3 with one fp32 scale a
+    row (quant_gemv.fp8_linear's weight-only product, with these kernels' prologues)."""
+    _check(x, w, x.shape[-1] if x.dim() else 0, bias, scale)
+    return _launch(_NONE, x, w, bias, launch, scale=scale)
 
 
 def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
               residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              launch: GemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              launch: GemvLaunch | None = None, scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(rms_norm(h), w, bias), h) where h = x + residual (rounded to the activation dtype), or x where
     residual is None: RMSNorm's forward (model/layers/norm.py) and the next projection in one launch. x and
-    residual are left as they are; the new residual stream is a new tensor."""
-    _check(x, w, x.shape[-1] if x.dim() else 0, bias)
+    residual are left as they are; the new residual stream is a new tensor. `scale`: as gemv's."""
+    _check(x, w, x.shape[-1] if x.dim() else 0, bias, scale)
     if norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm weight must be [{x.shape[1]}], got {tuple(norm_weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype):
         raise ValueError(f"residual must match x {tuple(x.shape)} ({x.dtype}) with unit column stride, got "
                          f"{tuple(residual.shape)} ({residual.dtype})")
     new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y = _launch(_NORM, x, w, bias, launch, residual, new_residual, norm_weight, eps)
+    y = _launch(_NORM, x, w, bias, launch, residual, new_residual, norm_weight, eps, scale)
     return y, new_residual
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  launch: GemvLaunch | None = None) -> torch.Tensor:
+                  launch: GemvLaunch | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [tokens <= MAX_ROWS, 2 I] (gate first, as LlamaMLP's gate_up_proj) -> F.linear(silu(gate) * up, w,
-    bias) [tokens, N], the activation computed in fp32 and rounded once, as kernels/triton/activation.py's."""
+    bias) [tokens, N], the activation computed in fp32 and rounded once, as kernels/triton/activation.py's.
+    `scale`: as gemv's."""
     width = gate_up.shape[-1] if gate_up.dim() else 0
     if width % 2:
         raise ValueError(f"gate_up must be [tokens, 2 * I], got {tuple(gate_up.shape)}")
-    _check(gate_up, w, width // 2, bias)
-    return _launch(_SILU, gate_up, w, bias, launch)
+    _check(gate_up, w, width // 2, bias, scale)
+    return _launch(_SILU, gate_up, w, bias, launch, scale=scale)

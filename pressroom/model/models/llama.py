@@ -98,9 +98,26 @@ SMALL_STEP_GEMV = True
 def dense_on_one_rank(linear: LinearBase, dtype: torch.dtype) -> bool:
     """Whether `linear` is a plain dense weight of `dtype` on one rank: no quantized or prepacked form, no
     batch-invariant switch, no hook (LoRA's updates are forward hooks)."""
-    return (linear.quant_method is None and linear.ggml is None and linear.int4 is None and linear.onednn is None
-            and not linear.batch_invariant and linear.tp_size == 1 and linear.weight.dtype == dtype
-            and not linear._forward_hooks and not linear._forward_pre_hooks)
+    return (linear.quant_method is None and linear.weight.dtype == dtype and _plain_on_one_rank(linear))
+
+
+def fp8_rows_on_one_rank(linear: LinearBase) -> bool:
+    """Whether `linear` is an FP8 weight with one scale a row (Fp8LinearMethod's per-channel form, whose small steps
+    are weight-only) on one rank, with nothing else the fused GEMVs would skip."""
+    from pressroom.model.quantization.fp8 import FP8, Fp8LinearMethod
+    scale = getattr(linear, "weight_scale", None)
+    return (isinstance(linear.quant_method, Fp8LinearMethod) and linear.weight.dtype == FP8 and scale is not None
+            and scale.dim() == 2 and scale.shape[1] == 1 and _plain_on_one_rank(linear))
+
+
+def _plain_on_one_rank(linear: LinearBase) -> bool:
+    return (linear.ggml is None and linear.int4 is None and linear.onednn is None and not linear.batch_invariant
+            and linear.tp_size == 1 and not linear._forward_hooks and not linear._forward_pre_hooks)
+
+
+def _row_scales(linear: LinearBase) -> torch.Tensor | None:
+    """An FP8 layer's scales as the fused GEMVs take them (one a row); None for a dense weight."""
+    return linear.weight_scale.view(-1) if linear.quant_method is not None else None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,18 +146,20 @@ class LlamaDecoderLayer(nn.Module):
         it (qkv, gate_up), SwiGLU in down's; the same rounding as the modules' kernels (kernels/triton/gemv.py)."""
         from pressroom.kernels.triton import gemv
         attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
-        qkv, residual = gemv.norm_gemv(x, norm.weight, norm.eps, attn.qkv_proj.weight, residual, attn.qkv_proj.bias)
-        x = gemv.gemv(attn.attend(rope, qkv), attn.o_proj.weight, attn.o_proj.bias)
+        qkv, residual = gemv.norm_gemv(x, norm.weight, norm.eps, attn.qkv_proj.weight, residual, attn.qkv_proj.bias,
+                                       scale=_row_scales(attn.qkv_proj))
+        x = gemv.gemv(attn.attend(rope, qkv), attn.o_proj.weight, attn.o_proj.bias, scale=_row_scales(attn.o_proj))
         norm = self.post_attention_layernorm
         gate_up, residual = gemv.norm_gemv(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, residual,
-                                           mlp.gate_up_proj.bias)
-        return gemv.silu_mul_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+                                           mlp.gate_up_proj.bias, scale=_row_scales(mlp.gate_up_proj))
+        down = mlp.down_proj
+        return gemv.silu_mul_gemv(gate_up, down.weight, down.bias, scale=_row_scales(down)), residual
 
     def _takes_small_step(self, x: torch.Tensor) -> bool:
         """A step of at most GEMV_MAX_TOKENS tokens (one: where the fused kernels were measured to win) on CUDA
-        through Llama's own blocks, each weight dense bf16/fp16 on one rank with nothing (a quantized form, a
-        batch-invariant switch, LoRA's hooks) that the fused kernels would skip; everything else takes the modules'
-        forwards."""
+        through Llama's own blocks, each weight dense bf16/fp16 or FP8 with row scales on one rank, with nothing
+        (another quantized form, a batch-invariant switch, LoRA's hooks) that the fused kernels would skip;
+        everything else takes the modules' forwards."""
         if not (SMALL_STEP_GEMV and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
             return False
         from pressroom.kernels.triton.gemv import GEMV_MAX_TOKENS
@@ -149,7 +168,7 @@ class LlamaDecoderLayer(nn.Module):
                 and type(mlp.act) is SiluAndMul and not mlp.act.batch_invariant
                 and all(type(n) is RMSNorm and not n.batch_invariant
                         for n in (self.input_layernorm, self.post_attention_layernorm))
-                and all(dense_on_one_rank(linear, x.dtype)
+                and all(dense_on_one_rank(linear, x.dtype) or fp8_rows_on_one_rank(linear)
                         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
 
 

@@ -320,7 +320,8 @@ class Fp8LinearMethod(LinearMethod):
             from pressroom.kernels.triton.quant_gemv import fp8_linear
             y = fp8_linear(flat, w, scale, layer.weight_group, bias)
         elif not self.quantize_activations:
-            y = torch.nn.functional.linear(flat.float(), self.dequantized(layer), bias).to(flat.dtype)
+            y = torch.nn.functional.linear(flat.float(), self.dequantized(layer),
+                                           None if bias is None else bias.float()).to(flat.dtype)
         elif scale.shape[1] == 1 and flat.is_cuda and kernels.scaled_mm_supported(flat, w):
             y = kernels.scaled_mm(flat, w, scale, bias)
         elif flat.is_cuda and _block_gemm_fits(flat, scale, layer.weight_group):
