@@ -6,7 +6,8 @@ benchmark checks the rows kernel's before timing them); and a tiny Llama / Qwen2
 one prompt at a time (every decode step one token) with the fused path on and off (model/models/llama.py's
 SMALL_STEP_GEMV): the fused path shown to run at steps of at most GEMV_MAX_TOKENS only and not when switched off,
 the greedy tokens the same up to a near tie, the logprobs close on the same context; and the same engine decoding
-six prompts together with GEMV_MAX_TOKENS raised to MAX_ROWS, so its decode graphs of 2 to 8 take the rows kernel.
+six prompts together with GEMV_MAX_TOKENS raised to MAX_ROWS, so its decode graphs of 2 to 8 take the rows kernel;
+and an FP8 engine (--quantization fp8, one scale a row) with the fused path on and off.
 
 How close: the LM head's logits are rounded to the activation dtype, and this random model's (initializer range
 0.2) top logits lie near 16-32, where a bf16 logit is rounded to 0.125 and an fp16 one to 0.0156; two summation
@@ -124,11 +125,12 @@ BF16_CLOSE_STEPS = 16  # bf16 logprobs compared over this many first steps; fp16
 TIE = {"float16": 0.1, "bfloat16": 0.3}  # a divergence only where the fused path's top two were this close
 
 
-def _decode(path: str, prompts: list[list[int]], dtype: str,
-            together: bool = False) -> list[tuple[list[int], list[dict[int, float]]]]:
+def _decode(path: str, prompts: list[list[int]], dtype: str, together: bool = False,
+            quantization: str | None = None) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Greedy tokens and each step's top-2 logprobs (CUDA graphs), one prompt at a time (every decode step is one
     token, so each replays the one-token graph) or `together` (decode steps of all the prompts at once)."""
-    llm = LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gib=0.25, max_num_seqs=8)
+    llm = LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gib=0.25, max_num_seqs=8,
+              **({"quantization": quantization} if quantization else {}))
     graphs = llm.engine.runner.graphs
     assert graphs is not None and max(graphs.shapes[1]) > 1  # larger decode graphs too, which must not fuse
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, detokenize=False, logprobs=2)
@@ -168,6 +170,19 @@ def test_engine_decodes_the_same_with_the_fused_path_on_and_off(name, dtype, mod
     off = _decode(path, prompts, dtype)
     assert len(calls) == taken  # the switch turns it off
     _compare(on, off, dtype)
+
+
+def test_an_fp8_engine_decodes_the_same_with_the_fused_path_on_and_off(model_dir, monkeypatch):
+    """--quantization fp8 (online, one scale a row): its one-token decode steps take the fused GEMVs over the FP8
+    weights, and decode as the modules' weight-only FP8 products do (the same checks as bf16)."""
+    from pressroom.model.models import llama
+    path, prompts = model_dir("qwen2-d128"), random_prompts(4, low=4, high=120, seed=29)
+    calls = _count_norm_gemv(monkeypatch)
+    on = _decode(path, prompts, "bfloat16", quantization="fp8")
+    assert calls and max(calls) <= gemv.GEMV_MAX_TOKENS
+    monkeypatch.setattr(llama, "SMALL_STEP_GEMV", False)
+    off = _decode(path, prompts, "bfloat16", quantization="fp8")
+    _compare(on, off, "bfloat16")
 
 
 def test_engine_decodes_a_batch_the_same_through_the_rows_kernel(model_dir, monkeypatch):
