@@ -167,10 +167,10 @@ if [[ $part == K ]]; then
       --output-json "$out/bench_gpu_decode_$model.json"
   done
 fi
-# Q (2026-12-07 f): the FP8 one-token GEMV's elementwise loop (issue 44 item 3's 1.7x bar): its sweep and defaults
-# against bf16, then 8B batch-1 decode in bf16 and FP8, in one call.
+# Q (2026-12-07 f, after its H100 run): FP8 Llama's one-token steps through gemv.py's fused kernels (issue 44 item
+# 3's 1.7x bar): the GEMV tests with the FP8 engine's, then 8B batch-1 decode in bf16 and FP8, in one call.
 if [[ $part == Q ]]; then
-  step 240 quant_gemv python3 benchmarks/gpu/quant_gemv.py "$out/quant_gemv.json" --no-fp4-sweep
+  step 200 gemv_tests python3 -m pytest -q tests/gpu/test_gemv_gpu.py --tb=short
   for q in none fp8; do
     step 110 "decode_8b_$q" "${cli[@]}" bench gpu --model llama-3.1-8b --workloads decode --skip-hf --quantization $q \
       --output-json "$out/bench_gpu_decode_8b_$q.json"
