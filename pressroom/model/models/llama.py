@@ -117,7 +117,7 @@ def _plain_on_one_rank(linear: LinearBase) -> bool:
 
 def _row_scales(linear: LinearBase) -> torch.Tensor | None:
     """An FP8 layer's scales as the fused GEMVs take them (one a row); None for a dense weight."""
-    return linear.weight_scale.view(-1) if linear.quant_method is not None else None
+    return linear.weight_scale.reshape(-1) if linear.quant_method is not None else None
 
 
 class LlamaDecoderLayer(nn.Module):
