@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8 = torch.float8_e4m3fn
+from pressroom.kernels.fp8 import FP8
+from pressroom.kernels.triton.quant_gemv import FP8_DECODE, FP8_DECODE_LONG_ROWS
+
 GEMV_MAX_TOKENS = 1  # the one home of the rule: steps of at most this many tokens take these kernels
 MAX_ROWS = 8  # the most token rows the kernels take (any step up to it runs; GEMV_MAX_TOKENS says which do)
 _NONE, _NORM, _SILU = 0, 1, 2  # the prologue
@@ -79,14 +81,12 @@ DEFAULT_LAUNCHES: dict[str, GemvLaunch] = {
     "tall": GemvLaunch(8, 1024),  # gate_up
     "long": GemvLaunch(8, 1024),  # down
 }
-# shape class -> launch for FP8 weights (one scale a row), one token: the best of benchmarks/gpu/quant_gemv.py's
-# sweep of quant_gemv's FP8 kernel on the H100 (2026-12-07: the same elementwise loop without the prologues) took
-# 4 rows at every 8B shape, 1,024 inputs, and 2,048 with 8 warps for down's long rows.
+# shape class -> launch for FP8 weights (one scale a row), one token: quant_gemv's swept FP8 tiles (the same
+# elementwise loop without the prologues), the long rows' for down.
+_FP8_TILE = GemvLaunch(FP8_DECODE.block_n, FP8_DECODE.block_k, FP8_DECODE.num_warps)
 FP8_LAUNCHES: dict[str, GemvLaunch] = {
-    "wide": GemvLaunch(4, 1024),
-    "square": GemvLaunch(4, 1024),
-    "tall": GemvLaunch(4, 1024),
-    "long": GemvLaunch(4, 2048, 8),
+    "wide": _FP8_TILE, "square": _FP8_TILE, "tall": _FP8_TILE,
+    "long": GemvLaunch(FP8_DECODE_LONG_ROWS.block_n, FP8_DECODE_LONG_ROWS.block_k, FP8_DECODE_LONG_ROWS.num_warps),
 }
 # shape class -> launch for 2 to MAX_ROWS tokens, before rows_launch's cut: not yet swept, so the one-token table;
 # benchmarks/gpu/norm_gemv.py --tokens 2,4,8 prints the best launch per shape to put here.
